@@ -1,0 +1,85 @@
+"""Settings of the lease server, from defaults, a TOML file and ``GPULEASE_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .errors import ConfigurationError
+
+
+@dataclass
+class Settings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "gpulease"
+    host: str = "127.0.0.1"
+    port: int = 8470
+    default_ttl: float = 15.0          # seconds a lease lives without renewal
+    max_ttl: float = 3600.0
+    max_wait: float = 3600.0           # longest a single request may wait in the queue
+    sweep_interval: float = 0.5        # seconds between sweeps (expiry, dead nodes, stale waiters)
+    heartbeat_interval: float = 2.0    # agent heartbeat period
+    heartbeat_timeout: float = 10.0    # a node not heard from for this long is down
+    default_pool: str = ""             # empty: the pool of the first node registered
+    pool_overrides: dict[str, str] = field(default_factory=dict)  # node -> pool
+    fair_share_half_life: float = 3600.0  # seconds; past GPU-time counts half after this long
+    ended_retention: float = 86400.0   # seconds ended leases stay readable
+    event_log_max: int = 100_000       # approximate stream length kept
+    max_body_bytes: int = 64 * 1024
+
+    def validate(self) -> Settings:
+        if self.default_ttl <= 0 or self.max_ttl <= 0:
+            raise ConfigurationError("default_ttl and max_ttl must be positive")
+        if self.default_ttl > self.max_ttl:
+            raise ConfigurationError(
+                f"default_ttl ({self.default_ttl}s) is larger than max_ttl ({self.max_ttl}s): "
+                "raise max_ttl or lower default_ttl"
+            )
+        if self.sweep_interval <= 0 or self.sweep_interval >= self.default_ttl:
+            raise ConfigurationError(
+                f"sweep_interval ({self.sweep_interval}s) must be positive and below default_ttl "
+                f"({self.default_ttl}s), or expired leases would linger"
+            )
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ConfigurationError(
+                f"heartbeat_interval ({self.heartbeat_interval}s) must be below heartbeat_timeout "
+                f"({self.heartbeat_timeout}s), or live nodes would flap down"
+            )
+        return self
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None, **overrides: object) -> Settings:
+        """Defaults, then the TOML file (``[server]`` table), then GPULEASE_* env, then overrides."""
+        values: dict[str, object] = {}
+        names = {f.name: f for f in fields(cls)}
+        if path:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigurationError(f"cannot read config file {path}: {exc}") from exc
+            table = data.get("server", data)
+            for key, value in table.items():
+                if key not in names:
+                    raise ConfigurationError(f"unknown setting {key!r} in {path}")
+                values[key] = value
+            if "pools" in data:
+                values["pool_overrides"] = dict(data["pools"])
+        for name, f in names.items():
+            env = os.environ.get(f"GPULEASE_{name.upper()}")
+            if env is not None and f.type in ("float", "int", "str"):
+                values[name] = env
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        out = cls()
+        for key, value in values.items():
+            typ = names[key].type
+            try:
+                if typ == "float":
+                    value = float(value)  # type: ignore[arg-type]
+                elif typ == "int":
+                    value = int(value)  # type: ignore[call-overload]
+            except (TypeError, ValueError) as exc:
+                raise ConfigurationError(f"setting {key} must be a number, got {value!r}") from exc
+            setattr(out, key, value)
+        return out.validate()

@@ -1,0 +1,140 @@
+"""Typed errors of gpulease.
+
+Every error has a stable machine-readable ``code`` and an HTTP ``status``; the API turns any
+:class:`GpuLeaseError` into ``{"code", "message"}`` with that status, and the Python client turns
+such a body back into the same class, so callers catch the same exception whether they talk to
+Redis directly or over HTTP.
+"""
+
+from __future__ import annotations
+
+
+class GpuLeaseError(Exception):
+    """Root of all gpulease errors."""
+
+    code = "error"
+    status = 500
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_json(self) -> dict[str, object]:
+        body: dict[str, object] = {"code": self.code, "message": self.message}
+        if self.details:
+            body["details"] = self.details
+        return body
+
+
+class BadRequest(GpuLeaseError):
+    code = "bad_request"
+    status = 400
+
+
+class PayloadTooLarge(BadRequest):
+    code = "payload_too_large"
+    status = 413
+
+
+class Unauthorized(GpuLeaseError):
+    code = "unauthorized"
+    status = 401
+
+
+class Forbidden(GpuLeaseError):
+    code = "forbidden"
+    status = 403
+
+
+class NotOwner(Forbidden):
+    code = "not_owner"
+
+
+class NotFound(GpuLeaseError):
+    code = "not_found"
+    status = 404
+
+
+class NoSuchLease(NotFound):
+    code = "no_such_lease"
+
+
+class UnknownPool(NotFound):
+    code = "unknown_pool"
+
+
+class UnknownNode(NotFound):
+    code = "unknown_node"
+
+
+class Conflict(GpuLeaseError):
+    code = "conflict"
+    status = 409
+
+
+class StaleToken(Conflict):
+    """The fencing token does not match the lease's: the caller holds an old grant."""
+
+    code = "stale_token"
+
+
+class LeaseEnded(Conflict):
+    """The lease was released, expired or revoked: its GPUs may already belong to someone else."""
+
+    code = "lease_ended"
+
+
+class LeaseExpired(LeaseEnded):
+    code = "lease_expired"
+
+
+class NoCapacity(Conflict):
+    """Nothing free now (``wait`` was 0) or nothing became free within ``wait`` seconds."""
+
+    code = "no_capacity"
+
+
+class Unsatisfiable(GpuLeaseError):
+    """No node of the pool could ever serve the request, however long it waited."""
+
+    code = "unsatisfiable"
+    status = 422
+
+
+class ConfigurationError(GpuLeaseError):
+    code = "configuration_error"
+    status = 500
+
+
+class ServerUnavailable(GpuLeaseError):
+    """The lease server (or its Redis) cannot be reached."""
+
+    code = "unavailable"
+    status = 503
+
+
+_BY_CODE: dict[str, type[GpuLeaseError]] = {}
+
+
+def _collect(cls: type[GpuLeaseError]) -> None:
+    for sub in cls.__subclasses__():
+        _BY_CODE.setdefault(sub.code, sub)
+        _collect(sub)
+
+
+_collect(GpuLeaseError)
+
+
+def from_json(status: int, body: dict[str, object]) -> GpuLeaseError:
+    """Rebuild the typed error from an API error body (used by the HTTP client)."""
+    code = str(body.get("code", "error"))
+    message = str(body.get("message", f"HTTP {status}"))
+    details = body.get("details") or {}
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        cls = GpuLeaseError
+    err = cls(message, **(details if isinstance(details, dict) else {}))
+    if cls is GpuLeaseError:
+        err.status = status
+    return err

@@ -1,0 +1,174 @@
+"""Inventory: nodes, their GPUs and pools; registration, heartbeats and the cluster view."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import errors
+from .keys import NAME_RE
+from .lease import LeaseStore, check_name
+from .scripts import Code, raise_for
+
+MAX_GPUS_PER_NODE = 4096
+_SIM_RE = re.compile(r"^(\d+)x([A-Za-z0-9][A-Za-z0-9._]*?)(?:-(\d+)GB)?$", re.IGNORECASE)
+
+
+@dataclass
+class Gpu:
+    index: int
+    uuid: str
+    model: str
+    memory_mb: int
+
+
+@dataclass
+class NodeInventory:
+    node: str
+    pool: str
+    gpus: list[Gpu]
+    source: str = "simulated"  # "nvml" | "simulated"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        body = {"pool": self.pool, "source": self.source, "gpus": [asdict(g) for g in self.gpus]}
+        return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_body(cls, node: str, body: object) -> NodeInventory:
+        """Validate an inventory sent by an agent over HTTP."""
+        check_name("node", node)
+        if not isinstance(body, dict):
+            raise errors.BadRequest("inventory must be a JSON object {pool, gpus: [...]}")
+        pool = check_name("pool", body.get("pool"))
+        gpus = body.get("gpus")
+        if not isinstance(gpus, list) or not 1 <= len(gpus) <= MAX_GPUS_PER_NODE:
+            raise errors.BadRequest(f"gpus must be a list of 1 to {MAX_GPUS_PER_NODE} GPU objects")
+        out: list[Gpu] = []
+        seen: set[int] = set()
+        for g in gpus:
+            if not isinstance(g, dict):
+                raise errors.BadRequest("each GPU must be an object {index, uuid, model, memory_mb}")
+            idx, mem = g.get("index"), g.get("memory_mb", 0)
+            if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0 or idx in seen:
+                raise errors.BadRequest(f"GPU index must be a distinct integer >= 0, got {idx!r}")
+            if isinstance(mem, bool) or not isinstance(mem, int) or mem < 0:
+                raise errors.BadRequest(f"memory_mb must be an integer >= 0, got {mem!r}")
+            seen.add(idx)
+            out.append(Gpu(idx, str(g.get("uuid", ""))[:100], str(g.get("model", ""))[:100], mem))
+        source = body.get("source", "simulated")
+        if source not in ("nvml", "simulated"):
+            raise errors.BadRequest("source must be 'nvml' or 'simulated'")
+        return cls(node, pool, sorted(out, key=lambda g: g.index), source)
+
+
+def default_node_name() -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:63].strip("-.") or "node"
+    return name if NAME_RE.match(name) else "node"
+
+
+def parse_simulate(spec: str, default_node: str | None = None,
+                   pool_overrides: dict[str, str] | None = None) -> list[NodeInventory]:
+    """Parse ``4xA100-80GB`` or ``node-a=4xA100-80GB,node-b=2xT4-16GB`` into inventories.
+
+    The pool of a node is its GPU model with memory (``A100-80GB``) unless ``pool_overrides``
+    names another one for that node.
+    """
+    overrides = pool_overrides or {}
+    nodes: list[NodeInventory] = []
+    for i, part in enumerate(p.strip() for p in spec.split(",") if p.strip()):
+        if "=" in part:
+            node, gpu_spec = (s.strip() for s in part.split("=", 1))
+        else:
+            node = default_node or default_node_name()
+            node = node if i == 0 else f"{node}-{i}"
+            gpu_spec = part
+        m = _SIM_RE.match(gpu_spec)
+        if not m or not NAME_RE.match(node):
+            raise errors.ConfigurationError(
+                f"cannot read simulated inventory {part!r}: write COUNTxMODEL[-MEMGB], "
+                "e.g. 4xA100-80GB, or NODE=COUNTxMODEL for several nodes"
+            )
+        count, model, mem_gb = int(m.group(1)), m.group(2), int(m.group(3) or 0)
+        if not 1 <= count <= MAX_GPUS_PER_NODE:
+            raise errors.ConfigurationError(f"{part!r}: a node has 1 to {MAX_GPUS_PER_NODE} GPUs")
+        pool = overrides.get(node) or (f"{model}-{mem_gb}GB" if mem_gb else model)
+        gpus = [Gpu(k, f"GPU-sim-{node}-{k}", model, mem_gb * 1024) for k in range(count)]
+        nodes.append(NodeInventory(node, pool, gpus, "simulated"))
+    if not nodes:
+        raise errors.ConfigurationError("empty simulated inventory: e.g. --simulate 4xA100-80GB")
+    names = [n.node for n in nodes]
+    if len(set(names)) != len(names):
+        raise errors.ConfigurationError(f"node names repeat in {spec!r}")
+    return nodes
+
+
+async def register(store: LeaseStore, inv: NodeInventory | None, node: str = "",
+                   alive_s: float | None = None) -> str:
+    """Heartbeat of a node agent; with ``inv``, (re)declare its GPUs. Returns up/registered/alive."""
+    s = store.settings
+    alive_ms = int((alive_s if alive_s is not None else s.heartbeat_timeout) * 1000)
+    name = inv.node if inv else node
+    if inv is not None and inv.node in s.pool_overrides:
+        inv.pool = s.pool_overrides[inv.node]
+    code, rest = await store.run("register", [name, inv.to_json() if inv else "", alive_ms])
+    if code is not Code.OK:
+        raise_for(code, name)
+    return str(rest[0])
+
+
+async def cluster_view(store: LeaseStore) -> dict[str, Any]:
+    """Every node and GPU with its state (free / leased / down) and holder."""
+    r, k = store.redis, store.keys
+    async with r.pipeline(transaction=True) as p:
+        p.hgetall(k.nodes)
+        p.zrange(k.alive, 0, -1, withscores=True)
+        p.hgetall(k.free)
+        p.hgetall(k.holders)
+        p.hgetall(k.leases)
+        p.zrange(k.fit, 0, -1)
+        p.time()
+        nodes_raw, alive, free_raw, holders, leases_raw, fit, now = await p.execute()
+    now_s = now[0] + now[1] / 1e6
+    alive_at = dict(alive)
+    up = {m.split("|", 2)[2] for m in fit}
+    leases = {lid: json.loads(v) for lid, v in leases_raw.items()}
+    nodes: list[dict[str, Any]] = []
+    pools: dict[str, dict[str, int]] = {}
+    for name in sorted(nodes_raw):
+        inv = json.loads(nodes_raw[name])
+        is_up = name in up and alive_at.get(name, -1) / 1000 >= now_s
+        free = set(json.loads(free_raw.get(name, "[]")) or [])
+        p = pools.setdefault(inv["pool"], {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0})
+        p["nodes"] += 1
+        gpus = []
+        for g in inv["gpus"]:
+            holder = holders.get(f"{name}/{g['index']}")
+            lease = leases.get(holder) if holder else None
+            if lease is not None:
+                state = "leased"
+            elif not is_up:
+                state = "down"
+            elif g["index"] in free:
+                state = "free"
+            else:
+                state = "down"
+            p["gpus"] += 1
+            p[state] += 1
+            entry: dict[str, Any] = {**g, "state": state}
+            if lease is not None:
+                entry["lease"] = {
+                    "id": lease["id"], "user": lease["user"], "label": lease.get("label", ""),
+                    "since": lease["created_at"] / 1000, "expires_at": lease["expires_at"] / 1000,
+                }
+            gpus.append(entry)
+        last = alive_at.get(name, -1)
+        nodes.append({
+            "name": name, "pool": inv["pool"], "source": inv.get("source", ""),
+            "state": "up" if is_up else "down",
+            "heartbeat_deadline": last / 1000 if last > 0 else None, "gpus": gpus,
+        })
+    return {"now": now_s, "nodes": nodes, "pools": pools}

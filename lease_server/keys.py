@@ -1,0 +1,119 @@
+"""The one Redis key schema of gpulease.
+
+Every key the project uses is built here, under one prefix. Lua scripts never build keys: they
+receive all of them through ``KEYS[]`` in the order of :meth:`Keys.core`. To make that possible
+without per-node or per-lease keys, state lives in a handful of global structures:
+
+``nodes``      hash   node -> JSON inventory {pool, gpus:[{index, uuid, model, memory_mb}], source}
+``alive``      zset   node -> heartbeat deadline (ms); a node past it is down and never granted
+``free``       hash   node -> JSON list of free GPU indexes (alive or not)
+``fit``        zset   lexicographic "pool|FFFFF|node" (FFFFF = zero-padded free count) for every
+                      *alive* node: ZRANGEBYLEX from "[pool|00002|" finds the best fit in O(log N)
+``sizes``      zset   lexicographic "pool|TTTTT|node" (total GPUs): the largest node of a pool
+``holders``    hash   "node/index" -> lease id
+``leases``     hash   lease id -> JSON lease record (live leases only)
+``deadlines``  zset   lease id -> expires_at (ms)
+``ended``      hash   lease id -> JSON record of a released / expired / revoked lease (kept a while)
+``ended_at``   zset   lease id -> end time (ms), to trim ``ended``
+``queue``      zset   lexicographic "pool|ENQUEUED_MS|waiter id" (FIFO per pool)
+``waiters``    hash   waiter id -> JSON request
+``usage``      hash   "pool|user" -> JSON {v: decayed GPU-seconds, t: ms}
+``fence``      string monotonic fencing-token counter
+``events``     stream the audit log / live feed
+``grants``     channel on which a grant to a queued waiter is published (waiter id)
+``tokens``     hash   sha256(api token) -> JSON {user, role, created}
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "gpulease"
+
+    def _k(self, name: str) -> str:
+        return f"{self.prefix}:{name}"
+
+    @property
+    def nodes(self) -> str:
+        return self._k("nodes")
+
+    @property
+    def alive(self) -> str:
+        return self._k("alive")
+
+    @property
+    def free(self) -> str:
+        return self._k("free")
+
+    @property
+    def fit(self) -> str:
+        return self._k("fit")
+
+    @property
+    def sizes(self) -> str:
+        return self._k("sizes")
+
+    @property
+    def holders(self) -> str:
+        return self._k("holders")
+
+    @property
+    def leases(self) -> str:
+        return self._k("leases")
+
+    @property
+    def deadlines(self) -> str:
+        return self._k("deadlines")
+
+    @property
+    def ended(self) -> str:
+        return self._k("ended")
+
+    @property
+    def ended_at(self) -> str:
+        return self._k("ended_at")
+
+    @property
+    def queue(self) -> str:
+        return self._k("queue")
+
+    @property
+    def waiters(self) -> str:
+        return self._k("waiters")
+
+    @property
+    def usage(self) -> str:
+        return self._k("usage")
+
+    @property
+    def fence(self) -> str:
+        return self._k("fence")
+
+    @property
+    def events(self) -> str:
+        return self._k("events")
+
+    @property
+    def grants(self) -> str:
+        return self._k("grants")
+
+    @property
+    def tokens(self) -> str:
+        return self._k("tokens")
+
+    def core(self) -> list[str]:
+        """The KEYS[] every state-changing script receives, in this fixed order (see lua/_lib.lua)."""
+        return [
+            self.nodes, self.alive, self.free, self.fit, self.sizes, self.holders,
+            self.leases, self.deadlines, self.ended, self.ended_at, self.queue, self.waiters,
+            self.usage, self.fence, self.events, self.grants,
+        ]
+
+    def all(self) -> list[str]:
+        return self.core() + [self.tokens]

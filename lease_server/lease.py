@@ -1,0 +1,340 @@
+"""Leases: acquire, renew, release, revoke and expire GPUs, atomically, in Redis.
+
+:class:`LeaseStore` is the only code that changes lease state; every change is one Lua script
+(see ``lua/``), timed by Redis ``TIME`` so that no client clock matters. The HTTP API, the CLI's
+admin commands and the benchmarks all go through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from . import errors
+from .config import Settings
+from .keys import NAME_RE, Keys
+from .queue import GrantNotifier
+from .scripts import Code, Scripts, raise_for
+
+log = logging.getLogger(__name__)
+
+
+class LeaseState(str, enum.Enum):
+    ACTIVE = "active"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    REVOKED = "revoked"
+
+
+MAX_GPUS_PER_REQUEST = 1024
+MAX_TEXT = 200
+# A waiter whose own deadline passed this long ago has lost its server (killed mid-wait).
+WAITER_GRACE_MS = 5000
+
+
+def new_lease_id() -> str:
+    return "l-" + secrets.token_hex(8)
+
+
+def public_lease(rec: dict[str, Any], *, with_token: bool) -> dict[str, Any]:
+    """The API's view of a lease record: times in epoch seconds, the token only for its owner."""
+    out: dict[str, Any] = {
+        "id": rec["id"],
+        "user": rec["user"],
+        "pool": rec["pool"],
+        "node": rec["node"],
+        "gpus": [{"index": int(g["index"]), "uuid": g.get("uuid", "")} for g in rec["gpus"]],
+        "state": rec.get("state", "active"),
+        "label": rec.get("label", ""),
+        "session": rec.get("session", ""),
+        "ttl": rec["ttl_ms"] / 1000,
+        "created_at": rec["created_at"] / 1000,
+        "renewed_at": rec.get("renewed_at", rec["created_at"]) / 1000,
+        "expires_at": rec["expires_at"] / 1000,
+        "renewals": int(rec.get("renewals", 0)),
+        "waited": rec.get("waited_ms", 0) / 1000,
+    }
+    if "ended_at" in rec:
+        out["ended_at"] = rec["ended_at"] / 1000
+        out["end_reason"] = rec.get("end_reason", "")
+        out["ended_by"] = rec.get("ended_by", "")
+    if with_token:
+        out["token"] = int(rec["token"])
+    return out
+
+
+def check_name(kind: str, value: object) -> str:
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise errors.BadRequest(
+            f"{kind} must be a name of letters, digits, '.', '_' or '-' (at most 63), got {value!r}"
+        )
+    return value
+
+
+def check_text(kind: str, value: object) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise errors.BadRequest(f"{kind} must be a string of at most {MAX_TEXT} characters")
+    return value
+
+
+def check_seconds(kind: str, value: object, *, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise errors.BadRequest(f"{kind} must be a number of seconds, got {value!r}")
+    if not low <= value <= high:
+        raise errors.BadRequest(f"{kind} must be between {low:g} and {high:g} seconds, got {value!r}")
+    return float(value)
+
+
+def check_gpus(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise errors.BadRequest(f"gpus must be a whole number of GPUs such as 1 or 2, got {value!r}")
+    if value < 1:
+        raise errors.BadRequest(f"gpus must be at least 1, got {value}")
+    if value > MAX_GPUS_PER_REQUEST:
+        raise errors.BadRequest(f"gpus must be at most {MAX_GPUS_PER_REQUEST}, got {value}")
+    return value
+
+
+class LeaseStore:
+    """Lease state in Redis. One instance per server process; safe to share between coroutines."""
+
+    def __init__(self, redis: Redis, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = Keys(settings.prefix)
+        self.scripts = Scripts(redis)
+        self.notifier = GrantNotifier(redis, self.keys.grants)
+        self._core = self.keys.core()
+        self._default_pool: tuple[float, str] | None = None
+
+    def _common(self, now_ms: int | None = None) -> list[Any]:
+        s = self.settings
+        return ["" if now_ms is None else now_ms, s.event_log_max, s.fair_share_half_life,
+                int(s.ended_retention * 1000)]
+
+    async def run(self, name: str, args: list[Any]) -> tuple[Code, list[Any]]:
+        return await self.scripts.call(name, self._core, self._common() + args)
+
+    async def start(self) -> None:
+        await self.notifier.start()
+
+    async def close(self) -> None:
+        await self.notifier.stop()
+
+    # ---- pools -------------------------------------------------------------------------------
+
+    async def pool_sizes(self) -> dict[str, dict[str, int]]:
+        """{pool: {"nodes": n, "gpus": total, "largest": biggest node}} from the sizes index."""
+        pools: dict[str, dict[str, int]] = {}
+        for member in await self.redis.zrange(self.keys.sizes, 0, -1):
+            pool, total, _node = member.split("|", 2)
+            p = pools.setdefault(pool, {"nodes": 0, "gpus": 0, "largest": 0})
+            p["nodes"] += 1
+            p["gpus"] += int(total)
+            p["largest"] = max(p["largest"], int(total))
+        return pools
+
+    async def default_pool(self) -> str:
+        """The configured default pool, else the pool with the most GPUs (cached for 5 s)."""
+        if self.settings.default_pool:
+            return self.settings.default_pool
+        cached = self._default_pool
+        if cached and cached[0] > time.monotonic():
+            return cached[1]
+        pools = await self.pool_sizes()
+        if not pools:
+            raise errors.UnknownPool(
+                "no GPU node is registered yet: start a node agent (gpulease agent, or gpulease up --simulate 1xA100-80GB)"
+            )
+        name = sorted(pools, key=lambda p: (-pools[p]["gpus"], p))[0]
+        self._default_pool = (time.monotonic() + 5.0, name)
+        return name
+
+    # ---- leases ------------------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        user: str,
+        gpus: object,
+        pool: object = None,
+        ttl: object = None,
+        wait: object = None,
+        label: object = None,
+        session: object = None,
+        *,
+        lease_id: str | None = None,
+        on_queued: Callable[[int], Awaitable[None] | None] | None = None,
+    ) -> dict[str, Any]:
+        """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
+
+        Returns the lease record. Raises :class:`errors.NoCapacity` when nothing was free in time,
+        :class:`errors.Unsatisfiable` when no node of the pool is big enough, and
+        :class:`errors.BadRequest` for malformed arguments (checked before anything changes).
+        """
+        s = self.settings
+        n = check_gpus(gpus)
+        ttl_s = check_seconds("ttl", ttl, low=1, high=s.max_ttl, default=s.default_ttl)
+        wait_s = check_seconds("wait", wait, low=0, high=s.max_wait, default=0.0)
+        label_s = check_text("label", label)
+        session_s = check_text("session", session)
+        pool_s = check_name("pool", pool) if pool is not None else await self.default_pool()
+        lid = lease_id or new_lease_id()
+        waiter = self.notifier.expect(lid) if wait_s > 0 else None
+        try:
+            code, rest = await self.run(
+                "acquire", [lid, user, pool_s, n, int(ttl_s * 1000), int(wait_s * 1000), label_s, session_s]
+            )
+            if code is Code.OK:
+                rec = json.loads(rest[0])
+                log.info("grant %s user=%s pool=%s node=%s gpus=%s", lid, user, pool_s, rec["node"],
+                         [g["index"] for g in rec["gpus"]])
+                return rec
+            if code is Code.BUSY:
+                raise errors.NoCapacity(
+                    f"no node in pool {pool_s!r} has {n} free GPU(s) now ({rest[0]} free in the pool); "
+                    "pass wait (seconds) to queue for them",
+                    pool=pool_s, free=int(rest[0]), position=0,
+                )
+            if code is not Code.QUEUED:
+                if code is Code.UNKNOWN_POOL:
+                    known = ", ".join(sorted(await self.pool_sizes())) or "none registered"
+                    raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s)
+                raise_for(code, lid, pool_s, rest[0] if rest else None)
+            assert waiter is not None
+            position = int(rest[0])
+            log.info("queued %s user=%s pool=%s gpus=%d position=%d", lid, user, pool_s, n, position)
+            if on_queued is not None:
+                maybe = on_queued(position)
+                if maybe is not None:
+                    await maybe
+            return await self._wait_for_grant(lid, pool_s, n, wait_s, waiter)
+        finally:
+            if waiter is not None:
+                self.notifier.forget(lid)
+
+    async def _wait_for_grant(
+        self, lid: str, pool: str, n: int, wait_s: float, waiter: asyncio.Event
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                # The grant is published on the grants channel; the periodic check below is only a
+                # safety net for a pub/sub connection that dropped the message.
+                await asyncio.wait_for(waiter.wait(), timeout=min(remaining, 5.0))
+            except asyncio.TimeoutError:
+                pass
+            raw = await self.redis.hget(self.keys.leases, lid)
+            if raw:
+                return json.loads(raw)
+            waiter.clear()
+        return await self.cancel_wait(lid, pool, n, wait_s, reason="timeout")
+
+    async def cancel_wait(self, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0,
+                          *, reason: str = "cancelled") -> dict[str, Any]:
+        """Leave the queue. A grant that raced ahead is returned (the caller now holds it)."""
+        code, rest = await self.run("cancel_wait", [lid, reason])
+        if code is Code.OK:
+            return json.loads(rest[0])
+        if code is Code.REMOVED:
+            log.info("wait %s %s after %.1fs", lid, reason, wait_s)
+            raise errors.NoCapacity(
+                f"no {n} GPU(s) of pool {pool!r} became free within {wait_s:g}s "
+                f"(position {rest[0]} in the queue); wait longer or ask for fewer GPUs",
+                pool=pool, position=int(rest[0]),
+            )
+        if code is Code.NO_SUCH:
+            raise errors.NoSuchLease(f"request {lid} is not queued")
+        raise_for(code, lid)
+        raise AssertionError("unreachable")
+
+    async def renew(self, lease_id: str, token: object, user: str, *, admin: bool = False,
+                    ttl: object = None) -> dict[str, Any]:
+        """Extend a live lease by ``ttl`` seconds from now (default: its own ttl)."""
+        tok = self._token(token, required=True)
+        rec = await self.get(lease_id)
+        default = rec["ttl_ms"] / 1000
+        ttl_s = check_seconds("ttl", ttl, low=1, high=self.settings.max_ttl, default=default)
+        code, rest = await self.run("renew", [lease_id, tok, user, "1" if admin else "0", int(ttl_s * 1000)])
+        if code is Code.OK:
+            return json.loads(rest[0])
+        if code in (Code.ENDED, Code.EXPIRED):
+            ended = json.loads(rest[0])
+            cls = errors.LeaseExpired if ended["state"] == "expired" else errors.LeaseEnded
+            raise cls(
+                f"lease {lease_id} has {ended['state']} ({ended.get('end_reason', '')}); its GPUs may "
+                "belong to someone else now: acquire a new lease",
+                state=ended["state"],
+            )
+        raise_for(code, lease_id)
+        raise AssertionError("unreachable")
+
+    async def release(self, lease_id: str, user: str, *, admin: bool = False, token: object = None,
+                      revoke: bool = False, reason: str = "") -> tuple[dict[str, Any], bool]:
+        """End a lease. Returns (record, changed): releasing an ended lease changes nothing."""
+        tok = self._token(token, required=False)
+        if revoke and not admin:
+            raise errors.Forbidden("only an admin can revoke another user's lease")
+        state = LeaseState.REVOKED if revoke else LeaseState.RELEASED
+        why = check_text("reason", reason) or ("revoked by an admin" if revoke else "released by its owner")
+        code, rest = await self.run(
+            "release", [lease_id, tok, user, "1" if admin else "0", state.value, why]
+        )
+        if code in (Code.OK, Code.ENDED):
+            rec = json.loads(rest[0])
+            if code is Code.OK:
+                log.info("%s %s user=%s by=%s", state.value, lease_id, rec["user"], user)
+            return rec, code is Code.OK
+        raise_for(code, lease_id)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _token(token: object, *, required: bool) -> str:
+        if token is None or token == "":
+            if required:
+                raise errors.BadRequest("token is required: pass the fencing token of your grant")
+            return ""
+        if isinstance(token, bool) or not isinstance(token, (int, str)) or not str(token).isdigit():
+            raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {token!r}")
+        return str(int(token))
+
+    async def get(self, lease_id: str) -> dict[str, Any]:
+        """A live or recently ended lease record."""
+        raw = await self.redis.hget(self.keys.leases, lease_id)
+        if raw is None:
+            raw = await self.redis.hget(self.keys.ended, lease_id)
+        if raw is None:
+            raise_for(Code.NO_SUCH, lease_id)
+        return json.loads(raw)
+
+    async def live_leases(self) -> list[dict[str, Any]]:
+        return [json.loads(v) for v in await self.redis.hvals(self.keys.leases)]
+
+    async def sweep(self, limit: int = 500, now_ms: int | None = None) -> list[int]:
+        """Expire, mark down, drop abandoned waiters, trim; repeat while a batch was full.
+
+        Returns [leases expired, nodes marked down, waiters dropped, ended records trimmed].
+        """
+        totals = [0, 0, 0, 0]
+        while True:
+            _code, rest = await self.scripts.call(
+                "sweep", self._core, self._common(now_ms) + [limit, WAITER_GRACE_MS]
+            )
+            counts = [int(x) for x in rest]
+            totals = [a + b for a, b in zip(totals, counts)]
+            if max(counts) < limit:
+                return totals

@@ -1,0 +1,19 @@
+-- cancel_wait.lua: a waiter gives up (its wait ran out or its client went away).
+-- A grant that raced ahead of the cancel wins: the caller gets the lease and must use or release it.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = waiter / lease id     ARGV[6] = reason ("timeout" | "cancelled")
+-- returns {OK, lease JSON} (granted meanwhile) | {REMOVED, position it had} | {NO_SUCH}
+local id, reason = ARGV[5], ARGV[6]
+local lease = redis.call('HGET', K_LEASES, id)
+if lease then return {OK, lease} end
+local raw = redis.call('HGET', K_WAITERS, id)
+if not raw then return {NO_SUCH} end
+local w = cjson.decode(raw)
+local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. w.pool .. '|', '[' .. w.member)
+redis.call('ZREM', K_QUEUE, w.member)
+redis.call('HDEL', K_WAITERS, id)
+emit('wait_' .. reason, {lease = id, user = w.user, pool = w.pool, gpus = w.gpus,
+                         waited_ms = NOW - w.enqueued_at})
+-- The waiter may have been the blocked head holding a node back: serve the others now.
+dispatch(w.pool)
+return {REMOVED, position}

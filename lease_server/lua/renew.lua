@@ -1,0 +1,33 @@
+-- renew.lua: extend a live lease. The fencing token must match: a client holding an old grant
+-- (for example one that was paused past its deadline while the lease expired) cannot revive it.
+-- A lease already past its deadline but not yet swept is expired here, not renewed: its GPUs
+-- were free to be taken from the moment the deadline passed.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = user   ARGV[8] = "1" if admin   ARGV[9] = ttl ms
+-- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE} | {EXPIRED, JSON}
+local id, token, user, admin, ttl_ms = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
+local raw = redis.call('HGET', K_LEASES, id)
+if not raw then
+  local ended = redis.call('HGET', K_ENDED, id)
+  if ended then
+    if cjson.decode(ended).user ~= user and admin ~= '1' then return {NOT_OWNER} end
+    return {ENDED, ended}
+  end
+  return {NO_SUCH}
+end
+local lease = cjson.decode(raw)
+if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
+if tostring(lease.token) ~= token then return {STALE} end
+if lease.expires_at < NOW then
+  emit('renew_miss', {lease = id, user = lease.user, late_ms = NOW - lease.expires_at})
+  local ended = end_lease(lease, 'expired', 'renewed ' .. (NOW - lease.expires_at) .. ' ms after its deadline', 'server')
+  dispatch(lease.pool)
+  return {EXPIRED, cjson.encode(ended)}
+end
+lease.expires_at = NOW + ttl_ms
+lease.ttl_ms = ttl_ms
+lease.renewed_at = NOW
+lease.renewals = lease.renewals + 1
+redis.call('HSET', K_LEASES, id, cjson.encode(lease))
+redis.call('ZADD', K_DEADLINES, lease.expires_at, id)
+return {OK, cjson.encode(lease)}

@@ -1,0 +1,50 @@
+-- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
+-- as down, drops waiters whose server went away, trims old ended records, then serves the queues
+-- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = most items of each kind handled in this call
+-- ARGV[6] = grace ms after a waiter's own deadline before the sweeper removes it
+-- returns {OK, expired, nodes marked down, stale waiters removed, ended records trimmed}
+local limit, grace = tonumber(ARGV[5]), tonumber(ARGV[6])
+local pools, expired, down, stale, trimmed = {}, 0, 0, 0, 0
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'LIMIT', 0, limit)) do
+  local raw = redis.call('HGET', K_LEASES, id)
+  if raw then
+    local lease = cjson.decode(raw)
+    end_lease(lease, 'expired', 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms', 'server')
+    pools[lease.pool] = true
+  else
+    redis.call('ZREM', K_DEADLINES, id)
+  end
+  expired = expired + 1
+end
+
+for _, node in ipairs(redis.call('ZRANGEBYSCORE', K_ALIVE, 0, NOW - 1, 'LIMIT', 0, limit)) do
+  mark_down(node, 'no heartbeat')
+  down = down + 1
+end
+
+for _, m in ipairs(redis.call('ZRANGE', K_QUEUE, 0, limit - 1)) do
+  local id = string.match(m, '|([^|]+)$')
+  local raw = redis.call('HGET', K_WAITERS, id)
+  local w = raw and cjson.decode(raw)
+  if not w or w.deadline + grace < NOW then
+    redis.call('ZREM', K_QUEUE, m)
+    if w then
+      redis.call('HDEL', K_WAITERS, id)
+      emit('wait_abandoned', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus})
+      pools[w.pool] = true
+    end
+    stale = stale + 1
+  end
+end
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ENDED_AT, '-inf', NOW - RETENTION_MS, 'LIMIT', 0, limit)) do
+  redis.call('HDEL', K_ENDED, id)
+  redis.call('ZREM', K_ENDED_AT, id)
+  trimmed = trimmed + 1
+end
+
+for pool, _ in pairs(pools) do dispatch(pool) end
+return {OK, expired, down, stale, trimmed}
