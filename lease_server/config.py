@@ -28,6 +28,7 @@ class Settings:
     ended_retention: float = 86400.0   # seconds ended leases stay readable
     event_log_max: int = 100_000       # approximate stream length kept
     max_body_bytes: int = 64 * 1024
+    ray_address: str = ""              # the Ray cluster that clients (the magic) should use
 
     def validate(self) -> Settings:
         if self.default_ttl <= 0 or self.max_ttl <= 0:

@@ -1,0 +1,106 @@
+"""The node agent: finds this node's GPUs and keeps the node alive in the lease server.
+
+Two inventory sources:
+
+* NVML (``pynvml`` from nvidia-ml-py): the real GPUs, with index, UUID, model and memory.
+* a declared (simulated) inventory, ``--simulate 4xA100-80GB``, for machines without GPUs.
+
+The agent declares the inventory once, then sends a heartbeat every ``heartbeat_interval``; if the
+server answers that the node is unknown (Redis was wiped) it declares it again. A node whose
+heartbeats stop is marked down and its free GPUs are not granted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from types import ModuleType
+from typing import Any
+
+from . import errors
+from .inventory import Gpu, NodeInventory, default_node_name, register
+from .lease import LeaseStore
+
+log = logging.getLogger(__name__)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def pool_name(model: str, memory_mb: int) -> str:
+    """Default pool of a GPU: its model and memory, e.g. "A100-SXM4-80GB" -> "A100-SXM4-80GB"."""
+    name = model.replace("NVIDIA ", "").strip().replace(" ", "-")
+    gb = round(memory_mb / 1024)
+    if gb and not name.upper().endswith("GB"):
+        name = f"{name}-{gb}GB"
+    return "".join(c for c in name if c.isalnum() or c in "._-")[:63] or "gpu"
+
+
+def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: ModuleType | Any = None) -> NodeInventory:
+    """Read this node's GPUs through NVML. Raises ConfigurationError when NVML is not available."""
+    if nvml is None:
+        import pynvml as nvml  # nvidia-ml-py
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        raise errors.ConfigurationError(
+            f"NVML is not available on this machine ({exc}); without GPUs use --simulate 4xA100-80GB"
+        ) from exc
+    try:
+        gpus: list[Gpu] = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(Gpu(
+                index=i, uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                model=_text(nvml.nvmlDeviceGetName(handle)), memory_mb=int(mem.total // (1024 * 1024)),
+            ))
+    finally:
+        nvml.nvmlShutdown()
+    if not gpus:
+        raise errors.ConfigurationError("NVML found no GPU on this machine; use --simulate to declare some")
+    return NodeInventory(node or default_node_name(), pool or pool_name(gpus[0].model, gpus[0].memory_mb),
+                         gpus, "nvml")
+
+
+async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
+    """The in-process agent of ``gpulease up``: heartbeats straight into the store."""
+    interval = store.settings.heartbeat_interval
+    for inv in inventories:
+        await register(store, inv)
+        log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+            return
+        except asyncio.TimeoutError:
+            pass
+        for inv in inventories:
+            try:
+                await register(store, None, inv.node)
+            except errors.UnknownNode:
+                await register(store, inv)
+            except Exception as exc:  # Redis away: the next beat retries
+                log.warning("heartbeat of %s failed: %s", inv.node, exc)
+
+
+def run_remote(client: Any, inventories: list[NodeInventory], interval: float, stop: threading.Event) -> None:
+    """``gpulease agent``: declare the inventory over HTTP, then heartbeat until ``stop``."""
+    import json
+
+    def declare(inv: NodeInventory) -> None:
+        client.request("PUT", f"/api/v1/nodes/{inv.node}", json=json.loads(inv.to_json()))
+
+    for inv in inventories:
+        declare(inv)
+        log.info("node %s declared: %d GPU(s) in pool %s", inv.node, len(inv.gpus), inv.pool)
+    while not stop.wait(interval):
+        for inv in inventories:
+            try:
+                client.request("POST", f"/api/v1/nodes/{inv.node}/heartbeat")
+            except errors.UnknownNode:
+                declare(inv)
+            except errors.ServerUnavailable as exc:
+                log.warning("heartbeat of %s failed: %s", inv.node, exc)

@@ -1,0 +1,422 @@
+"""The HTTP API (tornado): JSON in, JSON out, errors as ``{"code", "message"}`` with a 4xx.
+
+Stateless: every request reads and changes Redis only through :class:`LeaseStore`, so any number
+of server processes can serve the same Redis. Each process also runs the sweeper (expiry, dead
+nodes); sweeps are atomic scripts, so replicas sweeping at once do no harm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import tornado.iostream
+import tornado.web
+from redis.asyncio import Redis
+
+from . import __version__, errors, events, inventory, metrics
+from .auth import Authenticator, Identity, create_token
+from .config import Settings
+from .lease import LeaseStore, check_name, new_lease_id, public_lease
+from .openapi import openapi_document
+from .queue import queue_view
+
+log = logging.getLogger(__name__)
+API = "/api/v1"
+
+
+class Context:
+    """Everything a handler needs, built once per process and put in the app's settings."""
+
+    def __init__(self, settings: Settings, redis: Redis | None = None) -> None:
+        self.settings = settings
+        self.redis = redis or Redis.from_url(
+            settings.redis_url, decode_responses=True, health_check_interval=30, max_connections=256
+        )
+        self.store = LeaseStore(self.redis, settings)
+        self.auth = Authenticator(self.redis, self.store.keys)
+        self.hub = events.EventHub(self.redis, self.store.keys.events)
+        self.metrics = metrics.Metrics(self)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.store.start()
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="gpulease-sweeper")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.hub.stop()
+        await self.store.close()
+        await self.redis.aclose()
+
+    async def _sweep_forever(self) -> None:
+        interval = self.settings.sweep_interval
+        while True:
+            try:
+                expired, down, dropped, _ = await self.store.sweep()
+                if expired or down or dropped:
+                    log.info("sweep: %d leases expired, %d nodes down, %d waiters dropped",
+                             expired, down, dropped)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: keep trying, the state is safe in Redis
+                log.warning("sweep failed: %s", exc)
+            await asyncio.sleep(interval)
+
+
+class BaseHandler(tornado.web.RequestHandler):
+    """Authenticates, bounds and parses bodies, and turns errors into JSON."""
+
+    identity: Identity
+    public = False  # no token needed (health, metrics, OpenAPI)
+
+    @property
+    def ctx(self) -> Context:
+        return self.application.settings["gpulease"]  # type: ignore[no-any-return]
+
+    @property
+    def store(self) -> LeaseStore:
+        return self.ctx.store
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+
+    async def prepare(self) -> None:
+        self._t0 = time.perf_counter()
+        length = self.request.headers.get("Content-Length")
+        limit = self.ctx.settings.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise errors.PayloadTooLarge(f"request body is larger than {limit} bytes; send a small JSON object")
+        if not self.public:
+            self.identity = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
+
+    def body(self) -> dict[str, Any]:
+        raw = self.request.body
+        if len(raw) > self.ctx.settings.max_body_bytes:
+            raise errors.PayloadTooLarge(
+                f"request body is larger than {self.ctx.settings.max_body_bytes} bytes; send a small JSON object"
+            )
+        if not raw.strip():
+            return {}
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise errors.BadRequest(f"body is not valid JSON ({exc}); send a JSON object") from exc
+        if not isinstance(data, dict):
+            raise errors.BadRequest("body must be a JSON object, e.g. {\"gpus\": 1}")
+        return data
+
+    def reply(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(data, separators=(",", ":")))
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, errors.GpuLeaseError) and value.status < 500:
+            return
+        super().log_exception(typ, value, tb)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, errors.GpuLeaseError):
+            self.set_status(exc.status)
+            body = exc.to_json()
+        elif isinstance(exc, tornado.web.HTTPError):
+            body = {"code": "http_error", "message": exc.log_message or self._reason}
+        else:
+            body = {"code": "internal", "message": "internal error; the server log has the details"}
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.finish(json.dumps(body))
+
+    def on_finish(self) -> None:
+        self.ctx.metrics.observe(self, time.perf_counter() - getattr(self, "_t0", time.perf_counter()))
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, errors.GpuLeaseError):
+            status_code = exc.status
+        super().send_error(status_code, **kwargs)
+
+
+class LeasesHandler(BaseHandler):
+    async def post(self) -> None:
+        body = self.body()
+        unknown = set(body) - {"gpus", "pool", "ttl", "wait", "label", "session"}
+        if unknown:
+            raise errors.BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: gpus, pool, ttl, wait, label, session")
+        if "gpus" not in body:
+            raise errors.BadRequest("gpus is required, e.g. {\"gpus\": 1}")
+        self._lease_id = new_lease_id()
+        rec = await self.store.acquire(
+            self.identity.user, body["gpus"], body.get("pool"), body.get("ttl"), body.get("wait"),
+            body.get("label"), body.get("session"), lease_id=self._lease_id,
+        )
+        self.set_header("Location", f"{API}/leases/{rec['id']}")
+        self.reply(public_lease(rec, with_token=True), 201)
+
+    def on_connection_close(self) -> None:
+        # The client went away while queued: leave the queue (a grant that won the race is
+        # released, since nobody will ever renew or use it).
+        lid = getattr(self, "_lease_id", None)
+        if lid is not None and not self._finished:
+            asyncio.ensure_future(self._abandon(lid))
+
+    async def _abandon(self, lid: str) -> None:
+        with contextlib.suppress(errors.GpuLeaseError):
+            try:
+                await self.store.cancel_wait(lid, reason="cancelled")
+            except errors.NoCapacity:
+                return
+            await self.store.release(lid, self.identity.user, reason="client went away before the grant arrived")
+
+    async def get(self) -> None:
+        everyone = self.get_query_argument("all", "false").lower() in ("1", "true", "yes")
+        leases = await self.store.live_leases()
+        if not everyone:
+            leases = [rec for rec in leases if rec["user"] == self.identity.user]
+        leases.sort(key=lambda rec: rec["created_at"])
+        me = self.identity
+        self.reply({"leases": [public_lease(rec, with_token=rec["user"] == me.user) for rec in leases]})
+
+
+class LeaseHandler(BaseHandler):
+    async def get(self, lease_id: str) -> None:
+        rec = await self.store.get(lease_id)
+        self.reply(public_lease(rec, with_token=rec["user"] == self.identity.user))
+
+    async def delete(self, lease_id: str) -> None:
+        body = self.body()
+        token = body.get("token", self.get_query_argument("token", None))
+        me = self.identity
+        rec = await self.store.get(lease_id)
+        revoke = me.admin and rec["user"] != me.user
+        ended, changed = await self.store.release(
+            lease_id, me.user, admin=me.admin, token=token, revoke=revoke,
+            reason=f"revoked by admin {me.user}" if revoke else "released by its owner",
+        )
+        out = public_lease(ended, with_token=ended["user"] == me.user)
+        out["changed"] = changed
+        self.reply(out)
+
+
+class RenewHandler(BaseHandler):
+    async def post(self, lease_id: str) -> None:
+        body = self.body()
+        me = self.identity
+        rec = await self.store.renew(lease_id, body.get("token"), me.user, admin=me.admin, ttl=body.get("ttl"))
+        self.reply(public_lease(rec, with_token=rec["user"] == me.user))
+
+
+class RevokeHandler(BaseHandler):
+    async def post(self, lease_id: str) -> None:
+        body = self.body()
+        me = self.identity
+        if not me.admin:
+            raise errors.Forbidden("only an admin can revoke a lease; owners release theirs with DELETE")
+        reason = body.get("reason") or f"revoked by admin {me.user}"
+        ended, changed = await self.store.release(lease_id, me.user, admin=True, revoke=True, reason=reason)
+        out = public_lease(ended, with_token=False)
+        out["changed"] = changed
+        self.reply(out)
+
+
+class ClusterHandler(BaseHandler):
+    async def get(self) -> None:
+        view = await inventory.cluster_view(self.store)
+        view["default_pool"] = await self._default_pool()
+        self.reply(view)
+
+    async def _default_pool(self) -> str | None:
+        try:
+            return await self.store.default_pool()
+        except errors.UnknownPool:
+            return None
+
+
+class QueueHandler(BaseHandler):
+    async def get(self) -> None:
+        pool = self.get_query_argument("pool", None)
+        if pool is not None:
+            check_name("pool", pool)
+        self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, pool)})
+
+
+class NodeHandler(BaseHandler):
+    """An agent declares its node's GPUs (PUT) or sends a heartbeat (POST .../heartbeat)."""
+
+    def _check_role(self) -> None:
+        if self.identity.role not in ("admin", "agent"):
+            raise errors.Forbidden("only an agent or admin token can register nodes")
+
+    async def put(self, node: str) -> None:
+        self._check_role()
+        inv = inventory.NodeInventory.from_body(node, self.body())
+        status = await inventory.register(self.store, inv)
+        self.reply({"node": node, "status": status})
+
+    async def post(self, node: str) -> None:
+        self._check_role()
+        check_name("node", node)
+        status = await inventory.register(self.store, None, node)
+        self.reply({"node": node, "status": status})
+
+
+class TokensHandler(BaseHandler):
+    async def post(self) -> None:
+        if not self.identity.admin:
+            raise errors.Forbidden("only an admin can create tokens")
+        body = self.body()
+        role = body.get("role", "user")
+        token = await create_token(self.ctx.redis, self.store.keys, body.get("user", ""), role)
+        self.reply({"user": body["user"], "role": role, "token": token}, 201)
+
+
+class InfoHandler(BaseHandler):
+    async def get(self) -> None:
+        s = self.ctx.settings
+        try:
+            default_pool: str | None = await self.store.default_pool()
+        except errors.UnknownPool:
+            default_pool = None
+        self.reply({"version": __version__, "ray_address": s.ray_address, "default_pool": default_pool,
+                    "default_ttl": s.default_ttl, "max_ttl": s.max_ttl, "max_wait": s.max_wait,
+                    "pools": await self.store.pool_sizes()})
+
+
+class WhoAmIHandler(BaseHandler):
+    async def get(self) -> None:
+        self.reply({"user": self.identity.user, "role": self.identity.role})
+
+
+class EventLogHandler(BaseHandler):
+    async def get(self) -> None:
+        since = self.get_query_argument("since", "-")
+        try:
+            limit = int(self.get_query_argument("limit", "100"))
+        except ValueError as exc:
+            raise errors.BadRequest("limit must be an integer between 1 and 10000") from exc
+        if not 1 <= limit <= 10_000:
+            raise errors.BadRequest("limit must be an integer between 1 and 10000")
+        try:
+            entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit)
+        except Exception as exc:
+            if "Invalid stream ID" in str(exc):
+                raise errors.BadRequest(f"since must be an event id like 1700000000000-0, got {since!r}") from exc
+            raise
+        self.reply({"events": entries})
+
+
+class EventStreamHandler(BaseHandler):
+    """Server-sent events: the backlog after Last-Event-ID (or ?since=), then live entries."""
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Accel-Buffering", "no")
+
+    async def get(self) -> None:
+        hub = self.ctx.hub
+        queue = hub.subscribe()  # before the backlog read, so nothing falls in between
+        since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
+        sent_up_to = ""
+        try:
+            self.write(": gpulease event stream\nretry: 2000\n\n")
+            await self.flush()
+            if since:
+                for ev in await events.read_log(self.ctx.redis, self.store.keys.events, since, 1000):
+                    self._send(ev)
+                    sent_up_to = ev["id"]
+                await self.flush()
+            while hub.is_subscribed(queue):
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=15)
+                except asyncio.TimeoutError:
+                    self.write(": keep-alive\n\n")
+                    await self.flush()
+                    continue
+                if ev is None:
+                    break
+                if sent_up_to and _stream_id(ev["id"]) <= _stream_id(sent_up_to):
+                    continue
+                self._send(ev)
+                await self.flush()
+        except tornado.iostream.StreamClosedError:
+            pass
+        finally:
+            hub.unsubscribe(queue)
+
+    def _send(self, ev: dict[str, Any]) -> None:
+        self.write(f"id: {ev['id']}\nevent: {ev['type']}\ndata: {json.dumps(ev)}\n\n")
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class HealthHandler(BaseHandler):
+    public = True
+
+    async def get(self) -> None:
+        try:
+            await self.ctx.redis.ping()
+        except Exception as exc:
+            raise errors.ServerUnavailable(f"Redis is not reachable: {exc}") from exc
+        self.reply({"status": "ok", "version": __version__, "redis": "ok"})
+
+
+class OpenApiHandler(BaseHandler):
+    public = True
+
+    async def get(self) -> None:
+        self.reply(openapi_document())
+
+
+class MetricsHandler(BaseHandler):
+    public = True
+
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", metrics.CONTENT_TYPE)
+
+    async def get(self) -> None:
+        self.finish(await self.ctx.metrics.render())
+
+
+class NotFoundHandler(BaseHandler):
+    public = True
+
+    async def prepare(self) -> None:
+        raise errors.NotFound(f"no such endpoint {self.request.method} {self.request.path}; see {API}/openapi.json")
+
+
+def make_app(ctx: Context) -> tornado.web.Application:
+    lease_id = r"([A-Za-z0-9._-]{1,64})"
+    routes: list[Any] = [
+        (rf"{API}/leases", LeasesHandler),
+        (rf"{API}/leases/{lease_id}", LeaseHandler),
+        (rf"{API}/leases/{lease_id}/renew", RenewHandler),
+        (rf"{API}/leases/{lease_id}/revoke", RevokeHandler),
+        (rf"{API}/cluster", ClusterHandler),
+        (rf"{API}/queue", QueueHandler),
+        (rf"{API}/events", EventStreamHandler),
+        (rf"{API}/events/log", EventLogHandler),
+        (rf"{API}/nodes/{lease_id}", NodeHandler),
+        (rf"{API}/nodes/{lease_id}/heartbeat", NodeHandler),
+        (rf"{API}/tokens", TokensHandler),
+        (rf"{API}/whoami", WhoAmIHandler),
+        (rf"{API}/info", InfoHandler),
+        (rf"{API}/health", HealthHandler),
+        (rf"{API}/openapi.json", OpenApiHandler),
+        (r"/metrics", MetricsHandler),
+    ]
+    return tornado.web.Application(
+        routes, gpulease=ctx, default_handler_class=NotFoundHandler,
+        log_function=lambda handler: None,
+    )

@@ -1,0 +1,430 @@
+"""The ``gpulease`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__, errors
+from .client import DEFAULT_HOME, Client
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(exc: errors.GpuLeaseError) -> None:
+    err_console.print(f"[bold red]error[/]: {exc.message}")
+    sys.exit(2 if exc.status < 500 else 1)
+
+
+class Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.GpuLeaseError as exc:
+            _fail(exc)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.group(cls=Group)
+@click.version_option(__version__)
+def main() -> None:
+    """gpulease: GPUs leased to notebook cells, for exactly as long as the cell trains."""
+
+
+# ---- running the service -----------------------------------------------------------------------
+
+def _inventories(simulate: str | None, node: str | None, pool: str | None) -> list[Any]:
+    from .agent import nvml_inventory
+    from .inventory import parse_simulate
+
+    if simulate:
+        invs = parse_simulate(simulate, default_node=node)
+        if pool:
+            for inv in invs:
+                inv.pool = pool
+        return invs
+    return [nvml_inventory(node, pool)]
+
+
+def _local_user() -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", getpass.getuser()) or "user"
+    return name[:63]
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+
+
+async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
+    """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
+    from redis.asyncio import Redis
+
+    from .auth import create_token, hash_token
+    from .keys import Keys
+
+    r = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        keys = Keys(prefix)
+        if token_file.exists():
+            token = token_file.read_text().strip()
+            if token and await r.hexists(keys.tokens, hash_token(token)):
+                return token
+        token = await create_token(r, keys, user, "admin")
+        _write_private(token_file, token)
+        return token
+    finally:
+        await r.aclose()
+
+
+def _start_ray(data_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+    ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    if not Path(ray).exists():
+        err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
+        return None, ""
+    from .redis_proc import free_port
+
+    port = free_port()
+    log = open(data_dir / "ray.log", "ab")
+    proc = subprocess.Popen(
+        [ray, "start", "--head", f"--port={port}", "--block", "--disable-usage-stats",
+         "--include-dashboard=false", "--num-gpus=0"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    jupyter = shutil.which("jupyter") or str(Path(sys.executable).with_name("jupyter"))
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        err_console.print("[yellow]JupyterLab is not installed: pip install 'gpulease[lab]' to get it[/]")
+        return None
+    log = open(data_dir / "jupyterlab.log", "ab")
+    return subprocess.Popen(
+        [jupyter, "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={env['GPULEASE_LAB_TOKEN']}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    err_console.print(f"stopped {name}")
+
+
+@main.command()
+@click.option("--simulate", metavar="SPEC", help="Declare GPUs instead of reading NVML: 4xA100-80GB or node-a=4xA100-80GB,node-b=2xT4-16GB")
+@click.option("--port", default=8470, show_default=True, help="Port of the lease server (127.0.0.1)")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=DEFAULT_HOME, show_default=True,
+              help="Redis AOF, token, logs")
+@click.option("--ray/--no-ray", default=True, show_default=True, help="Start a local Ray head")
+@click.option("--lab/--no-lab", default=True, show_default=True, help="Start JupyterLab (if installed)")
+@click.option("--lab-port", default=8888, show_default=True)
+@click.option("--config", type=click.Path(exists=True), help="TOML settings file")
+@click.option("-v", "--verbose", is_flag=True)
+def up(simulate: str | None, port: int, data_dir: Path, ray: bool, lab: bool, lab_port: int,
+       config: str | None, verbose: bool) -> None:
+    """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
+    import secrets
+
+    from .config import Settings
+    from .redis_proc import RedisProcess
+    from .server import serve
+
+    _setup_logging(verbose)
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    nodes = _inventories(simulate, None, None)
+    redis_proc = RedisProcess(data_dir / "redis").start()
+    ray_proc = lab_proc = None
+    try:
+        settings = Settings.load(config, redis_url=redis_proc.url, port=port, host="127.0.0.1")
+        token = asyncio.run(_ensure_token(settings.redis_url, settings.prefix, data_dir / "token", _local_user()))
+        url = f"http://127.0.0.1:{port}"
+        (data_dir / "url").write_text(url + "\n")
+        if ray:
+            ray_proc, settings.ray_address = _start_ray(data_dir)
+            (data_dir / "ray_address").write_text(settings.ray_address + "\n")
+        lab_url = ""
+        if lab:
+            env = {**os.environ, "GPULEASE_URL": url, "GPULEASE_TOKEN": token,
+                   "GPULEASE_LAB_TOKEN": secrets.token_hex(16)}
+            if settings.ray_address:
+                env["RAY_ADDRESS"] = settings.ray_address
+            lab_proc = _start_lab(data_dir, lab_port, env)
+            if lab_proc is not None:
+                lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['GPULEASE_LAB_TOKEN']}"
+
+        def ready(bound: int) -> None:
+            gpus = sum(len(n.gpus) for n in nodes)
+            console.print(f"[bold green]gpulease is up[/]: {gpus} GPU(s) in "
+                          f"{', '.join(sorted({n.pool for n in nodes}))}")
+            console.print(f"  lease server  {url}")
+            console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)")
+            console.print(f"  redis         {redis_proc.url}   (AOF in {data_dir / 'redis'})")
+            if settings.ray_address:
+                console.print(f"  ray head      {settings.ray_address}")
+            if lab_url:
+                console.print(f"  jupyterlab    {lab_url}")
+            console.print("Ctrl-C stops everything.")
+
+        asyncio.run(serve(settings, stop=None, on_ready=ready, local_nodes=nodes))
+    finally:
+        _stop(lab_proc, "jupyterlab")
+        _stop(ray_proc, "ray head")
+        redis_proc.stop()
+        err_console.print("stopped redis; gpulease is down")
+
+
+@main.command()
+@click.option("--redis-url", envvar="GPULEASE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8470, show_default=True)
+@click.option("--workers", default=1, show_default=True, help="Processes sharing the port")
+@click.option("--config", type=click.Path(exists=True), help="TOML settings file")
+@click.option("--ray-address", default=None, help="Ray cluster the clients should use")
+@click.option("-v", "--verbose", is_flag=True)
+def server(redis_url: str, host: str, port: int, workers: int, config: str | None, ray_address: str | None,
+           verbose: bool) -> None:
+    """Run the HTTP lease server against an existing Redis (any number of replicas)."""
+    from .config import Settings
+    from .server import run
+
+    _setup_logging(verbose)
+    settings = Settings.load(config, redis_url=redis_url, host=host, port=port, ray_address=ray_address)
+    run(settings, workers)
+
+
+@main.command()
+@click.option("--simulate", metavar="SPEC", help="Declared GPUs instead of NVML, e.g. 4xA100-80GB")
+@click.option("--node", help="Node name (default: host name)")
+@click.option("--pool", help="Pool of this node (default: GPU model and memory)")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN", help="An agent or admin token")
+@click.option("--interval", default=2.0, show_default=True, help="Heartbeat period, seconds")
+@click.option("-v", "--verbose", is_flag=True)
+def agent(simulate: str | None, node: str | None, pool: str | None, url: str | None, token: str | None,
+          interval: float, verbose: bool) -> None:
+    """Declare this node's GPUs to the lease server and keep it alive."""
+    from .agent import run_remote
+
+    _setup_logging(verbose)
+    invs = _inventories(simulate, node, pool)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with Client(url, token) as client:
+        try:
+            run_remote(client, invs, interval, stop)
+        except KeyboardInterrupt:
+            pass
+
+
+# ---- using it ------------------------------------------------------------------------------------
+
+def _ago(ts: float | None, now: float) -> str:
+    if not ts:
+        return ""
+    secs = int(now - ts)
+    return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the raw cluster JSON")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def status(as_json: bool, url: str | None, token: str | None) -> None:
+    """Pools, nodes, every GPU with its holder, and the queue."""
+    with Client(url, token) as c:
+        view = c.cluster()
+        view["queue"] = c.queue()
+    if as_json:
+        click.echo(json.dumps(view, indent=2))
+        return
+    now = view["now"]
+    pools = Table(title="Pools")
+    for col in ("pool", "nodes", "gpus", "free", "leased", "down", "waiting"):
+        pools.add_column(col, justify="right" if col != "pool" else "left")
+    for name, p in sorted(view["pools"].items()):
+        waiting = sum(1 for w in view["queue"] if w["pool"] == name)
+        default = " (default)" if name == view.get("default_pool") else ""
+        pools.add_row(name + default, *(str(p[k]) for k in ("nodes", "gpus", "free", "leased", "down")), str(waiting))
+    console.print(pools)
+    gpus = Table(title="GPUs")
+    for col in ("node", "gpu", "model", "state", "holder", "label", "held", "lease"):
+        gpus.add_column(col)
+    colors = {"free": "green", "leased": "yellow", "down": "red"}
+    for n in view["nodes"]:
+        for g in n["gpus"]:
+            lease = g.get("lease") or {}
+            gpus.add_row(n["name"], str(g["index"]), g.get("model", ""),
+                         f"[{colors[g['state']]}]{g['state']}[/]", lease.get("user", ""), lease.get("label", ""),
+                         _ago(lease.get("since"), now), lease.get("id", ""))
+    console.print(gpus)
+    if view["queue"]:
+        q = Table(title="Queue")
+        for col in ("pool", "#", "user", "gpus", "waiting", "label"):
+            q.add_column(col)
+        for w in view["queue"]:
+            q.add_row(w["pool"], str(w["position"]), w["user"], str(w["gpus"]), _ago(w["enqueued_at"], now), w["label"])
+        console.print(q)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--gpus", default=1, show_default=True, type=int)
+@click.option("--pool")
+@click.option("--ttl", type=float, help="Seconds the lease lives without renewal")
+@click.option("--wait", default=0.0, type=float, help="Seconds to wait in the queue")
+@click.option("--label", default="")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def acquire(gpus: int, pool: str | None, ttl: float | None, wait: float, label: str, url: str | None,
+            token: str | None, command: tuple[str, ...]) -> None:
+    """Lease GPUs. With a COMMAND (after --), run it on them and release when it exits:
+
+        gpulease acquire --gpus 2 --wait 600 -- python train.py
+    """
+    with Client(url, token) as c:
+        if not command:
+            lease = c.acquire(gpus, pool, ttl, wait, label)
+            click.echo(json.dumps(lease.raw, indent=2))
+            err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed; "
+                              f"release it with: gpulease release {lease.id}")
+            return
+        t0 = time.monotonic()
+        with console.status(f"waiting for {gpus} GPU(s)…") if wait else _null():
+            held_cm = c.lease(gpus, pool, ttl, wait, label or " ".join(command)[:200])
+            held = held_cm.__enter__()
+        err_console.print(f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "
+                          f"({held.id}, waited {time.monotonic() - t0:.1f}s)")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": held.cuda_visible_devices,
+               "GPULEASE_LEASE_ID": held.id, "GPULEASE_GPU_UUIDS": ",".join(held.uuids)}
+        code = 1
+        try:
+            code = subprocess.call(list(command), env=env)
+        except KeyboardInterrupt:
+            code = 130
+        finally:
+            held_cm.__exit__(None, None, None)
+            err_console.print(f"released {held.id} after {time.monotonic() - t0:.1f}s")
+        sys.exit(code)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@main.command()
+@click.argument("lease_id")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def release(lease_id: str, url: str | None, token: str | None) -> None:
+    """Release a lease (yours; an admin's release of another user's lease revokes it)."""
+    with Client(url, token) as c:
+        out = c.release(lease_id)
+    click.echo(f"{lease_id}: {out['state']}" + ("" if out.get("changed") else " (already)"))
+
+
+@main.command()
+@click.argument("lease_id")
+@click.option("--reason", default="")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> None:
+    """Revoke anyone's lease (admin)."""
+    with Client(url, token) as c:
+        out = c.revoke(lease_id, reason)
+    click.echo(f"{lease_id}: {out['state']}")
+
+
+@main.command()
+@click.option("--since", default="-", help="Event id to start after")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def events(since: str, limit: int, url: str | None, token: str | None) -> None:
+    """Print the event log as JSON lines."""
+    with Client(url, token) as c:
+        for ev in c.events(since, limit):
+            click.echo(json.dumps(ev))
+
+
+@main.group()
+def token() -> None:
+    """API tokens."""
+
+
+@token.command("create")
+@click.argument("name")
+@click.option("--admin", is_flag=True, help="Admin role: may revoke others' leases and create tokens")
+@click.option("--agent", "agent_role", is_flag=True, help="Agent role: may register nodes")
+@click.option("--redis-url", envvar="GPULEASE_REDIS_URL", help="Write straight into this Redis (bootstrap)")
+@click.option("--prefix", default="gpulease", show_default=True)
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", "admin_token", envvar="GPULEASE_TOKEN")
+def token_create(name: str, admin: bool, agent_role: bool, redis_url: str | None, prefix: str,
+                 url: str | None, admin_token: str | None) -> None:
+    """Create a token for user NAME and print it (it is stored only hashed)."""
+    if admin and agent_role:
+        raise click.UsageError("--admin and --agent clash: a token has one role")
+    role = "admin" if admin else "agent" if agent_role else "user"
+    if redis_url:
+        from redis.asyncio import Redis
+
+        from .auth import create_token
+        from .keys import Keys
+
+        async def make() -> str:
+            r = Redis.from_url(redis_url, decode_responses=True)
+            try:
+                return await create_token(r, Keys(prefix), name, role)
+            finally:
+                await r.aclose()
+
+        click.echo(asyncio.run(make()))
+        return
+    with Client(url, admin_token) as c:
+        click.echo(c.request("POST", "/api/v1/tokens", json={"user": name, "role": role})["token"])
+
+
+if __name__ == "__main__":
+    main()

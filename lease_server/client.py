@@ -1,0 +1,225 @@
+"""Python client of the lease server, used by the CLI, the magic and the Jupyter extension.
+
+    from lease_server.client import Client
+    with Client().lease(gpus=2, wait=600) as lease:
+        os.environ["CUDA_VISIBLE_DEVICES"] = lease.cuda_visible_devices
+        train()
+
+The lease is renewed in the background at a third of its TTL and released when the block ends,
+also on exceptions. The server and token come from arguments, else ``GPULEASE_URL`` and
+``GPULEASE_TOKEN``, else the files ``gpulease up`` writes (``~/.gpulease/url`` and ``.../token``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from . import errors
+
+log = logging.getLogger(__name__)
+DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
+
+
+def discover(url: str | None = None, token: str | None = None) -> tuple[str, str]:
+    """The server URL and token: arguments, then environment, then the local launcher's files."""
+    url = url or os.environ.get("GPULEASE_URL")
+    token = token or os.environ.get("GPULEASE_TOKEN")
+    home = DEFAULT_HOME
+    if not url and (home / "url").exists():
+        url = (home / "url").read_text().strip()
+    if not token and (home / "token").exists():
+        token = (home / "token").read_text().strip()
+    if not url:
+        raise errors.ServerUnavailable(
+            "no lease server configured: set GPULEASE_URL (and GPULEASE_TOKEN), or start one with 'gpulease up'"
+        )
+    return url.rstrip("/"), token or ""
+
+
+@dataclass
+class Lease:
+    """A granted lease as the client sees it."""
+
+    id: str
+    token: int
+    user: str
+    pool: str
+    node: str
+    gpus: list[dict[str, Any]]
+    expires_at: float
+    ttl: float
+    state: str = "active"
+    label: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Lease:
+        return cls(id=data["id"], token=int(data.get("token", 0)), user=data["user"], pool=data["pool"],
+                   node=data["node"], gpus=data["gpus"], expires_at=data["expires_at"], ttl=data["ttl"],
+                   state=data.get("state", "active"), label=data.get("label", ""), raw=data)
+
+    @property
+    def indexes(self) -> list[int]:
+        return [int(g["index"]) for g in self.gpus]
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(i) for i in self.indexes)
+
+    @property
+    def uuids(self) -> list[str]:
+        return [g.get("uuid", "") for g in self.gpus]
+
+
+class Client:
+    """A thin, thread-safe HTTP client of the lease API that raises the typed errors of errors.py."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 10.0) -> None:
+        self.url, self.token = discover(url, token)
+        self.timeout = timeout
+        self._http = httpx.Client(
+            base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0),
+            headers={"Authorization": f"Bearer {self.token}"} if self.token else {},
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
+                timeout: float | None = None) -> Any:
+        try:
+            resp = self._http.request(method, path, json=json, params=params,
+                                      timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+        except httpx.TransportError as exc:
+            raise errors.ServerUnavailable(
+                f"cannot reach the lease server at {self.url} ({exc.__class__.__name__}: {exc}); "
+                "is it running? (gpulease up, or check GPULEASE_URL)"
+            ) from exc
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = {"code": "http_error", "message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+            raise errors.from_json(resp.status_code, body)
+        return resp.json()
+
+    # ---- leases ------------------------------------------------------------------------------
+
+    def acquire(self, gpus: int = 1, pool: str | None = None, ttl: float | None = None, wait: float = 0,
+                label: str = "", session: str = "") -> Lease:
+        body: dict[str, Any] = {"gpus": gpus, "wait": wait, "label": label, "session": session}
+        if pool:
+            body["pool"] = pool
+        if ttl:
+            body["ttl"] = ttl
+        return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))
+
+    def renew(self, lease: Lease | str, token: int | None = None, ttl: float | None = None) -> Lease:
+        lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
+        body: dict[str, Any] = {"token": tok}
+        if ttl:
+            body["ttl"] = ttl
+        return Lease.from_json(self.request("POST", f"/api/v1/leases/{lid}/renew", json=body))
+
+    def release(self, lease: Lease | str, token: int | None = None) -> dict[str, Any]:
+        lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
+        params = {"token": tok} if tok else None
+        return self.request("DELETE", f"/api/v1/leases/{lid}", params=params)  # type: ignore[no-any-return]
+
+    def revoke(self, lease_id: str, reason: str = "") -> dict[str, Any]:
+        return self.request("POST", f"/api/v1/leases/{lease_id}/revoke", json={"reason": reason})  # type: ignore[no-any-return]
+
+    def get(self, lease_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/api/v1/leases/{lease_id}")  # type: ignore[no-any-return]
+
+    def leases(self, everyone: bool = False) -> list[dict[str, Any]]:
+        return self.request("GET", "/api/v1/leases", params={"all": "true" if everyone else "false"})["leases"]  # type: ignore[no-any-return]
+
+    def cluster(self) -> dict[str, Any]:
+        return self.request("GET", "/api/v1/cluster")  # type: ignore[no-any-return]
+
+    def queue(self, pool: str | None = None) -> list[dict[str, Any]]:
+        return self.request("GET", "/api/v1/queue", params={"pool": pool} if pool else None)["waiting"]  # type: ignore[no-any-return]
+
+    def events(self, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
+        return self.request("GET", "/api/v1/events/log", params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
+
+    def whoami(self) -> dict[str, Any]:
+        return self.request("GET", "/api/v1/whoami")  # type: ignore[no-any-return]
+
+    def health(self) -> dict[str, Any]:
+        return self.request("GET", "/api/v1/health")  # type: ignore[no-any-return]
+
+    @contextmanager
+    def lease(self, gpus: int = 1, pool: str | None = None, ttl: float | None = None, wait: float = 0,
+              label: str = "", session: str = "") -> Iterator[HeldLease]:
+        """Hold a lease for the ``with`` block: renewed in the background, released on exit."""
+        held = HeldLease(self, self.acquire(gpus, pool, ttl, wait, label, session))
+        try:
+            yield held
+        finally:
+            held.release()
+
+
+class HeldLease:
+    """A lease plus its renewal thread. The thread keeps only a weak reference to this object and
+    stops on an Event, so a forgotten HeldLease never keeps renewing (the TTL then frees the GPUs)."""
+
+    def __init__(self, client: Client, lease: Lease) -> None:
+        self.client = client
+        self.lease = lease
+        self.lost: errors.GpuLeaseError | None = None  # set if a renewal was refused
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, lease.ttl),
+                                        name=f"gpulease-renew-{lease.id}", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lease, name)
+
+    def renew_once(self) -> None:
+        try:
+            self.lease = self.client.renew(self.lease)
+        except (errors.LeaseEnded, errors.StaleToken, errors.NoSuchLease, errors.NotOwner) as exc:
+            self.lost = exc
+            self._stop.set()
+            log.warning("lease %s lost: %s", self.lease.id, exc)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        try:
+            self.client.release(self.lease)
+        except errors.GpuLeaseError as exc:
+            # Released, expired or revoked already: the GPUs are back, nothing to do.
+            log.info("release of %s: %s", self.lease.id, exc)
+
+
+def _renew_loop(ref: weakref.ref[HeldLease], stop: threading.Event, ttl: float) -> None:
+    interval = max(ttl / 3, 0.2)
+    while not stop.wait(interval):
+        held = ref()
+        if held is None:
+            return
+        try:
+            held.renew_once()
+        except errors.ServerUnavailable as exc:  # keep trying until the deadline passes
+            log.warning("renewal failed, retrying: %s", exc)
+        del held

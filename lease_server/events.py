@@ -1,0 +1,80 @@
+"""The event log: a Redis stream of every grant, release, expiry, revoke, renew miss, queue and
+node change. One reader per server process fans new entries out to live subscribers (SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from redis.asyncio import Redis
+
+log = logging.getLogger(__name__)
+
+
+def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    data = json.loads(fields.get("data", "{}"))
+    ts = data.pop("ts", None)
+    return {"id": entry_id, "type": fields.get("type", ""), "ts": ts / 1000 if ts else None, **data}
+
+
+async def read_log(redis: Redis, key: str, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
+    """Entries after ``since`` (exclusive; "-" for the oldest kept), oldest first."""
+    lo = "-" if since in ("-", "", "0") else f"({since}"
+    return [parse_entry(i, f) for i, f in await redis.xrange(key, lo, "+", count=limit)]
+
+
+class EventHub:
+    """Blocks on XREAD for new entries and hands them to every subscriber's queue."""
+
+    def __init__(self, redis: Redis, key: str) -> None:
+        self.redis = redis
+        self.key = key
+        self._subs: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
+        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
+        self._subs.add(q)
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="gpulease-event-hub")
+        return q
+
+    def is_subscribed(self, q: asyncio.Queue[dict[str, Any] | None]) -> bool:
+        return q in self._subs
+
+    def unsubscribe(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
+        self._subs.discard(q)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        for q in self._subs:
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(None)
+
+    async def _run(self) -> None:
+        last = "$"
+        while True:
+            try:
+                reply = await self.redis.xread({self.key: last}, block=5000, count=500)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("event hub: read failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    event = parse_entry(entry_id, fields)
+                    for q in list(self._subs):
+                        try:
+                            q.put_nowait(event)
+                        except asyncio.QueueFull:  # a stalled client: drop it rather than grow
+                            self._subs.discard(q)

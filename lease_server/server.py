@@ -1,0 +1,73 @@
+"""Running the HTTP server: one process, or several forked processes sharing one listening socket."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable
+
+import tornado.httpserver
+import tornado.netutil
+import tornado.process
+
+from .agent import heartbeat_local
+from .api import Context, make_app
+from .config import Settings
+from .inventory import NodeInventory
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings, sockets: list[socket.socket] | None = None,
+                stop: asyncio.Event | None = None, on_ready: Callable[[int], None] | None = None,
+                local_nodes: list[NodeInventory] | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when run as the main task).
+
+    ``local_nodes``: inventories of this machine, kept alive by an in-process agent (gpulease up).
+    """
+    ctx = Context(settings)
+    await ctx.redis.ping()
+    await ctx.start()
+    stop = stop or asyncio.Event()
+    agent = None
+    if local_nodes:
+        from .inventory import register
+
+        for inv in local_nodes:  # before serving, so the first request finds the pools
+            await register(ctx.store, inv)
+        agent = asyncio.create_task(heartbeat_local(ctx.store, local_nodes, stop), name="gpulease-agent")
+    app = make_app(ctx)
+    # The body limit is enforced with a clear 413 in the handlers; tornado's own limit (which just
+    # drops the connection) only guards against absurd uploads.
+    http = tornado.httpserver.HTTPServer(app, max_body_size=64 * 1024 * 1024, xheaders=True)
+    if sockets is None:
+        sockets = tornado.netutil.bind_sockets(settings.port, settings.host)
+    http.add_sockets(sockets)
+    port = sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (RuntimeError, ValueError):  # not the main thread
+            pass
+    log.info("gpulease server listening on http://%s:%d (redis %s)", settings.host, port, settings.redis_url)
+    if on_ready:
+        on_ready(port)
+    try:
+        await stop.wait()
+    finally:
+        http.stop()
+        if agent is not None:
+            await agent
+        await http.close_all_connections()
+        await ctx.stop()
+
+
+def run(settings: Settings, workers: int = 1) -> None:
+    """Blocking entry point of ``gpulease server``."""
+    sockets = tornado.netutil.bind_sockets(settings.port, settings.host, reuse_port=False)
+    if workers > 1:
+        tornado.process.fork_processes(workers, max_restarts=100)
+    asyncio.run(serve(settings, sockets))
