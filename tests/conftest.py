@@ -1,0 +1,187 @@
+"""Fixtures: a real redis-server on a free port, and real lease servers (in a thread or a process).
+
+Each test gets its own key prefix, so tests share one Redis without seeing each other's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from lease_server.auth import create_token
+from lease_server.client import Client
+from lease_server.config import Settings
+from lease_server.inventory import parse_simulate
+from lease_server.keys import Keys
+from lease_server.redis_proc import RedisProcess, free_port
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{os.getpid()}x{next(_prefixes)}"
+
+
+@pytest.fixture
+def redis_sync(redis_server: RedisProcess) -> Iterator[Redis]:
+    r = Redis.from_url(redis_server.url, decode_responses=True)
+    yield r
+    r.close()
+
+
+def make_settings(redis_url: str, prefix: str, **kw: object) -> Settings:
+    base: dict[str, object] = dict(redis_url=redis_url, prefix=prefix, port=0, sweep_interval=0.1,
+                                   heartbeat_interval=0.5, heartbeat_timeout=3.0)
+    base.update(kw)
+    return Settings.load(None, **base)
+
+
+def token_for(redis_url: str, prefix: str, user: str, role: str = "user") -> str:
+    async def make() -> str:
+        from redis.asyncio import Redis as ARedis
+
+        r = ARedis.from_url(redis_url, decode_responses=True)
+        try:
+            return await create_token(r, Keys(prefix), user, role)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(make())
+
+
+@dataclass
+class ServerHandle:
+    """A lease server running in a background thread of the test process."""
+
+    settings: Settings
+    simulate: str
+    url: str = ""
+    tokens: dict[str, str] = field(default_factory=dict)
+    _stop: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self) -> ServerHandle:
+        from lease_server.server import serve
+
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            async def main() -> None:
+                self._loop = asyncio.get_running_loop()
+                self._stop = asyncio.Event()
+
+                def on_ready(port: int) -> None:
+                    self.url = f"http://127.0.0.1:{port}"
+                    ready.set()
+
+                nodes = parse_simulate(self.simulate) if self.simulate else None
+                await serve(self.settings, stop=self._stop, on_ready=on_ready, local_nodes=nodes)
+
+            try:
+                asyncio.run(main())
+            except BaseException as exc:  # surfaced by start()
+                errors.append(exc)
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="lease-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(30) or errors:
+            raise RuntimeError(f"lease server did not start: {errors}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread:
+            self._thread.join(30)
+
+    def token(self, user: str, role: str = "user") -> str:
+        if user not in self.tokens:
+            self.tokens[user] = token_for(self.settings.redis_url, self.settings.prefix, user, role)
+        return self.tokens[user]
+
+    def client(self, user: str = "alice", role: str = "user") -> Client:
+        return Client(self.url, self.token(user, role))
+
+
+@pytest.fixture
+def server_factory(redis_server: RedisProcess, prefix: str) -> Iterator[object]:
+    started: list[ServerHandle] = []
+
+    def make(simulate: str = "n1=4xA100-80GB,n2=2xA100-80GB,t1=2xT4-16GB", **kw: object) -> ServerHandle:
+        settings = make_settings(redis_server.url, f"{prefix}s{len(started)}", **kw)
+        handle = ServerHandle(settings, simulate).start()
+        started.append(handle)
+        return handle
+
+    yield make
+    for h in started:
+        h.stop()
+
+
+@pytest.fixture
+def server(server_factory: object) -> ServerHandle:
+    return server_factory()  # type: ignore[operator]
+
+
+class ServerProcess:
+    """``gpulease server`` as a child process (for kill -9 tests), plus an HTTP agent process."""
+
+    def __init__(self, redis_url: str, prefix: str, tmp: Path, port: int | None = None) -> None:
+        self.redis_url, self.prefix, self.tmp = redis_url, prefix, tmp
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        env = {**os.environ, "GPULEASE_PREFIX": self.prefix, "GPULEASE_SWEEP_INTERVAL": "0.2",
+               "GPULEASE_HEARTBEAT_TIMEOUT": "5"}
+        log = open(self.tmp / f"server-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lease_server.cli", "server", "--redis-url", self.redis_url,
+             "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        import httpx
+
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError((self.tmp / f"server-{self.port}.log").read_text()[-2000:])
+            time.sleep(0.05)
+        raise RuntimeError("gpulease server did not come up")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)

@@ -1,0 +1,81 @@
+"""Invariant checks over the event log and the Redis state of one key prefix."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from redis import Redis
+
+from lease_server.keys import Keys
+
+END_TYPES = ("released", "expired", "revoked")
+
+
+def read_events(r: Redis, keys: Keys) -> list[dict[str, Any]]:
+    out = []
+    for entry_id, fields in r.xrange(keys.events, "-", "+"):
+        out.append({"id": entry_id, "type": fields["type"], **json.loads(fields["data"])})
+    return out
+
+
+def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
+    """Replay grants and ends in stream order: no GPU granted while held, tokens strictly rising,
+    every end returns exactly the GPUs its lease held. Returns counts per event type."""
+    held: dict[tuple[str, int], str] = {}
+    lease_gpus: dict[str, set[tuple[str, int]]] = {}
+    last_token = 0
+    counts: dict[str, int] = {}
+    for ev in events:
+        counts[ev["type"]] = counts.get(ev["type"], 0) + 1
+        if ev["type"] == "grant":
+            assert ev["token"] > last_token, f"token {ev['token']} after {last_token}: reused or out of order"
+            last_token = ev["token"]
+            gpus = {(ev["node"], int(i)) for i in ev["gpus"]}
+            for g in gpus:
+                assert g not in held, f"double grant: {g} granted to {ev['lease']} while held by {held[g]}"
+                held[g] = ev["lease"]
+            assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
+            lease_gpus[ev["lease"]] = gpus
+        elif ev["type"] in END_TYPES:
+            gpus = {(ev["node"], int(i)) for i in ev["gpus"]}
+            assert gpus == lease_gpus.get(ev["lease"]), f"{ev['type']} of {ev['lease']} returned {gpus}"
+            for g in gpus:
+                assert held.pop(g) == ev["lease"]
+            lease_gpus[ev["lease"]] = set()
+    return counts
+
+
+def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
+    """One consistent snapshot (MULTI): holders, leases, free lists and the fit index agree."""
+    with r.pipeline(transaction=True) as p:
+        p.hgetall(keys.nodes)
+        p.hgetall(keys.free)
+        p.hgetall(keys.holders)
+        p.hgetall(keys.leases)
+        p.zrange(keys.fit, 0, -1)
+        p.zrange(keys.deadlines, 0, -1)
+        nodes, free, holders, leases, fit, deadlines = p.execute()
+    leases = {k: json.loads(v) for k, v in leases.items()}
+    assert set(deadlines) == set(leases), "deadline index and live leases differ"
+    for slot, lid in holders.items():
+        node, idx = slot.split("/")
+        assert lid in leases, f"{slot} held by {lid}, which is not live"
+        assert leases[lid]["node"] == node and int(idx) in [g["index"] for g in leases[lid]["gpus"]]
+    for lid, lease in leases.items():
+        for g in lease["gpus"]:
+            assert holders.get(f"{lease['node']}/{g['index']}") == lid, f"{lid} lost its holder entry"
+    fit_by_node = {m.split("|", 2)[2]: int(m.split("|", 2)[1]) for m in fit}
+    for node, raw in nodes.items():
+        inv = json.loads(raw)
+        free_idx = json.loads(free.get(node, "[]")) or []
+        all_idx = {g["index"] for g in inv["gpus"]}
+        held_idx = {int(s.split("/")[1]) for s in holders if s.split("/")[0] == node}
+        assert not (set(free_idx) & held_idx), f"{node}: a GPU is both free and held"
+        assert set(free_idx) | held_idx == all_idx, f"{node}: a GPU is neither free nor held"
+        if node in fit_by_node:
+            assert fit_by_node[node] == len(free_idx), f"{node}: fit index says {fit_by_node[node]} free"
+        if expect_all_free:
+            assert set(free_idx) == all_idx, f"{node}: GPUs still held at the end"
+    if expect_all_free:
+        assert not leases and not holders

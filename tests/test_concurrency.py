@@ -1,0 +1,127 @@
+"""50 clients (threads and processes) acquire, renew, release, let leases expire and get revoked,
+for thousands of operations; the event log and the state are then checked: no GPU was ever held
+by two live leases, no token was reused, and every GPU is free at the end."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import threading
+
+import pytest
+
+from lease_server import errors
+from lease_server.client import Client
+from lease_server.keys import Keys
+from tests.invariants import check_event_log, check_state, read_events
+
+OPS_PER_CLIENT = 60
+
+
+def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = None) -> dict[str, int]:
+    """One client's random walk over the API. Returns counts of what happened."""
+    rng = random.Random(seed)
+    stats = {"ops": 0, "granted": 0, "busy": 0, "renewed": 0, "released": 0, "lost": 0, "abandoned": 0, "revoked": 0}
+    held = []
+    with Client(url, token, timeout=30) as c, (Client(url, admin_token) if admin_token else Client(url, token)) as admin:
+        for _ in range(ops):
+            stats["ops"] += 1
+            roll = rng.random()
+            if (roll < 0.45 and len(held) < 2) or not held:
+                try:
+                    pool = rng.choice([None, None, "T4-16GB"])
+                    gpus = rng.choice([1, 1, 2]) if pool else rng.choice([1, 1, 2, 3, 4])
+                    lease = c.acquire(gpus, pool=pool, ttl=rng.choice([1, 2, 4]), wait=rng.choice([0, 0.2, 1]))
+                    held.append(lease)
+                    stats["granted"] += 1
+                except errors.NoCapacity:
+                    stats["busy"] += 1
+            elif roll < 0.65:
+                lease = rng.choice(held)
+                try:
+                    c.renew(lease)
+                    stats["renewed"] += 1
+                except (errors.LeaseEnded, errors.LeaseExpired):
+                    held.remove(lease)
+                    stats["lost"] += 1
+            elif roll < 0.92:
+                lease = held.pop(rng.randrange(len(held)))
+                c.release(lease)
+                stats["released"] += 1
+            elif roll < 0.97:
+                held.pop(rng.randrange(len(held)))  # walk away: the TTL must take it back
+                stats["abandoned"] += 1
+            elif admin_token:
+                lease = held.pop(rng.randrange(len(held)))
+                admin.revoke(lease.id, "test revoke")
+                stats["revoked"] += 1
+        for lease in held:
+            c.release(lease)
+    return stats
+
+
+def _proc_main(args: tuple[str, str, int, int], out: mp.Queue) -> None:  # type: ignore[type-arg]
+    try:
+        out.put(churn(*args))
+    except BaseException as exc:
+        out.put(repr(exc))
+        raise
+
+
+@pytest.mark.slow
+def test_fifty_clients_never_double_grant(server_factory, redis_sync):
+    srv = server_factory(simulate="n1=8xA100-80GB,n2=8xA100-80GB,n3=4xA100-80GB,n4=2xA100-80GB,t1=4xT4-16GB",
+                         sweep_interval=0.05)
+    keys = Keys(srv.settings.prefix)
+    admin = srv.token("root", "admin")
+    results: list[dict[str, int] | str] = []
+    lock = threading.Lock()
+
+    def thread_main(i: int) -> None:
+        try:
+            r = churn(srv.url, srv.token(f"t{i % 8}"), i, OPS_PER_CLIENT, admin if i % 5 == 0 else None)
+        except BaseException as exc:
+            r = repr(exc)
+        with lock:
+            results.append(r)
+
+    tokens = [srv.token(f"p{i}") for i in range(10)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_proc_main, args=((srv.url, tokens[i], 1000 + i, OPS_PER_CLIENT), queue))
+             for i in range(10)]
+    threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(40)]
+    for p in procs:
+        p.start()
+    for t in threads:
+        t.start()
+    # While the load runs, take consistent snapshots of the state and check them.
+    snapshots = 0
+    while any(t.is_alive() for t in threads):
+        check_state(redis_sync, keys)
+        snapshots += 1
+        threads[0].join(0.05)
+    for t in threads:
+        t.join()
+    for _ in procs:
+        results.append(queue.get(timeout=120))
+    for p in procs:
+        p.join(30)
+
+    failures = [r for r in results if isinstance(r, str)]
+    assert not failures, failures
+    total = {k: sum(r[k] for r in results if isinstance(r, dict)) for k in results[0]}  # type: ignore[union-attr]
+    assert total["ops"] == 50 * OPS_PER_CLIENT
+    assert total["granted"] > 400 and total["busy"] > 0 and total["abandoned"] > 0
+
+    # Abandoned leases expire by TTL (at most 4 s) + one sweep: wait for the deadline index to drain.
+    deadline_wait = threading.Event()
+    for _ in range(400):
+        if redis_sync.zcard(keys.deadlines) == 0 and redis_sync.zcard(keys.queue) == 0:
+            break
+        deadline_wait.wait(0.05)
+    check_state(redis_sync, keys, expect_all_free=True)
+    counts = check_event_log(read_events(redis_sync, keys))
+    assert counts["grant"] == sum(counts.get(t, 0) for t in ("released", "expired", "revoked"))
+    assert counts.get("expired", 0) > 0 and counts.get("queued", 0) > 0
+    assert snapshots > 3

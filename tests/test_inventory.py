@@ -1,0 +1,85 @@
+"""Inventory sources: the NVML path against pynvml's real API shape, and declared inventories."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import types
+
+import pynvml
+import pytest
+
+from lease_server import errors
+from lease_server.agent import nvml_inventory, pool_name
+from lease_server.inventory import parse_simulate
+
+
+def nvml_like(gpus: list[tuple[str, str, int]]) -> types.SimpleNamespace:
+    """An NVML stand-in for a machine with ``gpus``: every function it offers exists in the real
+    pynvml with the same parameters, returns what pynvml returns (bytes or str names, the real
+    ctypes memory struct), and errors are pynvml's own NVMLError."""
+
+    def nvmlInit() -> None: ...
+    def nvmlShutdown() -> None: ...
+    def nvmlDeviceGetCount() -> int:
+        return len(gpus)
+    def nvmlDeviceGetHandleByIndex(index):  # noqa: ANN001, ANN202
+        if not 0 <= index < len(gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return index
+    def nvmlDeviceGetUUID(handle):  # noqa: ANN001, ANN202
+        return gpus[handle][0]
+    def nvmlDeviceGetName(handle):  # noqa: ANN001, ANN202
+        return gpus[handle][1]
+    def nvmlDeviceGetMemoryInfo(handle, version=None):  # noqa: ANN001, ANN202
+        mem = pynvml.c_nvmlMemory_t()
+        mem.total = gpus[handle][2]
+        return mem
+
+    fns = {f.__name__: f for f in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
+                                   nvmlDeviceGetUUID, nvmlDeviceGetName, nvmlDeviceGetMemoryInfo)}
+    for name, fn in fns.items():
+        real = getattr(pynvml, name)
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(real).parameters), name
+    return types.SimpleNamespace(NVMLError=pynvml.NVMLError, **fns)
+
+
+def test_nvml_inventory_reads_index_uuid_model_memory():
+    gib = 1024**3
+    nvml = nvml_like([("GPU-aaa", b"NVIDIA A100-SXM4-80GB", 80 * gib), ("GPU-bbb", "NVIDIA A100-SXM4-80GB", 80 * gib)])
+    inv = nvml_inventory("gpu-box", nvml=nvml)
+    assert inv.source == "nvml" and inv.node == "gpu-box"
+    assert [(g.index, g.uuid, g.model, g.memory_mb) for g in inv.gpus] == [
+        (0, "GPU-aaa", "NVIDIA A100-SXM4-80GB", 81920), (1, "GPU-bbb", "NVIDIA A100-SXM4-80GB", 81920)]
+    assert inv.pool == "A100-SXM4-80GB"
+
+
+def test_nvml_on_a_machine_without_gpus_says_what_to_do():
+    # The real pynvml: there is no NVIDIA driver here, so nvmlInit fails.
+    with pytest.raises(errors.ConfigurationError) as exc:
+        nvml_inventory("x")
+    assert "--simulate" in exc.value.message
+
+
+def test_agent_cli_without_gpus_fails_with_one_clear_line():
+    out = subprocess.run([sys.executable, "-m", "lease_server.cli", "agent", "--url", "http://127.0.0.1:9"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--simulate" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_pool_names():
+    assert pool_name("NVIDIA A100-SXM4-80GB", 81920) == "A100-SXM4-80GB"
+    assert pool_name("Tesla T4", 15360) == "Tesla-T4-15GB"
+
+
+def test_parse_simulate_single_and_many_nodes():
+    (one,) = parse_simulate("4xA100-80GB", default_node="box")
+    assert one.node == "box" and one.pool == "A100-80GB" and len(one.gpus) == 4
+    assert one.gpus[0].memory_mb == 80 * 1024 and one.gpus[3].uuid == "GPU-sim-box-3"
+    a, b = parse_simulate("node-a=4xA100-80GB,node-b=2xT4-16GB", pool_overrides={"node-b": "inference"})
+    assert (a.node, a.pool, b.node, b.pool, len(b.gpus)) == ("node-a", "A100-80GB", "node-b", "inference", 2)
+    for bad in ("", "4", "ax4", "node a=1xT4", "0xT4", "a=1xT4,a=2xT4"):
+        with pytest.raises(errors.ConfigurationError):
+            parse_simulate(bad)
