@@ -41,7 +41,9 @@ def pool_name(model: str, memory_mb: int) -> str:
 def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: ModuleType | Any = None) -> NodeInventory:
     """Read this node's GPUs through NVML. Raises ConfigurationError when NVML is not available."""
     if nvml is None:
-        import pynvml as nvml  # nvidia-ml-py
+        import pynvml  # nvidia-ml-py
+
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
@@ -53,16 +55,19 @@ def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: Modul
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(Gpu(
-                index=i, uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-                model=_text(nvml.nvmlDeviceGetName(handle)), memory_mb=int(mem.total // (1024 * 1024)),
-            ))
+            gpus.append(
+                Gpu(
+                    index=i,
+                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                    model=_text(nvml.nvmlDeviceGetName(handle)),
+                    memory_mb=int(mem.total // (1024 * 1024)),
+                )
+            )
     finally:
         nvml.nvmlShutdown()
     if not gpus:
         raise errors.ConfigurationError("NVML found no GPU on this machine; use --simulate to declare some")
-    return NodeInventory(node or default_node_name(), pool or pool_name(gpus[0].model, gpus[0].memory_mb),
-                         gpus, "nvml")
+    return NodeInventory(node or default_node_name(), pool or pool_name(gpus[0].model, gpus[0].memory_mb), gpus, "nvml")
 
 
 async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
@@ -75,7 +80,7 @@ async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], s
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         for inv in inventories:
             try:

@@ -62,8 +62,7 @@ class Context:
             try:
                 expired, down, dropped, _ = await self.store.sweep()
                 if expired or down or dropped:
-                    log.info("sweep: %d leases expired, %d nodes down, %d waiters dropped",
-                             expired, down, dropped)
+                    log.info("sweep: %d leases expired, %d nodes down, %d waiters dropped", expired, down, dropped)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep trying, the state is safe in Redis
@@ -111,7 +110,7 @@ class BaseHandler(tornado.web.RequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise errors.BadRequest(f"body is not valid JSON ({exc}); send a JSON object") from exc
         if not isinstance(data, dict):
-            raise errors.BadRequest("body must be a JSON object, e.g. {\"gpus\": 1}")
+            raise errors.BadRequest('body must be a JSON object, e.g. {"gpus": 1}')
         return data
 
     def reply(self, data: Any, status: int = 200) -> None:
@@ -150,13 +149,21 @@ class LeasesHandler(BaseHandler):
         body = self.body()
         unknown = set(body) - {"gpus", "pool", "ttl", "wait", "label", "session"}
         if unknown:
-            raise errors.BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: gpus, pool, ttl, wait, label, session")
+            raise errors.BadRequest(
+                f"unknown field(s) {sorted(unknown)}; allowed: gpus, pool, ttl, wait, label, session"
+            )
         if "gpus" not in body:
-            raise errors.BadRequest("gpus is required, e.g. {\"gpus\": 1}")
+            raise errors.BadRequest('gpus is required, e.g. {"gpus": 1}')
         self._lease_id = new_lease_id()
         rec = await self.store.acquire(
-            self.identity.user, body["gpus"], body.get("pool"), body.get("ttl"), body.get("wait"),
-            body.get("label"), body.get("session"), lease_id=self._lease_id,
+            self.identity.user,
+            body["gpus"],
+            body.get("pool"),
+            body.get("ttl"),
+            body.get("wait"),
+            body.get("label"),
+            body.get("session"),
+            lease_id=self._lease_id,
         )
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)
@@ -198,7 +205,11 @@ class LeaseHandler(BaseHandler):
         rec = await self.store.get(lease_id)
         revoke = me.admin and rec["user"] != me.user
         ended, changed = await self.store.release(
-            lease_id, me.user, admin=me.admin, token=token, revoke=revoke,
+            lease_id,
+            me.user,
+            admin=me.admin,
+            token=token,
+            revoke=revoke,
             reason=f"revoked by admin {me.user}" if revoke else "released by its owner",
         )
         out = public_lease(ended, with_token=ended["user"] == me.user)
@@ -285,9 +296,17 @@ class InfoHandler(BaseHandler):
             default_pool: str | None = await self.store.default_pool()
         except errors.UnknownPool:
             default_pool = None
-        self.reply({"version": __version__, "ray_address": s.ray_address, "default_pool": default_pool,
-                    "default_ttl": s.default_ttl, "max_ttl": s.max_ttl, "max_wait": s.max_wait,
-                    "pools": await self.store.pool_sizes()})
+        self.reply(
+            {
+                "version": __version__,
+                "ray_address": s.ray_address,
+                "default_pool": default_pool,
+                "default_ttl": s.default_ttl,
+                "max_ttl": s.max_ttl,
+                "max_wait": s.max_wait,
+                "pools": await self.store.pool_sizes(),
+            }
+        )
 
 
 class WhoAmIHandler(BaseHandler):
@@ -326,6 +345,7 @@ class EventStreamHandler(BaseHandler):
         queue = hub.subscribe()  # before the backlog read, so nothing falls in between
         since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
         sent_up_to = ""
+        ev: dict[str, Any] | None
         try:
             self.write(": gpulease event stream\nretry: 2000\n\n")
             await self.flush()
@@ -337,7 +357,7 @@ class EventStreamHandler(BaseHandler):
             while hub.is_subscribed(queue):
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=15)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self.write(": keep-alive\n\n")
                     await self.flush()
                     continue
@@ -417,6 +437,8 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (r"/metrics", MetricsHandler),
     ]
     return tornado.web.Application(
-        routes, gpulease=ctx, default_handler_class=NotFoundHandler,
+        routes,
+        gpulease=ctx,
+        default_handler_class=NotFoundHandler,
         log_function=lambda handler: None,
     )

@@ -42,8 +42,9 @@ class Group(click.Group):
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 @click.group(cls=Group)
@@ -53,6 +54,7 @@ def main() -> None:
 
 
 # ---- running the service -----------------------------------------------------------------------
+
 
 def _inventories(simulate: str | None, node: str | None, pool: str | None) -> list[Any]:
     from .agent import nvml_inventory
@@ -111,9 +113,20 @@ def _start_ray(data_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
     port = free_port()
     log = open(data_dir / "ray.log", "ab")
     proc = subprocess.Popen(
-        [ray, "start", "--head", f"--port={port}", "--block", "--disable-usage-stats",
-         "--include-dashboard=false", "--num-gpus=0"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        [
+            ray,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--block",
+            "--disable-usage-stats",
+            "--include-dashboard=false",
+            "--num-gpus=0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     return proc, f"127.0.0.1:{port}"
 
@@ -127,9 +140,19 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
         return None
     log = open(data_dir / "jupyterlab.log", "ab")
     return subprocess.Popen(
-        [jupyter, "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--IdentityProvider.token={env['GPULEASE_LAB_TOKEN']}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        [
+            jupyter,
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={env['GPULEASE_LAB_TOKEN']}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
 
 
@@ -148,17 +171,34 @@ def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
 
 
 @main.command()
-@click.option("--simulate", metavar="SPEC", help="Declare GPUs instead of reading NVML: 4xA100-80GB or node-a=4xA100-80GB,node-b=2xT4-16GB")
+@click.option(
+    "--simulate",
+    metavar="SPEC",
+    help="Declare GPUs instead of reading NVML: 4xA100-80GB or node-a=4xA100-80GB,node-b=2xT4-16GB",
+)
 @click.option("--port", default=8470, show_default=True, help="Port of the lease server (127.0.0.1)")
-@click.option("--data-dir", type=click.Path(path_type=Path), default=DEFAULT_HOME, show_default=True,
-              help="Redis AOF, token, logs")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_HOME,
+    show_default=True,
+    help="Redis AOF, token, logs",
+)
 @click.option("--ray/--no-ray", default=True, show_default=True, help="Start a local Ray head")
 @click.option("--lab/--no-lab", default=True, show_default=True, help="Start JupyterLab (if installed)")
 @click.option("--lab-port", default=8888, show_default=True)
 @click.option("--config", type=click.Path(exists=True), help="TOML settings file")
 @click.option("-v", "--verbose", is_flag=True)
-def up(simulate: str | None, port: int, data_dir: Path, ray: bool, lab: bool, lab_port: int,
-       config: str | None, verbose: bool) -> None:
+def up(
+    simulate: str | None,
+    port: int,
+    data_dir: Path,
+    ray: bool,
+    lab: bool,
+    lab_port: int,
+    config: str | None,
+    verbose: bool,
+) -> None:
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
     import secrets
 
@@ -182,8 +222,12 @@ def up(simulate: str | None, port: int, data_dir: Path, ray: bool, lab: bool, la
             (data_dir / "ray_address").write_text(settings.ray_address + "\n")
         lab_url = ""
         if lab:
-            env = {**os.environ, "GPULEASE_URL": url, "GPULEASE_TOKEN": token,
-                   "GPULEASE_LAB_TOKEN": secrets.token_hex(16)}
+            env = {
+                **os.environ,
+                "GPULEASE_URL": url,
+                "GPULEASE_TOKEN": token,
+                "GPULEASE_LAB_TOKEN": secrets.token_hex(16),
+            }
             if settings.ray_address:
                 env["RAY_ADDRESS"] = settings.ray_address
             lab_proc = _start_lab(data_dir, lab_port, env)
@@ -192,8 +236,9 @@ def up(simulate: str | None, port: int, data_dir: Path, ray: bool, lab: bool, la
 
         def ready(bound: int) -> None:
             gpus = sum(len(n.gpus) for n in nodes)
-            console.print(f"[bold green]gpulease is up[/]: {gpus} GPU(s) in "
-                          f"{', '.join(sorted({n.pool for n in nodes}))}")
+            console.print(
+                f"[bold green]gpulease is up[/]: {gpus} GPU(s) in {', '.join(sorted({n.pool for n in nodes}))}"
+            )
             console.print(f"  lease server  {url}")
             console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)")
             console.print(f"  redis         {redis_proc.url}   (AOF in {data_dir / 'redis'})")
@@ -219,8 +264,9 @@ def up(simulate: str | None, port: int, data_dir: Path, ray: bool, lab: bool, la
 @click.option("--config", type=click.Path(exists=True), help="TOML settings file")
 @click.option("--ray-address", default=None, help="Ray cluster the clients should use")
 @click.option("-v", "--verbose", is_flag=True)
-def server(redis_url: str, host: str, port: int, workers: int, config: str | None, ray_address: str | None,
-           verbose: bool) -> None:
+def server(
+    redis_url: str, host: str, port: int, workers: int, config: str | None, ray_address: str | None, verbose: bool
+) -> None:
     """Run the HTTP lease server against an existing Redis (any number of replicas)."""
     from .config import Settings
     from .server import run
@@ -238,8 +284,15 @@ def server(redis_url: str, host: str, port: int, workers: int, config: str | Non
 @click.option("--token", envvar="GPULEASE_TOKEN", help="An agent or admin token")
 @click.option("--interval", default=2.0, show_default=True, help="Heartbeat period, seconds")
 @click.option("-v", "--verbose", is_flag=True)
-def agent(simulate: str | None, node: str | None, pool: str | None, url: str | None, token: str | None,
-          interval: float, verbose: bool) -> None:
+def agent(
+    simulate: str | None,
+    node: str | None,
+    pool: str | None,
+    url: str | None,
+    token: str | None,
+    interval: float,
+    verbose: bool,
+) -> None:
     """Declare this node's GPUs to the lease server and keep it alive."""
     from .agent import run_remote
 
@@ -255,6 +308,7 @@ def agent(simulate: str | None, node: str | None, pool: str | None, url: str | N
 
 
 # ---- using it ------------------------------------------------------------------------------------
+
 
 def _ago(ts: float | None, now: float) -> str:
     if not ts:
@@ -291,9 +345,16 @@ def status(as_json: bool, url: str | None, token: str | None) -> None:
     for n in view["nodes"]:
         for g in n["gpus"]:
             lease = g.get("lease") or {}
-            gpus.add_row(n["name"], str(g["index"]), g.get("model", ""),
-                         f"[{colors[g['state']]}]{g['state']}[/]", lease.get("user", ""), lease.get("label", ""),
-                         _ago(lease.get("since"), now), lease.get("id", ""))
+            gpus.add_row(
+                n["name"],
+                str(g["index"]),
+                g.get("model", ""),
+                f"[{colors[g['state']]}]{g['state']}[/]",
+                lease.get("user", ""),
+                lease.get("label", ""),
+                _ago(lease.get("since"), now),
+                lease.get("id", ""),
+            )
     console.print(gpus)
     if view["queue"]:
         q = Table(title="Queue")
@@ -313,27 +374,43 @@ def status(as_json: bool, url: str | None, token: str | None) -> None:
 @click.option("--url", envvar="GPULEASE_URL")
 @click.option("--token", envvar="GPULEASE_TOKEN")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def acquire(gpus: int, pool: str | None, ttl: float | None, wait: float, label: str, url: str | None,
-            token: str | None, command: tuple[str, ...]) -> None:
+def acquire(
+    gpus: int,
+    pool: str | None,
+    ttl: float | None,
+    wait: float,
+    label: str,
+    url: str | None,
+    token: str | None,
+    command: tuple[str, ...],
+) -> None:
     """Lease GPUs. With a COMMAND (after --), run it on them and release when it exits:
 
-        gpulease acquire --gpus 2 --wait 600 -- python train.py
+    gpulease acquire --gpus 2 --wait 600 -- python train.py
     """
     with Client(url, token) as c:
         if not command:
             lease = c.acquire(gpus, pool, ttl, wait, label)
             click.echo(json.dumps(lease.raw, indent=2))
-            err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed; "
-                              f"release it with: gpulease release {lease.id}")
+            err_console.print(
+                f"lease {lease.id} expires in {lease.ttl:g}s unless renewed; "
+                f"release it with: gpulease release {lease.id}"
+            )
             return
         t0 = time.monotonic()
         with console.status(f"waiting for {gpus} GPU(s)…") if wait else _null():
             held_cm = c.lease(gpus, pool, ttl, wait, label or " ".join(command)[:200])
             held = held_cm.__enter__()
-        err_console.print(f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "
-                          f"({held.id}, waited {time.monotonic() - t0:.1f}s)")
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": held.cuda_visible_devices,
-               "GPULEASE_LEASE_ID": held.id, "GPULEASE_GPU_UUIDS": ",".join(held.uuids)}
+        err_console.print(
+            f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "
+            f"({held.id}, waited {time.monotonic() - t0:.1f}s)"
+        )
+        env = {
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": held.cuda_visible_devices,
+            "GPULEASE_LEASE_ID": held.id,
+            "GPULEASE_GPU_UUIDS": ",".join(held.uuids),
+        }
         code = 1
         try:
             code = subprocess.call(list(command), env=env)
@@ -401,8 +478,15 @@ def token() -> None:
 @click.option("--prefix", default="gpulease", show_default=True)
 @click.option("--url", envvar="GPULEASE_URL")
 @click.option("--token", "admin_token", envvar="GPULEASE_TOKEN")
-def token_create(name: str, admin: bool, agent_role: bool, redis_url: str | None, prefix: str,
-                 url: str | None, admin_token: str | None) -> None:
+def token_create(
+    name: str,
+    admin: bool,
+    agent_role: bool,
+    redis_url: str | None,
+    prefix: str,
+    url: str | None,
+    admin_token: str | None,
+) -> None:
     """Create a token for user NAME and print it (it is stored only hashed)."""
     if admin and agent_role:
         raise click.UsageError("--admin and --agent clash: a token has one role")

@@ -64,9 +64,19 @@ class Lease:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Lease:
-        return cls(id=data["id"], token=int(data.get("token", 0)), user=data["user"], pool=data["pool"],
-                   node=data["node"], gpus=data["gpus"], expires_at=data["expires_at"], ttl=data["ttl"],
-                   state=data.get("state", "active"), label=data.get("label", ""), raw=data)
+        return cls(
+            id=data["id"],
+            token=int(data.get("token", 0)),
+            user=data["user"],
+            pool=data["pool"],
+            node=data["node"],
+            gpus=data["gpus"],
+            expires_at=data["expires_at"],
+            ttl=data["ttl"],
+            state=data.get("state", "active"),
+            label=data.get("label", ""),
+            raw=data,
+        )
 
     @property
     def indexes(self) -> list[int]:
@@ -88,7 +98,8 @@ class Client:
         self.url, self.token = discover(url, token)
         self.timeout = timeout
         self._http = httpx.Client(
-            base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0),
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout, connect=5.0),
             headers={"Authorization": f"Bearer {self.token}"} if self.token else {},
         )
 
@@ -101,11 +112,23 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None,
-                timeout: float | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
         try:
-            resp = self._http.request(method, path, json=json, params=params,
-                                      timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+            resp = self._http.request(
+                method,
+                path,
+                json=json,
+                params=params,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
         except httpx.TransportError as exc:
             raise errors.ServerUnavailable(
                 f"cannot reach the lease server at {self.url} ({exc.__class__.__name__}: {exc}); "
@@ -121,8 +144,15 @@ class Client:
 
     # ---- leases ------------------------------------------------------------------------------
 
-    def acquire(self, gpus: int = 1, pool: str | None = None, ttl: float | None = None, wait: float = 0,
-                label: str = "", session: str = "") -> Lease:
+    def acquire(
+        self,
+        gpus: int = 1,
+        pool: str | None = None,
+        ttl: float | None = None,
+        wait: float = 0,
+        label: str = "",
+        session: str = "",
+    ) -> Lease:
         body: dict[str, Any] = {"gpus": gpus, "wait": wait, "label": label, "session": session}
         if pool:
             body["pool"] = pool
@@ -167,8 +197,15 @@ class Client:
         return self.request("GET", "/api/v1/health")  # type: ignore[no-any-return]
 
     @contextmanager
-    def lease(self, gpus: int = 1, pool: str | None = None, ttl: float | None = None, wait: float = 0,
-              label: str = "", session: str = "") -> Iterator[HeldLease]:
+    def lease(
+        self,
+        gpus: int = 1,
+        pool: str | None = None,
+        ttl: float | None = None,
+        wait: float = 0,
+        label: str = "",
+        session: str = "",
+    ) -> Iterator[HeldLease]:
         """Hold a lease for the ``with`` block: renewed in the background, released on exit."""
         held = HeldLease(self, self.acquire(gpus, pool, ttl, wait, label, session))
         try:
@@ -186,8 +223,12 @@ class HeldLease:
         self.lease = lease
         self.lost: errors.GpuLeaseError | None = None  # set if a renewal was refused
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, lease.ttl),
-                                        name=f"gpulease-renew-{lease.id}", daemon=True)
+        self._thread = threading.Thread(
+            target=_renew_loop,
+            args=(weakref.ref(self), self._stop, lease.ttl),
+            name=f"gpulease-renew-{lease.id}",
+            daemon=True,
+        )
         self._thread.start()
 
     def __getattr__(self, name: str) -> Any:

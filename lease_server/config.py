@@ -16,19 +16,19 @@ class Settings:
     prefix: str = "gpulease"
     host: str = "127.0.0.1"
     port: int = 8470
-    default_ttl: float = 15.0          # seconds a lease lives without renewal
+    default_ttl: float = 15.0  # seconds a lease lives without renewal
     max_ttl: float = 3600.0
-    max_wait: float = 3600.0           # longest a single request may wait in the queue
-    sweep_interval: float = 0.5        # seconds between sweeps (expiry, dead nodes, stale waiters)
-    heartbeat_interval: float = 2.0    # agent heartbeat period
-    heartbeat_timeout: float = 10.0    # a node not heard from for this long is down
-    default_pool: str = ""             # empty: the pool of the first node registered
+    max_wait: float = 3600.0  # longest a single request may wait in the queue
+    sweep_interval: float = 0.5  # seconds between sweeps (expiry, dead nodes, stale waiters)
+    heartbeat_interval: float = 2.0  # agent heartbeat period
+    heartbeat_timeout: float = 10.0  # a node not heard from for this long is down
+    default_pool: str = ""  # empty: the pool of the first node registered
     pool_overrides: dict[str, str] = field(default_factory=dict)  # node -> pool
     fair_share_half_life: float = 3600.0  # seconds; past GPU-time counts half after this long
-    ended_retention: float = 86400.0   # seconds ended leases stay readable
-    event_log_max: int = 100_000       # approximate stream length kept
+    ended_retention: float = 86400.0  # seconds ended leases stay readable
+    event_log_max: int = 100_000  # approximate stream length kept
     max_body_bytes: int = 64 * 1024
-    ray_address: str = ""              # the Ray cluster that clients (the magic) should use
+    ray_address: str = ""  # the Ray cluster that clients (the magic) should use
 
     def validate(self) -> Settings:
         if self.default_ttl <= 0 or self.max_ttl <= 0:

@@ -23,7 +23,8 @@ def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
 async def read_log(redis: Redis, key: str, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
     """Entries after ``since`` (exclusive; "-" for the oldest kept), oldest first."""
     lo = "-" if since in ("-", "", "0") else f"({since}"
-    return [parse_entry(i, f) for i, f in await redis.xrange(key, lo, "+", count=limit)]
+    entries: Any = await redis.xrange(key, lo, "+", count=limit)
+    return [parse_entry(i, f) for i, f in entries]
 
 
 class EventHub:
@@ -62,7 +63,7 @@ class EventHub:
         last = "$"
         while True:
             try:
-                reply = await self.redis.xread({self.key: last}, block=5000, count=500)
+                reply: Any = await self.redis.xread({self.key: last}, block=5000, count=500)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -70,8 +70,9 @@ def default_node_name() -> str:
     return name if NAME_RE.match(name) else "node"
 
 
-def parse_simulate(spec: str, default_node: str | None = None,
-                   pool_overrides: dict[str, str] | None = None) -> list[NodeInventory]:
+def parse_simulate(
+    spec: str, default_node: str | None = None, pool_overrides: dict[str, str] | None = None
+) -> list[NodeInventory]:
     """Parse ``4xA100-80GB`` or ``node-a=4xA100-80GB,node-b=2xT4-16GB`` into inventories.
 
     The pool of a node is its GPU model with memory (``A100-80GB``) unless ``pool_overrides``
@@ -106,8 +107,7 @@ def parse_simulate(spec: str, default_node: str | None = None,
     return nodes
 
 
-async def register(store: LeaseStore, inv: NodeInventory | None, node: str = "",
-                   alive_s: float | None = None) -> str:
+async def register(store: LeaseStore, inv: NodeInventory | None, node: str = "", alive_s: float | None = None) -> str:
     """Heartbeat of a node agent; with ``inv``, (re)declare its GPUs. Returns up/registered/alive."""
     s = store.settings
     alive_ms = int((alive_s if alive_s is not None else s.heartbeat_timeout) * 1000)
@@ -142,8 +142,8 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
         inv = json.loads(nodes_raw[name])
         is_up = name in up and alive_at.get(name, -1) / 1000 >= now_s
         free = set(json.loads(free_raw.get(name, "[]")) or [])
-        p = pools.setdefault(inv["pool"], {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0})
-        p["nodes"] += 1
+        counts = pools.setdefault(inv["pool"], {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0})
+        counts["nodes"] += 1
         gpus = []
         for g in inv["gpus"]:
             holder = holders.get(f"{name}/{g['index']}")
@@ -156,19 +156,27 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
                 state = "free"
             else:
                 state = "down"
-            p["gpus"] += 1
-            p[state] += 1
+            counts["gpus"] += 1
+            counts[state] += 1
             entry: dict[str, Any] = {**g, "state": state}
             if lease is not None:
                 entry["lease"] = {
-                    "id": lease["id"], "user": lease["user"], "label": lease.get("label", ""),
-                    "since": lease["created_at"] / 1000, "expires_at": lease["expires_at"] / 1000,
+                    "id": lease["id"],
+                    "user": lease["user"],
+                    "label": lease.get("label", ""),
+                    "since": lease["created_at"] / 1000,
+                    "expires_at": lease["expires_at"] / 1000,
                 }
             gpus.append(entry)
         last = alive_at.get(name, -1)
-        nodes.append({
-            "name": name, "pool": inv["pool"], "source": inv.get("source", ""),
-            "state": "up" if is_up else "down",
-            "heartbeat_deadline": last / 1000 if last > 0 else None, "gpus": gpus,
-        })
+        nodes.append(
+            {
+                "name": name,
+                "pool": inv["pool"],
+                "source": inv.get("source", ""),
+                "state": "up" if is_up else "down",
+                "heartbeat_deadline": last / 1000 if last > 0 else None,
+                "gpus": gpus,
+            }
+        )
     return {"now": now_s, "nodes": nodes, "pools": pools}

@@ -110,9 +110,22 @@ class Keys:
     def core(self) -> list[str]:
         """The KEYS[] every state-changing script receives, in this fixed order (see lua/_lib.lua)."""
         return [
-            self.nodes, self.alive, self.free, self.fit, self.sizes, self.holders,
-            self.leases, self.deadlines, self.ended, self.ended_at, self.queue, self.waiters,
-            self.usage, self.fence, self.events, self.grants,
+            self.nodes,
+            self.alive,
+            self.free,
+            self.fit,
+            self.sizes,
+            self.holders,
+            self.leases,
+            self.deadlines,
+            self.ended,
+            self.ended_at,
+            self.queue,
+            self.waiters,
+            self.usage,
+            self.fence,
+            self.events,
+            self.grants,
         ]
 
     def all(self) -> list[str]:

@@ -121,8 +121,12 @@ class LeaseStore:
 
     def _common(self, now_ms: int | None = None) -> list[Any]:
         s = self.settings
-        return ["" if now_ms is None else now_ms, s.event_log_max, s.fair_share_half_life,
-                int(s.ended_retention * 1000)]
+        return [
+            "" if now_ms is None else now_ms,
+            s.event_log_max,
+            s.fair_share_half_life,
+            int(s.ended_retention * 1000),
+        ]
 
     async def run(self, name: str, args: list[Any]) -> tuple[Code, list[Any]]:
         return await self.scripts.call(name, self._core, self._common() + args)
@@ -138,7 +142,8 @@ class LeaseStore:
     async def pool_sizes(self) -> dict[str, dict[str, int]]:
         """{pool: {"nodes": n, "gpus": total, "largest": biggest node}} from the sizes index."""
         pools: dict[str, dict[str, int]] = {}
-        for member in await self.redis.zrange(self.keys.sizes, 0, -1):
+        members: Any = await self.redis.zrange(self.keys.sizes, 0, -1)
+        for member in members:
             pool, total, _node = member.split("|", 2)
             p = pools.setdefault(pool, {"nodes": 0, "gpus": 0, "largest": 0})
             p["nodes"] += 1
@@ -156,7 +161,8 @@ class LeaseStore:
         pools = await self.pool_sizes()
         if not pools:
             raise errors.UnknownPool(
-                "no GPU node is registered yet: start a node agent (gpulease agent, or gpulease up --simulate 1xA100-80GB)"
+                "no GPU node is registered yet: start a node agent "
+                "(gpulease agent, or gpulease up --simulate 1xA100-80GB)"
             )
         name = sorted(pools, key=lambda p: (-pools[p]["gpus"], p))[0]
         self._default_pool = (time.monotonic() + 5.0, name)
@@ -198,14 +204,22 @@ class LeaseStore:
             )
             if code is Code.OK:
                 rec = json.loads(rest[0])
-                log.info("grant %s user=%s pool=%s node=%s gpus=%s", lid, user, pool_s, rec["node"],
-                         [g["index"] for g in rec["gpus"]])
+                log.info(
+                    "grant %s user=%s pool=%s node=%s gpus=%s",
+                    lid,
+                    user,
+                    pool_s,
+                    rec["node"],
+                    [g["index"] for g in rec["gpus"]],
+                )
                 return rec
             if code is Code.BUSY:
                 raise errors.NoCapacity(
                     f"no node in pool {pool_s!r} has {n} free GPU(s) now ({rest[0]} free in the pool); "
                     "pass wait (seconds) to queue for them",
-                    pool=pool_s, free=int(rest[0]), position=0,
+                    pool=pool_s,
+                    free=int(rest[0]),
+                    position=0,
                 )
             if code is not Code.QUEUED:
                 if code is Code.UNKNOWN_POOL:
@@ -236,7 +250,7 @@ class LeaseStore:
                 # The grant is published on the grants channel; the periodic check below is only a
                 # safety net for a pub/sub connection that dropped the message.
                 await asyncio.wait_for(waiter.wait(), timeout=min(remaining, 5.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             raw = await self.redis.hget(self.keys.leases, lid)
             if raw:
@@ -244,8 +258,9 @@ class LeaseStore:
             waiter.clear()
         return await self.cancel_wait(lid, pool, n, wait_s, reason="timeout")
 
-    async def cancel_wait(self, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0,
-                          *, reason: str = "cancelled") -> dict[str, Any]:
+    async def cancel_wait(
+        self, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0, *, reason: str = "cancelled"
+    ) -> dict[str, Any]:
         """Leave the queue. A grant that raced ahead is returned (the caller now holds it)."""
         code, rest = await self.run("cancel_wait", [lid, reason])
         if code is Code.OK:
@@ -255,15 +270,17 @@ class LeaseStore:
             raise errors.NoCapacity(
                 f"no {n} GPU(s) of pool {pool!r} became free within {wait_s:g}s "
                 f"(position {rest[0]} in the queue); wait longer or ask for fewer GPUs",
-                pool=pool, position=int(rest[0]),
+                pool=pool,
+                position=int(rest[0]),
             )
         if code is Code.NO_SUCH:
             raise errors.NoSuchLease(f"request {lid} is not queued")
         raise_for(code, lid)
         raise AssertionError("unreachable")
 
-    async def renew(self, lease_id: str, token: object, user: str, *, admin: bool = False,
-                    ttl: object = None) -> dict[str, Any]:
+    async def renew(
+        self, lease_id: str, token: object, user: str, *, admin: bool = False, ttl: object = None
+    ) -> dict[str, Any]:
         """Extend a live lease by ``ttl`` seconds from now (default: its own ttl)."""
         tok = self._token(token, required=True)
         rec = await self.get(lease_id)
@@ -283,17 +300,23 @@ class LeaseStore:
         raise_for(code, lease_id)
         raise AssertionError("unreachable")
 
-    async def release(self, lease_id: str, user: str, *, admin: bool = False, token: object = None,
-                      revoke: bool = False, reason: str = "") -> tuple[dict[str, Any], bool]:
+    async def release(
+        self,
+        lease_id: str,
+        user: str,
+        *,
+        admin: bool = False,
+        token: object = None,
+        revoke: bool = False,
+        reason: str = "",
+    ) -> tuple[dict[str, Any], bool]:
         """End a lease. Returns (record, changed): releasing an ended lease changes nothing."""
         tok = self._token(token, required=False)
         if revoke and not admin:
             raise errors.Forbidden("only an admin can revoke another user's lease")
         state = LeaseState.REVOKED if revoke else LeaseState.RELEASED
         why = check_text("reason", reason) or ("revoked by an admin" if revoke else "released by its owner")
-        code, rest = await self.run(
-            "release", [lease_id, tok, user, "1" if admin else "0", state.value, why]
-        )
+        code, rest = await self.run("release", [lease_id, tok, user, "1" if admin else "0", state.value, why])
         if code in (Code.OK, Code.ENDED):
             rec = json.loads(rest[0])
             if code is Code.OK:
@@ -314,7 +337,7 @@ class LeaseStore:
 
     async def get(self, lease_id: str) -> dict[str, Any]:
         """A live or recently ended lease record."""
-        raw = await self.redis.hget(self.keys.leases, lease_id)
+        raw: Any = await self.redis.hget(self.keys.leases, lease_id)
         if raw is None:
             raw = await self.redis.hget(self.keys.ended, lease_id)
         if raw is None:
@@ -331,10 +354,8 @@ class LeaseStore:
         """
         totals = [0, 0, 0, 0]
         while True:
-            _code, rest = await self.scripts.call(
-                "sweep", self._core, self._common(now_ms) + [limit, WAITER_GRACE_MS]
-            )
+            _code, rest = await self.scripts.call("sweep", self._core, self._common(now_ms) + [limit, WAITER_GRACE_MS])
             counts = [int(x) for x in rest]
-            totals = [a + b for a, b in zip(totals, counts)]
+            totals = [a + b for a, b in zip(totals, counts, strict=True)]
             if max(counts) < limit:
                 return totals

@@ -20,16 +20,21 @@ class Metrics:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.registry = CollectorRegistry()
-        self.requests = Counter("gpulease_http_requests", "HTTP requests served",
-                                ["method", "route", "status"], registry=self.registry)
-        self.latency = Histogram("gpulease_http_request_seconds", "HTTP request latency", ["route"],
-                                 buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, 30),
-                                 registry=self.registry)
+        self.requests = Counter(
+            "gpulease_http_requests", "HTTP requests served", ["method", "route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "gpulease_http_request_seconds",
+            "HTTP request latency",
+            ["route"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=self.registry,
+        )
         self.gpus = Gauge("gpulease_gpus", "GPUs by pool and state", ["pool", "state"], registry=self.registry)
-        self.queued = Gauge("gpulease_queue_requests", "Requests waiting, by pool", ["pool"],
-                            registry=self.registry)
-        self.queued_gpus = Gauge("gpulease_queue_gpus", "GPUs asked for by waiting requests, by pool",
-                                 ["pool"], registry=self.registry)
+        self.queued = Gauge("gpulease_queue_requests", "Requests waiting, by pool", ["pool"], registry=self.registry)
+        self.queued_gpus = Gauge(
+            "gpulease_queue_gpus", "GPUs asked for by waiting requests, by pool", ["pool"], registry=self.registry
+        )
         self.nodes = Gauge("gpulease_nodes", "Nodes by pool and state", ["pool", "state"], registry=self.registry)
 
     def observe(self, handler: Any, seconds: float) -> None:

@@ -16,16 +16,28 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    text = {400: "Bad input: the message says what to fix", 401: "No or unknown API token",
-            403: "Not allowed for this user", 404: "No such lease, pool or node",
-            409: "Conflict: stale token, lease ended, or no capacity in time",
-            413: "Body too large", 422: "No node of the pool could ever serve this request",
-            503: "Redis unreachable"}
+    text = {
+        400: "Bad input: the message says what to fix",
+        401: "No or unknown API token",
+        403: "Not allowed for this user",
+        404: "No such lease, pool or node",
+        409: "Conflict: stale token, lease ended, or no capacity in time",
+        413: "Body too large",
+        422: "No node of the pool could ever serve this request",
+        503: "Redis unreachable",
+    }
     return {str(c): _json(_ref("Error"), text[c]) for c in codes}
 
 
-def _op(summary: str, ok: dict[str, Any], *codes: int, body: dict[str, Any] | None = None,
-        params: list[dict[str, Any]] | None = None, public: bool = False, ok_code: int = 200) -> dict[str, Any]:
+def _op(
+    summary: str,
+    ok: dict[str, Any],
+    *codes: int,
+    body: dict[str, Any] | None = None,
+    params: list[dict[str, Any]] | None = None,
+    public: bool = False,
+    ok_code: int = 200,
+) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": {str(ok_code): ok, **_errors(*codes)}}
     if body is not None:
         op["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
@@ -43,106 +55,275 @@ NODE = {"name": "node", "in": "path", "required": True, "schema": {"type": "stri
 def openapi_document() -> dict[str, Any]:
     num = {"type": "number"}
     schemas: dict[str, Any] = {
-        "Error": {"type": "object", "required": ["code", "message"], "properties": {
-            "code": {"type": "string"}, "message": {"type": "string"}, "details": {"type": "object"}}},
-        "AcquireRequest": {"type": "object", "required": ["gpus"], "additionalProperties": False, "properties": {
-            "gpus": {"type": "integer", "minimum": 1, "maximum": 1024},
-            "pool": {"type": "string", "description": "Default: the server's default GPU pool"},
-            "ttl": {"type": "number", "minimum": 1, "description": "Seconds the lease lives unless renewed"},
-            "wait": {"type": "number", "minimum": 0, "description": "Seconds to wait in the queue (0: fail at once)"},
-            "label": {"type": "string", "maxLength": 200}, "session": {"type": "string", "maxLength": 200}}},
+        "Error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {"type": "object"}},
+        },
+        "AcquireRequest": {
+            "type": "object",
+            "required": ["gpus"],
+            "additionalProperties": False,
+            "properties": {
+                "gpus": {"type": "integer", "minimum": 1, "maximum": 1024},
+                "pool": {"type": "string", "description": "Default: the server's default GPU pool"},
+                "ttl": {"type": "number", "minimum": 1, "description": "Seconds the lease lives unless renewed"},
+                "wait": {
+                    "type": "number",
+                    "minimum": 0,
+                    "description": "Seconds to wait in the queue (0: fail at once)",
+                },
+                "label": {"type": "string", "maxLength": 200},
+                "session": {"type": "string", "maxLength": 200},
+            },
+        },
         "Gpu": {"type": "object", "properties": {"index": {"type": "integer"}, "uuid": {"type": "string"}}},
-        "Lease": {"type": "object", "required": ["id", "user", "pool", "node", "gpus", "state", "expires_at"],
-                  "properties": {
-                      "id": {"type": "string"}, "token": {"type": "integer", "description": "Fencing token (owner only)"},
-                      "user": {"type": "string"}, "pool": {"type": "string"}, "node": {"type": "string"},
-                      "gpus": {"type": "array", "items": _ref("Gpu")},
-                      "state": {"type": "string", "enum": ["active", "released", "expired", "revoked"]},
-                      "label": {"type": "string"}, "session": {"type": "string"}, "ttl": num,
-                      "created_at": num, "renewed_at": num, "expires_at": num, "renewals": {"type": "integer"},
-                      "waited": num, "ended_at": num, "end_reason": {"type": "string"},
-                      "ended_by": {"type": "string"}, "changed": {"type": "boolean"}}},
+        "Lease": {
+            "type": "object",
+            "required": ["id", "user", "pool", "node", "gpus", "state", "expires_at"],
+            "properties": {
+                "id": {"type": "string"},
+                "token": {"type": "integer", "description": "Fencing token (owner only)"},
+                "user": {"type": "string"},
+                "pool": {"type": "string"},
+                "node": {"type": "string"},
+                "gpus": {"type": "array", "items": _ref("Gpu")},
+                "state": {"type": "string", "enum": ["active", "released", "expired", "revoked"]},
+                "label": {"type": "string"},
+                "session": {"type": "string"},
+                "ttl": num,
+                "created_at": num,
+                "renewed_at": num,
+                "expires_at": num,
+                "renewals": {"type": "integer"},
+                "waited": num,
+                "ended_at": num,
+                "end_reason": {"type": "string"},
+                "ended_by": {"type": "string"},
+                "changed": {"type": "boolean"},
+            },
+        },
         "LeaseList": {"type": "object", "properties": {"leases": {"type": "array", "items": _ref("Lease")}}},
         "TokenBody": {"type": "object", "properties": {"token": {"type": "integer"}, "ttl": num}},
-        "Cluster": {"type": "object", "properties": {
-            "now": num, "default_pool": {"type": ["string", "null"]},
-            "pools": {"type": "object", "additionalProperties": {"type": "object"}},
-            "nodes": {"type": "array", "items": {"type": "object", "properties": {
-                "name": {"type": "string"}, "pool": {"type": "string"},
-                "state": {"type": "string", "enum": ["up", "down"]},
-                "gpus": {"type": "array", "items": {"type": "object", "properties": {
-                    "index": {"type": "integer"}, "uuid": {"type": "string"}, "model": {"type": "string"},
-                    "memory_mb": {"type": "integer"},
-                    "state": {"type": "string", "enum": ["free", "leased", "down"]},
-                    "lease": {"type": "object"}}}}}}}}},
+        "Cluster": {
+            "type": "object",
+            "properties": {
+                "now": num,
+                "default_pool": {"type": ["string", "null"]},
+                "pools": {"type": "object", "additionalProperties": {"type": "object"}},
+                "nodes": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "pool": {"type": "string"},
+                            "state": {"type": "string", "enum": ["up", "down"]},
+                            "gpus": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "index": {"type": "integer"},
+                                        "uuid": {"type": "string"},
+                                        "model": {"type": "string"},
+                                        "memory_mb": {"type": "integer"},
+                                        "state": {"type": "string", "enum": ["free", "leased", "down"]},
+                                        "lease": {"type": "object"},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
         "Queue": {"type": "object", "properties": {"waiting": {"type": "array", "items": {"type": "object"}}}},
         "Event": {"type": "object", "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "ts": num}},
-        "Inventory": {"type": "object", "required": ["pool", "gpus"], "properties": {
-            "pool": {"type": "string"}, "source": {"type": "string", "enum": ["nvml", "simulated"]},
-            "gpus": {"type": "array", "items": {"type": "object", "properties": {
-                "index": {"type": "integer"}, "uuid": {"type": "string"}, "model": {"type": "string"},
-                "memory_mb": {"type": "integer"}}}}}},
+        "Inventory": {
+            "type": "object",
+            "required": ["pool", "gpus"],
+            "properties": {
+                "pool": {"type": "string"},
+                "source": {"type": "string", "enum": ["nvml", "simulated"]},
+                "gpus": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "uuid": {"type": "string"},
+                            "model": {"type": "string"},
+                            "memory_mb": {"type": "integer"},
+                        },
+                    },
+                },
+            },
+        },
     }
     paths: dict[str, Any] = {
         "/api/v1/leases": {
-            "post": _op("Acquire GPUs (waits in the pool's queue up to `wait` seconds)",
-                        _json(_ref("Lease"), "Granted"), 400, 401, 404, 409, 413, 422,
-                        body=_ref("AcquireRequest"), ok_code=201),
-            "get": _op("My live leases (?all=true: everyone's, without tokens)", _json(_ref("LeaseList"), "Leases"),
-                       401, params=[{"name": "all", "in": "query", "schema": {"type": "boolean"}}]),
+            "post": _op(
+                "Acquire GPUs (waits in the pool's queue up to `wait` seconds)",
+                _json(_ref("Lease"), "Granted"),
+                400,
+                401,
+                404,
+                409,
+                413,
+                422,
+                body=_ref("AcquireRequest"),
+                ok_code=201,
+            ),
+            "get": _op(
+                "My live leases (?all=true: everyone's, without tokens)",
+                _json(_ref("LeaseList"), "Leases"),
+                401,
+                params=[{"name": "all", "in": "query", "schema": {"type": "boolean"}}],
+            ),
         },
         "/api/v1/leases/{lease_id}": {
-            "get": _op("One lease, live or recently ended", _json(_ref("Lease"), "The lease"), 401, 404,
-                       params=[LEASE_ID]),
-            "delete": _op("Release (idempotent; an admin releasing another's lease revokes it)",
-                          _json(_ref("Lease"), "Ended lease; `changed` is false if it had ended already"),
-                          400, 401, 403, 404, 409, params=[LEASE_ID, {"name": "token", "in": "query",
-                                                                      "schema": {"type": "integer"}}]),
+            "get": _op(
+                "One lease, live or recently ended", _json(_ref("Lease"), "The lease"), 401, 404, params=[LEASE_ID]
+            ),
+            "delete": _op(
+                "Release (idempotent; an admin releasing another's lease revokes it)",
+                _json(_ref("Lease"), "Ended lease; `changed` is false if it had ended already"),
+                400,
+                401,
+                403,
+                404,
+                409,
+                params=[LEASE_ID, {"name": "token", "in": "query", "schema": {"type": "integer"}}],
+            ),
         },
         "/api/v1/leases/{lease_id}/renew": {
-            "post": _op("Renew with the lease's fencing token", _json(_ref("Lease"), "Renewed"),
-                        400, 401, 403, 404, 409, body=_ref("TokenBody"), params=[LEASE_ID]),
+            "post": _op(
+                "Renew with the lease's fencing token",
+                _json(_ref("Lease"), "Renewed"),
+                400,
+                401,
+                403,
+                404,
+                409,
+                body=_ref("TokenBody"),
+                params=[LEASE_ID],
+            ),
         },
         "/api/v1/leases/{lease_id}/revoke": {
-            "post": _op("Revoke a lease (admin)", _json(_ref("Lease"), "Revoked"), 401, 403, 404,
-                        body={"type": "object", "properties": {"reason": {"type": "string"}}}, params=[LEASE_ID]),
+            "post": _op(
+                "Revoke a lease (admin)",
+                _json(_ref("Lease"), "Revoked"),
+                401,
+                403,
+                404,
+                body={"type": "object", "properties": {"reason": {"type": "string"}}},
+                params=[LEASE_ID],
+            ),
         },
-        "/api/v1/cluster": {"get": _op("Nodes and every GPU's state and holder", _json(_ref("Cluster"), "Cluster"), 401)},
-        "/api/v1/queue": {"get": _op("Waiting requests", _json(_ref("Queue"), "Queue"), 400, 401,
-                                     params=[{"name": "pool", "in": "query", "schema": {"type": "string"}}])},
-        "/api/v1/events": {"get": {
-            "summary": "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=",
-            "parameters": [{"name": "since", "in": "query", "schema": {"type": "string"}}],
-            "responses": {"200": {"description": "text/event-stream of Event objects",
-                                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                          **_errors(401)}}},
-        "/api/v1/events/log": {"get": _op(
-            "Event log entries after `since`", _json({"type": "object", "properties": {
-                "events": {"type": "array", "items": _ref("Event")}}}, "Entries"), 400, 401,
-            params=[{"name": "since", "in": "query", "schema": {"type": "string"}},
-                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10000}}])},
-        "/api/v1/nodes/{node}": {"put": _op("Declare a node's GPUs (agent/admin)", _json({"type": "object"}, "Registered"),
-                                            400, 401, 403, body=_ref("Inventory"), params=[NODE])},
-        "/api/v1/nodes/{node}/heartbeat": {"post": _op("Agent heartbeat", _json({"type": "object"}, "Alive"),
-                                                       401, 403, 404, params=[NODE])},
-        "/api/v1/tokens": {"post": _op("Create an API token (admin)", _json({"type": "object"}, "Token"), 400, 401, 403,
-                                       body={"type": "object", "required": ["user"], "properties": {
-                                           "user": {"type": "string"},
-                                           "role": {"type": "string", "enum": ["user", "admin", "agent"]}}},
-                                       ok_code=201)},
-        "/api/v1/info": {"get": _op("Server settings clients need: Ray address, default pool, TTLs, pools",
-                                    _json({"type": "object"}, "Info"), 401)},
+        "/api/v1/cluster": {
+            "get": _op("Nodes and every GPU's state and holder", _json(_ref("Cluster"), "Cluster"), 401)
+        },
+        "/api/v1/queue": {
+            "get": _op(
+                "Waiting requests",
+                _json(_ref("Queue"), "Queue"),
+                400,
+                401,
+                params=[{"name": "pool", "in": "query", "schema": {"type": "string"}}],
+            )
+        },
+        "/api/v1/events": {
+            "get": {
+                "summary": "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=",
+                "parameters": [{"name": "since", "in": "query", "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {
+                        "description": "text/event-stream of Event objects",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(401),
+                },
+            }
+        },
+        "/api/v1/events/log": {
+            "get": _op(
+                "Event log entries after `since`",
+                _json(
+                    {"type": "object", "properties": {"events": {"type": "array", "items": _ref("Event")}}}, "Entries"
+                ),
+                400,
+                401,
+                params=[
+                    {"name": "since", "in": "query", "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
+                ],
+            )
+        },
+        "/api/v1/nodes/{node}": {
+            "put": _op(
+                "Declare a node's GPUs (agent/admin)",
+                _json({"type": "object"}, "Registered"),
+                400,
+                401,
+                403,
+                body=_ref("Inventory"),
+                params=[NODE],
+            )
+        },
+        "/api/v1/nodes/{node}/heartbeat": {
+            "post": _op("Agent heartbeat", _json({"type": "object"}, "Alive"), 401, 403, 404, params=[NODE])
+        },
+        "/api/v1/tokens": {
+            "post": _op(
+                "Create an API token (admin)",
+                _json({"type": "object"}, "Token"),
+                400,
+                401,
+                403,
+                body={
+                    "type": "object",
+                    "required": ["user"],
+                    "properties": {
+                        "user": {"type": "string"},
+                        "role": {"type": "string", "enum": ["user", "admin", "agent"]},
+                    },
+                },
+                ok_code=201,
+            )
+        },
+        "/api/v1/info": {
+            "get": _op(
+                "Server settings clients need: Ray address, default pool, TTLs, pools",
+                _json({"type": "object"}, "Info"),
+                401,
+            )
+        },
         "/api/v1/whoami": {"get": _op("The caller's user and role", _json({"type": "object"}, "Identity"), 401)},
-        "/api/v1/health": {"get": _op("Liveness and Redis reachability", _json({"type": "object"}, "Healthy"),
-                                      503, public=True)},
+        "/api/v1/health": {
+            "get": _op("Liveness and Redis reachability", _json({"type": "object"}, "Healthy"), 503, public=True)
+        },
         "/api/v1/openapi.json": {"get": _op("This document", _json({"type": "object"}, "OpenAPI 3.1"), public=True)},
-        "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {
-            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "gpulease lease server", "version": __version__,
-                 "description": "GPUs leased to notebook cells. All times are Unix epoch seconds."},
+        "info": {
+            "title": "gpulease lease server",
+            "version": __version__,
+            "description": "GPUs leased to notebook cells. All times are Unix epoch seconds.",
+        },
         "servers": [{"url": "/"}],
         "security": [{"bearer": []}],
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}, "schemas": schemas},

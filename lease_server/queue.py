@@ -63,9 +63,9 @@ class GrantNotifier:
                     ev.set()
                 async for msg in pubsub.listen():
                     if msg.get("type") == "message":
-                        ev = self._events.get(msg["data"])
-                        if ev is not None:
-                            ev.set()
+                        granted = self._events.get(msg["data"])
+                        if granted is not None:
+                            granted.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection lost: resubscribe after a short pause
@@ -79,7 +79,7 @@ class GrantNotifier:
 async def queue_view(redis: Redis, keys: Keys, pool: str | None = None) -> list[dict[str, Any]]:
     """Waiters in FIFO order per pool, with their 1-based position (approximate under fair share)."""
     lo, hi = ("-", "+") if pool is None else (f"[{pool}|", f"({pool}|~")
-    members = await redis.zrangebylex(keys.queue, lo, hi)
+    members: Any = await redis.zrangebylex(keys.queue, lo, hi)
     if not members:
         return []
     ids = [m.rsplit("|", 1)[1] for m in members]
@@ -91,9 +91,16 @@ async def queue_view(redis: Redis, keys: Keys, pool: str | None = None) -> list[
             continue
         w = json.loads(raw)
         positions[w["pool"]] = positions.get(w["pool"], 0) + 1
-        out.append({
-            "id": w["id"], "user": w["user"], "pool": w["pool"], "gpus": w["gpus"],
-            "label": w.get("label", ""), "position": positions[w["pool"]],
-            "enqueued_at": w["enqueued_at"] / 1000, "deadline": w["deadline"] / 1000,
-        })
+        out.append(
+            {
+                "id": w["id"],
+                "user": w["user"],
+                "pool": w["pool"],
+                "gpus": w["gpus"],
+                "label": w.get("label", ""),
+                "position": positions[w["pool"]],
+                "enqueued_at": w["enqueued_at"] / 1000,
+                "deadline": w["deadline"] / 1000,
+            }
+        )
     return out

@@ -42,8 +42,7 @@ class RedisProcess:
     can lose at most the last second. Pass ``fsync="always"`` to close that window too.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str], port: int | None = None,
-                 fsync: str = "everysec") -> None:
+    def __init__(self, data_dir: str | os.PathLike[str], port: int | None = None, fsync: str = "everysec") -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.fsync = fsync
@@ -56,18 +55,32 @@ class RedisProcess:
     def start(self, timeout: float = 15.0) -> RedisProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", self.fsync,
-            "--save", "", "--protected-mode", "yes", "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.fsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                log = (self.data_dir / "redis.log")
+                log = self.data_dir / "redis.log"
                 tail = log.read_text()[-800:] if log.exists() else ""
                 raise ConfigurationError(f"redis-server exited at start: {err}{tail}")
             if self._ping():

@@ -46,9 +46,7 @@ class Scripts:
     """The registered scripts of one Redis connection (EVALSHA, re-loaded on NOSCRIPT)."""
 
     def __init__(self, redis: Redis) -> None:
-        self._scripts: dict[str, AsyncScript] = {
-            name: redis.register_script(source(name)) for name in SCRIPT_NAMES
-        }
+        self._scripts: dict[str, AsyncScript] = {name: redis.register_script(source(name)) for name in SCRIPT_NAMES}
 
     async def call(self, name: str, keys: list[str], args: list[Any]) -> tuple[Code, list[Any]]:
         reply = await self._scripts[name](keys=keys, args=args)
@@ -78,7 +76,8 @@ def raise_for(code: Code, lease_id: str = "", pool: str = "", extra: Any = None)
         raise errors.Unsatisfiable(
             f"no node in pool {pool!r} has that many GPUs: the largest has {extra}; "
             f"ask for at most {extra} (multi-node requests are not supported yet)",
-            pool=pool, largest_node=int(extra),
+            pool=pool,
+            largest_node=int(extra),
         )
     if code is Code.DUPLICATE:
         raise errors.Conflict(f"lease id {lease_id!r} is already in use")

@@ -20,9 +20,13 @@ from .inventory import NodeInventory
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: Settings, sockets: list[socket.socket] | None = None,
-                stop: asyncio.Event | None = None, on_ready: Callable[[int], None] | None = None,
-                local_nodes: list[NodeInventory] | None = None) -> None:
+async def serve(
+    settings: Settings,
+    sockets: list[socket.socket] | None = None,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int], None] | None = None,
+    local_nodes: list[NodeInventory] | None = None,
+) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when run as the main task).
 
     ``local_nodes``: inventories of this machine, kept alive by an in-process agent (gpulease up).

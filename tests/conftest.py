@@ -49,8 +49,9 @@ def redis_sync(redis_server: RedisProcess) -> Iterator[Redis]:
 
 
 def make_settings(redis_url: str, prefix: str, **kw: object) -> Settings:
-    base: dict[str, object] = dict(redis_url=redis_url, prefix=prefix, port=0, sweep_interval=0.1,
-                                   heartbeat_interval=0.5, heartbeat_timeout=3.0)
+    base: dict[str, object] = dict(
+        redis_url=redis_url, prefix=prefix, port=0, sweep_interval=0.1, heartbeat_interval=0.5, heartbeat_timeout=3.0
+    )
     base.update(kw)
     return Settings.load(None, **base)
 
@@ -155,12 +156,27 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
-        env = {**os.environ, "GPULEASE_PREFIX": self.prefix, "GPULEASE_SWEEP_INTERVAL": "0.2",
-               "GPULEASE_HEARTBEAT_TIMEOUT": "5"}
+        env = {
+            **os.environ,
+            "GPULEASE_PREFIX": self.prefix,
+            "GPULEASE_SWEEP_INTERVAL": "0.2",
+            "GPULEASE_HEARTBEAT_TIMEOUT": "5",
+        }
         log = open(self.tmp / f"server-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lease_server.cli", "server", "--redis-url", self.redis_url,
-             "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "lease_server.cli",
+                "server",
+                "--redis-url",
+                self.redis_url,
+                "--port",
+                str(self.port),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         import httpx

@@ -23,7 +23,7 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
     rng = random.Random(seed)
     stats = {"ops": 0, "granted": 0, "busy": 0, "renewed": 0, "released": 0, "lost": 0, "abandoned": 0, "revoked": 0}
     held = []
-    with Client(url, token, timeout=30) as c, (Client(url, admin_token) if admin_token else Client(url, token)) as admin:
+    with Client(url, token, timeout=30) as c, Client(url, admin_token) if admin_token else Client(url, token) as admin:
         for _ in range(ops):
             stats["ops"] += 1
             roll = rng.random()
@@ -70,8 +70,9 @@ def _proc_main(args: tuple[str, str, int, int], out: mp.Queue) -> None:  # type:
 
 @pytest.mark.slow
 def test_fifty_clients_never_double_grant(server_factory, redis_sync):
-    srv = server_factory(simulate="n1=8xA100-80GB,n2=8xA100-80GB,n3=4xA100-80GB,n4=2xA100-80GB,t1=4xT4-16GB",
-                         sweep_interval=0.05)
+    srv = server_factory(
+        simulate="n1=8xA100-80GB,n2=8xA100-80GB,n3=4xA100-80GB,n4=2xA100-80GB,t1=4xT4-16GB", sweep_interval=0.05
+    )
     keys = Keys(srv.settings.prefix)
     admin = srv.token("root", "admin")
     results: list[dict[str, int] | str] = []
@@ -88,8 +89,9 @@ def test_fifty_clients_never_double_grant(server_factory, redis_sync):
     tokens = [srv.token(f"p{i}") for i in range(10)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_proc_main, args=((srv.url, tokens[i], 1000 + i, OPS_PER_CLIENT), queue))
-             for i in range(10)]
+    procs = [
+        ctx.Process(target=_proc_main, args=((srv.url, tokens[i], 1000 + i, OPS_PER_CLIENT), queue)) for i in range(10)
+    ]
     threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(40)]
     for p in procs:
         p.start()

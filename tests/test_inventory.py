@@ -24,21 +24,35 @@ def nvml_like(gpus: list[tuple[str, str, int]]) -> types.SimpleNamespace:
     def nvmlShutdown() -> None: ...
     def nvmlDeviceGetCount() -> int:
         return len(gpus)
+
     def nvmlDeviceGetHandleByIndex(index):  # noqa: ANN001, ANN202
         if not 0 <= index < len(gpus):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return index
+
     def nvmlDeviceGetUUID(handle):  # noqa: ANN001, ANN202
         return gpus[handle][0]
+
     def nvmlDeviceGetName(handle):  # noqa: ANN001, ANN202
         return gpus[handle][1]
+
     def nvmlDeviceGetMemoryInfo(handle, version=None):  # noqa: ANN001, ANN202
         mem = pynvml.c_nvmlMemory_t()
         mem.total = gpus[handle][2]
         return mem
 
-    fns = {f.__name__: f for f in (nvmlInit, nvmlShutdown, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
-                                   nvmlDeviceGetUUID, nvmlDeviceGetName, nvmlDeviceGetMemoryInfo)}
+    fns = {
+        f.__name__: f
+        for f in (
+            nvmlInit,
+            nvmlShutdown,
+            nvmlDeviceGetCount,
+            nvmlDeviceGetHandleByIndex,
+            nvmlDeviceGetUUID,
+            nvmlDeviceGetName,
+            nvmlDeviceGetMemoryInfo,
+        )
+    }
     for name, fn in fns.items():
         real = getattr(pynvml, name)
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(real).parameters), name
@@ -51,7 +65,9 @@ def test_nvml_inventory_reads_index_uuid_model_memory():
     inv = nvml_inventory("gpu-box", nvml=nvml)
     assert inv.source == "nvml" and inv.node == "gpu-box"
     assert [(g.index, g.uuid, g.model, g.memory_mb) for g in inv.gpus] == [
-        (0, "GPU-aaa", "NVIDIA A100-SXM4-80GB", 81920), (1, "GPU-bbb", "NVIDIA A100-SXM4-80GB", 81920)]
+        (0, "GPU-aaa", "NVIDIA A100-SXM4-80GB", 81920),
+        (1, "GPU-bbb", "NVIDIA A100-SXM4-80GB", 81920),
+    ]
     assert inv.pool == "A100-SXM4-80GB"
 
 
@@ -63,8 +79,12 @@ def test_nvml_on_a_machine_without_gpus_says_what_to_do():
 
 
 def test_agent_cli_without_gpus_fails_with_one_clear_line():
-    out = subprocess.run([sys.executable, "-m", "lease_server.cli", "agent", "--url", "http://127.0.0.1:9"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "lease_server.cli", "agent", "--url", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     assert "--simulate" in out.stderr and "Traceback" not in out.stderr
 
