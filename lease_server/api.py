@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from .queue import queue_view
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 
 
 class Context:
@@ -147,14 +149,17 @@ class BaseHandler(tornado.web.RequestHandler):
 class LeasesHandler(BaseHandler):
     async def post(self) -> None:
         body = self.body()
-        unknown = set(body) - {"gpus", "pool", "ttl", "wait", "label", "session"}
+        unknown = set(body) - {"gpus", "pool", "ttl", "wait", "label", "session", "id"}
         if unknown:
             raise errors.BadRequest(
-                f"unknown field(s) {sorted(unknown)}; allowed: gpus, pool, ttl, wait, label, session"
+                f"unknown field(s) {sorted(unknown)}; allowed: gpus, pool, ttl, wait, label, session, id"
             )
         if "gpus" not in body:
             raise errors.BadRequest('gpus is required, e.g. {"gpus": 1}')
-        self._lease_id = new_lease_id()
+        rid = body.get("id")
+        if rid is not None and (not isinstance(rid, str) or not REQUEST_ID_RE.match(rid)):
+            raise errors.BadRequest("id must be 8 to 64 letters, digits, '.', '_' or '-' (a random request id)")
+        self._lease_id = rid or new_lease_id()
         rec = await self.store.acquire(
             self.identity.user,
             body["gpus"],

@@ -398,8 +398,13 @@ def acquire(
             )
             return
         t0 = time.monotonic()
-        with console.status(f"waiting for {gpus} GPU(s)…") if wait else _null():
-            held_cm = c.lease(gpus, pool, ttl, wait, label or " ".join(command)[:200])
+        with console.status(f"asking for {gpus} GPU(s)…") as spinner:
+
+            def progress(position: int | None, elapsed: float) -> None:
+                where = f"position {position} in the queue" if position else "being granted"
+                spinner.update(f"waiting for {gpus} GPU(s) of {pool or 'the default pool'}: {where}, {elapsed:.0f}s")
+
+            held_cm = c.lease(gpus, pool, ttl, wait, label or " ".join(command)[:200], progress=progress)
             held = held_cm.__enter__()
         err_console.print(
             f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "
@@ -420,14 +425,6 @@ def acquire(
             held_cm.__exit__(None, None, None)
             err_console.print(f"released {held.id} after {time.monotonic() - t0:.1f}s")
         sys.exit(code)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @main.command()

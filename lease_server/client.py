@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,13 +154,48 @@ class Client:
         wait: float = 0,
         label: str = "",
         session: str = "",
+        progress: Callable[[int | None, float], None] | None = None,
     ) -> Lease:
-        body: dict[str, Any] = {"gpus": gpus, "wait": wait, "label": label, "session": session}
+        """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
+
+        ``progress(position, elapsed_s)`` is called about once a second while the request waits
+        (position None once it has left the queue), so a caller can show where it stands.
+        """
+        lid = "l-" + secrets.token_hex(8)
+        body: dict[str, Any] = {"id": lid, "gpus": gpus, "wait": wait, "label": label, "session": session}
         if pool:
             body["pool"] = pool
         if ttl:
             body["ttl"] = ttl
-        return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))
+
+        def post() -> Lease:
+            return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))
+
+        if progress is None or wait <= 0:
+            return post()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["lease"] = post()
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        t0 = time.monotonic()
+        worker = threading.Thread(target=run, name=f"gpulease-acquire-{lid}", daemon=True)
+        worker.start()
+        while True:
+            worker.join(1.0)
+            if not worker.is_alive():
+                break
+            try:
+                position = next((w["position"] for w in self.queue(pool) if w["id"] == lid), None)
+            except errors.GpuLeaseError:
+                position = None
+            progress(position, time.monotonic() - t0)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["lease"]  # type: ignore[no-any-return]
 
     def renew(self, lease: Lease | str, token: int | None = None, ttl: float | None = None) -> Lease:
         lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
@@ -205,9 +242,10 @@ class Client:
         wait: float = 0,
         label: str = "",
         session: str = "",
+        progress: Callable[[int | None, float], None] | None = None,
     ) -> Iterator[HeldLease]:
         """Hold a lease for the ``with`` block: renewed in the background, released on exit."""
-        held = HeldLease(self, self.acquire(gpus, pool, ttl, wait, label, session))
+        held = HeldLease(self, self.acquire(gpus, pool, ttl, wait, label, session, progress))
         try:
             yield held
         finally:

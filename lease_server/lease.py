@@ -221,6 +221,13 @@ class LeaseStore:
                     free=int(rest[0]),
                     position=0,
                 )
+            if code is Code.DUPLICATE:
+                # A retried request (same id, same user) whose grant already happened: return it,
+                # so a client may safely resend a POST whose answer it lost.
+                raw = await self.redis.hget(self.keys.leases, lid)
+                if raw and json.loads(raw)["user"] == user:
+                    return dict(json.loads(raw))
+                raise errors.Conflict(f"request id {lid!r} is already in use; send a new id, or none")
             if code is not Code.QUEUED:
                 if code is Code.UNKNOWN_POOL:
                     known = ", ".join(sorted(await self.pool_sizes())) or "none registered"

@@ -75,6 +75,12 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "label": {"type": "string", "maxLength": 200},
                 "session": {"type": "string", "maxLength": 200},
+                "id": {
+                    "type": "string",
+                    "pattern": "^[A-Za-z0-9._-]{8,64}$",
+                    "description": "Optional request id chosen by the client: it becomes the lease id, shows "
+                    "the request in GET /queue while it waits, and makes a resent POST return the same grant",
+                },
             },
         },
         "Gpu": {"type": "object", "properties": {"index": {"type": "integer"}, "uuid": {"type": "string"}}},

@@ -10,7 +10,12 @@ local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
   local ended = redis.call('HGET', K_ENDED, id)
   if ended then
-    if cjson.decode(ended).user ~= user and admin ~= '1' then return {NOT_OWNER} end
+    local e = cjson.decode(ended)
+    if e.user ~= user and admin ~= '1' then return {NOT_OWNER} end
+    if tostring(e.token) ~= token then return {STALE} end
+    if e.state == 'expired' then
+      emit('renew_miss', {lease = id, user = e.user, late_ms = NOW - e.expires_at})
+    end
     return {ENDED, ended}
   end
   return {NO_SUCH}

@@ -1,0 +1,122 @@
+"""The gpulease command line, run as a user would: `gpulease up`, then the client commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lease_server.redis_proc import free_port
+
+CLI = [sys.executable, "-m", "lease_server.cli"]
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Up:
+    def __init__(self, data: Path, *extra: str) -> None:
+        self.data, self.port = data, free_port()
+        self.env = {**os.environ, "GPULEASE_HOME": str(data)}
+        self.env.pop("GPULEASE_URL", None)
+        self.env.pop("GPULEASE_TOKEN", None)
+        self.proc = subprocess.Popen(
+            [*CLI, "up", "--simulate", "box=2xA100-80GB", "--no-lab", "--port", str(self.port),
+             "--data-dir", str(data), *extra],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/api/v1/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)  # polling a process that is starting: there is no event to wait on
+        raise AssertionError("gpulease up did not answer")
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*CLI, *args], env=self.env, capture_output=True, text=True, timeout=60)
+
+    def interrupt(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGINT)
+        out, _ = self.proc.communicate(timeout=60)
+        return self.proc.returncode, out
+
+
+def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
+    up = Up(tmp_path / "home", "--no-ray")
+    try:
+        token_file = up.data / "token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+
+        status = up.run("status", "--json")
+        assert status.returncode == 0, status.stderr
+        view = json.loads(status.stdout)
+        assert view["default_pool"] == "A100-80GB" and len(view["nodes"][0]["gpus"]) == 2
+
+        ran = up.run("acquire", "--gpus", "2", "--", sys.executable, "-c",
+                     "import os; print('CVD=' + os.environ['CUDA_VISIBLE_DEVICES'])")
+        assert ran.returncode == 0, ran.stderr
+        assert "CVD=0,1" in ran.stdout
+        code = up.run("acquire", "--gpus", "1", "--", sys.executable, "-c", "raise SystemExit(7)")
+        assert code.returncode == 7
+
+        kept = up.run("acquire", "--gpus", "1", "--ttl", "3600", "--label", "keep")
+        assert kept.returncode == 0, kept.stderr
+        kept_id = json.loads(kept.stdout)["id"]
+
+        too_many = up.run("acquire", "--gpus", "3")
+        assert too_many.returncode == 2 and "the largest has 2" in too_many.stderr
+        assert "Traceback" not in too_many.stderr
+
+        table = up.run("status")
+        assert "keep" in table.stdout and "leased" in table.stdout
+    finally:
+        code, out = up.interrupt()
+    assert code == 0, out
+    assert "gpulease is down" in out
+    redis_port = int(out.split("redis://127.0.0.1:")[1].split("/")[0])
+    assert not port_open(up.port) and not port_open(redis_port)
+
+    # Up again on the same data dir: same token, and the lease taken before is still there (AOF).
+    again = Up(tmp_path / "home", "--no-ray")
+    try:
+        assert (again.data / "token").read_text().strip() == token
+        lease = httpx.get(f"http://127.0.0.1:{again.port}/api/v1/leases/{kept_id}",
+                          headers={"Authorization": f"Bearer {token}"}).json()
+        assert lease["state"] == "active" and lease["label"] == "keep"
+        assert again.run("release", kept_id).returncode == 0
+    finally:
+        assert again.interrupt()[0] == 0
+
+
+@pytest.mark.slow
+def test_up_starts_and_stops_a_ray_head(tmp_path):
+    up = Up(tmp_path / "home")
+    try:
+        token = (up.data / "token").read_text().strip()
+        info = httpx.get(f"http://127.0.0.1:{up.port}/api/v1/info", headers={"Authorization": f"Bearer {token}"}).json()
+        host, port = info["ray_address"].split(":")
+        deadline = time.monotonic() + 60
+        while not port_open(int(port)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # Ray's head takes a few seconds to open its port; no event to wait on
+        assert port_open(int(port))
+    finally:
+        code, out = up.interrupt()
+    assert code == 0, out
+    assert "stopped ray head" in out and not port_open(int(port))
