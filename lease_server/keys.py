@@ -15,7 +15,8 @@ without per-node or per-lease keys, state lives in a handful of global structure
 ``deadlines``  zset   lease id -> expires_at (ms)
 ``ended``      hash   lease id -> JSON record of a released / expired / revoked lease (kept a while)
 ``ended_at``   zset   lease id -> end time (ms), to trim ``ended``
-``queue``      zset   lexicographic "pool|ENQUEUED_MS|waiter id" (FIFO per pool)
+``queue``      zset   lexicographic "pool|SEQUENCE|waiter id" (FIFO per pool)
+``queue_seq``  string counter giving every waiter its place in arrival order
 ``waiters``    hash   waiter id -> JSON request
 ``usage``      hash   "pool|user" -> JSON {v: decayed GPU-seconds, t: ms}
 ``fence``      string monotonic fencing-token counter
@@ -96,6 +97,10 @@ class Keys:
         return self._k("fence")
 
     @property
+    def queue_seq(self) -> str:
+        return self._k("queue_seq")
+
+    @property
     def events(self) -> str:
         return self._k("events")
 
@@ -126,6 +131,7 @@ class Keys:
             self.fence,
             self.events,
             self.grants,
+            self.queue_seq,
         ]
 
     def all(self) -> list[str]:

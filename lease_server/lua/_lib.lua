@@ -10,6 +10,7 @@
 --   KEYS[6] = holders    hash node/index -> lease id      KEYS[14] = fence     fencing counter
 --   KEYS[7] = leases     hash id -> live lease JSON       KEYS[15] = events    stream
 --   KEYS[8] = deadlines  zset id -> expires_at ms         KEYS[16] = grants    pub/sub channel name
+--                                                        KEYS[17] = queue_seq arrival-order counter
 -- Common ARGV:
 --   ARGV[1] = virtual "now" in ms, or "" to use Redis TIME (only the simulator passes a value)
 --   ARGV[2] = approximate maximum length of the event stream
@@ -18,6 +19,7 @@
 local K_NODES, K_ALIVE, K_FREE, K_FIT, K_SIZES, K_HOLDERS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local K_LEASES, K_DEADLINES, K_ENDED, K_ENDED_AT = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_QUEUE, K_WAITERS, K_USAGE, K_FENCE, K_EVENTS, K_GRANTS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]
+local K_QUEUE_SEQ = KEYS[17]
 
 -- Return codes shared with lease_server/scripts.py (Code enum). Keep both in step.
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
@@ -170,9 +172,10 @@ local function dispatch(pool)
       redis.call('ZREM', K_QUEUE, m)
     end
   end
+  -- Equal keys (same user standing, same millisecond) go in arrival order: the older waiter first.
   table.sort(order, function(a, b)
     if a.key ~= b.key then return a.key < b.key end
-    return a.enqueued_at < b.enqueued_at
+    return a.seq < b.seq
   end)
   local reserved = nil
   local granted = 0

@@ -19,9 +19,10 @@ if n > size then return {UNSATISFIABLE, size} end
 
 -- Every request goes through the queue, so a newcomer never jumps waiters it would delay:
 -- dispatch grants it now only if it is first in fair-share order or fits beside the blocked head.
-local member = pool .. '|' .. string.format('%015d', NOW) .. '|' .. id
+local seq = redis.call('INCR', K_QUEUE_SEQ)
+local member = pool .. '|' .. string.format('%015d', seq) .. '|' .. id
 local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
-           session = ARGV[12], enqueued_at = NOW, deadline = NOW + wait_ms, member = member}
+           session = ARGV[12], enqueued_at = NOW, deadline = NOW + wait_ms, member = member, seq = seq}
 redis.call('ZADD', K_QUEUE, 0, member)
 redis.call('HSET', K_WAITERS, id, cjson.encode(w))
 dispatch(pool)
