@@ -103,7 +103,7 @@ async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str
         await r.aclose()
 
 
-def _start_ray(data_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes] | None, str]:
     ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     if not Path(ray).exists():
         err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
@@ -122,6 +122,9 @@ def _start_ray(data_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
             "--disable-usage-stats",
             "--include-dashboard=false",
             "--num-gpus=0",
+            # Every lease-server node this machine serves is a Ray resource, so that a call is
+            # placed on the Ray node of its lease (magics.runner.node_resource).
+            "--resources=" + json.dumps({f"gpulease_node_{n.node}": 1000 for n in nodes}),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -218,7 +221,7 @@ def up(
         url = f"http://127.0.0.1:{port}"
         (data_dir / "url").write_text(url + "\n")
         if ray:
-            ray_proc, settings.ray_address = _start_ray(data_dir)
+            ray_proc, settings.ray_address = _start_ray(data_dir, nodes)
             (data_dir / "ray_address").write_text(settings.ray_address + "\n")
         lab_url = ""
         if lab:
@@ -460,6 +463,22 @@ def events(since: str, limit: int, url: str | None, token: str | None) -> None:
     with Client(url, token) as c:
         for ev in c.events(since, limit):
             click.echo(json.dumps(ev))
+
+
+@main.group()
+def kernel() -> None:
+    """The CPU-only Jupyter kernel with the %%gpu_train magics."""
+
+
+@kernel.command("install")
+@click.option("--user", is_flag=True, help="Install for this user only (~/.local/share/jupyter)")
+@click.option("--prefix", default=None, help="Install under this prefix (e.g. a virtualenv: sys.prefix)")
+def kernel_install(user: bool, prefix: str | None) -> None:
+    """Install the kernelspec "Python 3 (gpulease)": no GPU visible, magics preloaded."""
+    from magics.kernel import DISPLAY_NAME, install
+
+    path = install(user=user, prefix=prefix)
+    click.echo(f"installed kernel {DISPLAY_NAME!r} in {path}")
 
 
 @main.group()

@@ -1,0 +1,377 @@
+"""Run a function or a cell on leased GPUs through Ray: the plain, testable core of %%gpu_train.
+
+    from magics import run_on_gpus
+    losses = run_on_gpus(train, epochs=3, gpus=2, timeout="1h")
+
+The lease server decides who holds which GPU; Ray only runs the call, on the node of the lease,
+in a pre-started single-use worker whose ``CUDA_VISIBLE_DEVICES`` is exactly the leased indexes.
+The lease is released the moment the call returns, fails, times out or is interrupted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lease_server import errors
+from lease_server.client import Client, HeldLease
+
+from .worker import WATCHDOG_EXIT_CODE, GpuWorker
+
+log = logging.getLogger(__name__)
+RESOURCE_PREFIX = "gpulease_node_"
+SPARES_PER_NODE = 1
+
+
+def node_resource(node: str) -> str:
+    """The Ray custom resource that marks the Ray node serving lease-server node ``node``."""
+    return RESOURCE_PREFIX + node
+
+
+_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
+
+
+def parse_duration(text: str | float | int | None) -> float | None:
+    """'90', '90s', '10m', '1h30m' -> seconds. None stays None."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        m = _DURATION.match(str(text))
+        if not m or not any(m.groups()):
+            raise ValueError(f"cannot read duration {text!r}: write e.g. 90, 90s, 10m or 1h30m")
+        h, mins, s = (float(g) if g else 0.0 for g in m.groups())
+        seconds = h * 3600 + mins * 60 + s
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {text!r}")
+    return seconds
+
+
+class GpuTrainError(Exception):
+    """The call failed on the worker (or the worker died). Shown as the remote traceback, once."""
+
+    def __init__(self, summary: str, remote_traceback: str = "", node: str = "", remote_type: str = "") -> None:
+        super().__init__(summary)
+        self.summary = summary
+        self.remote_traceback = remote_traceback
+        self.node = node
+        self.remote_type = remote_type
+
+    def render(self) -> str:
+        head = f"--- traceback from the worker on node {self.node} ---\n" if self.remote_traceback else ""
+        return f"{head}{self.remote_traceback}{self.summary}"
+
+
+class GpuTrainTimeout(GpuTrainError):
+    pass
+
+
+@dataclass
+class Defaults:
+    """Session defaults, changed with %gpu_config."""
+
+    gpus: int = 1
+    pool: str | None = None
+    timeout: float | None = None
+    wait: float = 3600.0
+    url: str | None = None
+    token: str | None = None
+    ttl: float | None = None
+
+
+@dataclass
+class Outcome:
+    value: Any
+    lease_id: str
+    node: str
+    gpus: list[int]
+    held_s: float
+    peak_memory: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Session:
+    """Per-process state: the lease client, the Ray connection, spare workers, live leases."""
+
+    def __init__(self) -> None:
+        self.defaults = Defaults()
+        self._client: Client | None = None
+        self._lock = threading.RLock()
+        self._pinned: bool | None = None
+        self._spares: dict[str, deque[Any]] = {}
+        self.held: set[HeldLease] = set()
+        self._actor_cls: Any = None
+        atexit.register(self.release_all)
+
+    # ---- connections -------------------------------------------------------------------------
+
+    def client(self) -> Client:
+        with self._lock:
+            if self._client is None:
+                self._client = Client(self.defaults.url, self.defaults.token)
+            return self._client
+
+    def reset_client(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+            self._client = None
+
+    def connect_ray(self) -> None:
+        """Join the Ray cluster that the lease server names; start nothing of our own."""
+        import ray
+
+        # Ray tells notebook users to install ipywidgets for a prettier repr; that is noise here.
+        logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)
+        with self._lock:
+            if self._actor_cls is not None and ray.is_initialized():
+                return
+            if not ray.is_initialized():
+                address = self.client().request("GET", "/api/v1/info").get("ray_address") or os.environ.get(
+                    "RAY_ADDRESS"
+                )
+                if not address:
+                    raise errors.ConfigurationError(
+                        "the lease server names no Ray cluster: start it with 'gpulease up' (which starts "
+                        "a Ray head) or 'gpulease server --ray-address HOST:PORT'"
+                    )
+                ray.init(
+                    address=address,
+                    namespace="gpulease",
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                    configure_logging=False,
+                )
+            self._actor_cls = ray.remote(GpuWorker)
+            resources = ray.cluster_resources()
+            self._pinned = any(k.startswith(RESOURCE_PREFIX) for k in resources)
+
+    def _new_worker(self, node: str) -> Any:
+        import ray
+
+        opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": 0}
+        if self._pinned:
+            res = node_resource(node)
+            if res not in ray.cluster_resources():
+                raise errors.ConfigurationError(
+                    f"no Ray node serves lease-server node {node!r}: start Ray there with "
+                    f"--resources '{{\"{res}\": 1000}}'"
+                )
+            opts["resources"] = {res: 0.001}
+        return self._actor_cls.options(**opts).remote()
+
+    def prewarm(self, nodes: list[str]) -> None:
+        """Start spare workers on ``nodes`` now, so that a call later costs no process start."""
+        self.connect_ray()
+        with self._lock:
+            for node in nodes:
+                spares = self._spares.setdefault(node, deque())
+                while len(spares) < SPARES_PER_NODE:
+                    spares.append(self._new_worker(node))
+
+    def take_worker(self, node: str) -> Any:
+        """A pre-started worker on ``node`` (or a new one), replaced by a fresh spare at once."""
+        with self._lock:
+            spares = self._spares.setdefault(node, deque())
+            worker = spares.popleft() if spares else self._new_worker(node)
+            spares.append(self._new_worker(node))
+            return worker
+
+    def release_all(self) -> None:
+        """Kernel shutdown: give back every lease this process holds."""
+        for held in list(self.held):
+            try:
+                held.release()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit; the TTL is the backstop
+                log.warning("could not release %s at exit: %s", held.id, exc)
+        self.held.clear()
+
+    # ---- the call ----------------------------------------------------------------------------
+
+    def run(
+        self,
+        call: dict[str, Any],
+        *,
+        gpus: int | None = None,
+        pool: str | None = None,
+        timeout: float | None = None,
+        wait: float | None = None,
+        label: str = "",
+        session: str = "",
+        on_queue: Callable[[int | None, float], None] | None = None,
+        on_output: Callable[[str, str], None] | None = None,
+        on_granted: Callable[[HeldLease], None] | None = None,
+        on_released: Callable[[Outcome], None] | None = None,
+    ) -> Outcome:
+        """Lease, run ``call`` on a single-use worker of the lease's node, stream its output,
+        then kill the worker and release the lease, whatever happened. ``on_released`` gets the
+        summary (how long the GPUs were held) after the release, on success and on failure."""
+        import ray
+
+        d = self.defaults
+        gpus = d.gpus if gpus is None else gpus
+        pool = pool or d.pool
+        timeout = d.timeout if timeout is None else timeout
+        wait = d.wait if wait is None else wait
+        write = on_output or _write_local
+        self.connect_ray()
+        client = self.client()
+        lease = client.acquire(gpus, pool, d.ttl, wait, label[:200], session[:200], progress=on_queue)
+        held = HeldLease(client, lease)
+        self.held.add(held)
+        t0 = time.monotonic()
+        worker = None
+        result: dict[str, Any] | None = None
+        try:
+            if on_granted:
+                on_granted(held)
+            worker = self.take_worker(lease.node)
+            env = {
+                "CUDA_VISIBLE_DEVICES": lease.cuda_visible_devices,
+                "GPULEASE_LEASE_ID": lease.id,
+                "GPULEASE_GPU_UUIDS": ",".join(lease.uuids),
+                "GPULEASE_NODE": lease.node,
+            }
+            watch = {"url": client.url, "token": client.token, "id": lease.id}
+            result_ref = worker.run.remote(call, env, watch)
+            out_ref = worker.read_output.remote(0.5)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait([result_ref, out_ref], num_returns=1, timeout=remaining)
+                if not ready:
+                    raise GpuTrainTimeout(
+                        f"stopped after --timeout {timeout:g}s; the GPUs were released. "
+                        "Raise --timeout, or save checkpoints and resume.",
+                        node=lease.node,
+                    )
+                if out_ref in ready:
+                    try:
+                        chunks, done = ray.get(out_ref)
+                    except ray.exceptions.RayActorError:
+                        chunks, done = [], True
+                    _emit(chunks, write)
+                    out_ref = None if done else worker.read_output.remote(0.5)
+                if result_ref in ready or out_ref is None:
+                    result = self._collect(result_ref, lease, held)
+                    # Drain what the worker printed after our last read.
+                    try:
+                        chunks, _ = ray.get(worker.read_output.remote(0), timeout=5)
+                        _emit(chunks, write)
+                    except Exception:  # noqa: BLE001 - the worker is gone; nothing more to show
+                        pass
+                    break
+            assert result is not None
+            if not result["ok"]:
+                raise GpuTrainError(
+                    f"{result['type']}: {result['message']} (on {lease.node}, GPU {lease.cuda_visible_devices})",
+                    remote_traceback=result["traceback"],
+                    node=lease.node,
+                    remote_type=result["type"],
+                )
+            return Outcome(
+                result["value"], lease.id, lease.node, lease.indexes, time.monotonic() - t0, result.get("peak_memory")
+            )
+        finally:
+            if worker is not None:
+                ray.kill(worker, no_restart=True)  # single use: its process, and GPU memory, go now
+            held.release()
+            self.held.discard(held)
+            if on_released is not None:
+                peak = result.get("peak_memory") if result else None
+                on_released(Outcome(None, lease.id, lease.node, lease.indexes, time.monotonic() - t0, peak))
+
+    def _collect(self, result_ref: Any, lease: Any, held: HeldLease) -> dict[str, Any]:
+        import ray
+
+        try:
+            return ray.get(result_ref)  # type: ignore[no-any-return]
+        except ray.exceptions.RayActorError as exc:
+            why = self._lease_end_reason(lease.id)
+            if why:
+                raise GpuTrainError(f"the worker was stopped because its lease {why}", node=lease.node) from None
+            code = ""
+            if WATCHDOG_EXIT_CODE and str(WATCHDOG_EXIT_CODE) in str(exc):
+                code = " (watchdog)"
+            raise GpuTrainError(f"the worker process died{code}: {_first_line(exc)}", node=lease.node) from None
+        except ray.exceptions.RayError as exc:
+            raise GpuTrainError(f"Ray could not run the call: {_first_line(exc)}", node=lease.node) from None
+
+    def _lease_end_reason(self, lease_id: str) -> str | None:
+        try:
+            rec = self.client().get(lease_id)
+        except errors.GpuLeaseError:
+            return None
+        if rec.get("state") in ("revoked", "expired"):
+            return f"was {rec['state']}: {rec.get('end_reason', '')}"
+        return None
+
+
+def _emit(chunks: list[tuple[str, str]], write: Callable[[str, str], None]) -> None:
+    """Write captured output, joining consecutive pieces of one stream (print writes several)."""
+    merged: list[tuple[str, str]] = []
+    for stream, text in chunks:
+        if merged and merged[-1][0] == stream:
+            merged[-1] = (stream, merged[-1][1] + text)
+        else:
+            merged.append((stream, text))
+    for stream, text in merged:
+        write(stream, text)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _write_local(stream: str, text: str) -> None:
+    target = sys.stderr if stream == "stderr" else sys.stdout
+    target.write(text)
+    target.flush()
+
+
+_session: Session | None = None
+
+
+def session() -> Session:
+    global _session
+    if _session is None:
+        _session = Session()
+    return _session
+
+
+def run_on_gpus(
+    fn: Callable[..., Any],
+    *args: Any,
+    gpus: int | None = None,
+    pool: str | None = None,
+    timeout: str | float | None = None,
+    wait: str | float | None = None,
+    label: str = "",
+    **kwargs: Any,
+) -> Any:
+    """Call ``fn(*args, **kwargs)`` on a worker holding ``gpus`` leased GPUs and return its value.
+
+    The worker sees only those GPUs (``CUDA_VISIBLE_DEVICES``); the lease is released when the
+    call ends, however it ends. Raises :class:`GpuTrainError` with the remote traceback on failure.
+    """
+    s = session()
+    outcome = s.run(
+        {"kind": "function", "fn": fn, "args": args, "kwargs": kwargs},
+        gpus=gpus,
+        pool=pool,
+        timeout=parse_duration(timeout),
+        wait=parse_duration(wait),
+        label=label or getattr(fn, "__name__", "call"),
+    )
+    return outcome.value

@@ -1,0 +1,194 @@
+"""What runs inside the Ray worker process: one training call, then the process is thrown away.
+
+A :class:`GpuWorker` actor is started ahead of time (imports done, no CUDA context), used for
+exactly one call with ``CUDA_VISIBLE_DEVICES`` set to the leased indexes, and then killed by the
+caller, so every byte of GPU memory the function took is freed with its process. While the call
+runs, the actor captures stdout/stderr for the notebook to stream, and a watchdog thread follows
+the lease on the lease server's event stream: once the lease is released, expired or revoked, the
+process exits, so a revoked lease or an orphaned call (its kernel died) stops using the GPU.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+END_EVENTS = ("released", "expired", "revoked")
+WATCHDOG_EXIT_CODE = 75
+
+
+class _Capture:
+    """A file-like sink for sys.stdout / sys.stderr that the driver drains with read_output."""
+
+    def __init__(self, worker: GpuWorker, stream: str) -> None:
+        self.worker, self.stream = worker, stream
+
+    def write(self, text: str) -> int:
+        if text:
+            with self.worker._cond:
+                self.worker._chunks.append((self.stream, text))
+                self.worker._cond.notify_all()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:  # tqdm then draws its bar with carriage returns, as in a terminal
+        return False
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+
+class GpuWorker:
+    """Plain class; magics.runner turns it into a threaded Ray actor (max_concurrency > 1)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._chunks: list[tuple[str, str]] = []
+        self._done = False
+        self._used = False
+
+    def ready(self) -> dict[str, Any]:
+        import socket
+
+        return {"pid": os.getpid(), "host": socket.gethostname()}
+
+    def read_output(self, wait_s: float = 0.5) -> tuple[list[tuple[str, str]], bool]:
+        """Output written since the last call, waiting up to ``wait_s`` for some (a long poll)."""
+        with self._cond:
+            if not self._chunks and not self._done:
+                self._cond.wait(wait_s)
+            chunks, self._chunks = self._chunks, []
+            return chunks, self._done
+
+    def run(self, call: dict[str, Any], env: dict[str, str], lease: dict[str, Any]) -> dict[str, Any]:
+        """Run one call. ``call`` is {"kind": "cell", "source", "inputs", "outputs"} or
+        {"kind": "function", "fn", "args", "kwargs"}. Never raises: failures come back as data so
+        that the notebook shows the remote traceback once, tagged with this node."""
+        if self._used:
+            return {"ok": False, "error": "internal: a single-use worker was asked to run twice"}
+        self._used = True
+        os.environ.update(env)
+        if lease.get("url"):
+            threading.Thread(target=_watchdog, args=(lease,), name="gpulease-watchdog", daemon=True).start()
+        old = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Capture(self, "stdout"), _Capture(self, "stderr")  # type: ignore[assignment]
+        t0 = time.monotonic()
+        try:
+            value = _execute(call)
+            return {"ok": True, "value": value, "seconds": time.monotonic() - t0, "peak_memory": _peak_memory()}
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
+            return {
+                "ok": False,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": _user_traceback(exc),
+                "seconds": time.monotonic() - t0,
+                "peak_memory": _peak_memory(),
+            }
+        finally:
+            sys.stdout.flush()
+            sys.stdout, sys.stderr = old
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+
+CELL_FILENAME = "<gpu_train cell>"
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's code down, without this module's own frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _execute(call: dict[str, Any]) -> Any:
+    if call["kind"] == "function":
+        fn: Callable[..., Any] = call["fn"]
+        return fn(*call.get("args", ()), **call.get("kwargs", {}))
+    source: str = call["source"]
+    # Register the source so that tracebacks show the cell's lines.
+    linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
+    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    ns.update(call["inputs"])
+    body, last = call["body"], call.get("last_expr")
+    exec(compile(body, CELL_FILENAME, "exec"), ns)  # noqa: S102 - the user's own cell
+    result = eval(compile(last, CELL_FILENAME, "eval"), ns) if last else None  # noqa: S307
+    wanted = call["outputs"]
+    missing = [n for n in wanted if n not in ns]
+    if call.get("explicit_outputs") and missing:
+        raise NameError(f"--out names {', '.join(missing)}, which the cell never set")
+    return {"names": {n: ns[n] for n in wanted if n in ns}, "result": result}
+
+
+def _peak_memory() -> int | None:
+    """Peak GPU memory of this process in bytes, where NVML can tell (None without a GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip().isdigit()]
+        total = 0
+        for idx in visible:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(idx))
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    total += int(proc.usedGpuMemory)
+        return total
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _watchdog(lease: dict[str, Any]) -> None:
+    """Exit this process as soon as the lease ends: follow the lease server's event stream, and
+    check the lease itself whenever the stream (re)connects so that nothing between is missed."""
+    import httpx
+
+    url, token, lease_id = lease["url"], lease["token"], lease["id"]
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def ended() -> str | None:
+        try:
+            r = httpx.get(f"{url}/api/v1/leases/{lease_id}", headers=headers, timeout=5)
+        except httpx.TransportError:
+            return None
+        if r.status_code == 404:
+            return "gone"
+        state = r.json().get("state")
+        return state if state in END_EVENTS else None
+
+    while True:
+        try:
+            with httpx.stream("GET", f"{url}/api/v1/events", headers=headers, timeout=httpx.Timeout(5, read=30)) as s:
+                if (why := ended()) is not None:
+                    _die(lease_id, why)
+                for line in s.iter_lines():
+                    if line.startswith("data:") and lease_id in line:
+                        if (why := ended()) is not None:
+                            _die(lease_id, why)
+        except httpx.HTTPError:
+            pass
+        if (why := ended()) is not None:
+            _die(lease_id, why)
+        time.sleep(1.0)  # lease server unreachable: the TTL still bounds how long we may run
+
+
+def _die(lease_id: str, why: str) -> None:
+    sys.__stderr__.write(f"gpulease: lease {lease_id} is {why}; stopping this worker\n")
+    os._exit(WATCHDOG_EXIT_CODE)

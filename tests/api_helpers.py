@@ -1,0 +1,128 @@
+"""Helpers of the HTTP API tests: raw httpx clients, error-body checks, Redis state snapshots and
+server-sent-event parsing. Nothing here mocks the server; everything talks to a real one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from redis import Redis
+
+from lease_server.keys import Keys
+
+API = "/api/v1"
+
+# Event types that mean a lease (or a waiter) changed: bad input must never add one of these.
+LEASE_EVENTS = frozenset({
+    "grant", "released", "revoked", "expired", "queued", "renew_miss",
+    "wait_timeout", "wait_cancelled", "wait_abandoned",
+})
+
+
+def http(server: Any, user: str | None = None, role: str = "user", token: str | None = None) -> httpx.Client:
+    """A raw httpx client of ``server``; with ``user`` (or ``token``) it sends that bearer token."""
+    headers = {}
+    if token is None and user is not None:
+        token = server.token(user, role)
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return httpx.Client(base_url=server.url, headers=headers, timeout=httpx.Timeout(10.0, connect=5.0))
+
+
+def assert_error(resp: httpx.Response, status: int, code: str, *fragments: str) -> dict[str, Any]:
+    """The response is ``status`` with a JSON ``{"code", "message"}`` body whose message contains
+    every fragment (case-insensitive). Returns the body."""
+    assert resp.status_code == status, f"expected {status}, got {resp.status_code}: {resp.text[:500]}"
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp.headers.get("content-type")
+    body = resp.json()
+    assert isinstance(body, dict), body
+    assert isinstance(body.get("code"), str) and isinstance(body.get("message"), str), body
+    assert body["code"] == code, f"expected code {code!r}, got {body!r}"
+    assert body["message"].strip(), body
+    for frag in fragments:
+        assert frag.lower() in body["message"].lower(), f"{frag!r} not in message {body['message']!r}"
+    return body
+
+
+# ---- state snapshots -------------------------------------------------------------------------
+
+
+def snapshot(r: Redis, prefix: str) -> dict[str, Any]:
+    """Every key of the test's prefix except the event stream, with its value.
+
+    ``alive`` holds heartbeat deadlines, which the in-process agent moves forward every
+    heartbeat_interval: only whether each node is up (score >= 0) or down (-1) is state that a
+    request could change, so that is what is kept of it.
+    """
+    keys = Keys(prefix)
+    out: dict[str, Any] = {}
+    for key in sorted(r.scan_iter(match=f"{prefix}:*", count=1000)):
+        if key == keys.events:
+            continue
+        kind = r.type(key)
+        if kind == "hash":
+            value: Any = r.hgetall(key)
+        elif kind == "zset":
+            pairs = r.zrange(key, 0, -1, withscores=True)
+            value = {m: (s >= 0) for m, s in pairs} if key == keys.alive else dict(pairs)
+        elif kind == "string":
+            value = r.get(key)
+        elif kind == "list":
+            value = r.lrange(key, 0, -1)
+        elif kind == "set":
+            value = sorted(r.smembers(key))
+        elif kind == "stream":
+            value = r.xrange(key)
+        elif kind == "none":  # deleted between SCAN and TYPE
+            continue
+        else:
+            value = f"<{kind}>"
+        out[key] = (kind, value)
+    return out
+
+
+def last_event_id(r: Redis, prefix: str) -> str:
+    entries = r.xrevrange(Keys(prefix).events, "+", "-", count=1)
+    return entries[0][0] if entries else "0-0"
+
+
+def event_types_after(r: Redis, prefix: str, since: str) -> list[str]:
+    return [f["type"] for _id, f in r.xrange(Keys(prefix).events, f"({since}", "+")]
+
+
+@contextlib.contextmanager
+def unchanged(r: Redis, prefix: str) -> Iterator[None]:
+    """Asserts that the block changed no key of ``prefix`` and logged no lease event."""
+    before = snapshot(r, prefix)
+    since = last_event_id(r, prefix)
+    yield
+    after = snapshot(r, prefix)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"bad input changed Redis keys {changed}: {[(before.get(k), after.get(k)) for k in changed]}"
+    added = [t for t in event_types_after(r, prefix, since) if t in LEASE_EVENTS]
+    assert not added, f"bad input logged lease events {added}"
+
+
+# ---- server-sent events ----------------------------------------------------------------------
+
+
+def sse_blocks(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """Parse an SSE line stream into blocks: {"id", "event", "data", "comments"} per blank line."""
+    block: dict[str, Any] = {"comments": []}
+    for line in lines:
+        if line == "":
+            if len(block) > 1 or block["comments"]:
+                yield block
+            block = {"comments": []}
+            continue
+        if line.startswith(":"):
+            block["comments"].append(line[1:].strip())
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "data" and "data" in block:
+            block["data"] += "\n" + value
+        else:
+            block[field] = value

@@ -1,0 +1,285 @@
+"""Bad input to the HTTP API, against a real server and a real Redis.
+
+Every refusal must come with the right 4xx, a JSON ``{"code", "message"}`` body whose message says
+what to fix, and no state change at all: every key of the test's prefix (but the event stream) is
+dumped before and after and compared, and no lease event may have been logged.
+
+Bodies are sent raw with httpx wherever the Python client would not let us send bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.api_helpers import API, assert_error, http, unchanged
+
+TEN_MB = 10 * 1024 * 1024
+
+
+@pytest.fixture
+def alice_lease(server: Any) -> dict[str, Any]:
+    """Alice holds 1 A100 for 10 minutes, so the snapshots cover a live lease too."""
+    with http(server, "alice") as c:
+        resp = c.post(f"{API}/leases", json={"gpus": 1, "ttl": 600, "label": "held"})
+    assert resp.status_code == 201, resp.text
+    return resp.json()  # type: ignore[no-any-return]
+
+
+def _raw(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+# (id, raw body, status, code, fragments the message must contain)
+ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
+    ("malformed-json", b'{"gpus": 1', 400, "bad_request", ("not valid JSON", "JSON object")),
+    ("not-utf8", b"\xff\xfe\x00", 400, "bad_request", ("not valid JSON",)),
+    ("json-array", b'[{"gpus": 1}]', 400, "bad_request", ("must be a JSON object", '"gpus"')),
+    ("json-null", b"null", 400, "bad_request", ("must be a JSON object",)),
+    ("gpus-zero", _raw({"gpus": 0}), 400, "bad_request", ("gpus", "at least 1")),
+    ("gpus-negative", _raw({"gpus": -1}), 400, "bad_request", ("gpus", "at least 1")),
+    ("gpus-string", _raw({"gpus": "two"}), 400, "bad_request", ("gpus", "whole number", "two")),
+    ("gpus-fraction", _raw({"gpus": 1.5}), 400, "bad_request", ("gpus", "whole number", "1.5")),
+    ("gpus-bool", _raw({"gpus": True}), 400, "bad_request", ("gpus", "whole number")),
+    ("gpus-null", _raw({"gpus": None}), 400, "bad_request", ("gpus", "whole number")),
+    ("gpus-nan", b'{"gpus": NaN}', 400, "bad_request", ("gpus", "whole number")),
+    ("gpus-huge", _raw({"gpus": 10**9}), 400, "bad_request", ("gpus", "at most 1024")),
+    ("gpus-missing", _raw({"pool": "A100-80GB"}), 400, "bad_request", ("gpus is required",)),
+    ("empty-body", b"", 400, "bad_request", ("gpus is required",)),
+    ("unknown-field", _raw({"gpus": 1, "gpu_count": 2}), 400, "bad_request",
+     ("unknown field", "gpu_count", "allowed", "gpus, pool, ttl, wait, label, session")),
+    ("unknown-pool", _raw({"gpus": 1, "pool": "H100-80GB"}), 404, "unknown_pool",
+     ("H100-80GB", "known pools", "A100-80GB", "T4-16GB")),
+    ("pool-bad-chars", _raw({"gpus": 1, "pool": "A100 80GB;rm"}), 400, "bad_request",
+     ("pool must be a name", "letters, digits")),
+    ("pool-not-string", _raw({"gpus": 1, "pool": 7}), 400, "bad_request", ("pool must be a name",)),
+    ("ttl-negative", _raw({"gpus": 1, "ttl": -5}), 400, "bad_request", ("ttl", "between 1 and 3600")),
+    ("ttl-zero", _raw({"gpus": 1, "ttl": 0}), 400, "bad_request", ("ttl", "between 1 and 3600")),
+    ("ttl-string", _raw({"gpus": 1, "ttl": "x"}), 400, "bad_request", ("ttl", "number of seconds")),
+    ("ttl-above-max", _raw({"gpus": 1, "ttl": 3601}), 400, "bad_request", ("ttl", "between 1 and 3600")),
+    ("ttl-infinite", b'{"gpus": 1, "ttl": Infinity}', 400, "bad_request", ("ttl",)),
+    ("wait-negative", _raw({"gpus": 1, "wait": -1}), 400, "bad_request", ("wait", "between 0 and 3600")),
+    ("wait-string", _raw({"gpus": 1, "wait": "soon"}), 400, "bad_request", ("wait", "number of seconds")),
+    ("wait-above-max", _raw({"gpus": 1, "wait": 10**6}), 400, "bad_request", ("wait", "between 0 and 3600")),
+    ("label-too-long", _raw({"gpus": 1, "label": "x" * 201}), 400, "bad_request",
+     ("label", "at most 200 characters")),
+    ("label-not-string", _raw({"gpus": 1, "label": ["a"]}), 400, "bad_request", ("label", "string")),
+    ("session-too-long", _raw({"gpus": 1, "session": "s" * 201}), 400, "bad_request",
+     ("session", "at most 200 characters")),
+    ("body-10MB", b'{"gpus": 1, "label": "' + b"x" * TEN_MB + b'"}', 413, "payload_too_large",
+     ("larger than 65536 bytes", "small JSON object")),
+    ("more-than-largest-node", _raw({"gpus": 5}), 422, "unsatisfiable",
+     ("A100-80GB", "largest has 4", "at most 4")),
+    ("more-than-largest-node-waiting", _raw({"gpus": 3, "pool": "T4-16GB", "wait": 30}), 422, "unsatisfiable",
+     ("T4-16GB", "largest has 2")),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code", "fragments"),
+                         [pytest.param(*case[1:], id=case[0]) for case in ACQUIRE_CASES])
+def test_bad_acquire_is_refused_without_state_change(
+    server: Any, redis_sync: Any, alice_lease: dict[str, Any],
+    body: bytes, status: int, code: str, fragments: tuple[str, ...],
+) -> None:
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        resp = c.post(f"{API}/leases", content=body, headers={"Content-Type": "application/json"})
+        assert_error(resp, status, code, *fragments)
+
+
+def test_chunked_body_over_the_limit_is_413(server: Any, redis_sync: Any, alice_lease: dict[str, Any]) -> None:
+    """No Content-Length (chunked upload): the limit is still enforced on the body read."""
+
+    def chunks():  # type: ignore[no-untyped-def]
+        yield b'{"gpus": 1, "label": "'
+        for _ in range(10):
+            yield b"x" * (1024 * 1024)
+        yield b'"}'
+
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        resp = c.post(f"{API}/leases", content=chunks(), headers={"Content-Type": "application/json"})
+        assert_error(resp, 413, "payload_too_large", "larger than 65536 bytes")
+
+
+def test_no_capacity_says_how_many_are_free(server: Any, redis_sync: Any) -> None:
+    """Pool A100-80GB: n1 has 4, n2 has 2. Take 4 (n1) and 1 (n2): 1 is free, 2 cannot be had now."""
+    with http(server, "alice") as c:
+        for n in (4, 1):
+            assert c.post(f"{API}/leases", json={"gpus": n, "ttl": 600}).status_code == 201
+        with http(server, "bob") as b, unchanged(redis_sync, server.settings.prefix):
+            resp = b.post(f"{API}/leases", json={"gpus": 2, "wait": 0})
+            body = assert_error(resp, 409, "no_capacity", "A100-80GB", "1 free in the pool", "wait")
+            assert body["details"]["free"] == 1
+            # Omitting wait means wait=0 too.
+            assert_error(b.post(f"{API}/leases", json={"gpus": 2}), 409, "no_capacity", "1 free")
+            # Nothing left in the queue.
+            queue = b.get(f"{API}/queue").json()
+            assert queue == {"waiting": []}
+
+
+def test_unknown_lease_id_is_404_everywhere(server: Any, redis_sync: Any, alice_lease: dict[str, Any]) -> None:
+    with http(server, "alice") as c, http(server, "root", "admin") as admin, \
+            unchanged(redis_sync, server.settings.prefix):
+        for resp in (
+            c.get(f"{API}/leases/l-doesnotexist"),
+            c.delete(f"{API}/leases/l-doesnotexist"),
+            c.post(f"{API}/leases/l-doesnotexist/renew", json={"token": alice_lease["token"]}),
+            admin.post(f"{API}/leases/l-doesnotexist/revoke", json={}),
+            admin.delete(f"{API}/leases/l-doesnotexist"),
+        ):
+            assert_error(resp, 404, "no_such_lease", "l-doesnotexist", "GET /api/v1/leases")
+
+
+def test_renew_with_a_stale_token_is_409(server: Any, redis_sync: Any, alice_lease: dict[str, Any]) -> None:
+    lid, token = alice_lease["id"], alice_lease["token"]
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        for stale in (token - 1, token + 1, str(token + 100)):
+            resp = c.post(f"{API}/leases/{lid}/renew", json={"token": stale})
+            assert_error(resp, 409, "stale_token", lid, "not its current fencing token", "acquire a new lease")
+        # The same for a release with the wrong token: the lease stays.
+        resp = c.delete(f"{API}/leases/{lid}", params={"token": token + 1})
+        assert_error(resp, 409, "stale_token", lid)
+        resp = c.request("DELETE", f"{API}/leases/{lid}", json={"token": token + 1})
+        assert_error(resp, 409, "stale_token", lid)
+
+
+def test_renew_without_or_with_a_malformed_token_is_400(
+    server: Any, redis_sync: Any, alice_lease: dict[str, Any]
+) -> None:
+    lid, token = alice_lease["id"], alice_lease["token"]
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        assert_error(c.post(f"{API}/leases/{lid}/renew", json={}), 400, "bad_request", "token is required")
+        assert_error(c.post(f"{API}/leases/{lid}/renew"), 400, "bad_request", "token is required")
+        for bad in ("abc", -1, 1.5, True, [token]):
+            resp = c.post(f"{API}/leases/{lid}/renew", json={"token": bad})
+            assert_error(resp, 400, "bad_request", "token must be the integer fencing token")
+        resp = c.post(f"{API}/leases/{lid}/renew", json={"token": token, "ttl": 10**6})
+        assert_error(resp, 400, "bad_request", "ttl", "between 1 and 3600")
+        resp = c.post(f"{API}/leases/{lid}/renew", content=b"{oops", headers={"Content-Type": "application/json"})
+        assert_error(resp, 400, "bad_request", "not valid JSON")
+        resp = c.delete(f"{API}/leases/{lid}", params={"token": "abc"})
+        assert_error(resp, 400, "bad_request", "token must be the integer fencing token")
+
+
+def test_renew_or_release_of_someone_elses_lease_is_403(
+    server: Any, redis_sync: Any, alice_lease: dict[str, Any]
+) -> None:
+    lid, token = alice_lease["id"], alice_lease["token"]
+    with http(server, "bob") as bob, unchanged(redis_sync, server.settings.prefix):
+        # Even with the right fencing token, bob may not touch alice's lease.
+        resp = bob.post(f"{API}/leases/{lid}/renew", json={"token": token})
+        assert_error(resp, 403, "not_owner", lid, "belongs to another user")
+        assert_error(bob.delete(f"{API}/leases/{lid}"), 403, "not_owner", lid, "belongs to another user")
+        resp = bob.delete(f"{API}/leases/{lid}", params={"token": token})
+        assert_error(resp, 403, "not_owner", lid)
+    with http(server, "alice") as c:  # and alice's lease is untouched
+        got = c.get(f"{API}/leases/{lid}").json()
+        assert got["state"] == "active" and got["renewals"] == 0
+
+
+def test_revoke_by_a_non_admin_is_403(server: Any, redis_sync: Any, alice_lease: dict[str, Any]) -> None:
+    lid = alice_lease["id"]
+    with http(server, "bob") as bob, http(server, "alice") as alice, http(server, "agent1", "agent") as agent, \
+            unchanged(redis_sync, server.settings.prefix):
+        for who in (bob, alice, agent):  # not even the owner, nor an agent
+            resp = who.post(f"{API}/leases/{lid}/revoke", json={"reason": "mine now"})
+            assert_error(resp, 403, "forbidden", "only an admin can revoke", "DELETE")
+
+
+def test_unknown_route_is_a_json_404(server: Any, redis_sync: Any) -> None:
+    with http(server, "alice") as c, http(server) as anon, unchanged(redis_sync, server.settings.prefix):
+        for client, method, path in (
+            (c, "GET", "/api/v1/lease"),
+            (c, "POST", "/api/v2/leases"),
+            (anon, "GET", "/nope"),
+            (anon, "DELETE", "/api/v1/leases/a/b/c"),
+            (c, "GET", "/api/v1/leases/has%20space"),
+        ):
+            resp = client.request(method, path)
+            assert_error(resp, 404, "not_found", f"no such endpoint {method}", "/api/v1/openapi.json")
+
+
+def test_unsupported_method_is_a_json_405_that_says_what_to_use(server: Any, redis_sync: Any) -> None:
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        resp = c.patch(f"{API}/leases", json={"gpus": 1})
+        assert resp.status_code == 405
+        body = resp.json()
+        assert set(body) >= {"code", "message"}
+        # Must name the methods that work (or at least point to the API description).
+        msg = body["message"]
+        assert "GET" in msg and "POST" in msg or "openapi.json" in msg, msg
+
+
+@pytest.mark.parametrize(("params", "fragments"), [
+    pytest.param({"limit": "x"}, ("limit", "integer between 1 and 10000"), id="limit-not-int"),
+    pytest.param({"limit": "0"}, ("limit", "between 1 and 10000"), id="limit-zero"),
+    pytest.param({"limit": "-3"}, ("limit", "between 1 and 10000"), id="limit-negative"),
+    pytest.param({"limit": "10001"}, ("limit", "between 1 and 10000"), id="limit-too-big"),
+    pytest.param({"limit": "1.5"}, ("limit", "integer"), id="limit-fraction"),
+    pytest.param({"since": "garbage"}, ("since", "event id like", "garbage"), id="since-garbage"),
+    pytest.param({"since": "1-2-3"}, ("since", "event id like"), id="since-three-parts"),
+    pytest.param({"since": "+"}, ("since", "event id like"), id="since-plus"),
+    pytest.param({"since": "18446744073709551615-18446744073709551615"}, ("since",), id="since-max-id"),
+])
+def test_bad_event_log_query_is_400(server: Any, redis_sync: Any, params: dict[str, str],
+                                    fragments: tuple[str, ...]) -> None:
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        assert_error(c.get(f"{API}/events/log", params=params), 400, "bad_request", *fragments)
+
+
+def test_good_event_log_query_is_200(server: Any, alice_lease: dict[str, Any]) -> None:
+    """The counterpart of the 400s: valid since/limit values work and page through the log."""
+    with http(server, "alice") as c:
+        everything = c.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]
+        grants = [e for e in everything if e["type"] == "grant"]
+        assert [g["lease"] for g in grants] == [alice_lease["id"]]
+        first = c.get(f"{API}/events/log", params={"limit": "1"}).json()["events"]
+        assert first == everything[:1]
+        rest = c.get(f"{API}/events/log", params={"since": first[0]["id"], "limit": "10000"}).json()["events"]
+        assert rest == everything[1:]
+
+
+def test_event_stream_with_a_bad_since_is_400_not_a_broken_stream(server: Any) -> None:
+    """A bad Last-Event-ID or ?since= must be refused before the stream starts: answering 200 and
+    then dropping the connection makes an EventSource reconnect with the same id forever."""
+    with http(server, "alice") as c:
+        for kwargs in ({"params": {"since": "garbage"}}, {"headers": {"Last-Event-ID": "garbage"}}):
+            with c.stream("GET", f"{API}/events", **kwargs) as resp:  # type: ignore[arg-type]
+                if resp.status_code == 200:
+                    resp.close()
+                    pytest.fail("a bad since was accepted with 200 and a stream that then breaks")
+                resp.read()
+                assert_error(resp, 400, "bad_request", "since", "event id")
+
+
+def test_bad_queue_filter_is_400(server: Any, redis_sync: Any) -> None:
+    with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
+        assert_error(c.get(f"{API}/queue", params={"pool": "a b"}), 400, "bad_request", "pool must be a name")
+
+
+def test_bad_token_creation_input_is_400(server: Any, redis_sync: Any) -> None:
+    with http(server, "root", "admin") as admin, unchanged(redis_sync, server.settings.prefix):
+        assert_error(admin.post(f"{API}/tokens", json={}), 400, "bad_request", "user must be a name")
+        assert_error(admin.post(f"{API}/tokens", json={"user": "a b"}), 400, "bad_request", "user must be a name")
+        assert_error(admin.post(f"{API}/tokens", json={"user": "carol", "role": "root"}), 400, "bad_request",
+                     "role must be one of user, admin, agent")
+        assert_error(admin.post(f"{API}/tokens", json=["carol"]), 400, "bad_request", "JSON object")
+        # A user name that is not a string is bad input too, not an internal error.
+        assert_error(admin.post(f"{API}/tokens", json={"user": 5}), 400, "bad_request", "user must be a name")
+
+
+def test_bad_node_inventory_is_400(server: Any, redis_sync: Any) -> None:
+    good_gpu = {"index": 0, "uuid": "GPU-x", "model": "L4", "memory_mb": 24576}
+    with http(server, "agent1", "agent") as agent, unchanged(redis_sync, server.settings.prefix):
+        for node, body, fragment in (
+            ("x1", {"gpus": [good_gpu]}, "pool must be a name"),
+            ("x1", {"pool": "L4-24GB", "gpus": []}, "gpus must be a list of 1"),
+            ("x1", {"pool": "L4-24GB", "gpus": [good_gpu, good_gpu]}, "distinct integer"),
+            ("x1", {"pool": "L4-24GB", "gpus": [{**good_gpu, "memory_mb": -1}]}, "memory_mb"),
+            ("x1", {"pool": "L4-24GB", "gpus": [good_gpu], "source": "magic"}, "source"),
+            ("-x1", {"pool": "L4-24GB", "gpus": [good_gpu]}, "node must be a name"),
+        ):
+            assert_error(agent.put(f"{API}/nodes/{node}", json=body), 400, "bad_request", fragment)
+        resp = agent.post(f"{API}/nodes/ghost/heartbeat")
+        assert_error(resp, 404, "unknown_node", "ghost", "send its inventory first")

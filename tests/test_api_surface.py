@@ -1,0 +1,225 @@
+"""The API's surface: the OpenAPI document against the route table, Prometheus metrics, and the
+server-sent event stream (live and resumed with Last-Event-ID). Real server, real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import tornado.web
+from openapi_spec_validator import validate
+from prometheus_client.parser import text_string_to_metric_families
+
+from lease_server.api import Context, make_app
+from lease_server.config import Settings
+from tests.api_helpers import API, assert_error, http, sse_blocks
+
+METHODS = ("get", "post", "put", "delete", "patch")
+
+
+def _route_table() -> list[tuple[str, type[tornado.web.RequestHandler]]]:
+    """(path regex, handler) of every route make_app serves (the app is built, never started)."""
+    ctx = Context(Settings())
+    try:
+        app = make_app(ctx)
+        return [(rule.matcher.regex.pattern, rule.target) for rule in app.wildcard_router.rules]
+    finally:
+        asyncio.run(ctx.redis.aclose())
+
+
+def _normalise_route(pattern: str) -> str:
+    """'/api/v1/leases/([A-Za-z0-9._-]{1,64})/renew$' -> '/api/v1/leases/{}/renew'."""
+    return re.sub(r"\([^)]*\)", "{}", pattern.removesuffix("$")).replace("\\", "")
+
+
+def _normalise_path(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "{}", path)
+
+
+def _implemented(handler: type[tornado.web.RequestHandler]) -> set[str]:
+    return {m for m in METHODS if getattr(handler, m) is not getattr(tornado.web.RequestHandler, m)}
+
+
+# ---- OpenAPI ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def openapi(server: Any) -> dict[str, Any]:
+    with http(server) as anon:
+        resp = anon.get(f"{API}/openapi.json")
+    assert resp.status_code == 200
+    return resp.json()  # type: ignore[no-any-return]
+
+
+def test_openapi_document_is_valid(openapi: dict[str, Any]) -> None:
+    validate(openapi)  # raises on an invalid OpenAPI 3.1 document
+    assert openapi["openapi"].startswith("3.1")
+
+
+def test_every_route_is_documented(openapi: dict[str, Any]) -> None:
+    documented = {_normalise_path(p) for p in openapi["paths"]}
+    routes = _route_table()
+    assert len(routes) >= 16
+    missing = [pattern for pattern, _h in routes if _normalise_route(pattern) not in documented]
+    assert not missing, f"routes missing from the OpenAPI paths: {missing}"
+
+
+def test_every_documented_operation_is_implemented(openapi: dict[str, Any]) -> None:
+    served = {_normalise_route(p): _implemented(h) for p, h in _route_table()}
+    for path, item in openapi["paths"].items():
+        ops = {m for m in item if m in METHODS}
+        assert ops, path
+        key = _normalise_path(path)
+        assert key in served, f"documented path {path} is not routed"
+        assert ops <= served[key], f"{path}: documented {sorted(ops)}, implemented {sorted(served[key])}"
+
+
+def test_every_implemented_operation_is_documented(openapi: dict[str, Any]) -> None:
+    docs = {_normalise_path(p): {m for m in item if m in METHODS} for p, item in openapi["paths"].items()}
+    extra = [f"{m.upper()} {_normalise_route(p)}" for p, h in _route_table()
+             for m in sorted(_implemented(h)) if m not in docs.get(_normalise_route(p), set())]
+    assert not extra, f"served but undocumented operations: {extra}"
+
+
+def test_every_documented_operation_answers(server: Any, openapi: dict[str, Any]) -> None:
+    """No documented (path, method) falls through to the 'no such endpoint' handler."""
+    with http(server, "root", "admin") as admin:
+        for path, item in openapi["paths"].items():
+            url = path.replace("{lease_id}", "l-0123456789abcdef").replace("{node}", "n1")
+            for method in (m for m in item if m in METHODS):
+                kwargs: dict[str, Any] = {"json": {}} if method in ("post", "put") else {}
+                with admin.stream(method.upper(), url, **kwargs) as resp:
+                    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                        assert resp.status_code == 200
+                        continue  # a live stream: the status is the answer
+                    resp.read()
+                assert resp.status_code != 405, f"{method.upper()} {path}: 405"
+                if resp.status_code == 404:
+                    body = resp.json()
+                    assert body["code"] != "not_found" and "no such endpoint" not in body["message"], (
+                        f"{method.upper()} {path} is documented but not served: {body}")
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_report_gpu_states_and_requests(server: Any) -> None:
+    with http(server, "alice") as alice, http(server) as anon:
+        lease = alice.post(f"{API}/leases", json={"gpus": 2, "ttl": 600}).json()
+        alice.post(f"{API}/leases", json={"gpus": 1, "pool": "nope"})  # a 404, counted too
+        resp = anon.get("/metrics")
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/plain")
+        text = resp.text
+        assert 'gpulease_gpus{pool="A100-80GB",state="free"} 4.0' in text
+        samples = _samples(text)
+
+        def gpus(pool: str, state: str) -> float:
+            return samples[("gpulease_gpus", (("pool", pool), ("state", state)))]
+
+        assert gpus("A100-80GB", "free") == 4 and gpus("A100-80GB", "leased") == 2
+        assert gpus("A100-80GB", "down") == 0
+        assert gpus("T4-16GB", "free") == 2 and gpus("T4-16GB", "leased") == 0
+        assert "gpulease_http_requests" in text
+        posts = {labels: v for (name, labels), v in samples.items()
+                 if name == "gpulease_http_requests_total" and ("method", "POST") in labels}
+        assert posts[(("method", "POST"), ("route", "leases"), ("status", "201"))] == 1
+        assert posts[(("method", "POST"), ("route", "leases"), ("status", "404"))] == 1
+
+        # After the release, the gauges follow.
+        alice.delete(f"{API}/leases/{lease['id']}")
+        samples = _samples(anon.get("/metrics").text)
+        assert gpus("A100-80GB", "free") == 6 and gpus("A100-80GB", "leased") == 0
+
+
+# ---- server-sent events ----------------------------------------------------------------------
+
+ID_RE = re.compile(r"^\d+-\d+$")
+
+
+def _sid(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
+@contextlib.contextmanager
+def event_stream(server: Any, user: str, **kwargs: Any) -> Iterator[Iterator[dict[str, Any]]]:
+    """An open SSE stream (its opening comment already read), as an iterator of event blocks.
+    Reads block at most 10 s (a bounded wait: the server sends a keep-alive every 15 s)."""
+    client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token(user)}"},
+                          timeout=httpx.Timeout(10.0, connect=5.0))
+    with client, client.stream("GET", f"{API}/events", **kwargs) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        blocks = sse_blocks(resp.iter_lines())
+        opening = next(blocks)
+        assert "gpulease event stream" in opening["comments"]
+        yield (b for b in blocks if "event" in b)  # skip keep-alive comments
+
+
+def _next_event(events: Iterator[dict[str, Any]], kind: str, lease_id: str, limit: int = 50) -> dict[str, Any]:
+    for _ in range(limit):
+        block = next(events)
+        data = json.loads(block["data"])
+        if block["event"] == kind and data.get("lease") == lease_id:
+            return block
+    raise AssertionError(f"no {kind} event of {lease_id} in {limit} events")
+
+
+def test_event_stream_delivers_a_grant_live(server: Any) -> None:
+    with event_stream(server, "watcher") as events, http(server, "bob") as bob:
+        # The stream is open (its first bytes arrived): whatever happens now must be delivered.
+        lease = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600, "label": "live"}).json()
+        block = _next_event(events, "grant", lease["id"])
+    assert ID_RE.match(block["id"]), block
+    data = json.loads(block["data"])
+    assert data["id"] == block["id"] and data["type"] == "grant"
+    assert data["user"] == "bob" and data["label"] == "live" and data["node"] == lease["node"]
+    assert data["token"] == lease["token"] and data["gpus"] == [g["index"] for g in lease["gpus"]]
+
+
+def test_event_stream_resumes_after_last_event_id(server: Any) -> None:
+    with http(server, "bob") as bob:
+        first = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
+        log = bob.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]
+        grant_id = next(e["id"] for e in log if e["type"] == "grant" and e["lease"] == first["id"])
+        # What happens while nobody is listening: a release and another grant.
+        bob.delete(f"{API}/leases/{first['id']}")
+        second = bob.post(f"{API}/leases", json={"gpus": 2, "ttl": 600}).json()
+        missed = bob.get(f"{API}/events/log", params={"since": grant_id}).json()["events"]
+        assert [(e["type"], e["lease"]) for e in missed] == [("released", first["id"]), ("grant", second["id"])]
+
+        for how in ({"headers": {"Last-Event-ID": grant_id}}, {"params": {"since": grant_id}}):
+            with event_stream(server, "watcher", **how) as events:
+                replayed = [next(events) for _ in missed]
+                assert [b["id"] for b in replayed] == [e["id"] for e in missed]
+                assert [b["event"] for b in replayed] == [e["type"] for e in missed]
+                assert [json.loads(b["data"])["lease"] for b in replayed] == [e["lease"] for e in missed]
+                assert grant_id not in [b["id"] for b in replayed]
+                # ... and then live events, none repeated: the next one is new.
+                bob.delete(f"{API}/leases/{second['id']}")
+                nxt = next(events)
+                assert nxt["event"] == "released" and json.loads(nxt["data"])["lease"] == second["id"]
+                assert _sid(nxt["id"]) > _sid(missed[-1]["id"])
+            second = bob.post(f"{API}/leases", json={"gpus": 2, "ttl": 600}).json()
+            # The next round replays from the same id: now one more release and grant.
+            missed = bob.get(f"{API}/events/log", params={"since": grant_id}).json()["events"]
+
+
+def test_event_stream_needs_a_token(server: Any) -> None:
+    with http(server) as anon:
+        assert_error(anon.get(f"{API}/events"), 401, "unauthorized", "Authorization: Bearer")
