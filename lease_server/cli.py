@@ -160,16 +160,21 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
-    if proc is None or proc.poll() is not None:
+    """SIGTERM the leader (Ray's `start --block` then stops its own children in order), then
+    SIGKILL whatever is left in its process group."""
+    if proc is None:
         return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
             pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
     err_console.print(f"stopped {name}")
 
 

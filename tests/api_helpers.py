@@ -4,6 +4,7 @@ server-sent-event parsing. Nothing here mocks the server; everything talks to a 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +16,19 @@ from lease_server.keys import Keys
 API = "/api/v1"
 
 # Event types that mean a lease (or a waiter) changed: bad input must never add one of these.
-LEASE_EVENTS = frozenset({
-    "grant", "released", "revoked", "expired", "queued", "renew_miss",
-    "wait_timeout", "wait_cancelled", "wait_abandoned",
-})
+LEASE_EVENTS = frozenset(
+    {
+        "grant",
+        "released",
+        "revoked",
+        "expired",
+        "queued",
+        "renew_miss",
+        "wait_timeout",
+        "wait_cancelled",
+        "wait_abandoned",
+    }
+)
 
 
 def http(server: Any, user: str | None = None, role: str = "user", token: str | None = None) -> httpx.Client:
@@ -106,6 +116,34 @@ def unchanged(r: Redis, prefix: str) -> Iterator[None]:
 
 
 # ---- server-sent events ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def event_stream(server: Any, user: str, **kwargs: Any) -> Iterator[Iterator[dict[str, Any]]]:
+    """An open SSE stream of ``GET /api/v1/events`` (its opening comment already read), as an
+    iterator of event blocks. A read blocks at most 10 s (a bounded wait: the server sends a
+    keep-alive comment every 15 s), so a missing event fails the test instead of hanging it."""
+    client = httpx.Client(
+        base_url=server.url,
+        headers={"Authorization": f"Bearer {server.token(user)}"},
+        timeout=httpx.Timeout(10.0, connect=5.0),
+    )
+    with client, client.stream("GET", f"{API}/events", **kwargs) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        blocks = sse_blocks(resp.iter_lines())
+        opening = next(blocks)
+        assert "gpulease event stream" in opening["comments"]
+        yield (b for b in blocks if "event" in b)  # keep-alive comments skipped
+
+
+def next_event(events: Iterator[dict[str, Any]], kind: str, lease_id: str, limit: int = 50) -> dict[str, Any]:
+    """The next ``kind`` event of ``lease_id`` on the stream (other events are skipped)."""
+    for _ in range(limit):
+        block = next(events)
+        if block["event"] == kind and json.loads(block["data"]).get("lease") == lease_id:
+            return block
+    raise AssertionError(f"no {kind} event of {lease_id} in {limit} events")
 
 
 def sse_blocks(lines: Iterator[str]) -> Iterator[dict[str, Any]]:

@@ -44,12 +44,15 @@ def test_no_token_is_401_with_how_to_get_one(server: Any, redis_sync: Any, metho
         assert_error(resp, 401, "unauthorized", "Authorization: Bearer", "token create")
 
 
-@pytest.mark.parametrize("header", [
-    "Basic YWxpY2U6c2VjcmV0",
-    "Token glt_whatever",
-    "Bearer",
-    "glt_no_scheme_at_all",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Basic YWxpY2U6c2VjcmV0",
+        "Token glt_whatever",
+        "Bearer",
+        "glt_no_scheme_at_all",
+    ],
+)
 def test_wrong_scheme_is_401(server: Any, redis_sync: Any, header: str) -> None:
     with http(server) as anon, unchanged(redis_sync, server.settings.prefix):
         resp = anon.post(f"{API}/leases", json={"gpus": 1}, headers={"Authorization": header})
@@ -58,8 +61,13 @@ def test_wrong_scheme_is_401(server: Any, redis_sync: Any, header: str) -> None:
 
 def test_unknown_token_is_401(server: Any, redis_sync: Any) -> None:
     with http(server, token="glt_" + "x" * 43) as anon, unchanged(redis_sync, server.settings.prefix):
-        assert_error(anon.post(f"{API}/leases", json={"gpus": 1}), 401, "unauthorized",
-                     "unknown or deleted API token", "ask an admin")
+        assert_error(
+            anon.post(f"{API}/leases", json={"gpus": 1}),
+            401,
+            "unauthorized",
+            "unknown or deleted API token",
+            "ask an admin",
+        )
         assert_error(anon.get(f"{API}/whoami"), 401, "unauthorized", "unknown or deleted API token")
     # A real token with a lower-case scheme still works (the scheme is case-insensitive).
     with http(server) as anon:
@@ -79,8 +87,11 @@ def test_admin_revokes_another_users_lease(server: Any, redis_sync: Any) -> None
         # The event log says so, with the GPUs given back.
         log = admin.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]
         revoked = [e for e in log if e["type"] == "revoked" and e["lease"] == lease["id"]]
-        assert len(revoked) == 1 and revoked[0]["by"] == "root" and sorted(revoked[0]["gpus"]) == sorted(
-            g["index"] for g in lease["gpus"])
+        assert (
+            len(revoked) == 1
+            and revoked[0]["by"] == "root"
+            and sorted(revoked[0]["gpus"]) == sorted(g["index"] for g in lease["gpus"])
+        )
         # The owner sees it revoked and cannot renew it back to life.
         assert bob.get(f"{API}/leases/{lease['id']}").json()["state"] == "revoked"
         resp = bob.post(f"{API}/leases/{lease['id']}/renew", json={"token": lease["token"]})
@@ -103,8 +114,11 @@ def test_admin_delete_of_another_users_lease_revokes_it(server: Any, redis_sync:
         # The admin's own lease is released, not revoked.
         own = admin.delete(f"{API}/leases/{mine['id']}").json()
         assert own["state"] == "released" and own["token"] == mine["token"]
-        types = {e["lease"]: e["type"] for e in admin.get(f"{API}/events/log", params={"limit": "10000"}).json()[
-            "events"] if e["type"] in ("revoked", "released")}
+        types = {
+            e["lease"]: e["type"]
+            for e in admin.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]
+            if e["type"] in ("revoked", "released")
+        }
         assert types == {theirs["id"]: "revoked", mine["id"]: "released"}
 
 
@@ -135,8 +149,11 @@ def test_tokens_are_shown_only_to_the_owner(server: Any) -> None:
 def test_only_an_admin_creates_tokens(server: Any, redis_sync: Any) -> None:
     tokens_key = Keys(server.settings.prefix).tokens
     server.token("root", "admin")
-    with http(server, "alice") as alice, http(server, "agent1", "agent") as agent, \
-            unchanged(redis_sync, server.settings.prefix):
+    with (
+        http(server, "alice") as alice,
+        http(server, "agent1", "agent") as agent,
+        unchanged(redis_sync, server.settings.prefix),
+    ):
         for who in (alice, agent):
             resp = who.post(f"{API}/tokens", json={"user": "mallory", "role": "admin"})
             assert_error(resp, 403, "forbidden", "only an admin can create tokens")
@@ -159,8 +176,11 @@ def test_only_an_admin_creates_tokens(server: Any, redis_sync: Any) -> None:
 
 
 def test_agent_token_registers_nodes_but_a_user_token_cannot(server: Any, redis_sync: Any) -> None:
-    inventory = {"pool": "L4-24GB", "source": "simulated",
-                 "gpus": [{"index": i, "uuid": f"GPU-l4-{i}", "model": "L4", "memory_mb": 24576} for i in range(2)]}
+    inventory = {
+        "pool": "L4-24GB",
+        "source": "simulated",
+        "gpus": [{"index": i, "uuid": f"GPU-l4-{i}", "model": "L4", "memory_mb": 24576} for i in range(2)],
+    }
     with http(server, "alice") as alice, unchanged(redis_sync, server.settings.prefix):
         assert_error(alice.put(f"{API}/nodes/l4-a", json=inventory), 403, "forbidden", "agent or admin")
         assert_error(alice.post(f"{API}/nodes/n1/heartbeat"), 403, "forbidden", "agent or admin")

@@ -9,12 +9,16 @@ Bodies are sent raw with httpx wherever the Python client would not let us send 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.api_helpers import API, assert_error, http, unchanged
+from tests.api_helpers import API, assert_error, event_stream, http, next_event, unchanged
 
 TEN_MB = 10 * 1024 * 1024
 
@@ -48,12 +52,27 @@ ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
     ("gpus-huge", _raw({"gpus": 10**9}), 400, "bad_request", ("gpus", "at most 1024")),
     ("gpus-missing", _raw({"pool": "A100-80GB"}), 400, "bad_request", ("gpus is required",)),
     ("empty-body", b"", 400, "bad_request", ("gpus is required",)),
-    ("unknown-field", _raw({"gpus": 1, "gpu_count": 2}), 400, "bad_request",
-     ("unknown field", "gpu_count", "allowed", "gpus, pool, ttl, wait, label, session")),
-    ("unknown-pool", _raw({"gpus": 1, "pool": "H100-80GB"}), 404, "unknown_pool",
-     ("H100-80GB", "known pools", "A100-80GB", "T4-16GB")),
-    ("pool-bad-chars", _raw({"gpus": 1, "pool": "A100 80GB;rm"}), 400, "bad_request",
-     ("pool must be a name", "letters, digits")),
+    (
+        "unknown-field",
+        _raw({"gpus": 1, "gpu_count": 2}),
+        400,
+        "bad_request",
+        ("unknown field", "gpu_count", "allowed", "gpus, pool, ttl, wait, label, session"),
+    ),
+    (
+        "unknown-pool",
+        _raw({"gpus": 1, "pool": "H100-80GB"}),
+        404,
+        "unknown_pool",
+        ("H100-80GB", "known pools", "A100-80GB", "T4-16GB"),
+    ),
+    (
+        "pool-bad-chars",
+        _raw({"gpus": 1, "pool": "A100 80GB;rm"}),
+        400,
+        "bad_request",
+        ("pool must be a name", "letters, digits"),
+    ),
     ("pool-not-string", _raw({"gpus": 1, "pool": 7}), 400, "bad_request", ("pool must be a name",)),
     ("ttl-negative", _raw({"gpus": 1, "ttl": -5}), 400, "bad_request", ("ttl", "between 1 and 3600")),
     ("ttl-zero", _raw({"gpus": 1, "ttl": 0}), 400, "bad_request", ("ttl", "between 1 and 3600")),
@@ -63,25 +82,47 @@ ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
     ("wait-negative", _raw({"gpus": 1, "wait": -1}), 400, "bad_request", ("wait", "between 0 and 3600")),
     ("wait-string", _raw({"gpus": 1, "wait": "soon"}), 400, "bad_request", ("wait", "number of seconds")),
     ("wait-above-max", _raw({"gpus": 1, "wait": 10**6}), 400, "bad_request", ("wait", "between 0 and 3600")),
-    ("label-too-long", _raw({"gpus": 1, "label": "x" * 201}), 400, "bad_request",
-     ("label", "at most 200 characters")),
+    ("label-too-long", _raw({"gpus": 1, "label": "x" * 201}), 400, "bad_request", ("label", "at most 200 characters")),
     ("label-not-string", _raw({"gpus": 1, "label": ["a"]}), 400, "bad_request", ("label", "string")),
-    ("session-too-long", _raw({"gpus": 1, "session": "s" * 201}), 400, "bad_request",
-     ("session", "at most 200 characters")),
-    ("body-10MB", b'{"gpus": 1, "label": "' + b"x" * TEN_MB + b'"}', 413, "payload_too_large",
-     ("larger than 65536 bytes", "small JSON object")),
-    ("more-than-largest-node", _raw({"gpus": 5}), 422, "unsatisfiable",
-     ("A100-80GB", "largest has 4", "at most 4")),
-    ("more-than-largest-node-waiting", _raw({"gpus": 3, "pool": "T4-16GB", "wait": 30}), 422, "unsatisfiable",
-     ("T4-16GB", "largest has 2")),
+    (
+        "session-too-long",
+        _raw({"gpus": 1, "session": "s" * 201}),
+        400,
+        "bad_request",
+        ("session", "at most 200 characters"),
+    ),
+    ("id-too-short", _raw({"gpus": 1, "id": "abc"}), 400, "bad_request", ("id must be 8 to 64",)),
+    ("id-bad-chars", _raw({"gpus": 1, "id": "l-0123456789/x"}), 400, "bad_request", ("id must be 8 to 64",)),
+    ("id-not-string", _raw({"gpus": 1, "id": 123456789}), 400, "bad_request", ("id must be 8 to 64",)),
+    (
+        "body-10MB",
+        b'{"gpus": 1, "label": "' + b"x" * TEN_MB + b'"}',
+        413,
+        "payload_too_large",
+        ("larger than 65536 bytes", "small JSON object"),
+    ),
+    ("more-than-largest-node", _raw({"gpus": 5}), 422, "unsatisfiable", ("A100-80GB", "largest has 4", "at most 4")),
+    (
+        "more-than-largest-node-waiting",
+        _raw({"gpus": 3, "pool": "T4-16GB", "wait": 30}),
+        422,
+        "unsatisfiable",
+        ("T4-16GB", "largest has 2"),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("body", "status", "code", "fragments"),
-                         [pytest.param(*case[1:], id=case[0]) for case in ACQUIRE_CASES])
+@pytest.mark.parametrize(
+    ("body", "status", "code", "fragments"), [pytest.param(*case[1:], id=case[0]) for case in ACQUIRE_CASES]
+)
 def test_bad_acquire_is_refused_without_state_change(
-    server: Any, redis_sync: Any, alice_lease: dict[str, Any],
-    body: bytes, status: int, code: str, fragments: tuple[str, ...],
+    server: Any,
+    redis_sync: Any,
+    alice_lease: dict[str, Any],
+    body: bytes,
+    status: int,
+    code: str,
+    fragments: tuple[str, ...],
 ) -> None:
     with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
         resp = c.post(f"{API}/leases", content=body, headers={"Content-Type": "application/json"})
@@ -102,25 +143,46 @@ def test_chunked_body_over_the_limit_is_413(server: Any, redis_sync: Any, alice_
         assert_error(resp, 413, "payload_too_large", "larger than 65536 bytes")
 
 
-def test_no_capacity_says_how_many_are_free(server: Any, redis_sync: Any) -> None:
-    """Pool A100-80GB: n1 has 4, n2 has 2. Take 4 (n1) and 1 (n2): 1 is free, 2 cannot be had now."""
+def _fill_a100_but_one(server: Any) -> None:
+    """Pool A100-80GB: n1 has 4, n2 has 2. Alice takes 4 (n1) and 1 (n2): 1 is free, 2 cannot be had."""
     with http(server, "alice") as c:
         for n in (4, 1):
             assert c.post(f"{API}/leases", json={"gpus": n, "ttl": 600}).status_code == 201
-        with http(server, "bob") as b, unchanged(redis_sync, server.settings.prefix):
-            resp = b.post(f"{API}/leases", json={"gpus": 2, "wait": 0})
-            body = assert_error(resp, 409, "no_capacity", "A100-80GB", "1 free in the pool", "wait")
-            assert body["details"]["free"] == 1
-            # Omitting wait means wait=0 too.
-            assert_error(b.post(f"{API}/leases", json={"gpus": 2}), 409, "no_capacity", "1 free")
-            # Nothing left in the queue.
-            queue = b.get(f"{API}/queue").json()
-            assert queue == {"waiting": []}
+
+
+def test_no_capacity_says_how_many_are_free(server: Any, redis_sync: Any) -> None:
+    _fill_a100_but_one(server)
+    with http(server, "bob") as b:
+        resp = b.post(f"{API}/leases", json={"gpus": 2, "wait": 0})
+        body = assert_error(resp, 409, "no_capacity", "A100-80GB", "has 2 free", "1 free in the pool", "pass wait")
+        assert body["details"]["free"] == 1
+        # Omitting wait means wait=0 too.
+        assert_error(b.post(f"{API}/leases", json={"gpus": 2}), 409, "no_capacity", "1 free in the pool")
+        # Nothing left behind in the queue, nothing logged.
+        assert b.get(f"{API}/queue").json() == {"waiting": []}
+        log = b.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]
+        assert not [e for e in log if e.get("user") == "bob"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "acquire.lua INCRs queue_seq before knowing whether the request stays queued, so a refused "
+        "wait=0 request changes Redis state"
+    ),
+)
+def test_no_capacity_changes_no_state(server: Any, redis_sync: Any) -> None:
+    _fill_a100_but_one(server)
+    with http(server, "bob") as b, unchanged(redis_sync, server.settings.prefix):
+        assert_error(b.post(f"{API}/leases", json={"gpus": 2, "wait": 0}), 409, "no_capacity")
 
 
 def test_unknown_lease_id_is_404_everywhere(server: Any, redis_sync: Any, alice_lease: dict[str, Any]) -> None:
-    with http(server, "alice") as c, http(server, "root", "admin") as admin, \
-            unchanged(redis_sync, server.settings.prefix):
+    with (
+        http(server, "alice") as c,
+        http(server, "root", "admin") as admin,
+        unchanged(redis_sync, server.settings.prefix),
+    ):
         for resp in (
             c.get(f"{API}/leases/l-doesnotexist"),
             c.delete(f"{API}/leases/l-doesnotexist"),
@@ -180,8 +242,12 @@ def test_renew_or_release_of_someone_elses_lease_is_403(
 
 def test_revoke_by_a_non_admin_is_403(server: Any, redis_sync: Any, alice_lease: dict[str, Any]) -> None:
     lid = alice_lease["id"]
-    with http(server, "bob") as bob, http(server, "alice") as alice, http(server, "agent1", "agent") as agent, \
-            unchanged(redis_sync, server.settings.prefix):
+    with (
+        http(server, "bob") as bob,
+        http(server, "alice") as alice,
+        http(server, "agent1", "agent") as agent,
+        unchanged(redis_sync, server.settings.prefix),
+    ):
         for who in (bob, alice, agent):  # not even the owner, nor an agent
             resp = who.post(f"{API}/leases/{lid}/revoke", json={"reason": "mine now"})
             assert_error(resp, 403, "forbidden", "only an admin can revoke", "DELETE")
@@ -200,6 +266,7 @@ def test_unknown_route_is_a_json_404(server: Any, redis_sync: Any) -> None:
             assert_error(resp, 404, "not_found", f"no such endpoint {method}", "/api/v1/openapi.json")
 
 
+@pytest.mark.xfail(strict=True, reason="write_error answers tornado's 405 with the bare reason 'Method Not Allowed'")
 def test_unsupported_method_is_a_json_405_that_says_what_to_use(server: Any, redis_sync: Any) -> None:
     with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
         resp = c.patch(f"{API}/leases", json={"gpus": 1})
@@ -211,19 +278,32 @@ def test_unsupported_method_is_a_json_405_that_says_what_to_use(server: Any, red
         assert "GET" in msg and "POST" in msg or "openapi.json" in msg, msg
 
 
-@pytest.mark.parametrize(("params", "fragments"), [
-    pytest.param({"limit": "x"}, ("limit", "integer between 1 and 10000"), id="limit-not-int"),
-    pytest.param({"limit": "0"}, ("limit", "between 1 and 10000"), id="limit-zero"),
-    pytest.param({"limit": "-3"}, ("limit", "between 1 and 10000"), id="limit-negative"),
-    pytest.param({"limit": "10001"}, ("limit", "between 1 and 10000"), id="limit-too-big"),
-    pytest.param({"limit": "1.5"}, ("limit", "integer"), id="limit-fraction"),
-    pytest.param({"since": "garbage"}, ("since", "event id like", "garbage"), id="since-garbage"),
-    pytest.param({"since": "1-2-3"}, ("since", "event id like"), id="since-three-parts"),
-    pytest.param({"since": "+"}, ("since", "event id like"), id="since-plus"),
-    pytest.param({"since": "18446744073709551615-18446744073709551615"}, ("since",), id="since-max-id"),
-])
-def test_bad_event_log_query_is_400(server: Any, redis_sync: Any, params: dict[str, str],
-                                    fragments: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("params", "fragments"),
+    [
+        pytest.param({"limit": "x"}, ("limit", "integer between 1 and 10000"), id="limit-not-int"),
+        pytest.param({"limit": "0"}, ("limit", "between 1 and 10000"), id="limit-zero"),
+        pytest.param({"limit": "-3"}, ("limit", "between 1 and 10000"), id="limit-negative"),
+        pytest.param({"limit": "10001"}, ("limit", "between 1 and 10000"), id="limit-too-big"),
+        pytest.param({"limit": "1.5"}, ("limit", "integer"), id="limit-fraction"),
+        pytest.param({"since": "garbage"}, ("since", "event id like", "garbage"), id="since-garbage"),
+        pytest.param({"since": "1-2-3"}, ("since", "event id like"), id="since-three-parts"),
+        pytest.param({"since": "+"}, ("since", "event id like"), id="since-plus"),
+        pytest.param(
+            {"since": "18446744073709551615-18446744073709551615"},
+            ("since",),
+            id="since-max-id",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Redis says 'invalid start ID for the interval', "
+                "which EventLogHandler does not map to 400: 500 internal",
+            ),
+        ),
+    ],
+)
+def test_bad_event_log_query_is_400(
+    server: Any, redis_sync: Any, params: dict[str, str], fragments: tuple[str, ...]
+) -> None:
     with http(server, "alice") as c, unchanged(redis_sync, server.settings.prefix):
         assert_error(c.get(f"{API}/events/log", params=params), 400, "bad_request", *fragments)
 
@@ -240,6 +320,11 @@ def test_good_event_log_query_is_200(server: Any, alice_lease: dict[str, Any]) -
         assert rest == everything[1:]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="EventStreamHandler writes the stream preamble before reading the backlog, "
+    "so a bad since/Last-Event-ID gives 200 and then a dropped connection",
+)
 def test_event_stream_with_a_bad_since_is_400_not_a_broken_stream(server: Any) -> None:
     """A bad Last-Event-ID or ?since= must be refused before the stream starts: answering 200 and
     then dropping the connection makes an EventSource reconnect with the same id forever."""
@@ -247,7 +332,11 @@ def test_event_stream_with_a_bad_since_is_400_not_a_broken_stream(server: Any) -
         for kwargs in ({"params": {"since": "garbage"}}, {"headers": {"Last-Event-ID": "garbage"}}):
             with c.stream("GET", f"{API}/events", **kwargs) as resp:  # type: ignore[arg-type]
                 if resp.status_code == 200:
-                    resp.close()
+                    # Read on until the server gives up on the stream, so that it is done with this
+                    # request (and its error log) before the test ends.
+                    with contextlib.suppress(httpx.HTTPError):
+                        for _chunk in resp.iter_raw():
+                            pass
                     pytest.fail("a bad since was accepted with 200 and a stream that then breaks")
                 resp.read()
                 assert_error(resp, 400, "bad_request", "since", "event id")
@@ -262,11 +351,20 @@ def test_bad_token_creation_input_is_400(server: Any, redis_sync: Any) -> None:
     with http(server, "root", "admin") as admin, unchanged(redis_sync, server.settings.prefix):
         assert_error(admin.post(f"{API}/tokens", json={}), 400, "bad_request", "user must be a name")
         assert_error(admin.post(f"{API}/tokens", json={"user": "a b"}), 400, "bad_request", "user must be a name")
-        assert_error(admin.post(f"{API}/tokens", json={"user": "carol", "role": "root"}), 400, "bad_request",
-                     "role must be one of user, admin, agent")
+        assert_error(
+            admin.post(f"{API}/tokens", json={"user": "carol", "role": "root"}),
+            400,
+            "bad_request",
+            "role must be one of user, admin, agent",
+        )
         assert_error(admin.post(f"{API}/tokens", json=["carol"]), 400, "bad_request", "JSON object")
-        # A user name that is not a string is bad input too, not an internal error.
-        assert_error(admin.post(f"{API}/tokens", json={"user": 5}), 400, "bad_request", "user must be a name")
+
+
+@pytest.mark.xfail(strict=True, reason="auth.create_token runs NAME_RE.match on a non-string user: TypeError, 500")
+@pytest.mark.parametrize("user", [5, None, ["carol"], {"name": "carol"}])
+def test_token_for_a_non_string_user_is_400(server: Any, redis_sync: Any, user: Any) -> None:
+    with http(server, "root", "admin") as admin, unchanged(redis_sync, server.settings.prefix):
+        assert_error(admin.post(f"{API}/tokens", json={"user": user}), 400, "bad_request", "user must be a name")
 
 
 def test_bad_node_inventory_is_400(server: Any, redis_sync: Any) -> None:
@@ -283,3 +381,83 @@ def test_bad_node_inventory_is_400(server: Any, redis_sync: Any) -> None:
             assert_error(agent.put(f"{API}/nodes/{node}", json=body), 400, "bad_request", fragment)
         resp = agent.post(f"{API}/nodes/ghost/heartbeat")
         assert_error(resp, 404, "unknown_node", "ghost", "send its inventory first")
+
+
+def _post_and_hang_up(server: Any, token: str, body: dict[str, Any]) -> bytes:
+    """POST /api/v1/leases on a raw socket, close our side at once, read until the server closes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    raw = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            b"POST /api/v1/leases HTTP/1.1\r\nHost: gpulease\r\nAuthorization: Bearer "
+            + token.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(raw)).encode()
+            + b"\r\n\r\n"
+            + raw
+        )
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_someone_elses_request_id_is_refused_without_state_change(server: Any, redis_sync: Any) -> None:
+    """Reusing another user's lease id, live or queued, as a request id is a 409 and changes nothing."""
+    with http(server, "alice") as alice, http(server, "eve") as eve:
+        held = alice.post(f"{API}/leases", json={"gpus": 4, "ttl": 600, "id": "alice-req-0001"}).json()
+        assert held["id"] == "alice-req-0001"
+        with unchanged(redis_sync, server.settings.prefix):
+            resp = eve.post(f"{API}/leases", json={"gpus": 1, "id": "alice-req-0001"})
+            assert_error(resp, 409, "conflict", "alice-req-0001", "already in use", "new id")
+        assert "token" not in eve.get(f"{API}/leases/alice-req-0001").json()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "LeasesHandler.on_connection_close abandons whatever id the body named, and cancel_wait.lua does "
+        "not check the waiter's owner: any user can cancel another user's queued request"
+    ),
+)
+def test_another_user_cannot_cancel_my_queued_request_by_its_id(server: Any, redis_sync: Any) -> None:
+    """Bob waits in the queue (his request id is public: GET /queue lists it). Eve POSTs with that
+    id and hangs up. Bob must still be served when GPUs free up."""
+    bob_id = "bob-request-0001"
+    with http(server, "alice") as alice, http(server, "bob") as bob, http(server, "eve") as eve:
+        full = [alice.post(f"{API}/leases", json={"gpus": n, "ttl": 600}).json() for n in (4, 2)]
+        outcome: dict[str, Any] = {}
+
+        def bob_waits() -> None:
+            try:
+                outcome["resp"] = bob.post(
+                    f"{API}/leases", timeout=30, json={"gpus": 1, "ttl": 600, "wait": 4, "id": bob_id}
+                )
+            except Exception as exc:  # reported by the main thread
+                outcome["error"] = exc
+
+        waiter = threading.Thread(target=bob_waits, name="bob-waits", daemon=True)
+        try:
+            with event_stream(server, "watcher") as events:
+                waiter.start()
+                next_event(events, "queued", bob_id)  # bob is in the queue now
+            assert [w["id"] for w in eve.get(f"{API}/queue").json()["waiting"]] == [bob_id]
+
+            eve.get(f"{API}/whoami")  # eve's token is known to the server (as for any real client)
+            # Whether the server notices the hang-up while the request is in flight is a race of
+            # microseconds; each try is an independent chance, so try a number of times.
+            for _ in range(20):
+                _post_and_hang_up(server, server.token("eve"), {"gpus": 1, "id": bob_id})
+            assert [w["id"] for w in eve.get(f"{API}/queue").json()["waiting"]] == [bob_id]
+        finally:
+            alice.delete(f"{API}/leases/{full[1]['id']}")  # 2 GPUs free up: bob's turn
+            if waiter.is_alive() or waiter.ident is not None:
+                waiter.join(20)
+        assert not waiter.is_alive()
+        assert "error" not in outcome, outcome
+        resp = outcome["resp"]
+        assert resp.status_code == 201, resp.text
+        assert resp.json()["id"] == bob_id and resp.json()["user"] == "bob"
+        log = eve.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]
+        assert not [e for e in log if e["type"].startswith("wait_") and e["lease"] == bob_id]

@@ -3,58 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import stat
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from lease_server.redis_proc import free_port
+from tests.conftest import Up, port_open
 
 CLI = [sys.executable, "-m", "lease_server.cli"]
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-class Up:
-    def __init__(self, data: Path, *extra: str) -> None:
-        self.data, self.port = data, free_port()
-        self.env = {**os.environ, "GPULEASE_HOME": str(data)}
-        self.env.pop("GPULEASE_URL", None)
-        self.env.pop("GPULEASE_TOKEN", None)
-        self.proc = subprocess.Popen(
-            [*CLI, "up", "--simulate", "box=2xA100-80GB", "--no-lab", "--port", str(self.port),
-             "--data-dir", str(data), *extra],
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/api/v1/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)  # polling a process that is starting: there is no event to wait on
-        raise AssertionError("gpulease up did not answer")
-
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*CLI, *args], env=self.env, capture_output=True, text=True, timeout=60)
-
-    def interrupt(self) -> tuple[int, str]:
-        self.proc.send_signal(signal.SIGINT)
-        out, _ = self.proc.communicate(timeout=60)
-        return self.proc.returncode, out
 
 
 def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):

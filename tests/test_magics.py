@@ -1,0 +1,274 @@
+"""%%gpu_train in a real kernel (the CPU-only kernelspec) against `gpulease up` with a real Ray
+head, Redis and lease server; the GPUs are simulated."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+from magics.kernel import install
+from tests.conftest import Up
+
+TTL = "3"  # seconds: short, so that a dead kernel's lease runs out quickly
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    home = tmp_path_factory.mktemp("gpulease-home")
+    prefix = tmp_path_factory.mktemp("kernels")
+    install(prefix=str(prefix))
+    up = Up(home, simulate="box=2xA100-80GB", GPULEASE_DEFAULT_TTL=TTL, GPULEASE_SWEEP_INTERVAL="0.2")
+    up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
+    yield up
+    up.interrupt()
+
+
+def api(up: Up, method: str, path: str, token: str | None = None, **kw: Any) -> Any:
+    token = token or (up.data / "token").read_text().strip()
+    r = httpx.request(method, up.url + path, headers={"Authorization": f"Bearer {token}"}, timeout=10, **kw)
+    return r.json()
+
+
+def free_gpus(up: Up) -> int:
+    return int(api(up, "GET", "/api/v1/cluster")["pools"]["A100-80GB"]["free"])
+
+
+class Kernel:
+    """A kernel of the gpulease kernelspec, driven message by message."""
+
+    def __init__(self, up: Up, **env: str) -> None:
+        ksm = KernelSpecManager(kernel_dirs=[up.env["JUPYTER_PATH"] + "/kernels"])
+        self.km = KernelManager(kernel_name="gpulease", kernel_spec_manager=ksm)
+        self.km.start_kernel(env={**up.env, **env})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def start(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def outputs(self, msg_id: str, timeout: float = 120, until: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """Collect iopub output of ``msg_id`` until the kernel is idle (or ``until`` appears in a
+        stream). Returns (outputs, finished)."""
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                return out, True
+            if kind in ("stream", "error", "execute_result", "display_data", "update_display_data"):
+                out.append({"type": kind, **content})
+                if until and kind == "stream" and until in content["text"]:
+                    return out, False
+        raise AssertionError(f"no idle status within {timeout}s; got {out}")
+
+    def run(self, code: str, timeout: float = 120) -> list[dict[str, Any]]:
+        return self.outputs(self.start(code), timeout)[0]
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def text(outputs: list[dict[str, Any]], kind: str = "stream") -> str:
+    parts = []
+    for o in outputs:
+        if o["type"] == kind == "stream":
+            parts.append(o["text"])
+        elif o["type"] == kind == "error":
+            parts.append("\n".join(o["traceback"]))
+        elif o["type"] == kind:
+            parts.append(o.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+def errors_of(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in outputs if o["type"] == "error"]
+
+
+@pytest.fixture
+def kernel(stack: Up) -> Iterator[Kernel]:
+    k = Kernel(stack)
+    yield k
+    k.shutdown()
+
+
+def test_kernel_is_cpu_only_and_the_cell_sees_exactly_its_lease(stack, kernel):
+    out = kernel.run("import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))")
+    assert text(out).strip() == "''"
+    kernel.run("scale = 3")
+    out = kernel.run(
+        "%%gpu_train --gpus 2\n"
+        "import os\n"
+        "seen = os.environ['CUDA_VISIBLE_DEVICES']\n"
+        "lease_id = os.environ['GPULEASE_LEASE_ID']\n"
+        "uuids = os.environ['GPULEASE_GPU_UUIDS']\n"
+        "for epoch in range(3):\n"
+        "    print('epoch', epoch, flush=True)\n"
+        "losses = [epoch * scale for epoch in range(4)]\n"
+        "len(losses)\n"
+    )
+    assert not errors_of(out), out
+    assert "epoch 0\nepoch 1\nepoch 2\n" in text(out)
+    assert "held 2 GPU(s) on box (GPU 0,1)" in text(out) and "now released" in text(out)
+    assert text(out, "execute_result") == "4"
+    out = kernel.run("print(seen, losses, uuids)")
+    assert text(out).strip() == "0,1 [0, 3, 6, 9] GPU-sim-box-0,GPU-sim-box-1"
+    lease_id = text(kernel.run("print(lease_id)")).strip()
+    lease = api(stack, "GET", f"/api/v1/leases/{lease_id}")
+    assert lease["state"] == "released" and [g["index"] for g in lease["gpus"]] == [0, 1]
+    assert free_gpus(stack) == 2
+
+
+def test_line_form_and_out_names(stack, kernel):
+    kernel.run("def double(x):\n    return 2 * x")
+    out = kernel.run("%gpu_train double(21)")
+    assert text(out, "execute_result") == "42", out
+    out = kernel.run("%%gpu_train --out b\na = 1\nb = 2")
+    assert not errors_of(out)
+    assert text(kernel.run("print('a' in globals(), b)")).strip() == "False 2"
+
+
+def test_exception_releases_and_shows_the_remote_traceback_once(stack, kernel):
+    out = kernel.run("%%gpu_train\nx = 1\nraise ValueError('bad batch')")
+    (err,) = errors_of(out)
+    assert err["ename"] == "GpuTrainError"
+    tb = "\n".join(err["traceback"])
+    assert "traceback from the worker on node box" in tb and 'File "<gpu_train cell>", line 2' in tb
+    assert tb.count("raise ValueError('bad batch')") == 1
+    assert "now released" in text(out)
+    assert free_gpus(stack) == 2
+    assert text(kernel.run("print('usable')")).strip() == "usable"
+
+
+def test_timeout_stops_the_call_and_releases(stack, kernel):
+    out = kernel.run("%%gpu_train --timeout 1s\nimport time\nprint('start', flush=True)\ntime.sleep(60)")
+    (err,) = errors_of(out)
+    assert err["ename"] == "GpuTrainTimeout" and "--timeout 1s" in err["evalue"]
+    assert free_gpus(stack) == 2
+    assert text(kernel.run("print('usable')")).strip() == "usable"
+
+
+def test_interrupt_cancels_the_worker_and_releases(stack, kernel):
+    msg_id = kernel.start("%%gpu_train\nimport time\nprint('training', flush=True)\ntime.sleep(60)")
+    first, finished = kernel.outputs(msg_id, until="training")
+    assert not finished and free_gpus(stack) == 1
+    kernel.km.interrupt_kernel()
+    rest, finished = kernel.outputs(msg_id, timeout=30)
+    assert finished
+    assert any(o["type"] == "error" and o["ename"] == "KeyboardInterrupt" for o in rest), rest
+    assert free_gpus(stack) == 2
+    assert text(kernel.run("print('usable')")).strip() == "usable"
+
+
+def test_usage_errors_are_one_clear_line(stack, kernel):
+    for line, expect in [("%gpu_train --bogus x()", "unrecognized arguments"),
+                         ("%%gpu_train --gpus 0\nx = 1", "--gpus must be at least 1"),
+                         ("%%gpu_train --gpus 3\nx = 1", "the largest has 2"),
+                         ("%%gpu_train --pool H100\nx = 1", "unknown pool 'H100'"),
+                         ("%%gpu_train --timeout soon\nx = 1", "--timeout: cannot read duration")]:
+        out = kernel.run(line)
+        assert "UsageError: " in text(out) and expect in text(out), (line, out)
+        assert len(text(out).strip().splitlines()) == 1, out
+    assert free_gpus(stack) == 2
+
+
+def test_no_lease_server_is_a_usage_error(stack):
+    k = Kernel(stack, GPULEASE_URL="http://127.0.0.1:9", GPULEASE_TOKEN="x")
+    try:
+        out = text(k.run("%%gpu_train\nx = 1"))
+        assert out.startswith("UsageError: cannot reach the lease server") and len(out.strip().splitlines()) == 1
+    finally:
+        k.shutdown()
+
+
+def test_two_notebooks_contend_for_one_gpu(stack):
+    first, second = Kernel(stack), Kernel(stack)
+    try:
+        m1 = first.start("%%gpu_train --gpus 2\nimport time\nprint('first running', flush=True)\n"
+                         "time.sleep(4)\nwho = 'first'")
+        first.outputs(m1, until="first running")
+        m2 = second.start("%%gpu_train --gpus 1\nwho = 'second'\nprint('second running', flush=True)")
+        out2, _ = second.outputs(m2, until="second running", timeout=60)
+        waits = [o for o in out2 if o["type"] in ("display_data", "update_display_data")]
+        assert any("position 1 in the queue" in o["data"]["text/plain"] for o in waits), out2
+        out1, done1 = first.outputs(m1, timeout=60)
+        assert done1 and not errors_of(out1)
+        rest2, done2 = second.outputs(m2, timeout=60)
+        assert done2 and not errors_of(rest2)
+        assert text(first.run("print(who)")).strip() == "first"
+        assert text(second.run("print(who)")).strip() == "second"
+        events = api(stack, "GET", "/api/v1/events/log?limit=10000")["events"]
+        grants = [e for e in events if e["type"] == "grant"]
+        assert grants[-1]["waited_ms"] > 0  # the second waited for the first
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert free_gpus(stack) == 2
+
+
+def test_killed_kernel_frees_its_gpus_and_its_worker_stops(stack):
+    k = Kernel(stack)
+    msg_id = k.start("%%gpu_train\nimport os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)")
+    out, _ = k.outputs(msg_id, until="pid")
+    worker_pid = int(text(out).split("pid")[1].split()[0])
+    lease = api(stack, "GET", "/api/v1/leases?all=true")["leases"][0]
+    os.kill(k.km.provisioner.process.pid, signal.SIGKILL)  # the kernel dies: nobody releases
+    k.kc.stop_channels()
+    deadline = lease["expires_at"] + 1.0
+    # The sweeper expires the lease (its deadline + one sweep); wait on the event stream.
+    with httpx.stream("GET", f"{stack.url}/api/v1/events?since={api(stack, 'GET', '/api/v1/events/log?limit=1')['events'][0]['id']}",
+                      headers={"Authorization": f"Bearer {(stack.data / 'token').read_text().strip()}"},
+                      timeout=httpx.Timeout(5, read=30)) as s:
+        for line in s.iter_lines():
+            if line.startswith("data:") and lease["id"] in line and '"expired"' in line:
+                break
+    ended = api(stack, "GET", f"/api/v1/leases/{lease['id']}")
+    assert ended["state"] == "expired" and ended["ended_at"] <= deadline
+    assert free_gpus(stack) == 2
+    # The orphaned worker is gone too (Ray kills actors of a dead driver; the watchdog backs it up).
+    for _ in range(100):
+        if not _alive(worker_pid):
+            break
+        time.sleep(0.1)  # process exit has no event we can wait on from here
+    assert not _alive(worker_pid)
+
+
+def test_revoke_stops_the_worker_and_the_cell_says_why(stack, kernel):
+    msg_id = kernel.start("%%gpu_train\nimport time\nprint('training', flush=True)\ntime.sleep(120)")
+    kernel.outputs(msg_id, until="training")
+    lease = api(stack, "GET", "/api/v1/leases?all=true")["leases"][0]
+    revoked_at = time.monotonic()
+    api(stack, "POST", f"/api/v1/leases/{lease['id']}/revoke", json={"reason": "maintenance"})
+    out, finished = kernel.outputs(msg_id, timeout=30)
+    assert finished and time.monotonic() - revoked_at < 10
+    (err,) = errors_of(out)
+    assert err["ename"] == "GpuTrainError" and "revoked" in err["evalue"] and "maintenance" in err["evalue"]
+    assert free_gpus(stack) == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
