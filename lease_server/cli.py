@@ -256,7 +256,9 @@ def up(
                 console.print(f"  jupyterlab    {lab_url}")
             console.print("Ctrl-C stops everything.")
 
-        asyncio.run(serve(settings, stop=None, on_ready=ready, local_nodes=nodes))
+        from .server import run_loop
+
+        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes))
     finally:
         _stop(lab_proc, "jupyterlab")
         _stop(ray_proc, "ray head")

@@ -215,10 +215,10 @@ class LeaseStore:
                 return rec
             if code is Code.BUSY:
                 raise errors.NoCapacity(
-                    f"no node in pool {pool_s!r} has {n} free GPU(s) now ({rest[0]} free in the pool); "
-                    "pass wait (seconds) to queue for them",
+                    f"no node in pool {pool_s!r} has {n} free GPU(s) now (the most free on one node: "
+                    f"{rest[0]}); pass wait (seconds) to queue for them",
                     pool=pool_s,
-                    free=int(rest[0]),
+                    most_free_on_a_node=int(rest[0]),
                     position=0,
                 )
             if code is Code.DUPLICATE:
@@ -314,20 +314,29 @@ class LeaseStore:
         *,
         admin: bool = False,
         token: object = None,
-        revoke: bool = False,
+        revoke: bool | None = False,
         reason: str = "",
     ) -> tuple[dict[str, Any], bool]:
-        """End a lease. Returns (record, changed): releasing an ended lease changes nothing."""
+        """End a lease. Returns (record, changed): releasing an ended lease changes nothing.
+
+        ``revoke=None`` decides in the script: an admin ending another user's lease revokes it
+        (with ``reason``), anyone ending their own releases it. One round trip either way.
+        """
         tok = self._token(token, required=False)
         if revoke and not admin:
             raise errors.Forbidden("only an admin can revoke another user's lease")
-        state = LeaseState.REVOKED if revoke else LeaseState.RELEASED
-        why = check_text("reason", reason) or ("revoked by an admin" if revoke else "released by its owner")
-        code, rest = await self.run("release", [lease_id, tok, user, "1" if admin else "0", state.value, why])
+        why = check_text("reason", reason)
+        if revoke is None:
+            args = ["auto", "released by its owner", why or f"revoked by admin {user}"]
+        elif revoke:
+            args = [LeaseState.REVOKED.value, why or f"revoked by admin {user}", ""]
+        else:
+            args = [LeaseState.RELEASED.value, why or "released by its owner", ""]
+        code, rest = await self.run("release", [lease_id, tok, user, "1" if admin else "0", *args])
         if code in (Code.OK, Code.ENDED):
             rec = json.loads(rest[0])
             if code is Code.OK:
-                log.info("%s %s user=%s by=%s", state.value, lease_id, rec["user"], user)
+                log.info("%s %s user=%s by=%s", rec["state"], lease_id, rec["user"], user)
             return rec, code is Code.OK
         raise_for(code, lease_id)
         raise AssertionError("unreachable")

@@ -150,6 +150,7 @@ class GpuMagics(Magics):
             plan = cellcode.plan_cell(source)
         except SyntaxError as exc:
             raise UsageError(f"the cell does not parse: {exc}") from None
+        assert self.shell is not None
         ns = self.shell.user_ns
         explicit = args.out is not None
         outputs = (

@@ -190,5 +190,6 @@ def _watchdog(lease: dict[str, Any]) -> None:
 
 
 def _die(lease_id: str, why: str) -> None:
-    sys.__stderr__.write(f"gpulease: lease {lease_id} is {why}; stopping this worker\n")
+    if sys.__stderr__ is not None:
+        sys.__stderr__.write(f"gpulease: lease {lease_id} is {why}; stopping this worker\n")
     os._exit(WATCHDOG_EXIT_CODE)

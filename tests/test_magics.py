@@ -272,3 +272,26 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_example_notebook_runs_end_to_end(stack):
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = __import__("pathlib").Path(__file__).parent.parent / "examples" / "train_then_plot.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    ksm = KernelSpecManager(kernel_dirs=[stack.env["JUPYTER_PATH"] + "/kernels"])
+    km = KernelManager(kernel_name="gpulease", kernel_spec_manager=ksm)
+    old = dict(os.environ)
+    os.environ.update(stack.env)  # the kernel inherits GPULEASE_HOME from here
+    try:
+        NotebookClient(nb, km=km, timeout=300).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "training on cpu with CUDA_VISIBLE_DEVICES = '0'" in streams
+    assert "epoch   0" in streams and "now released" in streams and "final loss" in streams
+    assert any("image/png" in o.get("data", {}) for o in outputs if o.output_type == "display_data")
+    assert free_gpus(stack) == 2

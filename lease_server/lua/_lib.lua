@@ -60,9 +60,9 @@ end
 
 -- Replace a node's free list, keeping its fit entry in step when the node is up. "Up" is exactly
 -- "has a fit entry": mark_down removes it, a heartbeat after that adds it back.
-local function set_free(node, pool, list)
-  local old = decode_list(redis.call('HGET', K_FREE, node))
-  local old_member = fit_member(pool, node, #old)
+local function set_free(node, pool, list, old_count)
+  if old_count == nil then old_count = #decode_list(redis.call('HGET', K_FREE, node)) end
+  local old_member = fit_member(pool, node, old_count)
   table.sort(list)
   redis.call('HSET', K_FREE, node, encode_list(list))
   if redis.call('ZSCORE', K_FIT, old_member) then
@@ -109,7 +109,7 @@ local function allocate(pool, n, exclude)
       for i, idx in ipairs(free) do
         if i <= n then taken[#taken + 1] = idx else rest[#rest + 1] = idx end
       end
-      return node, taken, rest
+      return node, taken, rest, #free
     end
     mark_down(node, 'heartbeat missed')
   end
@@ -123,7 +123,7 @@ local function fullest_node(pool)
   return string.match(m, '^[^|]+|%d+|(.+)$')
 end
 
-local function grant(w, node, taken, rest)
+local function grant(w, node, taken, rest, old_count)
   local inv = cjson.decode(redis.call('HGET', K_NODES, node))
   local uuid_of = {}
   for _, g in ipairs(inv.gpus) do uuid_of[g.index] = g.uuid end
@@ -139,7 +139,7 @@ local function grant(w, node, taken, rest)
     redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id)
     gpus[#gpus + 1] = {index = idx, uuid = uuid_of[idx] or ''}
   end
-  set_free(node, w.pool, rest)
+  set_free(node, w.pool, rest, old_count)
   local lease = {
     id = w.id, token = redis.call('INCR', K_FENCE), user = w.user, pool = w.pool, node = node,
     gpus = gpus, ttl_ms = w.ttl_ms, label = w.label, session = w.session, state = 'active',
@@ -180,9 +180,9 @@ local function dispatch(pool)
   local reserved = nil
   local granted = 0
   for _, w in ipairs(order) do
-    local node, taken, rest = allocate(pool, w.gpus, reserved)
+    local node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
     if node then
-      grant(w, node, taken, rest)
+      grant(w, node, taken, rest, old_count)
       redis.call('ZREM', K_QUEUE, w.member)
       redis.call('HDEL', K_WAITERS, w.id)
       redis.call('PUBLISH', K_GRANTS, w.id)
@@ -202,7 +202,7 @@ local function end_lease(lease, state, reason, by)
   if inv_raw then
     for _, g in ipairs(cjson.decode(inv_raw).gpus) do present[g.index] = true end
   end
-  local returned = {}
+  local returned, old_count = {}, #free
   for _, g in ipairs(lease.gpus) do
     local slot = lease.node .. '/' .. g.index
     if redis.call('HGET', K_HOLDERS, slot) == lease.id then
@@ -211,7 +211,7 @@ local function end_lease(lease, state, reason, by)
       returned[#returned + 1] = g.index
     end
   end
-  if inv_raw then set_free(lease.node, lease.pool, free) end
+  if inv_raw then set_free(lease.node, lease.pool, free, old_count) end
   redis.call('HDEL', K_LEASES, lease.id)
   redis.call('ZREM', K_DEADLINES, lease.id)
   local held_s = (NOW - lease.created_at) / 1000

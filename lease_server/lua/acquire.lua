@@ -3,7 +3,7 @@
 -- ARGV[5] = lease id (chosen by the caller; it is also the waiter id while queued)
 -- ARGV[6] = user      ARGV[7] = pool      ARGV[8] = gpus (int >= 1)     ARGV[9] = ttl ms
 -- ARGV[10] = wait ms (0: do not queue)   ARGV[11] = label    ARGV[12] = session
--- returns {OK, lease JSON} | {QUEUED, position} | {BUSY, free GPUs in pool} |
+-- returns {OK, lease JSON} | {QUEUED, position} | {BUSY, most free GPUs on one node} |
 --         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE}
 local id, user, pool = ARGV[5], ARGV[6], ARGV[7]
 local n, ttl_ms, wait_ms = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
@@ -12,6 +12,15 @@ if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, 
     or redis.call('HEXISTS', K_ENDED, id) == 1 then
   return {DUPLICATE}
 end
+local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
+           session = ARGV[12], enqueued_at = NOW, deadline = NOW + wait_ms}
+
+-- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one.
+if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1] then
+  local node, taken, rest, old_count = allocate(pool, n, nil)
+  if node then return {OK, cjson.encode(grant(w, node, taken, rest, old_count))} end
+end
+
 local largest = redis.call('ZREVRANGEBYLEX', K_SIZES, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
 if not largest then return {UNKNOWN_POOL} end
 local size = tonumber(string.match(largest, '^[^|]+|(%d+)|'))
@@ -21,8 +30,7 @@ if n > size then return {UNSATISFIABLE, size} end
 -- dispatch grants it now only if it is first in fair-share order or fits beside the blocked head.
 local seq = redis.call('INCR', K_QUEUE_SEQ)
 local member = pool .. '|' .. string.format('%015d', seq) .. '|' .. id
-local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
-           session = ARGV[12], enqueued_at = NOW, deadline = NOW + wait_ms, member = member, seq = seq}
+w.member, w.seq = member, seq
 redis.call('ZADD', K_QUEUE, 0, member)
 redis.call('HSET', K_WAITERS, id, cjson.encode(w))
 dispatch(pool)
@@ -32,11 +40,9 @@ if lease then return {OK, lease} end
 if wait_ms <= 0 then
   redis.call('ZREM', K_QUEUE, member)
   redis.call('HDEL', K_WAITERS, id)
-  local free = 0
-  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
-    free = free + tonumber(string.match(m, '^[^|]+|(%d+)|'))
-  end
-  return {BUSY, free}
+  -- The most free GPUs on one up node of the pool: one lookup, however large the pool.
+  local best = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
+  return {BUSY, best and tonumber(string.match(best, '^[^|]+|(%d+)|')) or 0}
 end
 local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. pool .. '|', '[' .. member)
 emit('queued', {lease = id, user = user, pool = pool, gpus = n, position = position, label = ARGV[11]})
