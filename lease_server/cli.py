@@ -103,8 +103,14 @@ async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str
         await r.aclose()
 
 
+def _tool(name: str) -> str:
+    """A console script of this environment first (the one whose packages we import), else PATH's."""
+    here = Path(sys.executable).with_name(name)
+    return str(here) if here.exists() else (shutil.which(name) or str(here))
+
+
 def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes] | None, str]:
-    ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    ray = _tool("ray")
     if not Path(ray).exists():
         err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
         return None, ""
@@ -135,12 +141,15 @@ def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes
 
 
 def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
-    jupyter = shutil.which("jupyter") or str(Path(sys.executable).with_name("jupyter"))
+    jupyter = _tool("jupyter")
     try:
         import jupyterlab  # noqa: F401
     except ImportError:
         err_console.print("[yellow]JupyterLab is not installed: pip install 'gpulease[lab]' to get it[/]")
         return None
+    from magics.kernel import install
+
+    install(prefix=sys.prefix)  # the CPU-only "Python 3 (gpulease)" kernel, beside this JupyterLab
     log = open(data_dir / "jupyterlab.log", "ab")
     return subprocess.Popen(
         [
@@ -150,6 +159,7 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
             f"--port={port}",
             "--ip=127.0.0.1",
             f"--IdentityProvider.token={env['GPULEASE_LAB_TOKEN']}",
+            *(["--allow-root"] if os.geteuid() == 0 else []),  # containers often run as root
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
