@@ -296,3 +296,24 @@ def test_example_notebook_runs_end_to_end(stack):
     assert "epoch   0" in streams and "now released" in streams and "final loss" in streams
     assert any("image/png" in o.get("data", {}) for o in outputs if o.output_type == "display_data")
     assert free_gpus(stack) == 2
+
+
+def test_worker_crash_shows_rays_error_and_releases(stack, kernel):
+    out = kernel.run("%%gpu_train\nimport os\nprint('about to crash', flush=True)\nos._exit(3)")
+    (err,) = errors_of(out)
+    assert err["ename"] == "GpuTrainError" and "worker process died" in err["evalue"]
+    assert "now released" in text(out)
+    assert free_gpus(stack) == 2
+    assert text(kernel.run("print('usable')")).strip() == "usable"
+
+
+def test_kernel_shutdown_releases_at_once(stack):
+    k = Kernel(stack)
+    msg_id = k.start("%%gpu_train\nimport time\nprint('training', flush=True)\ntime.sleep(120)")
+    k.outputs(msg_id, until="training")
+    (lease,) = api(stack, "GET", "/api/v1/leases?all=true")["leases"]
+    k.kc.stop_channels()
+    k.km.shutdown_kernel(now=False)  # a polite shutdown: the kernel's exit hook releases
+    ended = api(stack, "GET", f"/api/v1/leases/{lease['id']}")
+    assert ended["state"] == "released", ended  # released by the hook, not expired by the TTL
+    assert free_gpus(stack) == 2
