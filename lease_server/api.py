@@ -15,11 +15,13 @@ import re
 import time
 from typing import Any
 
+import redis.exceptions
 import tornado.iostream
 import tornado.web
 from redis.asyncio import Redis
 
 from . import __version__, errors, events, inventory, metrics
+from .aio import cancel_and_wait
 from .auth import Authenticator, Identity, create_token
 from .config import Settings
 from .lease import LeaseStore, check_name, new_lease_id, public_lease
@@ -28,6 +30,19 @@ from .queue import queue_view
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
+# Redis down, restarting or still loading its AOF: the request may be retried, so 503, not 500.
+REDIS_AWAY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+STREAM_ID_RE = re.compile(r"^\d{1,20}(-\d{1,20})?$")
+
+
+def as_lease_error(exc: BaseException | None) -> BaseException | None:
+    if isinstance(exc, REDIS_AWAY):
+        return errors.ServerUnavailable(
+            f"the lease server cannot reach Redis right now ({type(exc).__name__}); retry in a few seconds"
+        )
+    return exc
+
+
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 
 
@@ -50,10 +65,7 @@ class Context:
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="gpulease-sweeper")
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        await cancel_and_wait(self._sweeper)
         await self.hub.stop()
         await self.store.close()
         await self.redis.aclose()
@@ -122,13 +134,27 @@ class BaseHandler(tornado.web.RequestHandler):
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
         if isinstance(value, errors.GpuLeaseError) and value.status < 500:
             return
+        if isinstance(value, REDIS_AWAY):
+            log.warning("%s %s: Redis is unreachable (%s)", self.request.method, self.request.path, value)
+            return
         super().log_exception(typ, value, tb)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
+        exc = as_lease_error(kwargs.get("exc_info", (None, None, None))[1])
         if isinstance(exc, errors.GpuLeaseError):
             self.set_status(exc.status)
             body = exc.to_json()
+        elif isinstance(exc, tornado.web.HTTPError) and exc.status_code == 405:
+            allowed = [
+                m
+                for m in self.SUPPORTED_METHODS
+                if getattr(type(self), m.lower()) is not getattr(tornado.web.RequestHandler, m.lower())
+            ]
+            body = {
+                "code": "method_not_allowed",
+                "message": f"{self.request.method} is not supported on {self.request.path}; "
+                f"use {', '.join(allowed) or 'another endpoint'} (see {API}/openapi.json)",
+            }
         elif isinstance(exc, tornado.web.HTTPError):
             body = {"code": "http_error", "message": exc.log_message or self._reason}
         else:
@@ -140,7 +166,7 @@ class BaseHandler(tornado.web.RequestHandler):
         self.ctx.metrics.observe(self, time.perf_counter() - getattr(self, "_t0", time.perf_counter()))
 
     def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
-        exc = kwargs.get("exc_info", (None, None, None))[1]
+        exc = as_lease_error(kwargs.get("exc_info", (None, None, None))[1])
         if isinstance(exc, errors.GpuLeaseError):
             status_code = exc.status
         super().send_error(status_code, **kwargs)
@@ -183,7 +209,7 @@ class LeasesHandler(BaseHandler):
     async def _abandon(self, lid: str) -> None:
         with contextlib.suppress(errors.GpuLeaseError):
             try:
-                await self.store.cancel_wait(lid, reason="cancelled")
+                await self.store.cancel_wait(self.identity.user, lid, reason="cancelled")
             except errors.NoCapacity:
                 return
             await self.store.release(lid, self.identity.user, reason="client went away before the grant arrived")
@@ -255,18 +281,26 @@ class QueueHandler(BaseHandler):
         self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, pool)})
 
 
-class NodeHandler(BaseHandler):
-    """An agent declares its node's GPUs (PUT) or sends a heartbeat (POST .../heartbeat)."""
+class AgentHandler(BaseHandler):
+    """Node agents' endpoints: an agent or admin token is required."""
 
     def _check_role(self) -> None:
         if self.identity.role not in ("admin", "agent"):
             raise errors.Forbidden("only an agent or admin token can register nodes")
+
+
+class NodeHandler(AgentHandler):
+    """An agent declares its node's GPUs."""
 
     async def put(self, node: str) -> None:
         self._check_role()
         inv = inventory.NodeInventory.from_body(node, self.body())
         status = await inventory.register(self.store, inv)
         self.reply({"node": node, "status": status})
+
+
+class HeartbeatHandler(AgentHandler):
+    """An agent's heartbeat: the node stays up."""
 
     async def post(self, node: str) -> None:
         self._check_role()
@@ -313,6 +347,7 @@ class WhoAmIHandler(BaseHandler):
 class EventLogHandler(BaseHandler):
     async def get(self) -> None:
         since = self.get_query_argument("since", "-")
+        check_since(since)
         try:
             limit = int(self.get_query_argument("limit", "100"))
         except ValueError as exc:
@@ -321,10 +356,8 @@ class EventLogHandler(BaseHandler):
             raise errors.BadRequest("limit must be an integer between 1 and 10000")
         try:
             entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit)
-        except Exception as exc:
-            if "Invalid stream ID" in str(exc):
-                raise errors.BadRequest(f"since must be an event id like 1700000000000-0, got {since!r}") from exc
-            raise
+        except redis.exceptions.ResponseError as exc:  # a well-formed id Redis still rejects
+            raise errors.BadRequest(f"since {since!r} is not a usable event id: {exc}") from exc
         self.reply({"events": entries})
 
 
@@ -340,6 +373,8 @@ class EventStreamHandler(BaseHandler):
         hub = self.ctx.hub
         queue = hub.subscribe()  # before the backlog read, so nothing falls in between
         since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
+        if since:
+            check_since(since)  # before the stream starts, so a bad id is a plain 400
         sent_up_to = ""
         ev: dict[str, Any] | None
         try:
@@ -370,6 +405,18 @@ class EventStreamHandler(BaseHandler):
 
     def _send(self, ev: dict[str, Any]) -> None:
         self.write(f"id: {ev['id']}\nevent: {ev['type']}\ndata: {json.dumps(ev)}\n\n")
+
+
+MAX_ID_PART = 2**64 - 1
+
+
+def check_since(since: str) -> None:
+    """An event id Redis accepts as an exclusive start: digits, each part below 2**64 - 1."""
+    if since in ("-", "0"):
+        return
+    parts = since.split("-") if STREAM_ID_RE.match(since) else []
+    if not parts or any(int(p) >= MAX_ID_PART for p in parts):
+        raise errors.BadRequest(f"since must be an event id like 1700000000000-0 (or '-'), got {since!r}")
 
 
 def _stream_id(entry_id: str) -> tuple[int, int]:
@@ -424,7 +471,7 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/events", EventStreamHandler),
         (rf"{API}/events/log", EventLogHandler),
         (rf"{API}/nodes/{lease_id}", NodeHandler),
-        (rf"{API}/nodes/{lease_id}/heartbeat", NodeHandler),
+        (rf"{API}/nodes/{lease_id}/heartbeat", HeartbeatHandler),
         (rf"{API}/tokens", TokensHandler),
         (rf"{API}/whoami", WhoAmIHandler),
         (rf"{API}/info", InfoHandler),

@@ -40,7 +40,7 @@ def hash_token(token: str) -> str:
 
 async def create_token(redis: Redis, keys: Keys, user: str, role: str = "user") -> str:
     """Create a token for ``user`` and return it; only its hash is stored."""
-    if not NAME_RE.match(user):
+    if not isinstance(user, str) or not NAME_RE.match(user):
         raise errors.BadRequest(f"user must be a name of letters, digits, '.', '_' or '-', got {user!r}")
     if role not in ROLES:
         raise errors.BadRequest(f"role must be one of {', '.join(ROLES)}, got {role!r}")

@@ -299,6 +299,11 @@ def _renew_loop(ref: weakref.ref[HeldLease], stop: threading.Event, ttl: float) 
             return
         try:
             held.renew_once()
-        except errors.ServerUnavailable as exc:  # keep trying until the deadline passes
+        except errors.GpuLeaseError as exc:
+            if exc.status < 500:  # refused for good (renew_once handles the usual ones)
+                held.lost = exc
+                return
+            log.warning("renewal failed, retrying: %s", exc)  # server or Redis away: the TTL decides
+        except Exception as exc:  # never let the renewal thread die silently
             log.warning("renewal failed, retrying: %s", exc)
         del held

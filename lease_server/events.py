@@ -11,6 +11,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from .aio import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 
@@ -50,20 +52,22 @@ class EventHub:
         self._subs.discard(q)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for q in self._subs:
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(None)
 
     async def _run(self) -> None:
-        last = "$"
+        # Start after the newest entry by its id, not "$": "$" would skip entries added while a
+        # failed read is retried. Block well below the client's socket timeout (redis-py: 5 s).
+        last = ""
         while True:
             try:
-                reply: Any = await self.redis.xread({self.key: last}, block=5000, count=500)
+                if not last:
+                    newest: Any = await self.redis.xrevrange(self.key, "+", "-", count=1)
+                    last = newest[0][0] if newest else "0-0"
+                reply: Any = await self.redis.xread({self.key: last}, block=2000, count=500)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

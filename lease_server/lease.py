@@ -240,13 +240,13 @@ class LeaseStore:
                 maybe = on_queued(position)
                 if maybe is not None:
                     await maybe
-            return await self._wait_for_grant(lid, pool_s, n, wait_s, waiter)
+            return await self._wait_for_grant(user, lid, pool_s, n, wait_s, waiter)
         finally:
             if waiter is not None:
-                self.notifier.forget(lid)
+                self.notifier.forget(lid, waiter)
 
     async def _wait_for_grant(
-        self, lid: str, pool: str, n: int, wait_s: float, waiter: asyncio.Event
+        self, user: str, lid: str, pool: str, n: int, wait_s: float, waiter: asyncio.Event
     ) -> dict[str, Any]:
         deadline = time.monotonic() + wait_s
         while True:
@@ -263,13 +263,14 @@ class LeaseStore:
             if raw:
                 return json.loads(raw)
             waiter.clear()
-        return await self.cancel_wait(lid, pool, n, wait_s, reason="timeout")
+        return await self.cancel_wait(user, lid, pool, n, wait_s, reason="timeout")
 
     async def cancel_wait(
-        self, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0, *, reason: str = "cancelled"
+        self, user: str, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0, *, reason: str = "cancelled"
     ) -> dict[str, Any]:
-        """Leave the queue. A grant that raced ahead is returned (the caller now holds it)."""
-        code, rest = await self.run("cancel_wait", [lid, reason])
+        """Leave the queue. A grant that raced ahead is returned (the caller now holds it).
+        Only the request's own user may cancel it."""
+        code, rest = await self.run("cancel_wait", [lid, reason, user])
         if code is Code.OK:
             return json.loads(rest[0])
         if code is Code.REMOVED:
@@ -290,9 +291,8 @@ class LeaseStore:
     ) -> dict[str, Any]:
         """Extend a live lease by ``ttl`` seconds from now (default: its own ttl)."""
         tok = self._token(token, required=True)
-        rec = await self.get(lease_id)
-        default = rec["ttl_ms"] / 1000
-        ttl_s = check_seconds("ttl", ttl, low=1, high=self.settings.max_ttl, default=default)
+        # 0 = the lease's own ttl (decided in the script: one round trip per renewal)
+        ttl_s = check_seconds("ttl", ttl, low=1, high=self.settings.max_ttl, default=0.0)
         code, rest = await self.run("renew", [lease_id, tok, user, "1" if admin else "0", int(ttl_s * 1000)])
         if code is Code.OK:
             return json.loads(rest[0])

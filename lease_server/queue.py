@@ -16,6 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from .aio import cancel_and_wait
 from .keys import Keys
 
 log = logging.getLogger(__name__)
@@ -27,17 +28,22 @@ class GrantNotifier:
     def __init__(self, redis: Redis, channel: str) -> None:
         self.redis = redis
         self.channel = channel
-        self._events: dict[str, asyncio.Event] = {}
+        # Several coroutines may wait on one id (a client resending its request): each has its own.
+        self._events: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
     def expect(self, waiter_id: str) -> asyncio.Event:
         ev = asyncio.Event()
-        self._events[waiter_id] = ev
+        self._events.setdefault(waiter_id, set()).add(ev)
         return ev
 
-    def forget(self, waiter_id: str) -> None:
-        self._events.pop(waiter_id, None)
+    def forget(self, waiter_id: str, ev: asyncio.Event) -> None:
+        waiting = self._events.get(waiter_id)
+        if waiting is not None:
+            waiting.discard(ev)
+            if not waiting:
+                del self._events[waiter_id]
 
     async def start(self) -> None:
         if self._task is None:
@@ -45,11 +51,8 @@ class GrantNotifier:
             await asyncio.wait_for(self._ready.wait(), timeout=10)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _listen(self) -> None:
         while True:
@@ -59,13 +62,16 @@ class GrantNotifier:
                 self._ready.set()
                 # Whatever was published while we were not subscribed is lost: wake every waiter
                 # so that each checks Redis itself.
-                for ev in list(self._events.values()):
-                    ev.set()
-                async for msg in pubsub.listen():
-                    if msg.get("type") == "message":
-                        granted = self._events.get(msg["data"])
-                        if granted is not None:
-                            granted.set()
+                for waiting in list(self._events.values()):
+                    for ev in list(waiting):
+                        ev.set()
+                while True:
+                    # A bounded read, well inside the client's socket timeout, so an idle channel
+                    # does not look like a dropped connection.
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg and msg.get("type") == "message":
+                        for ev in list(self._events.get(msg["data"], ())):
+                            ev.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection lost: resubscribe after a short pause

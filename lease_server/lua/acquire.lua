@@ -28,7 +28,9 @@ if n > size then return {UNSATISFIABLE, size} end
 
 -- Every request goes through the queue, so a newcomer never jumps waiters it would delay:
 -- dispatch grants it now only if it is first in fair-share order or fits beside the blocked head.
-local seq = redis.call('INCR', K_QUEUE_SEQ)
+-- The next arrival number; it is only taken (stored) if the request stays in the queue, so a
+-- request refused at once leaves Redis exactly as it found it.
+local seq = tonumber(redis.call('GET', K_QUEUE_SEQ) or '0') + 1
 local member = pool .. '|' .. string.format('%015d', seq) .. '|' .. id
 w.member, w.seq = member, seq
 redis.call('ZADD', K_QUEUE, 0, member)
@@ -44,6 +46,7 @@ if wait_ms <= 0 then
   local best = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
   return {BUSY, best and tonumber(string.match(best, '^[^|]+|(%d+)|')) or 0}
 end
+redis.call('SET', K_QUEUE_SEQ, seq)
 local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. pool .. '|', '[' .. member)
 emit('queued', {lease = id, user = user, pool = pool, gpus = n, position = position, label = ARGV[11]})
 return {QUEUED, position}

@@ -2,13 +2,18 @@
 -- A grant that raced ahead of the cancel wins: the caller gets the lease and must use or release it.
 -- KEYS: Keys.core() (see _lib.lua)
 -- ARGV[5] = waiter / lease id     ARGV[6] = reason ("timeout" | "cancelled")
--- returns {OK, lease JSON} (granted meanwhile) | {REMOVED, position it had} | {NO_SUCH}
-local id, reason = ARGV[5], ARGV[6]
+-- ARGV[7] = user: only the request's own user may cancel it
+-- returns {OK, lease JSON} (granted meanwhile) | {REMOVED, position it had} | {NO_SUCH} | {NOT_OWNER}
+local id, reason, user = ARGV[5], ARGV[6], ARGV[7]
 local lease = redis.call('HGET', K_LEASES, id)
-if lease then return {OK, lease} end
+if lease then
+  if cjson.decode(lease).user ~= user then return {NOT_OWNER} end
+  return {OK, lease}
+end
 local raw = redis.call('HGET', K_WAITERS, id)
 if not raw then return {NO_SUCH} end
 local w = cjson.decode(raw)
+if w.user ~= user then return {NOT_OWNER} end
 local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. w.pool .. '|', '[' .. w.member)
 redis.call('ZREM', K_QUEUE, w.member)
 redis.call('HDEL', K_WAITERS, id)

@@ -3,7 +3,8 @@
 -- A lease already past its deadline but not yet swept is expired here, not renewed: its GPUs
 -- were free to be taken from the moment the deadline passed.
 -- KEYS: Keys.core() (see _lib.lua)
--- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = user   ARGV[8] = "1" if admin   ARGV[9] = ttl ms
+-- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = user   ARGV[8] = "1" if admin
+-- ARGV[9] = new ttl ms, or 0 to keep the lease's own ttl
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE} | {EXPIRED, JSON}
 local id, token, user, admin, ttl_ms = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local raw = redis.call('HGET', K_LEASES, id)
@@ -29,6 +30,7 @@ if lease.expires_at < NOW then
   dispatch(lease.pool)
   return {EXPIRED, cjson.encode(ended)}
 end
+if ttl_ms == 0 then ttl_ms = lease.ttl_ms end
 lease.expires_at = NOW + ttl_ms
 lease.ttl_ms = ttl_ms
 lease.renewed_at = NOW
