@@ -15,10 +15,14 @@ import re
 import time
 from typing import Any
 
-import redis.exceptions
 import tornado.iostream
 import tornado.web
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError as RedisResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import __version__, errors, events, inventory, metrics
 from .aio import cancel_and_wait
@@ -31,7 +35,7 @@ from .queue import queue_view
 log = logging.getLogger(__name__)
 API = "/api/v1"
 # Redis down, restarting or still loading its AOF: the request may be retried, so 503, not 500.
-REDIS_AWAY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+REDIS_AWAY = (RedisConnectionError, RedisTimeoutError)
 STREAM_ID_RE = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 
 
@@ -51,8 +55,16 @@ class Context:
 
     def __init__(self, settings: Settings, redis: Redis | None = None) -> None:
         self.settings = settings
+        # A pooled connection that Redis dropped (restart, failover) is retried on a fresh one.
+        # Every script is safe to resend: a resent acquire finds its own lease id, a resent
+        # release finds the lease ended.
         self.redis = redis or Redis.from_url(
-            settings.redis_url, decode_responses=True, health_check_interval=30, max_connections=256
+            settings.redis_url,
+            decode_responses=True,
+            health_check_interval=30,
+            max_connections=256,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
         )
         self.store = LeaseStore(self.redis, settings)
         self.auth = Authenticator(self.redis, self.store.keys)
@@ -356,7 +368,7 @@ class EventLogHandler(BaseHandler):
             raise errors.BadRequest("limit must be an integer between 1 and 10000")
         try:
             entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit)
-        except redis.exceptions.ResponseError as exc:  # a well-formed id Redis still rejects
+        except RedisResponseError as exc:  # a well-formed id Redis still rejects
             raise errors.BadRequest(f"since {since!r} is not a usable event id: {exc}") from exc
         self.reply({"events": entries})
 
@@ -371,10 +383,10 @@ class EventStreamHandler(BaseHandler):
 
     async def get(self) -> None:
         hub = self.ctx.hub
-        queue = hub.subscribe()  # before the backlog read, so nothing falls in between
         since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
         if since:
             check_since(since)  # before the stream starts, so a bad id is a plain 400
+        queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
         sent_up_to = ""
         ev: dict[str, Any] | None
         try:

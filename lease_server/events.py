@@ -37,12 +37,16 @@ class EventHub:
         self.key = key
         self._subs: set[asyncio.Queue[dict[str, Any] | None]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
 
-    def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
+    async def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
+        """A queue of every entry added from now on (the hub knows where "now" is before this
+        returns, so nothing added after the call is missed)."""
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
         self._subs.add(q)
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="gpulease-event-hub")
+        await self._started.wait()
         return q
 
     def is_subscribed(self, q: asyncio.Queue[dict[str, Any] | None]) -> bool:
@@ -67,6 +71,7 @@ class EventHub:
                 if not last:
                     newest: Any = await self.redis.xrevrange(self.key, "+", "-", count=1)
                     last = newest[0][0] if newest else "0-0"
+                    self._started.set()
                 reply: Any = await self.redis.xread({self.key: last}, block=2000, count=500)
             except asyncio.CancelledError:
                 raise

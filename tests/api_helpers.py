@@ -56,6 +56,24 @@ def assert_error(resp: httpx.Response, status: int, code: str, *fragments: str) 
     return body
 
 
+class Cases:
+    """Runs many small cases against one server and reports every failing one at the end (one
+    server per case would make the suite slow for no gain)."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    @contextlib.contextmanager
+    def case(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except AssertionError as exc:
+            self.failures.append(f"[{name}] {exc}")
+
+    def check(self) -> None:
+        assert not self.failures, f"{len(self.failures)} case(s) failed:\n" + "\n\n".join(self.failures)
+
+
 # ---- state snapshots -------------------------------------------------------------------------
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import pytest
 
 from lease_server.keys import Keys
-from tests.api_helpers import API, assert_error, http, unchanged
+from tests.api_helpers import API, Cases, assert_error, http, unchanged
 
 
 def _acquire(client: httpx.Client, gpus: int = 1, **kw: Any) -> dict[str, Any]:
@@ -36,27 +35,27 @@ PROTECTED = [
 ]
 
 
-@pytest.mark.parametrize(("method", "path"), PROTECTED, ids=[f"{m} {p}" for m, p in PROTECTED])
-def test_no_token_is_401_with_how_to_get_one(server: Any, redis_sync: Any, method: str, path: str) -> None:
-    body = {"gpus": 1} if method in ("POST", "PUT") else None
-    with http(server) as anon, unchanged(redis_sync, server.settings.prefix):
-        resp = anon.request(method, path, json=body)
-        assert_error(resp, 401, "unauthorized", "Authorization: Bearer", "token create")
+def test_no_token_is_401_with_how_to_get_one(server: Any, redis_sync: Any) -> None:
+    cases = Cases()
+    with http(server) as anon:
+        for method, path in PROTECTED:
+            with cases.case(f"{method} {path}"), unchanged(redis_sync, server.settings.prefix):
+                resp = anon.request(method, path, json={"gpus": 1} if method in ("POST", "PUT") else None)
+                assert_error(resp, 401, "unauthorized", "Authorization: Bearer", "token create")
+    cases.check()
 
 
-@pytest.mark.parametrize(
-    "header",
-    [
-        "Basic YWxpY2U6c2VjcmV0",
-        "Token glt_whatever",
-        "Bearer",
-        "glt_no_scheme_at_all",
-    ],
-)
-def test_wrong_scheme_is_401(server: Any, redis_sync: Any, header: str) -> None:
-    with http(server) as anon, unchanged(redis_sync, server.settings.prefix):
-        resp = anon.post(f"{API}/leases", json={"gpus": 1}, headers={"Authorization": header})
-        assert_error(resp, 401, "unauthorized", "Bearer <token>")
+WRONG_SCHEMES = ["Basic YWxpY2U6c2VjcmV0", "Token glt_whatever", "Bearer", "glt_no_scheme_at_all"]
+
+
+def test_wrong_scheme_is_401(server: Any, redis_sync: Any) -> None:
+    cases = Cases()
+    with http(server) as anon:
+        for header in WRONG_SCHEMES:
+            with cases.case(header), unchanged(redis_sync, server.settings.prefix):
+                resp = anon.post(f"{API}/leases", json={"gpus": 1}, headers={"Authorization": header})
+                assert_error(resp, 401, "unauthorized", "Bearer <token>")
+    cases.check()
 
 
 def test_unknown_token_is_401(server: Any, redis_sync: Any) -> None:
@@ -197,16 +196,16 @@ def test_agent_token_registers_nodes_but_a_user_token_cannot(server: Any, redis_
         assert_error(agent.post(f"{API}/tokens", json={"user": "x"}), 403, "forbidden")
 
 
-@pytest.mark.parametrize("path", [f"{API}/health", "/metrics", f"{API}/openapi.json"])
-def test_public_endpoints_need_no_token(server: Any, path: str) -> None:
+def test_public_endpoints_need_no_token(server: Any) -> None:
     with http(server) as anon:
-        resp = anon.get(path)
-        assert resp.status_code == 200, resp.text
-        # ... and an unknown token does not break them either.
-        assert anon.get(path, headers={"Authorization": "Bearer glt_bogus"}).status_code == 200
-    if path.endswith("health"):
-        assert resp.json()["status"] == "ok" and resp.json()["redis"] == "ok"
-    elif path.endswith("openapi.json"):
-        assert resp.json()["openapi"].startswith("3.")
-    else:
-        assert "gpulease_gpus" in resp.text
+        for path in (f"{API}/health", "/metrics", f"{API}/openapi.json"):
+            resp = anon.get(path)
+            assert resp.status_code == 200, (path, resp.text)
+            # ... and an unknown token does not break them either.
+            assert anon.get(path, headers={"Authorization": "Bearer glt_bogus"}).status_code == 200, path
+            if path.endswith("health"):
+                assert resp.json()["status"] == "ok" and resp.json()["redis"] == "ok"
+            elif path.endswith("openapi.json"):
+                assert resp.json()["openapi"].startswith("3.")
+            else:
+                assert "gpulease_gpus" in resp.text
