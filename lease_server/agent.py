@@ -70,42 +70,121 @@ def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: Modul
     return NodeInventory(node or default_node_name(), pool or pool_name(gpus[0].model, gpus[0].memory_mb), gpus, "nvml")
 
 
+class NvmlSampler:
+    """Samples this node's GPUs through NVML: utilization, memory used, compute processes.
+
+    NVML stays initialised and the device handles are looked up once, so one sample of 8 GPUs is
+    a few dozen NVML calls (bench/reclaim_bench.py measures it)."""
+
+    def __init__(self, nvml: ModuleType | Any = None) -> None:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        self.nvml = nvml
+        nvml.nvmlInit()
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+
+    def sample(self) -> list[dict[str, Any]]:
+        nvml, out = self.nvml, []
+        for index, handle in enumerate(self.handles):
+            util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle).used // (1024 * 1024)
+            try:
+                procs = [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+            except nvml.NVMLError:  # not supported on some boards: no process evidence then
+                procs = []
+            out.append({"index": index, "util": int(util), "mem_mb": int(mem), "procs": procs})
+        return out
+
+    def close(self) -> None:
+        self.nvml.nvmlShutdown()
+
+
 async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
-    """The in-process agent of ``gpulease up``: heartbeats straight into the store."""
+    """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the store."""
+    from .reclaim import record_samples, simulated_sample
+
     interval = store.settings.heartbeat_interval
+    sample_every = store.settings.sample_interval
+    nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     for inv in inventories:
         await register(store, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval)
-            return
-        except TimeoutError:
-            pass
-        for inv in inventories:
+    loop = asyncio.get_running_loop()
+    next_beat = next_sample = loop.time()
+    try:
+        while not stop.is_set():
+            now = loop.time()
+            if now >= next_beat:
+                next_beat = now + interval
+                for inv in inventories:
+                    try:
+                        await register(store, None, inv.node)
+                    except errors.UnknownNode:
+                        await register(store, inv)
+                    except Exception as exc:  # Redis away: the next beat retries
+                        log.warning("heartbeat of %s failed: %s", inv.node, exc)
+            if now >= next_sample:
+                next_sample = now + sample_every
+                for inv in inventories:
+                    try:
+                        if inv.source == "nvml" and nvml is not None:
+                            gpus = nvml.sample()
+                        else:
+                            gpus = await simulated_sample(store, inv.node, [g.index for g in inv.gpus])
+                        await record_samples(store, inv.node, inv.pool, gpus)
+                    except Exception as exc:
+                        log.warning("sampling %s failed: %s", inv.node, exc)
             try:
-                await register(store, None, inv.node)
-            except errors.UnknownNode:
-                await register(store, inv)
-            except Exception as exc:  # Redis away: the next beat retries
-                log.warning("heartbeat of %s failed: %s", inv.node, exc)
+                await asyncio.wait_for(stop.wait(), timeout=max(0.01, min(next_beat, next_sample) - loop.time()))
+            except TimeoutError:
+                pass
+    finally:
+        if nvml is not None:
+            nvml.close()
 
 
-def run_remote(client: Any, inventories: list[NodeInventory], interval: float, stop: threading.Event) -> None:
-    """``gpulease agent``: declare the inventory over HTTP, then heartbeat until ``stop``."""
+def run_remote(
+    client: Any, inventories: list[NodeInventory], interval: float, stop: threading.Event, sample_interval: float = 5.0
+) -> None:
+    """``gpulease agent``: declare the inventory over HTTP, then heartbeat and send GPU samples
+    until ``stop``."""
     import json
+    import time
 
     def declare(inv: NodeInventory) -> None:
         client.request("PUT", f"/api/v1/nodes/{inv.node}", json=json.loads(inv.to_json()))
 
+    nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     for inv in inventories:
         declare(inv)
         log.info("node %s declared: %d GPU(s) in pool %s", inv.node, len(inv.gpus), inv.pool)
-    while not stop.wait(interval):
-        for inv in inventories:
-            try:
-                client.request("POST", f"/api/v1/nodes/{inv.node}/heartbeat")
-            except errors.UnknownNode:
-                declare(inv)
-            except errors.ServerUnavailable as exc:
-                log.warning("heartbeat of %s failed: %s", inv.node, exc)
+    next_beat = next_sample = time.monotonic()
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + interval
+                for inv in inventories:
+                    try:
+                        client.request("POST", f"/api/v1/nodes/{inv.node}/heartbeat")
+                    except errors.UnknownNode:
+                        declare(inv)
+                    except errors.GpuLeaseError as exc:
+                        log.warning("heartbeat of %s failed: %s", inv.node, exc)
+            if now >= next_sample:
+                next_sample = now + sample_interval
+                for inv in inventories:
+                    try:
+                        if inv.source == "nvml" and nvml is not None:
+                            gpus = nvml.sample()
+                        else:
+                            gpus = client.request("GET", f"/api/v1/simulate/{inv.node}")["gpus"]
+                        client.request("POST", f"/api/v1/nodes/{inv.node}/samples", json={"gpus": gpus})
+                    except errors.GpuLeaseError as exc:
+                        log.warning("sampling %s failed: %s", inv.node, exc)
+            stop.wait(max(0.01, min(next_beat, next_sample) - time.monotonic()))
+    finally:
+        if nvml is not None:
+            nvml.close()

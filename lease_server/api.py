@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import asdict
 from typing import Any
 
 import tornado.iostream
@@ -24,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import __version__, errors, events, inventory, metrics
+from . import __version__, errors, events, inventory, metrics, reclaim
 from .aio import cancel_and_wait
 from .auth import Authenticator, Identity, create_token
 from .config import Settings
@@ -71,13 +72,20 @@ class Context:
         self.hub = events.EventHub(self.redis, self.store.keys.events)
         self.metrics = metrics.Metrics(self)
         self._sweeper: asyncio.Task[None] | None = None
+        self._reclaimer: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         await self.store.start()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="gpulease-sweeper")
+        self._reclaimer = asyncio.create_task(
+            reclaim.Reclaimer(self.store).run_forever(self._stopping), name="gpulease-reclaimer"
+        )
 
     async def stop(self) -> None:
+        self._stopping.set()
         await cancel_and_wait(self._sweeper)
+        await cancel_and_wait(self._reclaimer)
         await self.hub.stop()
         await self.store.close()
         await self.redis.aclose()
@@ -239,7 +247,7 @@ class LeasesHandler(BaseHandler):
 class LeaseHandler(BaseHandler):
     async def get(self, lease_id: str) -> None:
         rec = await self.store.get(lease_id)
-        self.reply(public_lease(rec, with_token=rec["user"] == self.identity.user))
+        self.reply(public_lease(rec, with_token=rec["user"] == self.identity.user, detail=True))
 
     async def delete(self, lease_id: str) -> None:
         body = self.body()
@@ -255,7 +263,9 @@ class RenewHandler(BaseHandler):
     async def post(self, lease_id: str) -> None:
         body = self.body()
         me = self.identity
-        rec = await self.store.renew(lease_id, body.get("token"), me.user, admin=me.admin, ttl=body.get("ttl"))
+        rec = await self.store.renew(
+            lease_id, body.get("token"), me.user, admin=me.admin, ttl=body.get("ttl"), activity=body.get("activity")
+        )
         self.reply(public_lease(rec, with_token=rec["user"] == me.user))
 
 
@@ -270,27 +280,6 @@ class RevokeHandler(BaseHandler):
         out = public_lease(ended, with_token=False)
         out["changed"] = changed
         self.reply(out)
-
-
-class ClusterHandler(BaseHandler):
-    async def get(self) -> None:
-        view = await inventory.cluster_view(self.store)
-        view["default_pool"] = await self._default_pool()
-        self.reply(view)
-
-    async def _default_pool(self) -> str | None:
-        try:
-            return await self.store.default_pool()
-        except errors.UnknownPool:
-            return None
-
-
-class QueueHandler(BaseHandler):
-    async def get(self) -> None:
-        pool = self.get_query_argument("pool", None)
-        if pool is not None:
-            check_name("pool", pool)
-        self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, pool)})
 
 
 class AgentHandler(BaseHandler):
@@ -319,6 +308,98 @@ class HeartbeatHandler(AgentHandler):
         check_name("node", node)
         status = await inventory.register(self.store, None, node)
         self.reply({"node": node, "status": status})
+
+
+class KeepHandler(BaseHandler):
+    """ "I'm still using it": reset the idle clock of a lease (owner or admin; limited)."""
+
+    async def post(self, lease_id: str) -> None:
+        me = self.identity
+        rec = await reclaim.keep(self.store, lease_id, me.user, me.admin)
+        self.reply(public_lease(rec, with_token=rec["user"] == me.user))
+
+
+class PoliciesHandler(BaseHandler):
+    async def get(self) -> None:
+        pols = await reclaim.policies(self.store)
+        self.reply({"policies": {name: asdict(p) for name, p in pols.items()}})
+
+
+class PolicyHandler(BaseHandler):
+    async def get(self, pool: str) -> None:
+        pols = await reclaim.policies(self.store)
+        if pool not in pols:
+            raise errors.UnknownPool(f"unknown pool {pool!r}; known pools: {', '.join(sorted(pols))}")
+        self.reply({"pool": pool, **asdict(pols[pool])})
+
+    async def put(self, pool: str) -> None:
+        if not self.identity.admin:
+            raise errors.Forbidden("only an admin can change the reclaim policy")
+        new = await reclaim.set_policy(self.store, check_name("pool", pool), self.body(), self.identity.user)
+        self.reply({"pool": pool, **asdict(new)})
+
+
+class SamplesHandler(AgentHandler):
+    """A node agent's GPU samples (utilization, memory, processes)."""
+
+    async def post(self, node: str) -> None:
+        self._check_role()
+        check_name("node", node)
+        gpus = reclaim.check_samples_body(self.body())
+        raw = await self.ctx.redis.hget(self.store.keys.nodes, node)
+        if raw is None:
+            raise errors.UnknownNode(f"node {node!r} is not registered: PUT {API}/nodes/{node} first")
+        recorded, unleased = await reclaim.record_samples(self.store, node, json.loads(raw)["pool"], gpus)
+        self.reply({"node": node, "recorded": recorded, "unleased": unleased})
+
+
+class SimulateHandler(AgentHandler):
+    """What a simulated node's GPUs report: set by an admin, read by its agent."""
+
+    async def get(self, node: str) -> None:
+        self._check_role()
+        raw = await self.ctx.redis.hget(self.store.keys.nodes, check_name("node", node))
+        if raw is None:
+            raise errors.UnknownNode(f"node {node!r} is not registered")
+        indexes = [g["index"] for g in json.loads(raw)["gpus"]]
+        self.reply({"node": node, "gpus": await reclaim.simulated_sample(self.store, node, indexes)})
+
+    async def put(self, node: str) -> None:
+        if not self.identity.admin:
+            raise errors.Forbidden("only an admin can set what simulated GPUs report")
+        body = self.body()
+        gpus = body.get("gpus")
+        if not isinstance(gpus, dict) or not gpus:
+            raise errors.BadRequest('body must be {"gpus": {"0": {"util": 95, "mem_mb": 1000, "procs": [123]}}}')
+        parsed: dict[int, dict[str, Any]] = {}
+        for key, value in gpus.items():
+            if not str(key).isdigit() or not isinstance(value, dict):
+                raise errors.BadRequest(f"gpus keys are GPU indexes and values objects, got {key!r}: {value!r}")
+            g = reclaim.check_gpu_sample(value, int(key))
+            parsed[int(key)] = {"util": g["util"], "mem_mb": g["mem_mb"], "procs": g["procs"]}
+        await reclaim.set_simulated(self.store, check_name("node", node), parsed)
+        self.reply({"node": node, "gpus": {str(i): v for i, v in parsed.items()}})
+
+
+class ClusterHandler(BaseHandler):
+    async def get(self) -> None:
+        view = await inventory.cluster_view(self.store)
+        view["default_pool"] = await self._default_pool()
+        self.reply(view)
+
+    async def _default_pool(self) -> str | None:
+        try:
+            return await self.store.default_pool()
+        except errors.UnknownPool:
+            return None
+
+
+class QueueHandler(BaseHandler):
+    async def get(self) -> None:
+        pool = self.get_query_argument("pool", None)
+        if pool is not None:
+            check_name("pool", pool)
+        self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, pool)})
 
 
 class TokensHandler(BaseHandler):
@@ -478,6 +559,11 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}", LeaseHandler),
         (rf"{API}/leases/{lease_id}/renew", RenewHandler),
         (rf"{API}/leases/{lease_id}/revoke", RevokeHandler),
+        (rf"{API}/leases/{lease_id}/keep", KeepHandler),
+        (rf"{API}/policy", PoliciesHandler),
+        (rf"{API}/policy/{lease_id}", PolicyHandler),
+        (rf"{API}/nodes/{lease_id}/samples", SamplesHandler),
+        (rf"{API}/simulate/{lease_id}", SimulateHandler),
         (rf"{API}/cluster", ClusterHandler),
         (rf"{API}/queue", QueueHandler),
         (rf"{API}/events", EventStreamHandler),

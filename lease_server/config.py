@@ -29,6 +29,16 @@ class Settings:
     event_log_max: int = 100_000  # approximate stream length kept
     max_body_bytes: int = 64 * 1024
     ray_address: str = ""  # the Ray cluster that clients (the magic) should use
+    sample_interval: float = 5.0  # seconds between GPU samples (node agents)
+    # Idle-GPU reclaim defaults for every pool; a [policy.POOL] table in the config file or an
+    # admin's PUT /api/v1/policy/POOL overrides them per pool.
+    reclaim_enabled: bool = True
+    idle_threshold: float = 5.0  # % utilization under which a GPU counts as idle
+    idle_timeout: float = 600.0  # seconds all of a lease's GPUs must stay idle before a warning
+    grace: float = 120.0  # seconds between the warning and the reclaim
+    min_age: float = 120.0  # a lease younger than this is never reclaimed (data loading)
+    max_extensions: int = 3  # "I'm still using it" per lease
+    policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def validate(self) -> Settings:
         if self.default_ttl <= 0 or self.max_ttl <= 0:
@@ -42,6 +52,11 @@ class Settings:
             raise ConfigurationError(
                 f"sweep_interval ({self.sweep_interval}s) must be positive and below default_ttl "
                 f"({self.default_ttl}s), or expired leases would linger"
+            )
+        if self.sample_interval <= 0 or self.sample_interval * 2 > self.idle_timeout:
+            raise ConfigurationError(
+                f"sample_interval ({self.sample_interval}s) must be positive and at most half of "
+                f"idle_timeout ({self.idle_timeout}s), or an idle window holds too few samples"
             )
         if self.heartbeat_interval >= self.heartbeat_timeout:
             raise ConfigurationError(
@@ -60,16 +75,18 @@ class Settings:
                 data = tomllib.loads(Path(path).read_text())
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigurationError(f"cannot read config file {path}: {exc}") from exc
-            table = data.get("server", data)
+            table = data.get("server", {k: v for k, v in data.items() if k not in ("pools", "policy")})
             for key, value in table.items():
                 if key not in names:
                     raise ConfigurationError(f"unknown setting {key!r} in {path}")
                 values[key] = value
             if "pools" in data:
                 values["pool_overrides"] = dict(data["pools"])
+            if "policy" in data:
+                values["policy_overrides"] = {pool: dict(t) for pool, t in data["policy"].items()}
         for name, f in names.items():
             env = os.environ.get(f"GPULEASE_{name.upper()}")
-            if env is not None and f.type in ("float", "int", "str"):
+            if env is not None and f.type in ("float", "int", "str", "bool"):
                 values[name] = env
         values.update({k: v for k, v in overrides.items() if v is not None})
         out = cls()
@@ -80,6 +97,10 @@ class Settings:
                     value = float(value)  # type: ignore[arg-type]
                 elif typ == "int":
                     value = int(value)  # type: ignore[call-overload]
+                elif typ == "bool" and isinstance(value, str):
+                    if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                        raise ValueError(value)
+                    value = value.lower() in ("1", "true", "yes")
             except (TypeError, ValueError) as exc:
                 raise ConfigurationError(f"setting {key} must be a number, got {value!r}") from exc
             setattr(out, key, value)

@@ -131,7 +131,9 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
         p.hgetall(k.leases)
         p.zrange(k.fit, 0, -1)
         p.time()
-        nodes_raw, alive, free_raw, holders, leases_raw, fit, now = await p.execute()
+        p.hgetall(k.last)
+        p.hgetall(k.unleased)
+        nodes_raw, alive, free_raw, holders, leases_raw, fit, now, newest, unleased = await p.execute()
     now_s = now[0] + now[1] / 1e6
     alive_at = dict(alive)
     up = {m.split("|", 2)[2] for m in fit}
@@ -159,6 +161,14 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
             counts["gpus"] += 1
             counts[state] += 1
             entry: dict[str, Any] = {**g, "state": state}
+            slot = f"{name}/{g['index']}"
+            if slot in newest:
+                ts, util, mem = newest[slot].split(",")
+                entry["sample"] = {"at": int(ts) / 1000, "util": float(util), "mem_used_mb": int(mem)}
+            if slot in unleased:
+                # Processes on a GPU that no live lease covers: someone bypasses the service.
+                entry["unleased_use"] = json.loads(unleased[slot])
+                entry["unleased_use"]["since"] /= 1000
             if lease is not None:
                 entry["lease"] = {
                     "id": lease["id"],
@@ -167,6 +177,9 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
                     "since": lease["created_at"] / 1000,
                     "expires_at": lease["expires_at"] / 1000,
                 }
+                if lease.get("reclaim_at"):
+                    entry["lease"]["idle_warning"] = True
+                    entry["lease"]["reclaim_at"] = lease["reclaim_at"] / 1000
             gpus.append(entry)
         last = alive_at.get(name, -1)
         nodes.append(

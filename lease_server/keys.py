@@ -23,6 +23,15 @@ without per-node or per-lease keys, state lives in a handful of global structure
 ``events``     stream the audit log / live feed
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}
+
+Idle-GPU reclaim (reclaim.py, samples.lua):
+
+``samples:<node>/<index>`` list   the GPU's rolling window of samples "ts_s,util%,mem_mb"
+``last``       hash   node/index -> "ts_ms,util,mem_mb" of the newest sample
+``busy_at``    hash   node/index -> ms of the newest sample at or above the pool's threshold
+``unleased``   hash   node/index -> JSON {pids, since}: processes on a GPU no live lease holds
+``sim``        hash   node/index -> JSON {util, mem_mb, procs}: what a simulated GPU reports
+``policy``     hash   pool -> JSON reclaim policy set at run time by an admin
 """
 
 from __future__ import annotations
@@ -112,6 +121,30 @@ class Keys:
     def tokens(self) -> str:
         return self._k("tokens")
 
+    def samples(self, slot: str) -> str:
+        """The sample window of one GPU, ``slot`` = "node/index" (passed to Lua via KEYS[])."""
+        return self._k(f"samples:{slot}")
+
+    @property
+    def last(self) -> str:
+        return self._k("last")
+
+    @property
+    def busy_at(self) -> str:
+        return self._k("busy_at")
+
+    @property
+    def unleased(self) -> str:
+        return self._k("unleased")
+
+    @property
+    def sim(self) -> str:
+        return self._k("sim")
+
+    @property
+    def policy(self) -> str:
+        return self._k("policy")
+
     def core(self) -> list[str]:
         """The KEYS[] every state-changing script receives, in this fixed order (see lua/_lib.lua)."""
         return [
@@ -135,4 +168,4 @@ class Keys:
         ]
 
     def all(self) -> list[str]:
-        return self.core() + [self.tokens]
+        return self.core() + [self.tokens, self.last, self.busy_at, self.unleased, self.sim, self.policy]

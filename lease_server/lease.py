@@ -44,7 +44,7 @@ def new_lease_id() -> str:
     return "l-" + secrets.token_hex(8)
 
 
-def public_lease(rec: dict[str, Any], *, with_token: bool) -> dict[str, Any]:
+def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False) -> dict[str, Any]:
     """The API's view of a lease record: times in epoch seconds, the token only for its owner."""
     out: dict[str, Any] = {
         "id": rec["id"],
@@ -62,6 +62,15 @@ def public_lease(rec: dict[str, Any], *, with_token: bool) -> dict[str, Any]:
         "renewals": int(rec.get("renewals", 0)),
         "waited": rec.get("waited_ms", 0) / 1000,
     }
+    if rec.get("reclaim_at"):
+        out["warned_at"] = rec["warned_at"] / 1000
+        out["reclaim_at"] = rec["reclaim_at"] / 1000
+    if rec.get("extensions"):
+        out["extensions"] = int(rec["extensions"])
+    if rec.get("activity"):
+        out["activity"] = rec["activity"]
+    if detail and rec.get("idle_evidence"):
+        out["idle_evidence"] = rec["idle_evidence"]
     if "ended_at" in rec:
         out["ended_at"] = rec["ended_at"] / 1000
         out["end_reason"] = rec.get("end_reason", "")
@@ -287,13 +296,34 @@ class LeaseStore:
         raise AssertionError("unreachable")
 
     async def renew(
-        self, lease_id: str, token: object, user: str, *, admin: bool = False, ttl: object = None
+        self,
+        lease_id: str,
+        token: object,
+        user: str,
+        *,
+        admin: bool = False,
+        ttl: object = None,
+        activity: object = None,
     ) -> dict[str, Any]:
-        """Extend a live lease by ``ttl`` seconds from now (default: its own ttl)."""
+        """Extend a live lease by ``ttl`` seconds from now (default: its own ttl).
+
+        ``activity`` ({"executing": bool}) is what the holder is doing: a signal of the idle score.
+        """
         tok = self._token(token, required=True)
         # 0 = the lease's own ttl (decided in the script: one round trip per renewal)
         ttl_s = check_seconds("ttl", ttl, low=1, high=self.settings.max_ttl, default=0.0)
-        code, rest = await self.run("renew", [lease_id, tok, user, "1" if admin else "0", int(ttl_s * 1000)])
+        act = ""
+        if activity is not None:
+            if (
+                not isinstance(activity, dict)
+                or not isinstance(activity.get("executing", False), bool)
+                or any(k not in ("executing", "source") for k in activity)
+            ):
+                raise errors.BadRequest('activity must be {"executing": true|false, "source"?: "..."}')
+            act = json.dumps(
+                {"executing": bool(activity.get("executing")), "source": str(activity.get("source", ""))[:40]}
+            )
+        code, rest = await self.run("renew", [lease_id, tok, user, "1" if admin else "0", int(ttl_s * 1000), act])
         if code is Code.OK:
             return json.loads(rest[0])
         if code in (Code.ENDED, Code.EXPIRED):

@@ -49,6 +49,7 @@ def _op(
 
 
 LEASE_ID = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+POOL = {"name": "pool", "in": "path", "required": True, "schema": {"type": "string"}}
 NODE = {"name": "node", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
@@ -146,6 +147,28 @@ def openapi_document() -> dict[str, Any]:
         },
         "Queue": {"type": "object", "properties": {"waiting": {"type": "array", "items": {"type": "object"}}}},
         "Event": {"type": "object", "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "ts": num}},
+        "Policy": {
+            "type": "object",
+            "properties": {
+                "enabled": {"type": "boolean"},
+                "idle_threshold": {"type": "number", "minimum": 0, "maximum": 100, "description": "% utilization"},
+                "idle_timeout": {"type": "number", "description": "seconds idle before a warning"},
+                "grace": {"type": "number", "description": "seconds from warning to reclaim"},
+                "min_age": {"type": "number", "description": "seconds a new lease is never reclaimed"},
+                "max_extensions": {"type": "integer"},
+                "exempt_users": {"type": "array", "items": {"type": "string"}},
+                "exempt_labels": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "GpuSample": {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "util": {"type": "number", "minimum": 0, "maximum": 100},
+                "mem_mb": {"type": "integer", "minimum": 0},
+                "procs": {"type": "array", "items": {"type": "integer"}},
+            },
+        },
         "Inventory": {
             "type": "object",
             "required": ["pool", "gpus"],
@@ -225,6 +248,72 @@ def openapi_document() -> dict[str, Any]:
                 404,
                 body={"type": "object", "properties": {"reason": {"type": "string"}}},
                 params=[LEASE_ID],
+            ),
+        },
+        "/api/v1/leases/{lease_id}/keep": {
+            "post": _op(
+                "I'm still using it: reset the idle clock of a warned lease (owner; limited per lease)",
+                _json(_ref("Lease"), "Kept"),
+                401,
+                403,
+                404,
+                409,
+                params=[LEASE_ID],
+            )
+        },
+        "/api/v1/policy": {
+            "get": _op("The idle-GPU reclaim policy of every pool", _json({"type": "object"}, "Policies"), 401)
+        },
+        "/api/v1/policy/{pool}": {
+            "get": _op("One pool's reclaim policy", _json(_ref("Policy"), "Policy"), 401, 404, params=[POOL]),
+            "put": _op(
+                "Change one pool's reclaim policy (admin; fields not given stay)",
+                _json(_ref("Policy"), "New policy"),
+                400,
+                401,
+                403,
+                404,
+                body=_ref("Policy"),
+                params=[POOL],
+            ),
+        },
+        "/api/v1/nodes/{node}/samples": {
+            "post": _op(
+                "Agent: one sample of the node's GPUs (utilization, memory, processes)",
+                _json({"type": "object"}, "Recorded"),
+                400,
+                401,
+                403,
+                404,
+                params=[NODE],
+                body={
+                    "type": "object",
+                    "required": ["gpus"],
+                    "properties": {"gpus": {"type": "array", "items": _ref("GpuSample")}},
+                },
+            )
+        },
+        "/api/v1/simulate/{node}": {
+            "get": _op(
+                "What a simulated node's GPUs report (agent/admin)",
+                _json({"type": "object"}, "Samples"),
+                401,
+                403,
+                404,
+                params=[NODE],
+            ),
+            "put": _op(
+                'Set what simulated GPUs report (admin), e.g. {"gpus": {"0": {"util": 0}}}',
+                _json({"type": "object"}, "Set"),
+                400,
+                401,
+                403,
+                404,
+                params=[NODE],
+                body={
+                    "type": "object",
+                    "properties": {"gpus": {"type": "object", "additionalProperties": _ref("GpuSample")}},
+                },
             ),
         },
         "/api/v1/cluster": {

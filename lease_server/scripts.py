@@ -32,14 +32,32 @@ class Code(enum.IntEnum):
     DUPLICATE = 10
     UNKNOWN_NODE = 11
     REMOVED = 12
+    LIMIT = 13
+    NOT_DUE = 14
 
 
-SCRIPT_NAMES = ("acquire", "cancel_wait", "renew", "release", "sweep", "register")
+SCRIPT_NAMES = (
+    "acquire",
+    "cancel_wait",
+    "renew",
+    "release",
+    "sweep",
+    "register",
+    "idle_warn",
+    "keep",
+    "reclaim",
+    "samples",
+)
+# Scripts that do not touch lease state: no shared prologue, their own KEYS[] (see their headers).
+STANDALONE = ("samples",)
 
 
 def source(name: str) -> str:
     lua = resources.files(__package__).joinpath("lua")
-    return lua.joinpath("_lib.lua").read_text() + "\n" + lua.joinpath(f"{name}.lua").read_text()
+    body = lua.joinpath(f"{name}.lua").read_text()
+    if name in STANDALONE:
+        return body
+    return lua.joinpath("_lib.lua").read_text() + "\n" + body
 
 
 class Scripts:
@@ -55,6 +73,10 @@ class Scripts:
         except (ValueError, IndexError, TypeError) as exc:
             raise errors.GpuLeaseError(f"script {name} returned an unknown reply {reply!r}") from exc
         return code, list(reply[1:])
+
+    async def call_raw(self, name: str, keys: list[str], args: list[Any]) -> list[Any]:
+        """A standalone script's plain reply (no return code)."""
+        return list(await self._scripts[name](keys=keys, args=args))
 
 
 def raise_for(code: Code, lease_id: str = "", pool: str = "", extra: Any = None) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -182,3 +183,63 @@ def sse_blocks(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
             block["data"] += "\n" + value
         else:
             block[field] = value
+
+
+class EventWatcher:
+    """Reads the server-sent event stream GET /api/v1/events in a thread; ``wait_for`` blocks on a
+    Condition until a matching event arrived. ``start`` returns once the stream is open, which is
+    after the server subscribed this client, so no later event can be missed."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token = url, token
+        self.events: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self.closed = False
+        self._cond = threading.Condition()
+        self._open = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sse-watcher", daemon=True)
+
+    def start(self) -> EventWatcher:
+        self._thread.start()
+        assert self._open.wait(10), "the event stream did not open within 10 s"
+        assert self.error is None and not self.closed, f"event stream failed: {self.error!r}"
+        return self
+
+    def _run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        try:
+            with (
+                httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(60.0, connect=5.0)) as h,
+                h.stream("GET", f"{API}/events") as resp,
+            ):
+                resp.raise_for_status()
+                block: dict[str, str] = {}
+                for line in resp.iter_lines():
+                    if line == "":  # end of a block; the first one is the stream's greeting
+                        self._open.set()
+                        if "data" in block:
+                            with self._cond:
+                                self.events.append(json.loads(block["data"]))
+                                self._cond.notify_all()
+                        block = {}
+                    elif not line.startswith(":"):
+                        name, _, value = line.partition(":")
+                        block[name] = value[1:] if value.startswith(" ") else value
+        except BaseException as exc:  # the server went away at teardown, or a real failure
+            self.error = exc
+        finally:
+            with self._cond:
+                self.closed = True
+                self._cond.notify_all()
+            self._open.set()
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events if pred(e)), None)
+
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or found() is not None, timeout)
+            ev = found()
+            seen = [e["type"] for e in self.events]
+        assert ev is not None, f"no {what} event within {timeout}s (stream error {self.error!r}); saw {seen}"
+        return ev

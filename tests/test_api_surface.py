@@ -92,7 +92,9 @@ def test_every_documented_operation_answers(server: Any, openapi: dict[str, Any]
     """No documented (path, method) falls through to the 'no such endpoint' handler."""
     with http(server, "root", "admin") as admin:
         for path, item in openapi["paths"].items():
-            url = path.replace("{lease_id}", "l-0123456789abcdef").replace("{node}", "n1")
+            url = (
+                path.replace("{lease_id}", "l-0123456789abcdef").replace("{node}", "n1").replace("{pool}", "A100-80GB")
+            )
             for method in (m for m in item if m in METHODS):
                 kwargs: dict[str, Any] = {"json": {}} if method in ("post", "put") else {}
                 with admin.stream(method.upper(), url, **kwargs) as resp:

@@ -24,6 +24,7 @@ local K_QUEUE_SEQ = KEYS[17]
 -- Return codes shared with lease_server/scripts.py (Code enum). Keep both in step.
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
+local LIMIT, NOT_DUE = 13, 14
 
 local NOW
 if ARGV[1] ~= '' then

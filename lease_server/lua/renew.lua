@@ -5,6 +5,7 @@
 -- KEYS: Keys.core() (see _lib.lua)
 -- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = user   ARGV[8] = "1" if admin
 -- ARGV[9] = new ttl ms, or 0 to keep the lease's own ttl
+-- ARGV[10] = the holder's activity as JSON ({"executing": true, ...}) or "" (an idle-score signal)
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE} | {EXPIRED, JSON}
 local id, token, user, admin, ttl_ms = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local raw = redis.call('HGET', K_LEASES, id)
@@ -35,6 +36,10 @@ lease.expires_at = NOW + ttl_ms
 lease.ttl_ms = ttl_ms
 lease.renewed_at = NOW
 lease.renewals = lease.renewals + 1
+if ARGV[10] and ARGV[10] ~= '' then
+  lease.activity = cjson.decode(ARGV[10])
+  lease.activity_at = NOW
+end
 redis.call('HSET', K_LEASES, id, cjson.encode(lease))
 redis.call('ZADD', K_DEADLINES, lease.expires_at, id)
 return {OK, cjson.encode(lease)}

@@ -1,0 +1,24 @@
+-- keep.lua: "I'm still using it": the owner resets the idle clock of a lease, a limited number
+-- of times. Atomic with reclaim.lua: whichever runs first wins.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = lease id   ARGV[6] = user   ARGV[7] = "1" if admin   ARGV[8] = most extensions allowed
+-- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {LIMIT, extensions}
+local id, user, admin, max_ext = ARGV[5], ARGV[6], ARGV[7], tonumber(ARGV[8])
+local raw = redis.call('HGET', K_LEASES, id)
+if not raw then
+  local ended = redis.call('HGET', K_ENDED, id)
+  if ended then return {ENDED, ended} end
+  return {NO_SUCH}
+end
+local lease = cjson.decode(raw)
+if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
+local used = lease.extensions or 0
+if used >= max_ext then return {LIMIT, used} end
+lease.extensions = used + 1
+lease.kept_at = NOW
+lease.warned_at = nil
+lease.reclaim_at = nil
+redis.call('HSET', K_LEASES, id, cjson.encode(lease))
+emit('idle_kept', {lease = id, user = lease.user, pool = lease.pool, extensions = lease.extensions,
+                   left = max_ext - lease.extensions})
+return {OK, cjson.encode(lease)}

@@ -1,0 +1,21 @@
+-- reclaim.lua: take back a warned idle lease whose grace has run out. Atomic against release,
+-- renew and keep: a lease released or kept in the meantime is left alone, and the GPUs of a
+-- newer grant (another token) are never touched.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = evidence JSON (samples up to now)
+-- returns {OK, ended JSON} | {NO_SUCH} | {STALE} | {NOT_DUE}
+local id, token = ARGV[5], ARGV[6]
+local raw = redis.call('HGET', K_LEASES, id)
+if not raw then return {NO_SUCH} end
+local lease = cjson.decode(raw)
+if tostring(lease.token) ~= token then return {STALE} end
+if not lease.reclaim_at or lease.reclaim_at > NOW then return {NOT_DUE} end
+local evidence = cjson.decode(ARGV[7])
+lease.idle_evidence = evidence
+local idle_min = math.floor((evidence.idle_s or 0) / 60)
+local ended = end_lease(lease, 'revoked', 'reclaimed: its GPUs were idle for ' .. idle_min ..
+  ' min and the owner did not keep it within the grace period', 'reclaimer')
+emit('reclaimed', {lease = id, user = lease.user, pool = lease.pool, node = lease.node,
+                   gpus = ended.gpus, label = lease.label, session = lease.session, evidence = evidence})
+dispatch(lease.pool)
+return {OK, cjson.encode(ended)}

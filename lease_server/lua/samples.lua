@@ -1,0 +1,50 @@
+-- samples.lua: one node agent's sample of its GPUs (utilization, memory, processes).
+-- Standalone (no _lib.lua prologue): it records evidence and flags unleased use, and never
+-- changes who holds a GPU.
+-- KEYS[1] = last       hash node/index -> "ts_ms,util,mem_mb"
+-- KEYS[2] = busy_at    hash node/index -> ms of the newest sample at or above the threshold
+-- KEYS[3] = holders    hash node/index -> lease id
+-- KEYS[4] = unleased   hash node/index -> JSON {pids, since}
+-- KEYS[5] = events     stream
+-- KEYS[6..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
+-- ARGV[1] = virtual now ms or "" (Redis TIME)   ARGV[2] = event log max length
+-- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
+-- ARGV[5] = node
+-- ARGV[6..] = per GPU, 4 values each: index, util %, memory used MB, JSON list of pids
+-- returns {GPUs recorded, GPUs with unleased use}
+local NOW
+if ARGV[1] ~= '' then
+  NOW = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local keep, threshold, node = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local recorded, unleased = 0, 0
+local i = 6
+local k = 6
+while ARGV[i] do
+  local index, util, mem, pids = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local slot = node .. '/' .. index
+  redis.call('RPUSH', KEYS[k], math.floor(NOW / 1000) .. ',' .. util .. ',' .. mem)
+  redis.call('LTRIM', KEYS[k], -keep, -1)
+  redis.call('HSET', KEYS[1], slot, NOW .. ',' .. util .. ',' .. mem)
+  if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end
+  local has_procs = pids ~= '[]' and pids ~= ''
+  if has_procs and redis.call('HEXISTS', KEYS[3], slot) == 0 then
+    unleased = unleased + 1
+    if redis.call('HEXISTS', KEYS[4], slot) == 0 then
+      redis.call('HSET', KEYS[4], slot, cjson.encode({pids = cjson.decode(pids), since = NOW}))
+      redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[2], '*', 'type', 'unleased_use', 'data',
+        cjson.encode({node = node, gpu = tonumber(index), pids = cjson.decode(pids), util = util, mem_mb = mem, ts = NOW}))
+    end
+  elseif redis.call('HEXISTS', KEYS[4], slot) == 1 then
+    redis.call('HDEL', KEYS[4], slot)
+    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[2], '*', 'type', 'unleased_use_ended', 'data',
+      cjson.encode({node = node, gpu = tonumber(index), ts = NOW}))
+  end
+  recorded = recorded + 1
+  i = i + 4
+  k = k + 1
+end
+return {recorded, unleased}

@@ -1,0 +1,439 @@
+"""The Jupyter server extension (jupyter_ext) in a real Jupyter server against a real lease server.
+
+pytest-jupyter's fixtures are imported into this module only (its autouse event loop must not
+touch the rest of the suite), so the tests are plain functions that run coroutines on that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+import pytest
+from jupyter_server.auth import Authorizer
+from pytest_jupyter.jupyter_server import *  # noqa: F403 - jp_fetch, jp_serverapp and their fixtures
+from tornado.httpclient import HTTPResponse
+
+import lease_server
+from jupyter_ext.app import GpuLease
+
+ENDPOINTS = [
+    ("GET", "version"),
+    ("GET", "cluster"),
+    ("GET", "leases"),
+    ("GET", "queue"),
+    ("GET", "events"),
+    ("DELETE", "leases/l-0123456789abcdef"),
+    ("GET", "no-such-endpoint"),
+]
+
+
+# ---- configuration of the Jupyter server under test (tests override these by parametrizing) ----
+
+
+@pytest.fixture
+def lease_identity() -> tuple[str, str]:
+    """The lease user and role the Jupyter server's configured token belongs to."""
+    return ("alice", "user")
+
+
+@pytest.fixture
+def lease_url(server: Any) -> str:
+    return server.url
+
+
+@pytest.fixture
+def lease_token(server: Any, lease_identity: tuple[str, str]) -> str:
+    return server.token(*lease_identity)
+
+
+@pytest.fixture
+def extra_config() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+def jp_server_config(lease_url: str, lease_token: str, extra_config: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
+        "GpuLease": {"lease_server_url": lease_url, "lease_server_token": lease_token},
+        # A killed kernel is noticed within half a second, not three.
+        "KernelRestarter": {"time_to_dead": 0.5},
+    }
+    for section, values in extra_config.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run(jp_asyncio_loop: asyncio.AbstractEventLoop) -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    """Run a coroutine on the Jupyter server's loop (the server makes progress only meanwhile)."""
+
+    def call(coro: Coroutine[Any, Any, Any], timeout: float = 30) -> Any:
+        # server.token() runs asyncio.run, which leaves this thread without a current loop.
+        asyncio.set_event_loop(jp_asyncio_loop)
+        return jp_asyncio_loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    return call
+
+
+@pytest.fixture
+def afetch(jp_fetch: Any) -> Callable[..., Any]:
+    """``await afetch("gpulease", "cluster")``: the response, also for 4xx/5xx (no exception)."""
+
+    def call(*parts: str, method: str = "GET", **kw: Any) -> Any:
+        kw.setdefault("raise_error", False)
+        if method in ("POST", "PUT", "PATCH"):
+            kw.setdefault("body", b"{}")
+        return jp_fetch(*parts, method=method, **kw)
+
+    return call
+
+
+@pytest.fixture
+def fetch(afetch: Any, run: Any) -> Callable[..., HTTPResponse]:
+    """``fetch("gpulease", "cluster")``: afetch, run to completion."""
+
+    async def go(*parts: str, **kw: Any) -> HTTPResponse:
+        return await afetch(*parts, **kw)  # type: ignore[no-any-return]
+
+    return lambda *parts, **kw: run(go(*parts, **kw))
+
+
+@pytest.fixture
+def ext(jp_serverapp: Any) -> GpuLease:
+    return jp_serverapp.web_app.settings["gpulease"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def base(jp_serverapp: Any, jp_http_port: int, jp_base_url: str) -> str:
+    return f"http://127.0.0.1:{jp_http_port}{jp_base_url}"
+
+
+def body(resp: HTTPResponse) -> Any:
+    return json.loads(resp.body)
+
+
+def error(resp: HTTPResponse, status: int, code: str) -> str:
+    """Assert a JSON error answer and return its message."""
+    data = body(resp)
+    assert (resp.code, data["code"]) == (status, code), (resp.code, data)
+    assert data["message"], data
+    return str(data["message"])
+
+
+def auth(jp_serverapp: Any) -> dict[str, str]:
+    return {"Authorization": f"token {jp_serverapp.identity_provider.token}"}
+
+
+async def read_until(lines: Any, want: Callable[[str], bool]) -> list[str]:
+    """Lines of an SSE stream up to and including the first one that ``want`` accepts."""
+    seen = []
+    async for line in lines:
+        seen.append(line)
+        if want(line):
+            return seen
+    raise AssertionError(f"stream ended before the expected line; saw {seen}")
+
+
+# ---- the handshake and the read endpoints ------------------------------------------------------------
+
+
+def test_version_handshake_names_the_lease_user(fetch: Any, server: Any) -> None:
+    resp = fetch("gpulease", "version")
+    assert resp.code == 200
+    data = body(resp)
+    assert data["version"] == lease_server.__version__
+    assert data["lease_server"] == {
+        "url": server.url,
+        "reachable": True,
+        "version": lease_server.__version__,
+        "user": "alice",
+        "role": "user",
+    }
+
+
+def test_cluster_and_leases_show_holders_but_no_tokens(fetch: Any, server: Any) -> None:
+    mine = server.client("alice").acquire(gpus=2, pool="A100-80GB", label="sweep", session="s1")
+    theirs = server.client("bob").acquire(gpus=1, pool="T4-16GB")
+
+    cluster = body(fetch("gpulease", "cluster"))
+    cells = {(n["name"], g["index"]): g for n in cluster["nodes"] for g in n["gpus"]}
+    assert len(cells) == 8
+    held = {k: g["lease"]["user"] for k, g in cells.items() if g["state"] == "leased"}
+    assert sorted(held.values()) == ["alice", "alice", "bob"]
+    assert {(mine.node, i) for i in mine.indexes} <= set(held)
+    assert cluster["pools"]["A100-80GB"]["free"] == 4
+
+    leases = body(fetch("gpulease", "leases"))
+    assert leases["user"] == "alice"
+    assert [lease["id"] for lease in leases["leases"]] == [mine.id]
+    assert leases["leases"][0]["label"] == "sweep" and leases["leases"][0]["session"] == "s1"
+    everyone = body(fetch("gpulease", "leases", params={"all": "true"}))
+    assert {lease["id"] for lease in everyone["leases"]} == {mine.id, theirs.id}
+    assert all("token" not in lease for lease in leases["leases"] + everyone["leases"])
+
+
+def test_release_is_owner_only_idempotent_and_clear_about_unknown_leases(fetch: Any, server: Any) -> None:
+    mine = server.client("alice").acquire(gpus=1)
+    theirs = server.client("bob").acquire(gpus=1)
+
+    resp = fetch("gpulease", "leases", mine.id, method="DELETE")
+    assert resp.code == 200, resp.body
+    assert body(resp)["state"] == "released" and "token" not in body(resp)
+    assert server.client("alice").get(mine.id)["state"] == "released"
+    again = fetch("gpulease", "leases", mine.id, method="DELETE")
+    assert (again.code, body(again)["changed"]) == (200, False)
+
+    msg = error(fetch("gpulease", "leases", theirs.id, method="DELETE"), 403, "not_owner")
+    assert "bob" in msg
+    assert server.client("bob").get(theirs.id)["state"] == "active"
+
+    error(fetch("gpulease", "leases", "l-0123456789abcdef", method="DELETE"), 404, "no_such_lease")
+    msg = error(fetch("gpulease", "leases", "bad id!", method="DELETE"), 400, "bad_request")
+    assert "lease id" in msg
+
+
+@pytest.mark.parametrize("lease_identity", [("root", "admin")])
+def test_release_never_revokes_a_colleagues_lease_even_with_an_admin_token(fetch: Any, server: Any) -> None:
+    theirs = server.client("bob").acquire(gpus=1)
+    msg = error(fetch("gpulease", "leases", theirs.id, method="DELETE"), 403, "not_owner")
+    assert "belongs to bob" in msg
+    assert server.client("bob").get(theirs.id)["state"] == "active"
+
+
+def test_queue_shows_waiters_and_checks_the_pool(fetch: Any, afetch: Any, server: Any, run: Any) -> None:
+    alice, bob = server.client("alice"), server.client("bob")
+    held = alice.acquire(gpus=2, pool="T4-16GB")
+
+    async def scenario() -> None:
+        waiter = asyncio.ensure_future(asyncio.to_thread(bob.acquire, gpus=1, pool="T4-16GB", wait=20, label="next"))
+        while not (await asyncio.to_thread(bob.queue, "T4-16GB")):  # the waiter is in the queue
+            await asyncio.sleep(0.02)
+        data = json.loads((await afetch("gpulease", "queue", params={"pool": "T4-16GB"})).body)
+        assert [(w["user"], w["position"], w["label"]) for w in data["waiting"]] == [("bob", 1, "next")]
+        granted = await asyncio.to_thread(alice.release, held)
+        assert granted["state"] == "released"
+        assert (await waiter).pool == "T4-16GB"
+
+    run(scenario())
+    assert body(fetch("gpulease", "queue"))["waiting"] == []
+    msg = error(fetch("gpulease", "queue", params={"pool": "no pool!"}), 400, "bad_request")
+    assert "pool" in msg
+
+
+# ---- the event stream -----------------------------------------------------------------------------------
+
+
+def test_events_stream_live_and_resume_after_last_event_id(
+    jp_serverapp: Any, base: str, server: Any, ext: GpuLease, run: Any
+) -> None:
+    alice = server.client("alice")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(headers=auth(jp_serverapp), timeout=10) as http:
+            async with http.stream("GET", base + "gpulease/events") as resp:
+                assert resp.status_code == 200
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                lines = resp.aiter_lines()
+                await read_until(lines, lambda line: line.startswith(": gpulease event stream"))
+                assert len(ext.streams) == 1
+                lease = await asyncio.to_thread(alice.acquire, gpus=1, label="live")
+                seen = await read_until(lines, lambda line: line.startswith("data:") and lease.id in line)
+                assert seen[-2] == "event: grant"
+                grant_id = seen[-3].removeprefix("id: ")
+                data = json.loads(seen[-1].removeprefix("data: "))
+                assert (data["lease"], data["user"], data["node"]) == (lease.id, "alice", lease.node)
+                await asyncio.to_thread(alice.release, lease)
+                seen = await read_until(lines, lambda line: line.startswith("event: "))
+                assert seen[-1] == "event: released"
+            # The browser went away: the proxy drops its upstream stream.
+            while ext.streams:
+                await asyncio.sleep(0.01)
+
+            # A reconnecting EventSource sends Last-Event-ID: what it missed is replayed first.
+            headers = {"Last-Event-ID": grant_id}
+            async with http.stream("GET", base + "gpulease/events", headers=headers) as resp:
+                seen = await read_until(resp.aiter_lines(), lambda line: line.startswith("event: "))
+                assert seen[-1] == "event: released"
+
+            resp = await http.get(base + "gpulease/events", params={"since": "yesterday"})
+            assert (resp.status_code, resp.json()["code"]) == (400, "bad_request")
+            assert "event id" in resp.json()["message"]
+
+    run(scenario())
+
+
+# ---- authentication, authorization, XSRF, bad input ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), ENDPOINTS)
+def test_every_endpoint_needs_a_jupyter_login(fetch: Any, method: str, path: str) -> None:
+    for headers in ({"Authorization": ""}, {"Authorization": "token not-the-token"}):
+        resp = fetch("gpulease", *path.split("/"), method=method, headers=headers)
+        msg = error(resp, 401, "unauthorized")
+        assert "log in" in msg
+
+
+class DenyGpuLease(Authorizer):
+    """An authorizer that lets a user do anything in Jupyter but touch GPU leases."""
+
+    def is_authorized(self, handler: Any, user: Any, action: str, resource: str) -> bool:
+        return resource != "gpulease"
+
+
+@pytest.mark.parametrize("extra_config", [{"ServerApp": {"authorizer_class": DenyGpuLease}}])
+@pytest.mark.parametrize(("method", "path"), ENDPOINTS[:-1])
+def test_every_endpoint_asks_the_authorizer(fetch: Any, method: str, path: str) -> None:
+    msg = error(fetch("gpulease", *path.split("/"), method=method), 403, "forbidden")
+    assert "gpulease" in msg
+
+
+def test_a_cookie_login_must_echo_the_xsrf_cookie(jp_serverapp: Any, base: str, server: Any, run: Any) -> None:
+    lease = server.client("alice").acquire(gpus=1)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=10) as http:
+            # Log in the way a browser does: the token once in the URL, then the login cookie.
+            token = jp_serverapp.identity_provider.token
+            first = await http.get(base + "gpulease/version", params={"token": token})
+            assert first.status_code == 200 and http.cookies, first.headers
+            assert (await http.get(base + "gpulease/leases")).status_code == 200
+
+            url = base + f"gpulease/leases/{lease.id}"
+            resp = await http.delete(url)
+            assert (resp.status_code, resp.json()["code"]) == (403, "forbidden")
+            assert "X-XSRFToken" in resp.json()["message"]
+            assert server.client("alice").get(lease.id)["state"] == "active"
+
+            xsrf = os.urandom(16).hex()
+            http.cookies.set("_xsrf", xsrf)
+            resp = await http.delete(url, headers={"X-XSRFToken": xsrf})
+            assert (resp.status_code, resp.json()["state"]) == (200, "released")
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "status", "code", "says"),
+    [
+        ("leases", {"all": "maybe"}, 400, "bad_request", "all must be true or false"),
+        ("cluster", {"verbose": "1"}, 400, "bad_request", "unknown query argument(s) verbose"),
+        ("no/such/thing", {}, 404, "not_found", "no such endpoint"),
+    ],
+)
+def test_bad_input_is_refused_with_a_message(
+    fetch: Any, path: str, params: dict[str, str], status: int, code: str, says: str
+) -> None:
+    assert says in error(fetch("gpulease", *path.split("/"), params=params), status, code)
+
+
+def test_wrong_methods_get_a_json_405(fetch: Any) -> None:
+    assert "POST is not supported" in error(fetch("gpulease", "leases", method="POST"), 405, "method_not_allowed")
+    assert "DELETE" in error(fetch("gpulease", "cluster", method="DELETE"), 405, "method_not_allowed")
+
+
+# ---- a lease server that is missing, down, or refuses our token --------------------------------------
+
+
+@pytest.mark.parametrize(("lease_url", "says"), [("", "no lease server configured"), ("ftp://x", "http(s) URL")])
+def test_an_unconfigured_lease_server_is_named_in_every_answer(fetch: Any, says: str) -> None:
+    version = body(fetch("gpulease", "version"))
+    assert version["lease_server"]["reachable"] is False and says in version["lease_server"]["error"]
+    for path in ("cluster", "leases", "events"):
+        assert says in error(fetch("gpulease", path), 503, "unavailable")
+
+
+DEAD_URL = "http://127.0.0.1:1"  # nothing listens on port 1: connection refused
+
+
+@pytest.mark.parametrize("lease_url", [DEAD_URL])
+def test_a_lease_server_that_is_down_gives_503_with_its_address(fetch: Any) -> None:
+    version = body(fetch("gpulease", "version"))
+    assert version["lease_server"]["reachable"] is False
+    assert "is it running?" in version["lease_server"]["error"]
+    for path in ("cluster", "events"):
+        msg = error(fetch("gpulease", path), 503, "unavailable")
+        assert DEAD_URL in msg and "is it running?" in msg
+
+
+@pytest.mark.parametrize("lease_token", ["glt_not-a-token"])
+def test_a_refused_lease_token_is_a_configuration_error_not_a_401(fetch: Any) -> None:
+    lease = body(fetch("gpulease", "version"))["lease_server"]
+    assert lease["reachable"] is True and lease["code"] == "lease_server_auth"
+    msg = error(fetch("gpulease", "cluster"), 502, "lease_server_auth")
+    assert "lease token" in msg and "GPULEASE_TOKEN" in msg
+
+
+# ---- kernels' leases end with their kernel ---------------------------------------------------------------
+
+
+async def released(ext: GpuLease, kernel_id: str) -> tuple[str, list[str]]:
+    """Wait for the extension to have released kernel_id's leases; returns (why, lease ids)."""
+    cond = ext.releaser.changed
+    async with cond:
+        await cond.wait_for(lambda: any(k == kernel_id for k, _, _ in ext.releaser.history))
+    return next((why, ids) for k, why, ids in ext.releaser.history if k == kernel_id)
+
+
+def _start_kernel(fetch: Any) -> str:
+    resp = fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+    assert resp.code == 201, resp.body
+    return str(body(resp)["id"])
+
+
+def test_shutting_down_a_kernel_releases_its_leases_only(fetch: Any, server: Any, ext: GpuLease, run: Any) -> None:
+    kid = _start_kernel(fetch)
+    alice = server.client("alice")
+    doomed = alice.acquire(gpus=2, session=f"kernel-{kid}")
+    other = alice.acquire(gpus=1, session="kernel-some-other-kernel")
+    assert fetch("api", "kernels", kid, method="DELETE").code == 204
+
+    why, ids = run(released(ext, kid))
+    assert (why, ids) == ("the kernel shut down", [doomed.id])
+    assert alice.get(doomed.id)["state"] == "released"
+    assert alice.get(other.id)["state"] == "active"
+
+
+def test_a_killed_kernel_is_restarted_and_its_old_leases_released(
+    jp_serverapp: Any, fetch: Any, server: Any, ext: GpuLease, run: Any
+) -> None:
+    kid = _start_kernel(fetch)
+    lease = server.client("alice").acquire(gpus=1, session=f"kernel-{kid}")
+    km = jp_serverapp.kernel_manager.get_kernel(kid)
+    os.kill(km.provisioner.process.pid, signal.SIGKILL)
+
+    why, ids = run(released(ext, kid))
+    assert (why, ids) == ("the kernel restarted", [lease.id])
+    assert server.client("alice").get(lease.id)["state"] == "released"
+
+
+@pytest.mark.parametrize("extra_config", [{"KernelRestarter": {"restart_limit": 0}}])
+def test_a_kernel_that_dies_for_good_releases_its_leases(
+    jp_serverapp: Any, fetch: Any, server: Any, ext: GpuLease, run: Any
+) -> None:
+    kid = _start_kernel(fetch)
+    lease = server.client("alice").acquire(gpus=1, session=f"kernel-{kid}")
+    km = jp_serverapp.kernel_manager.get_kernel(kid)
+    os.kill(km.provisioner.process.pid, signal.SIGKILL)
+
+    why, ids = run(released(ext, kid))
+    assert (why, ids) == ("the kernel died", [lease.id])
+
+
+def test_stopping_the_jupyter_server_releases_its_kernels_leases(
+    jp_serverapp: Any, fetch: Any, server: Any, ext: GpuLease, run: Any
+) -> None:
+    kid = _start_kernel(fetch)
+    lease = server.client("alice").acquire(gpus=1, session=f"kernel-{kid}")
+    run(ext.stop_extension())
+    assert server.client("alice").get(lease.id)["state"] == "released"
+    assert ext.releaser.history[-1] == (kid, "the Jupyter server is stopping", [lease.id])
