@@ -26,7 +26,7 @@ without per-node or per-lease keys, state lives in a handful of global structure
 
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
-``samples:<node>/<index>`` list   the GPU's rolling window of samples "ts_s,util%,mem_mb"
+``samples:<node>/<index>`` list   the GPU's rolling window of samples "ts_ms,util%,mem_mb"
 ``last``       hash   node/index -> "ts_ms,util,mem_mb" of the newest sample
 ``busy_at``    hash   node/index -> ms of the newest sample at or above the pool's threshold
 ``unleased``   hash   node/index -> JSON {pids, since}: processes on a GPU no live lease holds

@@ -224,17 +224,18 @@ async def set_simulated(store: LeaseStore, node: str, gpus: dict[int, dict[str, 
 # ---- the verdict ---------------------------------------------------------------------------------
 
 
-def parse_window(raw: list[str]) -> list[tuple[int, float, int]]:
+def parse_window(raw: list[str]) -> list[tuple[float, float, int]]:
+    """Stored "ts_ms,util,mem_mb" entries as (ts seconds, util %, mem MB)."""
     out = []
     for item in raw:
         ts, util, mem = item.split(",")
-        out.append((int(ts), float(util), int(mem)))
+        out.append((int(ts) / 1000, float(util), int(mem)))
     return out
 
 
 def idle_verdict(
     lease: dict[str, Any],
-    windows: dict[int, list[tuple[int, float, int]]],
+    windows: dict[int, list[tuple[float, float, int]]],
     policy: Policy,
     now_ms: int,
     sample_interval: float,
@@ -258,7 +259,7 @@ def idle_verdict(
         return False, {**evidence, "why": "too young (min_age or a recent keep)"}
     for idx, samples in windows.items():
         recent = [s for s in samples if s[0] >= since - sample_interval]
-        evidence["gpus"][str(idx)] = [[ts, util, mem] for ts, util, mem in samples[-60:]]
+        evidence["gpus"][str(idx)] = [[round(ts, 1), util, mem] for ts, util, mem in samples[-60:]]
         # Coverage: samples reach back to the start of the window and are current.
         if not recent or recent[0][0] > since + 2 * sample_interval or recent[-1][0] < now_s - 3 * sample_interval:
             return False, {**evidence, "why": f"not enough samples for GPU {idx}"}
@@ -296,6 +297,12 @@ class Reclaimer:
             if pol is None or not pol.enabled:
                 continue
             if lease.get("reclaim_at"):
+                slots = [f"{lease['node']}/{g['index']}" for g in lease["gpus"]]
+                busy = await store.redis.hmget(k.busy_at, slots)
+                if any(b is not None and int(b) >= lease["warned_at"] for b in busy):
+                    # Used again during the grace: the warning lapses by itself.
+                    await store.run("keep", [lease["id"], lease["user"], "1", pol.max_extensions, "auto"])
+                    continue
                 if lease["reclaim_at"] <= now_ms:
                     evidence = await self._evidence(lease, pol, now_ms)
                     if await self._run("reclaim", lease, [json.dumps(evidence)], now_ms):
@@ -324,7 +331,7 @@ class Reclaimer:
                     next_due = min(next_due, pol.grace)
         return warned, reclaimed, next_due
 
-    async def _windows(self, lease: dict[str, Any]) -> dict[int, list[tuple[int, float, int]]]:
+    async def _windows(self, lease: dict[str, Any]) -> dict[int, list[tuple[float, float, int]]]:
         k = self.store.keys
         async with self.store.redis.pipeline(transaction=False) as p:
             for g in lease["gpus"]:
@@ -333,10 +340,19 @@ class Reclaimer:
         return {int(g["index"]): parse_window(raw) for g, raw in zip(lease["gpus"], raws, strict=True)}
 
     async def _evidence(self, lease: dict[str, Any], pol: Policy, now_ms: int) -> dict[str, Any]:
-        _, evidence = idle_verdict(lease, await self._windows(lease), pol, now_ms, self.store.settings.sample_interval)
-        warned = lease.get("idle_evidence") or {}
-        evidence["idle_s"] = warned.get("idle_s", 0) + (now_ms - lease.get("warned_at", now_ms)) / 1000
+        """The warning's evidence, brought up to now: the samples since, and how long idle."""
+        evidence = dict(lease.get("idle_evidence") or {})
+        windows = await self._windows(lease)
+        evidence["gpus"] = {str(i): [[round(t, 1), u, m] for t, u, m in w[-60:]] for i, w in windows.items()}
+        evidence["idle_s"] = round(evidence.get("idle_s", 0) + (now_ms - lease.get("warned_at", now_ms)) / 1000, 1)
         evidence["warned_at"] = lease.get("warned_at", 0) / 1000
+        busy = [
+            t
+            for w in windows.values()
+            for t, u, _ in w
+            if u >= pol.idle_threshold and t * 1000 >= lease.get("warned_at", 0)
+        ]
+        evidence["busy_during_grace"] = bool(busy)  # used again during the grace but not kept
         return evidence
 
     async def _run(self, script: str, lease: dict[str, Any], extra: list[Any], now_ms: int | None) -> bool:
@@ -371,7 +387,7 @@ async def keep(store: LeaseStore, lease_id: str, user: str, admin: bool) -> dict
     """ "I'm still using it": reset the idle clock (limited per lease)."""
     rec = await store.get(lease_id)
     pol = (await policies(store)).get(rec["pool"], Policy.from_settings(store))
-    code, rest = await store.run("keep", [lease_id, user, "1" if admin else "0", pol.max_extensions])
+    code, rest = await store.run("keep", [lease_id, user, "1" if admin else "0", pol.max_extensions, ""])
     if code is Code.OK:
         return dict(json.loads(rest[0]))
     if code is Code.LIMIT:

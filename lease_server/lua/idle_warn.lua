@@ -16,6 +16,6 @@ lease.reclaim_at = NOW + grace_ms
 lease.idle_evidence = evidence
 redis.call('HSET', K_LEASES, id, cjson.encode(lease))
 emit('idle_warning', {lease = id, user = lease.user, pool = lease.pool, node = lease.node,
-                      label = lease.label, session = lease.session, reclaim_at = lease.reclaim_at,
+                      label = lease.label, session = lease.session, reclaim_at = lease.reclaim_at / 1000,
                       grace_s = grace_ms / 1000, evidence = evidence})
 return {OK, cjson.encode(lease)}

@@ -2,8 +2,11 @@
 -- of times. Atomic with reclaim.lua: whichever runs first wins.
 -- KEYS: Keys.core() (see _lib.lua)
 -- ARGV[5] = lease id   ARGV[6] = user   ARGV[7] = "1" if admin   ARGV[8] = most extensions allowed
+-- ARGV[9] = "auto" when the reclaimer clears the warning because the GPUs got busy again (that
+--           costs the owner no extension), else ""
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {LIMIT, extensions}
-local id, user, admin, max_ext = ARGV[5], ARGV[6], ARGV[7], tonumber(ARGV[8])
+local id, user, admin, max_ext, auto = ARGV[5], ARGV[6], ARGV[7], tonumber(ARGV[8]), ARGV[9] == 'auto'
+
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
   local ended = redis.call('HGET', K_ENDED, id)
@@ -11,6 +14,15 @@ if not raw then
   return {NO_SUCH}
 end
 local lease = cjson.decode(raw)
+if auto then
+  if not lease.reclaim_at then return {OK, raw} end
+  lease.warned_at = nil
+  lease.reclaim_at = nil
+  lease.kept_at = NOW
+  redis.call('HSET', K_LEASES, id, cjson.encode(lease))
+  emit('idle_cleared', {lease = id, user = lease.user, pool = lease.pool, reason = 'its GPUs are busy again'})
+  return {OK, cjson.encode(lease)}
+end
 if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
 local used = lease.extensions or 0
 if used >= max_ext then return {LIMIT, used} end

@@ -26,7 +26,7 @@ local k = 6
 while ARGV[i] do
   local index, util, mem, pids = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   local slot = node .. '/' .. index
-  redis.call('RPUSH', KEYS[k], math.floor(NOW / 1000) .. ',' .. util .. ',' .. mem)
+  redis.call('RPUSH', KEYS[k], NOW .. ',' .. util .. ',' .. mem)
   redis.call('LTRIM', KEYS[k], -keep, -1)
   redis.call('HSET', KEYS[1], slot, NOW .. ',' .. util .. ',' .. mem)
   if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end

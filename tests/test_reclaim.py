@@ -1,0 +1,263 @@
+"""Idle-GPU reclaim against a real server and Redis, with simulated GPUs driven through the API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from lease_server import errors
+from lease_server.inventory import parse_simulate, register
+from lease_server.keys import Keys
+from lease_server.lease import LeaseStore
+from lease_server.reclaim import Policy, idle_verdict
+from tests.api_helpers import EventWatcher
+from tests.conftest import make_settings
+from tests.invariants import check_event_log, check_state, read_events
+
+FAST = dict(sample_interval=0.1, idle_timeout=1.0, grace=0.6, min_age=0.0, idle_threshold=5.0)
+
+
+@pytest.fixture
+def fast(server_factory):
+    return server_factory(simulate="n1=2xA100-80GB,n2=1xA100-80GB", **FAST)
+
+
+def set_util(srv, node: str, **gpus: Any) -> None:
+    admin = srv.client("root", "admin")
+    admin.request("PUT", f"/api/v1/simulate/{node}", json={"gpus": gpus})
+
+
+def test_idle_lease_is_warned_then_reclaimed_with_its_evidence(fast):
+    watcher = EventWatcher(fast.url, fast.token("root", "admin")).start()
+    alice = fast.client("alice")
+    set_util(fast, "n1", **{"0": {"util": 0}, "1": {"util": 0}})
+    lease = alice.acquire(2, label="forgotten notebook")
+    warn = watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == lease.id, 10, "idle_warning")
+    ev = warn["evidence"]
+    assert ev["why"] == "idle" and ev["idle_s"] >= FAST["idle_timeout"]
+    assert set(ev["gpus"]) == {"0", "1"} and all(s[1] < 5 for s in ev["gpus"]["0"])  # the samples behind it
+    assert warn["reclaim_at"] - warn["ts"] == pytest.approx(FAST["grace"], abs=0.01)
+    # The owner sees the warning on the lease itself (the notebook and the board read it there).
+    assert alice.get(lease.id)["reclaim_at"] == pytest.approx(warn["reclaim_at"])
+    done = watcher.wait_for(lambda e: e["type"] == "reclaimed" and e["lease"] == lease.id, 10, "reclaimed")
+    assert done["evidence"]["gpus"]["0"] and done["ts"] >= warn["reclaim_at"]
+    ended = alice.get(lease.id)
+    assert ended["state"] == "revoked" and ended["end_reason"].startswith("reclaimed: its GPUs were idle")
+    assert ended["idle_evidence"]["why"] == "idle"  # gpulease reclaim explain reads this
+    free = {(n["name"], g["index"]) for n in alice.cluster()["nodes"] for g in n["gpus"] if g["state"] == "free"}
+    assert {("n1", 0), ("n1", 1)} <= free
+    with pytest.raises(errors.LeaseEnded):
+        alice.renew(lease)
+
+
+def test_busy_lease_with_short_dips_is_never_warned(fast):
+    watcher = EventWatcher(fast.url, fast.token("root", "admin")).start()
+    set_util(fast, "n2", **{"0": {"util": 90}})
+    lease = fast.client("bob").acquire(1, pool="A100-80GB")
+    assert lease.node == "n2"  # best fit: the 1-GPU node
+    tick = threading.Event()
+    # Dips to 0 % shorter than the idle window, for three windows.
+    for _ in range(6):
+        set_util(fast, "n2", **{"0": {"util": 0}})
+        tick.wait(0.4)
+        set_util(fast, "n2", **{"0": {"util": 90}})
+        tick.wait(0.15)
+    assert not [e for e in watcher.events if e["type"] == "idle_warning" and e["lease"] == lease.id]
+    assert fast.client("bob").get(lease.id)["state"] == "active"
+
+
+def test_still_using_it_resets_the_clock_and_its_limit_holds(server_factory):
+    srv = server_factory(simulate="n1=1xA100-80GB", **FAST)
+    admin = srv.client("root", "admin")
+    admin.request("PUT", "/api/v1/policy/A100-80GB", json={"max_extensions": 1, "grace": 2.0})
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice = srv.client("alice")
+    lease = alice.acquire(1)
+    first = watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == lease.id, 10, "warning")
+    kept = alice.request("POST", f"/api/v1/leases/{lease.id}/keep")
+    assert kept["extensions"] == 1 and "reclaim_at" not in kept
+    second = watcher.wait_for(
+        lambda e: e["type"] == "idle_warning" and e["lease"] == lease.id and e["id"] != first["id"], 10, "2nd warning"
+    )
+    # The clock restarted at the keep: a full idle window passed before the second warning.
+    kept_event = next(e for e in watcher.events if e["type"] == "idle_kept")
+    assert second["ts"] - kept_event["ts"] >= FAST["idle_timeout"]
+    with pytest.raises(errors.Conflict) as exc:
+        alice.request("POST", f"/api/v1/leases/{lease.id}/keep")
+    assert "already kept 1 times" in exc.value.message
+    with pytest.raises(errors.NotOwner):
+        srv.client("mallory").request("POST", f"/api/v1/leases/{lease.id}/keep")
+    watcher.wait_for(lambda e: e["type"] == "reclaimed" and e["lease"] == lease.id, 10, "reclaimed")
+
+
+def test_policy_changes_are_admin_only_and_checked(fast):
+    bob = fast.client("bob")
+    with pytest.raises(errors.Forbidden):
+        bob.request("PUT", "/api/v1/policy/A100-80GB", json={"idle_timeout": 5})
+    admin = fast.client("root", "admin")
+    for bad, words in [
+        ({"idle_timeout": -1}, "idle_timeout"),
+        ({"idle_threshold": 101}, "0 to 100"),
+        ({"grace": "soon"}, "must be a number"),
+        ({"bogus": 1}, "unknown policy field"),
+        ({"exempt_users": "bob"}, "list of names"),
+    ]:
+        with pytest.raises(errors.BadRequest) as exc:
+            admin.request("PUT", "/api/v1/policy/A100-80GB", json=bad)
+        assert words in exc.value.message
+    with pytest.raises(errors.UnknownPool):
+        admin.request("PUT", "/api/v1/policy/H100", json={"grace": 1})
+    assert bob.request("GET", "/api/v1/policy/A100-80GB")["grace"] == FAST["grace"]  # unchanged
+    out = admin.request("PUT", "/api/v1/policy/A100-80GB", json={"exempt_users": ["bob"], "grace": 30})
+    assert out["grace"] == 30 and out["exempt_users"] == ["bob"] and out["idle_timeout"] == FAST["idle_timeout"]
+    assert bob.request("GET", "/api/v1/policy")["policies"]["A100-80GB"]["grace"] == 30
+    assert any(e["type"] == "policy_changed" for e in bob.events(limit=1000))
+
+
+def test_exempt_user_is_never_warned(fast):
+    admin = fast.client("root", "admin")
+    admin.request("PUT", "/api/v1/policy/A100-80GB", json={"exempt_users": ["carol"]})
+    watcher = EventWatcher(fast.url, fast.token("root", "admin")).start()
+    carol_lease = fast.client("carol").acquire(1)
+    dave_lease = fast.client("dave").acquire(1)
+    watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == dave_lease.id, 10, "dave's warning")
+    assert not [e for e in watcher.events if e.get("lease") == carol_lease.id and e["type"] == "idle_warning"]
+
+
+def test_unleased_use_is_flagged_and_cleared(fast):
+    watcher = EventWatcher(fast.url, fast.token("root", "admin")).start()
+    set_util(fast, "n2", **{"0": {"util": 80, "mem_mb": 4000, "procs": [4242]}})
+    ev = watcher.wait_for(lambda e: e["type"] == "unleased_use", 10, "unleased_use")
+    assert (ev["node"], ev["gpu"], ev["pids"]) == ("n2", 0, [4242])
+    gpu = next(g for n in fast.client("x").cluster()["nodes"] if n["name"] == "n2" for g in n["gpus"])
+    assert gpu["unleased_use"]["pids"] == [4242] and gpu["sample"]["util"] == 80
+    set_util(fast, "n2", **{"0": {"util": 0, "procs": []}})
+    watcher.wait_for(lambda e: e["type"] == "unleased_use_ended", 10, "unleased_use_ended")
+
+
+def test_samples_and_simulate_reject_bad_input(fast):
+    admin = fast.client("root", "admin")
+    user = fast.client("bob")
+    with pytest.raises(errors.Forbidden):
+        user.request("PUT", "/api/v1/simulate/n1", json={"gpus": {"0": {"util": 1}}})
+    with pytest.raises(errors.Forbidden):
+        user.request("POST", "/api/v1/nodes/n1/samples", json={"gpus": [{"index": 0, "util": 1}]})
+    for body, words in [
+        ({"gpus": {"0": {"util": 300}}}, "between 0 and 100"),
+        ({"gpus": {"9": {"util": 1}}}, "no GPU [9]"),
+        ({"gpus": {"x": {}}}, "GPU indexes"),
+        ({"gpus": {"0": {"procs": ["a"]}}}, "process ids"),
+        ({}, "body must be"),
+    ]:
+        with pytest.raises(errors.BadRequest) as exc:
+            admin.request("PUT", "/api/v1/simulate/n1", json=body)
+        assert words in exc.value.message
+    with pytest.raises(errors.UnknownNode):
+        admin.request("POST", "/api/v1/nodes/nope/samples", json={"gpus": [{"index": 0, "util": 1}]})
+
+
+def test_renew_reports_activity_and_rejects_bad_activity(fast):
+    alice = fast.client("alice")
+    lease = alice.acquire(1)
+    out = alice.request(
+        "POST", f"/api/v1/leases/{lease.id}/renew", json={"token": lease.token, "activity": {"executing": True}}
+    )
+    assert out["activity"] == {"executing": True, "source": ""}
+    with pytest.raises(errors.BadRequest):
+        alice.request(
+            "POST", f"/api/v1/leases/{lease.id}/renew", json={"token": lease.token, "activity": {"executing": "yes"}}
+        )
+
+
+# ---- the verdict, directly -------------------------------------------------------------------------
+
+
+def _lease(**kw: Any) -> dict[str, Any]:
+    return {"id": "l-1", "user": "u", "label": "", "created_at": 0, **kw}
+
+
+def test_verdict_running_cell_with_gpu_memory_is_not_idle():
+    pol = Policy(idle_timeout=60, min_age=0)
+    window = {0: [(t, 0.0, 2048) for t in range(0, 121, 5)]}
+    idle, ev = idle_verdict(_lease(activity={"executing": True}), window, pol, 120_000, 5)
+    assert not idle and ev["why"] == "a running cell holds GPU memory"
+    idle, ev = idle_verdict(_lease(activity={"executing": False}), window, pol, 120_000, 5)
+    assert idle and ev["idle_s"] == 120
+    no_mem = {0: [(t, 0.0, 0) for t in range(0, 121, 5)]}
+    assert idle_verdict(_lease(activity={"executing": True}), no_mem, pol, 120_000, 5)[0]
+
+
+def test_verdict_needs_samples_covering_the_window_and_respects_min_age():
+    pol = Policy(idle_timeout=60, min_age=100)
+    full = {0: [(t, 0.0, 0) for t in range(0, 121, 5)]}
+    assert not idle_verdict(_lease(), full, pol, 120_000, 5)[0]  # younger than min_age + timeout
+    pol = Policy(idle_timeout=60, min_age=0)
+    gap = {0: [(t, 0.0, 0) for t in range(0, 121, 5) if not 70 < t < 100]}  # agent away 30 s
+    assert idle_verdict(_lease(), gap, pol, 120_000, 5)[0]  # the window is still covered at both ends
+    stale = {0: [(t, 0.0, 0) for t in range(0, 90, 5)]}  # no sample for 30 s: no verdict
+    idle, ev = idle_verdict(_lease(), stale, pol, 120_000, 5)
+    assert not idle and "not enough samples" in ev["why"]
+
+
+# ---- races ---------------------------------------------------------------------------------------
+
+
+def test_reclaim_racing_release_renew_and_keep_never_double_frees(redis_server, prefix):
+    """Many rounds of: a warned lease past its grace, then reclaim, release, renew and keep all at
+    once. Exactly one end wins each round; the event log and the state stay consistent."""
+
+    async def main() -> None:
+        r = Redis.from_url(redis_server.url, decode_responses=True)
+        store = LeaseStore(r, make_settings(redis_server.url, prefix))
+        for inv in parse_simulate("a=2xA100-80GB"):
+            await register(store, inv)
+        outcomes: dict[str, int] = {}
+        for i in range(150):
+            lease = await store.acquire("u", 1 + i % 2)
+            code, _ = await store.run("idle_warn", [lease["id"], str(lease["token"]), 0, json.dumps({"idle_s": 1})])
+            results = await asyncio.gather(
+                store.run("reclaim", [lease["id"], str(lease["token"]), json.dumps({"idle_s": 1})]),
+                store.release(lease["id"], "u", token=lease["token"]),
+                store.renew(lease["id"], lease["token"], "u"),
+                store.run("keep", [lease["id"], "u", "0", 3, ""]),
+                return_exceptions=True,
+            )
+            reclaimed = results[0][0].name == "OK"  # type: ignore[index,union-attr]
+            released = not isinstance(results[1], BaseException) and results[1][1]
+            assert reclaimed + released == 1, results
+            outcomes["reclaimed" if reclaimed else "released"] = (
+                outcomes.get("reclaimed" if reclaimed else "released", 0) + 1
+            )
+            # Anything else must have been refused cleanly, never half-applied.
+            for res in results[2:]:
+                if isinstance(res, BaseException):
+                    assert isinstance(res, errors.GpuLeaseError), res
+        from redis import Redis as SyncRedis
+
+        sync = SyncRedis.from_url(redis_server.url, decode_responses=True)
+        counts = check_event_log(read_events(sync, Keys(prefix)))
+        check_state(sync, Keys(prefix), expect_all_free=True)
+        assert counts["grant"] == 150 == counts.get("released", 0) + counts.get("revoked", 0)
+        assert outcomes.get("reclaimed", 0) > 0  # the race really raced both ways over the rounds
+        sync.close()
+        await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_warning_lapses_when_the_gpus_get_busy_again(server_factory):
+    srv = server_factory(simulate="n1=1xA100-80GB", **{**FAST, "grace": 3.0})
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice = srv.client("alice")
+    lease = alice.acquire(1)
+    watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == lease.id, 10, "warning")
+    set_util(srv, "n1", **{"0": {"util": 70}})
+    cleared = watcher.wait_for(lambda e: e["type"] == "idle_cleared" and e["lease"] == lease.id, 10, "idle_cleared")
+    assert cleared["reason"] == "its GPUs are busy again"
+    rec = alice.get(lease.id)
+    assert rec["state"] == "active" and "reclaim_at" not in rec and "extensions" not in rec
