@@ -359,23 +359,34 @@ def status(as_json: bool, url: str | None, token: str | None) -> None:
         pools.add_row(name + default, *(str(p[k]) for k in ("nodes", "gpus", "free", "leased", "down")), str(waiting))
     console.print(pools)
     gpus = Table(title="GPUs")
-    for col in ("node", "gpu", "model", "state", "holder", "label", "held", "lease"):
+    for col in ("node", "gpu", "model", "state", "util", "holder", "label", "held", "lease"):
         gpus.add_column(col)
     colors = {"free": "green", "leased": "yellow", "down": "red"}
+    unleased = []
     for n in view["nodes"]:
         for g in n["gpus"]:
             lease = g.get("lease") or {}
+            state = f"[{colors[g['state']]}]{g['state']}[/]"
+            if lease.get("idle_warning"):
+                state += f" [magenta]idle: reclaim in {max(0, lease['reclaim_at'] - now):.0f}s[/]"
+            if g.get("unleased_use"):
+                state += " [bold red]unleased use[/]"
+                unleased.append(f"{n['name']} GPU {g['index']}: pids {g['unleased_use']['pids']}")
+            util = f"{g['sample']['util']:.0f}%" if g.get("sample") else ""
             gpus.add_row(
                 n["name"],
                 str(g["index"]),
                 g.get("model", ""),
-                f"[{colors[g['state']]}]{g['state']}[/]",
+                state,
+                util,
                 lease.get("user", ""),
                 lease.get("label", ""),
                 _ago(lease.get("since"), now),
                 lease.get("id", ""),
             )
     console.print(gpus)
+    for line in unleased:
+        err_console.print(f"[bold red]unleased use[/]: {line} (processes on a GPU that no lease holds)")
     if view["queue"]:
         q = Table(title="Queue")
         for col in ("pool", "#", "user", "gpus", "waiting", "label"):
@@ -460,6 +471,17 @@ def release(lease_id: str, url: str | None, token: str | None) -> None:
 
 @main.command()
 @click.argument("lease_id")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def keep(lease_id: str, url: str | None, token: str | None) -> None:
+    """Answer an idle warning: "I'm still using it" (resets the idle clock; limited per lease)."""
+    with Client(url, token) as c:
+        out = c.keep(lease_id)
+    click.echo(f"{lease_id}: kept ({out.get('extensions', 0)} extension(s) used)")
+
+
+@main.command()
+@click.argument("lease_id")
 @click.option("--reason", default="")
 @click.option("--url", envvar="GPULEASE_URL")
 @click.option("--token", envvar="GPULEASE_TOKEN")
@@ -480,6 +502,130 @@ def events(since: str, limit: int, url: str | None, token: str | None) -> None:
     with Client(url, token) as c:
         for ev in c.events(since, limit):
             click.echo(json.dumps(ev))
+
+
+@main.group()
+def simulate() -> None:
+    """Drive simulated GPUs (nodes started with --simulate)."""
+
+
+@simulate.command("util")
+@click.argument("settings", nargs=-1, required=True, metavar="NODE:GPU=UTIL[,MEM_MB[,PID...]]...")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def simulate_util(settings: tuple[str, ...], url: str | None, token: str | None) -> None:
+    """Set what simulated GPUs report, e.g.: gpulease simulate util node-a:0=0 node-a:1=95,30000,4242
+
+    UTIL is the utilization in %, MEM_MB the memory in use, PIDs the processes on the GPU.
+    """
+    by_node: dict[str, dict[str, dict[str, Any]]] = {}
+    for item in settings:
+        try:
+            target, _, value = item.partition("=")
+            node, _, idx = target.rpartition(":")
+            parts = value.split(",")
+            gpu = {
+                "util": float(parts[0]),
+                "mem_mb": int(parts[1]) if len(parts) > 1 else 0,
+                "procs": [int(p) for p in parts[2:]],
+            }
+            if not node or not idx.isdigit():
+                raise ValueError(item)
+        except ValueError:
+            raise click.UsageError(
+                f"cannot read {item!r}: write NODE:GPU=UTIL[,MEM_MB[,PID...]], e.g. node-a:0=95"
+            ) from None
+        by_node.setdefault(node, {})[idx] = gpu
+    with Client(url, token) as c:
+        for node, gpus in by_node.items():
+            c.request("PUT", f"/api/v1/simulate/{node}", json={"gpus": gpus})
+            click.echo(f"{node}: " + ", ".join(f"GPU {i} {g['util']:g}%" for i, g in sorted(gpus.items())))
+
+
+@main.group()
+def reclaim() -> None:
+    """Idle-GPU reclaim: explain a decision."""
+
+
+def sparkline(values: list[float], top: float = 100.0) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1) + 0.5))] for v in values)
+
+
+@reclaim.command("explain")
+@click.argument("lease_id")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def reclaim_explain(lease_id: str, url: str | None, token: str | None) -> None:
+    """Why a lease was warned or reclaimed: the policy, the holder's activity, the samples."""
+    with Client(url, token) as c:
+        lease = c.get(lease_id)
+    ev = lease.get("idle_evidence")
+    if not ev:
+        click.echo(f"lease {lease_id} ({lease['state']}) was never judged idle.")
+        return
+    state = lease["state"]
+    verdict = (
+        "reclaimed"
+        if state == "revoked" and lease.get("end_reason", "").startswith("reclaimed")
+        else (
+            "warned: reclaim at " + time.strftime("%H:%M:%S", time.localtime(lease["reclaim_at"]))
+            if lease.get("reclaim_at")
+            else state
+        )
+    )
+    console.print(f"[bold]{lease_id}[/] of {lease['user']} on {lease['node']} ({lease['pool']}): {verdict}")
+    console.print(
+        f"  idle for {ev.get('idle_s', 0):.0f}s under {ev.get('threshold')}% "
+        f"(policy: idle_timeout {ev.get('idle_timeout')}s); holder activity: {ev.get('activity') or 'none reported'}"
+    )
+    table = Table()
+    for col in ("GPU", "samples", "util min/mean/max %", "mem MB (last)", "utilization over the window"):
+        table.add_column(col)
+    for idx, samples in sorted(ev.get("gpus", {}).items()):
+        utils = [s[1] for s in samples] or [0.0]
+        table.add_row(
+            idx,
+            str(len(samples)),
+            f"{min(utils):.0f} / {sum(utils) / len(utils):.1f} / {max(utils):.0f}",
+            str(samples[-1][2] if samples else 0),
+            sparkline(utils),
+        )
+    console.print(table)
+
+
+@main.group()
+def policy() -> None:
+    """Reclaim policy per pool."""
+
+
+@policy.command("show")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def policy_show(url: str | None, token: str | None) -> None:
+    """Every pool's idle-GPU reclaim policy."""
+    with Client(url, token) as c:
+        click.echo(json.dumps(c.request("GET", "/api/v1/policy")["policies"], indent=2))
+
+
+@policy.command("set")
+@click.argument("pool")
+@click.argument("changes", nargs=-1, required=True, metavar="KEY=VALUE...")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN")
+def policy_set(pool: str, changes: tuple[str, ...], url: str | None, token: str | None) -> None:
+    """Change a pool's policy (admin), e.g.: gpulease policy set A100-80GB idle_timeout=900 grace=300"""
+    body: dict[str, Any] = {}
+    for item in changes:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.UsageError(f"cannot read {item!r}: write KEY=VALUE")
+        try:
+            body[key] = json.loads(value)
+        except json.JSONDecodeError:
+            body[key] = [v for v in value.split(",") if v] if key.startswith("exempt") else value
+    with Client(url, token) as c:
+        click.echo(json.dumps(c.request("PUT", f"/api/v1/policy/{pool}", json=body), indent=2))
 
 
 @main.group()

@@ -197,12 +197,26 @@ class Client:
             raise outcome["error"]
         return outcome["lease"]  # type: ignore[no-any-return]
 
-    def renew(self, lease: Lease | str, token: int | None = None, ttl: float | None = None) -> Lease:
+    def renew(
+        self,
+        lease: Lease | str,
+        token: int | None = None,
+        ttl: float | None = None,
+        activity: dict[str, Any] | None = None,
+    ) -> Lease:
+        """Extend a lease. ``activity`` ({"executing": bool}) tells the idle-GPU reclaimer what the
+        holder is doing."""
         lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
         body: dict[str, Any] = {"token": tok}
         if ttl:
             body["ttl"] = ttl
+        if activity is not None:
+            body["activity"] = activity
         return Lease.from_json(self.request("POST", f"/api/v1/leases/{lid}/renew", json=body))
+
+    def keep(self, lease_id: str) -> dict[str, Any]:
+        """ "I'm still using it": reset the idle clock of a warned lease."""
+        return self.request("POST", f"/api/v1/leases/{lease_id}/keep")  # type: ignore[no-any-return]
 
     def release(self, lease: Lease | str, token: int | None = None) -> dict[str, Any]:
         lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
@@ -260,6 +274,7 @@ class HeldLease:
         self.client = client
         self.lease = lease
         self.lost: errors.GpuLeaseError | None = None  # set if a renewal was refused
+        self.activity: dict[str, Any] | None = None  # sent with each renewal (idle-reclaim signal)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_renew_loop,
@@ -274,7 +289,7 @@ class HeldLease:
 
     def renew_once(self) -> None:
         try:
-            self.lease = self.client.renew(self.lease)
+            self.lease = self.client.renew(self.lease, activity=self.activity)
         except (errors.LeaseEnded, errors.StaleToken, errors.NoSuchLease, errors.NotOwner) as exc:
             self.lost = exc
             self._stop.set()

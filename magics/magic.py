@@ -176,15 +176,25 @@ class GpuMagics(Magics):
         return value["result"]
 
     @magic_arguments()
-    @argument("action", nargs="?", default="show", choices=["show", "release"])
-    @argument("lease_id", nargs="?", default=None, help="With release: one lease id (default: all of mine)")
+    @argument("action", nargs="?", default="show", choices=["show", "release", "keep"])
+    @argument("lease_id", nargs="?", default=None, help="With release/keep: one lease id (default: all of mine)")
     @line_magic
     def gpu_lease(self, line: str) -> None:
-        """My leases, my place in the queue, free GPUs per pool; `%gpu_lease release [ID]`."""
+        """My leases, my place in the queue, free GPUs per pool; `%gpu_lease release [ID]`;
+        `%gpu_lease keep [ID]` answers an idle warning with "I'm still using it"."""
         args = parse_argstring(self.gpu_lease, line)
         try:
             c = session().client()
             me = c.whoami()["user"]
+            if args.action == "keep":
+                mine = [lease for lease in c.leases() if lease.get("reclaim_at")]
+                ids = [args.lease_id] if args.lease_id else [lease["id"] for lease in mine]
+                for lid in ids:
+                    out = c.keep(lid)
+                    print(f"{lid}: kept ({out.get('extensions', 0)} extension(s) used)")
+                if not ids:
+                    print("no lease of yours has an idle warning")
+                return
             if args.action == "release":
                 ids = [args.lease_id] if args.lease_id else [lease["id"] for lease in c.leases()]
                 for lid in ids:
@@ -203,6 +213,11 @@ class GpuMagics(Magics):
         if mine:
             for lease in mine:
                 gpus = ",".join(str(g["index"]) for g in lease["gpus"])
+                if lease.get("reclaim_at"):
+                    print(
+                        f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s "
+                        "unless used (%gpu_lease keep)"
+                    )
                 print(
                     f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']}), held "
                     f"{now - lease['created_at']:.0f}s, label {lease['label']!r}"

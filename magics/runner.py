@@ -228,7 +228,9 @@ class Session:
         client = self.client()
         lease = client.acquire(gpus, pool, d.ttl, wait, label[:200], session[:200], progress=on_queue)
         held = HeldLease(client, lease)
+        held.activity = {"executing": True, "source": "gpu_train"}
         self.held.add(held)
+        warned_at = None
         t0 = time.monotonic()
         worker = None
         result: dict[str, Any] | None = None
@@ -254,6 +256,15 @@ class Session:
                         f"stopped after --timeout {timeout:g}s; the GPUs were released. "
                         "Raise --timeout, or save checkpoints and resume.",
                         node=lease.node,
+                    )
+                reclaim_at = held.lease.raw.get("reclaim_at")
+                if reclaim_at and reclaim_at != warned_at:
+                    warned_at = reclaim_at
+                    write(
+                        "stderr",
+                        f"gpu_train: the lease server sees these GPUs idle; they will be reclaimed in "
+                        f"{max(0, reclaim_at - time.time()):.0f}s unless they get busy. To keep them: "
+                        f"'gpulease keep {lease.id}' or 'Still using it' on the GPU board.\n",
                     )
                 if out_ref in ready:
                     try:

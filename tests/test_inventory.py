@@ -103,3 +103,37 @@ def test_parse_simulate_single_and_many_nodes():
     for bad in ("", "4", "ax4", "node a=1xT4", "0xT4", "a=1xT4,a=2xT4"):
         with pytest.raises(errors.ConfigurationError):
             parse_simulate(bad)
+
+
+def test_nvml_sampler_reads_utilization_memory_and_processes():
+    from lease_server.agent import NvmlSampler
+
+    gib = 1024**3
+    nvml = nvml_like([("GPU-a", "NVIDIA A100-SXM4-80GB", 80 * gib), ("GPU-b", "NVIDIA A100-SXM4-80GB", 80 * gib)])
+    util = {0: 97, 1: 0}
+    used = {0: 30 * gib, 1: 0}
+    procs = {0: [4242], 1: []}
+
+    def nvmlDeviceGetUtilizationRates(handle):  # noqa: ANN001, ANN202, N802
+        rates = pynvml.c_nvmlUtilization_t()
+        rates.gpu, rates.memory = util[handle], 0
+        return rates
+
+    def nvmlDeviceGetMemoryInfo(handle, version=None):  # noqa: ANN001, ANN202, N802
+        mem = pynvml.c_nvmlMemory_t()
+        mem.total, mem.used = 80 * gib, used[handle]
+        return mem
+
+    def nvmlDeviceGetComputeRunningProcesses(handle):  # noqa: ANN001, ANN202, N802
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=used[handle]) for p in procs[handle]]
+
+    for fn in (nvmlDeviceGetUtilizationRates, nvmlDeviceGetMemoryInfo, nvmlDeviceGetComputeRunningProcesses):
+        real = getattr(pynvml, fn.__name__)
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(real).parameters), fn.__name__
+        setattr(nvml, fn.__name__, fn)
+    sampler = NvmlSampler(nvml)
+    assert sampler.sample() == [
+        {"index": 0, "util": 97, "mem_mb": 30 * 1024, "procs": [4242]},
+        {"index": 1, "util": 0, "mem_mb": 0, "procs": []},
+    ]
+    sampler.close()

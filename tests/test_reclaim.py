@@ -261,3 +261,33 @@ def test_warning_lapses_when_the_gpus_get_busy_again(server_factory):
     assert cleared["reason"] == "its GPUs are busy again"
     rec = alice.get(lease.id)
     assert rec["state"] == "active" and "reclaim_at" not in rec and "extensions" not in rec
+
+
+def test_cli_drives_simulated_gpus_and_explains_a_reclaim(fast):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPULEASE_URL": fast.url, "GPULEASE_TOKEN": fast.token("root", "admin")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "lease_server.cli", *args], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    out = cli("simulate", "util", "n1:0=0", "n1:1=0,0")
+    assert out.returncode == 0 and "GPU 0 0%" in out.stdout, out.stderr
+    bad = cli("simulate", "util", "n1-0=high")
+    assert bad.returncode == 2 and "NODE:GPU=UTIL" in bad.stderr
+    watcher = EventWatcher(fast.url, fast.token("root", "admin")).start()
+    lease = fast.client("root", "admin").acquire(2)
+    watcher.wait_for(lambda e: e["type"] == "reclaimed" and e["lease"] == lease.id, 10, "reclaimed")
+    explain = cli("reclaim", "explain", lease.id)
+    assert explain.returncode == 0, explain.stderr
+    assert "reclaimed" in explain.stdout and "▁" in explain.stdout and "0 / 0.0 / 0" in explain.stdout
+    never = fast.client("root", "admin").acquire(1)
+    assert "never judged idle" in cli("reclaim", "explain", never.id).stdout
+    shown = cli("policy", "show")
+    assert json.loads(shown.stdout)["A100-80GB"]["grace"] == FAST["grace"]
+    changed = cli("policy", "set", "A100-80GB", "grace=5", "exempt_users=ann,bo")
+    assert json.loads(changed.stdout)["exempt_users"] == ["ann", "bo"], changed.stderr
