@@ -103,7 +103,7 @@ class NvmlSampler:
 
 async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
     """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the store."""
-    from .reclaim import record_samples, simulated_sample
+    from .reclaim import policies, record_samples, simulated_sample
 
     interval = store.settings.heartbeat_interval
     sample_every = store.settings.sample_interval
@@ -127,13 +127,19 @@ async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], s
                         log.warning("heartbeat of %s failed: %s", inv.node, exc)
             if now >= next_sample:
                 next_sample = now + sample_every
+                try:
+                    pols = await policies(store)  # once per pass: each pool's idle threshold
+                except Exception as exc:
+                    log.warning("reading the reclaim policies failed: %s", exc)
+                    pols = {}
                 for inv in inventories:
+                    threshold = pols[inv.pool].idle_threshold if inv.pool in pols else store.settings.idle_threshold
                     try:
                         if inv.source == "nvml" and nvml is not None:
                             gpus = nvml.sample()
                         else:
                             gpus = await simulated_sample(store, inv.node, [g.index for g in inv.gpus])
-                        await record_samples(store, inv.node, inv.pool, gpus)
+                        await record_samples(store, inv.node, inv.pool, gpus, threshold)
                     except Exception as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
             try:

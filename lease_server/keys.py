@@ -29,6 +29,7 @@ Idle-GPU reclaim (reclaim.py, samples.lua):
 ``samples:<node>/<index>`` list   the GPU's rolling window of samples "ts_ms,util%,mem_mb"
 ``last``       hash   node/index -> "ts_ms,util,mem_mb" of the newest sample
 ``busy_at``    hash   node/index -> ms of the newest sample at or above the pool's threshold
+``covered_since`` hash node/index -> ms since when the GPU was sampled without a gap
 ``unleased``   hash   node/index -> JSON {pids, since}: processes on a GPU no live lease holds
 ``sim``        hash   node/index -> JSON {util, mem_mb, procs}: what a simulated GPU reports
 ``policy``     hash   pool -> JSON reclaim policy set at run time by an admin
@@ -134,6 +135,10 @@ class Keys:
         return self._k("busy_at")
 
     @property
+    def covered_since(self) -> str:
+        return self._k("covered_since")
+
+    @property
     def unleased(self) -> str:
         return self._k("unleased")
 
@@ -168,4 +173,12 @@ class Keys:
         ]
 
     def all(self) -> list[str]:
-        return self.core() + [self.tokens, self.last, self.busy_at, self.unleased, self.sim, self.policy]
+        return self.core() + [
+            self.tokens,
+            self.last,
+            self.busy_at,
+            self.covered_since,
+            self.unleased,
+            self.sim,
+            self.policy,
+        ]

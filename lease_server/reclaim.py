@@ -124,9 +124,11 @@ async def set_policy(store: LeaseStore, pool: str, changes: object, by: str) -> 
     return new
 
 
-def window_length(store: LeaseStore, pols: dict[str, Policy] | None = None) -> int:
-    longest = max([p.idle_timeout for p in (pols or {}).values()] + [store.settings.idle_timeout])
-    return min(MAX_WINDOW, math.ceil(longest / store.settings.sample_interval) + 4)
+def window_length(store: LeaseStore) -> int:
+    """Samples kept per GPU. They are the evidence shown with a warning; the verdict itself reads
+    busy_at and covered_since, so a pool with a longer idle_timeout still works (its evidence
+    shows the newest samples only)."""
+    return min(MAX_WINDOW, math.ceil(store.settings.idle_timeout / store.settings.sample_interval) + 4)
 
 
 # ---- samples -------------------------------------------------------------------------------------
@@ -152,8 +154,9 @@ async def record_samples(
         window_length(store),
         threshold,
         node,
+        int(store.settings.sample_interval * 3000),  # a longer gap breaks the coverage
     ]
-    keys = [k.last, k.busy_at, k.holders, k.unleased, k.events]
+    keys = [k.last, k.busy_at, k.holders, k.unleased, k.events, k.covered_since]
     for g in gpus:
         keys.append(k.samples(f"{node}/{g['index']}"))
         args += [
@@ -233,17 +236,25 @@ def parse_window(raw: list[str]) -> list[tuple[float, float, int]]:
     return out
 
 
+@dataclass
+class GpuState:
+    """What the samples say about one GPU, in seconds (None: never seen)."""
+
+    covered_since: float | None  # sampled without a gap since then
+    busy_at: float | None  # the newest sample at or above the threshold
+    last_at: float | None  # the newest sample
+    last_mem_mb: int = 0
+    window: list[tuple[float, float, int]] = field(default_factory=list)  # evidence only
+
+
 def idle_verdict(
     lease: dict[str, Any],
-    windows: dict[int, list[tuple[float, float, int]]],
+    gpus: dict[int, GpuState],
     policy: Policy,
     now_ms: int,
     sample_interval: float,
 ) -> tuple[bool, dict[str, Any]]:
-    """Is ``lease`` idle now? Returns (idle, evidence). Pure: the tests drive it directly too.
-
-    ``windows``: per leased GPU index, its samples (ts seconds, util %, mem MB), oldest first.
-    """
+    """Is ``lease`` idle now? Returns (idle, evidence). Pure: the tests drive it directly too."""
     now_s = now_ms / 1000
     clock_from = max(lease["created_at"] + policy.min_age * 1000, lease.get("kept_at") or 0) / 1000
     since = now_s - policy.idle_timeout
@@ -251,28 +262,25 @@ def idle_verdict(
         "threshold": policy.idle_threshold,
         "idle_timeout": policy.idle_timeout,
         "activity": lease.get("activity"),
-        "gpus": {},
+        "gpus": {str(i): [[round(t, 1), u, m] for t, u, m in g.window[-60:]] for i, g in gpus.items()},
     }
     if lease["user"] in policy.exempt_users or (lease.get("label") and lease["label"] in policy.exempt_labels):
         return False, {**evidence, "why": "exempt"}
     if clock_from > since:
         return False, {**evidence, "why": "too young (min_age or a recent keep)"}
-    for idx, samples in windows.items():
-        recent = [s for s in samples if s[0] >= since - sample_interval]
-        evidence["gpus"][str(idx)] = [[round(ts, 1), util, mem] for ts, util, mem in samples[-60:]]
-        # Coverage: samples reach back to the start of the window and are current.
-        if not recent or recent[0][0] > since + 2 * sample_interval or recent[-1][0] < now_s - 3 * sample_interval:
-            return False, {**evidence, "why": f"not enough samples for GPU {idx}"}
-        busy = [s for s in recent if s[1] >= policy.idle_threshold]
-        if busy:
-            return False, {**evidence, "why": f"GPU {idx} was busy at {busy[-1][0]}"}
+    for idx, g in gpus.items():
+        if g.last_at is None or g.last_at < now_s - 3 * sample_interval:
+            return False, {**evidence, "why": f"no current sample of GPU {idx}"}
+        if g.covered_since is None or g.covered_since > since:
+            return False, {**evidence, "why": f"not enough samples for GPU {idx} (sampled since {g.covered_since})"}
+        if g.busy_at is not None and g.busy_at >= since:
+            return False, {**evidence, "why": f"GPU {idx} was busy at {g.busy_at}"}
     activity = lease.get("activity") or {}
-    holds_memory = any(w and w[-1][2] > 0 for w in windows.values())
-    if activity.get("executing") and holds_memory:
+    if activity.get("executing") and any(g.last_mem_mb > 0 for g in gpus.values()):
         return False, {**evidence, "why": "a running cell holds GPU memory"}
-    last_busy = max((s[0] for w in windows.values() for s in w if s[1] >= policy.idle_threshold), default=None)
-    first = min((w[0][0] for w in windows.values() if w), default=now_s)
-    evidence["idle_s"] = round(now_s - max(clock_from, last_busy if last_busy is not None else first), 1)
+    last_busy = max((g.busy_at for g in gpus.values() if g.busy_at is not None), default=None)
+    covered = min((g.covered_since for g in gpus.values() if g.covered_since is not None), default=now_s)
+    evidence["idle_s"] = round(now_s - max(clock_from, last_busy if last_busy is not None else covered), 1)
     evidence["why"] = "idle"
     return True, evidence
 
@@ -284,65 +292,103 @@ class Reclaimer:
         self.store = store
 
     async def tick(self, now_ms: int | None = None) -> tuple[int, int, float]:
-        """One pass over live leases. Returns (warned, reclaimed, seconds until the next due reclaim)."""
-        store, k = self.store, self.store.keys
+        """One pass over live leases: due reclaims first, then warnings.
+        Returns (warned, reclaimed, seconds until the next due reclaim)."""
+        store = self.store
         if now_ms is None:
             t = await store.redis.time()
             now_ms = t[0] * 1000 + t[1] // 1000
         pols = await policies(store)
+        off = Policy(enabled=False)
+        leases = [lease for lease in await store.live_leases() if pols.get(lease["pool"], off).enabled]
         warned = reclaimed = 0
         next_due = math.inf
-        for lease in await store.live_leases():
-            pol = pols.get(lease["pool"])
-            if pol is None or not pol.enabled:
+
+        def is_due(lease: dict[str, Any]) -> bool:
+            return bool(lease.get("reclaim_at")) and lease["reclaim_at"] <= now_ms
+
+        # One round trip for the sample summary of every leased GPU.
+        states = await self._states([f"{lease['node']}/{g['index']}" for lease in leases for g in lease["gpus"]])
+        for lease in filter(is_due, leases):
+            pol = pols[lease["pool"]]
+            if self._busy_since(lease, states, lease["warned_at"]):
+                await self._clear(lease, pol)
+            elif await self._run("reclaim", lease, [json.dumps(await self._evidence(lease, pol, now_ms))]):
+                reclaimed += 1
+        for lease in leases:
+            if is_due(lease):
                 continue
+            pol = pols[lease["pool"]]
             if lease.get("reclaim_at"):
-                slots = [f"{lease['node']}/{g['index']}" for g in lease["gpus"]]
-                busy = await store.redis.hmget(k.busy_at, slots)
-                if any(b is not None and int(b) >= lease["warned_at"] for b in busy):
-                    # Used again during the grace: the warning lapses by itself.
-                    await store.run("keep", [lease["id"], lease["user"], "1", pol.max_extensions, "auto"])
-                    continue
-                if lease["reclaim_at"] <= now_ms:
-                    evidence = await self._evidence(lease, pol, now_ms)
-                    if await self._run("reclaim", lease, [json.dumps(evidence)], now_ms):
-                        reclaimed += 1
+                if self._busy_since(lease, states, lease["warned_at"]):
+                    await self._clear(lease, pol)  # used again during the grace: the warning lapses
                 else:
                     next_due = min(next_due, (lease["reclaim_at"] - now_ms) / 1000)
                 continue
-            slots = [f"{lease['node']}/{g['index']}" for g in lease["gpus"]]
-            busy = await store.redis.hmget(k.busy_at, slots)
-            cutoff = now_ms - pol.idle_timeout * 1000
-            if any(b is not None and int(b) >= cutoff for b in busy):
-                continue  # cheap check first: some GPU was busy inside the window
-            idle, evidence = idle_verdict(
-                lease, await self._windows(lease), pol, now_ms, store.settings.sample_interval
-            )
-            if idle:
-                if await self._run("idle_warn", lease, [int(pol.grace * 1000), json.dumps(evidence)], now_ms):
-                    warned += 1
-                    log.info(
-                        "idle warning %s user=%s: idle %.0fs, reclaim in %.0fs",
-                        lease["id"],
-                        lease["user"],
-                        evidence["idle_s"],
-                        pol.grace,
-                    )
-                    next_due = min(next_due, pol.grace)
+            if self._busy_since(lease, states, now_ms - pol.idle_timeout * 1000):
+                continue  # the cheap check first: some GPU was busy inside the window
+            gpus = {int(g["index"]): states[f"{lease['node']}/{g['index']}"] for g in lease["gpus"]}
+            idle, _ = idle_verdict(lease, gpus, pol, now_ms, store.settings.sample_interval)
+            if not idle:
+                continue
+            await self._fill_windows(lease, gpus)
+            _, evidence = idle_verdict(lease, gpus, pol, now_ms, store.settings.sample_interval)
+            if await self._run("idle_warn", lease, [int(pol.grace * 1000), json.dumps(evidence)]):
+                warned += 1
+                log.info(
+                    "idle warning %s user=%s: idle %.0fs, reclaim in %.0fs",
+                    lease["id"],
+                    lease["user"],
+                    evidence["idle_s"],
+                    pol.grace,
+                )
+                next_due = min(next_due, pol.grace)
         return warned, reclaimed, next_due
 
-    async def _windows(self, lease: dict[str, Any]) -> dict[int, list[tuple[float, float, int]]]:
+    async def _states(self, slots: list[str]) -> dict[str, GpuState]:
+        if not slots:
+            return {}
         k = self.store.keys
         async with self.store.redis.pipeline(transaction=False) as p:
-            for g in lease["gpus"]:
-                p.lrange(k.samples(f"{lease['node']}/{g['index']}"), 0, -1)
+            p.hmget(k.covered_since, slots)
+            p.hmget(k.busy_at, slots)
+            p.hmget(k.last, slots)
+            covered, busy, last = await p.execute()
+        out = {}
+        for slot, c, b, newest in zip(slots, covered, busy, last, strict=True):
+            last_at, mem = None, 0
+            if newest:
+                ts, _util, m = newest.split(",")
+                last_at, mem = int(ts) / 1000, int(m)
+            out[slot] = GpuState(int(c) / 1000 if c else None, int(b) / 1000 if b else None, last_at, mem)
+        return out
+
+    @staticmethod
+    def _busy_since(lease: dict[str, Any], states: dict[str, GpuState], since_ms: float) -> bool:
+        for g in lease["gpus"]:
+            st = states.get(f"{lease['node']}/{g['index']}")
+            if st is not None and st.busy_at is not None and st.busy_at * 1000 >= since_ms:
+                return True
+        return False
+
+    async def _clear(self, lease: dict[str, Any], pol: Policy) -> None:
+        await self.store.run("keep", [lease["id"], lease["user"], "1", pol.max_extensions, "auto"])
+
+    async def _fill_windows(self, lease: dict[str, Any], gpus: dict[int, GpuState]) -> None:
+        k = self.store.keys
+        async with self.store.redis.pipeline(transaction=False) as p:
+            for idx in gpus:
+                p.lrange(k.samples(f"{lease['node']}/{idx}"), -60, -1)
             raws = await p.execute()
-        return {int(g["index"]): parse_window(raw) for g, raw in zip(lease["gpus"], raws, strict=True)}
+        for st, raw in zip(gpus.values(), raws, strict=True):
+            st.window = parse_window(raw)
 
     async def _evidence(self, lease: dict[str, Any], pol: Policy, now_ms: int) -> dict[str, Any]:
         """The warning's evidence, brought up to now: the samples since, and how long idle."""
         evidence = dict(lease.get("idle_evidence") or {})
-        windows = await self._windows(lease)
+        gpus = {int(g["index"]): GpuState(None, None, None) for g in lease["gpus"]}
+        await self._fill_windows(lease, gpus)
+        windows = {i: g.window for i, g in gpus.items()}
         evidence["gpus"] = {str(i): [[round(t, 1), u, m] for t, u, m in w[-60:]] for i, w in windows.items()}
         evidence["idle_s"] = round(evidence.get("idle_s", 0) + (now_ms - lease.get("warned_at", now_ms)) / 1000, 1)
         evidence["warned_at"] = lease.get("warned_at", 0) / 1000
@@ -355,7 +401,7 @@ class Reclaimer:
         evidence["busy_during_grace"] = bool(busy)  # used again during the grace but not kept
         return evidence
 
-    async def _run(self, script: str, lease: dict[str, Any], extra: list[Any], now_ms: int | None) -> bool:
+    async def _run(self, script: str, lease: dict[str, Any], extra: list[Any]) -> bool:
         code, rest = await self.store.run(script, [lease["id"], str(lease["token"]), *extra])
         if code is Code.OK:
             if script == "reclaim":

@@ -14,7 +14,7 @@ from lease_server import errors
 from lease_server.inventory import parse_simulate, register
 from lease_server.keys import Keys
 from lease_server.lease import LeaseStore
-from lease_server.reclaim import Policy, idle_verdict
+from lease_server.reclaim import GpuState, Policy, idle_verdict
 from tests.api_helpers import EventWatcher
 from tests.conftest import make_settings
 from tests.invariants import check_event_log, check_state, read_events
@@ -181,27 +181,34 @@ def _lease(**kw: Any) -> dict[str, Any]:
     return {"id": "l-1", "user": "u", "label": "", "created_at": 0, **kw}
 
 
+def _gpu(covered: float | None = 0, busy: float | None = None, last: float | None = 120, mem: int = 0) -> GpuState:
+    return GpuState(covered, busy, last, mem)
+
+
 def test_verdict_running_cell_with_gpu_memory_is_not_idle():
     pol = Policy(idle_timeout=60, min_age=0)
-    window = {0: [(t, 0.0, 2048) for t in range(0, 121, 5)]}
-    idle, ev = idle_verdict(_lease(activity={"executing": True}), window, pol, 120_000, 5)
+    idle, ev = idle_verdict(_lease(activity={"executing": True}), {0: _gpu(mem=2048)}, pol, 120_000, 5)
     assert not idle and ev["why"] == "a running cell holds GPU memory"
-    idle, ev = idle_verdict(_lease(activity={"executing": False}), window, pol, 120_000, 5)
+    idle, ev = idle_verdict(_lease(activity={"executing": False}), {0: _gpu(mem=2048)}, pol, 120_000, 5)
     assert idle and ev["idle_s"] == 120
-    no_mem = {0: [(t, 0.0, 0) for t in range(0, 121, 5)]}
-    assert idle_verdict(_lease(activity={"executing": True}), no_mem, pol, 120_000, 5)[0]
+    assert idle_verdict(_lease(activity={"executing": True}), {0: _gpu(mem=0)}, pol, 120_000, 5)[0]
 
 
-def test_verdict_needs_samples_covering_the_window_and_respects_min_age():
+def test_verdict_needs_continuous_current_samples_and_respects_min_age_and_busy():
     pol = Policy(idle_timeout=60, min_age=100)
-    full = {0: [(t, 0.0, 0) for t in range(0, 121, 5)]}
-    assert not idle_verdict(_lease(), full, pol, 120_000, 5)[0]  # younger than min_age + timeout
+    assert not idle_verdict(_lease(), {0: _gpu()}, pol, 120_000, 5)[0]  # younger than min_age + timeout
     pol = Policy(idle_timeout=60, min_age=0)
-    gap = {0: [(t, 0.0, 0) for t in range(0, 121, 5) if not 70 < t < 100]}  # agent away 30 s
-    assert idle_verdict(_lease(), gap, pol, 120_000, 5)[0]  # the window is still covered at both ends
-    stale = {0: [(t, 0.0, 0) for t in range(0, 90, 5)]}  # no sample for 30 s: no verdict
-    idle, ev = idle_verdict(_lease(), stale, pol, 120_000, 5)
+    idle, ev = idle_verdict(_lease(), {0: _gpu(covered=80)}, pol, 120_000, 5)  # an agent gap 40 s ago
     assert not idle and "not enough samples" in ev["why"]
+    idle, ev = idle_verdict(_lease(), {0: _gpu(last=90)}, pol, 120_000, 5)  # no sample for 30 s
+    assert not idle and "no current sample" in ev["why"]
+    idle, ev = idle_verdict(_lease(), {0: _gpu(), 1: _gpu(busy=70)}, pol, 120_000, 5)  # one GPU busy 50 s ago
+    assert not idle and "GPU 1 was busy" in ev["why"]
+    idle, ev = idle_verdict(_lease(), {0: _gpu(), 1: _gpu(busy=50)}, pol, 120_000, 5)  # busy before the window
+    assert idle and ev["idle_s"] == 70
+    # A pool with a timeout far longer than the sample window still gets a verdict.
+    long = Policy(idle_timeout=7200, min_age=0)
+    assert idle_verdict(_lease(), {0: _gpu(last=8000)}, long, 8_000_000, 5)[0]
 
 
 # ---- races ---------------------------------------------------------------------------------------

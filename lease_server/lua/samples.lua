@@ -6,11 +6,13 @@
 -- KEYS[3] = holders    hash node/index -> lease id
 -- KEYS[4] = unleased   hash node/index -> JSON {pids, since}
 -- KEYS[5] = events     stream
--- KEYS[6..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
+-- KEYS[6] = covered_since hash node/index -> ms since when samples came without a gap
+-- KEYS[7..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
 -- ARGV[1] = virtual now ms or "" (Redis TIME)   ARGV[2] = event log max length
 -- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
--- ARGV[5] = node
--- ARGV[6..] = per GPU, 4 values each: index, util %, memory used MB, JSON list of pids
+-- ARGV[5] = node                             ARGV[6] = longest gap (ms) between two samples that
+--                                                        still counts as continuous sampling
+-- ARGV[7..] = per GPU, 4 values each: index, util %, memory used MB, JSON list of pids
 -- returns {GPUs recorded, GPUs with unleased use}
 local NOW
 if ARGV[1] ~= '' then
@@ -19,13 +21,19 @@ else
   local t = redis.call('TIME')
   NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local keep, threshold, node = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local keep, threshold, node, gap = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local recorded, unleased = 0, 0
-local i = 6
-local k = 6
+local i = 7
+local k = 7
 while ARGV[i] do
   local index, util, mem, pids = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   local slot = node .. '/' .. index
+  -- Coverage: an idle verdict needs samples for the whole idle timeout, without a gap (an agent
+  -- that was away cannot vouch for what the GPU did meanwhile).
+  local prev = redis.call('HGET', KEYS[1], slot)
+  if not prev or NOW - tonumber(string.match(prev, '^(%d+),')) > gap then
+    redis.call('HSET', KEYS[6], slot, NOW)
+  end
   redis.call('RPUSH', KEYS[k], NOW .. ',' .. util .. ',' .. mem)
   redis.call('LTRIM', KEYS[k], -keep, -1)
   redis.call('HSET', KEYS[1], slot, NOW .. ',' .. util .. ',' .. mem)
