@@ -46,7 +46,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,15 +146,11 @@ class Stack:
                 except Exception:  # noqa: BLE001
                     proc.kill()
             raise
-        self.log: deque[str] = deque(maxlen=200)
-        self._drain = threading.Thread(target=self._read, name="up-output", daemon=True)
-        self._drain.start()
         self.token = (home / "token").read_text().strip()
 
-    def _read(self) -> None:
-        assert self.up.proc.stdout is not None
-        for line in self.up.proc.stdout:
-            self.log.append(line)
+    def tail(self, n: int) -> str:
+        """The last ``n`` lines gpulease up printed (Up writes them to a file)."""
+        return "".join(self.up.log.read_text().splitlines(True)[-n:])
 
     def stop(self) -> int | None:
         """What Up.interrupt() does (SIGINT, wait), reading the output with our own thread."""
@@ -167,7 +162,6 @@ class Stack:
             except Exception:  # noqa: BLE001 - it did not stop: make sure it is gone
                 proc.kill()
                 proc.wait(10)
-        self._drain.join(5)
         return proc.returncode
 
 
@@ -699,7 +693,7 @@ def main() -> None:
         say(f"FAILED: {type(exc).__name__}: {exc}")
         failed.append(f"setup: {type(exc).__name__}: {str(exc)[:300]}")
         if stack is not None:
-            say("gpulease up said:\n" + "".join(list(stack.log)[-30:]))
+            say("gpulease up said:\n" + stack.tail(30))
     finally:
         try:
             import ray
@@ -713,7 +707,7 @@ def main() -> None:
             code = stack.stop()
             results.setdefault("section_s", {})["stop"] = round(time.monotonic() - t0, 1)
             if code not in (0, -signal.SIGINT, 130):
-                say(f"gpulease up exited with {code}:\n" + "".join(list(stack.log)[-20:]))
+                say(f"gpulease up exited with {code}:\n" + stack.tail(20))
         shutil.rmtree(work, ignore_errors=True)
     results["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["seconds"] = round(time.monotonic() - started, 1)

@@ -111,6 +111,7 @@ class Session:
         self._spares: dict[str, deque[Any]] = {}
         self.held: set[HeldLease] = set()
         self._actor_cls: Any = None
+        self._resources: set[str] = set()
         atexit.register(self.release_all)
 
     # ---- connections -------------------------------------------------------------------------
@@ -153,16 +154,20 @@ class Session:
                     configure_logging=False,
                 )
             self._actor_cls = ray.remote(GpuWorker)
-            resources = ray.cluster_resources()
-            self._pinned = any(k.startswith(RESOURCE_PREFIX) for k in resources)
+            self._pinned = any(k.startswith(RESOURCE_PREFIX) for k in self._refresh_resources())
+
+    def _refresh_resources(self) -> set[str]:
+        import ray
+
+        self._resources = set(ray.cluster_resources())
+        return self._resources
 
     def _new_worker(self, node: str) -> Any:
-        import ray
 
         opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": 0}
         if self._pinned:
             res = node_resource(node)
-            if res not in ray.cluster_resources():
+            if res not in self._resources and res not in self._refresh_resources():
                 raise errors.ConfigurationError(
                     f"no Ray node serves lease-server node {node!r}: start Ray there with "
                     f"--resources '{{\"{res}\": 1000}}'"
@@ -180,12 +185,25 @@ class Session:
                     spares.append(self._new_worker(node))
 
     def take_worker(self, node: str) -> Any:
-        """A pre-started worker on ``node`` (or a new one), replaced by a fresh spare at once."""
+        """A pre-started worker on ``node`` (or a new one if none is left)."""
         with self._lock:
             spares = self._spares.setdefault(node, deque())
-            worker = spares.popleft() if spares else self._new_worker(node)
-            spares.append(self._new_worker(node))
-            return worker
+            return spares.popleft() if spares else self._new_worker(node)
+
+    def replenish(self, node: str) -> None:
+        """Start the spare that replaces the one just used, in the background: starting a
+        process costs a second or two of CPU, which must not compete with the call itself."""
+
+        def start() -> None:
+            try:
+                with self._lock:
+                    spares = self._spares.setdefault(node, deque())
+                    if len(spares) < SPARES_PER_NODE:
+                        spares.append(self._new_worker(node))
+            except Exception as exc:  # noqa: BLE001 - the next call starts one itself
+                log.warning("could not start a spare worker on %s: %s", node, exc)
+
+        threading.Thread(target=start, name="gpulease-spare", daemon=True).start()
 
     def release_all(self) -> None:
         """Kernel shutdown: give back every lease this process holds."""
@@ -247,6 +265,7 @@ class Session:
             watch = {"url": client.url, "token": client.token, "id": lease.id}
             result_ref = worker.run.remote(call, env, watch)
             out_ref = worker.read_output.remote(0.5)
+            drained = False
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -272,13 +291,20 @@ class Session:
                     except ray.exceptions.RayActorError:
                         chunks, done = [], True
                     _emit(chunks, write)
+                    drained = done
                     out_ref = None if done else worker.read_output.remote(0.5)
                 if result_ref in ready or out_ref is None:
                     result = self._collect(result_ref, lease, held)
-                    # Drain what the worker printed after our last read.
+                    # Drain what the worker printed after our last read (if it had not said it was done).
+                    # What the worker printed last: the read still in flight holds some of it,
+                    # and a final read takes the rest unless the worker already said it was done.
                     try:
-                        chunks, _ = ray.get(worker.read_output.remote(0), timeout=5)
-                        _emit(chunks, write)
+                        if out_ref is not None:
+                            chunks, drained = ray.get(out_ref, timeout=5)
+                            _emit(chunks, write)
+                        if not drained:
+                            chunks, _ = ray.get(worker.read_output.remote(0), timeout=5)
+                            _emit(chunks, write)
                     except Exception:  # noqa: BLE001 - the worker is gone; nothing more to show
                         pass
                     break
@@ -298,6 +324,8 @@ class Session:
                 ray.kill(worker, no_restart=True)  # single use: its process, and GPU memory, go now
             held.release()
             self.held.discard(held)
+            if worker is not None:
+                self.replenish(lease.node)
             if on_released is not None:
                 peak = result.get("peak_memory") if result else None
                 on_released(Outcome(None, lease.id, lease.node, lease.indexes, time.monotonic() - t0, peak))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 END_EVENTS = ("released", "expired", "revoked")
+RELEASED_GRACE_S = 2.0
 WATCHDOG_EXIT_CODE = 75
 
 
@@ -55,6 +56,13 @@ class GpuWorker:
         self._chunks: list[tuple[str, str]] = []
         self._done = False
         self._used = False
+        # Imports done while the spare waits, not on the call's clock (pynvml: ~15 ms).
+        import httpx  # noqa: F401
+
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            pass
 
     def ready(self) -> dict[str, Any]:
         import socket
@@ -156,16 +164,20 @@ def _peak_memory() -> int | None:
 
 
 def _watchdog(lease: dict[str, Any]) -> None:
-    """Exit this process as soon as the lease ends: follow the lease server's event stream, and
-    check the lease itself whenever the stream (re)connects so that nothing between is missed."""
+    """Exit this process as soon as the lease is expired or revoked: follow the lease server's
+    event stream, and check the lease itself whenever the stream (re)connects so that nothing
+    between is missed. A plain release comes from our own driver, which kills this worker right
+    away; the watchdog only backs that up, after a short grace, to keep Ray's logs quiet."""
     import httpx
 
-    url, token, lease_id = lease["url"], lease["token"], lease["id"]
-    headers = {"Authorization": f"Bearer {token}"}
+    url, lease_id = lease["url"], lease["id"]
+    http = httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {lease['token']}"}, timeout=httpx.Timeout(5, read=30)
+    )
 
     def ended() -> str | None:
         try:
-            r = httpx.get(f"{url}/api/v1/leases/{lease_id}", headers=headers, timeout=5)
+            r = http.get(f"/api/v1/leases/{lease_id}")
         except httpx.TransportError:
             return None
         if r.status_code == 404:
@@ -173,19 +185,24 @@ def _watchdog(lease: dict[str, Any]) -> None:
         state = r.json().get("state")
         return state if state in END_EVENTS else None
 
+    def check() -> None:
+        why = ended()
+        if why is None:
+            return
+        if why == "released":
+            time.sleep(RELEASED_GRACE_S)
+        _die(lease_id, why)
+
     while True:
         try:
-            with httpx.stream("GET", f"{url}/api/v1/events", headers=headers, timeout=httpx.Timeout(5, read=30)) as s:
-                if (why := ended()) is not None:
-                    _die(lease_id, why)
+            with http.stream("GET", "/api/v1/events") as s:
+                check()
                 for line in s.iter_lines():
                     if line.startswith("data:") and lease_id in line:
-                        if (why := ended()) is not None:
-                            _die(lease_id, why)
+                        check()
         except httpx.HTTPError:
             pass
-        if (why := ended()) is not None:
-            _die(lease_id, why)
+        check()
         time.sleep(1.0)  # lease server unreachable: the TTL still bounds how long we may run
 
 

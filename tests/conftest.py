@@ -223,14 +223,17 @@ class Up:
         self.env = {**os.environ, "GPULEASE_HOME": str(data), **env}
         self.env.pop("GPULEASE_URL", None)
         self.env.pop("GPULEASE_TOKEN", None)
-        self.proc = subprocess.Popen(
-            [*CLI, "up", "--simulate", simulate, "--no-lab", "--port", str(self.port),
-             "--data-dir", str(data), *extra],
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        # Output goes to a file: a pipe nobody reads would block the server once it fills up.
+        self.log = data.with_name(data.name + f"-up-{self.port}.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [*CLI, "up", "--simulate", simulate, "--no-lab", "--port", str(self.port),
+                 "--data-dir", str(data), *extra],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, text=True,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()  # type: ignore[union-attr]
+            assert self.proc.poll() is None, self.log.read_text()
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/api/v1/health", timeout=1).status_code == 200:
                     return
@@ -244,7 +247,7 @@ class Up:
 
     def interrupt(self) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGINT)
-        out, _ = self.proc.communicate(timeout=60)
-        return self.proc.returncode, out
+        self.proc.wait(timeout=60)
+        return self.proc.returncode, self.log.read_text()
 
 

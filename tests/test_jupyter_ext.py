@@ -11,6 +11,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,7 +59,9 @@ def extra_config() -> dict[str, Any]:
 
 
 @pytest.fixture
-def jp_server_config(lease_url: str, lease_token: str, extra_config: dict[str, Any]) -> dict[str, Any]:
+def jp_server_config(  # type: ignore[no-redef]  # overrides pytest-jupyter's
+    lease_url: str, lease_token: str, extra_config: dict[str, Any]
+) -> dict[str, Any]:
     config: dict[str, Any] = {
         "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
         "GpuLease": {"lease_server_url": lease_url, "lease_server_token": lease_token},
@@ -114,8 +117,9 @@ def ext(jp_serverapp: Any) -> GpuLease:
 
 
 @pytest.fixture
-def base(jp_serverapp: Any, jp_http_port: int, jp_base_url: str) -> str:
-    return f"http://127.0.0.1:{jp_http_port}{jp_base_url}"
+def base(jp_serverapp: Any, http_server_client: Any, jp_base_url: str) -> str:
+    """The Jupyter server's URL, for clients other than jp_fetch (which also starts the server)."""
+    return str(http_server_client.get_url(jp_base_url))
 
 
 def body(resp: HTTPResponse) -> Any:
@@ -159,6 +163,12 @@ def test_version_handshake_names_the_lease_user(fetch: Any, server: Any) -> None
         "user": "alice",
         "role": "user",
     }
+
+
+def test_the_labextension_has_the_server_extensions_version() -> None:
+    # The front end compares the two in the handshake: keep them released together.
+    package = json.loads((Path(__file__).parents[1] / "labextension" / "package.json").read_text())
+    assert package["version"] == lease_server.__version__
 
 
 def test_cluster_and_leases_show_holders_but_no_tokens(fetch: Any, server: Any) -> None:

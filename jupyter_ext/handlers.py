@@ -1,0 +1,269 @@
+"""The ``/gpulease/`` API that the JupyterLab front end calls.
+
+Every handler is authenticated by jupyter_server (token or login cookie; XSRF checked on cookie
+requests that change something) and authorized on the resource ``gpulease``. Each one calls the
+lease server with the lease token from the configuration, as the one lease user this Jupyter server
+acts for. Errors are JSON ``{"code", "message"}``: the lease server's own status and code for its
+errors, 401 when the browser is not logged in to Jupyter, 400 for bad input here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import tornado.iostream
+import tornado.web
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from lease_server import errors
+
+from . import __version__
+from .upstream import LeaseApi
+
+if TYPE_CHECKING:
+    from .app import GpuLease
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "gpulease"
+LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+SINCE_RE = re.compile(r"^(-|0|\d{1,20}(-\d{1,20})?)$")
+TRUTHY = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+# Query arguments jupyter_server itself reads (authentication), allowed on every endpoint.
+AUTH_ARGS = {"token", "_xsrf"}
+STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+
+
+class GpuLeaseHandler(APIHandler):
+    """Base of the /gpulease/ handlers: config through a property, errors as {code, message}."""
+
+    auth_resource = NAMESPACE
+    allowed_args: frozenset[str] = frozenset()
+
+    @property
+    def ext(self) -> GpuLease:
+        return self.settings["gpulease"]  # type: ignore[no-any-return]
+
+    @property
+    def api(self) -> LeaseApi:
+        return self.ext.api
+
+    def get_login_url(self) -> str:
+        # tornado's @authenticated asks for a login URL when nobody is logged in; an API answers 401.
+        raise tornado.web.HTTPError(
+            401, "not logged in to Jupyter: reload JupyterLab and log in (or pass the server's token)"
+        )
+
+    def check_xsrf_cookie(self) -> None:
+        # jupyter_server checks XSRF before @authenticated runs: nobody logged in is a 401, not a 403.
+        if hasattr(self, "_jupyter_current_user") and self._jupyter_current_user is None:
+            self.get_login_url()
+        super().check_xsrf_cookie()
+
+    def check_args(self) -> None:
+        # JupyterLab appends a bare timestamp (?1700000000000) to GETs against caches: not an argument.
+        given = {k for k, v in self.request.query_arguments.items() if not (k.isdigit() and v == [b""])}
+        unknown = given - self.allowed_args - AUTH_ARGS
+        if unknown:
+            allowed = ", ".join(sorted(self.allowed_args)) or "none"
+            raise errors.BadRequest(
+                f"unknown query argument(s) {', '.join(sorted(unknown))} on {self.request.path}; allowed: {allowed}"
+            )
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        raw = self.get_query_argument(name, None)
+        if raw is None:
+            return default
+        if raw.lower() not in TRUTHY:
+            raise errors.BadRequest(f"{name} must be true or false, got {raw!r}")
+        return TRUTHY[raw.lower()]
+
+    def reply(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(data))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, errors.GpuLeaseError):
+            self.set_status(exc.status)
+            body = exc.to_json()
+        elif isinstance(exc, tornado.web.HTTPError):
+            message = exc.log_message or self._reason
+            if exc.status_code == 405:
+                message = f"{self.request.method} is not supported on {self.request.path}"
+            elif exc.status_code == 403 and "xsrf" in message.lower():
+                message = (
+                    f"{message}: a request that changes something must echo the _xsrf cookie in the "
+                    "X-XSRFToken header (JupyterLab does), or carry the Jupyter server's token"
+                )
+            body = {"code": STATUS_CODES.get(exc.status_code, "http_error"), "message": message}
+        else:
+            body = {"code": "internal", "message": "internal error in the gpulease server extension; see the log"}
+        self.finish(json.dumps(body))
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, errors.GpuLeaseError):
+            if value.status >= 500:
+                log.warning("%s %s: %s", self.request.method, self.request.path, value.message)
+            return
+        super().log_exception(typ, value, tb)
+
+
+def _public(lease: dict[str, Any]) -> dict[str, Any]:
+    # The fencing token is the capability to renew a grant: the page never needs it.
+    return {k: v for k, v in lease.items() if k != "token"}
+
+
+class VersionHandler(GpuLeaseHandler):
+    """The handshake: this extension's version, and whether the lease server answers."""
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        self.reply({"version": __version__, "lease_server": await self.api.probe()})
+
+
+class ClusterHandler(GpuLeaseHandler):
+    """Every node and GPU with its state and holder (the lease server's GET /cluster)."""
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        self.reply(await self.api.request("GET", "/cluster"))
+
+
+class LeasesHandler(GpuLeaseHandler):
+    """This Jupyter user's live leases; ?all=true: everyone's."""
+
+    allowed_args = frozenset({"all"})
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        everyone = self.flag("all")
+        body = await self.api.request("GET", "/leases", params={"all": "true" if everyone else "false"})
+        me = await self.api.whoami()
+        self.reply({"user": me.get("user"), "leases": [_public(lease) for lease in body["leases"]]})
+
+
+class LeaseHandler(GpuLeaseHandler):
+    """Release one of this Jupyter user's leases (idempotent)."""
+
+    @tornado.web.authenticated
+    @authorized
+    async def delete(self, lease_id: str) -> None:
+        self.check_args()
+        if not LEASE_ID_RE.match(lease_id):
+            raise errors.BadRequest(f"lease id must be 1 to 64 letters, digits, '.', '_' or '-', got {lease_id!r}")
+        # Owners only, even when the configured token is an admin's: a Release button must never
+        # revoke a colleague's lease (admins revoke with `gpulease revoke`).
+        lease = await self.api.request("GET", f"/leases/{lease_id}")
+        me = (await self.api.whoami()).get("user")
+        if lease["user"] != me:
+            raise errors.NotOwner(
+                f"lease {lease_id} belongs to {lease['user']}, not to {me}; only its owner can release it"
+            )
+        ended = await self.api.request("DELETE", f"/leases/{lease_id}")
+        self.log.info("gpulease: %s released from JupyterLab by %s", lease_id, self.current_user.username)
+        self.reply(_public(ended))
+
+
+class QueueHandler(GpuLeaseHandler):
+    """Requests waiting for GPUs, with their positions (?pool= for one pool)."""
+
+    allowed_args = frozenset({"pool"})
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        pool = self.get_query_argument("pool", None)
+        self.reply(await self.api.request("GET", "/queue", params={"pool": pool} if pool is not None else None))
+
+
+class EventsHandler(GpuLeaseHandler):
+    """The lease server's event stream, passed through as server-sent events.
+
+    The browser's EventSource sends Last-Event-ID when it reconnects; it is passed on, so the lease
+    server replays what the page missed. The stream ends when the browser goes away, the lease
+    server ends it, or the Jupyter server stops; EventSource then reconnects by itself.
+    """
+
+    allowed_args = frozenset({"since"})
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
+        if since is not None and not SINCE_RE.match(since):
+            raise errors.BadRequest(f"since (or Last-Event-ID) must be an event id like 1700000000000-0, got {since!r}")
+        self._gone = asyncio.Event()
+        async with self.api.events(since) as chunks:  # errors before the first byte are plain JSON
+            self.set_header("Content-Type", "text/event-stream")
+            self.set_header("Cache-Control", "no-store")
+            self.set_header("X-Accel-Buffering", "no")  # a proxy in front must not buffer the stream
+            self.ext.streams.add(self._gone)
+            pump = asyncio.ensure_future(self._pump(chunks))
+            gone = asyncio.ensure_future(self._gone.wait())
+            try:
+                await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.ext.streams.discard(self._gone)
+                for task in (pump, gone):
+                    task.cancel()
+                await asyncio.gather(pump, gone, return_exceptions=True)
+        self.finish(set_content_type="text/event-stream")
+
+    async def _pump(self, chunks: Any) -> None:
+        try:
+            async for chunk in chunks:
+                self.write(chunk)
+                await self.flush()
+        except tornado.iostream.StreamClosedError:
+            self._gone.set()
+        except httpx.HTTPError as exc:  # the lease server went away mid-stream
+            log.info("gpulease: the lease server's event stream ended: %s: %s", type(exc).__name__, exc)
+
+    def on_connection_close(self) -> None:
+        gone = getattr(self, "_gone", None)
+        if gone is not None:
+            gone.set()
+
+
+class NotFoundHandler(GpuLeaseHandler):
+    """Any other path under /gpulease/: a JSON 404 that lists what exists."""
+
+    async def prepare(self) -> None:  # type: ignore[override]
+        await super().prepare()
+        if not self.current_user:
+            self.get_login_url()  # raises 401, as @authenticated would
+        raise errors.NotFound(
+            f"no such endpoint {self.request.method} {self.request.path}; the gpulease API has "
+            "GET version, cluster, leases, queue, events and DELETE leases/<id>"
+        )
+
+
+def routes(base_url: str) -> list[tuple[str, type[GpuLeaseHandler]]]:
+    def at(*parts: str) -> str:
+        return url_path_join(base_url, NAMESPACE, *parts)
+
+    return [
+        (at("version"), VersionHandler),
+        (at("cluster"), ClusterHandler),
+        (at("leases"), LeasesHandler),
+        (at("leases", "([^/]+)"), LeaseHandler),
+        (at("queue"), QueueHandler),
+        (at("events"), EventsHandler),
+        (at("(.*)"), NotFoundHandler),
+    ]

@@ -1,0 +1,147 @@
+"""The lease server as the Jupyter server talks to it: async HTTP, one connection pool, typed errors.
+
+The Jupyter server must never block its event loop on the lease server, so this is an async
+sibling of :class:`lease_server.client.Client` (which is synchronous, for scripts and kernels).
+Error bodies become the same typed errors (``lease_server.errors``), so the handlers can answer
+with the lease server's status and ``{"code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from lease_server import errors
+
+log = logging.getLogger(__name__)
+
+API = "/api/v1"
+CONFIG_HINT = "set c.GpuLease.lease_server_url / lease_server_token, or GPULEASE_URL / GPULEASE_TOKEN"
+# An SSE stream carries a keep-alive comment every 15 s; a silence 4x longer means a hung upstream.
+STREAM_READ_TIMEOUT = 60.0
+
+
+class LeaseServerAuth(errors.GpuLeaseError):
+    """The lease server refused the Jupyter server's own token.
+
+    Not passed on as 401: a 401 from /gpulease/ means "you are not logged in to Jupyter", which a
+    browser fixes by logging in; this one is fixed in the Jupyter server's configuration.
+    """
+
+    code = "lease_server_auth"
+    status = 502
+
+
+def config_problem(url: str) -> str:
+    """What is wrong with a configured lease server URL, or "" if it is usable."""
+    if not url:
+        return f"no lease server configured: {CONFIG_HINT} (or start one with 'gpulease up')"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"lease_server_url must be an http(s) URL like http://127.0.0.1:8470, got {url!r}; {CONFIG_HINT}"
+    return ""
+
+
+class LeaseApi:
+    """Async client of the lease API, with the Jupyter server's lease token."""
+
+    def __init__(self, url: str, token: str, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.problem = config_problem(self.url)
+        self.timeout = timeout
+        self._me: dict[str, Any] | None = None
+        self._http = httpx.AsyncClient(
+            base_url=self.url if not self.problem else "http://unconfigured.invalid",
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    def _check(self) -> None:
+        if self.problem:
+            raise errors.ServerUnavailable(self.problem)
+
+    def _unreachable(self, exc: httpx.TransportError) -> errors.ServerUnavailable:
+        return errors.ServerUnavailable(
+            f"cannot reach the lease server at {self.url} ({type(exc).__name__}: {exc or 'no answer'}); "
+            f"is it running? (gpulease up; {CONFIG_HINT})"
+        )
+
+    @staticmethod
+    def _error(status: int, body: Any, text: str) -> errors.GpuLeaseError:
+        if not isinstance(body, dict) or "message" not in body:
+            body = {"code": "http_error", "message": f"the lease server answered HTTP {status}: {text[:200]}"}
+        err = errors.from_json(status, body)
+        if status == 401:
+            return LeaseServerAuth(
+                f"the lease server refused the Jupyter server's lease token ({err.message}); {CONFIG_HINT}"
+            )
+        return err
+
+    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None) -> Any:
+        """One API call; returns the JSON body or raises the typed error of the answer."""
+        self._check()
+        try:
+            resp = await self._http.request(method, f"{API}{path}", params=params)
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code >= 400:
+            raise self._error(resp.status_code, body, resp.text)
+        if body is None:
+            raise errors.ServerUnavailable(
+                f"the lease server answered {method} {path} with something not JSON: {resp.text[:200]}"
+            )
+        return body
+
+    async def whoami(self) -> dict[str, Any]:
+        """The lease user this Jupyter server acts as (a token's identity never changes: cached)."""
+        if self._me is None:
+            self._me = await self.request("GET", "/whoami")
+        return self._me
+
+    async def probe(self) -> dict[str, Any]:
+        """For the version handshake: is the lease server there, and who are we to it?"""
+        out: dict[str, Any] = {"url": self.url or None, "reachable": False}
+        try:
+            health = await self.request("GET", "/health")
+            out.update(reachable=True, version=health.get("version"))
+            me = await self.whoami()
+            out.update(user=me.get("user"), role=me.get("role"))
+        except errors.GpuLeaseError as exc:
+            out.update(code=exc.code, error=exc.message)
+        return out
+
+    @asynccontextmanager
+    async def events(self, since: str | None) -> AsyncIterator[AsyncIterator[bytes]]:
+        """The lease server's event stream (server-sent events), as raw chunks to pass on as they are.
+
+        Errors before the stream starts (bad ``since``, bad token, server away) raise the typed error.
+        """
+        self._check()
+        headers = {"Accept": "text/event-stream"}
+        if since:
+            headers["Last-Event-ID"] = since
+        timeout = httpx.Timeout(self.timeout, connect=5.0, read=STREAM_READ_TIMEOUT)
+        try:
+            async with self._http.stream("GET", f"{API}/events", headers=headers, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode(errors="replace")
+                    try:
+                        body = resp.json()
+                    except ValueError:
+                        body = None
+                    raise self._error(resp.status_code, body, text)
+                yield resp.aiter_raw()
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc

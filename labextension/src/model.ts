@@ -1,0 +1,285 @@
+/**
+ * The state behind the panel and the status bar item: the cluster, my leases and the queue,
+ * kept current by the lease server's event stream (GET /gpulease/events, an EventSource).
+ *
+ * Each relevant event schedules one refetch (coalesced over a short delay, so a burst of grants
+ * costs one round of requests). If the stream breaks, the model says so, reconnects with backoff,
+ * and refetches everything on reconnect: what it shows is either live or marked as stale.
+ */
+import { ServerConnection } from '@jupyterlab/services';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import {
+  GpuLeaseError,
+  ICluster,
+  ILease,
+  IVersion,
+  IWaiter,
+  apiUrl,
+  requestAPI,
+  serverSettings
+} from './api';
+
+declare function require(path: string): any;
+/** This front end's version; the server extension's must match (the handshake). */
+export const VERSION: string = require('../package.json').version;
+
+export const INSTALL_HINT =
+  'server extension missing: run pip install gpulease and restart JupyterLab';
+
+/**
+ * Event types after which the board may have changed. New GPU states (reservations, borrowed
+ * leases, idle reclaim) come with new event types: add them here.
+ */
+export const BOARD_EVENTS = [
+  'grant',
+  'released',
+  'expired',
+  'revoked',
+  'queued',
+  'wait_timeout',
+  'wait_cancelled',
+  'wait_abandoned',
+  'node_registered',
+  'node_up',
+  'node_down',
+  'idle_warning',
+  'idle_cleared',
+  'idle_kept',
+  'reclaimed'
+];
+
+/** How long to coalesce events before refetching (ms). */
+const REFRESH_DELAY = 100;
+const RETRY_MIN = 1000;
+const RETRY_MAX = 30000;
+
+export type LiveState = 'connecting' | 'live' | 'reconnecting' | 'stopped';
+
+export class GpuLeaseModel {
+  constructor(settings: ServerConnection.ISettings = serverSettings()) {
+    this._settings = settings;
+  }
+
+  /** Emitted whenever anything shown may have changed. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  version: IVersion | null = null;
+  /** Set when the handshake failed: the panel shows this instead of the board. */
+  problem: string | null = null;
+  /** Set when the server extension and this front end differ in version. */
+  mismatch: string | null = null;
+  cluster: ICluster | null = null;
+  leases: ILease[] = [];
+  queue: IWaiter[] = [];
+  user: string | null = null;
+  /** The last refresh failed: what is shown is from `updatedAt`. */
+  error: string | null = null;
+  updatedAt: Date | null = null;
+  live: LiveState = 'stopped';
+  /** Release in flight, and the message of a failed one, per lease id. */
+  releasing = new Set<string>();
+  releaseErrors = new Map<string, string>();
+
+  /** The lease server's clock now, in epoch seconds (times held are computed on its clock). */
+  serverNow(): number {
+    return Date.now() / 1000 + this._clockOffset;
+  }
+
+  get heldGpus(): number {
+    return this.leases.reduce((n, lease) => n + lease.gpus.length, 0);
+  }
+
+  get freeGpus(): number {
+    if (!this.cluster) {
+      return 0;
+    }
+    return Object.values(this.cluster.pools).reduce((n, pool) => n + (pool.free ?? 0), 0);
+  }
+
+  /** Handshake, first fetch, then the live stream. Safe to call again (it restarts). */
+  async start(): Promise<void> {
+    this._stopped = false;
+    window.clearTimeout(this._retryTimer);
+    if (!(await this._handshake())) {
+      if (this.problem !== INSTALL_HINT && !this._stopped) {
+        // The Jupyter server is restarting, or answered 5xx: try the handshake again later.
+        this._retryTimer = window.setTimeout(() => void this.start(), this._retryDelay);
+        this._retryDelay = Math.min(this._retryDelay * 2, RETRY_MAX);
+      }
+      this._emit();
+      return;
+    }
+    await this.refresh();
+    this._connect();
+  }
+
+  dispose(): void {
+    this._stopped = true;
+    this._disconnect();
+    window.clearTimeout(this._refreshTimer);
+    window.clearTimeout(this._retryTimer);
+    Signal.clearData(this);
+  }
+
+  /** Refetch the cluster, my leases and the queue. */
+  async refresh(): Promise<void> {
+    try {
+      const [cluster, mine, queue] = await Promise.all([
+        requestAPI<ICluster>('cluster', {}, this._settings),
+        requestAPI<{ user: string; leases: ILease[] }>('leases', {}, this._settings),
+        requestAPI<{ waiting: IWaiter[] }>('queue', {}, this._settings)
+      ]);
+      this.cluster = cluster;
+      this._clockOffset = cluster.now - Date.now() / 1000;
+      this.leases = mine.leases;
+      this.user = mine.user;
+      this.queue = queue.waiting;
+      this.error = null;
+      this.updatedAt = new Date();
+      for (const id of this.releaseErrors.keys()) {
+        if (!this.leases.some(lease => lease.id === id)) {
+          this.releaseErrors.delete(id);
+        }
+      }
+    } catch (error) {
+      this.error = describe(error);
+    }
+    this._emit();
+  }
+
+  /** Release one of my leases; the board follows from the event stream (and a refetch now). */
+  async release(id: string): Promise<void> {
+    this.releasing.add(id);
+    this.releaseErrors.delete(id);
+    this._emit();
+    try {
+      await requestAPI(`leases/${encodeURIComponent(id)}`, { method: 'DELETE' }, this._settings);
+    } catch (error) {
+      this.releaseErrors.set(id, `could not release ${id}: ${describe(error)}`);
+    } finally {
+      this.releasing.delete(id);
+    }
+    await this.refresh();
+  }
+
+  private async _handshake(): Promise<boolean> {
+    try {
+      this.version = await requestAPI<IVersion>('version', {}, this._settings);
+    } catch (error) {
+      const missing = error instanceof GpuLeaseError && (error.status === 404 || error.code === 'bad_answer');
+      this.problem = missing ? INSTALL_HINT : `gpulease: ${describe(error)}`;
+      return false;
+    }
+    this.problem = null;
+    this.mismatch =
+      this.version.version === VERSION
+        ? null
+        : `the gpulease server extension is version ${this.version.version} but this page runs ` +
+          `${VERSION}: reinstall gpulease (pip install gpulease), restart JupyterLab and reload the page`;
+    const lease = this.version.lease_server;
+    this.user = lease.user ?? null;
+    if (!lease.reachable || lease.error) {
+      this.error = `lease server ${lease.url ?? '(not configured)'}: ${lease.error}`;
+    }
+    return true;
+  }
+
+  private _connect(): void {
+    if (this._stopped) {
+      return;
+    }
+    this._disconnect();
+    const settings = this._settings;
+    let url = apiUrl(settings, 'events');
+    if (settings.appendToken && settings.token) {
+      url += `?token=${encodeURIComponent(settings.token)}`;
+    }
+    this.live = this.live === 'stopped' ? 'connecting' : this.live;
+    const source = new EventSource(url, { withCredentials: true });
+    this._source = source;
+    source.onopen = () => {
+      const wasDown = this.live !== 'live';
+      this.live = 'live';
+      this._retryDelay = RETRY_MIN;
+      if (wasDown) {
+        void this.refresh(); // events may have been missed while the stream was down
+      } else {
+        this._emit();
+      }
+    };
+    source.onerror = () => {
+      if (source.readyState === EventSource.CLOSED) {
+        // The proxy answered with an error (e.g. 503, lease server away): retry with backoff,
+        // and refetch so that the page shows the reason.
+        this.live = 'reconnecting';
+        this._disconnect();
+        void this.refresh();
+        this._retryTimer = window.setTimeout(() => this._connect(), this._retryDelay);
+        this._retryDelay = Math.min(this._retryDelay * 2, RETRY_MAX);
+      } else {
+        this.live = 'reconnecting'; // EventSource reconnects by itself, with Last-Event-ID
+        this._emit();
+      }
+    };
+    for (const type of BOARD_EVENTS) {
+      source.addEventListener(type, () => this._scheduleRefresh());
+    }
+  }
+
+  private _disconnect(): void {
+    if (this._source) {
+      this._source.onopen = this._source.onerror = null;
+      this._source.close();
+      this._source = null;
+    }
+  }
+
+  private _scheduleRefresh(): void {
+    if (this._refreshTimer) {
+      return;
+    }
+    this._refreshTimer = window.setTimeout(() => {
+      this._refreshTimer = 0;
+      void this.refresh();
+    }, REFRESH_DELAY);
+  }
+
+  private _emit(): void {
+    this._changed.emit(undefined);
+  }
+
+  private _settings: ServerConnection.ISettings;
+  private _changed = new Signal<this, void>(this);
+  private _source: EventSource | null = null;
+  private _refreshTimer = 0;
+  private _retryTimer = 0;
+  private _retryDelay = RETRY_MIN;
+  private _clockOffset = 0;
+  private _stopped = false;
+}
+
+export function describe(error: unknown): string {
+  if (error instanceof GpuLeaseError) {
+    return error.message;
+  }
+  return error instanceof Error ? error.message : String(error);
+}
+
+/** "42s", "3m05s", "2h07m", "3d04h". */
+export function duration(seconds: number): string {
+  const s = Math.max(0, Math.floor(seconds));
+  if (s < 60) {
+    return `${s}s`;
+  }
+  const pad = (n: number) => String(n).padStart(2, '0');
+  if (s < 3600) {
+    return `${Math.floor(s / 60)}m${pad(s % 60)}s`;
+  }
+  if (s < 86400) {
+    return `${Math.floor(s / 3600)}h${pad(Math.floor((s % 3600) / 60))}m`;
+  }
+  return `${Math.floor(s / 86400)}d${pad(Math.floor((s % 86400) / 3600))}h`;
+}

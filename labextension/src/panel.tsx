@@ -1,0 +1,296 @@
+/**
+ * The "GPU Leases" panel: the GPU board (nodes x GPUs, live) and my leases with Release buttons.
+ */
+import { ReactWidget } from '@jupyterlab/ui-components';
+import React, { useEffect, useReducer } from 'react';
+
+import { IGpu, ILease, INode } from './api';
+import { GpuLeaseModel, LiveState, duration } from './model';
+
+/**
+ * How each GPU state looks. The server has free / leased / down today; reserved, borrowed and idle
+ * are the states reservations and idle reclaim will add (their colours are ready in the CSS).
+ */
+export const STATES: Record<string, { label: string; legend: boolean }> = {
+  free: { label: 'free', legend: true },
+  leased: { label: 'leased', legend: true },
+  reserved: { label: 'reserved', legend: false },
+  borrowed: { label: 'borrowed', legend: false },
+  idle: { label: 'idle', legend: false },
+  down: { label: 'down', legend: true }
+};
+
+function stateLabel(state: string): string {
+  return STATES[state]?.label ?? state;
+}
+
+const LIVE_TEXT: Record<LiveState, string> = {
+  connecting: 'connecting…',
+  live: 'live',
+  reconnecting: 'reconnecting…',
+  stopped: 'not connected'
+};
+
+/** Re-render on every model change, and every second while shown (times held tick). */
+function useModel(model: GpuLeaseModel): void {
+  const [, bump] = useReducer((n: number) => n + 1, 0);
+  useEffect(() => {
+    const onChange = () => bump();
+    model.changed.connect(onChange);
+    const ticker = window.setInterval(onChange, 1000);
+    return () => {
+      model.changed.disconnect(onChange);
+      window.clearInterval(ticker);
+    };
+  }, [model]);
+}
+
+function GpuCell(props: { node: INode; gpu: IGpu; now: number; me: string | null }): JSX.Element {
+  const { node, gpu, now, me } = props;
+  const lease = gpu.lease;
+  const mine = !!lease && lease.user === me;
+  const held = lease ? duration(now - lease.since) : '';
+  // An idle-warned lease is shown as idle: its GPUs go back to the pool at reclaim_at.
+  const idle = !!lease?.idle_warning;
+  const state = idle && gpu.state === 'leased' ? 'idle' : gpu.state;
+  const parts = [`${node.name} GPU ${gpu.index}: ${stateLabel(gpu.state)}`];
+  if (lease) {
+    parts.push(`by ${lease.user}${mine ? ' (you)' : ''}, held ${held}`);
+    if (lease.label) {
+      parts.push(`label ${lease.label}`);
+    }
+    if (idle && lease.reclaim_at) {
+      parts.push(`idle: reclaimed in ${duration(lease.reclaim_at - now)}`);
+    }
+  }
+  if (gpu.unleased_use) {
+    parts.push('in use without a lease');
+  }
+  const util = gpu.sample ? ` · ${Math.round(gpu.sample.util)}% busy` : '';
+  const title = lease
+    ? `${lease.id}${lease.label ? ` · ${lease.label}` : ''} · expires in ${duration(lease.expires_at - now)} unless renewed${util}`
+    : `${gpu.model ?? ''}${util}`;
+  return (
+    <td
+      className={`jp-GpuLease-cell jp-GpuLease-state-${state}${mine ? ' jp-GpuLease-mine' : ''}${gpu.unleased_use ? ' jp-GpuLease-unleased' : ''}`}
+      aria-label={parts.join(', ')}
+      title={title}
+      data-state={state}
+    >
+      <div className="jp-GpuLease-cellIndex">GPU {gpu.index}</div>
+      <div className="jp-GpuLease-cellState">{lease ? lease.user : stateLabel(gpu.state)}</div>
+      {lease && (
+        <div className="jp-GpuLease-cellHeld">
+          {held}
+          {idle && lease.reclaim_at ? ` · idle, reclaim in ${duration(lease.reclaim_at - now)}` : ''}
+        </div>
+      )}
+      {lease?.label && <div className="jp-GpuLease-cellLabel">{lease.label}</div>}
+      {gpu.unleased_use && <div className="jp-GpuLease-cellLabel">in use without a lease</div>}
+    </td>
+  );
+}
+
+function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
+  const { model, now } = props;
+  const cluster = model.cluster;
+  if (!cluster) {
+    return <p className="jp-GpuLease-empty">Loading the GPU board…</p>;
+  }
+  if (cluster.nodes.length === 0) {
+    return <p className="jp-GpuLease-empty">No GPU node has registered with the lease server yet.</p>;
+  }
+  const width = Math.max(...cluster.nodes.map(n => n.gpus.length));
+  const shown = new Set(
+    cluster.nodes.flatMap(n => n.gpus.map(g => (g.lease?.idle_warning && g.state === 'leased' ? 'idle' : g.state)))
+  );
+  const legend = Object.keys(STATES).filter(s => STATES[s].legend || shown.has(s));
+  for (const s of shown) {
+    if (!legend.includes(s)) {
+      legend.push(s);
+    }
+  }
+  return (
+    <>
+      <table className="jp-GpuLease-board" aria-label="GPUs by node">
+        <thead>
+          <tr>
+            <th scope="col">node</th>
+            {Array.from({ length: width }, (_, i) => (
+              <th scope="col" key={i}>
+                GPU {i}
+              </th>
+            ))}
+          </tr>
+        </thead>
+        <tbody>
+          {cluster.nodes.map(node => (
+            <tr key={node.name} className={node.state === 'down' ? 'jp-GpuLease-nodeDown' : ''}>
+              <th scope="row" className="jp-GpuLease-node">
+                <div className="jp-GpuLease-nodeName">{node.name}</div>
+                <div className="jp-GpuLease-nodePool">
+                  {node.pool}
+                  {node.state === 'down' ? ' · down' : ''}
+                </div>
+              </th>
+              {Array.from({ length: width }, (_, i) => {
+                const gpu = node.gpus[i];
+                return gpu ? (
+                  <GpuCell key={i} node={node} gpu={gpu} now={now} me={model.user} />
+                ) : (
+                  <td key={i} className="jp-GpuLease-noGpu" aria-hidden="true" />
+                );
+              })}
+            </tr>
+          ))}
+        </tbody>
+      </table>
+      <ul className="jp-GpuLease-legend" aria-label="legend">
+        {legend.map(s => (
+          <li key={s}>
+            <span className={`jp-GpuLease-swatch jp-GpuLease-state-${s}`} aria-hidden="true" />
+            {stateLabel(s)}
+          </li>
+        ))}
+      </ul>
+    </>
+  );
+}
+
+function gpuList(lease: ILease): string {
+  return `${lease.node} GPU ${lease.gpus.map(g => g.index).join(', ')}`;
+}
+
+function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
+  const { model, now } = props;
+  if (!model.cluster && model.leases.length === 0) {
+    return <></>;
+  }
+  if (model.leases.length === 0) {
+    return <p className="jp-GpuLease-empty">You hold no GPUs.</p>;
+  }
+  return (
+    <ul className="jp-GpuLease-leases" aria-label="leases I hold">
+      {model.leases.map(lease => {
+        const busy = model.releasing.has(lease.id);
+        const failed = model.releaseErrors.get(lease.id);
+        return (
+          <li key={lease.id} className="jp-GpuLease-lease" aria-label={`lease ${lease.id}`}>
+            <div className="jp-GpuLease-leaseText">
+              <span className="jp-GpuLease-leaseGpus">{gpuList(lease)}</span>
+              <span className="jp-GpuLease-leaseMeta">
+                {lease.pool} · held {duration(now - lease.created_at)}
+                {lease.label ? ` · ${lease.label}` : ''}
+              </span>
+              <code className="jp-GpuLease-leaseId">{lease.id}</code>
+            </div>
+            <button
+              className="jp-mod-styled jp-mod-warn jp-GpuLease-release"
+              aria-label={`Release lease ${lease.id} (${gpuList(lease)})`}
+              disabled={busy}
+              onClick={() => void model.release(lease.id)}
+            >
+              {busy ? 'Releasing…' : 'Release'}
+            </button>
+            {lease.reclaim_at && (
+              <div role="alert" className="jp-GpuLease-warning">
+                Idle: these GPUs go back to the pool in {duration(lease.reclaim_at - now)} unless they get busy
+                (or you keep the lease with gpulease keep {lease.id}).
+              </div>
+            )}
+            {failed && (
+              <div role="alert" className="jp-GpuLease-error">
+                {failed}
+              </div>
+            )}
+          </li>
+        );
+      })}
+    </ul>
+  );
+}
+
+function Queue(props: { model: GpuLeaseModel; now: number }): JSX.Element | null {
+  const { model, now } = props;
+  if (model.queue.length === 0) {
+    return null;
+  }
+  return (
+    <section aria-label="Queue">
+      <h3 className="jp-GpuLease-heading">Waiting for GPUs</h3>
+      <ol className="jp-GpuLease-queue">
+        {model.queue.map(w => (
+          <li key={w.id}>
+            #{w.position} in {w.pool}: {w.user} wants {w.gpus} GPU{w.gpus === 1 ? '' : 's'}, waiting{' '}
+            {duration(now - w.enqueued_at)}
+            {w.label ? ` (${w.label})` : ''}
+          </li>
+        ))}
+      </ol>
+    </section>
+  );
+}
+
+function GpuLeaseView(props: { model: GpuLeaseModel }): JSX.Element {
+  const { model } = props;
+  useModel(model);
+  if (model.problem) {
+    return (
+      <div className="jp-GpuLease-content">
+        <header className="jp-GpuLease-header">
+          <h2 className="jp-GpuLease-title">GPU Leases</h2>
+        </header>
+        <div className="jp-GpuLease-problem" role="alert">
+          {model.problem}
+        </div>
+      </div>
+    );
+  }
+  const now = model.serverNow();
+  const lease = model.version?.lease_server;
+  return (
+    <div className="jp-GpuLease-content">
+      <header className="jp-GpuLease-header">
+        <h2 className="jp-GpuLease-title">GPU Leases</h2>
+        <span className={`jp-GpuLease-live jp-GpuLease-live-${model.live}`} role="status" aria-label="live updates">
+          {LIVE_TEXT[model.live]}
+        </span>
+        <span className="jp-GpuLease-who">
+          {model.user ? `as ${model.user}` : ''}
+          {lease?.url ? ` · ${lease.url}` : ''}
+        </span>
+      </header>
+      {model.mismatch && (
+        <div role="alert" className="jp-GpuLease-warning">
+          {model.mismatch}
+        </div>
+      )}
+      {model.error && (
+        <div role="alert" className="jp-GpuLease-error">
+          {model.error}
+          {model.updatedAt ? ` (showing the state of ${model.updatedAt.toLocaleTimeString()})` : ''}
+        </div>
+      )}
+      <section aria-label="GPU board" className={model.error ? 'jp-GpuLease-stale' : ''}>
+        <h3 className="jp-GpuLease-heading">GPU board</h3>
+        <Board model={model} now={now} />
+      </section>
+      <section aria-label="My leases">
+        <h3 className="jp-GpuLease-heading">My leases</h3>
+        <MyLeases model={model} now={now} />
+      </section>
+      <Queue model={model} now={now} />
+    </div>
+  );
+}
+
+export class GpuLeasePanel extends ReactWidget {
+  constructor(readonly model: GpuLeaseModel) {
+    super();
+    this.addClass('jp-GpuLease-panel');
+  }
+
+  render(): JSX.Element {
+    return <GpuLeaseView model={this.model} />;
+  }
+}
