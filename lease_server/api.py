@@ -252,8 +252,11 @@ class LeaseHandler(BaseHandler):
     async def delete(self, lease_id: str) -> None:
         body = self.body()
         token = body.get("token", self.get_query_argument("token", None))
+        reason = body.get("reason", self.get_query_argument("reason", ""))  # e.g. "kernel shut down"
         me = self.identity
-        ended, changed = await self.store.release(lease_id, me.user, admin=me.admin, token=token, revoke=None)
+        ended, changed = await self.store.release(
+            lease_id, me.user, admin=me.admin, token=token, revoke=None, reason=reason
+        )
         out = public_lease(ended, with_token=ended["user"] == me.user)
         out["changed"] = changed
         self.reply(out)

@@ -223,7 +223,11 @@ def openapi_document() -> dict[str, Any]:
                 403,
                 404,
                 409,
-                params=[LEASE_ID, {"name": "token", "in": "query", "schema": {"type": "integer"}}],
+                params=[
+                    LEASE_ID,
+                    {"name": "token", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "reason", "in": "query", "schema": {"type": "string", "maxLength": 200}},
+                ],
             ),
         },
         "/api/v1/leases/{lease_id}/renew": {

@@ -115,10 +115,12 @@ class ServerHandle:
         return self
 
     def stop(self) -> None:
-        if self._loop and self._stop:
+        """Stop the server; safe to call again."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        if self._loop and self._stop and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread:
-            self._thread.join(30)
+        self._thread.join(30)
 
     def token(self, user: str, role: str = "user") -> str:
         if user not in self.tokens:
@@ -227,9 +229,22 @@ class Up:
         self.log = data.with_name(data.name + f"-up-{self.port}.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [*CLI, "up", "--simulate", simulate, "--no-lab", "--port", str(self.port),
-                 "--data-dir", str(data), *extra],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                [
+                    *CLI,
+                    "up",
+                    "--simulate",
+                    simulate,
+                    "--no-lab",
+                    "--port",
+                    str(self.port),
+                    "--data-dir",
+                    str(data),
+                    *extra,
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -249,5 +264,3 @@ class Up:
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(timeout=60)
         return self.proc.returncode, self.log.read_text()
-
-

@@ -57,3 +57,12 @@ def test_progress_reports_queue_position_while_waiting(server):
     t.join(15)
     assert seen[0][0] == 1 and seen[0][1] > 0
     assert result["lease"].pool == "T4-16GB"
+
+
+def test_owner_release_records_a_reason(server):
+    c = server.client("alice")
+    lease = c.acquire(1)
+    out = c.request("DELETE", f"/api/v1/leases/{lease.id}", params={"reason": "kernel shut down"})
+    assert out["state"] == "released" and out["end_reason"] == "kernel shut down"
+    ended = [e for e in c.events(limit=1000) if e["type"] == "released" and e["lease"] == lease.id]
+    assert ended[0]["reason"] == "kernel shut down"
