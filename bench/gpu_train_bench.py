@@ -35,10 +35,8 @@ Nothing here asserts: a bench prints.
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import functools
 import os
-import queue
 import shutil
 import signal
 import statistics
@@ -50,9 +48,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _common (which adds the repo root)
+
+import _common
+from _common import json_line, load_text, pct, say, section
 
 SIMULATE = "box=2xA100-80GB,solo=1xH100-80GB"
 POOL = "A100-80GB"  # node "box": the dispatch measurement
@@ -64,38 +63,7 @@ TARGETS = {
     "handoff_p50_ms": ("<=", 20.0),
     "handoff_p99_ms": ("<=", 100.0),
 }
-
-
-# ---- small helpers ---------------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a list (NaN if empty)."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = max(0, min(len(xs) - 1, math.ceil(q / 100 * len(xs)) - 1))
-    return xs[k]
-
-
-def verdict(name: str, value: float) -> str:
-    op, target = TARGETS[name]
-    ok = value == value and (value <= target if op == "<=" else value >= target)
-    return f"(target {op} {target:g}) {'PASS' if ok else 'MISS'}"
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-def json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return float(f"{value:.4g}") if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
+verdict = functools.partial(_common.verdict, TARGETS)
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
@@ -498,45 +466,11 @@ def bench_server_handoff(stack: Stack, n: int, warmup: int) -> list[float]:
 # ---- 5: a real kernel -------------------------------------------------------------------------------
 
 
-class Kernel:
-    """A kernel of the gpulease kernelspec (installed into a temporary prefix)."""
-
-    def __init__(self, env: dict[str, str], kernel_dirs: list[str]) -> None:
-        from jupyter_client.kernelspec import KernelSpecManager
-        from jupyter_client.manager import KernelManager
-
-        ksm = KernelSpecManager(kernel_dirs=kernel_dirs)
-        self.km = KernelManager(kernel_name="gpulease", kernel_spec_manager=ksm)
-        self.km.start_kernel(env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    def run(self, code: str, timeout: float = 120) -> tuple[float, list[dict[str, Any]]]:
-        """(milliseconds from the execute request to the idle status, outputs)."""
-        t0 = time.perf_counter()
-        msg_id = self.kc.execute(code)
-        out: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=max(0.05, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "status" and content["execution_state"] == "idle":
-                return (time.perf_counter() - t0) * 1000, out
-            if kind in ("stream", "error", "execute_result"):
-                out.append({"type": kind, **content})
-        raise TimeoutError(f"no idle status within {timeout}s; got {out}")
-
-    def shutdown(self) -> None:
-        try:
-            self.kc.stop_channels()
-        finally:
-            self.km.shutdown_kernel(now=True)
+def timed_cell(kernel: Any, code: str) -> tuple[float, list[dict[str, Any]]]:
+    """(milliseconds from the execute request to the idle status, outputs) of one cell."""
+    t0 = time.perf_counter()
+    out = kernel.run(code)
+    return (time.perf_counter() - t0) * 1000, out
 
 
 KERNEL_SETTLE = f"""\
@@ -553,20 +487,22 @@ time.sleep({SETTLE_S})
 
 def bench_kernel(stack: Stack, work: Path, n: int, warmup: int) -> tuple[list[float], list[float]]:
     from magics.kernel import install
+    from tests.test_magics import Kernel  # the tests' driver of a gpulease kernel
 
     prefix = work / "kernel-prefix"
     install(prefix=str(prefix))
-    kernel = Kernel(dict(stack.up.env), [str(prefix / "share" / "jupyter" / "kernels")])
+    stack.up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")  # where Kernel finds the kernelspec
+    kernel = Kernel(stack.up)
     magic, plain = [], []
     try:
         for i in range(warmup + n):
-            _, out = kernel.run(KERNEL_SETTLE)
+            _, out = timed_cell(kernel, KERNEL_SETTLE)
             if any(o["type"] == "error" for o in out):
                 raise RuntimeError(f"settling the kernel failed: {out}")
-            ms, out = kernel.run("%%gpu_train\nx = 1")
+            ms, out = timed_cell(kernel, "%%gpu_train\nx = 1")
             if any(o["type"] == "error" for o in out):
                 raise RuntimeError(f"%%gpu_train failed: {out}")
-            plain_ms, _ = kernel.run("x = 1")
+            plain_ms, _ = timed_cell(kernel, "x = 1")
             if i >= warmup:
                 magic.append(ms)
                 plain.append(plain_ms)
@@ -596,21 +532,11 @@ def main() -> None:
     }
     say(
         f"gpu_train bench ({'quick' if args.quick else 'full'}): {n} timed calls per figure after {warmup} "
-        f"warm-up; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPU(s)"
+        f"warm-up; load average at start {load_text(load)} on {os.cpu_count()} CPU(s)"
     )
     work = Path(tempfile.mkdtemp(prefix="gpulease-bench-"))
     started = time.monotonic()
     stack: Stack | None = None
-    failed: list[str] = []
-
-    def section(name: str, fn: Callable[[], None]) -> None:
-        t0 = time.monotonic()
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - report, carry on with the other figures
-            say(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
-            failed.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
-        results.setdefault("section_s", {})[name] = round(time.monotonic() - t0, 1)
 
     try:
         t0 = time.monotonic()
@@ -619,17 +545,18 @@ def main() -> None:
         results.setdefault("section_s", {})["start"] = round(time.monotonic() - t0, 1)
         say(f"stack up and spares ready in {time.monotonic() - t0:.1f}s ({SIMULATE}, server {stack.up.url})")
 
-        def local() -> None:
+        # Each part reports its failure and the others carry on; its time goes to section_s.
+        with section(results, "local", timed=True):
             results["local_call_ms"] = bench_local()
             say(f"local_call_ms        {results['local_call_ms']:.6f}  (reference)")
 
-        def bare() -> None:
+        with section(results, "bare_ray", timed=True):
             xs = bench_bare_ray(n, warmup)
             results["bare_ray_ms"] = pct(xs, 50)
             results["bare_ray_p99_ms"] = pct(xs, 99)
             say(f"bare_ray_ms          {pct(xs, 50):.2f}  p99 {pct(xs, 99):.2f}  (reference)")
 
-        def dispatch() -> None:
+        with section(results, "run_on_gpus", timed=True):
             first, xs, phases = bench_run_on_gpus(s, n, warmup)
             p50 = pct(xs, 50)
             results["first_call_ms"] = first
@@ -644,10 +571,10 @@ def main() -> None:
                 results["dispatch_overhead_ms"] = over
                 say(f"dispatch_overhead_ms {over:.2f}  {verdict('dispatch_overhead_ms', over)}")
 
-        def handoff() -> None:
+        with section(results, "handoff", timed=True):
             split: dict[str, list[float]] = {"ray": [], "lease": []}
             # One warm-up round: the calls before have warmed the same session, client and actor class.
-            xs = bench_handoff(s, stack, work, n, 1, split)  # type: ignore[arg-type]
+            xs = bench_handoff(s, stack, work, n, 1, split)
             results["handoff_p50_ms"] = pct(xs, 50)
             results["handoff_split_p50_ms"] = {
                 "return_to_release_call": pct(split["ray"], 50),
@@ -662,8 +589,8 @@ def main() -> None:
                 f"{pct(split['ray'], 50):.2f}, release called -> waiter granted {pct(split['lease'], 50):.2f}"
             )
 
-        def server_handoff() -> None:
-            xs = bench_server_handoff(stack, n, warmup)  # type: ignore[arg-type]
+        with section(results, "server_handoff", timed=True):
+            xs = bench_server_handoff(stack, n, warmup)
             results["server_handoff_p50_ms"] = pct(xs, 50)
             results["server_handoff_p99_ms"] = pct(xs, 99)
             say(
@@ -671,27 +598,20 @@ def main() -> None:
                 "between two plain Clients, no Ray; from just before the DELETE)"
             )
 
-        def kernel() -> None:
-            t0 = time.monotonic()
-            magic, plain = bench_kernel(stack, work, kn, kwarm)  # type: ignore[arg-type]
-            results["magic_cell_ms"] = pct(magic, 50)
-            results["magic_cell_p99_ms"] = pct(magic, 99)
-            results["plain_cell_ms"] = pct(plain, 50)
-            say(
-                f"magic_cell_ms        {pct(magic, 50):.2f}  p99 {pct(magic, 99):.2f}  plain cell "
-                f"{pct(plain, 50):.2f}  ({kn} cells; kernel part {time.monotonic() - t0:.0f}s; information)"
-            )
-
-        section("local", local)
-        section("bare_ray", bare)
-        section("run_on_gpus", dispatch)
-        section("handoff", handoff)
-        section("server_handoff", server_handoff)
         if not args.no_kernel:
-            section("kernel", kernel)
+            with section(results, "kernel", timed=True):
+                t0 = time.monotonic()
+                magic, plain = bench_kernel(stack, work, kn, kwarm)
+                results["magic_cell_ms"] = pct(magic, 50)
+                results["magic_cell_p99_ms"] = pct(magic, 99)
+                results["plain_cell_ms"] = pct(plain, 50)
+                say(
+                    f"magic_cell_ms        {pct(magic, 50):.2f}  p99 {pct(magic, 99):.2f}  plain cell "
+                    f"{pct(plain, 50):.2f}  ({kn} cells; kernel part {time.monotonic() - t0:.0f}s; information)"
+                )
     except Exception as exc:  # noqa: BLE001 - the stack did not come up
         say(f"FAILED: {type(exc).__name__}: {exc}")
-        failed.append(f"setup: {type(exc).__name__}: {str(exc)[:300]}")
+        results.setdefault("failed", []).append(f"setup: {type(exc).__name__}: {str(exc)[:300]}")
         if stack is not None:
             say("gpulease up said:\n" + stack.tail(30))
     finally:
@@ -711,12 +631,12 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     results["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["seconds"] = round(time.monotonic() - started, 1)
-    if failed:
-        results["failed"] = failed
+    if "failed" in results:  # listed after the run's figures
+        results["failed"] = results.pop("failed")
     for key in ("dispatch_overhead_ms", "bare_ray_ms", "handoff_p50_ms"):
         results.setdefault(key, None)
     say(f"done in {results['seconds']}s; load average at end {results['load_avg_end'][0]:.2f}")
-    print(json.dumps(json_safe(results)), flush=True)
+    say(json_line(results, digits=4, compact=False))
 
 
 if __name__ == "__main__":

@@ -26,28 +26,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
-import math
-import os
 import random
 import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _common (which adds the repo root)
+
+import _common
+from _common import LONG, ROOT, pct, proc_cpu_seconds, say, section, settings_for
 
 POOL = "A100-80GB"  # pool of the nodes parse_simulate builds from "NAME=8xA100-80GB"
 HANDOFF_POOL = "H100-80GB"  # the 1-GPU pool of the hand-off measurement
-LONG = 3600  # seconds: node heartbeats and lease ttls that must outlive the run
 
 TARGETS = {
     "client_p50_ratio": ("<=", 2.0),
@@ -57,89 +54,7 @@ TARGETS = {
     "handoff_p50_ms": ("<=", 20.0),
     "handoff_p99_ms": ("<=", 100.0),
 }
-
-
-# ---- small helpers ---------------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = max(0, min(len(xs) - 1, math.ceil(q / 100 * len(xs)) - 1))
-    return xs[k]
-
-
-def verdict(name: str, value: float) -> str:
-    op, target = TARGETS[name]
-    ok = value <= target if op == "<=" else value >= target
-    return f"(target {op} {target:g}) {'PASS' if ok and value == value else 'MISS'}"
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-@contextlib.contextmanager
-def section(out: dict[str, Any], name: str) -> Iterator[None]:
-    """Run one part of the bench; a failure is printed and recorded, and the other parts still run."""
-    try:
-        yield
-    except Exception as exc:
-        say(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
-        out.setdefault("failed", []).append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
-
-
-def json_safe(value: Any) -> Any:
-    """NaN / inf become null, so that the last line is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of one process from /proc (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU-seconds all cores of the machine spent busy since boot (from /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every live process of a process group (the lease server and its forked workers)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # a zombie only waits to be reaped
-            out.append(int(entry))
-    return out
-
-
-def settings_for(redis_url: str, prefix: str) -> Any:
-    from lease_server.config import Settings
-
-    return Settings(redis_url=redis_url, prefix=prefix).validate()
+verdict = functools.partial(_common.verdict, TARGETS)
 
 
 def simulate_spec(prefix: str, count: int, gpus: int = 8, model: str = POOL) -> str:
@@ -164,23 +79,11 @@ class ServerProcess:
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
         # Only the prefix comes from the environment: no GPULEASE_* setting of the caller leaks in.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")}
-        env["GPULEASE_PREFIX"] = self.prefix
+        args = ["server", "--redis-url", self.redis_url, "--port", str(self.port), "--workers", str(self.workers)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "lease_server.cli",
-                    "server",
-                    "--redis-url",
-                    self.redis_url,
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    str(self.workers),
-                ],
-                env=env,
+                [sys.executable, "-m", "lease_server.cli", *args],
+                env=_common.child_env(GPULEASE_PREFIX=self.prefix),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -205,53 +108,25 @@ class ServerProcess:
             return False
 
     def pids(self) -> list[int]:
-        return group_pids(self.proc.pid) if self.proc else []
+        return _common.group_pids(self.proc.pid) if self.proc else []
 
     def stop(self) -> None:
         if self.proc is None:
             return
-        pgid = self.proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while group_pids(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if group_pids(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        _common.stop_session(self.proc, 10)
         self.proc = None
-
-
-async def make_tokens(redis_url: str, prefix: str, users: list[str]) -> list[str]:
-    from redis.asyncio import Redis
-
-    from lease_server.auth import create_token
-    from lease_server.keys import Keys
-
-    r = Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return [await create_token(r, Keys(prefix), u, "user") for u in users]
-    finally:
-        await r.aclose()
 
 
 async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
     """Declare simulated nodes straight into Redis, alive for the whole run (no agent needed)."""
     from redis.asyncio import Redis
 
-    from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
 
     r = Redis.from_url(redis_url, decode_responses=True)
     store = LeaseStore(r, settings_for(redis_url, prefix))
     try:
-        for inv in parse_simulate(spec):
-            await register(store, inv, alive_s=LONG)
+        await _common.register_all(store, spec)
     finally:
         await r.aclose()
 
@@ -262,14 +137,12 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
 async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
     from redis.asyncio import Redis
 
-    from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
 
     r = Redis.from_url(redis_url, decode_responses=True)
     store = LeaseStore(r, settings_for(redis_url, "bclient"))
     try:
-        for inv in parse_simulate(simulate_spec("c", 1)):
-            await register(store, inv, alive_s=LONG)
+        await _common.register_all(store, simulate_spec("c", 1))
         pc = time.perf_counter
 
         async def one_ping() -> float:
@@ -501,7 +374,7 @@ def run_loadgen(server: ServerProcess, redis_pid: int, tokens: list[str], durati
     cfg = {"url": server.url, "tokens": tokens, "duration": duration, "warmup": warmup}
     server_pids = server.pids()
     cpu0 = {p: proc_cpu_seconds(p) for p in [*server_pids, redis_pid]}
-    busy0, self0 = machine_busy_seconds(), time.process_time()
+    busy0, self0 = _common.machine_busy_seconds(), time.process_time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--loadgen"],
@@ -517,7 +390,7 @@ def run_loadgen(server: ServerProcess, redis_pid: int, tokens: list[str], durati
             proc.kill()
             proc.wait()
     wall = time.perf_counter() - t0
-    busy = machine_busy_seconds() - busy0
+    busy = _common.machine_busy_seconds() - busy0
     if proc.returncode != 0:
         raise RuntimeError(f"load generator failed ({proc.returncode}): {err.decode()[-2000:]}")
     res: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
@@ -632,25 +505,14 @@ def main() -> None:
         "handoff_n": 50 if q else 300,
         "handoff_warmup": 5 if q else 20,
     }
-    # SIGTERM -> SystemExit, so that the finally below stops every process we started.
+    # SIGTERM -> SystemExit, so that leaving the with below stops every process we started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from lease_server.redis_proc import RedisProcess
-
     t_start = time.monotonic()
-    tmp = tempfile.TemporaryDirectory(prefix="lease-bench-")
-    tmpdir = Path(tmp.name)
-    redis = RedisProcess(tmpdir / "redis")
-    servers: list[ServerProcess] = []
     out: dict[str, Any] = {}
-    try:
-        redis.start()
+    with _common.private_redis("lease-bench-") as (redis, tmpdir), contextlib.ExitStack() as stops:
         assert redis.proc is not None
         url = redis.url
-        say(
-            f"lease bench ({'quick' if q else 'full'}): redis-server pid {redis.proc.pid} on {url}, "
-            f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start"
-        )
-        out["loadavg_start"] = round(os.getloadavg()[0], 2)
+        _common.announce(out, "lease bench", q, redis, load_figures=1)
 
         with section(out, "1"):
             c = asyncio.run(bench_client(url, p["client_n"], p["client_warmup"]))
@@ -693,9 +555,10 @@ def main() -> None:
             with section(out, f"2/4 (--workers {workers})"):
                 prefix = f"bhttp{workers}"
                 asyncio.run(register_nodes(url, prefix, simulate_spec("n", 16) + ",h0=1xH100-80GB"))
-                tokens = asyncio.run(make_tokens(url, prefix, [f"u{i}" for i in range(64)]))
+                users = {f"u{i}": "user" for i in range(64)}
+                tokens = list(asyncio.run(_common.make_tokens(url, prefix, users)).values())
                 server = ServerProcess(url, prefix, workers, tmpdir)
-                servers.append(server)  # before start(), so that a server that fails to come up is stopped too
+                stops.callback(server.stop)  # before start(), so that a server that fails to come up is stopped too
                 server.start()
                 if workers == 1:
                     with section(out, "1 (info)"):
@@ -760,16 +623,9 @@ def main() -> None:
                 f"{verdict('http_grants_per_s', best['grants_per_s'])}, POST p99 {best['post_p99_ms']:.2f} ms "
                 f"{verdict('http_p99_ms', best['post_p99_ms'])}"
             )
-    finally:
-        for server in servers:
-            server.stop()
-        redis.stop()
-        tmp.cleanup()
     out["quick"] = q
     out["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    ordered = {k: out.get(k) for k in TARGETS}  # a figure whose part failed is null
-    ordered.update({k: v for k, v in out.items() if k not in ordered})
-    say(json.dumps(json_safe(ordered), separators=(",", ":")))
+    say(_common.json_line(out, first=TARGETS))  # a figure whose part failed is null
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -43,20 +44,19 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _common (which adds the repo root)
+
+import _common
+from _common import ROOT, pct, proc_cpu_seconds, say, section, settings_for
 
 POOL8 = "A100-80GB"  # pool of the 8-GPU nodes parse_simulate builds from "NAME=8xA100-80GB"
-LONG = 3600  # seconds: node heartbeats that must outlive the run
 
 # Part 1: a fast reclaim policy, so that one round (idle window + grace) takes a few seconds.
 FAST = {"sample_interval": 0.5, "idle_timeout": 1.5, "grace": 1.0, "min_age": 0.0, "idle_threshold": 5.0}
@@ -67,59 +67,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "sample_cpu_ms_8gpu": ("<", 2.0),
     "window_bytes_per_gpu": ("<", 4096.0),
 }
-
-
-# ---- small helpers ---------------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a list (NaN when empty)."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = max(0, min(len(xs) - 1, math.ceil(q / 100 * len(xs)) - 1))
-    return xs[k]
-
-
-def verdict(name: str, value: float) -> str:
-    op, target = TARGETS[name]
-    ok = value <= target if op == "<=" else value < target
-    return f"(target {op} {target:g}) {'PASS' if ok and value == value else 'MISS'}"
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
-@contextlib.contextmanager
-def section(out: dict[str, Any], name: str) -> Iterator[None]:
-    """Run one part of the bench; a failure is printed and recorded, and the other parts still run."""
-    try:
-        yield
-    except Exception as exc:
-        say(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
-        out.setdefault("failed", []).append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
-
-
-def json_safe(value: Any) -> Any:
-    """NaN / inf become null, so that the last line is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of one process from /proc (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+verdict = functools.partial(_common.verdict, TARGETS)
 
 
 def run_async(coro: Any) -> Any:
@@ -129,20 +77,6 @@ def run_async(coro: Any) -> Any:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
-
-
-async def make_tokens(redis_url: str, prefix: str, users: dict[str, str]) -> dict[str, str]:
-    """{user: role} -> {user: API token}."""
-    from redis.asyncio import Redis
-
-    from lease_server.auth import create_token
-    from lease_server.keys import Keys
-
-    r = Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return {u: await create_token(r, Keys(prefix), u, role) for u, role in users.items()}
-    finally:
-        await r.aclose()
 
 
 # ---- the lease server child process ------------------------------------------------------------------
@@ -177,11 +111,10 @@ class ServerProcess:
         self.url = ""
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--serve"],
-                env=env,
+                env=_common.child_env(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -214,14 +147,7 @@ class ServerProcess:
     def stop(self) -> None:
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        _common.stop_session(self.proc, 15)
         if self.proc.stdout:
             self.proc.stdout.close()
         self.proc = None
@@ -263,7 +189,7 @@ def bench_reclaim(
         [f"{n}=1xA100-80GB" for n in names] + ["s8=8xA100-80GB"] + [f"{c}=8xA100-80GB" for c in crowd_nodes]
     )
     users = {"root": "admin", "crowd": "user", **{f"{who}-{n}": "user" for n in names for who in ("ann", "bob")}}
-    tokens = run_async(make_tokens(redis_url, prefix, users))
+    tokens = run_async(_common.make_tokens(redis_url, prefix, users))
     server = ServerProcess(settings, simulate, tmpdir, f"lease-server-{prefix}.log").start()
     watcher: Any = None
     clients: dict[str, Client] = {}
@@ -466,6 +392,23 @@ class FakeNvmlEntryPoints:
         return 0
 
 
+def sampling_module(gpus: int, util: Callable[..., Any], mem: Callable[..., Any], procs: Callable[..., Any]) -> Any:
+    """A module-like object with what NvmlSampler calls: ``gpus`` handles 0.., and these three
+    sampling functions."""
+    import pynvml
+
+    return types.SimpleNamespace(
+        NVMLError=pynvml.NVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: gpus,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=util,
+        nvmlDeviceGetMemoryInfo=mem,
+        nvmlDeviceGetComputeRunningProcesses=procs,
+    )
+
+
 @contextlib.contextmanager
 def pynvml_over_fakes(gpus: int) -> Iterator[Any]:
     """A module-like object for NvmlSampler: pynvml's real sampling functions over fake entry points."""
@@ -475,15 +418,11 @@ def pynvml_over_fakes(gpus: int) -> Iterator[Any]:
     saved = pynvml._nvmlGetFunctionPointer
     pynvml._nvmlGetFunctionPointer = fakes.get
     try:
-        yield types.SimpleNamespace(
-            NVMLError=pynvml.NVMLError,
-            nvmlInit=lambda: None,
-            nvmlShutdown=lambda: None,
-            nvmlDeviceGetCount=lambda: gpus,
-            nvmlDeviceGetHandleByIndex=lambda i: i,
-            nvmlDeviceGetUtilizationRates=pynvml.nvmlDeviceGetUtilizationRates,
-            nvmlDeviceGetMemoryInfo=pynvml.nvmlDeviceGetMemoryInfo,
-            nvmlDeviceGetComputeRunningProcesses=pynvml.nvmlDeviceGetComputeRunningProcesses,
+        yield sampling_module(
+            gpus,
+            pynvml.nvmlDeviceGetUtilizationRates,
+            pynvml.nvmlDeviceGetMemoryInfo,
+            pynvml.nvmlDeviceGetComputeRunningProcesses,
         )
     finally:
         pynvml._nvmlGetFunctionPointer = saved
@@ -513,15 +452,8 @@ def nvml_like_sampling(gpus: int) -> Any:
         info.pid, info.usedGpuMemory = 10_000 + handle, used[handle]
         return [pynvml.nvmlStructToFriendlyObject(info)]
 
-    return types.SimpleNamespace(
-        NVMLError=pynvml.NVMLError,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: gpus,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetUtilizationRates=nvmlDeviceGetUtilizationRates,
-        nvmlDeviceGetMemoryInfo=nvmlDeviceGetMemoryInfo,
-        nvmlDeviceGetComputeRunningProcesses=nvmlDeviceGetComputeRunningProcesses,
+    return sampling_module(
+        gpus, nvmlDeviceGetUtilizationRates, nvmlDeviceGetMemoryInfo, nvmlDeviceGetComputeRunningProcesses
     )
 
 
@@ -559,17 +491,14 @@ async def bench_record(redis_url: str, redis_pid: int, n: int, warmup: int) -> d
     from redis.asyncio import Redis
 
     from lease_server.agent import NvmlSampler
-    from lease_server.config import Settings
-    from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
     from lease_server.reclaim import policies, record_samples
 
     r = Redis.from_url(redis_url, decode_responses=True)
-    store = LeaseStore(r, Settings(redis_url=redis_url, prefix="bsamp").validate())
+    store = LeaseStore(r, settings_for(redis_url, "bsamp"))
     modes: dict[str, Any] = {}
     try:
-        for inv in parse_simulate(f"g8=8x{POOL8},h8=8x{POOL8}"):  # two nodes: pool_sizes() has a little to read
-            await register(store, inv, alive_s=LONG)
+        await _common.register_all(store, f"g8=8x{POOL8},h8=8x{POOL8}")  # two nodes: pool_sizes() has a little to read
         with pynvml_over_fakes(8) as nv:
             sampler = NvmlSampler(nv)
             samples = [sampler.sample() for _ in range(97)]
@@ -633,8 +562,6 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
     For information: samples.lua's Redis time at each fleet size, and a window at MAX_WINDOW entries."""
     from redis.asyncio import Redis
 
-    from lease_server.config import Settings
-    from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
     from lease_server.reclaim import MAX_WINDOW, record_samples, window_length
 
@@ -664,12 +591,10 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
         return int(await r.memory_usage(key, samples=0) or 0)
 
     try:
-        store = LeaseStore(r, Settings(redis_url=redis_url, prefix="bwin").validate())
+        store = LeaseStore(r, settings_for(redis_url, "bwin"))
         k = store.keys
         wl = window_length(store)
-        nodes = parse_simulate(",".join(f"f{i:03d}=8x{POOL8}" for i in range(128)))
-        for inv in nodes:
-            await register(store, inv, alive_s=LONG)
+        nodes = await _common.register_all(store, ",".join(f"f{i:03d}=8x{POOL8}" for i in range(128)))
         await fill(store, "f000", wl + 10)
         lens = [await r.llen(k.samples(f"f000/{i}")) for i in range(8)]
         lists = [await mem(k.samples(f"f000/{i}")) for i in range(8)]
@@ -708,9 +633,8 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
         out["share"] = max(v["bytes"] for v in shares.values())
         out["bytes_per_gpu"] = out["list_bytes"] + out["share"]
         # For information: the longest window any setting can make (MAX_WINDOW entries).
-        big = LeaseStore(r, Settings(redis_url=redis_url, prefix="bwinmax", idle_timeout=3600).validate())
-        for inv in parse_simulate(f"m0=8x{POOL8}"):
-            await register(big, inv, alive_s=LONG)
+        big = LeaseStore(r, settings_for(redis_url, "bwinmax", idle_timeout=3600))
+        await _common.register_all(big, f"m0=8x{POOL8}")
         await fill(big, "m0", MAX_WINDOW + 10)
         out["max_window"] = window_length(big)
         out["max_window_list_bytes"] = sum([await mem(big.keys.samples(f"m0/{i}")) for i in range(8)]) / 8
@@ -746,25 +670,14 @@ def main() -> None:
         "record_warmup": 50 if q else 200,
         "script_n": 200 if q else 500,
     }
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # -> the finally below stops our processes
-    from lease_server.redis_proc import RedisProcess
-
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # -> leaving the with below stops our processes
     t_start = time.monotonic()
-    tmp = tempfile.TemporaryDirectory(prefix="reclaim-bench-")
-    tmpdir = Path(tmp.name)
-    redis = RedisProcess(tmpdir / "redis")
     out: dict[str, Any] = {}
     remote: dict[str, Any] = {}
-    try:
-        redis.start()
+    with _common.private_redis("reclaim-bench-") as (redis, tmpdir):
         assert redis.proc is not None
         url = redis.url
-        load = os.getloadavg()
-        say(
-            f"reclaim bench ({'quick' if q else 'full'}): redis-server pid {redis.proc.pid} on {url}, "
-            f"{os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start"
-        )
-        out["loadavg_start"] = round(load[0], 2)
+        _common.announce(out, "reclaim bench", q, redis)
 
         with section(out, "1"):
             si = FAST["sample_interval"]
@@ -900,15 +813,10 @@ def main() -> None:
                 f"{(w['max_window'] - 4) * w['sample_interval']:g} s): list {w['max_window_list_bytes']:.0f} B "
                 f"({w['max_window_encoding']}), {big:.0f} B per GPU {verdict('window_bytes_per_gpu', big)}"
             )
-    finally:
-        redis.stop()
-        tmp.cleanup()
     out["loadavg_end"] = round(os.getloadavg()[0], 2)
     out["quick"] = q
     out["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    ordered = {k: out.get(k) for k in TARGETS}  # a figure whose part failed is null
-    ordered.update({k: v for k, v in out.items() if k not in ordered})
-    say(json.dumps(json_safe(ordered), separators=(",", ":")))
+    say(_common.json_line(out, first=TARGETS))  # a figure whose part failed is null
 
 
 if __name__ == "__main__":

@@ -357,7 +357,7 @@ class LeaseStore:
             raise errors.Forbidden("only an admin can revoke another user's lease")
         why = check_text("reason", reason)
         if revoke is None:
-            args = ["auto", "released by its owner", why or f"revoked by admin {user}"]
+            args = ["auto", why or "released by its owner", why or f"revoked by admin {user}"]
         elif revoke:
             args = [LeaseState.REVOKED.value, why or f"revoked by admin {user}", ""]
         else:
