@@ -156,26 +156,58 @@ class LeasesHandler(GpuLeaseHandler):
         self.reply({"user": me.get("user"), "leases": [_public(lease) for lease in body["leases"]]})
 
 
-class LeaseHandler(GpuLeaseHandler):
+class OwnLeaseHandler(GpuLeaseHandler):
+    """Base of the handlers that change one of this Jupyter user's own leases."""
+
+    async def own_lease(self, lease_id: str, verb: str) -> dict[str, Any]:
+        """The lease, checked: a well-formed id, and the configured lease user owns it.
+
+        Owners only, even when the configured token is an admin's: a button in the page must never
+        revoke or keep a colleague's lease (admins use the gpulease CLI for that).
+        """
+        self.check_args()
+        if not LEASE_ID_RE.match(lease_id):
+            raise errors.BadRequest(f"lease id must be 1 to 64 letters, digits, '.', '_' or '-', got {lease_id!r}")
+        lease: dict[str, Any] = await self.api.request("GET", f"/leases/{lease_id}")
+        me = (await self.api.whoami()).get("user")
+        if lease["user"] != me:
+            raise errors.NotOwner(
+                f"lease {lease_id} belongs to {lease['user']}, not to {me}; only its owner can {verb} it"
+            )
+        return lease
+
+
+class LeaseHandler(OwnLeaseHandler):
     """Release one of this Jupyter user's leases (idempotent)."""
 
     @tornado.web.authenticated
     @authorized
     async def delete(self, lease_id: str) -> None:
-        self.check_args()
-        if not LEASE_ID_RE.match(lease_id):
-            raise errors.BadRequest(f"lease id must be 1 to 64 letters, digits, '.', '_' or '-', got {lease_id!r}")
-        # Owners only, even when the configured token is an admin's: a Release button must never
-        # revoke a colleague's lease (admins revoke with `gpulease revoke`).
-        lease = await self.api.request("GET", f"/leases/{lease_id}")
-        me = (await self.api.whoami()).get("user")
-        if lease["user"] != me:
-            raise errors.NotOwner(
-                f"lease {lease_id} belongs to {lease['user']}, not to {me}; only its owner can release it"
-            )
+        await self.own_lease(lease_id, "release")
         ended = await self.api.request("DELETE", f"/leases/{lease_id}")
         self.log.info("gpulease: %s released from JupyterLab by %s", lease_id, self.current_user.username)
         self.reply(_public(ended))
+
+
+class KeepHandler(OwnLeaseHandler):
+    """ "Still using it": reset the idle clock of one of this Jupyter user's idle-warned leases.
+
+    The lease server limits how often a lease can be kept (409 ``conflict`` once that is used up,
+    with a message that says so); its answer, without the fencing token, is passed on.
+    """
+
+    @tornado.web.authenticated
+    @authorized
+    async def post(self, lease_id: str) -> None:
+        await self.own_lease(lease_id, "keep")
+        kept = await self.api.request("POST", f"/leases/{lease_id}/keep")
+        self.log.info(
+            "gpulease: %s kept (still in use) from JupyterLab by %s, %s time(s)",
+            lease_id,
+            self.current_user.username,
+            kept.get("extensions", "?"),
+        )
+        self.reply(_public(kept))
 
 
 class QueueHandler(GpuLeaseHandler):
@@ -250,7 +282,7 @@ class NotFoundHandler(GpuLeaseHandler):
             self.get_login_url()  # raises 401, as @authenticated would
         raise errors.NotFound(
             f"no such endpoint {self.request.method} {self.request.path}; the gpulease API has "
-            "GET version, cluster, leases, queue, events and DELETE leases/<id>"
+            "GET version, cluster, leases, queue, events, DELETE leases/<id> and POST leases/<id>/keep"
         )
 
 
@@ -263,6 +295,7 @@ def routes(base_url: str) -> list[tuple[str, type[GpuLeaseHandler]]]:
         (at("cluster"), ClusterHandler),
         (at("leases"), LeasesHandler),
         (at("leases", "([^/]+)"), LeaseHandler),
+        (at("leases", "([^/]+)", "keep"), KeepHandler),
         (at("queue"), QueueHandler),
         (at("events"), EventsHandler),
         (at("(.*)"), NotFoundHandler),

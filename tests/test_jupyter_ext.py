@@ -22,6 +22,8 @@ from tornado.httpclient import HTTPResponse
 
 import lease_server
 from jupyter_ext.app import GpuLease
+from lease_server import errors
+from tests.api_helpers import EventWatcher
 
 ENDPOINTS = [
     ("GET", "version"),
@@ -30,6 +32,7 @@ ENDPOINTS = [
     ("GET", "queue"),
     ("GET", "events"),
     ("DELETE", "leases/l-0123456789abcdef"),
+    ("POST", "leases/l-0123456789abcdef/keep"),
     ("GET", "no-such-endpoint"),
 ]
 
@@ -41,6 +44,17 @@ ENDPOINTS = [
 def lease_identity() -> tuple[str, str]:
     """The lease user and role the Jupyter server's configured token belongs to."""
     return ("alice", "user")
+
+
+@pytest.fixture
+def lease_server_settings() -> dict[str, Any]:
+    """Settings of the lease server under test (the idle-reclaim tests make it sample fast)."""
+    return {}
+
+
+@pytest.fixture
+def server(server_factory: Any, lease_server_settings: dict[str, Any]) -> Any:  # overrides conftest's
+    return server_factory(**lease_server_settings)
 
 
 @pytest.fixture
@@ -218,6 +232,89 @@ def test_release_never_revokes_a_colleagues_lease_even_with_an_admin_token(fetch
     msg = error(fetch("gpulease", "leases", theirs.id, method="DELETE"), 403, "not_owner")
     assert "belongs to bob" in msg
     assert server.client("bob").get(theirs.id)["state"] == "active"
+    msg = error(fetch("gpulease", "leases", theirs.id, "keep", method="POST"), 403, "not_owner")
+    assert "belongs to bob" in msg and "keep" in msg
+    assert "extensions" not in server.client("bob").get(theirs.id)
+
+
+# ---- "Still using it": keeping an idle-warned lease ----------------------------------------------------
+
+# Samples every 0.2 s and a 1 s idle window: an unused (0 % busy) simulated GPU is warned within
+# about a second and a half, then reclaimed 30 s later unless kept.
+FAST_RECLAIM = {"sample_interval": 0.2, "idle_timeout": 1.0, "grace": 30, "min_age": 0}
+
+
+def set_policy(server: Any, pool: str, **changes: Any) -> None:
+    server.client("root", "admin").request("PUT", f"/api/v1/policy/{pool}", json=changes)
+
+
+def warned_cell(cluster: dict[str, Any], lease_id: str) -> dict[str, Any]:
+    return next(g["lease"] for n in cluster["nodes"] for g in n["gpus"] if g.get("lease", {}).get("id") == lease_id)
+
+
+@pytest.mark.parametrize("lease_server_settings", [FAST_RECLAIM])
+def test_still_using_it_keeps_an_idle_warned_lease(fetch: Any, server: Any) -> None:
+    watcher = EventWatcher(server.url, server.token("root", "admin")).start()
+    alice = server.client("alice")
+    lease = alice.acquire(gpus=1, pool="A100-80GB", label="notebook")
+    warning = watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == lease.id, 15, "idle_warning")
+    # Both views the page reads show the warning and when the GPUs go back.
+    mine = body(fetch("gpulease", "leases"))["leases"]
+    assert [(m["id"], m["reclaim_at"]) for m in mine] == [(lease.id, pytest.approx(warning["reclaim_at"]))]
+    cell = warned_cell(body(fetch("gpulease", "cluster")), lease.id)
+    assert cell["idle_warning"] is True and cell["reclaim_at"] == pytest.approx(warning["reclaim_at"])
+    # Nobody uses the GPU after the keep either: a long idle window, so no second warning races the checks.
+    set_policy(server, "A100-80GB", idle_timeout=600)
+
+    resp = fetch("gpulease", "leases", lease.id, "keep", method="POST")
+    assert resp.code == 200, resp.body
+    kept = body(resp)
+    assert (kept["id"], kept["state"], kept["extensions"]) == (lease.id, "active", 1)
+    assert "reclaim_at" not in kept and "token" not in kept
+    watcher.wait_for(lambda e: e["type"] == "idle_kept" and e["lease"] == lease.id, 10, "idle_kept")
+    mine = body(fetch("gpulease", "leases"))["leases"]
+    assert [m["id"] for m in mine] == [lease.id] and "reclaim_at" not in mine[0]
+    cell = warned_cell(body(fetch("gpulease", "cluster")), lease.id)
+    assert "idle_warning" not in cell and "reclaim_at" not in cell
+    assert alice.get(lease.id)["state"] == "active"
+
+
+def test_still_using_it_is_refused_with_the_servers_message_once_the_limit_is_used_up(fetch: Any, server: Any) -> None:
+    set_policy(server, "A100-80GB", max_extensions=1)
+    alice = server.client("alice")
+    lease = alice.acquire(gpus=1, pool="A100-80GB")
+    assert fetch("gpulease", "leases", lease.id, "keep", method="POST").code == 200
+
+    msg = error(fetch("gpulease", "leases", lease.id, "keep", method="POST"), 409, "conflict")
+    with pytest.raises(errors.Conflict) as direct:  # what the lease server itself says
+        alice.keep(lease.id)
+    assert msg == direct.value.message
+    assert f"lease {lease.id} was already kept 1 times" in msg and "release them" in msg
+    assert alice.get(lease.id)["state"] == "active" and alice.get(lease.id)["extensions"] == 1
+
+
+def test_still_using_it_is_owner_only_and_clear_about_unknown_or_ended_leases(fetch: Any, server: Any) -> None:
+    theirs = server.client("bob").acquire(gpus=1)
+    msg = error(fetch("gpulease", "leases", theirs.id, "keep", method="POST"), 403, "not_owner")
+    assert "belongs to bob" in msg
+    assert "extensions" not in server.client("bob").get(theirs.id)
+
+    msg = error(fetch("gpulease", "leases", "l-0123456789abcdef", "keep", method="POST"), 404, "no_such_lease")
+    assert "l-0123456789abcdef" in msg
+    assert "lease id" in error(fetch("gpulease", "leases", "bad id!", "keep", method="POST"), 400, "bad_request")
+
+    ended = server.client("alice").acquire(gpus=1)
+    server.client("alice").release(ended)
+    msg = error(fetch("gpulease", "leases", ended.id, "keep", method="POST"), 409, "lease_ended")
+    assert ended.id in msg and "ended" in msg
+
+
+def test_still_using_it_needs_a_jupyter_login(fetch: Any, server: Any) -> None:
+    lease = server.client("alice").acquire(gpus=1)
+    for headers in ({"Authorization": ""}, {"Authorization": "token not-the-token"}):
+        resp = fetch("gpulease", "leases", lease.id, "keep", method="POST", headers=headers)
+        assert "log in" in error(resp, 401, "unauthorized")
+    assert "extensions" not in server.client("alice").get(lease.id)
 
 
 def test_queue_shows_waiters_and_checks_the_pool(fetch: Any, afetch: Any, server: Any, run: Any) -> None:
@@ -324,8 +421,14 @@ def test_a_cookie_login_must_echo_the_xsrf_cookie(jp_serverapp: Any, base: str, 
             assert "X-XSRFToken" in resp.json()["message"]
             assert server.client("alice").get(lease.id)["state"] == "active"
 
+            resp = await http.post(url + "/keep")
+            assert (resp.status_code, resp.json()["code"]) == (403, "forbidden")
+            assert "X-XSRFToken" in resp.json()["message"]
+
             xsrf = os.urandom(16).hex()
             http.cookies.set("_xsrf", xsrf)
+            resp = await http.post(url + "/keep", headers={"X-XSRFToken": xsrf})
+            assert (resp.status_code, resp.json()["extensions"]) == (200, 1)
             resp = await http.delete(url, headers={"X-XSRFToken": xsrf})
             assert (resp.status_code, resp.json()["state"]) == (200, "released")
 

@@ -92,6 +92,17 @@ class Lab:
 
 
 @pytest.fixture
+def lease_server_settings() -> dict[str, Any]:
+    """Settings of the lease server under test (the idle-reclaim test makes it sample fast)."""
+    return {}
+
+
+@pytest.fixture
+def server(server_factory: Any, lease_server_settings: dict[str, Any]) -> Any:  # overrides conftest's
+    return server_factory(**lease_server_settings)
+
+
+@pytest.fixture
 def lab(server: Any, tmp_path: Path) -> Iterator[Lab]:
     lab = Lab(tmp_path / "lab", server.url, server.token("alice"))
     yield lab
@@ -102,7 +113,7 @@ def lab(server: Any, tmp_path: Path) -> Iterator[Lab]:
 def clients(server: Any) -> dict[str, Any]:
     # Made before Playwright starts: making a token runs asyncio.run, which cannot run inside
     # the sync Playwright API's event loop.
-    return {user: server.client(user) for user in ("alice", "bob")}
+    return {**{user: server.client(user) for user in ("alice", "bob")}, "root": server.client("root", "admin")}
 
 
 @pytest.fixture
@@ -202,3 +213,75 @@ def test_the_panel_says_how_to_install_a_missing_server_extension(page: Any, lab
     expect(page.get_by_role("button", name=re.compile(r"^GPU: server extension missing"))).to_be_visible()
     page.screenshot(path=str(tmp_path / "missing-extension.png"))
     print(f"screenshot: {tmp_path / 'missing-extension.png'}")
+
+
+# Samples every 0.2 s and a 1 s idle window: an unused simulated GPU is warned within about a second
+# and a half, then reclaimed 30 s later unless kept.
+FAST_RECLAIM = {"sample_interval": 0.2, "idle_timeout": 1.0, "grace": 30, "min_age": 0}
+
+
+@pytest.mark.parametrize("lease_server_settings", [FAST_RECLAIM])
+def test_an_idle_warned_lease_shows_its_countdown_and_still_using_it_keeps_it(
+    page: Any, lab: Lab, clients: dict[str, Any], tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    alice, root = clients["alice"], clients["root"]
+    open_panel(page, lab)
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+    page.evaluate("window.__notReloaded = true")
+    board = page.get_by_role("region", name="GPU board")
+    mine_section = page.get_by_role("region", name="My leases")
+
+    # A lease taken from Python whose GPUs stay at 0 %: idle reclaim warns it within a second or two.
+    lease = alice.acquire(gpus=2, pool="A100-80GB", ttl=300, label="forgotten notebook")
+    root.request("PUT", f"/api/v1/simulate/{lease.node}", json={"gpus": {str(i): {"util": 0} for i in lease.indexes}})
+    gpus = f"{lease.node} GPU {', '.join(map(str, lease.indexes))}"
+    countdown = re.compile(r"idle — reclaimed in \d{1,2} s")
+
+    def keep_on_board(i: int) -> Any:
+        return board.get_by_role("button", name=f"Still using it: keep lease {lease.id} ({lease.node} GPU {i})")
+
+    # The board and My leases show the countdown and the button, without a reload.
+    for i in lease.indexes:
+        cell = board.get_by_role("cell", name=re.compile(rf"^{lease.node} GPU {i}: leased, by alice \(you\), "))
+        expect(cell).to_have_attribute("data-state", "idle", timeout=15_000)
+        expect(cell).to_have_accessible_name(re.compile(countdown.pattern + "$"))
+        expect(cell).to_contain_text(countdown)
+        expect(keep_on_board(i)).to_be_enabled()
+    warning = mine_section.get_by_role("group", name=f"idle warning of lease {lease.id}")
+    expect(warning.get_by_role("timer")).to_have_text(countdown)
+    keep_mine = mine_section.get_by_role("button", name=f"Still using it: keep lease {lease.id} ({gpus})")
+    expect(keep_mine).to_be_enabled()
+    assert alice.get(lease.id)["reclaim_at"] > time.time() + 10
+    page.screenshot(path=str(shots / "1-idle-warned.png"), full_page=True)
+
+    # Nobody uses the GPUs after the keep either: a long idle window, so the warning stays away.
+    root.request("PUT", "/api/v1/policy/A100-80GB", json={"idle_timeout": 600, "max_extensions": 1})
+    keep_on_board(lease.indexes[0]).click()
+    for i in lease.indexes:
+        cell = board.get_by_role("cell", name=re.compile(rf"^{lease.node} GPU {i}: leased, by alice \(you\), "))
+        expect(cell).to_have_attribute("data-state", "leased")
+        expect(cell).not_to_contain_text("idle")
+    expect(page.get_by_role("button", name=re.compile("^Still using it"))).to_have_count(0)
+    expect(warning).to_have_count(0)
+    expect(mine_section.get_by_role("button", name=f"Release lease {lease.id} ({gpus})")).to_be_visible()
+    kept = alice.get(lease.id)
+    assert (kept["state"], kept["extensions"]) == ("active", 1) and "reclaim_at" not in kept
+    page.screenshot(path=str(shots / "2-kept.png"), full_page=True)
+
+    # Idle again, and the pool allows one keep per lease: the button shows the lease server's refusal.
+    root.request("PUT", "/api/v1/policy/A100-80GB", json={"idle_timeout": 1})
+    expect(keep_mine).to_be_enabled(timeout=15_000)
+    keep_mine.click()
+    alert = mine_section.get_by_role("alert")
+    expect(alert).to_contain_text(f"could not keep {lease.id}: lease {lease.id} was already kept 1 times")
+    expect(alert).to_contain_text("release them and acquire again")
+    expect(warning.get_by_role("timer")).to_have_text(countdown)  # still warned, still counting down
+    expect(board.get_by_text("not kept: see My leases").first).to_be_visible()
+    assert alice.get(lease.id)["state"] == "active"
+    assert page.evaluate("window.__notReloaded") is True
+    page.screenshot(path=str(shots / "3-keep-refused.png"), full_page=True)
+    print(f"screenshots: {shots}")

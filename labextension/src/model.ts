@@ -82,6 +82,9 @@ export class GpuLeaseModel {
   /** Release in flight, and the message of a failed one, per lease id. */
   releasing = new Set<string>();
   releaseErrors = new Map<string, string>();
+  /** "Still using it" in flight, and the lease server's message when it refused, per lease id. */
+  keeping = new Set<string>();
+  keepErrors = new Map<string, string>();
 
   /** The lease server's clock now, in epoch seconds (times held are computed on its clock). */
   serverNow(): number {
@@ -144,6 +147,12 @@ export class GpuLeaseModel {
           this.releaseErrors.delete(id);
         }
       }
+      // A refused keep matters while the lease is still warned (gone, or busy again: forget it).
+      for (const id of this.keepErrors.keys()) {
+        if (!this.leases.some(lease => lease.id === id && lease.reclaim_at)) {
+          this.keepErrors.delete(id);
+        }
+      }
     } catch (error) {
       this.error = describe(error);
     }
@@ -161,6 +170,24 @@ export class GpuLeaseModel {
       this.releaseErrors.set(id, `could not release ${id}: ${describe(error)}`);
     } finally {
       this.releasing.delete(id);
+    }
+    await this.refresh();
+  }
+
+  /**
+   * "Still using it": reset the idle clock of one of my idle-warned leases, so it is not reclaimed.
+   * The lease server limits how often; its refusal says so, and is shown with the lease.
+   */
+  async keep(id: string): Promise<void> {
+    this.keeping.add(id);
+    this.keepErrors.delete(id);
+    this._emit();
+    try {
+      await requestAPI(`leases/${encodeURIComponent(id)}/keep`, { method: 'POST' }, this._settings);
+    } catch (error) {
+      this.keepErrors.set(id, `could not keep ${id}: ${describe(error)}`);
+    } finally {
+      this.keeping.delete(id);
     }
     await this.refresh();
   }
@@ -266,6 +293,15 @@ export function describe(error: unknown): string {
     return error.message;
   }
   return error instanceof Error ? error.message : String(error);
+}
+
+/** The idle-reclaim countdown: "idle — reclaimed in 27 s" (or "in 1m45s"; "now" once it is due). */
+export function reclaimCountdown(reclaimAt: number, now: number): string {
+  const s = Math.floor(reclaimAt - now);
+  if (s <= 0) {
+    return 'idle — reclaimed now';
+  }
+  return `idle — reclaimed in ${s < 60 ? `${s} s` : duration(s)}`;
 }
 
 /** "42s", "3m05s", "2h07m", "3d04h". */

@@ -1,11 +1,12 @@
 /**
  * The "GPU Leases" panel: the GPU board (nodes x GPUs, live) and my leases with Release buttons.
+ * A lease that idle reclaim warned shows its countdown, and (if it is mine) a "Still using it" button.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer } from 'react';
 
 import { IGpu, ILease, INode } from './api';
-import { GpuLeaseModel, LiveState, duration } from './model';
+import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
 
 /**
  * How each GPU state looks. The server has free / leased / down today; reserved, borrowed and idle
@@ -45,10 +46,28 @@ function useModel(model: GpuLeaseModel): void {
   }, [model]);
 }
 
-function GpuCell(props: { node: INode; gpu: IGpu; now: number; me: string | null }): JSX.Element {
-  const { node, gpu, now, me } = props;
+/** The "Still using it" button of an idle-warned lease of mine (in My leases and on the board). */
+function KeepButton(props: { model: GpuLeaseModel; id: string; where: string; small?: boolean }): JSX.Element {
+  const { model, id, where, small } = props;
+  const busy = model.keeping.has(id);
+  const failed = model.keepErrors.get(id);
+  return (
+    <button
+      className={`jp-mod-styled jp-mod-accept jp-GpuLease-keep${small ? ' jp-GpuLease-keepSmall' : ''}`}
+      aria-label={`Still using it: keep lease ${id} (${where})`}
+      title={failed ?? 'Reset the idle clock: the GPUs stay yours (a limited number of times per lease)'}
+      disabled={busy}
+      onClick={() => void model.keep(id)}
+    >
+      {busy ? 'Keeping…' : 'Still using it'}
+    </button>
+  );
+}
+
+function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: number }): JSX.Element {
+  const { model, node, gpu, now } = props;
   const lease = gpu.lease;
-  const mine = !!lease && lease.user === me;
+  const mine = !!lease && lease.user === model.user;
   const held = lease ? duration(now - lease.since) : '';
   // An idle-warned lease is shown as idle: its GPUs go back to the pool at reclaim_at.
   const idle = !!lease?.idle_warning;
@@ -60,7 +79,7 @@ function GpuCell(props: { node: INode; gpu: IGpu; now: number; me: string | null
       parts.push(`label ${lease.label}`);
     }
     if (idle && lease.reclaim_at) {
-      parts.push(`idle: reclaimed in ${duration(lease.reclaim_at - now)}`);
+      parts.push(reclaimCountdown(lease.reclaim_at, now));
     }
   }
   if (gpu.unleased_use) {
@@ -79,14 +98,24 @@ function GpuCell(props: { node: INode; gpu: IGpu; now: number; me: string | null
     >
       <div className="jp-GpuLease-cellIndex">GPU {gpu.index}</div>
       <div className="jp-GpuLease-cellState">{lease ? lease.user : stateLabel(gpu.state)}</div>
-      {lease && (
-        <div className="jp-GpuLease-cellHeld">
-          {held}
-          {idle && lease.reclaim_at ? ` · idle, reclaim in ${duration(lease.reclaim_at - now)}` : ''}
-        </div>
-      )}
+      {lease && <div className="jp-GpuLease-cellHeld">{held}</div>}
       {lease?.label && <div className="jp-GpuLease-cellLabel">{lease.label}</div>}
       {gpu.unleased_use && <div className="jp-GpuLease-cellLabel">in use without a lease</div>}
+      {lease && idle && lease.reclaim_at && (
+        <div className="jp-GpuLease-cellIdle" aria-hidden="true">
+          {reclaimCountdown(lease.reclaim_at, now)}
+        </div>
+      )}
+      {lease && idle && mine && (
+        <>
+          <KeepButton model={model} id={lease.id} where={`${node.name} GPU ${gpu.index}`} small />
+          {model.keepErrors.has(lease.id) && (
+            <div className="jp-GpuLease-cellError" title={model.keepErrors.get(lease.id)}>
+              not kept: see My leases
+            </div>
+          )}
+        </>
+      )}
     </td>
   );
 }
@@ -136,7 +165,7 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
               {Array.from({ length: width }, (_, i) => {
                 const gpu = node.gpus[i];
                 return gpu ? (
-                  <GpuCell key={i} node={node} gpu={gpu} now={now} me={model.user} />
+                  <GpuCell key={i} model={model} node={node} gpu={gpu} now={now} />
                 ) : (
                   <td key={i} className="jp-GpuLease-noGpu" aria-hidden="true" />
                 );
@@ -174,6 +203,7 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
       {model.leases.map(lease => {
         const busy = model.releasing.has(lease.id);
         const failed = model.releaseErrors.get(lease.id);
+        const keepFailed = model.keepErrors.get(lease.id);
         return (
           <li key={lease.id} className="jp-GpuLease-lease" aria-label={`lease ${lease.id}`}>
             <div className="jp-GpuLease-leaseText">
@@ -193,9 +223,25 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
               {busy ? 'Releasing…' : 'Release'}
             </button>
             {lease.reclaim_at && (
-              <div role="alert" className="jp-GpuLease-warning">
-                Idle: these GPUs go back to the pool in {duration(lease.reclaim_at - now)} unless they get busy
-                (or you keep the lease with gpulease keep {lease.id}).
+              <div
+                role="group"
+                className="jp-GpuLease-warning jp-GpuLease-idle"
+                aria-label={`idle warning of lease ${lease.id}`}
+              >
+                <div className="jp-GpuLease-idleText">
+                  <strong className="jp-GpuLease-countdown" role="timer">
+                    {reclaimCountdown(lease.reclaim_at, now)}
+                  </strong>
+                  <span className="jp-GpuLease-idleWhy">
+                    these GPUs have been idle: they go back to the pool unless they get busy, or you keep them
+                  </span>
+                </div>
+                <KeepButton model={model} id={lease.id} where={gpuList(lease)} />
+              </div>
+            )}
+            {keepFailed && (
+              <div role="alert" className="jp-GpuLease-error">
+                {keepFailed}
               </div>
             )}
             {failed && (
