@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _common (which adds the repo root)
 
 import _common
-from _common import json_line, load_text, pct, say, section
+from _common import pct, say, section
 
 SIMULATE = "box=2xA100-80GB,solo=1xH100-80GB"
 POOL = "A100-80GB"  # node "box": the dispatch measurement
@@ -164,9 +164,15 @@ def connect(stack: Stack) -> Any:
 
 
 def settle(s: Any) -> None:
-    """Every spare worker has started and answers; then a short pause for the rest of Ray."""
+    """Every node has its full set of spare workers, started and answering (the replacement of a
+    used spare is started in the background after its call); then a short pause for Ray."""
     import ray
 
+    from magics.runner import SPARES_PER_NODE
+
+    deadline = time.monotonic() + 120
+    while any(len(dq) < SPARES_PER_NODE for dq in s._spares.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # replenish() runs in a thread of its own: nothing to wait on but its result
     spares = [w for dq in s._spares.values() for w in dq]
     ray.get([w.ready.remote() for w in spares], timeout=120)
     time.sleep(SETTLE_S)
@@ -532,7 +538,7 @@ def main() -> None:
     }
     say(
         f"gpu_train bench ({'quick' if args.quick else 'full'}): {n} timed calls per figure after {warmup} "
-        f"warm-up; load average at start {load_text(load)} on {os.cpu_count()} CPU(s)"
+        f"warm-up; load average at start {_common.load_text(load)} on {os.cpu_count()} CPU(s)"
     )
     work = Path(tempfile.mkdtemp(prefix="gpulease-bench-"))
     started = time.monotonic()
@@ -636,7 +642,7 @@ def main() -> None:
     for key in ("dispatch_overhead_ms", "bare_ray_ms", "handoff_p50_ms"):
         results.setdefault(key, None)
     say(f"done in {results['seconds']}s; load average at end {results['load_avg_end'][0]:.2f}")
-    say(json_line(results, digits=4, compact=False))
+    say(_common.json_line(results, digits=4, compact=False))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from .worker import WATCHDOG_EXIT_CODE, GpuWorker
 
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
-SPARES_PER_NODE = 1
+SPARES_PER_NODE = 2  # one for the next call, one for the call after it while the first is replaced
 
 
 def node_resource(node: str) -> str:
