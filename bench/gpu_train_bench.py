@@ -163,7 +163,7 @@ def connect(stack: Stack) -> Any:
     return s
 
 
-def settle(s: Any) -> None:
+def settle(s: Any, full: bool = True) -> None:
     """Every node has its full set of spare workers, started and answering (the replacement of a
     used spare is started in the background after its call); then a short pause for Ray."""
     import ray
@@ -171,7 +171,7 @@ def settle(s: Any) -> None:
     from magics.runner import SPARES_PER_NODE
 
     deadline = time.monotonic() + 120
-    while any(len(dq) < SPARES_PER_NODE for dq in s._spares.values()) and time.monotonic() < deadline:
+    while full and any(len(dq) < SPARES_PER_NODE for dq in s._spares.values()) and time.monotonic() < deadline:
         time.sleep(0.05)  # replenish() runs in a thread of its own: nothing to wait on but its result
     spares = [w for dq in s._spares.values() for w in dq]
     ray.get([w.ready.remote() for w in spares], timeout=120)
@@ -402,9 +402,8 @@ def handoff_round(s: Any, stack: Stack, watcher: Any, work: Path, i: int) -> tup
                 raise holder.error
             waiter.start()
             waiter.wait_queued(watcher)
-            # A real training call outlasts the start of the spare that replaces its worker:
-            # let that start finish, so the hand-off is measured without it competing for CPU.
-            settle(s)
+            # The spares there are have started (the used one is replaced only after the call).
+            settle(s, full=False)
         finally:
             go.touch()  # whatever happened, let the holder return
             holder.join(60)
