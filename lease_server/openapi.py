@@ -49,6 +49,13 @@ def _op(
 
 
 LEASE_ID = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+# A GPU as a node agent declares it (also part of every GPU in the cluster view).
+GPU_PROPS = {
+    "index": {"type": "integer"},
+    "uuid": {"type": "string"},
+    "model": {"type": "string"},
+    "memory_mb": {"type": "integer"},
+}
 POOL = {"name": "pool", "in": "path", "required": True, "schema": {"type": "string"}}
 NODE = {"name": "node", "in": "path", "required": True, "schema": {"type": "string"}}
 
@@ -131,10 +138,7 @@ def openapi_document() -> dict[str, Any]:
                                 "items": {
                                     "type": "object",
                                     "properties": {
-                                        "index": {"type": "integer"},
-                                        "uuid": {"type": "string"},
-                                        "model": {"type": "string"},
-                                        "memory_mb": {"type": "integer"},
+                                        **GPU_PROPS,
                                         "state": {"type": "string", "enum": ["free", "leased", "down"]},
                                         "lease": {"type": "object"},
                                     },
@@ -177,15 +181,7 @@ def openapi_document() -> dict[str, Any]:
                 "source": {"type": "string", "enum": ["nvml", "simulated"]},
                 "gpus": {
                     "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "index": {"type": "integer"},
-                            "uuid": {"type": "string"},
-                            "model": {"type": "string"},
-                            "memory_mb": {"type": "integer"},
-                        },
-                    },
+                    "items": {"type": "object", "properties": GPU_PROPS},
                 },
             },
         },
