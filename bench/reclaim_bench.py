@@ -601,8 +601,11 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
         example = (await r.lrange(k.samples("f000/0"), -1, -1))[0]
 
         async def share() -> tuple[float, int, str]:
-            n_last, n_busy = await r.hlen(k.last), await r.hlen(k.busy_at)
-            per = (await mem(k.last)) / n_last + (await mem(k.busy_at)) / n_busy
+            # Every per-GPU hash the samples keep: last, busy_at and covered_since.
+            per = 0.0
+            for key in (k.last, k.busy_at, k.covered_since):
+                per += (await mem(key)) / max(1, await r.hlen(key))
+            n_last = await r.hlen(k.last)
             return per, n_last, str(await r.object("encoding", k.last))
 
         async def script_us() -> float:
@@ -798,18 +801,18 @@ def main() -> None:
                 f"[3] one GPU's window: {w['window_length']} entries (window_length with sample_interval "
                 f"{w['sample_interval']:g} s, idle_timeout {w['idle_timeout']:g} s; LLEN {w['llen'][0]}, "
                 f"{w['list_encoding']}, e.g. {w['example_entry']!r}): list {w['list_bytes']:.0f} B + its share of "
-                f"last/busy_at {w['share']:.0f} B = {w['bytes_per_gpu']:.0f} B per GPU "
+                f"last/busy_at/covered_since {w['share']:.0f} B = {w['bytes_per_gpu']:.0f} B per GPU "
                 f"{verdict('window_bytes_per_gpu', w['bytes_per_gpu'])}"
             )
             say(
-                "    last/busy_at share by fleet size: "
+                "    last/busy_at/covered_since share by fleet size: "
                 + ", ".join(f"{g} GPUs {v['bytes']:.0f} B ({v['encoding']})" for g, v in sh.items())
                 + "; (info) samples.lua Redis time per 8-GPU sample: "
                 + ", ".join(f"{g} GPUs {v['script_us']:.0f} us" for g, v in sh.items())
             )
             big = w["max_window_list_bytes"] + w["share"]
             say(
-                f"    (info) at MAX_WINDOW = {w['max_window']} entries (a pool idle_timeout >= "
+                f"    (info) at MAX_WINDOW = {w['max_window']} entries (a server idle_timeout >= "
                 f"{(w['max_window'] - 4) * w['sample_interval']:g} s): list {w['max_window_list_bytes']:.0f} B "
                 f"({w['max_window_encoding']}), {big:.0f} B per GPU {verdict('window_bytes_per_gpu', big)}"
             )
