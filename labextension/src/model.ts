@@ -46,7 +46,9 @@ export const BOARD_EVENTS = [
   'idle_warning',
   'idle_cleared',
   'idle_kept',
-  'reclaimed'
+  'reclaimed',
+  'unleased_use',
+  'unleased_use_ended'
 ];
 
 /** How long to coalesce events before refetching (ms). */
