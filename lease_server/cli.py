@@ -140,6 +140,25 @@ def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes
     return proc, f"127.0.0.1:{port}"
 
 
+def _wait_for_ray(address: str, timeout: float = 180.0) -> None:
+    """Connect one throw-away driver, so that "gpulease is up" means a notebook's first
+    %%gpu_train finds a Ray head that accepts drivers (its first connection can take ~10 s)."""
+    code = (
+        "import logging, ray; "
+        f"ray.init(address={address!r}, log_to_driver=False, logging_level=logging.ERROR, configure_logging=False); "
+        "ray.shutdown()"
+    )
+    with console.status("waiting for the Ray head…"):
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            err_console.print(f"[yellow]the Ray head at {address} did not accept a driver within {timeout:g}s[/]")
+            return
+    if done.returncode != 0:
+        tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        err_console.print(f"[yellow]the Ray head at {address} refused a driver: {tail[0]}[/]")
+
+
 def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
     jupyter = _tool("jupyter")
     try:
@@ -177,7 +196,9 @@ def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(20)
+            # Ray drains for up to 30 s when workers of dead drivers linger; nothing it holds
+            # needs saving, so a short grace then SIGKILL is enough.
+            proc.wait(8)
         except subprocess.TimeoutExpired:
             pass
     try:
@@ -238,6 +259,8 @@ def up(
         if ray:
             ray_proc, settings.ray_address = _start_ray(data_dir, nodes)
             (data_dir / "ray_address").write_text(settings.ray_address + "\n")
+            if ray_proc is not None:
+                _wait_for_ray(settings.ray_address)
         lab_url = ""
         if lab:
             env = {
