@@ -16,9 +16,11 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import hiredis
 import tornado.iostream
 import tornado.web
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection as AsyncConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -51,6 +53,19 @@ def as_lease_error(exc: BaseException | None) -> BaseException | None:
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 
 
+class _HiredisPackConnection(AsyncConnection):
+    """redis-py's asyncio client packs commands in Python (~23 µs for a script call with our 17
+    keys); hiredis does it in ~2 µs. Commands hiredis cannot pack fall back to redis-py."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if isinstance(args[0], str) and " " not in args[0]:
+            try:
+                return [hiredis.pack_command(args)]
+            except (TypeError, ValueError):
+                pass
+        return super().pack_command(*args)  # type: ignore[no-any-return]
+
+
 class Context:
     """Everything a handler needs, built once per process and put in the app's settings."""
 
@@ -66,6 +81,7 @@ class Context:
             max_connections=256,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=3),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            connection_class=_HiredisPackConnection,
         )
         self.store = LeaseStore(self.redis, settings)
         self.auth = Authenticator(self.redis, self.store.keys)
