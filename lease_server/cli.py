@@ -47,6 +47,13 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
+def server_options(fn: Any) -> Any:
+    """--url and --token of the lease server (default: GPULEASE_URL / GPULEASE_TOKEN, else the
+    files gpulease up writes)."""
+    fn = click.option("--token", envvar="GPULEASE_TOKEN", help="API token")(fn)
+    return click.option("--url", envvar="GPULEASE_URL", help="Lease server URL")(fn)
+
+
 @click.group(cls=Group)
 @click.version_option(__version__)
 def main() -> None:
@@ -362,8 +369,7 @@ def _ago(ts: float | None, now: float) -> str:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the raw cluster JSON")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def status(as_json: bool, url: str | None, token: str | None) -> None:
     """Pools, nodes, every GPU with its holder, and the queue."""
     with Client(url, token) as c:
@@ -425,8 +431,7 @@ def status(as_json: bool, url: str | None, token: str | None) -> None:
 @click.option("--ttl", type=float, help="Seconds the lease lives without renewal")
 @click.option("--wait", default=0.0, type=float, help="Seconds to wait in the queue")
 @click.option("--label", default="")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def acquire(
     gpus: int,
@@ -483,8 +488,7 @@ def acquire(
 
 @main.command()
 @click.argument("lease_id")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def release(lease_id: str, url: str | None, token: str | None) -> None:
     """Release a lease (yours; an admin's release of another user's lease revokes it)."""
     with Client(url, token) as c:
@@ -494,8 +498,7 @@ def release(lease_id: str, url: str | None, token: str | None) -> None:
 
 @main.command()
 @click.argument("lease_id")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def keep(lease_id: str, url: str | None, token: str | None) -> None:
     """Answer an idle warning: "I'm still using it" (resets the idle clock; limited per lease)."""
     with Client(url, token) as c:
@@ -506,8 +509,7 @@ def keep(lease_id: str, url: str | None, token: str | None) -> None:
 @main.command()
 @click.argument("lease_id")
 @click.option("--reason", default="")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> None:
     """Revoke anyone's lease (admin)."""
     with Client(url, token) as c:
@@ -518,8 +520,7 @@ def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> No
 @main.command()
 @click.option("--since", default="-", help="Event id to start after")
 @click.option("--limit", default=50, show_default=True)
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def events(since: str, limit: int, url: str | None, token: str | None) -> None:
     """Print the event log as JSON lines."""
     with Client(url, token) as c:
@@ -534,8 +535,7 @@ def simulate() -> None:
 
 @simulate.command("util")
 @click.argument("settings", nargs=-1, required=True, metavar="NODE:GPU=UTIL[,MEM_MB[,PID...]]...")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def simulate_util(settings: tuple[str, ...], url: str | None, token: str | None) -> None:
     """Set what simulated GPUs report, e.g.: gpulease simulate util node-a:0=0 node-a:1=95,30000,4242
 
@@ -577,8 +577,7 @@ def sparkline(values: list[float], top: float = 100.0) -> str:
 
 @reclaim.command("explain")
 @click.argument("lease_id")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def reclaim_explain(lease_id: str, url: str | None, token: str | None) -> None:
     """Why a lease was warned or reclaimed: the policy, the holder's activity, the samples."""
     with Client(url, token) as c:
@@ -623,8 +622,7 @@ def policy() -> None:
 
 
 @policy.command("show")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def policy_show(url: str | None, token: str | None) -> None:
     """Every pool's idle-GPU reclaim policy."""
     with Client(url, token) as c:
@@ -634,8 +632,7 @@ def policy_show(url: str | None, token: str | None) -> None:
 @policy.command("set")
 @click.argument("pool")
 @click.argument("changes", nargs=-1, required=True, metavar="KEY=VALUE...")
-@click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN")
+@server_options
 def policy_set(pool: str, changes: tuple[str, ...], url: str | None, token: str | None) -> None:
     """Change a pool's policy (admin), e.g.: gpulease policy set A100-80GB idle_timeout=900 grace=300"""
     body: dict[str, Any] = {}
