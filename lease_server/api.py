@@ -34,6 +34,7 @@ from .config import Settings
 from .lease import LeaseStore, check_name, new_lease_id, public_lease
 from .openapi import openapi_document
 from .queue import queue_view
+from .reservations import MAX_LIST_SPAN_S, Bookings, parse_time, public_booking
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
@@ -84,6 +85,7 @@ class Context:
             connection_class=_HiredisPackConnection,
         )
         self.store = LeaseStore(self.redis, settings)
+        self.bookings = Bookings(self.store)
         self.auth = Authenticator(self.redis, self.store.keys)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
         self.metrics = metrics.Metrics(self)
@@ -110,9 +112,15 @@ class Context:
         interval = self.settings.sweep_interval
         while True:
             try:
-                expired, down, dropped, _ = await self.store.sweep()
-                if expired or down or dropped:
-                    log.info("sweep: %d leases expired, %d nodes down, %d waiters dropped", expired, down, dropped)
+                expired, down, dropped, _, recalled, _ = await self.store.sweep()
+                if expired or down or dropped or recalled:
+                    log.info(
+                        "sweep: %d leases expired, %d nodes down, %d waiters dropped, %d borrowed leases recalled",
+                        expired,
+                        down,
+                        dropped,
+                        recalled,
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: keep trying, the state is safe in Redis
@@ -133,6 +141,10 @@ class BaseHandler(tornado.web.RequestHandler):
     @property
     def store(self) -> LeaseStore:
         return self.ctx.store
+
+    @property
+    def teams(self) -> tuple[str, ...]:
+        return self.ctx.settings.teams_of(self.identity.user)
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "application/json; charset=utf-8")
@@ -231,6 +243,7 @@ class LeasesHandler(BaseHandler):
             body.get("label"),
             body.get("session"),
             lease_id=self._lease_id,
+            teams=self.teams,
         )
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)
@@ -299,6 +312,86 @@ class RevokeHandler(BaseHandler):
         out = public_lease(ended, with_token=False)
         out["changed"] = changed
         self.reply(out)
+
+
+class ReservationsHandler(BaseHandler):
+    async def post(self) -> None:
+        me = self.identity
+        dry = _flag(self, "dry_run")
+        rec = await self.ctx.bookings.create(me.user, self.body(), admin=me.admin, teams=self.teams, dry_run=dry)
+        if dry:
+            self.reply(rec)
+            return
+        self.set_header("Location", f"{API}/reservations/{rec['id']}")
+        self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams), 201)
+
+    async def get(self) -> None:
+        pool = self.get_query_argument("pool", None)
+        if pool is not None:
+            check_name("pool", pool)
+        now = int(time.time() * 1000)
+        lo = _time_arg(self, "from", now - 86_400_000)
+        hi = _time_arg(self, "to", now + 14 * 86_400_000)
+        if hi <= lo or hi - lo > MAX_LIST_SPAN_S * 1000:
+            raise errors.BadRequest("to must be after from, and at most 366 days later")
+        me = self.identity
+        recs = await self.ctx.bookings.find(pool, lo, hi)
+        self.reply(
+            {
+                "reservations": [
+                    public_booking(r, user=me.user, admin=me.admin, teams=self.teams, lo_ms=lo, hi_ms=hi, now_ms=now)
+                    for r in recs
+                ],
+                "now": now / 1000,
+                "from": lo / 1000,
+                "to": hi / 1000,
+            }
+        )
+
+
+class ReservationHandler(BaseHandler):
+    async def get(self, booking_id: str) -> None:
+        me = self.identity
+        rec = await self.ctx.bookings.get(booking_id)
+        self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
+
+    async def patch(self, booking_id: str) -> None:
+        me = self.identity
+        dry = _flag(self, "dry_run")
+        rec = await self.ctx.bookings.update(
+            booking_id, me.user, self.body(), admin=me.admin, teams=self.teams, dry_run=dry
+        )
+        self.reply(rec if dry else public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
+
+    async def delete(self, booking_id: str) -> None:
+        me = self.identity
+        rec = await self.ctx.bookings.cancel(booking_id, me.user, admin=me.admin, teams=self.teams)
+        self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
+
+
+class ReservationEndHandler(BaseHandler):
+    async def post(self, booking_id: str) -> None:
+        me = self.identity
+        rec = await self.ctx.bookings.end(booking_id, me.user, admin=me.admin, teams=self.teams)
+        self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
+
+
+def _flag(handler: BaseHandler, name: str) -> bool:
+    raw = handler.get_query_argument(name, "false").lower()
+    if raw not in ("1", "0", "true", "false", "yes", "no"):
+        raise errors.BadRequest(f"{name} must be true or false, got {raw!r}")
+    return raw in ("1", "true", "yes")
+
+
+def _time_arg(handler: BaseHandler, name: str, default: int) -> int:
+    raw = handler.get_query_argument(name, None)
+    if raw is None:
+        return default
+    try:
+        value: object = float(raw)
+    except ValueError:
+        value = raw
+    return parse_time(name, value)
 
 
 class AgentHandler(BaseHandler):
@@ -453,7 +546,7 @@ class InfoHandler(BaseHandler):
 
 class WhoAmIHandler(BaseHandler):
     async def get(self) -> None:
-        self.reply({"user": self.identity.user, "role": self.identity.role})
+        self.reply({"user": self.identity.user, "role": self.identity.role, "teams": list(self.teams)})
 
 
 class EventLogHandler(BaseHandler):
@@ -579,6 +672,9 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/renew", RenewHandler),
         (rf"{API}/leases/{lease_id}/revoke", RevokeHandler),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
+        (rf"{API}/reservations", ReservationsHandler),
+        (rf"{API}/reservations/{lease_id}", ReservationHandler),
+        (rf"{API}/reservations/{lease_id}/end", ReservationEndHandler),
         (rf"{API}/policy", PoliciesHandler),
         (rf"{API}/policy/{lease_id}", PolicyHandler),
         (rf"{API}/nodes/{lease_id}/samples", SamplesHandler),

@@ -62,6 +62,8 @@ class Lease:
     ttl: float
     state: str = "active"
     label: str = ""
+    reservation: str = ""  # the booking it is served from, if any
+    borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -77,6 +79,8 @@ class Lease:
             ttl=data["ttl"],
             state=data.get("state", "active"),
             label=data.get("label", ""),
+            reservation=data.get("reservation", ""),
+            borrowed=bool(data.get("borrowed", False)),
             raw=data,
         )
 
@@ -240,6 +244,32 @@ class Client:
 
     def events(self, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
         return self.request("GET", "/api/v1/events/log", params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
+
+    # ---- reservations ----------------------------------------------------------------------------
+
+    def reserve(
+        self, pool: str, gpus: int, start: float | str, end: float | str, *, dry_run: bool = False, **extra: Any
+    ) -> dict[str, Any]:
+        """Book ``gpus`` GPUs of ``pool`` from ``start`` to ``end`` (epoch seconds or ISO 8601 with an
+        offset). ``extra``: owner, note, repeat="weekly", occurrences, colocate. A clash raises
+        :class:`errors.ReservationClash` whose ``details`` name the clashing bookings and suggestions."""
+        body = {"pool": pool, "gpus": gpus, "start": start, "end": end, **extra}
+        params = {"dry_run": "true"} if dry_run else None
+        return self.request("POST", "/api/v1/reservations", json=body, params=params)  # type: ignore[no-any-return]
+
+    def reservations(self, pool: str | None = None, start: float | None = None, end: float | None = None) -> list:
+        params = {k: v for k, v in (("pool", pool), ("from", start), ("to", end)) if v is not None}
+        return self.request("GET", "/api/v1/reservations", params=params)["reservations"]  # type: ignore[no-any-return]
+
+    def change_reservation(self, booking_id: str, **changes: Any) -> dict[str, Any]:
+        return self.request("PATCH", f"/api/v1/reservations/{booking_id}", json=changes)  # type: ignore[no-any-return]
+
+    def cancel_reservation(self, booking_id: str) -> dict[str, Any]:
+        return self.request("DELETE", f"/api/v1/reservations/{booking_id}")  # type: ignore[no-any-return]
+
+    def end_reservation(self, booking_id: str) -> dict[str, Any]:
+        """End the booking's occurrence in force now: its GPUs go back to the pool."""
+        return self.request("POST", f"/api/v1/reservations/{booking_id}/end")  # type: ignore[no-any-return]
 
     def whoami(self) -> dict[str, Any]:
         return self.request("GET", "/api/v1/whoami")  # type: ignore[no-any-return]

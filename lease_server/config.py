@@ -39,6 +39,16 @@ class Settings:
     min_age: float = 120.0  # a lease younger than this is never reclaimed (data loading)
     max_extensions: int = 3  # "I'm still using it" per lease
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
+    # Reservations (bookings of GPUs for a time window)
+    borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
+    no_show_after: float = 900.0  # a booking occurrence unused this long after its start is released
+    on_demand_floor: int = 0  # GPUs of every pool that are never booked, kept for people without a booking
+    booking_history: float = 30 * 86400.0  # seconds past bookings stay listed
+    max_booking_days: float = 31.0  # longest single booking (a weekly one lasts at most 7 days)
+    teams: dict[str, list[str]] = field(default_factory=dict)  # team -> members ([teams] table)
+
+    def teams_of(self, user: str) -> tuple[str, ...]:
+        return tuple(sorted(t for t, members in self.teams.items() if user in members))
 
     def validate(self) -> Settings:
         if self.default_ttl <= 0 or self.max_ttl <= 0:
@@ -58,6 +68,10 @@ class Settings:
                 f"sample_interval ({self.sample_interval}s) must be positive and at most half of "
                 f"idle_timeout ({self.idle_timeout}s), or an idle window holds too few samples"
             )
+        if self.borrow_notice < 0 or self.no_show_after <= 0 or self.on_demand_floor < 0:
+            raise ConfigurationError(
+                "borrow_notice and on_demand_floor must not be negative, and no_show_after must be positive"
+            )
         if self.heartbeat_interval >= self.heartbeat_timeout:
             raise ConfigurationError(
                 f"heartbeat_interval ({self.heartbeat_interval}s) must be below heartbeat_timeout "
@@ -75,13 +89,20 @@ class Settings:
                 data = tomllib.loads(Path(path).read_text())
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigurationError(f"cannot read config file {path}: {exc}") from exc
-            table = data.get("server", {k: v for k, v in data.items() if k not in ("pools", "policy")})
+            table = data.get("server", {k: v for k, v in data.items() if k not in ("pools", "policy", "teams")})
             for key, value in table.items():
                 if key not in names:
                     raise ConfigurationError(f"unknown setting {key!r} in {path}")
                 values[key] = value
             if "pools" in data:
                 values["pool_overrides"] = dict(data["pools"])
+            if "teams" in data:
+                teams = data["teams"]
+                if not isinstance(teams, dict) or not all(
+                    isinstance(m, list) and all(isinstance(u, str) for u in m) for m in teams.values()
+                ):
+                    raise ConfigurationError(f'[teams] in {path} must map team names to lists of users: ml = ["ann"]')
+                values["teams"] = {str(t): list(m) for t, m in teams.items()}
             if "policy" in data:
                 values["policy_overrides"] = {pool: dict(t) for pool, t in data["policy"].items()}
         for name, f in names.items():

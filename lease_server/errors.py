@@ -89,6 +89,17 @@ class LeaseExpired(LeaseEnded):
     code = "lease_expired"
 
 
+class ReservationClash(Conflict):
+    """A booking would over-book its pool (or its node) at some instant; details name the clashing
+    bookings, the most GPUs that would fit, and the nearest windows that would."""
+
+    code = "reservation_clash"
+
+
+class NoSuchReservation(NotFound):
+    code = "no_such_reservation"
+
+
 class NoCapacity(Conflict):
     """Nothing free now (``wait`` was 0) or nothing became free within ``wait`` seconds."""
 

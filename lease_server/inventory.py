@@ -11,6 +11,7 @@ from typing import Any
 from . import errors
 from .keys import NAME_RE
 from .lease import LeaseStore, check_name
+from .reservations import Bookings
 from .scripts import Code, raise_for
 
 MAX_GPUS_PER_NODE = 4096
@@ -144,14 +145,16 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
         inv = json.loads(nodes_raw[name])
         is_up = name in up and alive_at.get(name, -1) / 1000 >= now_s
         free = set(json.loads(free_raw.get(name, "[]")) or [])
-        counts = pools.setdefault(inv["pool"], {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0})
+        counts = pools.setdefault(
+            inv["pool"], {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0, "reserved": 0, "borrowed": 0}
+        )
         counts["nodes"] += 1
         gpus = []
         for g in inv["gpus"]:
             holder = holders.get(f"{name}/{g['index']}")
             lease = leases.get(holder) if holder else None
             if lease is not None:
-                state = "leased"
+                state = "borrowed" if lease.get("borrowed") else "leased"
             elif not is_up:
                 state = "down"
             elif g["index"] in free:
@@ -180,6 +183,12 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
                 if lease.get("reclaim_at"):
                     entry["lease"]["idle_warning"] = True
                     entry["lease"]["reclaim_at"] = lease["reclaim_at"] / 1000
+                if lease.get("resv"):
+                    entry["lease"]["reservation"] = lease["resv"]
+                if lease.get("borrowed"):
+                    entry["lease"]["borrowed"] = True
+                if lease.get("recall_at"):
+                    entry["lease"]["recall_at"] = lease["recall_at"] / 1000
             gpus.append(entry)
         last = alive_at.get(name, -1)
         nodes.append(
@@ -192,4 +201,23 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
                 "gpus": gpus,
             }
         )
+    await _mark_reserved(store, nodes, pools, int(now_s * 1000))
     return {"now": now_s, "nodes": nodes, "pools": pools}
+
+
+async def _mark_reserved(
+    store: LeaseStore, nodes: list[dict[str, Any]], pools: dict[str, dict[str, int]], now_ms: int
+) -> None:
+    """Show as "reserved" the free GPUs that bookings in force still owe their holders: on an
+    all-on-one-node booking's node first, then anywhere in its pool."""
+    for pool, bookings in (await Bookings(store).in_force(now_ms)).items():
+        free = [(n, g) for n in nodes if n["pool"] == pool for g in n["gpus"] if g["state"] == "free"]
+        for r in sorted(bookings, key=lambda r: (not r.get("colocate"), r["start"])):
+            owed = max(0, r["gpus"] - int(r.get("held", 0)))
+            ordered = sorted(free, key=lambda ng: ng[0]["name"] != r.get("node"))
+            for n, g in ordered[:owed]:
+                g["state"] = "reserved"
+                g["reservation"] = {"id": r["id"], "owner": r["owner"], "note": r.get("note", "")}
+                free.remove((n, g))
+                pools[pool]["free"] -= 1
+                pools[pool]["reserved"] += 1

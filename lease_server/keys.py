@@ -24,6 +24,13 @@ without per-node or per-lease keys, state lives in a handful of global structure
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}
 
+Reservations (reservations.py, reserve.lua; part of Keys.core() because dispatch enforces them):
+
+``resv``       hash   reservation id -> JSON booking (times in ms, UTC; weekly repeats are 168 h apart)
+``resv_idx``   zset   lexicographic "pool|id" for every booking, so a pool's bookings are one range
+``resv_due``   zset   reservation id -> ms of its next no-show check (or of its removal, when past)
+``recall``     zset   borrowed lease id -> ms when it is revoked because a booking's holder needs it
+
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
 ``samples:<node>/<index>`` list   the GPU's rolling window of samples "ts_ms,util%,mem_mb"
@@ -119,6 +126,22 @@ class Keys:
         return self._k("grants")
 
     @property
+    def resv(self) -> str:
+        return self._k("resv")
+
+    @property
+    def resv_idx(self) -> str:
+        return self._k("resv_idx")
+
+    @property
+    def resv_due(self) -> str:
+        return self._k("resv_due")
+
+    @property
+    def recall(self) -> str:
+        return self._k("recall")
+
+    @property
     def tokens(self) -> str:
         return self._k("tokens")
 
@@ -170,6 +193,10 @@ class Keys:
             self.events,
             self.grants,
             self.queue_seq,
+            self.resv,
+            self.resv_idx,
+            self.resv_due,
+            self.recall,
         ]
 
     def all(self) -> list[str]:

@@ -71,6 +71,13 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         out["activity"] = rec["activity"]
     if detail and rec.get("idle_evidence"):
         out["idle_evidence"] = rec["idle_evidence"]
+    if rec.get("resv"):
+        out["reservation"] = rec["resv"]
+    if rec.get("borrowed"):
+        out["borrowed"] = True
+    if rec.get("recall_at"):
+        out["recall_at"] = rec["recall_at"] / 1000
+        out["recall_reason"] = rec.get("recall_reason", "")
     if "ended_at" in rec:
         out["ended_at"] = rec["ended_at"] / 1000
         out["end_reason"] = rec.get("end_reason", "")
@@ -137,8 +144,9 @@ class LeaseStore:
             int(s.ended_retention * 1000),
         ]
 
-    async def run(self, name: str, args: list[Any]) -> tuple[Code, list[Any]]:
-        return await self.scripts.call(name, self._core, self._common() + args)
+    async def run(self, name: str, args: list[Any], now_ms: int | None = None) -> tuple[Code, list[Any]]:
+        """Run a lifecycle script; ``now_ms`` is a virtual clock (the simulator), else Redis TIME."""
+        return await self.scripts.call(name, self._core, self._common(now_ms) + args)
 
     async def start(self) -> None:
         await self.notifier.start()
@@ -191,6 +199,7 @@ class LeaseStore:
         *,
         lease_id: str | None = None,
         on_queued: Callable[[int], Awaitable[None] | None] | None = None,
+        teams: tuple[str, ...] | list[str] = (),
     ) -> dict[str, Any]:
         """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
 
@@ -209,7 +218,8 @@ class LeaseStore:
         waiter = self.notifier.expect(lid) if wait_s > 0 else None
         try:
             code, rest = await self.run(
-                "acquire", [lid, user, pool_s, n, int(ttl_s * 1000), int(wait_s * 1000), label_s, session_s]
+                "acquire",
+                [lid, user, pool_s, n, int(ttl_s * 1000), int(wait_s * 1000), label_s, session_s, ",".join(teams)],
             )
             if code is Code.OK:
                 rec = json.loads(rest[0])
@@ -223,9 +233,16 @@ class LeaseStore:
                 )
                 return rec
             if code is Code.BUSY:
+                lent = len(rest) > 1 and int(rest[1]) == 1
+                hint = (
+                    "your booking's GPUs are lent out: pass wait (at least the booking's recall "
+                    "notice) and they are recalled for you"
+                    if lent
+                    else "pass wait (seconds) to queue for them"
+                )
                 raise errors.NoCapacity(
                     f"no node in pool {pool_s!r} has {n} free GPU(s) now (the most free on one node: "
-                    f"{rest[0]}); pass wait (seconds) to queue for them",
+                    f"{rest[0]}); {hint}",
                     pool=pool_s,
                     most_free_on_a_node=int(rest[0]),
                     position=0,
@@ -394,11 +411,13 @@ class LeaseStore:
         return [json.loads(v) for v in await self.redis.hvals(self.keys.leases)]
 
     async def sweep(self, limit: int = 500, now_ms: int | None = None) -> list[int]:
-        """Expire, mark down, drop abandoned waiters, trim; repeat while a batch was full.
+        """Expire, mark down, drop abandoned waiters, trim, revoke recalled borrowed leases, release
+        no-show bookings; repeat while a batch was full.
 
-        Returns [leases expired, nodes marked down, waiters dropped, ended records trimmed].
+        Returns [leases expired, nodes marked down, waiters dropped, ended records trimmed,
+        borrowed leases revoked, booking checks].
         """
-        totals = [0, 0, 0, 0]
+        totals = [0, 0, 0, 0, 0, 0]
         while True:
             _code, rest = await self.scripts.call("sweep", self._core, self._common(now_ms) + [limit, WAITER_GRACE_MS])
             counts = [int(x) for x in rest]

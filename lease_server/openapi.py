@@ -56,6 +56,20 @@ GPU_PROPS = {
     "model": {"type": "string"},
     "memory_mb": {"type": "integer"},
 }
+RESERVATION_ID = {"name": "reservation_id", "in": "path", "required": True, "schema": {"type": "string"}}
+DRY_RUN = {
+    "name": "dry_run",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "boolean"},
+    "description": "Only check: answer {fits, node} or the 409 clash, and store nothing",
+}
+TIME = {
+    "oneOf": [
+        {"type": "number", "description": "epoch seconds"},
+        {"type": "string", "description": "ISO 8601 with a UTC offset, e.g. 2026-11-23T09:00:00+01:00"},
+    ]
+}
 POOL = {"name": "pool", "in": "path", "required": True, "schema": {"type": "string"}}
 NODE = {"name": "node", "in": "path", "required": True, "schema": {"type": "string"}}
 
@@ -186,7 +200,113 @@ def openapi_document() -> dict[str, Any]:
             },
         },
     }
+    schemas["ReservationRequest"] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "pool": {"type": "string"},
+            "gpus": {"type": "integer", "minimum": 1},
+            "start": TIME,
+            "end": TIME,
+            "owner": {"type": "string", "description": 'A user, or "team:NAME" (members share it). Default: you'},
+            "note": {"type": "string", "maxLength": 200},
+            "repeat": {"enum": ["none", "weekly"], "description": "weekly: every 168 h of UTC"},
+            "occurrences": {"type": "integer", "minimum": 1, "maximum": 52},
+            "colocate": {"type": "boolean", "description": "All GPUs on one node (for one multi-GPU lease)"},
+        },
+    }
+    schemas["Reservation"] = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "owner": {"type": "string"},
+            "pool": {"type": "string"},
+            "gpus": {"type": "integer"},
+            "start": num,
+            "end": num,
+            "repeat": {"type": "string"},
+            "occurrences": {"type": "integer"},
+            "colocate": {"type": "boolean"},
+            "node": {"type": "string"},
+            "note": {"type": "string"},
+            "state": {"enum": ["active", "cancelled"]},
+            "held": {"type": "integer", "description": "GPUs its holders lease from it now"},
+            "mine": {"type": "boolean", "description": "The caller may change it"},
+            "instances": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "k": {"type": "integer"},
+                        "start": num,
+                        "end": num,
+                        "state": {"enum": ["upcoming", "active", "released", "past"]},
+                        "used": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+    }
     paths: dict[str, Any] = {
+        "/api/v1/reservations": {
+            "post": _op(
+                "Book GPUs of a pool for a window (409 names clashing bookings and windows that fit)",
+                _json(_ref("Reservation"), "Booked"),
+                400,
+                401,
+                403,
+                404,
+                409,
+                413,
+                422,
+                body=_ref("ReservationRequest"),
+                params=[DRY_RUN],
+                ok_code=201,
+            ),
+            "get": _op(
+                "Everyone's bookings with an occurrence in [from, to) (default: the last day to 14 days ahead)",
+                _json(
+                    {"type": "object", "properties": {"reservations": {"type": "array", "items": _ref("Reservation")}}},
+                    "Bookings",
+                ),
+                400,
+                401,
+                params=[
+                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "from", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "to", "in": "query", "required": False, "schema": {"type": "string"}},
+                ],
+            ),
+        },
+        "/api/v1/reservations/{reservation_id}": {
+            "get": _op("One booking", _json(_ref("Reservation"), "Booking"), 401, 404, params=[RESERVATION_ID]),
+            "patch": _op(
+                "Change a booking (owner, team member or admin; fields not given stay)",
+                _json(_ref("Reservation"), "Changed"),
+                400,
+                401,
+                403,
+                404,
+                409,
+                422,
+                body=_ref("ReservationRequest"),
+                params=[RESERVATION_ID, DRY_RUN],
+            ),
+            "delete": _op(
+                "Cancel a booking", _json(_ref("Reservation"), "Cancelled"), 401, 403, 404, params=[RESERVATION_ID]
+            ),
+        },
+        "/api/v1/reservations/{reservation_id}/end": {
+            "post": _op(
+                "End the occurrence in force now: its GPUs go back to the pool",
+                _json(_ref("Reservation"), "Ended"),
+                401,
+                403,
+                404,
+                409,
+                params=[RESERVATION_ID],
+            )
+        },
         "/api/v1/leases": {
             "post": _op(
                 "Acquire GPUs (waits in the pool's queue up to `wait` seconds)",

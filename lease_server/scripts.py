@@ -34,6 +34,7 @@ class Code(enum.IntEnum):
     REMOVED = 12
     LIMIT = 13
     NOT_DUE = 14
+    CLASH = 15
 
 
 SCRIPT_NAMES = (
@@ -47,6 +48,8 @@ SCRIPT_NAMES = (
     "keep",
     "reclaim",
     "samples",
+    "reserve",
+    "unreserve",
 )
 # Scripts that do not touch lease state: no shared prologue, their own KEYS[] (see their headers).
 STANDALONE = ("samples",)
@@ -103,6 +106,8 @@ def raise_for(code: Code, lease_id: str = "", pool: str = "", extra: Any = None)
         )
     if code is Code.DUPLICATE:
         raise errors.Conflict(f"lease id {lease_id!r} is already in use")
+    if code is Code.CLASH:
+        raise errors.ReservationClash(f"booking {lease_id} clashes with others", **(extra or {}))
     if code is Code.UNKNOWN_NODE:
         raise errors.UnknownNode(f"node {lease_id!r} is not registered: send its inventory first")
     raise errors.GpuLeaseError(f"unexpected script code {code!r}")

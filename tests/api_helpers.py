@@ -28,6 +28,12 @@ LEASE_EVENTS = frozenset(
         "wait_timeout",
         "wait_cancelled",
         "wait_abandoned",
+        "reservation_created",
+        "reservation_changed",
+        "reservation_cancelled",
+        "reservation_ended",
+        "reservation_no_show",
+        "borrow_recalled",
     }
 )
 

@@ -71,7 +71,7 @@ def test_unknown_token_is_401(server: Any, redis_sync: Any) -> None:
     # A real token with a lower-case scheme still works (the scheme is case-insensitive).
     with http(server) as anon:
         resp = anon.get(f"{API}/whoami", headers={"Authorization": f"bearer {server.token('alice')}"})
-        assert resp.status_code == 200 and resp.json() == {"user": "alice", "role": "user"}
+        assert resp.status_code == 200 and resp.json() == {"user": "alice", "role": "user", "teams": []}
 
 
 def test_admin_revokes_another_users_lease(server: Any, redis_sync: Any) -> None:
@@ -166,12 +166,12 @@ def test_only_an_admin_creates_tokens(server: Any, redis_sync: Any) -> None:
     assert redis_sync.hlen(tokens_key) == before + 2
     assert made["token"] not in str(redis_sync.hgetall(tokens_key))  # only the hash is stored
     with http(server, token=made["token"]) as carol:
-        assert carol.get(f"{API}/whoami").json() == {"user": "carol", "role": "user"}
+        assert carol.get(f"{API}/whoami").json() == {"user": "carol", "role": "user", "teams": []}
         lease = _acquire(carol)
         assert lease["user"] == "carol"
         assert_error(carol.post(f"{API}/tokens", json={"user": "x"}), 403, "forbidden")
     with http(server, token=agent_tok) as rack7:
-        assert rack7.get(f"{API}/whoami").json() == {"user": "rack7", "role": "agent"}
+        assert rack7.get(f"{API}/whoami").json() == {"user": "rack7", "role": "agent", "teams": []}
 
 
 def test_agent_token_registers_nodes_but_a_user_token_cannot(server: Any, redis_sync: Any) -> None:

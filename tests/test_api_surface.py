@@ -93,7 +93,10 @@ def test_every_documented_operation_answers(server: Any, openapi: dict[str, Any]
     with http(server, "root", "admin") as admin:
         for path, item in openapi["paths"].items():
             url = (
-                path.replace("{lease_id}", "l-0123456789abcdef").replace("{node}", "n1").replace("{pool}", "A100-80GB")
+                path.replace("{lease_id}", "l-0123456789abcdef")
+                .replace("{node}", "n1")
+                .replace("{pool}", "A100-80GB")
+                .replace("{reservation_id}", "r-0123456789ab")
             )
             for method in (m for m in item if m in METHODS):
                 kwargs: dict[str, Any] = {"json": {}} if method in ("post", "put") else {}

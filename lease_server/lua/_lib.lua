@@ -10,7 +10,9 @@
 --   KEYS[6] = holders    hash node/index -> lease id      KEYS[14] = fence     fencing counter
 --   KEYS[7] = leases     hash id -> live lease JSON       KEYS[15] = events    stream
 --   KEYS[8] = deadlines  zset id -> expires_at ms         KEYS[16] = grants    pub/sub channel name
---                                                        KEYS[17] = queue_seq arrival-order counter
+--   KEYS[18] = resv     hash id -> booking JSON         KEYS[17] = queue_seq arrival-order counter
+--   KEYS[19] = resv_idx lex zset pool|id                 KEYS[20] = resv_due  zset id -> next check ms
+--   KEYS[21] = recall   zset lease id -> revoke ms (a borrowed lease whose booking holder needs it)
 -- Common ARGV:
 --   ARGV[1] = virtual "now" in ms, or "" to use Redis TIME (only the simulator passes a value)
 --   ARGV[2] = approximate maximum length of the event stream
@@ -20,11 +22,13 @@ local K_NODES, K_ALIVE, K_FREE, K_FIT, K_SIZES, K_HOLDERS = KEYS[1], KEYS[2], KE
 local K_LEASES, K_DEADLINES, K_ENDED, K_ENDED_AT = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_QUEUE, K_WAITERS, K_USAGE, K_FENCE, K_EVENTS, K_GRANTS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]
 local K_QUEUE_SEQ = KEYS[17]
+local K_RESV, K_RESV_IDX, K_RESV_DUE, K_RECALL = KEYS[18], KEYS[19], KEYS[20], KEYS[21]
 
 -- Return codes shared with lease_server/scripts.py (Code enum). Keep both in step.
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
-local LIMIT, NOT_DUE = 13, 14
+local LIMIT, NOT_DUE, CLASH = 13, 14, 15
+local WEEK_MS = 7 * 24 * 3600 * 1000
 
 local NOW
 if ARGV[1] ~= '' then
@@ -124,6 +128,183 @@ local function fullest_node(pool)
   return string.match(m, '^[^|]+|%d+|(.+)$')
 end
 
+-- ---- reservations -------------------------------------------------------------------------
+-- A booking r: {id, owner ("alice" | "team:ml"), pool, gpus, start, end (ms, UTC), repeat
+-- ("none" | "weekly": occurrence k is [start + k weeks, end + k weeks), exactly 168 h apart, so
+-- no daylight-saving shift), occurrences, colocate, node, held (GPUs its holders hold now), used
+-- {k: true}, released {k: ms} (no-show or ended early), notice_ms, no_show_ms, state}.
+
+local function resv_of_pool(pool)
+  local out = {}
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_RESV_IDX, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    local raw = redis.call('HGET', K_RESV, string.match(m, '^[^|]+|(.+)$'))
+    if raw then out[#out + 1] = cjson.decode(raw) end
+  end
+  return out
+end
+
+-- Occurrence k of r as [s, e), e cut short where it was released (no-show or ended early).
+local function occ_span(r, k)
+  local s, e = r.start + k * WEEK_MS, r['end'] + k * WEEK_MS
+  local rel = r.released and r.released[tostring(k)]
+  if rel and rel < e then e = math.max(s, rel) end
+  return s, e
+end
+
+-- The occurrences of r that overlap [lo, hi): a list of {k, s, e}.
+local function occs_between(r, lo, hi)
+  local out, first, last = {}, 0, 0
+  if r['repeat'] == 'weekly' then
+    first = math.max(0, math.floor((lo - r['end']) / WEEK_MS))
+    last = math.min(r.occurrences - 1, math.floor((hi - r.start) / WEEK_MS))
+  end
+  for k = first, last do
+    local s, e = occ_span(r, k)
+    if s < hi and lo < e and s < e then out[#out + 1] = {k = k, s = s, e = e} end
+  end
+  return out
+end
+
+-- The occurrence of an active booking r in force at time t, or nil.
+local function occ_at(r, t)
+  if r.state ~= 'active' then return nil end
+  local o = occs_between(r, t, t + 1)[1]
+  return o and o.k
+end
+
+local function team_set(csv)
+  local set = {}
+  for t in string.gmatch(csv or '', '[^,]+') do set[t] = true end
+  return set
+end
+
+local function holds_booking(r, user, teams)
+  if r.owner == user then return true end
+  local t = string.match(r.owner, '^team:(.+)$')
+  return t ~= nil and teams[t] == true
+end
+
+local function save_booking(r)
+  redis.call('HSET', K_RESV, r.id, cjson.encode(r))
+end
+
+-- Bookings of the pool in force now: {r, k, owed = GPUs booked that its holders do not hold}.
+local function active_bookings(pool)
+  local acts, owed = {}, 0
+  for _, r in ipairs(resv_of_pool(pool)) do
+    local k = occ_at(r, NOW)
+    if k then
+      local o = math.max(0, r.gpus - (r.held or 0))
+      acts[#acts + 1] = {r = r, k = k, owed = o}
+      owed = owed + o
+    end
+  end
+  return acts, owed
+end
+
+-- The booking in force that a request of w.gpus by w.user is served from: the user's own before
+-- a team's, and only one with that many GPUs still owed.
+local function booking_for(acts, w)
+  local teams, best = team_set(w.teams), nil
+  for _, a in ipairs(acts) do
+    if a.owed >= w.gpus and holds_booking(a.r, w.user, teams) then
+      if a.r.owner == w.user then return a end
+      best = best or a
+    end
+  end
+  return best
+end
+
+local function pool_free(pool)
+  local total = 0
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    total = total + tonumber(string.match(m, '^[^|]+|(%d+)|'))
+  end
+  return total
+end
+
+-- Put r's next no-show check on resv_due: the first occurrence not yet used or released whose
+-- no-show deadline (its start, or when the booking was made or changed if later, + no_show_ms)
+-- falls inside it. With none left, schedule its removal keep_ms after its last occurrence.
+local function schedule_booking(r)
+  local k = r.check_k or 0
+  local used, released = r.used or {}, r.released or {}
+  while k < r.occurrences do
+    local s, e = occ_span(r, k)
+    local deadline = math.max(s, r.base_at or s) + r.no_show_ms
+    if deadline < e and not used[tostring(k)] and not released[tostring(k)] then
+      r.check_k = k
+      redis.call('ZADD', K_RESV_DUE, deadline, r.id)
+      return
+    end
+    k = k + 1
+  end
+  r.check_k = k
+  redis.call('ZADD', K_RESV_DUE, r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms, r.id)
+end
+
+-- A booking holder's request found no free GPUs: recall (revoke after the booking's notice) the
+-- fewest GPUs of leases not served from a booking -- borrowed ones first, then the newest -- on
+-- the node where that frees w.gpus soonest. Runs once per waiter; returns the node held for it.
+local function recall_for(w, a, pool)
+  if w.recall_node then return w.recall_node end
+  if w.deadline <= NOW then return nil end
+  local r, n = a.r, w.gpus
+  local per = {}
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
+    if not (r.colocate and r.node ~= '' and r.node ~= node) then
+      per[node] = {have = tonumber(cnt), victims = {}}
+    end
+  end
+  local flat = redis.call('HGETALL', K_LEASES)
+  for i = 2, #flat, 2 do
+    local l = cjson.decode(flat[i])
+    local p = per[l.node]
+    if p and l.pool == pool and not l.resv then
+      if l.recall_at then p.have = p.have + #l.gpus else p.victims[#p.victims + 1] = l end
+    end
+  end
+  local best, best_cost, best_list = nil, nil, nil
+  for node, p in pairs(per) do
+    table.sort(p.victims, function(x, y)
+      if (x.borrowed and 1 or 0) ~= (y.borrowed and 1 or 0) then return x.borrowed == true end
+      if x.created_at ~= y.created_at then return x.created_at > y.created_at end
+      return x.id < y.id
+    end)
+    local have, cost, list = p.have, 0, {}
+    for _, l in ipairs(p.victims) do
+      if have >= n then break end
+      list[#list + 1] = l
+      have = have + #l.gpus
+      cost = cost + #l.gpus
+    end
+    if have >= n and (best_cost == nil or cost < best_cost or (cost == best_cost and node < best)) then
+      best, best_cost, best_list = node, cost, list
+    end
+  end
+  if not best then return nil end
+  local due = NOW + (r.notice_ms or 30000)
+  for _, l in ipairs(best_list) do
+    l.borrowed = true
+    l.recall_at = due
+    l.recall_reason = 'recalled for ' .. r.owner .. "'s booking " .. r.id .. ' (' .. r.gpus .. ' GPU(s) of ' ..
+      pool .. '); save your work: the GPUs go back in ' .. math.floor((r.notice_ms or 30000) / 1000) .. ' s'
+    redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
+    redis.call('ZADD', K_RECALL, due, l.id)
+    emit('borrow_recalled', {lease = l.id, user = l.user, pool = pool, node = l.node, reservation = r.id,
+                             owner = r.owner, requested_by = w.user, recall_at = due})
+  end
+  w.recall_node = best
+  local raw = redis.call('HGET', K_WAITERS, w.id)
+  if raw then
+    local stored = cjson.decode(raw)
+    stored.recall_node = best
+    redis.call('HSET', K_WAITERS, w.id, cjson.encode(stored))
+  end
+  return best
+end
+
 local function grant(w, node, taken, rest, old_count)
   local inv = cjson.decode(redis.call('HGET', K_NODES, node))
   local uuid_of = {}
@@ -147,19 +328,35 @@ local function grant(w, node, taken, rest, old_count)
     created_at = NOW, renewed_at = NOW, expires_at = NOW + w.ttl_ms, renewals = 0,
     waited_ms = NOW - w.enqueued_at,
   }
+  if w.booking then
+    local r = w.booking.r
+    lease.resv = r.id
+    r.held = (r.held or 0) + #taken
+    r.used = r.used or {}
+    r.used[tostring(w.booking.k)] = true
+    save_booking(r)
+    w.booking.owed = w.booking.owed - #taken
+  elseif w.borrowed then
+    lease.borrowed = true
+  end
   redis.call('HSET', K_LEASES, w.id, cjson.encode(lease))
   redis.call('ZADD', K_DEADLINES, lease.expires_at, w.id)
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
-                 token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms})
+                 token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
+                 reservation = lease.resv, borrowed = lease.borrowed})
   return lease
 end
 
--- Serve the pool's queue: fair share (least decayed GPU-time first), aged by waiting time x size
--- so large requests cannot starve; the first waiter that cannot be served reserves the node it is
--- closest to filling, and only smaller requests that fit elsewhere are backfilled around it.
+-- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
+-- them); then fair share (least decayed GPU-time first), aged by waiting time x size so large
+-- requests cannot starve. The first waiter that cannot be served holds back one node (a booking
+-- holder: the node where borrowed leases are being recalled for it; anyone else: the node it is
+-- closest to filling), and only smaller requests that fit elsewhere are backfilled around it.
+-- Others may take GPUs that bookings still owe only as *borrowed* leases, recalled on demand.
 local function dispatch(pool)
   local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 64)
   if #members == 0 then return 0 end
+  local acts, owed = active_bookings(pool)
   local order = {}
   for _, m in ipairs(members) do
     local id = string.match(m, '|([^|]+)$')
@@ -168,6 +365,7 @@ local function dispatch(pool)
       local w = cjson.decode(raw)
       w.member = m
       w.key = decayed_usage(pool, w.user) - (NOW - w.enqueued_at) / 1000 * w.gpus
+      if #acts > 0 and booking_for(acts, w) then w.key = -1e300 end
       order[#order + 1] = w
     else
       redis.call('ZREM', K_QUEUE, m)
@@ -181,13 +379,23 @@ local function dispatch(pool)
   local reserved = nil
   local granted = 0
   for _, w in ipairs(order) do
+    local a = #acts > 0 and booking_for(acts, w) or nil
     local node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
     if node then
+      if a then
+        w.booking = a
+        owed = owed - w.gpus
+      elseif owed > 0 and pool_free(pool) - w.gpus < owed then
+        w.borrowed = true
+      end
       grant(w, node, taken, rest, old_count)
       redis.call('ZREM', K_QUEUE, w.member)
       redis.call('HDEL', K_WAITERS, w.id)
       redis.call('PUBLISH', K_GRANTS, w.id)
       granted = granted + 1
+    elseif a then
+      local hold = recall_for(w, a, pool)
+      if reserved == nil then reserved = hold end
     elseif reserved == nil then
       reserved = fullest_node(pool)
     end
@@ -215,6 +423,15 @@ local function end_lease(lease, state, reason, by)
   if inv_raw then set_free(lease.node, lease.pool, free, old_count) end
   redis.call('HDEL', K_LEASES, lease.id)
   redis.call('ZREM', K_DEADLINES, lease.id)
+  redis.call('ZREM', K_RECALL, lease.id)
+  if lease.resv then
+    local rraw = redis.call('HGET', K_RESV, lease.resv)
+    if rraw then
+      local r = cjson.decode(rraw)
+      r.held = math.max(0, (r.held or 0) - #lease.gpus)
+      save_booking(r)
+    end
+  end
   local held_s = (NOW - lease.created_at) / 1000
   local gpu_s = held_s * #lease.gpus
   local ukey = lease.pool .. '|' .. lease.user

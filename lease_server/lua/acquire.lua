@@ -3,7 +3,9 @@
 -- ARGV[5] = lease id (chosen by the caller; it is also the waiter id while queued)
 -- ARGV[6] = user      ARGV[7] = pool      ARGV[8] = gpus (int >= 1)     ARGV[9] = ttl ms
 -- ARGV[10] = wait ms (0: do not queue)   ARGV[11] = label    ARGV[12] = session
--- returns {OK, lease JSON} | {QUEUED, position} | {BUSY, most free GPUs on one node} |
+-- ARGV[13] = the user's teams, comma-separated (a "team:NAME" booking serves its members)
+-- returns {OK, lease JSON} | {QUEUED, position} |
+--         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE}
 local id, user, pool = ARGV[5], ARGV[6], ARGV[7]
 local n, ttl_ms, wait_ms = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
@@ -13,10 +15,12 @@ if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, 
   return {DUPLICATE}
 end
 local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
-           session = ARGV[12], enqueued_at = NOW, deadline = NOW + wait_ms}
+           session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms}
 
--- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one.
-if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1] then
+-- Fast path: nobody is waiting in this pool and no booking is in force, so taking free GPUs
+-- delays no one. (With a booking in force, dispatch decides: served from it, or borrowed.)
+if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1]
+    and #active_bookings(pool) == 0 then
   local node, taken, rest, old_count = allocate(pool, n, nil)
   if node then return {OK, cjson.encode(grant(w, node, taken, rest, old_count))} end
 end
@@ -44,7 +48,9 @@ if wait_ms <= 0 then
   redis.call('HDEL', K_WAITERS, id)
   -- The most free GPUs on one up node of the pool: one lookup, however large the pool.
   local best = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
-  return {BUSY, best and tonumber(string.match(best, '^[^|]+|(%d+)|')) or 0}
+  local acts = active_bookings(pool)
+  local lent = (#acts > 0 and booking_for(acts, w)) and 1 or 0
+  return {BUSY, best and tonumber(string.match(best, '^[^|]+|(%d+)|')) or 0, lent}
 end
 redis.call('SET', K_QUEUE_SEQ, seq)
 local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. pool .. '|', '[' .. member)

@@ -4,9 +4,53 @@
 -- KEYS: Keys.core() (see _lib.lua)
 -- ARGV[5] = most items of each kind handled in this call
 -- ARGV[6] = grace ms after a waiter's own deadline before the sweeper removes it
--- returns {OK, expired, nodes marked down, stale waiters removed, ended records trimmed}
+-- It also revokes borrowed leases whose recall notice ran out, and releases bookings nobody used
+-- within their first no_show_ms (the owner is told through the event log).
+-- returns {OK, expired, nodes marked down, stale waiters removed, ended records trimmed,
+--          borrowed leases revoked, booking checks done}
 local limit, grace = tonumber(ARGV[5]), tonumber(ARGV[6])
-local pools, expired, down, stale, trimmed = {}, 0, 0, 0, 0
+local pools, expired, down, stale, trimmed, recalled, checked = {}, 0, 0, 0, 0, 0, 0
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 0, limit)) do
+  local raw = redis.call('HGET', K_LEASES, id)
+  if raw then
+    local lease = cjson.decode(raw)
+    end_lease(lease, 'revoked', lease.recall_reason or 'recalled for a booking', 'server')
+    pools[lease.pool] = true
+  else
+    redis.call('ZREM', K_RECALL, id)
+  end
+  recalled = recalled + 1
+end
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RESV_DUE, '-inf', NOW, 'LIMIT', 0, limit)) do
+  local raw = redis.call('HGET', K_RESV, id)
+  local r = raw and cjson.decode(raw)
+  if r and r.state == 'active' and (r.check_k or 0) < r.occurrences then
+    local k = r.check_k or 0
+    local s, e = occ_span(r, k)
+    local deadline = math.max(s, r.base_at or s) + r.no_show_ms
+    if deadline <= NOW then
+      r.used, r.released = r.used or {}, r.released or {}
+      if deadline < e and not r.used[tostring(k)] and (r.held or 0) == 0 then
+        r.released[tostring(k)] = NOW
+        emit('reservation_no_show', {id = r.id, owner = r.owner, pool = r.pool, gpus = r.gpus, k = k,
+                                     start = s, ['end'] = e, no_show_ms = r.no_show_ms})
+        pools[r.pool] = true
+      end
+      r.check_k = k + 1
+    end
+    schedule_booking(r)
+    save_booking(r)
+  else
+    redis.call('ZREM', K_RESV_DUE, id)
+    if r then
+      redis.call('HDEL', K_RESV, id)
+      redis.call('ZREM', K_RESV_IDX, r.pool .. '|' .. id)
+    end
+  end
+  checked = checked + 1
+end
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'LIMIT', 0, limit)) do
   local raw = redis.call('HGET', K_LEASES, id)
@@ -47,4 +91,4 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ENDED_AT, '-inf', NOW - RETENT
 end
 
 for pool, _ in pairs(pools) do dispatch(pool) end
-return {OK, expired, down, stale, trimmed}
+return {OK, expired, down, stale, trimmed, recalled, checked}

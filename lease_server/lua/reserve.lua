@@ -1,0 +1,194 @@
+-- reserve.lua: create, change or dry-run a booking, refusing it if at any instant of any of its
+-- occurrences the pool (or, for an all-on-one-node booking, its node) would be over-booked.
+-- Capacity is the pool's GPUs minus the on-demand floor kept for people without a booking.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = "create" | "edit" | "check"
+-- ARGV[6] = the whole booking as JSON, validated by reservations.py: {id, owner, pool, gpus, start,
+--           end, repeat, occurrences, colocate, note, created_by, created_at, notice_ms,
+--           no_show_ms, keep_ms}; for "edit" the changed record, whose run-time fields (held,
+--           used, released) are taken from the stored one
+-- ARGV[7] = on-demand floor (GPUs of the pool that are never booked)
+-- ARGV[8] = for "edit": the revision the change was made against (refused if it moved on)
+-- returns {OK, booking JSON} | {CLASH, report JSON} | {UNKNOWN_POOL} |
+--         {UNSATISFIABLE, bookable GPUs of the pool, largest node} | {DUPLICATE} | {NO_SUCH} |
+--         {STALE} (changed meanwhile) | {ENDED} (cancelled)
+local mode, rec, floor = ARGV[5], cjson.decode(ARGV[6]), tonumber(ARGV[7])
+
+local old
+if mode == 'edit' then
+  local raw = redis.call('HGET', K_RESV, rec.id)
+  if not raw then return {NO_SUCH} end
+  old = cjson.decode(raw)
+  if tostring(old.rev) ~= ARGV[8] then return {STALE} end
+  if old.state ~= 'active' then return {ENDED} end
+elseif mode == 'create' and redis.call('HEXISTS', K_RESV, rec.id) == 1 then
+  return {DUPLICATE}
+end
+
+local pool = rec.pool
+local nodes, total, largest = {}, 0, 0
+for _, m in ipairs(redis.call('ZRANGEBYLEX', K_SIZES, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+  local size, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
+  size = tonumber(size)
+  nodes[#nodes + 1] = {name = node, size = size}
+  total = total + size
+  largest = math.max(largest, size)
+end
+if #nodes == 0 then return {UNKNOWN_POOL} end
+local cap = total - floor
+if rec.gpus > cap or (rec.colocate and rec.gpus > largest) then return {UNSATISFIABLE, cap, largest} end
+
+if old then
+  rec.held, rec.used, rec.released, rec.created_by, rec.created_at = old.held, old.used, old.released,
+    old.created_by, old.created_at
+  if rec.start ~= old.start or rec['end'] ~= old['end'] or rec['repeat'] ~= old['repeat'] then
+    rec.used, rec.released = {}, {}
+  end
+end
+rec.held, rec.used, rec.released = rec.held or 0, rec.used or {}, rec.released or {}
+rec.state = 'active'
+
+local others = {}
+for _, r in ipairs(resv_of_pool(pool)) do
+  if r.id ~= rec.id and r.state == 'active' then others[#others + 1] = r end
+end
+
+-- The most GPUs the bookings in `list` hold at once within [lo, hi), and the ones that overlap.
+local function peak(list, lo, hi)
+  local points, overlapping = {}, {}
+  for _, r in ipairs(list) do
+    for _, o in ipairs(occs_between(r, lo, hi)) do
+      points[#points + 1] = {t = math.max(o.s, lo), d = r.gpus}
+      points[#points + 1] = {t = math.min(o.e, hi), d = -r.gpus}
+      overlapping[#overlapping + 1] = {id = r.id, owner = r.owner, gpus = r.gpus, start = o.s, ['end'] = o.e,
+                                        note = r.note}
+    end
+  end
+  -- ends before starts at the same instant: back-to-back bookings do not overlap
+  table.sort(points, function(a, b)
+    if a.t ~= b.t then return a.t < b.t end
+    return a.d < b.d
+  end)
+  local cur, most = 0, 0
+  for _, p in ipairs(points) do
+    cur = cur + p.d
+    if cur > most then most = cur end
+  end
+  return most, overlapping
+end
+
+-- Whether the booking shifted by `shift` ms fits: returns ok, the smallest room left over its
+-- occurrences, and the clashing bookings of the first occurrence that does not fit.
+local function fits(list, limit, shift)
+  local room, clashes = limit, nil
+  for k = 0, rec.occurrences - 1 do
+    local s, e = occ_span(rec, k)
+    s, e = math.max(s + shift, NOW), e + shift
+    if s < e then
+      local most, overlapping = peak(list, s, e)
+      if limit - most < room then room = limit - most end
+      if most + rec.gpus > limit and not clashes then clashes = overlapping end
+    end
+  end
+  return clashes == nil, room, clashes
+end
+
+local ok, room, clashes = fits(others, cap, 0)
+local node_size
+if ok and rec.colocate then
+  ok = false
+  table.sort(nodes, function(a, b)
+    if a.size ~= b.size then return a.size > b.size end
+    return a.name < b.name
+  end)
+  local prefer = old and old.colocate and old.node or nil
+  if prefer then
+    for i, nd in ipairs(nodes) do
+      if nd.name == prefer then table.remove(nodes, i); table.insert(nodes, 1, nd); break end
+    end
+  end
+  room, clashes = 0, nil
+  for _, nd in ipairs(nodes) do
+    if nd.size >= rec.gpus then
+      local on_node = {}
+      for _, r in ipairs(others) do
+        if r.colocate and r.node == nd.name then on_node[#on_node + 1] = r end
+      end
+      local nd_ok, nd_room, nd_clashes = fits(on_node, nd.size, 0)
+      if nd_ok then ok, rec.node, node_size = true, nd.name, nd.size; break end
+      if nd_room > room then room = nd_room end
+      clashes = clashes or nd_clashes
+    end
+  end
+elseif not rec.colocate then
+  rec.node = ''
+end
+
+if not ok then
+  -- The nearest windows of the same length (and repetition) that fit: try starting where another
+  -- booking ends, or ending where one starts, within a week either side, nearest first.
+  local dur = rec['end'] - rec.start
+  local cands, seen = {}, {}
+  local lo, hi = rec.start - WEEK_MS, rec['end'] + (rec.occurrences - 1) * WEEK_MS + WEEK_MS
+  for _, r in ipairs(others) do
+    for _, o in ipairs(occs_between(r, lo, hi)) do
+      for _, t in ipairs({o.e, o.s - dur}) do
+        local shift = t - rec.start
+        if rec['repeat'] == 'weekly' then
+          shift = ((shift + WEEK_MS / 2) % WEEK_MS) - WEEK_MS / 2
+        end
+        if not seen[shift] and rec.start + shift >= NOW and shift ~= 0 then
+          seen[shift] = true
+          cands[#cands + 1] = shift
+        end
+      end
+    end
+  end
+  table.sort(cands, function(a, b)
+    if math.abs(a) ~= math.abs(b) then return math.abs(a) < math.abs(b) end
+    return a > b
+  end)
+  local suggestions = {}
+  for i = 1, math.min(#cands, 60) do
+    local shift = cands[i]
+    local good = fits(others, cap, shift)
+    if good and rec.colocate then
+      good = false
+      for _, nd in ipairs(nodes) do
+        if nd.size >= rec.gpus then
+          local on_node = {}
+          for _, r in ipairs(others) do
+            if r.colocate and r.node == nd.name then on_node[#on_node + 1] = r end
+          end
+          if fits(on_node, nd.size, shift) then good = true; break end
+        end
+      end
+    end
+    if good then
+      suggestions[#suggestions + 1] = {start = rec.start + shift, ['end'] = rec['end'] + shift}
+      if #suggestions >= 3 then break end
+    end
+  end
+  local report = {clashes = clashes or {}, capacity = cap, reserved = cap - room, max_gpus = math.max(0, room),
+                  suggestions = suggestions, colocate = rec.colocate and true or false}
+  if #report.clashes == 0 then report.clashes = nil end
+  if #suggestions == 0 then report.suggestions = nil end
+  return {CLASH, cjson.encode(report)}
+end
+
+if mode == 'check' then
+  return {OK, cjson.encode({fits = true, node = rec.node, capacity = cap, max_gpus = room})}
+end
+rec.rev = old and (old.rev + 1) or 1
+rec.base_at = NOW
+rec.check_k = 0
+schedule_booking(rec)
+save_booking(rec)
+if old and old.pool ~= pool then redis.call('ZREM', K_RESV_IDX, old.pool .. '|' .. rec.id) end
+redis.call('ZADD', K_RESV_IDX, 0, pool .. '|' .. rec.id)
+emit(old and 'reservation_changed' or 'reservation_created',
+     {id = rec.id, owner = rec.owner, pool = pool, gpus = rec.gpus, start = rec.start, ['end'] = rec['end'],
+      ['repeat'] = rec['repeat'], occurrences = rec.occurrences, node = rec.node, by = rec.changed_by})
+-- A booking that starts now may change who is served first.
+dispatch(pool)
+return {OK, cjson.encode(rec)}

@@ -1,0 +1,37 @@
+-- unreserve.lua: cancel a booking, or end its current occurrence early ("I'm done"), giving its
+-- GPUs back to the pool at once. Only its owner (for a team booking: a member), the person who
+-- made it, or an admin may.
+-- KEYS: Keys.core() (see _lib.lua)
+-- ARGV[5] = booking id   ARGV[6] = "cancel" | "end"   ARGV[7] = user   ARGV[8] = "1" if admin
+-- ARGV[9] = the user's teams, comma-separated
+-- ARGV[10] = ms a cancelled booking stays readable
+-- returns {OK, booking JSON} | {NO_SUCH} | {NOT_OWNER} | {ENDED} (already cancelled) |
+--         {NOT_DUE} ("end" with no occurrence in force)
+local id, mode, user, admin = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local raw = redis.call('HGET', K_RESV, id)
+if not raw then return {NO_SUCH} end
+local r = cjson.decode(raw)
+if admin ~= '1' and r.created_by ~= user and not holds_booking(r, user, team_set(ARGV[9])) then
+  return {NOT_OWNER}
+end
+if r.state ~= 'active' then return {ENDED, raw} end
+r.rev = r.rev + 1
+if mode == 'cancel' then
+  r.state = 'cancelled'
+  r.cancelled_at, r.cancelled_by = NOW, user
+  redis.call('ZREM', K_RESV_IDX, r.pool .. '|' .. id)
+  redis.call('ZADD', K_RESV_DUE, NOW + tonumber(ARGV[10]), id)
+  emit('reservation_cancelled', {id = id, owner = r.owner, pool = r.pool, gpus = r.gpus, by = user})
+else
+  local k = occ_at(r, NOW)
+  if not k then return {NOT_DUE} end
+  r.released = r.released or {}
+  r.released[tostring(k)] = NOW
+  local s, e = occ_span(r, k)
+  emit('reservation_ended', {id = id, owner = r.owner, pool = r.pool, gpus = r.gpus, k = k, start = s,
+                             ['end'] = r['end'] + k * WEEK_MS, ended_at = NOW, by = user})
+  schedule_booking(r)
+end
+save_booking(r)
+dispatch(r.pool)
+return {OK, cjson.encode(r)}

@@ -1,0 +1,453 @@
+"""Reservations: book GPUs of a pool for a time window, enforced by the lease server.
+
+A booking holds capacity over time: at no instant are more GPUs of a pool booked than the pool has,
+minus an on-demand floor. A clash is refused with the clashing bookings and the nearest windows
+that fit (``reserve.lua``, atomic with the write). During its window the holder (a user, or any
+member of a ``team:NAME`` owner) is served from it ahead of the queue; others may use the GPUs it
+does not use only as *borrowed* leases, which are recalled with notice when the holder asks
+(``dispatch`` in ``_lib.lua``). An occurrence nobody uses within ``no_show_after`` is released.
+
+Times are stored in UTC milliseconds. A weekly booking repeats every 168 hours of UTC: it does not
+follow a local clock across a daylight-saving change (the calendar shows it at the shifted local
+time).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from . import errors
+from .keys import NAME_RE
+from .lease import LeaseStore, check_gpus, check_name, check_text
+from .scripts import Code
+
+WEEK_MS = 7 * 24 * 3600 * 1000
+MAX_OCCURRENCES = 52
+MIN_DURATION_S = 60
+MAX_LIST_SPAN_S = 366 * 86400
+# 2000-01-01 .. 2100-01-01: a number outside is a unit mistake (milliseconds, or a duration).
+EPOCH_LOW, EPOCH_HIGH = 946684800, 4102444800
+FIELDS = ("pool", "gpus", "start", "end", "owner", "note", "repeat", "occurrences", "colocate")
+REPEATS = ("none", "weekly")
+
+
+def new_booking_id() -> str:
+    return "r-" + secrets.token_hex(6)
+
+
+def fmt(ms: float) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%a %Y-%m-%d %H:%M UTC")
+
+
+def parse_time(kind: str, value: object) -> int:
+    """Epoch seconds (a number) or ISO 8601 with a UTC offset, to UTC milliseconds."""
+    if isinstance(value, bool) or value is None:
+        raise errors.BadRequest(f"{kind} must be epoch seconds or an ISO 8601 time such as 2026-11-23T09:00:00+01:00")
+    if isinstance(value, (int, float)):
+        if value != value or not EPOCH_LOW <= value <= EPOCH_HIGH:
+            raise errors.BadRequest(f"{kind} must be epoch seconds between 2000 and 2100, got {value!r}")
+        return int(round(value * 1000))
+    if isinstance(value, str):
+        try:
+            when = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise errors.BadRequest(
+                f"{kind} {value!r} is not an ISO 8601 time; write it like 2026-11-23T09:00:00+01:00"
+            ) from None
+        if when.tzinfo is None:
+            raise errors.BadRequest(
+                f"{kind} {value!r} has no UTC offset; add one (Z or +01:00): bookings are stored in UTC"
+            )
+        return parse_time(kind, when.timestamp())
+    raise errors.BadRequest(f"{kind} must be epoch seconds or an ISO 8601 string, got {type(value).__name__}")
+
+
+def check_owner(value: object) -> str:
+    if isinstance(value, str) and value.startswith("team:") and NAME_RE.match(value[5:]):
+        return value
+    if isinstance(value, str) and NAME_RE.match(value):
+        return value
+    raise errors.BadRequest(f'owner must be a user name or "team:NAME", got {value!r}')
+
+
+def occurrences(rec: dict[str, Any], lo_ms: int, hi_ms: int) -> list[tuple[int, int, int]]:
+    """(k, start, end) of the booking's occurrences overlapping [lo, hi), ends cut at a release."""
+    out = []
+    count = rec["occurrences"] if rec.get("repeat") == "weekly" else 1
+    first = max(0, (lo_ms - rec["end"]) // WEEK_MS) if count > 1 else 0
+    last = min(count - 1, (hi_ms - rec["start"]) // WEEK_MS) if count > 1 else 0
+    released = rec.get("released") or {}
+    for k in range(int(first), int(last) + 1):
+        s, e = rec["start"] + k * WEEK_MS, rec["end"] + k * WEEK_MS
+        if str(k) in released:
+            e = max(s, min(e, int(released[str(k)])))
+        if s < hi_ms and lo_ms < e and s < e or (str(k) in released and s < hi_ms and lo_ms <= s):
+            out.append((k, s, e))
+    return out
+
+
+def may_change(rec: dict[str, Any], user: str, *, admin: bool, teams: tuple[str, ...] | list[str]) -> bool:
+    owner = rec["owner"]
+    return admin or user in (owner, rec.get("created_by")) or (owner.startswith("team:") and owner[5:] in teams)
+
+
+def public_booking(
+    rec: dict[str, Any],
+    *,
+    user: str = "",
+    admin: bool = False,
+    teams: tuple[str, ...] | list[str] = (),
+    lo_ms: int | None = None,
+    hi_ms: int | None = None,
+    now_ms: int | None = None,
+) -> dict[str, Any]:
+    """The API's view of a booking: times in epoch seconds, its occurrences within [lo, hi)."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    lo = rec["start"] if lo_ms is None else lo_ms
+    hi = rec["end"] + (rec["occurrences"] - 1) * WEEK_MS if hi_ms is None else hi_ms
+    released = rec.get("released") or {}
+    used = rec.get("used") or {}
+    instances = []
+    for k, s, e in occurrences(rec, lo, hi):
+        nominal_end = rec["end"] + k * WEEK_MS
+        if str(k) in released:
+            state = "released"
+        elif e <= now:
+            state = "past"
+        elif s <= now:
+            state = "active"
+        else:
+            state = "upcoming"
+        inst: dict[str, Any] = {"k": k, "start": s / 1000, "end": nominal_end / 1000, "state": state}
+        inst["used"] = bool(used.get(str(k)))
+        if str(k) in released:
+            inst["released_at"] = int(released[str(k)]) / 1000
+        instances.append(inst)
+    out: dict[str, Any] = {
+        "id": rec["id"],
+        "owner": rec["owner"],
+        "pool": rec["pool"],
+        "gpus": rec["gpus"],
+        "start": rec["start"] / 1000,
+        "end": rec["end"] / 1000,
+        "repeat": rec.get("repeat", "none"),
+        "occurrences": rec["occurrences"],
+        "colocate": bool(rec.get("colocate")),
+        "node": rec.get("node", ""),
+        "note": rec.get("note", ""),
+        "created_by": rec.get("created_by", ""),
+        "created_at": rec.get("created_at", 0) / 1000,
+        "state": rec.get("state", "active"),
+        "held": int(rec.get("held", 0)),
+        "notice": rec.get("notice_ms", 0) / 1000,
+        "no_show_after": rec.get("no_show_ms", 0) / 1000,
+        "rev": rec.get("rev", 0),
+        "mine": may_change(rec, user, admin=admin, teams=teams) if user else False,
+        "instances": instances,
+    }
+    if rec.get("state") == "cancelled":
+        out["cancelled_at"] = rec.get("cancelled_at", 0) / 1000
+        out["cancelled_by"] = rec.get("cancelled_by", "")
+    return out
+
+
+def _clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.ReservationClash:
+    clashes = [
+        {
+            "id": c["id"],
+            "owner": c["owner"],
+            "gpus": c["gpus"],
+            "start": c["start"] / 1000,
+            "end": c["end"] / 1000,
+            "note": c.get("note") or "",
+        }
+        for c in report.get("clashes") or []
+    ]
+    suggestions = [{"start": s["start"] / 1000, "end": s["end"] / 1000} for s in report.get("suggestions") or []]
+    where = f"one node of pool {rec['pool']!r}" if report.get("colocate") else f"pool {rec['pool']!r}"
+    parts = [
+        f"{rec['gpus']} GPU(s) of {where} from {fmt(rec['start'])} to {fmt(rec['end'])}"
+        + (f" (weekly, {rec['occurrences']} times)" if rec.get("repeat") == "weekly" else "")
+        + f" would over-book it: {report['capacity']} can be booked"
+    ]
+    if clashes:
+        seen: dict[str, dict[str, Any]] = {}
+        for c in clashes:
+            seen.setdefault(c["id"], c)
+        parts.append(
+            "it clashes with "
+            + "; ".join(
+                f"{c['owner']}'s {c['gpus']} GPU(s) {fmt(c['start'] * 1000)}-{fmt(c['end'] * 1000)[-9:]}"
+                for c in list(seen.values())[:5]
+            )
+        )
+    hints = []
+    if report.get("max_gpus", 0) > 0:
+        hints.append(f"book at most {report['max_gpus']} GPU(s) then")
+    if suggestions:
+        hints.append(
+            "or move it to "
+            + " or ".join(f"{fmt(s['start'] * 1000)}-{fmt(s['end'] * 1000)[-9:]}" for s in suggestions[:2])
+        )
+    if not hints:
+        hints.append("pick another time")
+    return errors.ReservationClash(
+        ". ".join(parts) + ": " + ", ".join(hints),
+        clashes=clashes,
+        capacity=report["capacity"],
+        reserved=report.get("reserved", 0),
+        max_gpus=report.get("max_gpus", 0),
+        suggestions=suggestions,
+    )
+
+
+class Bookings:
+    """Create, change, cancel, end and list bookings. One per server process."""
+
+    def __init__(self, store: LeaseStore) -> None:
+        self.store = store
+        self.settings = store.settings
+        self.keys = store.keys
+
+    # ---- validation --------------------------------------------------------------------------
+
+    def _spec(self, body: dict[str, Any], base: dict[str, Any] | None, user: str, admin: bool, teams: Any) -> dict:
+        if not isinstance(body, dict):
+            raise errors.BadRequest("the body must be a JSON object with pool, gpus, start and end")
+        unknown = sorted(set(body) - set(FIELDS))
+        if unknown:
+            raise errors.BadRequest(f"unknown field(s) {', '.join(unknown)}; a booking has {', '.join(FIELDS)}")
+        rec: dict[str, Any] = dict(base) if base else {}
+        if base is None:
+            missing = [f for f in ("pool", "gpus", "start", "end") if f not in body]
+            if missing:
+                raise errors.BadRequest(
+                    f"missing field(s) {', '.join(missing)}: a booking needs pool, gpus, start, end"
+                )
+        if "pool" in body:
+            rec["pool"] = check_name("pool", body["pool"])
+        if "gpus" in body:
+            rec["gpus"] = check_gpus(body["gpus"])
+        if "start" in body:
+            rec["start"] = parse_time("start", body["start"])
+        if "end" in body:
+            rec["end"] = parse_time("end", body["end"])
+        if "note" in body or base is None:
+            rec["note"] = check_text("note", body.get("note"))
+        if "repeat" in body or base is None:
+            repeat = body.get("repeat") or "none"
+            if repeat not in REPEATS:
+                raise errors.BadRequest(f'repeat must be "none" or "weekly", got {repeat!r}')
+            rec["repeat"] = repeat
+        if "occurrences" in body or base is None or "repeat" in body:
+            occ = body.get("occurrences", rec.get("occurrences") if rec["repeat"] == "weekly" else None)
+            if occ is None:
+                occ = 1 if rec["repeat"] == "none" else 4
+            if isinstance(occ, bool) or not isinstance(occ, int) or not 1 <= occ <= MAX_OCCURRENCES:
+                raise errors.BadRequest(f"occurrences must be a whole number from 1 to {MAX_OCCURRENCES}, got {occ!r}")
+            if rec["repeat"] == "none" and occ != 1:
+                raise errors.BadRequest('occurrences above 1 need repeat "weekly"')
+            rec["occurrences"] = occ
+        if "colocate" in body or base is None:
+            colocate = body.get("colocate", False)
+            if not isinstance(colocate, bool):
+                raise errors.BadRequest(f"colocate must be true or false, got {colocate!r}")
+            rec["colocate"] = colocate
+        if "owner" in body or base is None:
+            owner = check_owner(body.get("owner") or user)
+            if owner != user and not admin:
+                if not owner.startswith("team:"):
+                    raise errors.Forbidden(f"only an admin may book for another user ({owner}); book as yourself")
+                if owner[5:] not in teams:
+                    raise errors.Forbidden(
+                        f"you are not a member of {owner}; book as yourself, or ask an admin to add you to the team"
+                    )
+            rec["owner"] = owner
+        duration = (rec["end"] - rec["start"]) / 1000
+        if duration < MIN_DURATION_S:
+            raise errors.BadRequest(
+                f"end ({fmt(rec['end'])}) must be at least {MIN_DURATION_S} s after start ({fmt(rec['start'])})"
+            )
+        longest = 7 * 86400 if rec["repeat"] == "weekly" else self.settings.max_booking_days * 86400
+        if duration > longest:
+            raise errors.BadRequest(
+                f"a {'weekly ' if rec['repeat'] == 'weekly' else ''}booking lasts at most {longest / 86400:g} days"
+            )
+        return rec
+
+    # ---- changes -----------------------------------------------------------------------------
+
+    async def create(
+        self,
+        user: str,
+        body: dict[str, Any],
+        *,
+        admin: bool = False,
+        teams: tuple[str, ...] | list[str] = (),
+        dry_run: bool = False,
+        now_ms: int | None = None,
+        booking_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Book; returns the stored record (or, for ``dry_run``, {"fits", "node", ...})."""
+        rec = self._spec(body, None, user, admin, teams)
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        last_end = rec["end"] + (rec["occurrences"] - 1) * WEEK_MS
+        if last_end <= now:
+            raise errors.BadRequest(f"the booking ends in the past ({fmt(last_end)}); book a window that ends later")
+        s = self.settings
+        rec.update(
+            id=booking_id or new_booking_id(),
+            created_by=user,
+            created_at=now,
+            changed_by=user,
+            notice_ms=int(s.borrow_notice * 1000),
+            no_show_ms=int(s.no_show_after * 1000),
+            keep_ms=int(s.booking_history * 1000),
+        )
+        return await self._write("check" if dry_run else "create", rec, "", now_ms)
+
+    async def update(
+        self,
+        booking_id: str,
+        user: str,
+        body: dict[str, Any],
+        *,
+        admin: bool = False,
+        teams: tuple[str, ...] | list[str] = (),
+        dry_run: bool = False,
+        now_ms: int | None = None,
+    ) -> dict[str, Any]:
+        for _ in range(5):
+            old = await self.get(booking_id)
+            if not may_change(old, user, admin=admin, teams=teams):
+                raise errors.NotOwner(f"booking {booking_id} is {old['owner']}'s; only they or an admin may change it")
+            if old.get("state") != "active":
+                raise errors.Conflict(f"booking {booking_id} was cancelled; make a new one")
+            if not body:
+                raise errors.BadRequest(f"nothing to change: send any of {', '.join(FIELDS)}")
+            rec = self._spec(body, dict(old), user, admin, teams)
+            rec["changed_by"] = user
+            try:
+                return await self._write("check" if dry_run else "edit", rec, str(old.get("rev", 0)), now_ms)
+            except errors.StaleToken:
+                continue
+        raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
+
+    async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None) -> dict[str, Any]:
+        code, rest = await self.store.run(
+            "reserve", [mode, json.dumps(rec), self.settings.on_demand_floor, rev], now_ms=now_ms
+        )
+        if code is Code.OK:
+            out: dict[str, Any] = json.loads(rest[0])
+            return out
+        if code is Code.CLASH:
+            raise _clash_error(rec, json.loads(rest[0]))
+        if code is Code.UNKNOWN_POOL:
+            known = ", ".join(sorted(await self.store.pool_sizes())) or "none registered"
+            raise errors.UnknownPool(f"unknown pool {rec['pool']!r}; known pools: {known}", pool=rec["pool"])
+        if code is Code.UNSATISFIABLE:
+            cap, largest = int(rest[0]), int(rest[1])
+            if rec.get("colocate") and rec["gpus"] > largest:
+                raise errors.Unsatisfiable(
+                    f"no node of pool {rec['pool']!r} has {rec['gpus']} GPUs (the largest has {largest}); "
+                    "book without colocate, or fewer GPUs",
+                    largest_node=largest,
+                )
+            floor = self.settings.on_demand_floor
+            kept = f" ({floor} per pool are kept for on-demand use)" if floor else ""
+            raise errors.Unsatisfiable(
+                f"pool {rec['pool']!r} has {cap} GPU(s) that can be booked{kept}; book at most {cap}",
+                capacity=cap,
+            )
+        if code is Code.DUPLICATE:
+            raise errors.Conflict(f"booking id {rec['id']!r} is already in use")
+        if code is Code.NO_SUCH:
+            raise errors.NoSuchReservation(f"no booking {rec['id']!r}")
+        if code is Code.STALE:
+            raise errors.StaleToken(f"booking {rec['id']} changed meanwhile")
+        if code is Code.ENDED:
+            raise errors.Conflict(f"booking {rec['id']} was cancelled; make a new one")
+        raise errors.GpuLeaseError(f"unexpected reply {code!r} from reserve.lua")
+
+    async def cancel(self, booking_id: str, user: str, **kw: Any) -> dict[str, Any]:
+        return await self._unreserve(booking_id, "cancel", user, **kw)
+
+    async def end(self, booking_id: str, user: str, **kw: Any) -> dict[str, Any]:
+        """End the occurrence in force now: its GPUs go back to the pool at once."""
+        return await self._unreserve(booking_id, "end", user, **kw)
+
+    async def _unreserve(
+        self,
+        booking_id: str,
+        mode: str,
+        user: str,
+        *,
+        admin: bool = False,
+        teams: tuple[str, ...] | list[str] = (),
+        now_ms: int | None = None,
+    ) -> dict[str, Any]:
+        check_id(booking_id)
+        code, rest = await self.store.run(
+            "unreserve",
+            [booking_id, mode, user, "1" if admin else "0", ",".join(teams), int(self.settings.ended_retention * 1000)],
+            now_ms=now_ms,
+        )
+        if code in (Code.OK, Code.ENDED):
+            out: dict[str, Any] = json.loads(rest[0])
+            return out
+        if code is Code.NO_SUCH:
+            raise errors.NoSuchReservation(f"no booking {booking_id!r}; list them with GET /api/v1/reservations")
+        if code is Code.NOT_OWNER:
+            raise errors.NotOwner(f"booking {booking_id} is not yours; only its owner or an admin may change it")
+        if code is Code.NOT_DUE:
+            raise errors.Conflict(
+                f"booking {booking_id} is not in force now, so there is nothing to end; cancel it instead"
+            )
+        raise errors.GpuLeaseError(f"unexpected reply {code!r} from unreserve.lua")
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    async def get(self, booking_id: str) -> dict[str, Any]:
+        check_id(booking_id)
+        raw = await self.store.redis.hget(self.keys.resv, booking_id)
+        if raw is None:
+            raise errors.NoSuchReservation(f"no booking {booking_id!r}; list them with GET /api/v1/reservations")
+        out: dict[str, Any] = json.loads(raw)
+        return out
+
+    async def find(
+        self, pool: str | None = None, lo_ms: int | None = None, hi_ms: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Active bookings (of ``pool``) with an occurrence overlapping [lo, hi), by start."""
+        r = self.store.redis
+        members: Any
+        if pool:
+            members = await r.zrangebylex(self.keys.resv_idx, f"[{pool}|", f"({pool}|~")
+        else:
+            members = await r.zrange(self.keys.resv_idx, 0, -1)
+        ids = [m.split("|", 1)[1] for m in members]
+        if not ids:
+            return []
+        recs = [json.loads(raw) for raw in await r.hmget(self.keys.resv, ids) if raw]
+        lo = lo_ms if lo_ms is not None else -(2**62)
+        hi = hi_ms if hi_ms is not None else 2**62
+        return sorted((x for x in recs if occurrences(x, lo, hi)), key=lambda x: (x["start"], x["id"]))
+
+    async def in_force(self, now_ms: int) -> dict[str, list[dict[str, Any]]]:
+        """pool -> bookings with an occurrence in force at ``now_ms`` (not released)."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for rec in await self.find(None, now_ms, now_ms + 1):
+            for k, s, e in occurrences(rec, now_ms, now_ms + 1):
+                if s <= now_ms < e and str(k) not in (rec.get("released") or {}):
+                    out.setdefault(rec["pool"], []).append(rec)
+        return out
+
+
+def check_id(booking_id: object) -> str:
+    if not isinstance(booking_id, str) or not NAME_RE.match(booking_id):
+        raise errors.BadRequest(f"a booking id looks like r-1a2b3c4d5e6f, got {booking_id!r}")
+    return booking_id

@@ -1,0 +1,428 @@
+"""Reservations: clash detection over time (weekly repeats, UTC storage), enforcement (holder served
+first, borrowed leases recalled with notice), no-show release, ending early, teams, bad input.
+
+Everything runs against a real Redis and a real lease server (or LeaseStore on the same Redis where
+a virtual clock is needed to move past a no-show deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from redis.asyncio import Redis as ARedis
+
+from lease_server.inventory import parse_simulate, register
+from lease_server.lease import LeaseStore
+from lease_server.reservations import WEEK_MS, Bookings
+from tests.api_helpers import API, EventWatcher, assert_error, http, unchanged
+from tests.conftest import make_settings
+
+HOUR = 3600
+# A Monday well in the future, 09:00 UTC: clash tests do not depend on today's date.
+MONDAY = datetime(2027, 1, 4, 9, 0, tzinfo=UTC).timestamp()
+
+
+def book(h, pool="A100-80GB", gpus=1, start=MONDAY, hours=2.0, **kw):
+    body = {"pool": pool, "gpus": gpus, "start": start, "end": start + hours * HOUR, **kw}
+    return h.post(f"{API}/reservations", json=body)
+
+
+def test_create_list_get_edit_cancel(server_factory, redis_sync):
+    srv = server_factory()
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        resp = book(alice, gpus=2, start=MONDAY, hours=0, note="paper deadline")
+        assert_error(resp, 400, "bad_request", "at least 60 s after start")
+        resp = alice.post(
+            f"{API}/reservations",
+            json={"pool": "A100-80GB", "gpus": 2, "start": "2027-01-04T10:00:00+01:00", "end": "2027-01-04T12:00Z"},
+        )
+        assert resp.status_code == 201, resp.text
+        r = resp.json()
+        # Stored in UTC: 10:00+01:00 is 09:00 UTC.
+        assert r["start"] == MONDAY and r["end"] == MONDAY + 3 * HOUR
+        assert r["owner"] == "alice" and r["created_by"] == "alice" and r["mine"] is True
+        assert resp.headers["Location"] == f"{API}/reservations/{r['id']}"
+        assert r["instances"] == [
+            {"k": 0, "start": MONDAY, "end": MONDAY + 3 * HOUR, "state": "upcoming", "used": False}
+        ]
+
+        listed = bob.get(f"{API}/reservations", params={"from": MONDAY - HOUR, "to": MONDAY + 5 * HOUR}).json()
+        assert [(x["id"], x["owner"], x["mine"]) for x in listed["reservations"]] == [(r["id"], "alice", False)]
+        assert (
+            bob.get(f"{API}/reservations", params={"pool": "T4-16GB", "from": MONDAY, "to": MONDAY + HOUR}).json()[
+                "reservations"
+            ]
+            == []
+        )
+        # Outside the window: not listed.
+        assert (
+            bob.get(f"{API}/reservations", params={"from": MONDAY + 4 * HOUR, "to": MONDAY + 5 * HOUR}).json()[
+                "reservations"
+            ]
+            == []
+        )
+
+        assert_error(bob.patch(f"{API}/reservations/{r['id']}", json={"gpus": 1}), 403, "not_owner", "alice")
+        assert_error(bob.delete(f"{API}/reservations/{r['id']}"), 403, "not_owner")
+        changed = alice.patch(f"{API}/reservations/{r['id']}", json={"gpus": 3, "note": "more"}).json()
+        assert changed["gpus"] == 3 and changed["note"] == "more" and changed["rev"] == r["rev"] + 1
+        assert changed["start"] == r["start"]
+
+        cancelled = alice.delete(f"{API}/reservations/{r['id']}").json()
+        assert cancelled["state"] == "cancelled" and cancelled["cancelled_by"] == "alice"
+        assert alice.get(f"{API}/reservations/{r['id']}").json()["state"] == "cancelled"
+        assert (
+            alice.get(f"{API}/reservations", params={"from": MONDAY, "to": MONDAY + HOUR}).json()["reservations"] == []
+        )
+        assert_error(alice.get(f"{API}/reservations/r-nosuch"), 404, "no_such_reservation")
+    types = [f["type"] for _id, f in redis_sync.xrange(srv.settings.prefix + ":events")]
+    assert {"reservation_created", "reservation_changed", "reservation_cancelled"} <= set(types)
+
+
+def test_clash_names_bookings_and_suggests_nearest_windows(server_factory):
+    srv = server_factory()  # A100-80GB: n1 = 4 GPUs, n2 = 2 GPUs
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        a = book(alice, gpus=4, start=MONDAY, hours=2).json()
+        resp = book(bob, gpus=3, start=MONDAY + HOUR, hours=2, note="bob's run")
+        body = assert_error(resp, 409, "reservation_clash", "alice", "book at most 2")
+        d = body["details"]
+        assert [c["id"] for c in d["clashes"]] == [a["id"]]
+        assert d["capacity"] == 6 and d["reserved"] == 4 and d["max_gpus"] == 2
+        # Nearest windows of the same length that fit: right after alice's, or ending as hers begins.
+        assert {"start": MONDAY + 2 * HOUR, "end": MONDAY + 4 * HOUR} in d["suggestions"]
+        assert {"start": MONDAY - 2 * HOUR, "end": MONDAY} in d["suggestions"]
+        # Dry run: says whether it fits and stores nothing.
+        assert (
+            bob.post(
+                f"{API}/reservations?dry_run=true",
+                json={"pool": "A100-80GB", "gpus": 2, "start": MONDAY + HOUR, "end": MONDAY + 3 * HOUR},
+            ).json()["fits"]
+            is True
+        )
+        assert (
+            len(bob.get(f"{API}/reservations", params={"from": MONDAY, "to": MONDAY + 9 * HOUR}).json()["reservations"])
+            == 1
+        )
+        # The suggestion fits; back-to-back bookings do not overlap.
+        s = d["suggestions"][0]
+        assert book(bob, gpus=3, start=s["start"], hours=2).status_code == 201
+        assert book(bob, gpus=2, start=MONDAY, hours=2).status_code == 201  # 4 + 2 = 6: exactly full
+        assert_error(book(bob, gpus=1, start=MONDAY + 1.5 * HOUR, hours=0.25), 409, "reservation_clash")
+        # Editing into a clash is refused and changes nothing.
+        assert_error(alice.patch(f"{API}/reservations/{a['id']}", json={"gpus": 5}), 409, "reservation_clash")
+        assert alice.get(f"{API}/reservations/{a['id']}").json()["gpus"] == 4
+        # More than the pool can ever book: 422, not 409.
+        assert_error(book(alice, gpus=7, start=MONDAY + 50 * HOUR), 422, "unsatisfiable", "book at most 6")
+
+
+def test_weekly_repeats_clash_in_later_weeks_and_are_stored_in_utc(server_factory):
+    srv = server_factory()
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        # Every Monday 09:00-11:00 Berlin winter time (08:00 UTC), 4 times, across the DST change of
+        # 2027-03-28: repeats are exactly 168 h apart in UTC.
+        a = alice.post(
+            f"{API}/reservations",
+            json={
+                "pool": "A100-80GB",
+                "gpus": 4,
+                "start": "2027-03-15T09:00:00+01:00",
+                "end": "2027-03-15T11:00:00+01:00",
+                "repeat": "weekly",
+                "occurrences": 4,
+            },
+        ).json()
+        first = datetime(2027, 3, 15, 8, 0, tzinfo=UTC).timestamp()
+        assert a["start"] == first and a["repeat"] == "weekly" and a["occurrences"] == 4
+        assert [i["start"] - first for i in a["instances"]] == [k * WEEK_MS / 1000 for k in range(4)]
+        # Week 3 (after the change) is 08:00-10:00 UTC = 10:00-12:00 Berlin summer time.
+        assert_error(
+            bob.post(
+                f"{API}/reservations",
+                json={
+                    "pool": "A100-80GB",
+                    "gpus": 3,
+                    "start": "2027-03-29T11:00:00+02:00",
+                    "end": "2027-03-29T13:00:00+02:00",
+                },
+            ),
+            409,
+            "reservation_clash",
+        )
+        # Ending at 08:00 UTC (10:00 summer time) touches it without overlapping.
+        assert (
+            bob.post(
+                f"{API}/reservations",
+                json={
+                    "pool": "A100-80GB",
+                    "gpus": 3,
+                    "start": "2027-03-29T08:00:00+02:00",
+                    "end": "2027-03-29T10:00:00+02:00",
+                },
+            ).status_code
+            == 201
+        )
+        # Week 5 is after the last occurrence: free.
+        assert book(bob, gpus=6, start=first + 4 * 7 * 24 * HOUR, hours=2).status_code == 201
+        # A weekly booking clashing only in its third week is refused, naming alice's booking.
+        body = assert_error(
+            book(bob, gpus=3, start=first - 2 * 7 * 24 * HOUR, hours=1, repeat="weekly", occurrences=3),
+            409,
+            "reservation_clash",
+        )
+        assert [c["id"] for c in body["details"]["clashes"]] == [a["id"]]
+        assert body["details"]["clashes"][0]["start"] == first
+        # The weekly suggestion keeps the series weekly and fits every week.
+        for s in body["details"]["suggestions"]:
+            assert s["end"] - s["start"] == HOUR
+
+
+def test_all_on_one_node_bookings_clash_per_node(server_factory):
+    srv = server_factory("n1=4xA100-80GB,n2=4xA100-80GB")
+    with http(srv, "alice") as alice:
+        x = book(alice, gpus=3, colocate=True).json()
+        y = book(alice, gpus=3, colocate=True).json()
+        assert {x["node"], y["node"]} == {"n1", "n2"}
+        # The pool has 2 GPUs left, but no node has 2 left for one co-located booking.
+        body = assert_error(book(alice, gpus=2, colocate=True), 409, "reservation_clash", "one node")
+        assert body["details"]["max_gpus"] == 1
+        assert book(alice, gpus=2).status_code == 201  # spread over nodes it fits
+        assert_error(book(alice, gpus=5, colocate=True, start=MONDAY + 99 * HOUR), 422, "unsatisfiable", "largest")
+
+
+def test_bad_input_is_refused_and_changes_nothing(server_factory, redis_sync):
+    srv = server_factory(teams={"ml": ["alice"]})
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        mine = book(alice, gpus=1).json()
+        base = {"pool": "A100-80GB", "gpus": 1, "start": MONDAY, "end": MONDAY + HOUR}
+        cases = [
+            ({**base, "gpus": -1}, 400, "bad_request", "at least 1"),
+            ({**base, "gpus": "2"}, 400, "bad_request", "whole number"),
+            ({**base, "start": "2027-01-04T09:00:00"}, 400, "bad_request", "no utc offset"),
+            ({**base, "start": "next monday"}, 400, "bad_request", "iso 8601"),
+            ({**base, "start": MONDAY * 1000}, 400, "bad_request", "epoch seconds"),
+            ({**base, "end": MONDAY - HOUR}, 400, "bad_request", "after start"),
+            ({**base, "end": MONDAY + 40 * 24 * HOUR}, 400, "bad_request", "at most 31 days"),
+            ({**base, "repeat": "daily"}, 400, "bad_request", "weekly"),
+            ({**base, "repeat": "weekly", "occurrences": 0}, 400, "bad_request", "occurrences"),
+            ({**base, "occurrences": 3}, 400, "bad_request", "weekly"),
+            ({**base, "colocate": "yes"}, 400, "bad_request", "colocate"),
+            ({**base, "owner": "carol"}, 403, "forbidden", "admin"),
+            ({**base, "owner": "team:ml"}, 403, "forbidden", "not a member"),
+            ({**base, "owner": "team:"}, 400, "bad_request", "owner"),
+            ({**base, "pool": "H100"}, 404, "unknown_pool", "A100-80GB"),
+            ({**base, "start": 1_000_000_000, "end": 1_000_003_600}, 400, "bad_request", "past"),
+            ({**base, "room": 5}, 400, "bad_request", "unknown field"),
+            ({k: v for k, v in base.items() if k != "end"}, 400, "bad_request", "missing"),
+        ]
+        for body, status, code, frag in cases:
+            with unchanged(redis_sync, srv.settings.prefix):
+                assert_error(bob.post(f"{API}/reservations", json=body), status, code, frag)
+        with unchanged(redis_sync, srv.settings.prefix):
+            assert_error(
+                bob.post(f"{API}/reservations", content=b"{not json", headers={"Content-Type": "application/json"}),
+                400,
+                "bad_request",
+                "json",
+            )
+            assert_error(
+                bob.post(f"{API}/reservations", content=b"[" + b"1," * 40_000 + b"1]"), 413, "payload_too_large"
+            )
+            assert_error(bob.patch(f"{API}/reservations/{mine['id']}", json={"gpus": 2}), 403, "not_owner")
+            assert_error(alice.patch(f"{API}/reservations/{mine['id']}", json={"gpus": 0}), 400, "bad_request")
+            assert_error(alice.patch(f"{API}/reservations/{mine['id']}", json={}), 400, "bad_request", "nothing")
+            assert_error(alice.post(f"{API}/reservations/{mine['id']}/end"), 409, "conflict", "not in force")
+            assert_error(alice.get(f"{API}/reservations", params={"from": "soon"}), 400, "bad_request")
+            assert_error(
+                alice.post(f"{API}/reservations?dry_run=maybe", json=base), 400, "bad_request", "true or false"
+            )
+            assert_error(alice.get(f"{API}/reservations/bad%20id"), 404, "not_found")
+            assert_error(http(srv).get(f"{API}/reservations"), 401, "unauthorized")
+
+
+def _wait_event(watcher: EventWatcher, kind: str, timeout: float = 20, **match: object) -> dict:
+    return watcher.wait_for(lambda e: e["type"] == kind and all(e.get(k) == v for k, v in match.items()), timeout, kind)
+
+
+def test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice(server_factory):
+    notice = 1.0
+    srv = server_factory("a=2xA100-80GB", borrow_notice=notice, default_ttl=60)
+    now = time.time()
+    alice_c, bob_c, dave_c = srv.client("alice"), srv.client("bob"), srv.client("dave")
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    with http(srv, "alice") as alice:
+        resp = book(alice, gpus=2, start=now - 1, hours=1)
+        assert resp.status_code == 201, resp.text
+        booking = resp.json()
+        # Nobody else may take booked GPUs except as borrowed leases.
+        b1 = bob_c.acquire(1, ttl=60)
+        b2 = bob_c.acquire(1, ttl=60)
+        assert b1.borrowed and b2.borrowed and not b1.reservation
+        # dave queues first; alice, the holder, still goes ahead of him.
+        dave_result: dict = {}
+
+        def dave_wait() -> None:
+            dave_result["lease"] = dave_c.acquire(1, wait=30, ttl=60)
+
+        t = threading.Thread(target=dave_wait)
+        t.start()
+        _wait_event(watcher, "queued", user="dave")
+        lease = alice_c.acquire(2, wait=20, ttl=60)
+        assert lease.reservation == booking["id"] and not lease.borrowed
+        recalls = [e for e in watcher.events if e["type"] == "borrow_recalled"]
+        assert sorted(e["lease"] for e in recalls) == sorted([b1.id, b2.id])
+        revokes = [_wait_event(watcher, "revoked", lease=b.id) for b in (b1, b2)]
+        grant = _wait_event(watcher, "grant", lease=lease.id)
+        # On the server's clock: revoked no sooner than the notice, and alice waited about the notice.
+        by_lease = sorted(recalls, key=lambda e: e["lease"])
+        for rec, rev in zip(by_lease, sorted(revokes, key=lambda e: e["lease"]), strict=True):
+            assert rev["ts"] - rec["ts"] >= notice - 0.001
+            assert "recalled for alice's booking" in rev["reason"]
+        assert grant["ts"] - recalls[0]["ts"] <= notice + 1.0  # notice + a sweep interval or so
+        assert grant["waited_ms"] / 1000 <= notice + 1.0
+        assert bob_c.get(b1.id)["state"] == "revoked"
+        # dave still waits; when alice releases, he is served.
+        assert "lease" not in dave_result
+        alice_c.release(lease)
+        t.join(20)
+        assert dave_result["lease"].user == "dave" and dave_result["lease"].borrowed
+        got = alice.get(f"{API}/reservations/{booking['id']}").json()
+        assert got["instances"][0]["used"] is True and got["held"] == 0
+
+
+def test_board_shows_reserved_and_borrowed_gpus(server_factory):
+    srv = server_factory("n1=2xA100-80GB,n2=2xA100-80GB")
+    with http(srv, "alice") as alice:
+        booking = book(alice, gpus=2, start=time.time() - 1, hours=1, colocate=True).json()
+        view = alice.get(f"{API}/cluster").json()
+        states = {(n["name"], g["index"]): g["state"] for n in view["nodes"] for g in n["gpus"]}
+        # The co-located booking's node is held back for it; the other node is free for anyone.
+        assert [states[(booking["node"], i)] for i in (0, 1)] == ["reserved", "reserved"]
+        assert sorted(states.values()) == ["free", "free", "reserved", "reserved"]
+        assert view["pools"]["A100-80GB"]["reserved"] == 2 and view["pools"]["A100-80GB"]["free"] == 2
+        bob = srv.client("bob")
+        normal = bob.acquire(2)
+        borrowed = bob.acquire(1)
+        assert not normal.borrowed and borrowed.borrowed
+        view = alice.get(f"{API}/cluster").json()
+        gpus = [g for n in view["nodes"] for g in n["gpus"]]
+        assert sorted(g["state"] for g in gpus) == ["borrowed", "leased", "leased", "reserved"]
+        assert next(g for g in gpus if g["state"] == "borrowed")["lease"]["borrowed"] is True
+        mine = srv.client("alice").acquire(1)
+        assert mine.reservation == booking["id"]
+        view = alice.get(f"{API}/cluster").json()
+        assert view["pools"]["A100-80GB"]["reserved"] == 0  # alice holds 1, bob borrows the other
+
+
+def test_team_booking_serves_its_members(server_factory):
+    srv = server_factory("a=2xA100-80GB", teams={"ml": ["alice", "bob"]})
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        assert bob.get(f"{API}/whoami").json()["teams"] == ["ml"]
+        resp = book(alice, gpus=1, start=time.time() - 1, hours=1, owner="team:ml")
+        assert resp.status_code == 201, resp.text
+        booking = resp.json()
+        lease = srv.client("bob").acquire(1)
+        assert lease.reservation == booking["id"]
+        assert not srv.client("carol").acquire(1).borrowed  # the one unbooked GPU
+        # a team member may end the team's booking
+        ended = bob.post(f"{API}/reservations/{booking['id']}/end").json()
+        assert ended["instances"][0]["state"] == "released"
+
+
+@pytest.fixture
+def store_factory(redis_server, prefix):
+    made: list[tuple[LeaseStore, ARedis]] = []
+
+    async def make(simulate: str, **kw: object) -> LeaseStore:
+        r = ARedis.from_url(redis_server.url, decode_responses=True)
+        st = LeaseStore(r, make_settings(redis_server.url, f"{prefix}v{len(made)}", **kw))
+        for inv in parse_simulate(simulate):
+            await register(st, inv)
+        made.append((st, r))
+        return st
+
+    yield make
+
+
+async def _read(st: LeaseStore) -> list[tuple[str, dict]]:
+    return [(f["type"], json.loads(f["data"])) for _id, f in await st.redis.xrange(st.keys.events)]
+
+
+def test_no_show_releases_the_booking_and_tells_the_owner(store_factory):
+    async def main() -> None:
+        st = await store_factory("a=2xA100-80GB", no_show_after=900)
+        b = Bookings(st)
+        now = int(time.time() * 1000)
+        unused = await b.create(
+            "alice", {"pool": "A100-80GB", "gpus": 1, "start": now / 1000, "end": now / 1000 + 3600}
+        )
+        used = await b.create("bob", {"pool": "A100-80GB", "gpus": 1, "start": now / 1000, "end": now / 1000 + 3600})
+        lease = await st.acquire("bob", 1)
+        assert lease["resv"] == used["id"]
+        await st.release(lease["id"], "bob")
+        # Before the deadline nothing happens; after it, only the unused booking is released.
+        await st.sweep(now_ms=now + 899_000)
+        assert not [e for e in await _read(st) if e[0] == "reservation_no_show"]
+        await st.sweep(now_ms=now + 901_000)
+        shows = [d for t, d in await _read(st) if t == "reservation_no_show"]
+        assert [(d["id"], d["owner"]) for d in shows] == [(unused["id"], "alice")]
+        again = await b.get(unused["id"])
+        assert "0" in again["released"] and "0" not in (await b.get(used["id"])).get("released", {})
+        # Released capacity is no longer owed: a lease taking it is not borrowed.
+        in_force = await b.in_force(now + 902_000)
+        assert [r["id"] for r in in_force.get("A100-80GB", [])] == [used["id"]]
+
+    asyncio.run(main())
+
+
+def test_weekly_no_show_checks_every_occurrence(store_factory):
+    async def main() -> None:
+        st = await store_factory("a=2xA100-80GB", no_show_after=600)
+        b = Bookings(st)
+        now = int(time.time() * 1000)
+        r = await b.create(
+            "alice",
+            {
+                "pool": "A100-80GB",
+                "gpus": 2,
+                "start": now / 1000 + 60,
+                "end": now / 1000 + 3660,
+                "repeat": "weekly",
+                "occurrences": 3,
+            },
+        )
+        for week in range(3):
+            await st.sweep(now_ms=now + week * WEEK_MS + 60_000 + 601_000)
+        rec = await b.get(r["id"])
+        assert sorted(rec["released"]) == ["0", "1", "2"]
+        # Past its last occurrence (and the history kept), the booking is removed.
+        await st.sweep(now_ms=now + 2 * WEEK_MS + 3_660_000 + int(st.settings.booking_history * 1000) + 1)
+        assert await st.redis.hget(st.keys.resv, r["id"]) is None
+        assert await st.redis.zcard(st.keys.resv_idx) == 0
+
+    asyncio.run(main())
+
+
+def test_end_early_gives_gpus_back(server_factory):
+    srv = server_factory("a=1xA100-80GB")
+    with http(srv, "alice") as alice:
+        booking = book(alice, gpus=1, start=time.time() - 1, hours=1).json()
+        assert srv.client("bob").acquire(1).borrowed
+        out = alice.post(f"{API}/reservations/{booking['id']}/end").json()
+        assert out["instances"][0]["state"] == "released"
+        assert_error(alice.post(f"{API}/reservations/{booking['id']}/end"), 409, "conflict", "not in force")
+        # ending is not cancelling: the booking is still listed, its occurrence released
+        listed = alice.get(f"{API}/reservations").json()["reservations"]
+        assert [x["id"] for x in listed] == [booking["id"]]
+
+
+def test_booking_with_datetime_offsets_round_trip():
+    from lease_server.reservations import parse_time
+
+    berlin_winter = parse_time("start", "2027-01-04T10:00:00+01:00")
+    assert berlin_winter == parse_time("start", "2027-01-04T09:00:00Z") == int(MONDAY * 1000)
+    assert parse_time("start", MONDAY) == int(MONDAY * 1000)
+    assert (datetime.fromtimestamp(MONDAY, UTC) + timedelta(weeks=1)).timestamp() * 1000 == MONDAY * 1000 + WEEK_MS
