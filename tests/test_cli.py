@@ -27,8 +27,15 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         view = json.loads(status.stdout)
         assert view["default_pool"] == "A100-80GB" and len(view["nodes"][0]["gpus"]) == 2
 
-        ran = up.run("acquire", "--gpus", "2", "--", sys.executable, "-c",
-                     "import os; print('CVD=' + os.environ['CUDA_VISIBLE_DEVICES'])")
+        ran = up.run(
+            "acquire",
+            "--gpus",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print('CVD=' + os.environ['CUDA_VISIBLE_DEVICES'])",
+        )
         assert ran.returncode == 0, ran.stderr
         assert "CVD=0,1" in ran.stdout
         code = up.run("acquire", "--gpus", "1", "--", sys.executable, "-c", "raise SystemExit(7)")
@@ -55,8 +62,9 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
     again = Up(tmp_path / "home", "--no-ray")
     try:
         assert (again.data / "token").read_text().strip() == token
-        lease = httpx.get(f"http://127.0.0.1:{again.port}/api/v1/leases/{kept_id}",
-                          headers={"Authorization": f"Bearer {token}"}).json()
+        lease = httpx.get(
+            f"http://127.0.0.1:{again.port}/api/v1/leases/{kept_id}", headers={"Authorization": f"Bearer {token}"}
+        ).json()
         assert lease["state"] == "active" and lease["label"] == "keep"
         assert again.run("release", kept_id).returncode == 0
     finally:

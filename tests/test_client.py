@@ -49,8 +49,9 @@ def test_progress_reports_queue_position_while_waiting(server):
         reported.set()
 
     result: dict[str, object] = {}
-    t = threading.Thread(target=lambda: result.update(lease=waiter.acquire(1, pool="T4-16GB", wait=30,
-                                                                           progress=progress)))
+    t = threading.Thread(
+        target=lambda: result.update(lease=waiter.acquire(1, pool="T4-16GB", wait=30, progress=progress))
+    )
     t.start()
     assert reported.wait(15)
     holder.release(held)

@@ -401,8 +401,12 @@ def test_redis_kill_and_restart_under_load_loses_no_acknowledged_lease(tmp_path,
                                 pause.wait(0.01)
                                 continue
                             with lock:
-                                records[lease.id] = {"lease": lease, "state": "granted", "phase": phase[0],
-                                                     "started": started}
+                                records[lease.id] = {
+                                    "lease": lease,
+                                    "state": "granted",
+                                    "phase": phase[0],
+                                    "started": started,
+                                }
                                 grants[phase[0]] += 1
                                 for name, ev in enough.items():
                                     if grants[name] >= 15:

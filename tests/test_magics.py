@@ -177,11 +177,13 @@ def test_interrupt_cancels_the_worker_and_releases(stack, kernel):
 
 
 def test_usage_errors_are_one_clear_line(stack, kernel):
-    for line, expect in [("%gpu_train --bogus x()", "unrecognized arguments"),
-                         ("%%gpu_train --gpus 0\nx = 1", "--gpus must be at least 1"),
-                         ("%%gpu_train --gpus 3\nx = 1", "the largest has 2"),
-                         ("%%gpu_train --pool H100\nx = 1", "unknown pool 'H100'"),
-                         ("%%gpu_train --timeout soon\nx = 1", "--timeout: cannot read duration")]:
+    for line, expect in [
+        ("%gpu_train --bogus x()", "unrecognized arguments"),
+        ("%%gpu_train --gpus 0\nx = 1", "--gpus must be at least 1"),
+        ("%%gpu_train --gpus 3\nx = 1", "the largest has 2"),
+        ("%%gpu_train --pool H100\nx = 1", "unknown pool 'H100'"),
+        ("%%gpu_train --timeout soon\nx = 1", "--timeout: cannot read duration"),
+    ]:
         out = kernel.run(line)
         assert "UsageError: " in text(out) and expect in text(out), (line, out)
         assert len(text(out).strip().splitlines()) == 1, out
@@ -200,8 +202,9 @@ def test_no_lease_server_is_a_usage_error(stack):
 def test_two_notebooks_contend_for_one_gpu(stack):
     first, second = Kernel(stack), Kernel(stack)
     try:
-        m1 = first.start("%%gpu_train --gpus 2\nimport time\nprint('first running', flush=True)\n"
-                         "time.sleep(4)\nwho = 'first'")
+        m1 = first.start(
+            "%%gpu_train --gpus 2\nimport time\nprint('first running', flush=True)\ntime.sleep(4)\nwho = 'first'"
+        )
         first.outputs(m1, until="first running")
         m2 = second.start("%%gpu_train --gpus 1\nwho = 'second'\nprint('second running', flush=True)")
         out2, _ = second.outputs(m2, until="second running", timeout=60)
