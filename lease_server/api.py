@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import __version__, errors, events, inventory, metrics, reclaim
 from .aio import cancel_and_wait
-from .auth import Authenticator, Identity, create_token
+from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
 from .lease import LeaseStore, check_name, new_lease_id, public_lease
 from .openapi import openapi_document
@@ -157,7 +157,8 @@ class BaseHandler(tornado.web.RequestHandler):
         if length is not None and (not length.isdigit() or int(length) > limit):
             raise errors.PayloadTooLarge(f"request body is larger than {limit} bytes; send a small JSON object")
         if not self.public:
-            self.identity = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
+            ident = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
+            self.identity = act_as(ident, self.request.headers.get(ACT_AS_HEADER))
 
     def body(self) -> dict[str, Any]:
         raw = self.request.body

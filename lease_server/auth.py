@@ -19,7 +19,10 @@ from redis.asyncio import Redis
 from . import errors
 from .keys import NAME_RE, Keys
 
-ROLES = ("user", "admin", "agent")
+# proxy: a trusted front end (the Jupyter server extension under JupyterHub) that acts for the
+# logged-in user it names in the X-Gpulease-User header.
+ROLES = ("user", "admin", "agent", "proxy")
+ACT_AS_HEADER = "X-Gpulease-User"
 CACHE_SECONDS = 5.0
 TOKEN_PREFIX = "glt_"
 
@@ -56,6 +59,20 @@ async def delete_tokens(redis: Redis, keys: Keys, user: str) -> int:
     if doomed:
         await redis.hdel(keys.tokens, *doomed)
     return len(doomed)
+
+
+def act_as(ident: Identity, user: str | None) -> Identity:
+    """The identity a request acts with: a proxy token may name the user it acts for."""
+    if user is None:
+        return ident
+    if ident.role != "proxy":
+        raise errors.Forbidden(
+            f"only a proxy token may act for another user ({ACT_AS_HEADER}); "
+            "create one with: gpulease token create NAME --proxy"
+        )
+    if not NAME_RE.match(user):
+        raise errors.BadRequest(f"{ACT_AS_HEADER} must be a user name of letters, digits, '.', '_' or '-'")
+    return Identity(user, "user")
 
 
 class Authenticator:

@@ -673,6 +673,12 @@ def token() -> None:
 @click.argument("name")
 @click.option("--admin", is_flag=True, help="Admin role: may revoke others' leases and create tokens")
 @click.option("--agent", "agent_role", is_flag=True, help="Agent role: may register nodes")
+@click.option(
+    "--proxy",
+    "proxy_role",
+    is_flag=True,
+    help="Proxy role: a trusted front end (the Jupyter extension under JupyterHub) acting for its users",
+)
 @click.option("--redis-url", envvar="GPULEASE_REDIS_URL", help="Write straight into this Redis (bootstrap)")
 @click.option("--prefix", default="gpulease", show_default=True)
 @click.option("--url", envvar="GPULEASE_URL")
@@ -681,15 +687,16 @@ def token_create(
     name: str,
     admin: bool,
     agent_role: bool,
+    proxy_role: bool,
     redis_url: str | None,
     prefix: str,
     url: str | None,
     admin_token: str | None,
 ) -> None:
     """Create a token for user NAME and print it (it is stored only hashed)."""
-    if admin and agent_role:
-        raise click.UsageError("--admin and --agent clash: a token has one role")
-    role = "admin" if admin else "agent" if agent_role else "user"
+    if admin + agent_role + proxy_role > 1:
+        raise click.UsageError("--admin, --agent and --proxy clash: a token has one role")
+    role = "admin" if admin else "agent" if agent_role else "proxy" if proxy_role else "user"
     if redis_url:
         from redis.asyncio import Redis
 

@@ -209,3 +209,24 @@ def test_public_endpoints_need_no_token(server: Any) -> None:
                 assert resp.json()["openapi"].startswith("3.")
             else:
                 assert "gpulease_gpus" in resp.text
+
+
+def test_proxy_token_acts_for_the_user_it_names(server: Any, redis_sync: Any) -> None:
+    """The Jupyter extension under JupyterHub holds one proxy token and names the Hub user per request."""
+    with http(server, "hub", "proxy") as hub, http(server, "alice") as alice:
+        who = hub.get(f"{API}/whoami", headers={"X-Gpulease-User": "ann"}).json()
+        assert who == {"user": "ann", "role": "user", "teams": []}
+        lease = hub.post(f"{API}/leases", json={"gpus": 1}, headers={"X-Gpulease-User": "ann"}).json()
+        assert lease["user"] == "ann"
+        # ann's lease is hers, not the proxy's nor another user's
+        assert_error(hub.delete(f"{API}/leases/{lease['id']}", headers={"X-Gpulease-User": "bob"}), 403, "not_owner")
+        with unchanged(redis_sync, server.settings.prefix):
+            assert_error(
+                alice.get(f"{API}/whoami", headers={"X-Gpulease-User": "ann"}), 403, "forbidden", "proxy token"
+            )
+            assert_error(
+                hub.post(f"{API}/leases", json={"gpus": 1}, headers={"X-Gpulease-User": "ann smith"}),
+                400,
+                "bad_request",
+                "X-Gpulease-User",
+            )
