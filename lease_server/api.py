@@ -224,11 +224,10 @@ class BaseHandler(tornado.web.RequestHandler):
 class LeasesHandler(BaseHandler):
     async def post(self) -> None:
         body = self.body()
-        unknown = set(body) - {"gpus", "pool", "ttl", "wait", "label", "session", "id"}
+        allowed = ("gpus", "gpus_min", "pool", "ttl", "wait", "label", "session", "id", "priority")
+        unknown = set(body) - set(allowed)
         if unknown:
-            raise errors.BadRequest(
-                f"unknown field(s) {sorted(unknown)}; allowed: gpus, pool, ttl, wait, label, session, id"
-            )
+            raise errors.BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {', '.join(allowed)}")
         if "gpus" not in body:
             raise errors.BadRequest('gpus is required, e.g. {"gpus": 1}')
         rid = body.get("id")
@@ -245,6 +244,8 @@ class LeasesHandler(BaseHandler):
             body.get("session"),
             lease_id=self._lease_id,
             teams=self.teams,
+            priority=body.get("priority"),
+            gpus_min=body.get("gpus_min"),
         )
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)

@@ -6,8 +6,12 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigurationError
+
+SCHEDULERS = ("fifo", "fair_share", "priority")
+PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 
 
 @dataclass
@@ -46,6 +50,34 @@ class Settings:
     booking_history: float = 30 * 86400.0  # seconds past bookings stay listed
     max_booking_days: float = 31.0  # longest single booking (a weekly one lasts at most 7 days)
     teams: dict[str, list[str]] = field(default_factory=dict)  # team -> members ([teams] table)
+    # Scheduling: defaults for every pool; a [scheduling.POOL] table overrides them per pool, e.g.
+    # scheduler = "priority", preempt_notice = 60, quota = {"*" = 4, alice = 8, "team:ml" = 12}
+    scheduler: str = "fair_share"  # fifo | fair_share | priority
+    preempt_notice: float = 30.0  # seconds a preemptible lease keeps its GPUs after being preempted
+    idle_weight: float = 1.5  # a held-but-idle GPU-second counts this much in fair share (busy: 1)
+    quota_per_user: int = 0  # GPUs at once per user and pool within quota (0: no quota)
+    # GPU-seconds of fair-share credit per second waited, per GPU asked for: large requests are
+    # not starved, yet a long backlog does not turn fair share into first-come-first-served
+    aging: float = 0.1
+    scheduling: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def sched_table(self, pool: str = "*") -> dict[str, object]:
+        """The scheduling of ``pool`` ("*": the default) as Lua reads it from the sched hash."""
+        base: dict[str, object] = {
+            "scheduler": self.scheduler,
+            "preempt_notice": self.preempt_notice,
+            "idle_weight": self.idle_weight,
+            "aging": self.aging,
+            "quota": {"*": self.quota_per_user} if self.quota_per_user else {},
+        }
+        base.update(self.scheduling.get(pool, {}))
+        return {
+            "scheduler": base["scheduler"],
+            "preempt_notice_ms": int(float(base["preempt_notice"]) * 1000),  # type: ignore[arg-type]
+            "idle_weight": float(base["idle_weight"]),  # type: ignore[arg-type]
+            "aging": float(base["aging"]),  # type: ignore[arg-type]
+            "quota": dict(base["quota"]),  # type: ignore[call-overload]
+        }
 
     def teams_of(self, user: str) -> tuple[str, ...]:
         return tuple(sorted(t for t, members in self.teams.items() if user in members))
@@ -72,6 +104,23 @@ class Settings:
             raise ConfigurationError(
                 "borrow_notice and on_demand_floor must not be negative, and no_show_after must be positive"
             )
+        checks: dict[str, dict[str, Any]] = {"*": {"scheduler": self.scheduler}, **self.scheduling}
+        for pool, table in checks.items():
+            unknown = set(table) - {"scheduler", "preempt_notice", "idle_weight", "quota", "aging"}
+            if unknown:
+                raise ConfigurationError(
+                    f"unknown scheduling setting(s) {sorted(unknown)} for pool {pool}; "
+                    "allowed: scheduler, preempt_notice, idle_weight, quota, aging"
+                )
+            if table.get("scheduler", "fair_share") not in SCHEDULERS:
+                raise ConfigurationError(
+                    f"scheduler of pool {pool} must be one of {', '.join(SCHEDULERS)}, got {table.get('scheduler')!r}"
+                )
+            quota = table.get("quota", {})
+            if not isinstance(quota, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in quota.values()
+            ):
+                raise ConfigurationError(f'quota of pool {pool} must map users, "*" or "team:NAME" to GPU counts')
         if self.heartbeat_interval >= self.heartbeat_timeout:
             raise ConfigurationError(
                 f"heartbeat_interval ({self.heartbeat_interval}s) must be below heartbeat_timeout "
@@ -89,13 +138,16 @@ class Settings:
                 data = tomllib.loads(Path(path).read_text())
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigurationError(f"cannot read config file {path}: {exc}") from exc
-            table = data.get("server", {k: v for k, v in data.items() if k not in ("pools", "policy", "teams")})
+            tables = ("pools", "policy", "teams", "scheduling")
+            table = data.get("server", {k: v for k, v in data.items() if k not in tables})
             for key, value in table.items():
                 if key not in names:
                     raise ConfigurationError(f"unknown setting {key!r} in {path}")
                 values[key] = value
             if "pools" in data:
                 values["pool_overrides"] = dict(data["pools"])
+            if "scheduling" in data:
+                values["scheduling"] = {pool: dict(t) for pool, t in data["scheduling"].items()}
             if "teams" in data:
                 teams = data["teams"]
                 if not isinstance(teams, dict) or not all(

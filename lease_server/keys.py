@@ -31,6 +31,13 @@ Reservations (reservations.py, reserve.lua; part of Keys.core() because dispatch
 ``resv_due``   zset   reservation id -> ms of its next no-show check (or of its removal, when past)
 ``recall``     zset   borrowed lease id -> ms when it is revoked because a booking's holder needs it
 
+Scheduling (part of Keys.core()):
+
+``lease_util`` hash   "<lease id>|n|busy|sum|peak" -> the agent's samples of a live lease's GPUs
+``ledger``     stream one entry per ended lease: who, notebook, cell, pool, GPUs, held, utilization
+``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas)
+``sched``      hash   pool -> JSON {scheduler, quotas, preempt_notice_ms, idle_weight} from the config
+
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
 ``samples:<node>/<index>`` list   the GPU's rolling window of samples "ts_ms,util%,mem_mb"
@@ -142,6 +149,22 @@ class Keys:
         return self._k("recall")
 
     @property
+    def lease_util(self) -> str:
+        return self._k("lease_util")
+
+    @property
+    def ledger(self) -> str:
+        return self._k("ledger")
+
+    @property
+    def held_by(self) -> str:
+        return self._k("held_by")
+
+    @property
+    def sched(self) -> str:
+        return self._k("sched")
+
+    @property
     def tokens(self) -> str:
         return self._k("tokens")
 
@@ -197,6 +220,10 @@ class Keys:
             self.resv_idx,
             self.resv_due,
             self.recall,
+            self.lease_util,
+            self.ledger,
+            self.held_by,
+            self.sched,
         ]
 
     def all(self) -> list[str]:

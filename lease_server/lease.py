@@ -19,7 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from . import errors
-from .config import Settings
+from .config import PRIORITIES, Settings
 from .keys import NAME_RE, Keys
 from .queue import GrantNotifier
 from .scripts import Code, Scripts, raise_for
@@ -73,6 +73,12 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         out["idle_evidence"] = rec["idle_evidence"]
     if rec.get("resv"):
         out["reservation"] = rec["resv"]
+    if rec.get("preemptible"):
+        out["preemptible"] = True
+    if rec.get("elastic"):
+        out["elastic"] = rec["elastic"]
+    if "priority" in rec:
+        out["priority"] = next((k for k, v in PRIORITIES.items() if v == rec["priority"]), str(rec["priority"]))
     if rec.get("borrowed"):
         out["borrowed"] = True
     if rec.get("recall_at"):
@@ -113,14 +119,22 @@ def check_seconds(kind: str, value: object, *, low: float, high: float, default:
     return float(value)
 
 
-def check_gpus(value: object) -> int:
+def check_gpus(value: object, kind: str = "gpus") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.BadRequest(f"gpus must be a whole number of GPUs such as 1 or 2, got {value!r}")
+        raise errors.BadRequest(f"{kind} must be a whole number of GPUs such as 1 or 2, got {value!r}")
     if value < 1:
-        raise errors.BadRequest(f"gpus must be at least 1, got {value}")
+        raise errors.BadRequest(f"{kind} must be at least 1, got {value}")
     if value > MAX_GPUS_PER_REQUEST:
-        raise errors.BadRequest(f"gpus must be at most {MAX_GPUS_PER_REQUEST}, got {value}")
+        raise errors.BadRequest(f"{kind} must be at most {MAX_GPUS_PER_REQUEST}, got {value}")
     return value
+
+
+def check_priority(value: object) -> int:
+    if value is None:
+        return PRIORITIES["normal"]
+    if not isinstance(value, str) or value not in PRIORITIES:
+        raise errors.BadRequest(f"priority must be one of {', '.join(PRIORITIES)}, got {value!r}")
+    return PRIORITIES[value]
 
 
 class LeaseStore:
@@ -149,7 +163,14 @@ class LeaseStore:
         return await self.scripts.call(name, self._core, self._common(now_ms) + args)
 
     async def start(self) -> None:
+        await self.publish_scheduling()
         await self.notifier.start()
+
+    async def publish_scheduling(self) -> None:
+        """Write the configured scheduling of every pool where dispatch (Lua) reads it."""
+        s = self.settings
+        tables: dict[Any, Any] = {pool: json.dumps(s.sched_table(pool)) for pool in ["*", *s.scheduling]}
+        await self.redis.hset(self.keys.sched, mapping=tables)
 
     async def close(self) -> None:
         await self.notifier.stop()
@@ -200,6 +221,8 @@ class LeaseStore:
         lease_id: str | None = None,
         on_queued: Callable[[int], Awaitable[None] | None] | None = None,
         teams: tuple[str, ...] | list[str] = (),
+        priority: object = None,
+        gpus_min: object = None,
     ) -> dict[str, Any]:
         """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
 
@@ -209,6 +232,10 @@ class LeaseStore:
         """
         s = self.settings
         n = check_gpus(gpus)
+        n_min = n if gpus_min is None else check_gpus(gpus_min, "gpus_min")
+        if n_min > n:
+            raise errors.BadRequest(f"gpus_min ({n_min}) must not exceed gpus ({n}): ask for gpus_min..gpus GPUs")
+        prio = check_priority(priority)
         ttl_s = check_seconds("ttl", ttl, low=1, high=s.max_ttl, default=s.default_ttl)
         wait_s = check_seconds("wait", wait, low=0, high=s.max_wait, default=0.0)
         label_s = check_text("label", label)
@@ -219,7 +246,19 @@ class LeaseStore:
         try:
             code, rest = await self.run(
                 "acquire",
-                [lid, user, pool_s, n, int(ttl_s * 1000), int(wait_s * 1000), label_s, session_s, ",".join(teams)],
+                [
+                    lid,
+                    user,
+                    pool_s,
+                    n,
+                    int(ttl_s * 1000),
+                    int(wait_s * 1000),
+                    label_s,
+                    session_s,
+                    ",".join(teams),
+                    prio,
+                    n_min,
+                ],
             )
             if code is Code.OK:
                 rec = json.loads(rest[0])

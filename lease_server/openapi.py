@@ -88,6 +88,16 @@ def openapi_document() -> dict[str, Any]:
             "additionalProperties": False,
             "properties": {
                 "gpus": {"type": "integer", "minimum": 1, "maximum": 1024},
+                "gpus_min": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "Elastic request: granted as many as one node has free, from gpus_min to gpus",
+                },
+                "priority": {
+                    "enum": ["low", "normal", "high"],
+                    "description": "Priority class (the priority scheduler serves higher classes first; a request "
+                    "may preempt only preemptible leases of no higher class)",
+                },
                 "pool": {"type": "string", "description": "Default: the server's default GPU pool"},
                 "ttl": {"type": "number", "minimum": 1, "description": "Seconds the lease lives unless renewed"},
                 "wait": {

@@ -156,7 +156,7 @@ async def record_samples(
         node,
         int(store.settings.sample_interval * 3000),  # a longer gap breaks the coverage
     ]
-    keys = [k.last, k.busy_at, k.holders, k.unleased, k.events, k.covered_since]
+    keys = [k.last, k.busy_at, k.holders, k.unleased, k.events, k.covered_since, k.lease_util]
     for g in gpus:
         keys.append(k.samples(f"{node}/{g['index']}"))
         args += [

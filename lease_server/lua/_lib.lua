@@ -13,6 +13,8 @@
 --   KEYS[18] = resv     hash id -> booking JSON         KEYS[17] = queue_seq arrival-order counter
 --   KEYS[19] = resv_idx lex zset pool|id                 KEYS[20] = resv_due  zset id -> next check ms
 --   KEYS[21] = recall   zset lease id -> revoke ms (a borrowed lease whose booking holder needs it)
+--   KEYS[22] = lease_util hash id|n|busy|sum|peak        KEYS[23] = ledger    stream of ended leases
+--   KEYS[24] = held_by  hash pool|user -> GPUs held      KEYS[25] = sched     hash pool -> scheduling JSON
 -- Common ARGV:
 --   ARGV[1] = virtual "now" in ms, or "" to use Redis TIME (only the simulator passes a value)
 --   ARGV[2] = approximate maximum length of the event stream
@@ -23,6 +25,7 @@ local K_LEASES, K_DEADLINES, K_ENDED, K_ENDED_AT = KEYS[7], KEYS[8], KEYS[9], KE
 local K_QUEUE, K_WAITERS, K_USAGE, K_FENCE, K_EVENTS, K_GRANTS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]
 local K_QUEUE_SEQ = KEYS[17]
 local K_RESV, K_RESV_IDX, K_RESV_DUE, K_RECALL = KEYS[18], KEYS[19], KEYS[20], KEYS[21]
+local K_LEASE_UTIL, K_LEDGER, K_HELD_BY, K_SCHED = KEYS[22], KEYS[23], KEYS[24], KEYS[25]
 
 -- Return codes shared with lease_server/scripts.py (Code enum). Keep both in step.
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
@@ -85,11 +88,23 @@ local function mark_down(node, why)
   emit('node_down', {node = node, pool = inv.pool, reason = why})
 end
 
+-- A user's standing in fair share: GPU-seconds used in the pool, decayed with the half-life,
+-- plus those of the leases running now (u.r GPUs since u.t), so a user who holds many GPUs
+-- right now is behind one who holds none, before any of those leases ends.
 local function decayed_usage(pool, user)
   local raw = redis.call('HGET', K_USAGE, pool .. '|' .. user)
   if not raw then return 0 end
   local u = cjson.decode(raw)
-  return u.v * math.pow(0.5, (NOW - u.t) / HALF_LIFE_MS)
+  return u.v * math.pow(0.5, (NOW - u.t) / HALF_LIFE_MS) + (u.r or 0) * (NOW - u.t) / 1000
+end
+
+-- Fold the time since the last change into the usage, add `extra` GPU-seconds, change the GPUs
+-- running by dr.
+local function touch_usage(pool, user, dr, extra)
+  local raw = redis.call('HGET', K_USAGE, pool .. '|' .. user)
+  local r = raw and (cjson.decode(raw).r or 0) or 0
+  redis.call('HSET', K_USAGE, pool .. '|' .. user,
+             cjson.encode({v = decayed_usage(pool, user) + extra, t = NOW, r = math.max(0, r + dr)}))
 end
 
 -- Best fit: the up node of the pool with the fewest free GPUs that still has n, skipping `exclude`
@@ -243,17 +258,18 @@ local function schedule_booking(r)
   redis.call('ZADD', K_RESV_DUE, r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms, r.id)
 end
 
--- A booking holder's request found no free GPUs: recall (revoke after the booking's notice) the
--- fewest GPUs of leases not served from a booking -- borrowed ones first, then the newest -- on
--- the node where that frees w.gpus soonest. Runs once per waiter; returns the node held for it.
-local function recall_for(w, a, pool)
+-- Waiter w (wanting n GPUs) found none free: recall -- revoke after notice_ms -- leases that
+-- rank(l) accepts (it returns a number, lower recalled first, or nil), fewest GPU-seconds of lost
+-- work first, on the node where that frees n GPUs at the least cost (only `only_node` if given).
+-- Leases already being recalled count as coming free. Runs once per waiter; returns the node
+-- held for it, or nil when no node can be freed that way.
+local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
   if w.recall_node then return w.recall_node end
   if w.deadline <= NOW then return nil end
-  local r, n = a.r, w.gpus
   local per = {}
   for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
     local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
-    if not (r.colocate and r.node ~= '' and r.node ~= node) then
+    if not only_node or only_node == '' or only_node == node then
       per[node] = {have = tonumber(cnt), victims = {}}
     end
   end
@@ -261,15 +277,23 @@ local function recall_for(w, a, pool)
   for i = 2, #flat, 2 do
     local l = cjson.decode(flat[i])
     local p = per[l.node]
-    if p and l.pool == pool and not l.resv then
-      if l.recall_at then p.have = p.have + #l.gpus else p.victims[#p.victims + 1] = l end
+    if p and l.pool == pool then
+      if l.recall_at then
+        p.have = p.have + #l.gpus
+      else
+        local r = rank(l)
+        if r then
+          l.rank, l.lost = r, (NOW - l.created_at) * #l.gpus
+          p.victims[#p.victims + 1] = l
+        end
+      end
     end
   end
   local best, best_cost, best_list = nil, nil, nil
   for node, p in pairs(per) do
     table.sort(p.victims, function(x, y)
-      if (x.borrowed and 1 or 0) ~= (y.borrowed and 1 or 0) then return x.borrowed == true end
-      if x.created_at ~= y.created_at then return x.created_at > y.created_at end
+      if x.rank ~= y.rank then return x.rank < y.rank end
+      if x.lost ~= y.lost then return x.lost < y.lost end
       return x.id < y.id
     end)
     local have, cost, list = p.have, 0, {}
@@ -277,23 +301,25 @@ local function recall_for(w, a, pool)
       if have >= n then break end
       list[#list + 1] = l
       have = have + #l.gpus
-      cost = cost + #l.gpus
+      cost = cost + l.lost
     end
     if have >= n and (best_cost == nil or cost < best_cost or (cost == best_cost and node < best)) then
       best, best_cost, best_list = node, cost, list
     end
   end
   if not best then return nil end
-  local due = NOW + (r.notice_ms or 30000)
+  local due = NOW + notice_ms
   for _, l in ipairs(best_list) do
-    l.borrowed = true
+    l.rank, l.lost = nil, nil
+    if kind == 'borrow_recalled' then l.borrowed = true end
     l.recall_at = due
-    l.recall_reason = 'recalled for ' .. r.owner .. "'s booking " .. r.id .. ' (' .. r.gpus .. ' GPU(s) of ' ..
-      pool .. '); save your work: the GPUs go back in ' .. math.floor((r.notice_ms or 30000) / 1000) .. ' s'
+    l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
     redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
     redis.call('ZADD', K_RECALL, due, l.id)
-    emit('borrow_recalled', {lease = l.id, user = l.user, pool = pool, node = l.node, reservation = r.id,
-                             owner = r.owner, requested_by = w.user, recall_at = due})
+    local ev = {lease = l.id, user = l.user, pool = pool, node = l.node, requested_by = w.user, recall_at = due,
+                reason = l.recall_reason}
+    for k, v in pairs(extra) do ev[k] = v end
+    emit(kind, ev)
   end
   w.recall_node = best
   local raw = redis.call('HGET', K_WAITERS, w.id)
@@ -303,6 +329,73 @@ local function recall_for(w, a, pool)
     redis.call('HSET', K_WAITERS, w.id, cjson.encode(stored))
   end
   return best
+end
+
+-- A booking holder's request: recall leases not served from a booking, borrowed ones first.
+local function recall_for_booking(w, a, pool)
+  local r = a.r
+  local function rank(l)
+    if l.resv then return nil end
+    return l.borrowed and 0 or 1
+  end
+  local why = 'recalled for ' .. r.owner .. "'s booking " .. r.id .. ' (' .. r.gpus .. ' GPU(s) of ' .. pool .. ')'
+  return recall(w, pool, w.gpus, r.colocate and r.node or nil, rank, r.notice_ms or 30000, 'borrow_recalled', why,
+                {reservation = r.id, owner = r.owner})
+end
+
+-- ---- scheduling ---------------------------------------------------------------------------
+-- A pool's scheduling, written by the server from its config: {scheduler = "fifo" | "fair_share"
+-- | "priority", quota = {user = GPUs, ["*"] = per-user default, ["team:NAME"] = GPUs},
+-- preempt_notice_ms, idle_weight (how much a held-but-idle GPU-second counts in fair share)}.
+local SCHED_CACHE = {}
+local function sched_of(pool)
+  local c = SCHED_CACHE[pool]
+  if c then return c end
+  local raw = redis.call('HGET', K_SCHED, pool) or redis.call('HGET', K_SCHED, '*')
+  c = raw and cjson.decode(raw) or {}
+  c.scheduler = c.scheduler or 'fair_share'
+  c.quota = c.quota or {}
+  c.preempt_notice_ms = c.preempt_notice_ms or 30000
+  c.idle_weight = c.idle_weight or 1
+  c.aging = c.aging or 0.1
+  SCHED_CACHE[pool] = c
+  return c
+end
+
+-- Whether k more GPUs keep the request's user, and each of its teams, within their quota of the
+-- pool. Preemptible leases do not count against a quota.
+local function within_quota(w, pool, k)
+  local q = sched_of(pool).quota
+  local lim = q[w.user] or q['*']
+  if lim and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|' .. w.user) or '0') + k > lim then return false end
+  for t in string.gmatch(w.teams or '', '[^,]+') do
+    local tl = q['team:' .. t]
+    if tl and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|team:' .. t) or '0') + k > tl then return false end
+  end
+  return true
+end
+
+local function count_held(lease, sign)
+  local k = sign * #lease.gpus
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|' .. lease.user, k)
+  for t in string.gmatch(lease.teams or '', '[^,]+') do
+    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|team:' .. t, k)
+  end
+end
+
+-- An elastic request (gpus_min < gpus) takes as many as one up node has free now, between its
+-- minimum and maximum; any other request exactly its count.
+local function allocate_for(w, pool, exclude)
+  local lo = w.gpus_min or w.gpus
+  if lo >= w.gpus then return allocate(pool, w.gpus, exclude) end
+  for _, m in ipairs(redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 2)) do
+    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
+    cnt = tonumber(cnt)
+    if node ~= exclude and cnt >= lo then
+      return allocate(pool, math.min(cnt, w.gpus), exclude)
+    end
+  end
+  return nil
 end
 
 local function grant(w, node, taken, rest, old_count)
@@ -339,24 +432,38 @@ local function grant(w, node, taken, rest, old_count)
   elseif w.borrowed then
     lease.borrowed = true
   end
+  lease.teams, lease.priority = w.teams, w.priority or 1
+  if (w.gpus_min or w.gpus) < w.gpus then lease.elastic = {min = w.gpus_min, max = w.gpus} end
+  touch_usage(w.pool, w.user, #taken, 0)
+  if w.booking then
+    -- served from a booking: booked GPUs do not count against a quota
+  elseif not within_quota(w, w.pool, #taken) then
+    lease.preemptible = true
+  else
+    count_held(lease, 1)
+  end
   redis.call('HSET', K_LEASES, w.id, cjson.encode(lease))
   redis.call('ZADD', K_DEADLINES, lease.expires_at, w.id)
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
                  token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
-                 reservation = lease.resv, borrowed = lease.borrowed})
+                 reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
+                 priority = lease.priority})
   return lease
 end
 
 -- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
--- them); then fair share (least decayed GPU-time first), aged by waiting time x size so large
--- requests cannot starve. The first waiter that cannot be served holds back one node (a booking
--- holder: the node where borrowed leases are being recalled for it; anyone else: the node it is
--- closest to filling), and only smaller requests that fit elsewhere are backfilled around it.
--- Others may take GPUs that bookings still owe only as *borrowed* leases, recalled on demand.
+-- them); then the pool's scheduler: "fair_share" (least decayed GPU-time first, aged by waiting
+-- time x size so large requests cannot starve), "priority" (priority class first, fair share
+-- within a class) or "fifo" (arrival order). The first waiter that cannot be served holds back
+-- one node (the node where leases are being recalled for it, or the one it is closest to
+-- filling), and only smaller requests that fit elsewhere are backfilled around it. Others may
+-- take GPUs that bookings still owe only as *borrowed* leases, recalled on demand; a request
+-- within its quota may recall *preemptible* leases (run above quota) of no higher priority.
 local function dispatch(pool)
   local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 64)
   if #members == 0 then return 0 end
   local acts, owed = active_bookings(pool)
+  local sched = sched_of(pool)
   local order = {}
   for _, m in ipairs(members) do
     local id = string.match(m, '|([^|]+)$')
@@ -364,7 +471,12 @@ local function dispatch(pool)
     if raw then
       local w = cjson.decode(raw)
       w.member = m
-      w.key = decayed_usage(pool, w.user) - (NOW - w.enqueued_at) / 1000 * w.gpus
+      if sched.scheduler == 'fifo' then
+        w.key = 0
+      else
+        w.key = decayed_usage(pool, w.user) - sched.aging * (NOW - w.enqueued_at) / 1000 * w.gpus
+        if sched.scheduler == 'priority' then w.key = w.key - (w.priority or 1) * 1e15 end
+      end
       if #acts > 0 and booking_for(acts, w) then w.key = -1e300 end
       order[#order + 1] = w
     else
@@ -380,12 +492,17 @@ local function dispatch(pool)
   local granted = 0
   for _, w in ipairs(order) do
     local a = #acts > 0 and booking_for(acts, w) or nil
-    local node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
+    local node, taken, rest, old_count
+    if a then
+      node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
+    else
+      node, taken, rest, old_count = allocate_for(w, pool, reserved)
+    end
     if node then
       if a then
         w.booking = a
         owed = owed - w.gpus
-      elseif owed > 0 and pool_free(pool) - w.gpus < owed then
+      elseif owed > 0 and pool_free(pool) - #taken < owed then
         w.borrowed = true
       end
       grant(w, node, taken, rest, old_count)
@@ -393,11 +510,20 @@ local function dispatch(pool)
       redis.call('HDEL', K_WAITERS, w.id)
       redis.call('PUBLISH', K_GRANTS, w.id)
       granted = granted + 1
-    elseif a then
-      local hold = recall_for(w, a, pool)
-      if reserved == nil then reserved = hold end
-    elseif reserved == nil then
-      reserved = fullest_node(pool)
+    else
+      local hold
+      if a then
+        hold = recall_for_booking(w, a, pool)
+      elseif within_quota(w, pool, w.gpus_min or w.gpus) then
+        local mine = w.priority or 1
+        local function rank(l)
+          if l.preemptible and (l.priority or 1) <= mine and l.user ~= w.user then return l.priority or 1 end
+          return nil
+        end
+        hold = recall(w, pool, w.gpus_min or w.gpus, nil, rank, sched.preempt_notice_ms, 'preempt_notice',
+                      'preempted for ' .. w.user .. "'s request within quota (this lease ran above quota)", {})
+      end
+      if reserved == nil then reserved = hold or fullest_node(pool) end
     end
   end
   return granted
@@ -432,10 +558,30 @@ local function end_lease(lease, state, reason, by)
       save_booking(r)
     end
   end
+  if not lease.preemptible and not lease.resv then count_held(lease, -1) end
   local held_s = (NOW - lease.created_at) / 1000
   local gpu_s = held_s * #lease.gpus
-  local ukey = lease.pool .. '|' .. lease.user
-  redis.call('HSET', K_USAGE, ukey, cjson.encode({v = decayed_usage(lease.pool, lease.user) + gpu_s, t = NOW}))
+  -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
+  -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
+  local u = redis.call('HMGET', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum',
+                       lease.id .. '|peak')
+  redis.call('HDEL', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak')
+  local samples = tonumber(u[1] or '0')
+  local charged, busy_frac, util_mean = gpu_s, nil, nil
+  if samples > 0 then
+    busy_frac = tonumber(u[2] or '0') / samples
+    util_mean = tonumber(u[3] or '0') / samples
+    charged = gpu_s * (busy_frac + sched_of(lease.pool).idle_weight * (1 - busy_frac))
+  end
+  -- the held time itself was counted while the lease ran; add the idle surcharge
+  touch_usage(lease.pool, lease.user, -#lease.gpus, charged - gpu_s)
+  redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode({
+    lease = lease.id, user = lease.user, teams = lease.teams or '', session = lease.session, label = lease.label,
+    pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
+    held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
+    busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, charged_gpu_s = charged,
+    preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
+    priority = lease.priority}))
   lease.state = state
   lease.ended_at = NOW
   lease.end_reason = reason

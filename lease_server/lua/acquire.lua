@@ -4,31 +4,36 @@
 -- ARGV[6] = user      ARGV[7] = pool      ARGV[8] = gpus (int >= 1)     ARGV[9] = ttl ms
 -- ARGV[10] = wait ms (0: do not queue)   ARGV[11] = label    ARGV[12] = session
 -- ARGV[13] = the user's teams, comma-separated (a "team:NAME" booking serves its members)
+-- ARGV[14] = priority class (integer, higher first under the "priority" scheduler; 1 = normal)
+-- ARGV[15] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE}
 local id, user, pool = ARGV[5], ARGV[6], ARGV[7]
 local n, ttl_ms, wait_ms = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local priority, n_min = tonumber(ARGV[14] or '1') or 1, tonumber(ARGV[15] or '') or tonumber(ARGV[8])
 
 if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, id) == 1
     or redis.call('HEXISTS', K_ENDED, id) == 1 then
   return {DUPLICATE}
 end
 local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
-           session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms}
+           session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
+           priority = priority, gpus_min = n_min}
 
 -- Fast path: nobody is waiting in this pool and no booking is in force, so taking free GPUs
 -- delays no one. (With a booking in force, dispatch decides: served from it, or borrowed.)
 if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1]
     and #active_bookings(pool) == 0 then
-  local node, taken, rest, old_count = allocate(pool, n, nil)
+  local node, taken, rest, old_count = allocate_for(w, pool, nil)
   if node then return {OK, cjson.encode(grant(w, node, taken, rest, old_count))} end
 end
 
 local largest = redis.call('ZREVRANGEBYLEX', K_SIZES, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
 if not largest then return {UNKNOWN_POOL} end
 local size = tonumber(string.match(largest, '^[^|]+|(%d+)|'))
-if n > size then return {UNSATISFIABLE, size} end
+if n_min > size then return {UNSATISFIABLE, size} end
+if n > size then w.gpus, n = size, size end  -- elastic: no node could give more than its size
 
 -- Every request goes through the queue, so a newcomer never jumps waiters it would delay:
 -- dispatch grants it now only if it is first in fair-share order or fits beside the blocked head.

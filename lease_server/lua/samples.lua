@@ -7,7 +7,9 @@
 -- KEYS[4] = unleased   hash node/index -> JSON {pids, since}
 -- KEYS[5] = events     stream
 -- KEYS[6] = covered_since hash node/index -> ms since when samples came without a gap
--- KEYS[7..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
+-- KEYS[7] = lease_util hash "<lease id>|n|busy|sum|peak" -> samples, samples at or above the
+--           threshold, sum of utilization %, peak memory MB: what the usage ledger reports
+-- KEYS[8..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
 -- ARGV[1] = virtual now ms or "" (Redis TIME)   ARGV[2] = event log max length
 -- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
 -- ARGV[5] = node                             ARGV[6] = longest gap (ms) between two samples that
@@ -24,7 +26,7 @@ end
 local keep, threshold, node, gap = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local recorded, unleased = 0, 0
 local i = 7
-local k = 7
+local k = 8
 while ARGV[i] do
   local index, util, mem, pids = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   local slot = node .. '/' .. index
@@ -39,7 +41,16 @@ while ARGV[i] do
   redis.call('HSET', KEYS[1], slot, NOW .. ',' .. util .. ',' .. mem)
   if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end
   local has_procs = pids ~= '[]' and pids ~= ''
-  if has_procs and redis.call('HEXISTS', KEYS[3], slot) == 0 then
+  local holder = redis.call('HGET', KEYS[3], slot)
+  if holder then
+    redis.call('HINCRBY', KEYS[7], holder .. '|n', 1)
+    if util >= threshold then redis.call('HINCRBY', KEYS[7], holder .. '|busy', 1) end
+    redis.call('HINCRBYFLOAT', KEYS[7], holder .. '|sum', util)
+    if mem > tonumber(redis.call('HGET', KEYS[7], holder .. '|peak') or '-1') then
+      redis.call('HSET', KEYS[7], holder .. '|peak', mem)
+    end
+  end
+  if has_procs and not holder then
     unleased = unleased + 1
     if redis.call('HEXISTS', KEYS[4], slot) == 0 then
       redis.call('HSET', KEYS[4], slot, cjson.encode({pids = cjson.decode(pids), since = NOW}))
