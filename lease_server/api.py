@@ -27,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import __version__, errors, events, inventory, metrics, reclaim
+from . import __version__, errors, events, inventory, metrics, reclaim, usage
 from .aio import cancel_and_wait
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
@@ -396,6 +396,37 @@ def _time_arg(handler: BaseHandler, name: str, default: int) -> int:
     return parse_time(name, value)
 
 
+class UsageHandler(BaseHandler):
+    async def get(self) -> None:
+        by = self.get_query_argument("by", "user")
+        if by not in usage.GROUPS:
+            raise errors.BadRequest(f"by must be one of {', '.join(usage.GROUPS)}, got {by!r}")
+        now = int(time.time() * 1000)
+        lo = _time_arg(self, "from", now - 7 * 86_400_000)
+        hi = _time_arg(self, "to", now + 1)
+        if hi <= lo:
+            raise errors.BadRequest("to must be after from")
+        entries = await usage.ledger(self.store, lo, hi)
+        pool = self.get_query_argument("pool", None)
+        if pool is not None:
+            entries = [e for e in entries if e["pool"] == check_name("pool", pool)]
+        self.reply(
+            {"by": by, "from": lo / 1000, "to": hi / 1000, "calls": len(entries), "rows": usage.summarize(entries, by)}
+        )
+
+
+class EstimateHandler(BaseHandler):
+    async def get(self) -> None:
+        pool = self.get_query_argument("pool", None)
+        pool_s = check_name("pool", pool) if pool is not None else await self.store.default_pool()
+        raw = self.get_query_argument("gpus", "1")
+        if not raw.isdigit() or not 1 <= int(raw) <= 1024:
+            raise errors.BadRequest(f"gpus must be a whole number from 1 to 1024, got {raw!r}")
+        if pool_s not in await self.store.pool_sizes():
+            raise errors.UnknownPool(f"unknown pool {pool_s!r}", pool=pool_s)
+        self.reply(await usage.estimate(self.store, pool_s, int(raw), int(time.time() * 1000)))
+
+
 class AgentHandler(BaseHandler):
     """Node agents' endpoints: an agent or admin token is required."""
 
@@ -677,6 +708,8 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),
         (rf"{API}/reservations/{lease_id}/end", ReservationEndHandler),
+        (rf"{API}/usage", UsageHandler),
+        (rf"{API}/estimate", EstimateHandler),
         (rf"{API}/policy", PoliciesHandler),
         (rf"{API}/policy/{lease_id}", PolicyHandler),
         (rf"{API}/nodes/{lease_id}/samples", SamplesHandler),

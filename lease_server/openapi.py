@@ -317,6 +317,38 @@ def openapi_document() -> dict[str, Any]:
                 params=[RESERVATION_ID],
             )
         },
+        "/api/v1/usage": {
+            "get": _op(
+                "The usage ledger summed per user, team, pool or notebook over [from, to) (default: 7 days)",
+                _json({"type": "object"}, "Usage"),
+                400,
+                401,
+                params=[
+                    {
+                        "name": "by",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"enum": ["user", "team", "pool", "notebook"]},
+                    },
+                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "from", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "to", "in": "query", "required": False, "schema": {"type": "string"}},
+                ],
+            )
+        },
+        "/api/v1/estimate": {
+            "get": _op(
+                "How long a request for gpus GPUs of pool would wait, and other pools free now",
+                _json({"type": "object"}, "Estimate"),
+                400,
+                401,
+                404,
+                params=[
+                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "gpus", "in": "query", "required": False, "schema": {"type": "integer"}},
+                ],
+            )
+        },
         "/api/v1/leases": {
             "post": _op(
                 "Acquire GPUs (waits in the pool's queue up to `wait` seconds)",

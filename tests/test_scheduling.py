@@ -282,3 +282,33 @@ def test_http_acquire_with_priority_and_gpus_min(server_factory):
         assert_error(alice.post(f"{API}/leases", json={"gpus": 1, "gpus_min": 0}), 400, "bad_request", "gpus_min")
     with pytest.raises(errors.NoCapacity):
         srv.client("bob").acquire(1)
+
+
+def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
+    srv = server_factory("a=2xA100-80GB,t=2xT4-16GB", teams={"ml": ["alice"]})
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        for label in ("cell:aa", "cell:bb"):
+            lease = alice.post(f"{API}/leases", json={"gpus": 1, "label": label, "session": "nb/train.ipynb"}).json()
+            alice.delete(f"{API}/leases/{lease['id']}")
+        lease = bob.post(f"{API}/leases", json={"gpus": 2, "pool": "T4-16GB"}).json()
+        bob.delete(f"{API}/leases/{lease['id']}")
+        by_user = {r["user"]: r for r in alice.get(f"{API}/usage").json()["rows"]}
+        assert by_user["alice"]["calls"] == 2 and by_user["bob"]["calls"] == 1
+        by_team = {r["team"]: r for r in alice.get(f"{API}/usage", params={"by": "team"}).json()["rows"]}
+        assert by_team["ml"]["calls"] == 2 and by_team["(no team)"]["calls"] == 1
+        by_nb = alice.get(f"{API}/usage", params={"by": "notebook", "pool": "A100-80GB"}).json()["rows"]
+        assert [(r["notebook"], r["calls"]) for r in by_nb] == [("nb/train.ipynb", 2)]
+        assert (
+            alice.get(f"{API}/usage", params={"from": time.time() + 60, "to": time.time() + 120}).json()["rows"] == []
+        )
+        assert_error(alice.get(f"{API}/usage", params={"by": "colour"}), 400, "bad_request", "user, team")
+
+        est = alice.get(f"{API}/estimate", params={"pool": "A100-80GB", "gpus": 2}).json()
+        assert est["estimate_s"] == 0 and "free now" in est["text"]
+        held = bob.post(f"{API}/leases", json={"gpus": 2, "pool": "A100-80GB"}).json()
+        est = alice.get(f"{API}/estimate", params={"pool": "A100-80GB", "gpus": 1}).json()
+        assert est["free_now"] == 0 and est["estimate_s"] > 0 and "typically" in est["text"]
+        assert {"pool": "T4-16GB", "free": 2, "text": "2 x T4-16GB free now"} in est["alternatives"]
+        bob.delete(f"{API}/leases/{held['id']}")
+        assert_error(alice.get(f"{API}/estimate", params={"gpus": "-1"}), 400, "bad_request", "gpus")
+        assert_error(alice.get(f"{API}/estimate", params={"pool": "H100"}), 404, "unknown_pool")

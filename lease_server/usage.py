@@ -1,0 +1,150 @@
+"""The usage ledger and the time-to-GPU estimate.
+
+Every lease that ends writes one ledger entry (``end_lease`` in ``_lib.lua``): user, teams,
+notebook (the lease's session), cell (its label), pool, GPUs, seconds held and waited, mean
+utilization and peak memory from the agent's samples, and the GPU-seconds fair share charged.
+:func:`report` sums it per user, team or pool over a period; :func:`estimate` uses it, with the
+queue, the running leases and the bookings in force, to say how long a request would wait.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from .inventory import cluster_view
+from .lease import LeaseStore
+from .reservations import Bookings
+
+GROUPS = ("user", "team", "pool", "notebook")
+DEFAULT_TYPICAL_S = 600.0
+
+
+async def ledger(store: LeaseStore, lo_ms: int, hi_ms: int, limit: int = 200_000) -> list[dict[str, Any]]:
+    """Ledger entries of leases that ended in [lo, hi), oldest first."""
+    rows: Any = await store.redis.xrange(store.keys.ledger, f"{lo_ms}-0", f"{max(lo_ms, hi_ms - 1)}", count=limit)
+    return [json.loads(fields["data"]) for _id, fields in rows]
+
+
+def summarize(entries: list[dict[str, Any]], by: str = "user") -> list[dict[str, Any]]:
+    """Per ``by`` (user, team, pool or notebook): calls, GPU-hours held and charged, utilization
+    (GPU-time weighted, over the leases the agent sampled), median wait, revoked/preempted calls."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in entries:
+        if by == "team":
+            for team in [t for t in (e.get("teams") or "").split(",") if t] or ["(no team)"]:
+                groups[team].append(e)
+        elif by == "notebook":
+            groups[e.get("session") or "(none)"].append(e)
+        else:
+            groups[e[by]].append(e)
+    out = []
+    for key, rows in groups.items():
+        gpu_s = sum(r["held_s"] * r["gpus"] for r in rows)
+        sampled = [r for r in rows if r.get("util_mean") is not None]
+        sampled_gpu_s = sum(r["held_s"] * r["gpus"] for r in sampled)
+        util = None
+        if sampled_gpu_s:
+            util = sum(r["util_mean"] * r["held_s"] * r["gpus"] for r in sampled) / sampled_gpu_s
+        peaks = [r["mem_peak_mb"] for r in rows if r.get("mem_peak_mb") is not None]
+        out.append(
+            {
+                by: key,
+                "calls": len(rows),
+                "gpu_hours": round(gpu_s / 3600, 4),
+                "charged_gpu_hours": round(sum(r.get("charged_gpu_s", 0) for r in rows) / 3600, 4),
+                "util_mean": None if util is None else round(util, 1),
+                "mem_peak_mb": max(peaks) if peaks else None,
+                "wait_p50_s": round(statistics.median(r.get("waited_s", 0) for r in rows), 3),
+                "revoked": sum(1 for r in rows if r.get("state") == "revoked"),
+            }
+        )
+    out.sort(key=lambda row: -row["gpu_hours"])
+    return out
+
+
+async def typical_duration(store: LeaseStore, pool: str, sample: int = 200) -> float:
+    """Median seconds held of the pool's last ``sample`` ended leases (600 s with no history)."""
+    rows: Any = await store.redis.xrevrange(store.keys.ledger, count=sample * 4)
+    held = [d["held_s"] for d in (json.loads(f["data"]) for _id, f in rows) if d["pool"] == pool][:sample]
+    return float(statistics.median(held)) if held else DEFAULT_TYPICAL_S
+
+
+async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict[str, Any]:
+    """How long ``gpus`` GPUs of ``pool`` would take to come free, and alternatives free now.
+
+    A simple, explainable model: every running lease ends after the pool's typical duration (or
+    now, if it is already older), GPUs owed to bookings in force stay taken, and the requests
+    queued ahead take GPUs first. Returns seconds, and the reasoning in words."""
+    view = await cluster_view(store)
+    typical = await typical_duration(store, pool)
+    queued: Any = await store.redis.zrangebylex(store.keys.queue, f"[{pool}|", f"({pool}|~")
+    waiters = []
+    if queued:
+        ids = [m.rsplit("|", 1)[1] for m in queued]
+        waiters = [json.loads(w) for w in await store.redis.hmget(store.keys.waiters, ids) if w]
+    ahead_gpus = sum(w["gpus"] for w in waiters)
+    nodes = [n for n in view["nodes"] if n["pool"] == pool and n["state"] == "up"]
+    free_now = max((sum(1 for g in n["gpus"] if g["state"] == "free") for n in nodes), default=0)
+    # When each held GPU is expected back: its lease's start + typical (at least now)
+    back: list[float] = []
+    for n in nodes:
+        for g in n["gpus"]:
+            if g["state"] == "free":
+                back.append(0.0)
+            elif g["state"] in ("leased", "borrowed") and "lease" in g:
+                back.append(max(0.0, g["lease"]["since"] + typical - now_ms / 1000))
+    back.sort()
+    need = ahead_gpus + gpus
+    if need <= len(back):
+        wait_s = back[need - 1]
+    elif back:
+        rounds = need / max(1, len(back))
+        wait_s = back[-1] + typical * max(0.0, rounds - 1)
+    else:
+        wait_s = None
+    alternatives = []
+    for other in sorted(view["pools"]):
+        if other == pool:
+            continue
+        most = max(
+            (sum(1 for g in n["gpus"] if g["state"] == "free") for n in view["nodes"] if n["pool"] == other),
+            default=0,
+        )
+        if most >= gpus:
+            alternatives.append({"pool": other, "free": most, "text": f"{most} x {other} free now"})
+    bookings = (await Bookings(store).in_force(now_ms)).get(pool, [])
+    if free_now >= gpus and not waiters:
+        text = f"{gpus} GPU(s) of {pool} free now"
+        wait_s = 0.0
+    elif wait_s is None:
+        text = f"no GPU of pool {pool} is up"
+    else:
+        text = (
+            f"about {_human(wait_s)} for {gpus} GPU(s) of {pool}: {len(waiters)} request(s) "
+            f"({ahead_gpus} GPUs) ahead, cells here typically hold GPUs {_human(typical)}"
+        )
+    if bookings:
+        text += f"; {len(bookings)} booking(s) in force"
+    return {
+        "pool": pool,
+        "gpus": gpus,
+        "free_now": free_now,
+        "queued_ahead": len(waiters),
+        "queued_gpus_ahead": ahead_gpus,
+        "typical_s": typical,
+        "estimate_s": wait_s,
+        "estimate_at": None if wait_s is None else now_ms / 1000 + wait_s,
+        "alternatives": alternatives,
+        "text": text,
+    }
+
+
+def _human(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
