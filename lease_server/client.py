@@ -159,8 +159,14 @@ class Client:
         label: str = "",
         session: str = "",
         progress: Callable[[int | None, float], None] | None = None,
+        *,
+        gpus_min: int | None = None,
+        priority: str | None = None,
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
+
+        ``gpus_min`` makes the request elastic: granted as many as one node has free, between
+        gpus_min and gpus. ``priority`` is a class: "low", "normal" or "high".
 
         ``progress(position, elapsed_s)`` is called about once a second while the request waits
         (position None once it has left the queue), so a caller can show where it stands.
@@ -171,6 +177,10 @@ class Client:
             body["pool"] = pool
         if ttl:
             body["ttl"] = ttl
+        if gpus_min is not None and gpus_min != gpus:
+            body["gpus_min"] = gpus_min
+        if priority:
+            body["priority"] = priority
 
         def post() -> Lease:
             return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))
@@ -244,6 +254,15 @@ class Client:
 
     def events(self, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
         return self.request("GET", "/api/v1/events/log", params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
+
+    def estimate(self, gpus: int = 1, pool: str | None = None) -> dict[str, Any]:
+        """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now."""
+        params: dict[str, Any] = {"gpus": gpus, **({"pool": pool} if pool else {})}
+        return self.request("GET", "/api/v1/estimate", params=params)  # type: ignore[no-any-return]
+
+    def usage(self, by: str = "user", start: float | None = None, end: float | None = None) -> dict[str, Any]:
+        params = {k: v for k, v in (("by", by), ("from", start), ("to", end)) if v is not None}
+        return self.request("GET", "/api/v1/usage", params=params)  # type: ignore[no-any-return]
 
     # ---- reservations ----------------------------------------------------------------------------
 

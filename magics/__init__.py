@@ -2,7 +2,8 @@
 
 ``%%gpu_train`` runs a cell on leased GPUs through Ray and brings its results back; ``%gpu_train
 fn(...)`` does the same for one call; ``%gpu_lease`` shows and releases leases; ``%gpu_config``
-sets session defaults. :func:`run_on_gpus` is the same thing for scripts.
+sets session defaults. :func:`run_on_gpus` is the same thing for scripts. Inside a call,
+:func:`on_preempt` registers a checkpoint hook and :func:`preempted` says the GPUs are recalled.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .runner import GpuTrainError, GpuTrainTimeout, parse_duration, run_on_gpus, session
+from .worker import on_preempt, preempted
 
 __all__ = [
     "GpuTrainError",
@@ -17,6 +19,8 @@ __all__ = [
     "parse_duration",
     "run_on_gpus",
     "session",
+    "on_preempt",
+    "preempted",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]

@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from lease_server import errors
 
 from . import cellcode
-from .runner import GpuTrainError, Outcome, parse_duration, session
+from .runner import GpuTrainError, Outcome, parse_duration, parse_gpus, session
 
 
 def show_gpu_train_error(shell: Any, etype: type, value: GpuTrainError, tb: Any, tb_offset: Any = None) -> list[str]:
@@ -72,17 +72,36 @@ class GpuMagics(Magics):
 
     def _run(self, call: dict[str, Any], args: Any, label: str) -> Outcome:
         status = _Status()
-        gpus = args.gpus
-        if gpus is not None and gpus < 1:
-            raise UsageError("--gpus must be at least 1 (CPU-only runs need a CPU pool, which this server has not)")
+        try:
+            gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        want = args.gpus or session().defaults.gpus
+        estimate: dict[str, str] = {}
 
         def on_queue(position: int | None, elapsed: float) -> None:
+            if position and "text" not in estimate:
+                # Once, before the wait: how long it may take, and where the GPUs are free now.
+                try:
+                    est = session().client().estimate(gpus or session().defaults.gpus, args.pool)
+                    alts = "; ".join(f"{a['text']} (--pool {a['pool']})" for a in est["alternatives"][:2])
+                    estimate["text"] = f" — {est['text']}" + (f"; {alts}" if alts else "")
+                except Exception:  # noqa: BLE001 - the estimate is a courtesy
+                    estimate["text"] = ""
             where = f"position {position} in the queue" if position else "being granted"
-            status.show(f"gpu_train: waiting for {gpus or session().defaults.gpus} GPU(s): {where}, {elapsed:.0f}s")
+            status.show(f"gpu_train: waiting for {want} GPU(s): {where}, {elapsed:.0f}s{estimate.get('text', '')}")
 
         def on_granted(held: Any) -> None:
-            if status._handle is not None:
-                status.show(f"gpu_train: granted {held.node} GPU {held.cuda_visible_devices}")
+            lease = held.lease
+            elastic = gpus_min is not None and gpus_min != gpus
+            got = f" ({len(lease.gpus)} of {gpus_min}-{gpus} asked)" if elastic else ""
+            note = ""
+            if lease.borrowed:
+                note = "; borrowed from a booking: recalled with notice if its holder asks"
+            elif lease.raw.get("preemptible"):
+                note = "; above your quota: preemptible, recalled with notice for someone within theirs"
+            if status._handle is not None or got or note:
+                status.show(f"gpu_train: granted {held.node} GPU {held.cuda_visible_devices}{got}{note}")
 
         def on_released(o: Outcome) -> None:
             mem = f"; peak GPU memory {o.peak_memory / 2**30:.2f} GiB" if o.peak_memory else ""
@@ -102,6 +121,8 @@ class GpuMagics(Magics):
             outcome = session().run(
                 call,
                 gpus=gpus,
+                gpus_min=gpus_min,
+                priority=args.priority,
                 pool=args.pool,
                 timeout=_duration(args.timeout, "--timeout"),
                 wait=_duration(args.wait, "--wait"),
@@ -127,8 +148,19 @@ class GpuMagics(Magics):
         return outcome
 
     @magic_arguments()
-    @argument("--gpus", type=int, default=None, help="GPUs to lease (default: %%gpu_config's, 1)")
+    @argument(
+        "--gpus",
+        default=None,
+        help="GPUs to lease: 2; or 1-4 for as many as are free now, at least 1; 0 for a CPU worker "
+        "(default: %%gpu_config's, 1)",
+    )
     @argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)")
+    @argument("--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)")
+    @argument(
+        "--resume",
+        action="store_true",
+        help="Continue from gpu_checkpoint (what magics.on_preempt's hook saved): the cell reads it as resume_state",
+    )
     @argument("--timeout", default=None, help="Stop the call after this long, e.g. 30m (default: none)")
     @argument("--wait", default=None, help="Wait this long in the queue for GPUs, e.g. 10m (default: 1h)")
     @argument("--out", default=None, help="Comma-separated names to bring back (default: all the cell assigns)")
@@ -158,7 +190,13 @@ class GpuMagics(Magics):
         )
         if cell is None:
             outputs = []
-        inputs = cellcode.pick_inputs(plan.reads, ns)
+        if args.resume and "gpu_checkpoint" not in ns:
+            raise UsageError(
+                "--resume: there is no gpu_checkpoint to resume from; it is set when a call's GPUs are "
+                "recalled and its magics.on_preempt hook returns a state"
+            )
+        extra_ns = {"resume_state": ns["gpu_checkpoint"] if args.resume else ns.get("resume_state")}
+        inputs = cellcode.pick_inputs(plan.reads, {**ns, **extra_ns})
         _check_picklable(inputs)
         call = {
             "kind": "cell",
@@ -170,7 +208,17 @@ class GpuMagics(Magics):
             "explicit_outputs": explicit,
         }
         label = (cell.strip().splitlines()[0] if cell else source)[:120] if source.strip() else "cell"
-        outcome = self._run(call, args, label)
+        try:
+            outcome = self._run(call, args, label)
+        finally:
+            s = session()
+            if s.has_checkpoint:
+                ns["gpu_checkpoint"] = s.last_checkpoint
+                print(
+                    "gpu_train: the checkpoint hook's state is in gpu_checkpoint; continue with "
+                    "%%gpu_train --resume (the cell reads it as resume_state)",
+                    file=sys.stderr,
+                )
         value = outcome.value
         ns.update({k: v for k, v in value["names"].items() if not cellcode.is_module(v)})
         return value["result"]
@@ -247,8 +295,8 @@ class GpuMagics(Magics):
         args = parse_argstring(self.gpu_config, line)
         d = session().defaults
         if args.gpus is not None:
-            if args.gpus < 1:
-                raise UsageError("--gpus must be at least 1")
+            if args.gpus < 0:
+                raise UsageError("--gpus must be 0 (a CPU worker) or more")
             d.gpus = args.gpus
         if args.pool is not None:
             d.pool = args.pool or None

@@ -25,7 +25,7 @@ from typing import Any
 from lease_server import errors
 from lease_server.client import Client, HeldLease
 
-from .worker import WATCHDOG_EXIT_CODE, GpuWorker
+from .worker import CHECKPOINT_STREAM, WATCHDOG_EXIT_CODE, GpuWorker
 
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
@@ -38,6 +38,21 @@ def node_resource(node: str) -> str:
 
 
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
+
+
+def parse_gpus(text: int | str) -> tuple[int, int]:
+    """ "2" -> (2, 2); "1-4" -> (1, 4): an elastic request; "0" -> (0, 0): a CPU worker."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        lo = hi = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(text))
+        if not m:
+            raise ValueError(f"--gpus takes a count such as 2, or a range such as 1-4, not {text!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+    if lo < 0 or hi < lo or (lo == 0 and hi != 0):
+        raise ValueError(f"--gpus must be 0 (a CPU worker), N, or MIN-MAX with 1 <= MIN <= MAX; got {text!r}")
+    return lo, hi
 
 
 def parse_duration(text: str | float | int | None) -> float | None:
@@ -112,6 +127,9 @@ class Session:
         self.held: set[HeldLease] = set()
         self._actor_cls: Any = None
         self._resources: set[str] = set()
+        # What the last call's checkpoint hook returned when its GPUs were recalled (or None).
+        self.last_checkpoint: Any = None
+        self.has_checkpoint = False
         atexit.register(self.release_all)
 
     # ---- connections -------------------------------------------------------------------------
@@ -230,25 +248,39 @@ class Session:
         on_output: Callable[[str, str], None] | None = None,
         on_granted: Callable[[HeldLease], None] | None = None,
         on_released: Callable[[Outcome], None] | None = None,
+        gpus_min: int | None = None,
+        priority: str | None = None,
     ) -> Outcome:
         """Lease, run ``call`` on a single-use worker of the lease's node, stream its output,
         then kill the worker and release the lease, whatever happened. ``on_released`` gets the
-        summary (how long the GPUs were held) after the release, on success and on failure."""
-        import ray
-
+        summary (how long the GPUs were held) after the release, on success and on failure.
+        ``gpus=0`` runs the call on a CPU worker of the Ray cluster, without a lease;
+        ``gpus_min`` makes the request elastic (granted gpus_min..gpus)."""
         d = self.defaults
         gpus = d.gpus if gpus is None else gpus
         pool = pool or d.pool
         timeout = d.timeout if timeout is None else timeout
         wait = d.wait if wait is None else wait
         write = on_output or _write_local
+        self.last_checkpoint, self.has_checkpoint = None, False
         self.connect_ray()
+        if gpus == 0:
+            return self._run_cpu(call, timeout, write, on_released)
         client = self.client()
-        lease = client.acquire(gpus, pool, d.ttl, wait, label[:200], session[:200], progress=on_queue)
+        lease = client.acquire(
+            gpus,
+            pool,
+            d.ttl,
+            wait,
+            label[:200],
+            session[:200],
+            progress=on_queue,
+            gpus_min=gpus_min,
+            priority=priority,
+        )
         held = HeldLease(client, lease)
         held.activity = {"executing": True, "source": "gpu_train"}
         self.held.add(held)
-        warned_at = None
         t0 = time.monotonic()
         worker = None
         result: dict[str, Any] | None = None
@@ -263,51 +295,7 @@ class Session:
                 "GPULEASE_NODE": lease.node,
             }
             watch = {"url": client.url, "token": client.token, "id": lease.id}
-            result_ref = worker.run.remote(call, env, watch)
-            out_ref = worker.read_output.remote(0.5)
-            drained = False
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _ = ray.wait([result_ref, out_ref], num_returns=1, timeout=remaining)
-                if not ready:
-                    raise GpuTrainTimeout(
-                        f"stopped after --timeout {timeout:g}s; the GPUs were released. "
-                        "Raise --timeout, or save checkpoints and resume.",
-                        node=lease.node,
-                    )
-                reclaim_at = held.lease.raw.get("reclaim_at")
-                if reclaim_at and reclaim_at != warned_at:
-                    warned_at = reclaim_at
-                    write(
-                        "stderr",
-                        f"gpu_train: the lease server sees these GPUs idle; they will be reclaimed in "
-                        f"{max(0, reclaim_at - time.time()):.0f}s unless they get busy. To keep them: "
-                        f"'gpulease keep {lease.id}' or 'Still using it' on the GPU board.\n",
-                    )
-                if out_ref in ready:
-                    try:
-                        chunks, done = ray.get(out_ref)
-                    except ray.exceptions.RayActorError:
-                        chunks, done = [], True
-                    _emit(chunks, write)
-                    drained = done
-                    out_ref = None if done else worker.read_output.remote(0.5)
-                if result_ref in ready or out_ref is None:
-                    result = self._collect(result_ref, lease, held)
-                    # Drain what the worker printed after our last read (if it had not said it was done).
-                    # What the worker printed last: the read still in flight holds some of it,
-                    # and a final read takes the rest unless the worker already said it was done.
-                    try:
-                        if out_ref is not None:
-                            chunks, drained = ray.get(out_ref, timeout=5)
-                            _emit(chunks, write)
-                        if not drained:
-                            chunks, _ = ray.get(worker.read_output.remote(0), timeout=5)
-                            _emit(chunks, write)
-                    except Exception:  # noqa: BLE001 - the worker is gone; nothing more to show
-                        pass
-                    break
+            result = self._drive(worker, call, env, watch, timeout, write, lease, held)
             assert result is not None
             if not result["ok"]:
                 raise GpuTrainError(
@@ -321,6 +309,8 @@ class Session:
             )
         finally:
             if worker is not None:
+                import ray
+
                 ray.kill(worker, no_restart=True)  # single use: its process, and GPU memory, go now
             held.release()
             self.held.discard(held)
@@ -330,21 +320,127 @@ class Session:
                 peak = result.get("peak_memory") if result else None
                 on_released(Outcome(None, lease.id, lease.node, lease.indexes, time.monotonic() - t0, peak))
 
-    def _collect(self, result_ref: Any, lease: Any, held: HeldLease) -> dict[str, Any]:
+    def _drive(
+        self,
+        worker: Any,
+        call: dict[str, Any],
+        env: dict[str, str],
+        watch: dict[str, Any],
+        timeout: float | None,
+        write: Callable[[str, str], None],
+        lease: Any,
+        held: HeldLease | None,
+    ) -> dict[str, Any]:
+        """Start the call on ``worker``, stream its output until it ends, and return its result."""
         import ray
 
+        warned_at = None
+        result: dict[str, Any] | None = None
+        node = lease.node if lease is not None else "a CPU worker"
+        result_ref = worker.run.remote(call, env, watch)
+        out_ref = worker.read_output.remote(0.5)
+        drained = False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait([result_ref, out_ref], num_returns=1, timeout=remaining)
+            if not ready:
+                raise GpuTrainTimeout(
+                    f"stopped after --timeout {timeout:g}s; the GPUs were released. "
+                    "Raise --timeout, or save checkpoints and resume.",
+                    node=node,
+                )
+            reclaim_at = held.lease.raw.get("reclaim_at") if held is not None else None
+            if reclaim_at and reclaim_at != warned_at:
+                warned_at = reclaim_at
+                write(
+                    "stderr",
+                    f"gpu_train: the lease server sees these GPUs idle; they will be reclaimed in "
+                    f"{max(0, reclaim_at - time.time()):.0f}s unless they get busy. To keep them: "
+                    f"'gpulease keep {lease.id}' or 'Still using it' on the GPU board.\n",
+                )
+            if out_ref in ready:
+                try:
+                    chunks, done = ray.get(out_ref)
+                except ray.exceptions.RayActorError:
+                    chunks, done = [], True
+                self._emit(chunks, write)
+                drained = done
+                out_ref = None if done else worker.read_output.remote(0.5)
+            if result_ref in ready or out_ref is None:
+                result = self._collect(result_ref, lease, held)
+                # Drain what the worker printed after our last read (if it had not said it was done).
+                # What the worker printed last: the read still in flight holds some of it,
+                # and a final read takes the rest unless the worker already said it was done.
+                try:
+                    if out_ref is not None:
+                        chunks, drained = ray.get(out_ref, timeout=5)
+                        self._emit(chunks, write)
+                    if not drained:
+                        chunks, _ = ray.get(worker.read_output.remote(0), timeout=5)
+                        self._emit(chunks, write)
+                except Exception:  # noqa: BLE001 - the worker is gone; nothing more to show
+                    pass
+                break
+        assert result is not None
+        return result
+
+    def _run_cpu(
+        self,
+        call: dict[str, Any],
+        timeout: float | None,
+        write: Callable[[str, str], None],
+        on_released: Callable[[Outcome], None] | None,
+    ) -> Outcome:
+        """``--gpus 0``: a single-use worker that takes one CPU of the Ray cluster, no lease."""
+        import ray
+
+        t0 = time.monotonic()
+        worker = self._actor_cls.options(num_cpus=1, max_concurrency=4, max_restarts=0).remote()
+        try:
+            result = self._drive(worker, call, {"CUDA_VISIBLE_DEVICES": ""}, {}, timeout, write, None, None)
+            if not result["ok"]:
+                raise GpuTrainError(
+                    f"{result['type']}: {result['message']} (on a CPU worker)",
+                    remote_traceback=result["traceback"],
+                    node="cpu",
+                    remote_type=result["type"],
+                )
+            return Outcome(result["value"], "", "cpu", [], time.monotonic() - t0)
+        finally:
+            ray.kill(worker, no_restart=True)
+            if on_released is not None:
+                on_released(Outcome(None, "", "cpu", [], time.monotonic() - t0))
+
+    def _emit(self, chunks: list[tuple[str, str]], write: Callable[[str, str], None]) -> None:
+        """Write the worker's output; keep the state a checkpoint hook sent along with it."""
+        import base64
+
+        from ray import cloudpickle
+
+        for stream, text in chunks:
+            if stream == CHECKPOINT_STREAM:
+                self.last_checkpoint = cloudpickle.loads(base64.b64decode(text))
+                self.has_checkpoint = True
+        _emit([c for c in chunks if c[0] != CHECKPOINT_STREAM], write)
+
+    def _collect(self, result_ref: Any, lease: Any, held: HeldLease | None) -> dict[str, Any]:
+        import ray
+
+        node = lease.node if lease is not None else "cpu"
         try:
             return ray.get(result_ref)  # type: ignore[no-any-return]
         except ray.exceptions.RayActorError as exc:
-            why = self._lease_end_reason(lease.id)
+            why = self._lease_end_reason(lease.id) if lease is not None else None
             if why:
-                raise GpuTrainError(f"the worker was stopped because its lease {why}", node=lease.node) from None
+                saved = "; the checkpoint hook's state is in gpu_checkpoint" if self.has_checkpoint else ""
+                raise GpuTrainError(f"the worker was stopped because its lease {why}{saved}", node=node) from None
             code = ""
             if WATCHDOG_EXIT_CODE and str(WATCHDOG_EXIT_CODE) in str(exc):
                 code = " (watchdog)"
-            raise GpuTrainError(f"the worker process died{code}: {_first_line(exc)}", node=lease.node) from None
+            raise GpuTrainError(f"the worker process died{code}: {_first_line(exc)}", node=node) from None
         except ray.exceptions.RayError as exc:
-            raise GpuTrainError(f"Ray could not run the call: {_first_line(exc)}", node=lease.node) from None
+            raise GpuTrainError(f"Ray could not run the call: {_first_line(exc)}", node=node) from None
 
     def _lease_end_reason(self, lease_id: str) -> str | None:
         try:
@@ -392,11 +488,12 @@ def session() -> Session:
 def run_on_gpus(
     fn: Callable[..., Any],
     *args: Any,
-    gpus: int | None = None,
+    gpus: int | str | None = None,
     pool: str | None = None,
     timeout: str | float | None = None,
     wait: str | float | None = None,
     label: str = "",
+    priority: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` on a worker holding ``gpus`` leased GPUs and return its value.
@@ -405,9 +502,12 @@ def run_on_gpus(
     call ends, however it ends. Raises :class:`GpuTrainError` with the remote traceback on failure.
     """
     s = session()
+    lo, hi = parse_gpus(gpus) if gpus is not None else (None, None)
     outcome = s.run(
         {"kind": "function", "fn": fn, "args": args, "kwargs": kwargs},
-        gpus=gpus,
+        gpus=hi,
+        gpus_min=lo,
+        priority=priority,
         pool=pool,
         timeout=parse_duration(timeout),
         wait=parse_duration(wait),

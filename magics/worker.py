@@ -22,6 +22,27 @@ from typing import Any
 END_EVENTS = ("released", "expired", "revoked")
 RELEASED_GRACE_S = 2.0
 WATCHDOG_EXIT_CODE = 75
+CHECKPOINT_STREAM = "checkpoint"  # an output chunk that carries a checkpoint hook's state
+
+# Preemption, in the worker process: set when the lease server recalls this call's GPUs
+# (preempted, or lent from a booking whose holder now wants them); the hooks run then.
+_NOTICE = threading.Event()
+_HOOKS: list[Callable[[], Any]] = []
+
+
+def on_preempt(hook: Callable[[], Any]) -> Callable[[], Any]:
+    """Register ``hook() -> state``, called once if this call's GPUs are recalled, during the
+    notice period before they are taken. Its return value comes back to the notebook as
+    ``gpu_checkpoint``, and ``%%gpu_train --resume`` hands it to the next run as
+    ``resume_state``. Usable as a decorator. Runs in another thread than the training loop:
+    return a copy of what you need (e.g. ``{k: v.cpu() for k, v in model.state_dict().items()}``)."""
+    _HOOKS.append(hook)
+    return hook
+
+
+def preempted() -> bool:
+    """True once this call's GPUs are recalled: a training loop may check it and stop early."""
+    return _NOTICE.is_set()
 
 
 class _Capture:
@@ -69,6 +90,11 @@ class GpuWorker:
 
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
+    def push(self, stream: str, text: str) -> None:
+        with self._cond:
+            self._chunks.append((stream, text))
+            self._cond.notify_all()
+
     def read_output(self, wait_s: float = 0.5) -> tuple[list[tuple[str, str]], bool]:
         """Output written since the last call, waiting up to ``wait_s`` for some (a long poll)."""
         with self._cond:
@@ -86,7 +112,7 @@ class GpuWorker:
         self._used = True
         os.environ.update(env)
         if lease.get("url"):
-            threading.Thread(target=_watchdog, args=(lease,), name="gpulease-watchdog", daemon=True).start()
+            threading.Thread(target=_watchdog, args=(lease, self), name="gpulease-watchdog", daemon=True).start()
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Capture(self, "stdout"), _Capture(self, "stderr")  # type: ignore[assignment]
         t0 = time.monotonic()
@@ -163,7 +189,28 @@ def _peak_memory() -> int | None:
         pynvml.nvmlShutdown()
 
 
-def _watchdog(lease: dict[str, Any]) -> None:
+def _recalled(worker: GpuWorker, rec: dict[str, Any]) -> None:
+    """The lease server recalls this call's GPUs: tell the notebook, run the checkpoint hooks."""
+    _NOTICE.set()
+    left = max(0.0, rec["recall_at"] - time.time())
+    worker.push(
+        "stderr",
+        f"gpu_train: these GPUs are recalled ({rec.get('recall_reason', '')}); {left:.0f}s left"
+        + (", running the checkpoint hook\n" if _HOOKS else "; register magics.on_preempt(fn) to checkpoint\n"),
+    )
+    import base64
+
+    from ray import cloudpickle
+
+    for hook in list(_HOOKS):
+        try:
+            state = hook()
+            worker.push(CHECKPOINT_STREAM, base64.b64encode(cloudpickle.dumps(state)).decode())
+        except Exception as exc:  # noqa: BLE001 - the notebook says the hook failed, training goes on
+            worker.push("stderr", f"gpu_train: the checkpoint hook failed: {type(exc).__name__}: {exc}\n")
+
+
+def _watchdog(lease: dict[str, Any], worker: GpuWorker | None = None) -> None:
     """Exit this process as soon as the lease is expired or revoked: follow the lease server's
     event stream, and check the lease itself whenever the stream (re)connects so that nothing
     between is missed. A plain release comes from our own driver, which kills this worker right
@@ -182,7 +229,11 @@ def _watchdog(lease: dict[str, Any]) -> None:
             return None
         if r.status_code == 404:
             return "gone"
-        state = r.json().get("state")
+        rec = r.json()
+        if rec.get("recall_at") and worker is not None and not _NOTICE.is_set():
+            _NOTICE.set()
+            threading.Thread(target=_recalled, args=(worker, rec), name="gpulease-checkpoint", daemon=True).start()
+        state = rec.get("state")
         return state if state in END_EVENTS else None
 
     def check() -> None:

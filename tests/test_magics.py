@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     home = tmp_path_factory.mktemp("gpulease-home")
     prefix = tmp_path_factory.mktemp("kernels")
     install(prefix=str(prefix))
-    up = Up(home, simulate="box=2xA100-80GB", GPULEASE_DEFAULT_TTL=TTL, GPULEASE_SWEEP_INTERVAL="0.2")
+    up = Up(
+        home,
+        simulate="box=2xA100-80GB",
+        GPULEASE_DEFAULT_TTL=TTL,
+        GPULEASE_SWEEP_INTERVAL="0.2",
+        GPULEASE_BORROW_NOTICE="4",
+    )
     up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
     yield up
     up.interrupt()
@@ -179,7 +186,7 @@ def test_interrupt_cancels_the_worker_and_releases(stack, kernel):
 def test_usage_errors_are_one_clear_line(stack, kernel):
     for line, expect in [
         ("%gpu_train --bogus x()", "unrecognized arguments"),
-        ("%%gpu_train --gpus 0\nx = 1", "--gpus must be at least 1"),
+        ("%%gpu_train --gpus 3-1\nx = 1", "MIN-MAX"),
         ("%%gpu_train --gpus 3\nx = 1", "the largest has 2"),
         ("%%gpu_train --pool H100\nx = 1", "unknown pool 'H100'"),
         ("%%gpu_train --timeout soon\nx = 1", "--timeout: cannot read duration"),
@@ -320,3 +327,71 @@ def test_kernel_shutdown_releases_at_once(stack):
     ended = api(stack, "GET", f"/api/v1/leases/{lease['id']}")
     assert ended["state"] == "released", ended  # released by the hook, not expired by the TTL
     assert free_gpus(stack) == 2
+
+
+def test_recalled_call_checkpoints_and_resumes(stack, kernel):
+    """bob books the whole box; the notebook's call runs on borrowed GPUs; when bob asks for them
+    the call's on_preempt hook saves its state, the loop stops, and --resume continues from it."""
+    admin = (stack.data / "token").read_text().strip()
+    bob = api(stack, "POST", "/api/v1/tokens", json={"user": "bob"})["token"]
+    now = time.time()
+    booking = api(
+        stack,
+        "POST",
+        "/api/v1/reservations",
+        bob,
+        json={"pool": "A100-80GB", "gpus": 2, "start": now - 1, "end": now + 3600},
+    )
+    try:
+        code = (
+            "%%gpu_train --gpus 1\n"
+            "import time, magics\n"
+            "state = {'step': resume_state['step'] if resume_state else 0}\n"
+            "magics.on_preempt(lambda: dict(state))\n"
+            "print('training', flush=True)\n"
+            "while not magics.preempted():\n"
+            "    state['step'] += 1\n"
+            "    time.sleep(0.01)\n"
+            "steps = state['step']"
+        )
+        msg_id = kernel.start(code)
+        out, _ = kernel.outputs(msg_id, until="training")
+        assert "borrowed from a booking" in shown(out)
+        got: dict[str, Any] = {}
+        asker = threading.Thread(
+            target=lambda: got.update(api(stack, "POST", "/api/v1/leases", bob, json={"gpus": 2, "wait": 30}))
+        )
+        asker.start()
+        out, finished = kernel.outputs(msg_id, timeout=60)
+        asker.join(30)
+        assert finished and not errors_of(out), out
+        said = text(out)
+        assert "these GPUs are recalled" in said and "gpu_checkpoint" in said
+        assert got["user"] == "bob" and got["reservation"] == booking["id"]
+        api(stack, "DELETE", f"/api/v1/leases/{got['id']}", bob)
+        out = kernel.run("print(gpu_checkpoint['step'] > 0, gpu_checkpoint['step'] <= steps)")
+        assert text(out).strip() == "True True"
+        out = kernel.run("%%gpu_train --resume\nstarted_at = resume_state['step']\n")
+        assert not errors_of(out)
+        assert text(kernel.run("print(started_at == gpu_checkpoint['step'])")).strip() == "True"
+    finally:
+        api(stack, "DELETE", f"/api/v1/reservations/{booking['id']}", bob)
+    assert admin
+
+
+def test_cpu_worker_and_elastic_gpus(stack, kernel):
+    out = kernel.run("%%gpu_train --gpus 0\nimport os\nseen = os.environ['CUDA_VISIBLE_DEVICES']\n")
+    assert not errors_of(out), out
+    assert text(kernel.run("print(repr(seen))")).strip() == "''"
+    out = kernel.run("%%gpu_train --gpus 1-4\nimport os\nn = len(os.environ['CUDA_VISIBLE_DEVICES'].split(','))\n")
+    assert not errors_of(out) and "(2 of 1-4 asked)" in shown(out), out
+    assert text(kernel.run("print(n)")).strip() == "2"
+    out = kernel.run("%%gpu_train --resume\n1")
+    assert "UsageError: " in text(out) and "no gpu_checkpoint" in text(out), out
+
+
+def shown(outputs: list[dict[str, Any]]) -> str:
+    """The status line(s) the magic displays and updates in place."""
+    return "\n".join(
+        o.get("data", {}).get("text/plain", "") for o in outputs if o["type"] in ("display_data", "update_display_data")
+    )
