@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -34,6 +36,23 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "gpulease"
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+RESERVATION_ID_RE = LEASE_ID_RE
+POOL_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+NUMBER_RE = re.compile(r"^-?\d{1,12}(\.\d{1,6})?$")
+# The fields of a booking (POST /reservations; PATCH takes any subset) and the JSON types each one takes.
+# Values are checked by the lease server (a pool that exists, start < end, 1..52 occurrences, ...).
+TIME = "a time: epoch seconds, or ISO-8601 with an offset like 2026-11-23T09:00:00+01:00"
+RESERVATION_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "pool": ((str,), "a pool name"),
+    "gpus": ((int,), "a whole number of GPUs"),
+    "start": ((int, float, str), TIME),
+    "end": ((int, float, str), TIME),
+    "owner": ((str,), 'a user, or a team as "team:NAME"'),
+    "note": ((str,), "text"),
+    "repeat": ((str,), '"none" or "weekly"'),
+    "occurrences": ((int,), "a whole number of weeks"),
+    "colocate": ((bool,), "true or false"),
+}
 SINCE_RE = re.compile(r"^(-|0|\d{1,20}(-\d{1,20})?)$")
 TRUTHY = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 # Query arguments jupyter_server itself reads (authentication), allowed on every endpoint.
@@ -84,6 +103,23 @@ class GpuLeaseHandler(APIHandler):
         if raw.lower() not in TRUTHY:
             raise errors.BadRequest(f"{name} must be true or false, got {raw!r}")
         return TRUTHY[raw.lower()]
+
+    def time_arg(self, name: str) -> str | None:
+        """A query argument that is a time (epoch seconds or ISO-8601 with an offset), as given."""
+        raw = self.get_query_argument(name, None)
+        if raw is not None and not _is_time(raw):
+            raise errors.BadRequest(f"{name} must be {TIME}, got {raw!r}")
+        return raw
+
+    def json_object(self) -> dict[str, Any]:
+        """The request body: one JSON object, or a 400 that says what is wrong with it."""
+        try:
+            data = json.loads(self.request.body or b"null")
+        except ValueError as exc:
+            raise errors.BadRequest(f"the request body must be a JSON object: {exc}") from exc
+        if not isinstance(data, dict):
+            raise errors.BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+        return data
 
     def reply(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -210,6 +246,189 @@ class KeepHandler(OwnLeaseHandler):
         self.reply(_public(kept))
 
 
+def _is_time(value: str) -> bool:
+    if NUMBER_RE.match(value):
+        return True
+    try:
+        return datetime.fromisoformat(value).tzinfo is not None
+    except ValueError:
+        return False
+
+
+def booking_fields(data: dict[str, Any], *, partial: bool) -> dict[str, Any]:
+    """The fields of a booking from the page, checked for names and JSON types (400 otherwise).
+
+    The lease server checks the values themselves and says what to fix; here only what would
+    make no sense to pass on: an unknown field (a typo would silently be ignored), a wrong type,
+    a time without an offset (its meaning depends on a clock's zone), a missing pool/gpus/start/end.
+    """
+    unknown = sorted(set(data) - set(RESERVATION_FIELDS))
+    if unknown:
+        raise errors.BadRequest(
+            f"unknown booking field(s) {', '.join(unknown)}; a booking has {', '.join(RESERVATION_FIELDS)}"
+        )
+    if not partial:
+        missing = [f for f in ("pool", "gpus", "start", "end") if f not in data]
+        if missing:
+            raise errors.BadRequest(f"a booking needs {', '.join(missing)}")
+    elif not data:
+        raise errors.BadRequest(f"nothing to change: give any of {', '.join(RESERVATION_FIELDS)}")
+    for name, value in data.items():
+        types, what = RESERVATION_FIELDS[name]
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if isinstance(value, float) and not math.isfinite(value):
+            wrong = True
+        if isinstance(value, str) and name in ("start", "end") and not _is_time(value):
+            wrong = True
+        if wrong:
+            raise errors.BadRequest(f"{name} must be {what}, got {json.dumps(value)[:80]}")
+    return data
+
+
+def may_change(booking: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether the page may change a booking: its owner, who made it, or a member of its team.
+
+    The lease server's ``mine`` is also true for every booking when the token is an admin's; the
+    page never changes a colleague's booking (admins use the gpulease CLI for that), as with leases.
+    """
+    user, owner = me.get("user"), str(booking.get("owner", ""))
+    own = user in (owner, booking.get("created_by")) or (
+        owner.startswith("team:") and owner[5:] in (me.get("teams") or [])
+    )
+    return bool(booking.get("mine")) and own
+
+
+class BookingHandler(GpuLeaseHandler):
+    """Base of the booking handlers: ``mine`` in every answer says what this page may change."""
+
+    async def as_mine(self, answer: dict[str, Any]) -> dict[str, Any]:
+        me = await self.api.whoami()
+        if "reservations" in answer:
+            return {**answer, "reservations": [{**b, "mine": may_change(b, me)} for b in answer["reservations"]]}
+        if "id" in answer and "owner" in answer:
+            return {**answer, "mine": may_change(answer, me)}
+        return answer  # a dry run's {"fits", "node"}
+
+    def checked_id(self, reservation_id: str) -> str:
+        self.check_args()
+        if not RESERVATION_ID_RE.match(reservation_id):
+            raise errors.BadRequest(
+                f"reservation id must be 1 to 64 letters, digits, '.', '_' or '-', got {reservation_id!r}"
+            )
+        return reservation_id
+
+    async def own_reservation(self, reservation_id: str, verb: str) -> dict[str, Any]:
+        """The booking, checked: a well-formed id, and this page may change it (see may_change)."""
+        booking: dict[str, Any] = await self.api.request("GET", f"/reservations/{self.checked_id(reservation_id)}")
+        me = await self.api.whoami()
+        if not may_change(booking, me):
+            raise errors.NotOwner(
+                f"booking {reservation_id} belongs to {booking.get('owner')}, not to {me.get('user')}; "
+                f"only its owner can {verb} it"
+            )
+        return booking
+
+
+class ReservationsHandler(BookingHandler):
+    """Everyone's bookings (GET ?pool=&from=&to=), and booking GPUs (POST; ?dry_run=true only checks).
+
+    A booking that does not fit is the lease server's 409 ``reservation_clash``, passed on with its
+    details: the clashing bookings, how many GPUs would fit, and the nearest windows that do.
+    """
+
+    @property
+    def allowed_args(self) -> frozenset[str]:  # type: ignore[override]
+        return frozenset({"pool", "from", "to"} if self.request.method == "GET" else {"dry_run"})
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        params = {}
+        pool = self.get_query_argument("pool", None)
+        if pool is not None:
+            if not POOL_RE.match(pool):
+                raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
+            params["pool"] = pool
+        for name in ("from", "to"):
+            value = self.time_arg(name)
+            if value is not None:
+                params[name] = value
+        self.reply(await self.as_mine(await self.api.request("GET", "/reservations", params=params or None)))
+
+    @tornado.web.authenticated
+    @authorized
+    async def post(self) -> None:
+        self.check_args()
+        dry_run = self.flag("dry_run")
+        booking = booking_fields(self.json_object(), partial=False)
+        params = {"dry_run": "true"} if dry_run else None
+        answer = await self.api.request("POST", "/reservations", params=params, json=booking)
+        if not dry_run:
+            self.log.info(
+                "gpulease: %s booked from JupyterLab by %s: %s GPU(s) of %s",
+                answer.get("id"),
+                self.current_user.username,
+                answer.get("gpus"),
+                answer.get("pool"),
+            )
+        self.reply(await self.as_mine(answer), 200 if dry_run else 201)
+
+
+class ReservationHandler(BookingHandler):
+    """One booking: read it (anyone), change it (PATCH, any subset of the fields; ?dry_run=true only
+    checks that the change fits) or cancel it (DELETE)."""
+
+    @property
+    def allowed_args(self) -> frozenset[str]:  # type: ignore[override]
+        return frozenset({"dry_run"} if self.request.method == "PATCH" else ())
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self, reservation_id: str) -> None:
+        self.reply(
+            await self.as_mine(await self.api.request("GET", f"/reservations/{self.checked_id(reservation_id)}"))
+        )
+
+    @tornado.web.authenticated
+    @authorized
+    async def patch(self, reservation_id: str) -> None:
+        self.check_args()
+        dry_run = self.flag("dry_run")
+        changes = booking_fields(self.json_object(), partial=True)
+        await self.own_reservation(reservation_id, "change")
+        params = {"dry_run": "true"} if dry_run else None
+        changed = await self.api.request("PATCH", f"/reservations/{reservation_id}", params=params, json=changes)
+        if not dry_run:
+            self.log.info(
+                "gpulease: %s changed from JupyterLab by %s: %s",
+                reservation_id,
+                self.current_user.username,
+                ", ".join(sorted(changes)),
+            )
+        self.reply(await self.as_mine(changed))
+
+    @tornado.web.authenticated
+    @authorized
+    async def delete(self, reservation_id: str) -> None:
+        await self.own_reservation(reservation_id, "cancel")
+        cancelled = await self.api.request("DELETE", f"/reservations/{reservation_id}")
+        self.log.info("gpulease: %s cancelled from JupyterLab by %s", reservation_id, self.current_user.username)
+        self.reply(await self.as_mine(cancelled))
+
+
+class ReservationEndHandler(BookingHandler):
+    """ "I'm done": end the current occurrence of one of my bookings early; its GPUs go back to the pool."""
+
+    @tornado.web.authenticated
+    @authorized
+    async def post(self, reservation_id: str) -> None:
+        await self.own_reservation(reservation_id, "end")
+        ended = await self.api.request("POST", f"/reservations/{reservation_id}/end")
+        self.log.info("gpulease: %s ended early from JupyterLab by %s", reservation_id, self.current_user.username)
+        self.reply(await self.as_mine(ended))
+
+
 class QueueHandler(GpuLeaseHandler):
     """Requests waiting for GPUs, with their positions (?pool= for one pool)."""
 
@@ -282,7 +501,9 @@ class NotFoundHandler(GpuLeaseHandler):
             self.get_login_url()  # raises 401, as @authenticated would
         raise errors.NotFound(
             f"no such endpoint {self.request.method} {self.request.path}; the gpulease API has "
-            "GET version, cluster, leases, queue, events, DELETE leases/<id> and POST leases/<id>/keep"
+            "GET version, cluster, leases, queue, events, reservations, reservations/<id>, DELETE leases/<id>, "
+            "POST leases/<id>/keep, POST reservations, PATCH and DELETE reservations/<id>, "
+            "POST reservations/<id>/end"
         )
 
 
@@ -296,6 +517,9 @@ def routes(base_url: str) -> list[tuple[str, type[GpuLeaseHandler]]]:
         (at("leases"), LeasesHandler),
         (at("leases", "([^/]+)"), LeaseHandler),
         (at("leases", "([^/]+)", "keep"), KeepHandler),
+        (at("reservations"), ReservationsHandler),
+        (at("reservations", "([^/]+)"), ReservationHandler),
+        (at("reservations", "([^/]+)", "end"), ReservationEndHandler),
         (at("queue"), QueueHandler),
         (at("events"), EventsHandler),
         (at("(.*)"), NotFoundHandler),

@@ -85,11 +85,15 @@ class LeaseApi:
             )
         return err
 
-    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None) -> Any:
-        """One API call; returns the JSON body or raises the typed error of the answer."""
+    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None, json: Any = None) -> Any:
+        """One API call (``json``: the request body); returns the JSON body or raises the typed error of the answer.
+
+        An error's ``details`` (e.g. the clashing bookings and the windows that fit, of a 409
+        ``reservation_clash``) travel on the typed error, so the handlers pass them on intact.
+        """
         self._check()
         try:
-            resp = await self._http.request(method, f"{API}{path}", params=params)
+            resp = await self._http.request(method, f"{API}{path}", params=params, json=json)
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from exc
         try:

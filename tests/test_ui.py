@@ -1,22 +1,29 @@
 """The GPU Leases panel in a real JupyterLab, driven by Playwright in Debian's headless Chromium.
 
-JupyterLab runs as a child process with the installed server extension and labextension, against a
-real lease server (the ``server`` fixture) through GPULEASE_URL / GPULEASE_TOKEN, as ``gpulease up``
-starts it. Screenshots are kept in the test's tmp directory (printed at the end of each test).
+JupyterLab runs as a child process with the installed server extension and the labextension built
+in this source tree (``jupyter_ext/labextension``, what ``npm run build`` and ``pip install`` write;
+else the installed one), against a real lease server (the ``server`` fixture) through GPULEASE_URL /
+GPULEASE_TOKEN, as ``gpulease up`` starts it. Screenshots are kept under ``test-artifacts/ui/<test>/``
+(git-ignored by a ``.gitignore`` the tests write there; GPULEASE_TEST_ARTIFACTS moves it), printed at
+the end of each test.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
@@ -33,6 +40,11 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 INSTALL_HINT = "server extension missing: run pip install gpulease and restart JupyterLab"
+REPO = Path(__file__).resolve().parents[1]
+BUILT = REPO / "jupyter_ext" / "labextension"
+ARTIFACTS = Path(os.environ.get("GPULEASE_TEST_ARTIFACTS", REPO / "test-artifacts"))
+# The browser's time zone: not UTC, so the calendar's local times really are converted.
+TIME_ZONE = "Europe/Berlin"
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing: apt-get install -y chromium to run the UI tests"
@@ -62,11 +74,17 @@ class Lab:
         notification = dirs["settings"] / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
         notification.parent.mkdir(parents=True)
         notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')
+        # The bundle built from this tree wins over the installed copy: extra paths come first.
+        extra = []
+        if (BUILT / "package.json").exists():
+            (tmp / "labextensions").mkdir()
+            (tmp / "labextensions" / "gpulease").symlink_to(BUILT, target_is_directory=True)
+            extra = [f"--LabApp.extra_labextensions_path={tmp / 'labextensions'}"]
         self.log = tmp / "jupyterlab.log"
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
-                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={dirs['root']}",
+                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={dirs['root']}", *extra,
                 *(["--allow-root"] if os.geteuid() == 0 else []),
             ],
             env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -123,11 +141,24 @@ def page(lab: Lab, clients: dict[str, Any], tmp_path: Path) -> Iterator[Any]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": 1400, "height": 900})
+            context = browser.new_context(viewport={"width": 1400, "height": 900}, timezone_id=TIME_ZONE)
             context.set_default_timeout(20_000)
             yield context.new_page()
         finally:
             browser.close()
+
+
+@pytest.fixture
+def shots(request: pytest.FixtureRequest) -> Path:
+    """Where a test keeps its screenshots: test-artifacts/ui/<test name>/, emptied first, git-ignored."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    ignore = ARTIFACTS / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# screenshots and other test artifacts: never committed\n*\n")
+    where = ARTIFACTS / "ui" / re.sub(r"[^\w.-]+", "_", request.node.name)
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    return where
 
 
 def open_panel(page: Any, lab: Lab) -> None:
@@ -143,12 +174,10 @@ def open_panel(page: Any, lab: Lab) -> None:
 
 
 def test_a_lease_appears_live_and_the_release_button_frees_it(
-    page: Any, lab: Lab, server: Any, clients: dict[str, Any], tmp_path: Path
+    page: Any, lab: Lab, server: Any, clients: dict[str, Any], shots: Path
 ) -> None:
     from playwright.sync_api import expect
 
-    shots = tmp_path / "screenshots"
-    shots.mkdir()
     open_panel(page, lab)
     expect(page.get_by_role("status", name="live updates")).to_have_text("live")
     expect(page.get_by_role("cell", name=re.compile(r"^n1 GPU 0: free$"))).to_be_visible()
@@ -199,7 +228,7 @@ def test_a_lease_appears_live_and_the_release_button_frees_it(
     print(f"screenshots: {shots}")
 
 
-def test_the_panel_says_how_to_install_a_missing_server_extension(page: Any, lab: Lab, tmp_path: Path) -> None:
+def test_the_panel_says_how_to_install_a_missing_server_extension(page: Any, lab: Lab, shots: Path) -> None:
     from playwright.sync_api import expect
 
     # As if jupyter_ext were not installed: the Jupyter server answers 404 under /gpulease/.
@@ -211,8 +240,8 @@ def test_the_panel_says_how_to_install_a_missing_server_extension(page: Any, lab
     open_panel(page, lab)
     expect(page.get_by_role("tabpanel", name="GPU Leases").get_by_role("alert")).to_have_text(INSTALL_HINT)
     expect(page.get_by_role("button", name=re.compile(r"^GPU: server extension missing"))).to_be_visible()
-    page.screenshot(path=str(tmp_path / "missing-extension.png"))
-    print(f"screenshot: {tmp_path / 'missing-extension.png'}")
+    page.screenshot(path=str(shots / "missing-extension.png"))
+    print(f"screenshot: {shots / 'missing-extension.png'}")
 
 
 # Samples every 0.2 s and a 1 s idle window: an unused simulated GPU is warned within about a second
@@ -222,12 +251,10 @@ FAST_RECLAIM = {"sample_interval": 0.2, "idle_timeout": 1.0, "grace": 30, "min_a
 
 @pytest.mark.parametrize("lease_server_settings", [FAST_RECLAIM])
 def test_an_idle_warned_lease_shows_its_countdown_and_still_using_it_keeps_it(
-    page: Any, lab: Lab, clients: dict[str, Any], tmp_path: Path
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
 ) -> None:
     from playwright.sync_api import expect
 
-    shots = tmp_path / "screenshots"
-    shots.mkdir()
     alice, root = clients["alice"], clients["root"]
     open_panel(page, lab)
     expect(page.get_by_role("status", name="live updates")).to_have_text("live")
@@ -284,4 +311,291 @@ def test_an_idle_warned_lease_shows_its_countdown_and_still_using_it_keeps_it(
     assert alice.get(lease.id)["state"] == "active"
     assert page.evaluate("window.__notReloaded") is True
     page.screenshot(path=str(shots / "3-keep-refused.png"), full_page=True)
+    print(f"screenshots: {shots}")
+
+
+# ---- the booking calendar ----------------------------------------------------------------------------------
+
+
+def tomorrow() -> date:
+    return datetime.now(ZoneInfo(TIME_ZONE)).date() + timedelta(days=1)
+
+
+def at(day: date, hhmm: str) -> float:
+    """Epoch seconds of a wall-clock time in the browser's time zone."""
+    h, m = map(int, hhmm.split(":"))
+    return datetime(day.year, day.month, day.day, h, m, tzinfo=ZoneInfo(TIME_ZONE)).timestamp()
+
+
+def book(client: Any, day: date, start: str, end: str, gpus: int, pool: str = "A100-80GB", **kw: Any) -> Any:
+    body = {"pool": pool, "gpus": gpus, "start": at(day, start), "end": at(day, end), **kw}
+    return client.request("POST", "/api/v1/reservations", json=body)
+
+
+def bookings_of(client: Any, owner: str) -> list[dict[str, Any]]:
+    listed = client.request("GET", "/api/v1/reservations")["reservations"]
+    return [r for r in listed if r["owner"] == owner and r["state"] == "active"]
+
+
+def shown_window(start: str, end: str) -> str:
+    """How the page writes a window of two datetime-local values: "Tue 24 Nov 12:00–14:00"."""
+    a, b = datetime.fromisoformat(start), datetime.fromisoformat(end)
+    tail = b.strftime("%H:%M") if a.date() == b.date() else f"{b:%a} {b.day} {b:%b %H:%M}"
+    return f"{a:%a} {a.day} {a:%b %H:%M}–{tail}"
+
+
+def open_calendar(page: Any, lab: Lab, pool: str, day: date) -> None:
+    """Open the Calendar tab, pick the pool, and show ``day`` in the day view."""
+    from playwright.sync_api import expect
+
+    open_panel(page, lab)
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+    page.get_by_role("tab", name="Calendar").click()
+    page.get_by_label("Calendar pool").select_option(pool)
+    page.get_by_role("button", name="day", exact=True).click()
+    column = page.locator(f'td.fc-timegrid-col[data-date="{day.isoformat()}"]')
+    while column.count() == 0:  # each click renders the next day at once: no wait in between
+        page.get_by_role("button", name="Next day").click()
+    expect(column).to_be_visible()
+
+
+def drag(page: Any, day: date, first: str, last: str) -> None:
+    """Press the mouse on the slot ``first`` (HH:MM) of ``day``, move it to the slot ``last``, release.
+
+    A real drag over FullCalendar's time grid: down, moves in steps, up. The selection covers both
+    slots (half an hour each), so first=10:00, last=11:30 selects 10:00-12:00.
+    """
+    lane = page.locator(f'td.fc-timegrid-slot-lane[data-time="{first}:00"]')
+    lane.evaluate("el => el.scrollIntoView({block: 'center'})")
+    column = page.locator(f'td.fc-timegrid-col[data-date="{day.isoformat()}"]').bounding_box()
+    a = lane.bounding_box()
+    b = page.locator(f'td.fc-timegrid-slot-lane[data-time="{last}:00"]').bounding_box()
+    x = column["x"] + column["width"] * 0.3
+    y0, y1 = a["y"] + a["height"] / 2, b["y"] + b["height"] / 2
+    page.mouse.move(x, y0)
+    page.mouse.down()
+    page.mouse.move(x, y0 + (y1 - y0) / 2, steps=5)
+    page.mouse.move(x, y1, steps=5)
+    page.mouse.up()
+
+
+def test_booking_by_dragging_on_the_calendar(page: Any, lab: Lab, clients: dict[str, Any], shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    alice, bob = clients["alice"], clients["bob"]
+    day = tomorrow()
+    open_calendar(page, lab, "A100-80GB", day)
+    page.evaluate("window.__notReloaded = true")
+
+    # Someone else's booking appears by itself (the event stream), with its owner and GPU count.
+    theirs = book(bob, day, "14:00", "16:00", 1, note="bob's eval")
+    expect(
+        page.get_by_role("button", name=re.compile(rf"^Booking {theirs['id']}: bob, 1 GPU, .* 14:00–16:00"))
+    ).to_be_visible()
+
+    # One pool at a time: the T4 pool has no bookings.
+    bobs = page.get_by_role("button", name=re.compile(rf"^Booking {theirs['id']}:"))
+    page.get_by_label("Calendar pool").select_option("T4-16GB")
+    expect(bobs).to_have_count(0)
+    page.get_by_label("Calendar pool").select_option("A100-80GB")
+    expect(bobs).to_be_visible()
+
+    # Drag over 10:00-12:00: the form opens with that window, and says (dry run) that it fits.
+    drag(page, day, "10:00", "11:30")
+    dialog = page.get_by_role("dialog", name="Book GPUs of A100-80GB")
+    expect(dialog).to_be_visible()
+    expect(dialog.get_by_label("Start")).to_have_value(f"{day.isoformat()}T10:00")
+    expect(dialog.get_by_label("End")).to_have_value(f"{day.isoformat()}T12:00")
+    expect(dialog.get_by_role("status", name="booking check")).to_have_text("Fits: no clash with other bookings.")
+    dialog.get_by_label("GPUs").fill("2")
+    dialog.get_by_label("Note").fill("paper deadline")
+    expect(dialog.get_by_role("status", name="booking check")).to_have_text("Fits: no clash with other bookings.")
+    page.screenshot(path=str(shots / "1-dragged.png"), full_page=True)
+    dialog.get_by_role("button", name="Book", exact=True).click()
+
+    expect(dialog).to_have_count(0)
+    expect(page.get_by_role("status", name="booking result")).to_contain_text("Booked r-")
+    mine = page.get_by_role(
+        "button", name=re.compile(r"^Booking r-\w+: alice, 2 GPUs, .* 10:00–12:00, paper deadline, yours")
+    )
+    expect(mine).to_be_visible()
+    [made] = bookings_of(alice, "alice")
+    assert (made["gpus"], made["start"], made["end"]) == (2, at(day, "10:00"), at(day, "12:00"))
+    assert made["note"] == "paper deadline" and made["pool"] == "A100-80GB"
+    page.screenshot(path=str(shots / "2-booked.png"), full_page=True)
+
+    # Click it to change it: 3 GPUs.
+    mine.click()
+    dialog = page.get_by_role("dialog", name=f"Change booking {made['id']}")
+    dialog.get_by_label("GPUs").fill("3")
+    expect(dialog.get_by_role("status", name="booking check")).to_have_text("Fits: no clash with other bookings.")
+    dialog.get_by_role("button", name="Save changes").click()
+    expect(dialog).to_have_count(0)
+    expect(page.get_by_role("button", name=re.compile(rf"^Booking {made['id']}: alice, 3 GPUs, "))).to_be_visible()
+    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["gpus"] == 3
+
+    # Bob's booking opens read-only: no Save, no Cancel.
+    page.get_by_role("button", name=re.compile(rf"^Booking {theirs['id']}:")).click()
+    dialog = page.get_by_role("dialog", name=f"Booking {theirs['id']} of bob")
+    expect(dialog.get_by_label("Note")).to_have_value("bob's eval")
+    expect(dialog.get_by_label("Note")).to_be_disabled()
+    expect(dialog.get_by_role("button", name=re.compile("Save|Cancel booking"))).to_have_count(0)
+    dialog.get_by_role("button", name="Close").click()
+
+    # My bookings (Board tab) lists it, with Cancel.
+    page.get_by_role("tab", name="Board").click()
+    section = page.get_by_role("region", name="My bookings")
+    cancel = section.get_by_role("button", name=re.compile(rf"^Cancel booking {made['id']} \(A100-80GB, 3 GPUs, "))
+    expect(cancel).to_be_visible()
+    page.screenshot(path=str(shots / "3-my-bookings.png"), full_page=True)
+    cancel.click()
+    expect(section.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
+    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "cancelled"
+    assert page.evaluate("window.__notReloaded") is True
+    print(f"screenshots: {shots}")
+
+
+def test_a_clash_is_refused_with_the_clashing_booking_and_a_suggestion_books_in_one_click(
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    alice, bob = clients["alice"], clients["bob"]
+    day = tomorrow()
+    full = book(bob, day, "10:00", "12:00", 6, note="all of them")  # every A100 GPU (n1: 4, n2: 2)
+    open_calendar(page, lab, "A100-80GB", day)
+    expect(
+        page.get_by_role("button", name=re.compile(rf"^Booking {full['id']}: bob, 6 GPUs, .* 10:00–12:00"))
+    ).to_be_visible()
+
+    # Drag upwards from 12:30 to 11:00 (beside bob's booking, over it): 11:00-13:00 clashes with it.
+    drag(page, day, "12:30", "11:00")
+    dialog = page.get_by_role("dialog", name="Book GPUs of A100-80GB")
+    expect(dialog.get_by_label("Start")).to_have_value(f"{day.isoformat()}T11:00")
+    expect(dialog.get_by_label("End")).to_have_value(f"{day.isoformat()}T13:00")
+    clash = dialog.get_by_role("alert", name="clash")
+    # Shown before saving (the dry run): the booking in the way, and windows that fit.
+    expect(clash).to_contain_text("At most 0 GPUs of the 6 in A100-80GB can be booked then")
+    expect(clash.get_by_role("list", name="clashing bookings")).to_contain_text("bob · 6 GPUs")
+    expect(clash.get_by_role("list", name="clashing bookings")).to_contain_text(full["id"])
+    suggestions = clash.get_by_role("group", name="windows that fit").get_by_role("button")
+    expect(suggestions.first).to_be_visible()
+
+    # Booking anyway is refused by the lease server, with the same details.
+    dialog.get_by_role("button", name="Book", exact=True).click()
+    expect(clash).to_contain_text("Refused: ")
+    expect(clash).to_contain_text("would over-book it")
+    expect(clash.get_by_role("list", name="clashing bookings")).to_contain_text("bob · 6 GPUs")
+    assert bookings_of(alice, "alice") == []
+    page.screenshot(path=str(shots / "1-clash-refused.png"), full_page=True)
+
+    # One click on a suggestion moves the window there; it fits, and is booked.
+    first = suggestions.first
+    label = first.get_attribute("aria-label")
+    first.click()
+    expect(dialog.get_by_role("status", name="booking check")).to_have_text("Fits: no clash with other bookings.")
+    start = dialog.get_by_label("Start").input_value()
+    end = dialog.get_by_label("End").input_value()
+    assert label == f"Use {shown_window(start, end)}"
+    page.screenshot(path=str(shots / "2-suggestion-applied.png"), full_page=True)
+    dialog.get_by_role("button", name="Book", exact=True).click()
+    expect(dialog).to_have_count(0)
+    [made] = bookings_of(alice, "alice")
+    tz = ZoneInfo(TIME_ZONE)
+    assert datetime.fromtimestamp(made["start"], tz).strftime("%Y-%m-%dT%H:%M") == start
+    assert datetime.fromtimestamp(made["end"], tz).strftime("%Y-%m-%dT%H:%M") == end
+    assert made["end"] - made["start"] == 2 * 3600
+    assert made["end"] <= full["start"] or made["start"] >= full["end"]
+    expect(page.get_by_role("button", name=re.compile(rf"^Booking {made['id']}: alice, 1 GPU, "))).to_be_attached()
+    page.screenshot(path=str(shots / "3-booked.png"), full_page=True)
+    print(f"screenshots: {shots}")
+
+
+def test_the_keyboard_form_books_without_dragging(page: Any, lab: Lab, clients: dict[str, Any], shots: Path) -> None:
+    from playwright.sync_api import expect
+
+    alice = clients["alice"]
+    day = tomorrow() + timedelta(days=1)
+    open_panel(page, lab)
+    page.get_by_role("tab", name="Board").focus()
+    page.keyboard.press("ArrowRight")  # the tabs move with the arrow keys
+    expect(page.get_by_role("tab", name="Calendar")).to_have_attribute("aria-selected", "true")
+    page.get_by_role("button", name="New booking…").focus()
+    page.keyboard.press("Enter")
+    dialog = page.get_by_role("dialog", name=re.compile("^Book GPUs of "))
+    expect(dialog.get_by_label("Pool")).to_be_focused()
+    dialog.get_by_label("Pool").select_option("T4-16GB")
+    page.keyboard.press("Tab")
+    expect(dialog.get_by_label("GPUs")).to_be_focused()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("2")
+    dialog.get_by_label("Start").fill(f"{day.isoformat()}T09:00")
+    dialog.get_by_label("End").fill(f"{day.isoformat()}T11:30")
+    dialog.get_by_label("Repeat").select_option("weekly")
+    dialog.get_by_label("Weeks").fill("3")
+    dialog.get_by_label("Note").fill("weekly sync")
+    expect(dialog.get_by_role("status", name="booking check")).to_have_text("Fits: no clash with other bookings.")
+    page.screenshot(path=str(shots / "1-keyboard-form.png"), full_page=True)
+    dialog.get_by_label("Note").press("Enter")  # Enter submits the form
+    expect(dialog).to_have_count(0)
+    [made] = bookings_of(alice, "alice")
+    assert (made["pool"], made["gpus"], made["repeat"], made["occurrences"]) == ("T4-16GB", 2, "weekly", 3)
+    assert (made["start"], made["end"]) == (at(day, "09:00"), at(day, "11:30"))
+    print(f"screenshots: {shots}")
+
+
+@pytest.mark.parametrize("lease_server_settings", [{"borrow_notice": 8}])
+def test_the_board_shows_reserved_and_borrowed_gpus_and_a_recall(
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    alice, bob = clients["alice"], clients["bob"]
+    open_panel(page, lab)
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+    board = page.get_by_role("region", name="GPU board")
+    legend = page.get_by_role("list", name="legend")
+    for state in ("free", "leased", "reserved", "borrowed", "down"):
+        expect(legend.get_by_role("listitem").filter(has_text=re.compile(rf"^{state}$"))).to_be_visible()
+
+    # A booking of both T4 GPUs in force now: they are held back for alice, live.
+    now = time.time()
+    booking = alice.request(
+        "POST",
+        "/api/v1/reservations",
+        json={"pool": "T4-16GB", "gpus": 2, "start": now - 60, "end": now + 3600, "note": "demo"},
+    )
+    for i in (0, 1):
+        cell = board.get_by_role("cell", name=f"t1 GPU {i}: reserved, for alice (you)")
+        expect(cell).to_have_attribute("data-state", "reserved")
+    mine = page.get_by_role("region", name="My bookings")
+    expect(
+        mine.get_by_role("button", name=re.compile(rf"^End booking {booking['id']} now \(T4-16GB, 2 GPUs, "))
+    ).to_be_visible()
+
+    # Bob takes one while alice does not use them: a borrowed lease.
+    borrowed = bob.acquire(gpus=1, pool="T4-16GB", ttl=120, label="borrowing")
+    cell = board.get_by_role("cell", name=re.compile(rf"^t1 GPU {borrowed.indexes[0]}: borrowed, by bob, held "))
+    expect(cell).to_have_attribute("data-state", "borrowed")
+    expect(cell).to_contain_text("borrowed")
+    page.screenshot(path=str(shots / "1-reserved-and-borrowed.png"), full_page=True)
+
+    # Alice asks for her GPUs: bob's lease is recalled with notice (the countdown), then hers.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        granted = pool.submit(alice.acquire, gpus=2, pool="T4-16GB", ttl=120, wait=60)
+        expect(cell).to_have_accessible_name(re.compile(r"recalled — revoked in \d s$"))
+        expect(cell).to_contain_text(re.compile(r"recalled — revoked in \d s"))
+        page.screenshot(path=str(shots / "2-recalled.png"), full_page=True)
+        lease = granted.result(timeout=60)
+    for i in lease.indexes:
+        expect(board.get_by_role("cell", name=re.compile(rf"^t1 GPU {i}: leased, by alice \(you\), "))).to_be_visible()
+    assert bob.get(borrowed.id)["state"] == "revoked"
+    page.screenshot(path=str(shots / "3-holder-served.png"), full_page=True)
+
+    # I'm done: End now gives the booking's GPUs back (the lease ends by itself, or with Release).
+    alice.release(lease)
+    mine.get_by_role("button", name=re.compile(rf"^End booking {booking['id']} now")).click()
+    for i in (0, 1):
+        expect(board.get_by_role("cell", name=f"t1 GPU {i}: free")).to_be_visible()
+    expect(mine.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
     print(f"screenshots: {shots}")

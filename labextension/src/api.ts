@@ -17,6 +17,9 @@ export interface IHolder {
   /** Idle reclaim warned this lease: it is revoked at reclaim_at unless its GPUs get busy or it is kept. */
   idle_warning?: boolean;
   reclaim_at?: number;
+  /** Leased from capacity a booking holds back: revoked (at recall_at) once the booking's holder asks. */
+  borrowed?: boolean;
+  recall_at?: number;
 }
 
 export interface IGpu {
@@ -24,9 +27,11 @@ export interface IGpu {
   uuid?: string;
   model?: string;
   memory_mb?: number;
-  /** free | leased | down today; reserved | borrowed | idle once the server has them. */
+  /** free | leased | reserved (free, held back for a booking now) | borrowed | down. */
   state: string;
   lease?: IHolder;
+  /** The booking a reserved GPU is held back for. */
+  reservation?: { id: string; owner: string };
   /** The node agent's newest utilization sample. */
   sample?: { at: number; util: number; mem_used_mb: number };
   /** Processes on a GPU that no lease covers. */
@@ -61,6 +66,8 @@ export interface ILease {
   expires_at: number;
   idle_warning?: boolean;
   reclaim_at?: number;
+  borrowed?: boolean;
+  recall_at?: number;
 }
 
 export interface IWaiter {
@@ -71,6 +78,59 @@ export interface IWaiter {
   position: number;
   label: string;
   enqueued_at: number;
+}
+
+/** One occurrence of a booking (a weekly booking has several). Times: epoch seconds, UTC. */
+export interface IInstance {
+  k: number;
+  start: number;
+  end: number;
+  state: 'upcoming' | 'active' | 'released' | 'past' | string;
+  used: boolean;
+}
+
+/** A booking of GPUs of a pool, as GET /gpulease/reservations lists it. */
+export interface IReservation {
+  id: string;
+  owner: string; // a user, or "team:NAME"
+  pool: string;
+  gpus: number;
+  start: number; // the first occurrence
+  end: number;
+  repeat: 'none' | 'weekly' | string;
+  occurrences: number;
+  colocate: boolean;
+  node: string;
+  note: string;
+  created_by: string;
+  created_at: number;
+  state: 'active' | 'cancelled' | string;
+  /** The Jupyter server's lease user may change or cancel it. */
+  mine: boolean;
+  /** The occurrences that overlap the window asked for. */
+  instances: IInstance[];
+}
+
+/** What POST /gpulease/reservations takes (PATCH: any subset). Times: epoch seconds. */
+export interface IBooking {
+  pool: string;
+  gpus: number;
+  start: number;
+  end: number;
+  owner?: string;
+  note?: string;
+  repeat?: 'none' | 'weekly';
+  occurrences?: number;
+  colocate?: boolean;
+}
+
+/** The details of a 409 reservation_clash: who is in the way, and what would fit instead. */
+export interface IClash {
+  clashes: { id: string; owner: string; gpus: number; start: number; end: number }[];
+  capacity: number;
+  reserved: number;
+  max_gpus: number;
+  suggestions: { start: number; end: number }[];
 }
 
 export interface IVersion {
@@ -91,7 +151,9 @@ export class GpuLeaseError extends Error {
   constructor(
     readonly status: number,
     readonly code: string,
-    message: string
+    message: string,
+    /** The error's details, e.g. the clash of a 409 reservation_clash. */
+    readonly details: any = null
   ) {
     super(message);
   }
@@ -128,7 +190,7 @@ export async function requestAPI<T>(
   if (!response.ok) {
     const code = data?.code ?? 'http_error';
     const message = data?.message ?? `HTTP ${response.status} ${response.statusText} from ${url}`;
-    throw new GpuLeaseError(response.status, code, message);
+    throw new GpuLeaseError(response.status, code, message, data?.details ?? null);
   }
   if (data === null) {
     throw new GpuLeaseError(response.status, 'bad_answer', `${url} did not answer with JSON`);

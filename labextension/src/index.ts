@@ -1,5 +1,6 @@
 /**
- * gpulease in JupyterLab: the "GPU Leases" panel (launcher, command palette) and a status bar item.
+ * gpulease in JupyterLab: the "GPU Leases" panel (board and booking calendar; launcher, command
+ * palette) and a status bar item.
  */
 import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { ICommandPalette, MainAreaWidget, WidgetTracker } from '@jupyterlab/apputils';
@@ -26,7 +27,8 @@ export const gpuIcon = new LabIcon({
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'gpulease:plugin',
-  description: 'A live GPU board, your GPU leases with a Release button, and a status bar item.',
+  description:
+    'A live GPU board, a booking calendar, your GPU leases and bookings, and a status bar item.',
   autoStart: true,
   optional: [ICommandPalette, ILauncher, IStatusBar, ILayoutRestorer],
   activate: (
@@ -42,7 +44,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     app.commands.addCommand(OPEN, {
       label: 'GPU Leases',
-      caption: 'The GPU board and your GPU leases',
+      caption: 'The GPU board, the booking calendar, your GPU leases and bookings',
       icon: gpuIcon,
       execute: () => {
         if (!widget || widget.isDisposed) {

@@ -1,6 +1,7 @@
 /**
- * The state behind the panel and the status bar item: the cluster, my leases and the queue,
- * kept current by the lease server's event stream (GET /gpulease/events, an EventSource).
+ * The state behind the panel and the status bar item: the cluster, my leases, the queue and the
+ * bookings, kept current by the lease server's event stream (GET /gpulease/events, an EventSource).
+ * Calendars listen to reservationsChanged and refetch the window they show.
  *
  * Each relevant event schedules one refetch (coalesced over a short delay, so a burst of grants
  * costs one round of requests). If the stream breaks, the model says so, reconnects with backoff,
@@ -11,8 +12,10 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import {
   GpuLeaseError,
+  IBooking,
   ICluster,
   ILease,
+  IReservation,
   IVersion,
   IWaiter,
   apiUrl,
@@ -28,8 +31,8 @@ export const INSTALL_HINT =
   'server extension missing: run pip install gpulease and restart JupyterLab';
 
 /**
- * Event types after which the board may have changed. New GPU states (reservations, borrowed
- * leases, idle reclaim) come with new event types: add them here.
+ * Event types after which the board may have changed (with RESERVATION_EVENTS: bookings make GPUs
+ * reserved). New GPU states come with new event types: add them here.
  */
 export const BOARD_EVENTS = [
   'grant',
@@ -48,7 +51,17 @@ export const BOARD_EVENTS = [
   'idle_kept',
   'reclaimed',
   'unleased_use',
-  'unleased_use_ended'
+  'unleased_use_ended',
+  'borrow_recalled'
+];
+
+/** Event types after which bookings changed: the calendar and My bookings refetch (the board too). */
+export const RESERVATION_EVENTS = [
+  'reservation_created',
+  'reservation_changed',
+  'reservation_cancelled',
+  'reservation_ended',
+  'reservation_no_show'
 ];
 
 /** How long to coalesce events before refetching (ms). */
@@ -66,6 +79,11 @@ export class GpuLeaseModel {
   /** Emitted whenever anything shown may have changed. */
   get changed(): ISignal<this, void> {
     return this._changed;
+  }
+
+  /** Emitted when bookings may have changed (an event, a booking made here): calendars refetch. */
+  get reservationsChanged(): ISignal<this, void> {
+    return this._reservationsChanged;
   }
 
   version: IVersion | null = null;
@@ -87,6 +105,21 @@ export class GpuLeaseModel {
   /** "Still using it" in flight, and the lease server's message when it refused, per lease id. */
   keeping = new Set<string>();
   keepErrors = new Map<string, string>();
+  /** Bookings in the lease server's default window (from a day ago to two weeks ahead). */
+  reservations: IReservation[] = [];
+  /** The last fetch of bookings failed (e.g. a lease server without reservations). */
+  reservationsError: string | null = null;
+  /** Cancel / End now in flight, and the message of a failed one, per booking id. */
+  bookingBusy = new Set<string>();
+  bookingErrors = new Map<string, string>();
+
+  /** My bookings (mine: I may change them) that are not over: the current or next occurrence first. */
+  get myBookings(): IReservation[] {
+    const now = this.serverNow();
+    return this.reservations
+      .filter(r => r.mine && r.state === 'active' && r.instances.some(i => i.end > now && i.state !== 'released'))
+      .sort((a, b) => nextInstanceStart(a, now) - nextInstanceStart(b, now));
+  }
 
   /** The lease server's clock now, in epoch seconds (times held are computed on its clock). */
   serverNow(): number {
@@ -129,8 +162,9 @@ export class GpuLeaseModel {
     Signal.clearData(this);
   }
 
-  /** Refetch the cluster, my leases and the queue. */
+  /** Refetch the cluster, my leases and the queue (and, beside them, the bookings). */
   async refresh(): Promise<void> {
+    const bookings = this.refreshReservations();
     try {
       const [cluster, mine, queue] = await Promise.all([
         requestAPI<ICluster>('cluster', {}, this._settings),
@@ -159,6 +193,107 @@ export class GpuLeaseModel {
       this.error = describe(error);
     }
     this._emit();
+    await bookings;
+  }
+
+  /** Refetch the bookings in the lease server's default window (for My bookings). */
+  async refreshReservations(): Promise<void> {
+    try {
+      const answer = await requestAPI<{ reservations: IReservation[]; now: number }>(
+        'reservations',
+        {},
+        this._settings
+      );
+      this.reservations = answer.reservations;
+      this.reservationsError = null;
+      for (const id of this.bookingErrors.keys()) {
+        if (!this.reservations.some(r => r.id === id && r.state === 'active')) {
+          this.bookingErrors.delete(id);
+        }
+      }
+    } catch (error) {
+      this.reservationsError = describe(error);
+    }
+    this._emit();
+  }
+
+  /** Everyone's bookings of a pool that overlap [from, to) (for the calendar). */
+  async fetchReservations(pool: string, from: Date, to: Date): Promise<IReservation[]> {
+    const query = new URLSearchParams({
+      pool,
+      from: String(Math.floor(from.getTime() / 1000)),
+      to: String(Math.ceil(to.getTime() / 1000))
+    });
+    const answer = await requestAPI<{ reservations: IReservation[] }>(
+      `reservations?${query.toString()}`,
+      {},
+      this._settings
+    );
+    return answer.reservations;
+  }
+
+  /**
+   * Would this booking fit? Resolves when it would; rejects with the lease server's error otherwise
+   * (a GpuLeaseError 409 reservation_clash whose details say what is in the way and what would fit).
+   */
+  async checkBooking(booking: IBooking): Promise<{ fits: boolean; node: string }> {
+    return requestAPI('reservations?dry_run=true', jsonBody('POST', booking), this._settings);
+  }
+
+  /** Would this change of one of my bookings fit? Like checkBooking. */
+  async checkChange(id: string, changes: Partial<IBooking>): Promise<{ fits: boolean; node: string }> {
+    const path = `reservations/${encodeURIComponent(id)}?dry_run=true`;
+    return requestAPI(path, jsonBody('PATCH', changes), this._settings);
+  }
+
+  /** Book GPUs; rejects like checkBooking when the booking does not fit. */
+  async book(booking: IBooking): Promise<IReservation> {
+    const made = await requestAPI<IReservation>('reservations', jsonBody('POST', booking), this._settings);
+    this._bookingsChanged();
+    return made;
+  }
+
+  /** Change one of my bookings (any subset of the fields; a weekly booking changes as a whole). */
+  async changeBooking(id: string, changes: Partial<IBooking>): Promise<IReservation> {
+    const changed = await requestAPI<IReservation>(
+      `reservations/${encodeURIComponent(id)}`,
+      jsonBody('PATCH', changes),
+      this._settings
+    );
+    this._bookingsChanged();
+    return changed;
+  }
+
+  /** Cancel one of my bookings (all its occurrences). The error, if any, is kept per booking. */
+  async cancelBooking(id: string): Promise<boolean> {
+    return this._bookingAction(id, 'cancel', `reservations/${encodeURIComponent(id)}`, 'DELETE');
+  }
+
+  /** "I'm done": end the current occurrence of one of my bookings; its GPUs go back to the pool. */
+  async endBooking(id: string): Promise<boolean> {
+    return this._bookingAction(id, 'end', `reservations/${encodeURIComponent(id)}/end`, 'POST');
+  }
+
+  private async _bookingAction(id: string, verb: string, path: string, method: string): Promise<boolean> {
+    this.bookingBusy.add(id);
+    this.bookingErrors.delete(id);
+    this._emit();
+    let ok = true;
+    try {
+      await requestAPI(path, { method }, this._settings);
+    } catch (error) {
+      ok = false;
+      this.bookingErrors.set(id, `could not ${verb} ${id}: ${describe(error)}`);
+    } finally {
+      this.bookingBusy.delete(id);
+    }
+    this._bookingsChanged();
+    return ok;
+  }
+
+  private _bookingsChanged(): void {
+    this._reservationsChanged.emit(undefined);
+    void this.refresh(); // My bookings, and the board (reserved GPUs)
   }
 
   /** Release one of my leases; the board follows from the event stream (and a refetch now). */
@@ -234,6 +369,7 @@ export class GpuLeaseModel {
       this.live = 'live';
       this._retryDelay = RETRY_MIN;
       if (wasDown) {
+        this._reservationsChanged.emit(undefined);
         void this.refresh(); // events may have been missed while the stream was down
       } else {
         this._emit();
@@ -255,6 +391,12 @@ export class GpuLeaseModel {
     };
     for (const type of BOARD_EVENTS) {
       source.addEventListener(type, () => this._scheduleRefresh());
+    }
+    for (const type of RESERVATION_EVENTS) {
+      source.addEventListener(type, () => {
+        this._reservationsChanged.emit(undefined);
+        this._scheduleRefresh();
+      });
     }
   }
 
@@ -282,12 +424,23 @@ export class GpuLeaseModel {
 
   private _settings: ServerConnection.ISettings;
   private _changed = new Signal<this, void>(this);
+  private _reservationsChanged = new Signal<this, void>(this);
   private _source: EventSource | null = null;
   private _refreshTimer = 0;
   private _retryTimer = 0;
   private _retryDelay = RETRY_MIN;
   private _clockOffset = 0;
   private _stopped = false;
+}
+
+function jsonBody(method: string, body: unknown): RequestInit {
+  return { method, body: JSON.stringify(body), headers: { 'Content-Type': 'application/json' } };
+}
+
+/** When the current or next occurrence of a booking starts (epoch seconds). */
+export function nextInstanceStart(r: IReservation, now: number): number {
+  const next = r.instances.find(i => i.end > now && i.state !== 'released');
+  return next ? next.start : r.start;
 }
 
 export function describe(error: unknown): string {

@@ -1,25 +1,35 @@
 /**
- * The "GPU Leases" panel: the GPU board (nodes x GPUs, live) and my leases with Release buttons.
- * A lease that idle reclaim warned shows its countdown, and (if it is mine) a "Still using it" button.
+ * The "GPU Leases" panel, in two tabs. Board: the GPU board (nodes x GPUs, live), my leases with
+ * Release buttons and my bookings with Cancel / End now. Calendar: everyone's bookings (calendar.tsx).
+ * A lease that idle reclaim warned shows its countdown, and (if it is mine) a "Still using it" button;
+ * a borrowed lease that a booking's holder recalled shows when it is revoked.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
-import React, { useEffect, useReducer } from 'react';
+import React, { useEffect, useReducer, useRef, useState } from 'react';
 
-import { IGpu, ILease, INode } from './api';
+import { IGpu, ILease, INode, IReservation } from './api';
+import { BookingCalendar, ICalendarPlace, formatWindow, gpuCount } from './calendar';
 import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
 
 /**
- * How each GPU state looks. The server has free / leased / down today; reserved, borrowed and idle
- * are the states reservations and idle reclaim will add (their colours are ready in the CSS).
+ * How each GPU state looks: free, leased, reserved (free but held back for a booking now), borrowed
+ * (leased from a booking's capacity: revoked with a notice when the booking's holder asks), idle
+ * (a leased GPU that idle reclaim warned), down.
  */
 export const STATES: Record<string, { label: string; legend: boolean }> = {
   free: { label: 'free', legend: true },
   leased: { label: 'leased', legend: true },
-  reserved: { label: 'reserved', legend: false },
-  borrowed: { label: 'borrowed', legend: false },
+  reserved: { label: 'reserved', legend: true },
+  borrowed: { label: 'borrowed', legend: true },
   idle: { label: 'idle', legend: false },
   down: { label: 'down', legend: true }
 };
+
+/** "recalled — revoked in 27 s": a borrowed lease whose booking's holder asked for the GPUs. */
+export function recallCountdown(recallAt: number, now: number): string {
+  const s = Math.floor(recallAt - now);
+  return s <= 0 ? 'recalled — revoked now' : `recalled — revoked in ${s < 60 ? `${s} s` : duration(s)}`;
+}
 
 function stateLabel(state: string): string {
   return STATES[state]?.label ?? state;
@@ -72,7 +82,13 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
   // An idle-warned lease is shown as idle: its GPUs go back to the pool at reclaim_at.
   const idle = !!lease?.idle_warning;
   const state = idle && gpu.state === 'leased' ? 'idle' : gpu.state;
+  const booking = gpu.reservation;
+  const bookingMine =
+    !!booking && (model.reservations.find(r => r.id === booking.id)?.mine ?? booking.owner === model.user);
   const parts = [`${node.name} GPU ${gpu.index}: ${stateLabel(gpu.state)}`];
+  if (booking && !lease) {
+    parts.push(`for ${booking.owner}${bookingMine ? ' (you)' : ''}`);
+  }
   if (lease) {
     parts.push(`by ${lease.user}${mine ? ' (you)' : ''}, held ${held}`);
     if (lease.label) {
@@ -80,6 +96,9 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
     }
     if (idle && lease.reclaim_at) {
       parts.push(reclaimCountdown(lease.reclaim_at, now));
+    }
+    if (lease.borrowed && lease.recall_at) {
+      parts.push(recallCountdown(lease.recall_at, now));
     }
   }
   if (gpu.unleased_use) {
@@ -96,9 +115,23 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
       title={title}
       data-state={state}
     >
-      <div className="jp-GpuLease-cellIndex">GPU {gpu.index}</div>
+      <div className="jp-GpuLease-cellIndex">
+        GPU {gpu.index}
+        {lease?.borrowed ? ' · borrowed' : ''}
+      </div>
       <div className="jp-GpuLease-cellState">{lease ? lease.user : stateLabel(gpu.state)}</div>
+      {booking && !lease && (
+        <div className="jp-GpuLease-cellLabel">
+          for {booking.owner}
+          {bookingMine ? ' (you)' : ''}
+        </div>
+      )}
       {lease && <div className="jp-GpuLease-cellHeld">{held}</div>}
+      {lease?.borrowed && lease.recall_at && (
+        <div className="jp-GpuLease-cellIdle" aria-hidden="true">
+          {recallCountdown(lease.recall_at, now)}
+        </div>
+      )}
       {lease?.label && <div className="jp-GpuLease-cellLabel">{lease.label}</div>}
       {gpu.unleased_use && <div className="jp-GpuLease-cellLabel">in use without a lease</div>}
       {lease && idle && lease.reclaim_at && (
@@ -210,6 +243,7 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
               <span className="jp-GpuLease-leaseGpus">{gpuList(lease)}</span>
               <span className="jp-GpuLease-leaseMeta">
                 {lease.pool} · held {duration(now - lease.created_at)}
+                {lease.borrowed ? ' · borrowed' : ''}
                 {lease.label ? ` · ${lease.label}` : ''}
               </span>
               <code className="jp-GpuLease-leaseId">{lease.id}</code>
@@ -239,11 +273,94 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
                 <KeepButton model={model} id={lease.id} where={gpuList(lease)} />
               </div>
             )}
+            {lease.borrowed && (
+              <div className="jp-GpuLease-warning" role="note" aria-label={`borrowed lease ${lease.id}`}>
+                {lease.recall_at
+                  ? `${recallCountdown(lease.recall_at, now)}: the booking these GPUs were borrowed from needs them`
+                  : 'borrowed from a booking: revoked with a short notice if its holder asks for the GPUs'}
+              </div>
+            )}
             {keepFailed && (
               <div role="alert" className="jp-GpuLease-error">
                 {keepFailed}
               </div>
             )}
+            {failed && (
+              <div role="alert" className="jp-GpuLease-error">
+                {failed}
+              </div>
+            )}
+          </li>
+        );
+      })}
+    </ul>
+  );
+}
+
+function bookingText(r: IReservation, now: number): { when: string; state: string } {
+  const next = r.instances.find(i => i.end > now && i.state !== 'released');
+  const i = next ?? { start: r.start, end: r.end, state: 'upcoming', k: 0 };
+  const later = r.repeat === 'weekly' ? r.occurrences - 1 - ('k' in i ? i.k : 0) : 0;
+  const when = `${formatWindow(i.start, i.end)}${later > 0 ? ` (weekly, ${later} more)` : ''}`;
+  const state = i.state === 'active' ? `now, ends in ${duration(i.end - now)}` : `starts in ${duration(i.start - now)}`;
+  return { when, state };
+}
+
+function MyBookings(props: { model: GpuLeaseModel; now: number }): JSX.Element {
+  const { model, now } = props;
+  // With the lease server away, the alert above says so: the bookings last fetched stay shown.
+  if (model.reservationsError && !model.error) {
+    return (
+      <div role="alert" className="jp-GpuLease-error">
+        could not load bookings: {model.reservationsError}
+      </div>
+    );
+  }
+  const mine = model.myBookings;
+  if (mine.length === 0) {
+    return <p className="jp-GpuLease-empty">You have no bookings in the next two weeks.</p>;
+  }
+  return (
+    <ul className="jp-GpuLease-leases" aria-label="my bookings">
+      {mine.map(r => {
+        const { when, state } = bookingText(r, now);
+        const active = r.instances.some(i => i.state === 'active' && i.end > now);
+        const busy = model.bookingBusy.has(r.id);
+        const failed = model.bookingErrors.get(r.id);
+        const what = `${r.pool}, ${gpuCount(r.gpus)}, ${when}`;
+        return (
+          <li key={r.id} className="jp-GpuLease-lease" aria-label={`booking ${r.id}`}>
+            <div className="jp-GpuLease-leaseText">
+              <span className="jp-GpuLease-leaseGpus">
+                {gpuCount(r.gpus)} of {r.pool}
+                {r.owner !== model.user ? ` for ${r.owner}` : ''}
+              </span>
+              <span className="jp-GpuLease-leaseMeta">
+                {when} · {state}
+                {r.note ? ` · ${r.note}` : ''}
+              </span>
+              <code className="jp-GpuLease-leaseId">{r.id}</code>
+            </div>
+            {active && (
+              <button
+                className="jp-mod-styled jp-mod-warn"
+                aria-label={`End booking ${r.id} now (${what})`}
+                title="I'm done: end this occurrence now, its GPUs go back to the pool"
+                disabled={busy}
+                onClick={() => void model.endBooking(r.id)}
+              >
+                End now
+              </button>
+            )}
+            <button
+              className="jp-mod-styled jp-mod-warn"
+              aria-label={`Cancel booking ${r.id} (${what})`}
+              title={r.repeat === 'weekly' ? 'Cancel every week of this booking' : 'Cancel this booking'}
+              disabled={busy}
+              onClick={() => void model.cancelBooking(r.id)}
+            >
+              {busy ? 'Working…' : 'Cancel'}
+            </button>
             {failed && (
               <div role="alert" className="jp-GpuLease-error">
                 {failed}
@@ -280,6 +397,8 @@ function Queue(props: { model: GpuLeaseModel; now: number }): JSX.Element | null
 function GpuLeaseView(props: { model: GpuLeaseModel }): JSX.Element {
   const { model } = props;
   useModel(model);
+  const [tab, setTab] = useState<Tab>('board');
+  const place = useRef<ICalendarPlace>({ pool: '', view: 'timeGridWeek', date: null });
   if (model.problem) {
     return (
       <div className="jp-GpuLease-content">
@@ -317,15 +436,72 @@ function GpuLeaseView(props: { model: GpuLeaseModel }): JSX.Element {
           {model.updatedAt ? ` (showing the state of ${model.updatedAt.toLocaleTimeString()})` : ''}
         </div>
       )}
-      <section aria-label="GPU board" className={model.error ? 'jp-GpuLease-stale' : ''}>
-        <h3 className="jp-GpuLease-heading">GPU board</h3>
-        <Board model={model} now={now} />
-      </section>
-      <section aria-label="My leases">
-        <h3 className="jp-GpuLease-heading">My leases</h3>
-        <MyLeases model={model} now={now} />
-      </section>
-      <Queue model={model} now={now} />
+      <Tabs tab={tab} onTab={setTab} />
+      {tab === 'board' ? (
+        <div role="tabpanel" id="jp-GpuLease-tabpanel-board" aria-labelledby="jp-GpuLease-tab-board">
+          <section aria-label="GPU board" className={model.error ? 'jp-GpuLease-stale' : ''}>
+            <h3 className="jp-GpuLease-heading">GPU board</h3>
+            <Board model={model} now={now} />
+          </section>
+          <div className="jp-GpuLease-columns">
+            <section aria-label="My leases">
+              <h3 className="jp-GpuLease-heading">My leases</h3>
+              <MyLeases model={model} now={now} />
+            </section>
+            <section aria-label="My bookings">
+              <h3 className="jp-GpuLease-heading">My bookings</h3>
+              <MyBookings model={model} now={now} />
+            </section>
+          </div>
+          <Queue model={model} now={now} />
+        </div>
+      ) : (
+        <div role="tabpanel" id="jp-GpuLease-tabpanel-calendar" aria-labelledby="jp-GpuLease-tab-calendar">
+          {model.cluster ? (
+            <BookingCalendar model={model} place={place.current} />
+          ) : (
+            <p className="jp-GpuLease-empty">Loading…</p>
+          )}
+        </div>
+      )}
+    </div>
+  );
+}
+
+type Tab = 'board' | 'calendar';
+const TABS: { id: Tab; label: string }[] = [
+  { id: 'board', label: 'Board' },
+  { id: 'calendar', label: 'Calendar' }
+];
+
+/** The two views, as ARIA tabs (arrow keys move between them). */
+function Tabs(props: { tab: Tab; onTab: (tab: Tab) => void }): JSX.Element {
+  const { tab, onTab } = props;
+  const refs = useRef<Record<string, HTMLButtonElement | null>>({});
+  return (
+    <div role="tablist" aria-label="GPU Leases views" className="jp-GpuLease-tabs">
+      {TABS.map((t, n) => (
+        <button
+          key={t.id}
+          ref={el => (refs.current[t.id] = el)}
+          role="tab"
+          id={`jp-GpuLease-tab-${t.id}`}
+          aria-selected={tab === t.id}
+          aria-controls={`jp-GpuLease-tabpanel-${t.id}`}
+          tabIndex={tab === t.id ? 0 : -1}
+          className={`jp-GpuLease-tab${tab === t.id ? ' jp-mod-current' : ''}`}
+          onClick={() => onTab(t.id)}
+          onKeyDown={e => {
+            if (e.key === 'ArrowRight' || e.key === 'ArrowLeft') {
+              const next = TABS[(n + (e.key === 'ArrowRight' ? 1 : TABS.length - 1)) % TABS.length].id;
+              onTab(next);
+              refs.current[next]?.focus();
+            }
+          }}
+        >
+          {t.label}
+        </button>
+      ))}
     </div>
   );
 }
