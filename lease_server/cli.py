@@ -517,20 +517,98 @@ def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> No
     click.echo(f"{lease_id}: {out['state']}")
 
 
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--since", default="-", help="Event id to start after")
 @click.option("--limit", default=50, show_default=True)
 @server_options
-def events(since: str, limit: int, url: str | None, token: str | None) -> None:
-    """Print the event log as JSON lines."""
+@click.pass_context
+def events(ctx: click.Context, since: str, limit: int, url: str | None, token: str | None) -> None:
+    """Print the event log as JSON lines (``events export``: all of it, for the policy simulator)."""
+    if ctx.invoked_subcommand is not None:
+        return
     with Client(url, token) as c:
         for ev in c.events(since, limit):
             click.echo(json.dumps(ev))
 
 
-@main.group()
-def simulate() -> None:
-    """Drive simulated GPUs (nodes started with --simulate)."""
+@events.command("export")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, writable=True), help="File to write (default: stdout)")
+@click.option("--since", default="-", help="Event id to start after")
+@server_options
+def events_export(out: str | None, since: str, url: str | None, token: str | None) -> None:
+    """Write every event kept in the log as JSON lines: the input of gpulease simulate --trace."""
+    n = 0
+    with Client(url, token) as c, click.open_file(out or "-", "w") as f:
+        while True:
+            page = c.events(since, 10_000)
+            for ev in page:
+                f.write(json.dumps(ev) + "\n")
+            n += len(page)
+            if len(page) < 10_000:
+                break
+            since = page[-1]["id"]
+    if out:
+        err_console.print(f"{n} events written to {out}")
+
+
+@main.group(invoke_without_command=True)
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace CSV, or an events export (.jsonl)")
+@click.option("--gpus", type=click.IntRange(min=1), help="GPUs of the simulated cluster")
+@click.option("--node-gpus", default=8, show_default=True, type=click.IntRange(min=1), help="GPUs per node")
+@click.option(
+    "--policies",
+    default="calendar,culler-10m,culler-60m,lease",
+    show_default=True,
+    help="Any of calendar, culler-10m, culler-60m, lease, lease+resv",
+)
+@click.option("--seed", type=int, help="Seed of the session generator [default: 1]")
+@click.option("--think-median", type=float, help="Median think time between cells, s [default: 600]")
+@click.option("--users", type=int, help="People the sessions belong to [default: 40]")
+@click.option("--max-cell-hours", type=float, help="Leave out cells longer than this (batch runs)")
+@click.option("--out", default="simulation", show_default=True, help="Writes OUT.csv, OUT-users.csv, OUT.png")
+@click.option("--no-plot", is_flag=True, help="Skip the PNG figure")
+@click.option("--redis-url", help="Replay on this Redis (a private redis-server is started otherwise)")
+@click.pass_context
+def simulate(
+    ctx: click.Context,
+    trace: str | None,
+    gpus: int | None,
+    node_gpus: int,
+    policies: str,
+    seed: int | None,
+    think_median: float | None,
+    users: int | None,
+    max_cell_hours: float | None,
+    out: str,
+    no_plot: bool,
+    redis_url: str | None,
+) -> None:
+    """Compare GPU-sharing policies on a workload (--trace FILE --gpus N), replayed through the real
+    scheduler under a virtual clock; or drive simulated GPUs (simulate util ...)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not trace or not gpus:
+        raise click.UsageError("gpulease simulate needs --trace FILE and --gpus N (or a subcommand: util)")
+    from .sim import command as sim_command
+    from .sim.run import parse_policies
+
+    try:
+        names = parse_policies(policies)
+        params = sim_command.session_params(seed=seed, think_median_s=think_median, users=users)
+        sim_command.run(
+            trace,
+            gpus,
+            names,
+            node_gpus=node_gpus,
+            params=params,
+            max_cell_hours=max_cell_hours,
+            out=out,
+            plot=not no_plot,
+            redis_url=redis_url,
+            console=console,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 @simulate.command("util")

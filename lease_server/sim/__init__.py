@@ -1,0 +1,8 @@
+"""The policy simulator: replay a notebook workload under the ways teams share GPUs, and compare.
+
+``workload`` loads traces and event-log exports and groups cells into notebook sessions;
+``policies`` models the calendar and the session-held + idle-culler policies as event simulations;
+``replay`` drives the lease server's own Lua scripts on a real Redis under a virtual clock;
+``report`` turns results into the table, CSV files and figure of ``gpulease simulate``.
+See docs/simulation.md.
+"""

@@ -1,0 +1,96 @@
+"""Run several policies on one workload and one cluster, with a progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from ..config import Settings
+from . import policies, replay
+from .result import Result
+from .workload import Workload
+
+POLICIES = ("calendar", "culler-10m", "culler-60m", "lease", "lease+resv")
+DEFAULT_POLICIES = ("calendar", "culler-10m", "culler-60m", "lease")
+LUA_POLICIES = ("lease", "lease+resv")
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICIES)}")
+    if "lease+resv" in names:
+        raise ValueError("lease+resv (leases with team reservations) is not in the simulator yet; use the other four")
+    return list(dict.fromkeys(names))
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """A redis-server of our own for the replay, without persistence (nothing here must survive)."""
+    from redis import Redis
+
+    from ..redis_proc import RedisProcess
+
+    with tempfile.TemporaryDirectory(prefix="gpulease-sim-") as tmp:
+        proc = RedisProcess(Path(tmp) / "redis").start()
+        try:
+            r = Redis.from_url(proc.url)
+            r.config_set("appendonly", "no")
+            r.close()
+            yield proc.url
+        finally:
+            proc.stop()
+
+
+Tick = Callable[[str, int], None]  # (policy, virtual ms reached)
+
+
+def simulate(
+    w: Workload,
+    nodes: Sequence[int],
+    names: Sequence[str],
+    *,
+    redis_url: str | None = None,
+    settings: Settings | None = None,
+    tick: Tick | None = None,
+) -> list[Result]:
+    """Replay ``w`` on a cluster of ``nodes`` (GPUs per node) under each policy in ``names``.
+
+    The lease policies need a Redis: ``redis_url`` (a key prefix of their own is used and removed
+    afterwards), else a private redis-server is started for the run.
+    """
+    biggest = int(w.gpus.max()) if w.n_sessions else 0
+    if biggest > max(nodes):
+        raise ValueError(f"the workload asks for {biggest} GPUs on one node; the largest node has {max(nodes)}")
+    out: list[Result] = []
+    with contextlib.ExitStack() as stack:
+        url = redis_url
+        if url is None and any(n in LUA_POLICIES for n in names):
+            url = stack.enter_context(private_redis())
+        for name in names:
+            progress = (lambda t, _n=name: tick(_n, t)) if tick else None
+            if name == "calendar":
+                r = policies.calendar(w, nodes, progress=progress)
+            elif name.startswith("culler-"):
+                r = policies.culler(w, nodes, int(name[7:-1]) * 60, progress=progress)
+            elif name in LUA_POLICIES:
+                assert url is not None
+                prefix = f"gpulease-sim-{os.getpid()}-{secrets.token_hex(3)}"
+                base = settings or Settings()
+                s = dataclasses.replace(base, redis_url=url, prefix=prefix)
+                setup = replay.ReplaySetup(url, prefix, s)
+                if name != "lease":
+                    raise ValueError("lease+resv is not in the simulator yet")
+                r = replay.lease(w, nodes, setup, progress=progress)
+            else:
+                raise ValueError(f"unknown policy {name!r}")
+            if tick:
+                tick(name, -1)
+            out.append(r)
+    return out
