@@ -50,6 +50,12 @@ class GpuLease(ExtensionApp):
         "user. Default: GPULEASE_TOKEN, else ~/.gpulease/token.",
     ).tag(config=True)
 
+    act_as_user = Unicode(
+        help="Lease user every call acts for, with a proxy token (gpulease token create hub --proxy): "
+        "for a JupyterHub deployment with one shared token. Default: GPULEASE_USER; else, if the "
+        "token is a proxy token, JupyterHub's user of this server (JUPYTERHUB_USER).",
+    ).tag(config=True)
+
     request_timeout = Float(10.0, help="Seconds to wait for the lease server's answer.").tag(config=True)
 
     release_on_kernel_exit = Bool(
@@ -62,13 +68,23 @@ class GpuLease(ExtensionApp):
     def _default_url(self) -> str:
         return _discovered()[0]
 
+    @default("act_as_user")
+    def _default_act_as(self) -> str:
+        return os.environ.get("GPULEASE_USER", "")
+
     @default("lease_server_token")
     def _default_token(self) -> str:
         return _discovered()[1]
 
     def initialize_settings(self) -> None:
         assert self.serverapp is not None  # set when the extension was linked, before this
-        self.api = LeaseApi(self.lease_server_url, self.lease_server_token, self.request_timeout)
+        self.api = LeaseApi(
+            self.lease_server_url,
+            self.lease_server_token,
+            self.request_timeout,
+            act_as=self.act_as_user,
+            hub_user=os.environ.get("JUPYTERHUB_USER", ""),
+        )
         self.streams: set[asyncio.Event] = set()  # open event streams, ended when the server stops
         self.releaser = KernelLeaseReleaser(
             self.api, self.serverapp.kernel_manager, getattr(self.serverapp, "event_logger", None)

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from lease_server import errors
+from lease_server.auth import ACT_AS_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,36 @@ def config_problem(url: str) -> str:
 class LeaseApi:
     """Async client of the lease API, with the Jupyter server's lease token."""
 
-    def __init__(self, url: str, token: str, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, token: str, timeout: float = 10.0, act_as: str = "", hub_user: str = "") -> None:
+        """``act_as``: the lease user every call acts for (the token must have the proxy role).
+        ``hub_user``: JupyterHub's user of this single-user server; acted for only if the token
+        turns out to be a proxy token (a user's own token is used as it is)."""
         self.url = url.rstrip("/")
         self.problem = config_problem(self.url)
         self.timeout = timeout
         self._me: dict[str, Any] | None = None
+        self._hub_user = "" if act_as else hub_user
+        self._resolved = not self._hub_user
         self._http = httpx.AsyncClient(
             base_url=self.url if not self.problem else "http://unconfigured.invalid",
             timeout=httpx.Timeout(timeout, connect=5.0),
             headers={"Authorization": f"Bearer {token}"} if token else {},
         )
+        if act_as:
+            self._http.headers[ACT_AS_HEADER] = act_as
+
+    async def _resolve(self) -> None:
+        """Under JupyterHub with a shared proxy token: act for the Hub user of this server."""
+        if self._resolved:
+            return
+        self._resolved = True
+        try:
+            resp = await self._http.get(f"{API}/whoami")
+            if resp.status_code == 200 and resp.json().get("role") == "proxy":
+                self._http.headers[ACT_AS_HEADER] = self._hub_user
+                log.info("gpulease: acting for JupyterHub user %s with a proxy token", self._hub_user)
+        except (httpx.HTTPError, ValueError):
+            self._resolved = False  # try again with the next call
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -92,6 +113,7 @@ class LeaseApi:
         ``reservation_clash``) travel on the typed error, so the handlers pass them on intact.
         """
         self._check()
+        await self._resolve()
         try:
             resp = await self._http.request(method, f"{API}{path}", params=params, json=json)
         except httpx.TransportError as exc:
@@ -133,6 +155,7 @@ class LeaseApi:
         Errors before the stream starts (bad ``since``, bad token, server away) raise the typed error.
         """
         self._check()
+        await self._resolve()
         headers = {"Accept": "text/event-stream"}
         if since:
             headers["Last-Event-ID"] = since

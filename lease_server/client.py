@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from . import errors
+from .auth import ACT_AS_HEADER
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -100,14 +101,17 @@ class Lease:
 class Client:
     """A thin, thread-safe HTTP client of the lease API that raises the typed errors of errors.py."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(
+        self, url: str | None = None, token: str | None = None, timeout: float = 10.0, act_as: str | None = None
+    ) -> None:
+        """``act_as`` (default: GPULEASE_USER): the user a proxy token acts for (JupyterHub)."""
         self.url, self.token = discover(url, token)
         self.timeout = timeout
-        self._http = httpx.Client(
-            base_url=self.url,
-            timeout=httpx.Timeout(timeout, connect=5.0),
-            headers={"Authorization": f"Bearer {self.token}"} if self.token else {},
-        )
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        act_as = act_as if act_as is not None else os.environ.get("GPULEASE_USER", "")
+        if act_as:
+            headers[ACT_AS_HEADER] = act_as
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0), headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -784,3 +784,33 @@ def test_stopping_the_jupyter_server_releases_its_kernels_leases(
     run(ext.stop_extension())
     assert server.client("alice").get(lease.id)["state"] == "released"
     assert ext.releaser.history[-1] == (kid, "the Jupyter server is stopping", [lease.id])
+
+
+# ---- JupyterHub: one proxy token, each server acting for its Hub user ------------------------------
+
+
+@pytest.fixture
+def hub_user(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A JupyterHub single-user server's environment (set before the Jupyter server starts)."""
+    monkeypatch.setenv("JUPYTERHUB_USER", "ann")
+    return "ann"
+
+
+@pytest.mark.parametrize("lease_identity", [("hub", "proxy")])
+@pytest.mark.parametrize("extra_config", [{"GpuLease": {"act_as_user": "carl"}}])
+def test_proxy_token_acts_for_the_configured_user(fetch: Any, server: Any) -> None:
+    assert body(fetch("gpulease", "version"))["lease_server"]["user"] == "carl"
+    lease = server.client("carl").acquire(1)
+    mine = body(fetch("gpulease", "leases"))["leases"]
+    assert [x["id"] for x in mine] == [lease.id]
+    resp = fetch("gpulease", "leases", lease.id, method="DELETE")
+    assert resp.code == 200 and body(resp)["state"] == "released"
+
+
+@pytest.mark.parametrize("lease_identity", [("hub", "proxy")])
+def test_proxy_token_acts_for_the_jupyterhub_user(hub_user: str, fetch: Any) -> None:
+    assert body(fetch("gpulease", "version"))["lease_server"]["user"] == hub_user
+
+
+def test_a_users_own_token_ignores_the_jupyterhub_user(hub_user: str, fetch: Any) -> None:
+    assert body(fetch("gpulease", "version"))["lease_server"]["user"] == "alice"
