@@ -65,6 +65,7 @@ class Lease:
     label: str = ""
     reservation: str = ""  # the booking it is served from, if any
     borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
+    nodes: list[str] = field(default_factory=list)  # a multi-node gang's nodes (else empty)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -82,8 +83,16 @@ class Lease:
             label=data.get("label", ""),
             reservation=data.get("reservation", ""),
             borrowed=bool(data.get("borrowed", False)),
+            nodes=list(data.get("nodes", [])),
             raw=data,
         )
+
+    def parts(self) -> dict[str, list[int]]:
+        """node -> the GPU indexes leased on it (one node unless this is a multi-node gang)."""
+        out: dict[str, list[int]] = {}
+        for g in self.gpus:
+            out.setdefault(g.get("node", self.node), []).append(int(g["index"]))
+        return out
 
     @property
     def indexes(self) -> list[int]:
@@ -166,6 +175,7 @@ class Client:
         *,
         gpus_min: int | None = None,
         priority: str | None = None,
+        nodes: int | None = None,
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
 
@@ -185,6 +195,8 @@ class Client:
             body["gpus_min"] = gpus_min
         if priority:
             body["priority"] = priority
+        if nodes and nodes > 1:
+            body["nodes"] = nodes
 
         def post() -> Lease:
             return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))

@@ -51,7 +51,10 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         "user": rec["user"],
         "pool": rec["pool"],
         "node": rec["node"],
-        "gpus": [{"index": int(g["index"]), "uuid": g.get("uuid", "")} for g in rec["gpus"]],
+        "gpus": [
+            {"index": int(g["index"]), "uuid": g.get("uuid", ""), **({"node": g["node"]} if "node" in g else {})}
+            for g in rec["gpus"]
+        ],
         "state": rec.get("state", "active"),
         "label": rec.get("label", ""),
         "session": rec.get("session", ""),
@@ -73,6 +76,8 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         out["idle_evidence"] = rec["idle_evidence"]
     if rec.get("resv"):
         out["reservation"] = rec["resv"]
+    if rec.get("nodes"):
+        out["nodes"] = rec["nodes"]
     if rec.get("preemptible"):
         out["preemptible"] = True
     if rec.get("elastic"):
@@ -126,6 +131,25 @@ def check_gpus(value: object, kind: str = "gpus") -> int:
         raise errors.BadRequest(f"{kind} must be at least 1, got {value}")
     if value > MAX_GPUS_PER_REQUEST:
         raise errors.BadRequest(f"{kind} must be at most {MAX_GPUS_PER_REQUEST}, got {value}")
+    return value
+
+
+MAX_NODES = 64
+
+
+def check_nodes(value: object, gpus: int, gpus_min: int) -> int:
+    """A gang's node count: gpus must split evenly, and a gang is not elastic."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NODES:
+        raise errors.BadRequest(f"nodes must be a whole number from 1 to {MAX_NODES}, got {value!r}")
+    if value > 1 and gpus % value:
+        raise errors.BadRequest(
+            f"gpus ({gpus}) must be a multiple of nodes ({value}): a gang has the same GPUs on every node, "
+            f"e.g. gpus={value * max(1, gpus // value)}"
+        )
+    if value > 1 and gpus_min != gpus:
+        raise errors.BadRequest("a multi-node gang is all or nothing: drop gpus_min, or ask for one node")
     return value
 
 
@@ -223,6 +247,7 @@ class LeaseStore:
         teams: tuple[str, ...] | list[str] = (),
         priority: object = None,
         gpus_min: object = None,
+        nodes: object = None,
     ) -> dict[str, Any]:
         """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
 
@@ -236,6 +261,7 @@ class LeaseStore:
         if n_min > n:
             raise errors.BadRequest(f"gpus_min ({n_min}) must not exceed gpus ({n}): ask for gpus_min..gpus GPUs")
         prio = check_priority(priority)
+        k = check_nodes(nodes, n, n_min)
         ttl_s = check_seconds("ttl", ttl, low=1, high=s.max_ttl, default=s.default_ttl)
         wait_s = check_seconds("wait", wait, low=0, high=s.max_wait, default=0.0)
         label_s = check_text("label", label)
@@ -258,6 +284,7 @@ class LeaseStore:
                     ",".join(teams),
                     prio,
                     n_min,
+                    k,
                 ],
             )
             if code is Code.OK:
@@ -297,6 +324,14 @@ class LeaseStore:
                 if code is Code.UNKNOWN_POOL:
                     known = ", ".join(sorted(await self.pool_sizes())) or "none registered"
                     raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s)
+                if code is Code.UNSATISFIABLE and k > 1:
+                    able = int(rest[1])
+                    raise errors.Unsatisfiable(
+                        f"a gang of {n // k} GPUs on each of {k} nodes cannot fit pool {pool_s!r}: only {able} "
+                        f"of its nodes have {n // k} GPUs; ask for fewer nodes or fewer GPUs per node",
+                        pool=pool_s,
+                        nodes_able=able,
+                    )
                 raise_for(code, lid, pool_s, rest[0] if rest else None)
             assert waiter is not None
             position = int(rest[0])

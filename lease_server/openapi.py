@@ -93,6 +93,12 @@ def openapi_document() -> dict[str, Any]:
                     "minimum": 1,
                     "description": "Elastic request: granted as many as one node has free, from gpus_min to gpus",
                 },
+                "nodes": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": 64,
+                    "description": "A multi-node gang: gpus / nodes GPUs on each of that many nodes, all or nothing",
+                },
                 "priority": {
                     "enum": ["low", "normal", "high"],
                     "description": "Priority class (the priority scheduler serves higher classes first; a request "

@@ -300,7 +300,12 @@ class Reclaimer:
             now_ms = t[0] * 1000 + t[1] // 1000
         pols = await policies(store)
         off = Policy(enabled=False)
-        leases = [lease for lease in await store.live_leases() if pols.get(lease["pool"], off).enabled]
+        # Multi-node gangs are not judged idle (their GPUs share indexes across nodes): left out.
+        leases = [
+            lease
+            for lease in await store.live_leases()
+            if pols.get(lease["pool"], off).enabled and not lease.get("nodes")
+        ]
         warned = reclaimed = 0
         next_due = math.inf
 

@@ -75,8 +75,8 @@ async def typical_duration(store: LeaseStore, pool: str, sample: int = 200) -> f
 async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict[str, Any]:
     """How long ``gpus`` GPUs of ``pool`` would take to come free, and alternatives free now.
 
-    A simple, explainable model: every running lease ends after the pool's typical duration (or
-    now, if it is already older), GPUs owed to bookings in force stay taken, and the requests
+    A simple, explainable model: every running lease ends after the pool's typical duration (one
+    already older runs half its age again), GPUs owed to bookings in force stay taken, and the requests
     queued ahead take GPUs first. Returns seconds, and the reasoning in words."""
     view = await cluster_view(store)
     typical = await typical_duration(store, pool)
@@ -95,7 +95,10 @@ async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict
             if g["state"] == "free":
                 back.append(0.0)
             elif g["state"] in ("leased", "borrowed") and "lease" in g:
-                back.append(max(0.0, g["lease"]["since"] + typical - now_ms / 1000))
+                # A lease younger than typical ends when typical; an older one has shown it runs
+                # long, so expect half its age again (never less than a second).
+                age = now_ms / 1000 - g["lease"]["since"]
+                back.append(max(typical - age, age / 2, 1.0))
     back.sort()
     need = ahead_gpus + gpus
     if need <= len(back):

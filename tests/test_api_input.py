@@ -58,7 +58,7 @@ ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
         _raw({"gpus": 1, "gpu_count": 2}),
         400,
         "bad_request",
-        ("unknown field", "gpu_count", "allowed", "gpus, gpus_min, pool, ttl, wait, label, session"),
+        ("unknown field", "gpu_count", "allowed", "gpus, gpus_min, nodes, pool, ttl, wait, label, session"),
     ),
     (
         "unknown-pool",

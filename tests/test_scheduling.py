@@ -312,3 +312,50 @@ def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
         bob.delete(f"{API}/leases/{held['id']}")
         assert_error(alice.get(f"{API}/estimate", params={"gpus": "-1"}), 400, "bad_request", "gpus")
         assert_error(alice.get(f"{API}/estimate", params={"pool": "H100"}), 404, "unknown_pool")
+
+
+def test_multi_node_gang_is_all_or_nothing(sim_factory):
+    async def main() -> None:
+        sim = await sim_factory("a=4xA100-80GB,b=4xA100-80GB,c=2xA100-80GB")
+        _c, _l, other = await sim.acquire("dave", 2)  # c (best fit) is now full
+        _c, blocker, b_id = await sim.acquire("dave", 2)  # a or b now has only 2 free
+        args = ["l-gang-00001", "alice", "A100-80GB", 8, 60_000, 600_000, "", "", "", 1, 8, 2]
+        code, rest = await sim.st.run("acquire", args, now_ms=sim.now)
+        assert code is Code.QUEUED  # 4 + 2 free on two nodes: nothing is granted, not even half
+        assert all(len(lease["gpus"]) == 2 for lease in (await sim.leases()).values())
+        await sim.release(b_id)
+        leases = await sim.leases()
+        gang = leases["l-gang-00001"]
+        assert sorted(gang["nodes"]) == ["a", "b"] and len(gang["gpus"]) == 8
+        assert sorted((g["node"], g["index"]) for g in gang["gpus"]) == [(n, i) for n in "ab" for i in range(4)]
+        await sim.release("l-gang-00001")
+        view = await sim.st.redis.hgetall(sim.st.keys.free)
+        assert json.loads(view["a"]) == [0, 1, 2, 3] and json.loads(view["b"]) == [0, 1, 2, 3]
+        assert await sim.st.redis.hlen(sim.st.keys.holders) == 2  # only dave's other lease, on c
+        # 3 nodes with 3 GPUs each do not exist: refused at once
+        args[0], args[3], args[10], args[11] = "l-gang-00002", 9, 9, 3
+        code, rest = await sim.st.run("acquire", args, now_ms=sim.now)
+        assert code is Code.UNSATISFIABLE and int(rest[1]) == 2
+        assert other
+
+    asyncio.run(main())
+
+
+def test_gang_over_http_and_its_bad_input(server_factory):
+    srv = server_factory("a=2xA100-80GB,b=2xA100-80GB")
+    with http(srv, "alice") as alice:
+        lease = alice.post(f"{API}/leases", json={"gpus": 4, "nodes": 2}).json()
+        assert sorted(lease["nodes"]) == ["a", "b"] and {g["node"] for g in lease["gpus"]} == {"a", "b"}
+        view = alice.get(f"{API}/cluster").json()
+        assert view["pools"]["A100-80GB"]["leased"] == 4
+        assert alice.delete(f"{API}/leases/{lease['id']}").json()["state"] == "released"
+        assert alice.get(f"{API}/cluster").json()["pools"]["A100-80GB"]["free"] == 4
+        assert_error(alice.post(f"{API}/leases", json={"gpus": 3, "nodes": 2}), 400, "bad_request", "multiple")
+        assert_error(
+            alice.post(f"{API}/leases", json={"gpus": 4, "gpus_min": 2, "nodes": 2}),
+            400,
+            "bad_request",
+            "all or nothing",
+        )
+        assert_error(alice.post(f"{API}/leases", json={"gpus": 6, "nodes": 3}), 422, "unsatisfiable", "only 2")
+        assert_error(alice.post(f"{API}/leases", json={"gpus": 2, "nodes": 0}), 400, "bad_request", "nodes")

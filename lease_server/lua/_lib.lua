@@ -280,7 +280,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
     if p and l.pool == pool then
       if l.recall_at then
         p.have = p.have + #l.gpus
-      else
+      elseif not l.nodes then
         local r = rank(l)
         if r then
           l.rank, l.lost = r, (NOW - l.created_at) * #l.gpus
@@ -398,29 +398,40 @@ local function allocate_for(w, pool, exclude)
   return nil
 end
 
-local function grant(w, node, taken, rest, old_count)
-  local inv = cjson.decode(redis.call('HGET', K_NODES, node))
-  local uuid_of = {}
-  for _, g in ipairs(inv.gpus) do uuid_of[g.index] = g.uuid end
-  -- Invariant guard, checked before any write: a free GPU never has a holder. If one does, the
-  -- state is corrupt, and granting it would be a double grant: fail the script loudly instead.
-  for _, idx in ipairs(taken) do
-    if redis.call('HEXISTS', K_HOLDERS, node .. '/' .. idx) == 1 then
-      error('invariant broken: free GPU ' .. node .. '/' .. idx .. ' has a holder')
+-- Grant waiter w the GPUs of `parts`: {{node, taken, rest, old_count}, ...}, one part per node
+-- (several for a multi-node gang, whose GPUs then name their node).
+local function grant_parts(w, parts)
+  local gpus, taken, nodes = {}, {}, {}
+  for _, part in ipairs(parts) do
+    local node = part.node
+    local inv = cjson.decode(redis.call('HGET', K_NODES, node))
+    local uuid_of = {}
+    for _, g in ipairs(inv.gpus) do uuid_of[g.index] = g.uuid end
+    -- Invariant guard, checked before any write: a free GPU never has a holder. If one does, the
+    -- state is corrupt, and granting it would be a double grant: fail the script loudly instead.
+    for _, idx in ipairs(part.taken) do
+      if redis.call('HEXISTS', K_HOLDERS, node .. '/' .. idx) == 1 then
+        error('invariant broken: free GPU ' .. node .. '/' .. idx .. ' has a holder')
+      end
     end
+    for _, idx in ipairs(part.taken) do
+      redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id)
+      local g = {index = idx, uuid = uuid_of[idx] or ''}
+      if #parts > 1 then g.node = node end
+      gpus[#gpus + 1] = g
+      taken[#taken + 1] = idx
+    end
+    set_free(node, w.pool, part.rest, part.old_count)
+    nodes[#nodes + 1] = node
   end
-  local gpus = {}
-  for _, idx in ipairs(taken) do
-    redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id)
-    gpus[#gpus + 1] = {index = idx, uuid = uuid_of[idx] or ''}
-  end
-  set_free(node, w.pool, rest, old_count)
+  local node = parts[1].node
   local lease = {
     id = w.id, token = redis.call('INCR', K_FENCE), user = w.user, pool = w.pool, node = node,
     gpus = gpus, ttl_ms = w.ttl_ms, label = w.label, session = w.session, state = 'active',
     created_at = NOW, renewed_at = NOW, expires_at = NOW + w.ttl_ms, renewals = 0,
     waited_ms = NOW - w.enqueued_at,
   }
+  if #parts > 1 then lease.nodes = nodes end
   if w.booking then
     local r = w.booking.r
     lease.resv = r.id
@@ -447,8 +458,42 @@ local function grant(w, node, taken, rest, old_count)
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
                  token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
                  reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
-                 priority = lease.priority})
+                 priority = lease.priority, nodes = lease.nodes})
   return lease
+end
+
+local function grant(w, node, taken, rest, old_count)
+  return grant_parts(w, {{node = node, taken = taken, rest = rest, old_count = old_count}})
+end
+
+-- A multi-node gang: `per` GPUs on each of k distinct up nodes, all or nothing; the nodes with the
+-- fewest free GPUs that still have `per` first (best fit), skipping `exclude`.
+local function allocate_gang(pool, per, k, exclude)
+  local chosen = {}
+  local members = redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|' .. string.format('%05d', per) .. '|',
+                             '(' .. pool .. '|~')
+  for _, m in ipairs(members) do
+    local node = string.match(m, '^[^|]+|%d+|(.+)$')
+    if node ~= exclude then
+      if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
+        chosen[#chosen + 1] = node
+        if #chosen == k then break end
+      else
+        mark_down(node, 'heartbeat missed')
+      end
+    end
+  end
+  if #chosen < k then return nil end
+  local parts = {}
+  for _, node in ipairs(chosen) do
+    local free = decode_list(redis.call('HGET', K_FREE, node))
+    local taken, rest = {}, {}
+    for i, idx in ipairs(free) do
+      if i <= per then taken[#taken + 1] = idx else rest[#rest + 1] = idx end
+    end
+    parts[#parts + 1] = {node = node, taken = taken, rest = rest, old_count = #free}
+  end
+  return parts
 end
 
 -- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
@@ -492,27 +537,38 @@ local function dispatch(pool)
   local granted = 0
   for _, w in ipairs(order) do
     local a = #acts > 0 and booking_for(acts, w) or nil
-    local node, taken, rest, old_count
-    if a then
-      node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
+    local parts, count = nil, 0
+    if (w.nodes or 1) > 1 then
+      parts = allocate_gang(pool, w.gpus / w.nodes, w.nodes, reserved)
+      count = w.gpus
     else
-      node, taken, rest, old_count = allocate_for(w, pool, reserved)
+      local node, taken, rest, old_count
+      if a then
+        node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
+      else
+        node, taken, rest, old_count = allocate_for(w, pool, reserved)
+      end
+      if node then
+        parts, count = {{node = node, taken = taken, rest = rest, old_count = old_count}}, #taken
+      end
     end
-    if node then
+    if parts then
       if a then
         w.booking = a
         owed = owed - w.gpus
-      elseif owed > 0 and pool_free(pool) - #taken < owed then
+      elseif owed > 0 and pool_free(pool) - count < owed then
         w.borrowed = true
       end
-      grant(w, node, taken, rest, old_count)
+      grant_parts(w, parts)
       redis.call('ZREM', K_QUEUE, w.member)
       redis.call('HDEL', K_WAITERS, w.id)
       redis.call('PUBLISH', K_GRANTS, w.id)
       granted = granted + 1
     else
       local hold
-      if a then
+      if (w.nodes or 1) > 1 then
+        hold = nil  -- a blocked gang recalls nothing (recalls free GPUs one node at a time)
+      elseif a then
         hold = recall_for_booking(w, a, pool)
       elseif within_quota(w, pool, w.gpus_min or w.gpus) then
         local mine = w.priority or 1
@@ -531,22 +587,31 @@ end
 
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
 local function end_lease(lease, state, reason, by)
-  local inv_raw = redis.call('HGET', K_NODES, lease.node)
-  local free = decode_list(redis.call('HGET', K_FREE, lease.node))
-  local present = {}
-  if inv_raw then
-    for _, g in ipairs(cjson.decode(inv_raw).gpus) do present[g.index] = true end
-  end
-  local returned, old_count = {}, #free
+  local by_node, order = {}, {}
   for _, g in ipairs(lease.gpus) do
-    local slot = lease.node .. '/' .. g.index
-    if redis.call('HGET', K_HOLDERS, slot) == lease.id then
-      redis.call('HDEL', K_HOLDERS, slot)
-      if present[g.index] then free[#free + 1] = g.index end
-      returned[#returned + 1] = g.index
-    end
+    local node = g.node or lease.node
+    if not by_node[node] then by_node[node] = {}; order[#order + 1] = node end
+    table.insert(by_node[node], g)
   end
-  if inv_raw then set_free(lease.node, lease.pool, free, old_count) end
+  local returned = {}
+  for _, node in ipairs(order) do
+    local inv_raw = redis.call('HGET', K_NODES, node)
+    local free = decode_list(redis.call('HGET', K_FREE, node))
+    local present = {}
+    if inv_raw then
+      for _, g in ipairs(cjson.decode(inv_raw).gpus) do present[g.index] = true end
+    end
+    local old_count = #free
+    for _, g in ipairs(by_node[node]) do
+      local slot = node .. '/' .. g.index
+      if redis.call('HGET', K_HOLDERS, slot) == lease.id then
+        redis.call('HDEL', K_HOLDERS, slot)
+        if present[g.index] then free[#free + 1] = g.index end
+        returned[#returned + 1] = g.index
+      end
+    end
+    if inv_raw then set_free(node, lease.pool, free, old_count) end
+  end
   redis.call('HDEL', K_LEASES, lease.id)
   redis.call('ZREM', K_DEADLINES, lease.id)
   redis.call('ZREM', K_RECALL, lease.id)

@@ -6,12 +6,16 @@
 -- ARGV[13] = the user's teams, comma-separated (a "team:NAME" booking serves its members)
 -- ARGV[14] = priority class (integer, higher first under the "priority" scheduler; 1 = normal)
 -- ARGV[15] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
+-- ARGV[16] = nodes: 1, or k > 1 for a gang of gpus / k GPUs on each of k nodes, all or nothing
+-- {UNSATISFIABLE, largest node size, nodes that could hold a gang's share} when no node (or too
+-- few nodes, for a gang) could ever serve the request
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE}
 local id, user, pool = ARGV[5], ARGV[6], ARGV[7]
 local n, ttl_ms, wait_ms = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local priority, n_min = tonumber(ARGV[14] or '1') or 1, tonumber(ARGV[15] or '') or tonumber(ARGV[8])
+local n_nodes = tonumber(ARGV[16] or '1') or 1
 
 if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, id) == 1
     or redis.call('HEXISTS', K_ENDED, id) == 1 then
@@ -19,21 +23,34 @@ if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, 
 end
 local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
            session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
-           priority = priority, gpus_min = n_min}
+           priority = priority, gpus_min = n_min, nodes = n_nodes}
 
 -- Fast path: nobody is waiting in this pool and no booking is in force, so taking free GPUs
 -- delays no one. (With a booking in force, dispatch decides: served from it, or borrowed.)
 if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1]
     and #active_bookings(pool) == 0 then
-  local node, taken, rest, old_count = allocate_for(w, pool, nil)
-  if node then return {OK, cjson.encode(grant(w, node, taken, rest, old_count))} end
+  if n_nodes > 1 then
+    local parts = allocate_gang(pool, n / n_nodes, n_nodes, nil)
+    if parts then return {OK, cjson.encode(grant_parts(w, parts))} end
+  else
+    local node, taken, rest, old_count = allocate_for(w, pool, nil)
+    if node then return {OK, cjson.encode(grant(w, node, taken, rest, old_count))} end
+  end
 end
 
 local largest = redis.call('ZREVRANGEBYLEX', K_SIZES, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
 if not largest then return {UNKNOWN_POOL} end
 local size = tonumber(string.match(largest, '^[^|]+|(%d+)|'))
-if n_min > size then return {UNSATISFIABLE, size} end
-if n > size then w.gpus, n = size, size end  -- elastic: no node could give more than its size
+if n_nodes > 1 then
+  local per = n / n_nodes
+  local able = redis.call('ZLEXCOUNT', K_SIZES, '[' .. pool .. '|' .. string.format('%05d', per) .. '|',
+                          '(' .. pool .. '|~')
+  if able < n_nodes then return {UNSATISFIABLE, size, able} end
+elseif n_min > size then
+  return {UNSATISFIABLE, size}
+elseif n > size then
+  w.gpus, n = size, size  -- elastic: no node could give more than its size
+end
 
 -- Every request goes through the queue, so a newcomer never jumps waiters it would delay:
 -- dispatch grants it now only if it is first in fair-share order or fits beside the blocked head.
