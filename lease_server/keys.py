@@ -35,7 +35,8 @@ Scheduling (part of Keys.core()):
 
 ``lease_util`` hash   "<lease id>|n|busy|sum|peak" -> the agent's samples of a live lease's GPUs
 ``ledger``     stream one entry per ended lease: who, notebook, cell, pool, GPUs, held, utilization
-``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas)
+``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas); "pool|~preemptible" ->
+                      preemptible leases live (a blocked request looks for victims only if any)
 ``sched``      hash   pool -> JSON {scheduler, quotas, preempt_notice_ms, idle_weight} from the config
 
 Idle-GPU reclaim (reclaim.py, samples.lua):

@@ -450,6 +450,7 @@ local function grant_parts(w, parts)
     -- served from a booking: booked GPUs do not count against a quota
   elseif not within_quota(w, w.pool, #taken) then
     lease.preemptible = true
+    redis.call('HINCRBY', K_HELD_BY, w.pool .. '|~preemptible', 1)
   else
     count_held(lease, 1)
   end
@@ -570,7 +571,8 @@ local function dispatch(pool)
         hold = nil  -- a blocked gang recalls nothing (recalls free GPUs one node at a time)
       elseif a then
         hold = recall_for_booking(w, a, pool)
-      elseif within_quota(w, pool, w.gpus_min or w.gpus) then
+      elseif tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0
+          and within_quota(w, pool, w.gpus_min or w.gpus) then
         local mine = w.priority or 1
         local function rank(l)
           if l.preemptible and (l.priority or 1) <= mine and l.user ~= w.user then return l.priority or 1 end
@@ -623,7 +625,11 @@ local function end_lease(lease, state, reason, by)
       save_booking(r)
     end
   end
-  if not lease.preemptible and not lease.resv then count_held(lease, -1) end
+  if lease.preemptible then
+    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~preemptible', -1)
+  elseif not lease.resv then
+    count_held(lease, -1)
+  end
   local held_s = (NOW - lease.created_at) / 1000
   local gpu_s = held_s * #lease.gpus
   -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
