@@ -6,8 +6,8 @@
 Loads the NotebookOS June 2021 trace, groups its cells into sessions (default generator
 parameters, seed 1), replays it on a cluster of ``--gpus`` GPUs (nodes of 8; default 320, the size
 docs/simulation.md uses: the calendar keeps the median time-to-GPU (per cell and per session) under
-an hour) under calendar, culler-10m, culler-60m and lease, the lease policy through the real Lua
-scripts on a redis-server of its own (no persistence). Prints one line per figure, then, as the
+an hour) under calendar, culler-10m, culler-60m, lease and lease+resv, the two lease policies
+through the real Lua scripts on a redis-server of its own (no persistence). Prints one line per figure, then, as the
 very last line of stdout, one JSON object with every figure:
 
 sim_hours_per_wall_s   virtual hours of the lease replay (first arrival to last release) per wall
@@ -18,7 +18,10 @@ util_lease, util_calendar, util_culler_60m (and util_culler_10m)
 p50_wait_s_lease       median time-to-GPU of a cell under lease                       (target <= 1)
 
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
-replay's script calls and round trips. ``--quick`` replays the first 7 days only. Nothing asserts.
+replay's script calls and round trips; for lease+resv (4 teams book half the GPUs, see
+lease_server/sim/resv.py) its utilization, waits, replay speed, re-runs of recalled cells and the
+GPU-hours they lost. ``--quick`` replays the first 7 days only; ``--no-resv`` skips lease+resv.
+Nothing asserts.
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the first 7 days of the trace only")
     ap.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
+    ap.add_argument("--no-resv", action="store_true", help="skip the lease+resv policy")
     args = ap.parse_args()
 
     from redis import Redis
 
     from lease_server.config import Settings
-    from lease_server.sim import policies, replay, report, workload
+    from lease_server.sim import policies, replay, report, resv, workload
 
     out: dict[str, Any] = {}
     with _common.private_redis("gpulease-simbench-") as (redis, _tmp):
@@ -97,10 +101,27 @@ def main() -> None:
             out["round_trips"] = res.extra["round_trips"]
             out["lease_wall_s"] = round(res.wall_s, 2)
             out["sim_hours_per_wall_s"] = res.extra["sim_hours"] / res.wall_s
+        if not args.no_resv:
+            with section(out, "lease+resv"):
+                r.config_resetstat()
+                rp = resv.ResvParams()
+                rs = Settings(redis_url=redis.url, prefix="simbench-resv", teams=resv.teams_of(w, rp))
+                setup = replay.ReplaySetup(redis.url, "simbench-resv", rs)
+                books = resv.bookings(w, args.gpus, rp)
+                res = replay.lease(w, nodes, setup, policy="lease+resv", bookings=books)
+                rows["lease+resv"] = report.figures(w, res)
+                stats = r.info("commandstats").get("cmdstat_evalsha", {})
+                out["resv_booked_gpus"] = sum(b.gpus for b in books)
+                out["resv_redis_evalsha_us_per_call"] = stats.get("usec_per_call")
+                out["resv_round_trips"] = res.extra["round_trips"]
+                out["resv_lease_wall_s"] = round(res.wall_s, 2)
+                out["sim_hours_per_wall_s_resv"] = res.extra["sim_hours"] / res.wall_s
+                for k in ("reruns", "lost_gpu_hours", "resv_grants", "borrowed_grants", "sweeps", "no_shows"):
+                    out[f"resv_{k}" if not k.startswith("resv") else k] = res.extra[k]
         r.close()
 
     for name, row in rows.items():
-        key = name.replace("-", "_")
+        key = name.replace("-", "_").replace("+", "_")
         out[f"util_{key}"] = row["utilization"]
         out[f"p50_wait_s_{key}"] = row["wait_p50_s"]
         out[f"p95_wait_s_{key}"] = row["wait_p95_s"]
@@ -118,6 +139,15 @@ def main() -> None:
             f"{out['round_trips']} round trips, {out['lease_wall_s']} s; Redis EVALSHA {out['redis_evalsha_s']} s, "
             f"{out['redis_evalsha_us_per_call']} us per call) "
             + verdict("sim_hours_per_wall_s", out["sim_hours_per_wall_s"])
+        )
+    if "sim_hours_per_wall_s_resv" in out:
+        say(
+            f"lease+resv: {out['resv_booked_gpus']} GPUs booked by 4 teams; {out['resv_grants']} grants served "
+            f"from a booking, {out['resv_borrowed_grants']} borrowed, {out['resv_reruns']} cells recalled and run "
+            f"again ({out['resv_lost_gpu_hours']:.0f} GPU-h lost), {out['resv_no_shows']} booking occurrences "
+            f"released unused (no-show); replay {out['sim_hours_per_wall_s_resv']:.0f} "
+            f"sim h/s ({out['resv_round_trips']} round trips, {out['resv_lease_wall_s']} s, Redis "
+            f"{out['resv_redis_evalsha_us_per_call']} us per EVALSHA)"
         )
     ul = out.get("util_lease", nan)
     for other in ("calendar", "culler_60m"):

@@ -690,7 +690,7 @@ def events_export(out: str | None, since: str, url: str | None, token: str | Non
 @click.option("--node-gpus", default=8, show_default=True, type=click.IntRange(min=1), help="GPUs per node")
 @click.option(
     "--policies",
-    default="calendar,culler-10m,culler-60m,lease",
+    default="calendar,culler-10m,culler-60m,lease,lease+resv",
     show_default=True,
     help="Any of calendar, culler-10m, culler-60m, lease, lease+resv",
 )

@@ -3,6 +3,7 @@
 ``workload`` loads traces and event-log exports and groups cells into notebook sessions;
 ``policies`` models the calendar and the session-held + idle-culler policies as event simulations;
 ``replay`` drives the lease server's own Lua scripts on a real Redis under a virtual clock;
+``resv`` deals users into teams and makes their bookings for ``lease+resv``;
 ``report`` turns results into the table, CSV files and figure of ``gpulease simulate``.
 See docs/simulation.md.
 """

@@ -31,7 +31,9 @@ import numpy as np
 from ..config import Settings
 from ..inventory import Gpu, NodeInventory
 from ..keys import Keys
+from ..lease import WAITER_GRACE_MS
 from ..scripts import Code, source
+from . import resv
 from .result import Result, intervals
 from .workload import Workload
 
@@ -121,13 +123,24 @@ class _Wire:
         self.sock.close()
 
 
-def _token(reply_json: bytes) -> int:
-    """The fencing token of a lease record (cjson output), without decoding the whole record."""
-    i = reply_json.index(b'"token":') + 8
+def _int_field(reply_json: bytes, name: bytes) -> int:
+    """An integer field of a lease record (cjson output), without decoding the whole record."""
+    i = reply_json.index(b'"' + name + b'":') + len(name) + 3
     j = i
     while reply_json[j : j + 1].isdigit():
         j += 1
     return int(reply_json[i:j])
+
+
+def _str_field(reply_json: bytes, name: bytes) -> str:
+    """A string field (without escapes: ids, node names) of a record in cjson output."""
+    i = reply_json.index(b'"' + name + b'":"') + len(name) + 4
+    return reply_json[i : reply_json.index(b'"', i)].decode()
+
+
+def _cell_of(lease_id: str) -> int:
+    """Cell of a lease id: ``c<cell>`` for its first run, ``c<cell>.<attempt>`` for a re-run."""
+    return int(lease_id[1:].split(".", 1)[0])
 
 
 @dataclass
@@ -140,12 +153,16 @@ class ReplaySetup:
     keep: bool = False  # leave the keys in Redis afterwards (to read the event log)
 
 
-async def _register(setup: ReplaySetup, invs: list[NodeInventory]) -> None:
-    """Declare the nodes through the inventory module, alive for good (no agent heartbeats here)."""
+async def _register(
+    setup: ReplaySetup, invs: list[NodeInventory], bookings: Sequence[resv.Booking] = (), now_ms: int = EPOCH_MS
+) -> None:
+    """Declare the nodes through the inventory module, alive for good (no agent heartbeats here),
+    and make the teams' bookings through the reservations module."""
     from redis.asyncio import Redis
 
     from ..inventory import register
     from ..lease import LeaseStore
+    from ..reservations import Bookings
 
     r = Redis.from_url(setup.redis_url, decode_responses=True)
     try:
@@ -154,6 +171,20 @@ async def _register(setup: ReplaySetup, invs: list[NodeInventory]) -> None:
             raise RuntimeError(f"key prefix {setup.prefix!r} is already in use in {setup.redis_url}")
         for inv in invs:
             await register(store, inv, alive_s=FOREVER_MS / 1000)
+        book = Bookings(store)
+        for b in bookings:
+            members = setup.settings.teams[b.team]
+            body = {
+                "pool": POOL,
+                "gpus": b.gpus,
+                "start": (EPOCH_MS + b.start_ms) / 1000,
+                "end": (EPOCH_MS + b.end_ms) / 1000,
+                "repeat": "weekly",
+                "occurrences": b.occurrences,
+                "owner": f"team:{b.team}",
+                "note": "simulated team booking",
+            }
+            await book.create(members[0], body, teams=(b.team,), now_ms=now_ms)
     finally:
         await r.aclose()
 
@@ -164,172 +195,363 @@ def lease(
     setup: ReplaySetup,
     progress: Progress | None = None,
     policy: str = "lease",
+    bookings: Sequence[resv.Booking] = (),
 ) -> Result:
-    """Per-cell leases through the real acquire / release scripts and the real queue."""
+    """Per-cell leases through the real acquire / release scripts and the real queue. With
+    ``bookings`` (policy ``lease+resv``; their teams in ``setup.settings.teams``) the teams' bookings
+    are made first, each cell's request carries its user's teams, and the replay runs the sweeper
+    whenever a recall notice or a booking's no-show check falls due."""
     settings = setup.settings
     keys = Keys(setup.prefix)
-    core = keys.core()
     invs = inventories(nodes)
-    asyncio.run(_register(setup, invs))
+    t0 = int(w.start.min()) if w.n_sessions else 0
+    asyncio.run(_register(setup, invs, bookings, EPOCH_MS + t0))
     wire = _Wire(setup.redis_url)
     try:
-        return _run(w, nodes, wire, keys, core, settings, progress, policy)
+        return _Replay(w, nodes, wire, keys, settings, policy, bool(bookings)).run(progress)
     finally:
         if not setup.keep:
             wire.call([_command("DEL", *keys.all())])
         wire.close()
 
 
-def _run(
-    w: Workload,
-    nodes: Sequence[int],
-    wire: _Wire,
-    keys: Keys,
-    core: list[str],
-    settings: Settings,
-    progress: Progress | None,
-    policy: str,
-) -> Result:
-    common_tail: list[object] = [
-        settings.event_log_max,
-        settings.fair_share_half_life,
-        int(settings.ended_retention * 1000),
-    ]
-    sha = {name: wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode() for name in ("acquire", "release")}
-    # acquire's ARGV after the common four: id, user, pool, gpus, ttl, wait, label, session[, teams]
-    acquire_extra = [b""] if "ARGV[13]" in source("acquire") else []
-    acq = _Script(sha["acquire"], core, common_tail, 8 + len(acquire_extra))
-    rel = _Script(sha["release"], core, common_tail, 7)
-    events_key = keys.events
+# Kinds of the items of one round trip (what each reply answers).
+_REL, _ACQ, _PREDICTED, _MARK, _READ, _SWEEP, _DUE = range(7)
+SWEEP_LIMIT = 500
+WINDOW = 4096  # most commands in one round trip
 
-    n = w.n_cells
-    user_b = [u.encode() for u in w.users]
-    cell_user = w.cell_user.tolist()
-    cell_gpus = w.cell_gpus.tolist()
-    dur = w.dur.tolist()
-    gap = w.gap.tolist()
-    session = w.session.tolist()
-    is_last = np.zeros(n, dtype=bool)
-    is_last[w.first + w.count - 1] = True
-    last = is_last.tolist()
-    pool_b, ttl_b, wait_b = _arg(POOL), _arg(FOREVER_MS), _arg(FOREVER_MS)
-    extra_b = b"".join(_arg(x) for x in acquire_extra)
-    release_tail = _arg(b"") + b"%s" + _arg(b"0") + _arg(b"released") + _arg(b"cell returned") + _arg(b"")
 
-    def acquire_args(c: int) -> bytes:
+class _Replay:
+    """The replay's state and loop.
+
+    Speed: the driver mirrors how many GPUs each node has free, and the allocation of an acquire
+    while nobody is queued (``acquire.lua``'s fast path, or dispatch with the request alone in the
+    queue when a booking is in force: best fit, the node with the fewest free GPUs that has enough,
+    ties by name) exactly. So while nobody waits, it knows which acquires will be granted at once and
+    on which node without asking: it sends every virtual instant up to the first acquire that will
+    queue, or the next sweep, in one round trip (up to ``WINDOW`` commands), and checks every reply
+    against what it predicted. While someone waits each instant is one round trip, since dispatch's
+    choices depend on fair share. The event stream is read only when a grant from the queue or a
+    revocation may have happened.
+    """
+
+    def __init__(
+        self, w: Workload, nodes: Sequence[int], wire: _Wire, keys: Keys, settings: Settings, policy: str, resv: bool
+    ) -> None:
+        self.w, self.nodes, self.wire, self.keys, self.policy, self.resv = w, nodes, wire, keys, policy, resv
+        core = keys.core()
+        common_tail: list[object] = [
+            settings.event_log_max,
+            settings.fair_share_half_life,
+            int(settings.ended_retention * 1000),
+        ]
+        sha = {
+            name: wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode()
+            for name in ("acquire", "release", "sweep")
+        }
+        # acquire's ARGV after the common four: id, user, pool, gpus, ttl, wait, label, session,
+        # teams, priority, gpus_min
+        self.acq = _Script(sha["acquire"], core, common_tail, 11)
+        self.rel = _Script(sha["release"], core, common_tail, 7)
+        self.sweep = _Script(sha["sweep"], core, common_tail, 2)
+        self.sweep_args = _arg(SWEEP_LIMIT) + _arg(WAITER_GRACE_MS)
+        n = w.n_cells
+        self.user_b = [u.encode() for u in w.users]
+        teams = settings.teams if resv else {}
+        self.teams_b = [_arg(",".join(sorted(t for t, m in teams.items() if u in m))) for u in w.users]
+        self.cell_user = w.cell_user.tolist()
+        self.cell_gpus = w.cell_gpus.tolist()
+        self.dur = w.dur.tolist()
+        self.gap = w.gap.tolist()
+        self.session = w.session.tolist()
+        is_last = np.zeros(n, dtype=bool)
+        is_last[w.first + w.count - 1] = True
+        self.last = is_last.tolist()
+        self.fixed_b = _arg(POOL)
+        self.wait_b = _arg(FOREVER_MS) + _arg(FOREVER_MS)  # ttl, wait
+        self.release_tail = _arg(b"") + b"%s" + _arg(b"0") + _arg(b"released") + _arg(b"cell returned") + _arg(b"")
+        self.ready = np.zeros(n, dtype=np.int64)
+        self.start = np.full(n, -1, dtype=np.int64)
+        self.token = np.zeros(n, dtype=np.int64)
+        self.end_at = [-1] * n  # when the running lease of a cell is released (-1: none running)
+        self.node_of = [""] * n
+        self.attempt = [0] * n
+        self.heap: list[tuple[int, int, int]] = [(int(t), 1, int(c)) for t, c in zip(w.start, w.first, strict=True)]
+        heapq.heapify(self.heap)
+        self.waiting: set[int] = set()
+        self.last_id = b"0-0"
+        self.next_sweep: int | None = None
+        self.calls = self.round_trips = self.sweeps = 0
+        self.lost: list[tuple[int, int, int, int]] = []  # revoked runs: start, end, gpus, user
+        self.resv_grants = self.borrowed_grants = self.no_shows = 0
+        # the mirror of free GPUs per node: by_free[k] = nodes with k free
+        self.node_names = [inv.node for inv in inventories(nodes)]
+        self.free = {name: size for name, size in zip(self.node_names, nodes, strict=True)}
+        self.by_free: list[set[str]] = [set() for _ in range(max(nodes) + 1)]
+        for name, size in self.free.items():
+            self.by_free[size].add(name)
+
+    # ---- the mirror of free GPUs ----------------------------------------------------------
+
+    def _take(self, node: str, g: int) -> None:
+        k = self.free[node]
+        self.by_free[k].discard(node)
+        self.free[node] = k - g
+        self.by_free[k - g].add(node)
+
+    def _give(self, node: str, g: int) -> None:
+        k = self.free[node]
+        self.by_free[k].discard(node)
+        self.free[node] = k + g
+        self.by_free[k + g].add(node)
+
+    def _best_fit(self, g: int) -> str | None:
+        by_free = self.by_free
+        for k in range(g, len(by_free)):
+            if by_free[k]:
+                return min(by_free[k])
+        return None
+
+    # ---- commands -------------------------------------------------------------------------
+
+    def _acquire_args(self, c: int) -> bytes:
+        a = self.attempt[c]
+        u = self.cell_user[c]
+        g = _arg(self.cell_gpus[c])
+        w = self.w
         return (
-            _arg(b"c%d" % c)
-            + _arg(user_b[cell_user[c]])
-            + pool_b
-            + _arg(cell_gpus[c])
-            + ttl_b
-            + wait_b
+            _arg(b"c%d" % c if a == 0 else b"c%d.%d" % (c, a))
+            + _arg(self.user_b[u])
+            + self.fixed_b
+            + g
+            + self.wait_b
             + _arg(w.label[c] if c < len(w.label) else "")
-            + _arg(b"s%d" % session[c])
-            + extra_b
+            + _arg(b"s%d" % self.session[c])
+            + self.teams_b[u]
+            + _arg(b"1")
+            + g
         )
 
-    def release_args(c: int) -> bytes:
-        return _arg(b"c%d" % c) + release_tail % _arg(user_b[cell_user[c]])
+    def _release_args(self, c: int) -> bytes:
+        a = self.attempt[c]
+        lid = b"c%d" % c if a == 0 else b"c%d.%d" % (c, a)
+        return _arg(lid) + self.release_tail % _arg(self.user_b[self.cell_user[c]])
 
-    ready = np.zeros(n, dtype=np.int64)
-    start = np.full(n, -1, dtype=np.int64)
-    token = np.zeros(n, dtype=np.int64)
-    heap: list[tuple[int, int, int]] = [(int(t), 1, int(c)) for t, c in zip(w.start, w.first, strict=True)]
-    heapq.heapify(heap)
-    waiting: set[int] = set()
-    last_id = b"0-0"
-    calls = batches = 0
-    t_wall = time.perf_counter()
-    t_first = int(w.start.min()) if w.n_sessions else 0
-    t = t_first
+    def _granted(self, c: int, at: int, node: str, token: int) -> None:
+        self.start[c] = at
+        self.token[c] = token
+        self.node_of[c] = node
+        self.end_at[c] = at + self.dur[c]
+        heapq.heappush(self.heap, (at + self.dur[c], 0, c))
 
-    def take_grants(entries: list[Any], now: int) -> None:
-        nonlocal last_id
+    def _take_events(self, entries: list[Any], t: int) -> None:
         for entry_id, fields in entries:
-            last_id = entry_id
-            if fields[1] != b"grant":
-                continue
-            d = json.loads(fields[3])
-            lid = d["lease"]
-            c = int(lid[1:])
-            if c in waiting:
-                waiting.discard(c)
+            self.last_id = entry_id
+            kind = fields[1]
+            if kind == b"grant":
+                c = _cell_of(_str_field(fields[3], b"lease"))
+                if c in self.waiting:  # else granted at once: its reply told the replay already
+                    d = json.loads(fields[3])
+                    self.waiting.discard(c)
+                    self._take(d["node"], self.cell_gpus[c])
+                    self._granted(c, int(d["ts"]) - EPOCH_MS, d["node"], int(d["token"]))
+                    self.resv_grants += "reservation" in d
+                    self.borrowed_grants += "borrowed" in d
+            elif kind == b"revoked":
+                d = json.loads(fields[3])
+                c = _cell_of(d["lease"])
+                if self.end_at[c] < 0:
+                    raise RuntimeError(f"lease {d['lease']} was revoked, but the replay has it ended")
                 at = int(d["ts"]) - EPOCH_MS
-                start[c] = at
-                token[c] = int(d["token"])
-                heapq.heappush(heap, (at + dur[c], 0, c))
+                g = self.cell_gpus[c]
+                self.lost.append((int(self.start[c]), at, g, self.cell_user[c]))
+                self._give(self.node_of[c], g)
+                self.end_at[c] = -1
+                self.attempt[c] += 1
+                heapq.heappush(self.heap, (at, 1, c))  # the person runs the cell again at once
+            elif kind == b"reservation_no_show":
+                self.no_shows += 1
 
-    while heap:
-        t = heap[0][0]
-        releases: list[int] = []
-        acquires: list[int] = []
-        while heap and heap[0][0] == t:
-            _, kind, c = heapq.heappop(heap)
-            (releases if kind == 0 else acquires).append(c)
-        now = t + EPOCH_MS
-        cmds: list[bytes] = []
-        read_before = not waiting
-        if read_before:
-            cmds.append(_command("XREVRANGE", events_key, "+", "-", "COUNT", "1"))
-        for c in releases:
-            cmds.append(rel.pack(now, release_args(c)))
-            if not last[c]:
-                # the next cell of the session: ready after its think time (now, if it has none)
-                if gap[c + 1] == 0:
-                    acquires.append(c + 1)
+    # ---- the loop -------------------------------------------------------------------------
+
+    def run(self, progress: Progress | None) -> Result:
+        w, heap = self.w, self.heap
+        wire, acq, rel = self.wire, self.acq, self.rel
+        gap, last, cell_gpus = self.gap, self.last, self.cell_gpus
+        end_at, node_of = self.end_at, self.node_of
+        events_key = self.keys.events
+        due_cmds = [
+            _command("ZRANGE", self.keys.recall, 0, 0, "WITHSCORES"),
+            _command("ZRANGE", self.keys.resv_due, 0, 0, "WITHSCORES"),
+        ]
+        if self.resv:
+            self._due(wire.call(due_cmds))
+        t_wall = time.perf_counter()
+        t_first = int(w.start.min()) if w.n_sessions else 0
+        next_progress = 0
+        while heap or self.waiting:
+            speculate = not self.waiting
+            cmds: list[bytes] = []
+            plan: list[tuple[int, int, int]] = []  # (kind, cell, virtual ms)
+            marked = bool(self.waiting)  # a read after the batch is needed and its start is known
+            stop = False
+            t = -1
+            while not stop:
+                if heap:
+                    t = heap[0][0]
+                    if self.next_sweep is not None and self.next_sweep < t:
+                        t = self.next_sweep
+                elif self.waiting and self.next_sweep is not None:
+                    t = self.next_sweep
+                elif self.waiting:
+                    raise RuntimeError(f"{len(self.waiting)} cells were never granted (a request no node can hold?)")
                 else:
-                    heapq.heappush(heap, (t + gap[c + 1], 1, c + 1))
-        for c in acquires:
-            ready[c] = t
-            cmds.append(acq.pack(now, acquire_args(c)))
-        if not read_before:
-            cmds.append(_command("XRANGE", events_key, b"(" + last_id, "+"))
-        replies = wire.call(cmds)
-        calls += len(releases) + len(acquires)
-        batches += 1
-        k = 0
-        if read_before:
-            newest = replies[0]
-            if newest:
-                last_id = newest[0][0]
-            k = 1
-        for c in releases:
-            if replies[k][0] != Code.OK:
-                raise RuntimeError(f"release of cell {c} at {t} ms answered {replies[k]!r}")
-            k += 1
-        queued = False
-        for c in acquires:
-            code = replies[k][0]
-            if code == Code.OK:
-                start[c] = t
-                token[c] = _token(replies[k][1])
-                heapq.heappush(heap, (t + dur[c], 0, c))
-            elif code == Code.QUEUED:
-                waiting.add(c)
-                queued = True
-            else:
-                raise RuntimeError(f"acquire of cell {c} ({cell_gpus[c]} GPUs) at {t} ms answered {replies[k]!r}")
-            k += 1
-        if not read_before:
-            take_grants(replies[k], t)
-        elif queued:
-            # someone queued in this batch; a later call of the same batch may already have served them
-            take_grants(wire.call([_command("XRANGE", events_key, b"(" + last_id, "+")])[0], t)
-        if progress is not None and batches % 1024 == 0:
-            progress(t)
-    if waiting:
-        raise RuntimeError(f"{len(waiting)} cells were never granted (a request no node can hold?)")
-    wall = time.perf_counter() - t_wall
-    end = start + w.dur
-    span_h = (int(end.max()) - t_first) / 3_600_000 if n else 0.0
-    return Result(
-        policy,
-        int(sum(nodes)),
-        ready,
-        start,
-        order=np.argsort(token, kind="stable"),
-        wall_s=wall,
-        extra={"script_calls": calls, "round_trips": batches, "sim_hours": span_h},
-        **intervals(start.tolist(), end.tolist(), cell_gpus, cell_user),
-    )
+                    break
+                releases: list[int] = []
+                acquires: list[int] = []
+                while heap and heap[0][0] == t:
+                    _, kind, c = heapq.heappop(heap)
+                    if kind == 1:
+                        acquires.append(c)
+                    elif end_at[c] == t:  # else: revoked meanwhile (a re-run has its own release)
+                        releases.append(c)
+                now = t + EPOCH_MS
+                for c in releases:
+                    cmds.append(rel.pack(now, self._release_args(c)))
+                    plan.append((_REL, c, t))
+                    end_at[c] = -1
+                    self._give(node_of[c], cell_gpus[c])
+                    if not last[c]:
+                        # the next cell of the session: ready after its think time (now, if it has none)
+                        if gap[c + 1] == 0:
+                            acquires.append(c + 1)
+                        else:
+                            heapq.heappush(heap, (t + gap[c + 1], 1, c + 1))
+                if self.next_sweep is not None and self.next_sweep <= t:
+                    if not marked:
+                        cmds.append(_command("XREVRANGE", events_key, "+", "-", "COUNT", "1"))
+                        plan.append((_MARK, -1, t))
+                        marked = True
+                    cmds.append(self.sweep.pack(now, self.sweep_args))
+                    plan.append((_SWEEP, -1, t))
+                    self.next_sweep = None
+                    speculate = False  # it may revoke leases, and dispatch
+                for c in acquires:
+                    if self.attempt[c] == 0:
+                        self.ready[c] = t
+                    node = self._best_fit(cell_gpus[c]) if speculate else None
+                    if node is not None:
+                        self._take(node, cell_gpus[c])
+                        self._granted(c, t, node, 0)
+                        plan.append((_PREDICTED, c, t))
+                    else:
+                        if not marked:
+                            cmds.append(_command("XREVRANGE", events_key, "+", "-", "COUNT", "1"))
+                            plan.append((_MARK, -1, t))
+                            marked = True
+                        speculate = False  # the rest of this instant depends on dispatch
+                        plan.append((_ACQ, c, t))
+                    cmds.append(acq.pack(now, self._acquire_args(c)))
+                stop = not speculate or len(cmds) >= WINDOW
+            if not cmds:
+                continue  # only releases of revoked runs were due (or nothing is left)
+            if marked:
+                cmds.append(_command("XRANGE", events_key, b"(" + self.last_id, "+"))
+                plan.append((_READ, -1, t))
+            if self.resv:
+                cmds.extend(due_cmds)
+            replies = wire.call(cmds)
+            self.round_trips += 1
+            self._answers(plan, replies)
+            if self.resv:
+                self._due(replies[-2:])
+            if progress is not None and t >= next_progress:
+                progress(t)
+                next_progress = t + 6 * 3_600_000
+        wall = time.perf_counter() - t_wall
+        if (self.start < 0).any():
+            raise RuntimeError(f"{int((self.start < 0).sum())} cells never ran (a replay bug)")
+        return self._result(t_first, wall)
+
+    def _answers(self, plan: list[tuple[int, int, int]], replies: list[Any]) -> None:
+        for (kind, c, t), reply in zip(plan, replies, strict=False):
+            if kind == _PREDICTED:
+                self.calls += 1
+                if reply[0] != Code.OK or _str_field(reply[1], b"node") != self.node_of[c]:
+                    raise RuntimeError(
+                        f"acquire of cell {c} at {t} ms answered {reply!r}; the replay predicted a grant on "
+                        f"{self.node_of[c]} (its mirror of the free GPUs is out of step)"
+                    )
+                self.token[c] = _int_field(reply[1], b"token")
+                if self.resv:
+                    self.resv_grants += b'"resv":' in reply[1]
+                    self.borrowed_grants += b'"borrowed":true' in reply[1]
+            elif kind == _REL:
+                self.calls += 1
+                if reply[0] != Code.OK:
+                    raise RuntimeError(f"release of cell {c} at {t} ms answered {reply!r}")
+            elif kind == _ACQ:
+                self.calls += 1
+                code = reply[0]
+                if code == Code.OK:
+                    node = _str_field(reply[1], b"node")
+                    self._take(node, self.cell_gpus[c])
+                    self._granted(c, t, node, _int_field(reply[1], b"token"))
+                    self.resv_grants += b'"resv":' in reply[1]
+                    self.borrowed_grants += b'"borrowed":true' in reply[1]
+                elif code == Code.QUEUED:
+                    self.waiting.add(c)
+                else:
+                    raise RuntimeError(f"acquire of cell {c} ({self.cell_gpus[c]} GPUs) at {t} ms answered {reply!r}")
+            elif kind == _MARK:
+                if reply:
+                    self.last_id = reply[0][0]
+            elif kind == _SWEEP:
+                self.calls += 1
+                self.sweeps += 1
+                if max(int(x) for x in reply[1:]) >= SWEEP_LIMIT:
+                    self.next_sweep = t  # a full batch: sweep again at the same instant
+            elif kind == _READ:
+                self._take_events(reply, t)
+
+    def _due(self, replies: list[Any]) -> None:
+        """The next instant the sweeper has work: a recall notice running out, a booking check."""
+        due = [int(float(r[1])) - EPOCH_MS for r in replies if r]
+        if due:
+            soonest = min(due)
+            self.next_sweep = soonest if self.next_sweep is None else min(self.next_sweep, soonest)
+
+    def _result(self, t_first: int, wall: float) -> Result:
+        w = self.w
+        n = w.n_cells
+        start = self.start
+        end = start + w.dur
+        span_h = (int(end.max()) - t_first) / 3_600_000 if n else 0.0
+        starts, ends = start.tolist(), end.tolist()
+        gpus, users = list(self.cell_gpus), list(self.cell_user)
+        for s, e, g, u in self.lost:
+            starts.append(s)
+            ends.append(e)
+            gpus.append(g)
+            users.append(u)
+        lost_gpu_h = sum((e - s) * g for s, e, g, _ in self.lost) / 3_600_000
+        extra: dict[str, Any] = {"script_calls": self.calls, "round_trips": self.round_trips, "sim_hours": span_h}
+        if self.resv:
+            extra.update(
+                reruns=len(self.lost),
+                lost_gpu_hours=lost_gpu_h,
+                resv_grants=self.resv_grants,
+                borrowed_grants=self.borrowed_grants,
+                sweeps=self.sweeps,
+                no_shows=self.no_shows,
+            )
+        return Result(
+            self.policy,
+            int(sum(self.nodes)),
+            self.ready,
+            start,
+            order=np.argsort(self.token, kind="stable"),
+            wall_s=wall,
+            extra=extra,
+            **intervals(starts, ends, gpus, users),
+        )

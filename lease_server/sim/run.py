@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..config import Settings
-from . import policies, replay
+from . import policies, replay, resv
 from .result import Result
 from .workload import Workload
 
@@ -25,8 +25,6 @@ def parse_policies(text: str) -> list[str]:
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
         raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICIES)}")
-    if "lease+resv" in names:
-        raise ValueError("lease+resv (leases with team reservations) is not in the simulator yet; use the other four")
     return list(dict.fromkeys(names))
 
 
@@ -59,11 +57,13 @@ def simulate(
     redis_url: str | None = None,
     settings: Settings | None = None,
     tick: Tick | None = None,
+    resv_params: resv.ResvParams | None = None,
 ) -> list[Result]:
     """Replay ``w`` on a cluster of ``nodes`` (GPUs per node) under each policy in ``names``.
 
     The lease policies need a Redis: ``redis_url`` (a key prefix of their own is used and removed
-    afterwards), else a private redis-server is started for the run.
+    afterwards), else a private redis-server is started for the run. ``lease+resv`` books
+    ``resv_params`` (default: 4 teams booking half the GPUs, see ``resv``).
     """
     biggest = int(w.gpus.max()) if w.n_sessions else 0
     if biggest > max(nodes):
@@ -84,10 +84,13 @@ def simulate(
                 prefix = f"gpulease-sim-{os.getpid()}-{secrets.token_hex(3)}"
                 base = settings or Settings()
                 s = dataclasses.replace(base, redis_url=url, prefix=prefix)
+                books: list[resv.Booking] = []
+                if name == "lease+resv":
+                    rp = resv_params or resv.ResvParams()
+                    s = dataclasses.replace(s, teams=resv.teams_of(w, rp))
+                    books = resv.bookings(w, int(sum(nodes)), rp)
                 setup = replay.ReplaySetup(url, prefix, s)
-                if name != "lease":
-                    raise ValueError("lease+resv is not in the simulator yet")
-                r = replay.lease(w, nodes, setup, progress=progress)
+                r = replay.lease(w, nodes, setup, progress=progress, policy=name, bookings=books)
             else:
                 raise ValueError(f"unknown policy {name!r}")
             if tick:
