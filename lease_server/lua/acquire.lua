@@ -25,16 +25,32 @@ local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label =
            session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
            priority = priority, gpus_min = n_min, nodes = n_nodes}
 
--- Fast path: nobody is waiting in this pool and no booking is in force, so taking free GPUs
--- delays no one. (With a booking in force, dispatch decides: served from it, or borrowed.)
-if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1]
-    and #active_bookings(pool) == 0 then
+-- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one. With a booking
+-- in force the request is served from it (its holder), or takes GPUs the bookings do not need, or
+-- else borrows them -- the same decision dispatch makes, without a trip through the queue.
+if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1] then
   if n_nodes > 1 then
-    local parts = allocate_gang(pool, n / n_nodes, n_nodes, nil)
-    if parts then return {OK, cjson.encode(grant_parts(w, parts))} end
+    if #active_bookings(pool) == 0 then
+      local parts = allocate_gang(pool, n / n_nodes, n_nodes, nil)
+      if parts then return {OK, cjson.encode(grant_parts(w, parts))} end
+    end
   else
-    local node, taken, rest, old_count = allocate_for(w, pool, nil)
-    if node then return {OK, cjson.encode(grant(w, node, taken, rest, old_count))} end
+    local acts, owed = active_bookings(pool)
+    local a = #acts > 0 and booking_for(acts, w) or nil
+    local node, taken, rest, old_count
+    if a then
+      node, taken, rest, old_count = allocate(pool, n, nil)
+    else
+      node, taken, rest, old_count = allocate_for(w, pool, nil)
+    end
+    if node then
+      if a then
+        w.booking = a
+      elseif owed > 0 and pool_free(pool) - #taken < owed then
+        w.borrowed = true
+      end
+      return {OK, cjson.encode(grant(w, node, taken, rest, old_count))}
+    end
   end
 end
 
