@@ -93,6 +93,15 @@ local function fits(list, limit, shift)
   return clashes == nil, room, clashes
 end
 
+-- The other all-on-one-node bookings of node `name`.
+local function colocated_on(name)
+  local out = {}
+  for _, r in ipairs(others) do
+    if r.colocate and r.node == name then out[#out + 1] = r end
+  end
+  return out
+end
+
 local ok, room, clashes = fits(others, cap, 0)
 local node_size
 if ok and rec.colocate then
@@ -110,11 +119,7 @@ if ok and rec.colocate then
   room, clashes = 0, nil
   for _, nd in ipairs(nodes) do
     if nd.size >= rec.gpus then
-      local on_node = {}
-      for _, r in ipairs(others) do
-        if r.colocate and r.node == nd.name then on_node[#on_node + 1] = r end
-      end
-      local nd_ok, nd_room, nd_clashes = fits(on_node, nd.size, 0)
+      local nd_ok, nd_room, nd_clashes = fits(colocated_on(nd.name), nd.size, 0)
       if nd_ok then ok, rec.node, node_size = true, nd.name, nd.size; break end
       if nd_room > room then room = nd_room end
       clashes = clashes or nd_clashes
@@ -155,13 +160,7 @@ if not ok then
     if good and rec.colocate then
       good = false
       for _, nd in ipairs(nodes) do
-        if nd.size >= rec.gpus then
-          local on_node = {}
-          for _, r in ipairs(others) do
-            if r.colocate and r.node == nd.name then on_node[#on_node + 1] = r end
-          end
-          if fits(on_node, nd.size, shift) then good = true; break end
-        end
+        if nd.size >= rec.gpus and fits(colocated_on(nd.name), nd.size, shift) then good = true; break end
       end
     end
     if good then
