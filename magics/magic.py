@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from lease_server import errors
 
 from . import cellcode
-from .runner import GpuTrainError, Outcome, parse_duration, parse_gpus, session
+from .runner import GpuTrainError, Outcome, check_gang, parse_duration, parse_gpus, session
 
 
 def show_gpu_train_error(shell: Any, etype: type, value: GpuTrainError, tb: Any, tb_offset: Any = None) -> list[str]:
@@ -74,8 +74,10 @@ class GpuMagics(Magics):
         status = _Status()
         try:
             gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
+            check_gang(gpus_min, gpus, args.nodes)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        gang = args.nodes is not None and args.nodes > 1
         want = args.gpus or session().defaults.gpus
         estimate: dict[str, str] = {}
 
@@ -100,15 +102,18 @@ class GpuMagics(Magics):
                 note = "; borrowed from a booking: recalled with notice if its holder asks"
             elif lease.raw.get("preemptible"):
                 note = "; above your quota: preemptible, recalled with notice for someone within theirs"
-            if status._handle is not None or got or note:
+            if gang:
+                where = " + ".join(f"{n} (GPU {','.join(map(str, i))})" for n, i in lease.parts().items())
+                status.show(f"gpu_train: granted {len(lease.gpus)} GPUs on {args.nodes} nodes: {where}")
+            elif status._handle is not None or got or note:
                 status.show(f"gpu_train: granted {held.node} GPU {held.cuda_visible_devices}{got}{note}")
 
         def on_released(o: Outcome) -> None:
             mem = f"; peak GPU memory {o.peak_memory / 2**30:.2f} GiB" if o.peak_memory else ""
             gpu_list = ",".join(map(str, o.gpus))
+            where = o.extra.get("where") or f"{o.node} (GPU {gpu_list})"
             print(
-                f"gpu_train: held {len(o.gpus)} GPU(s) on {o.node} (GPU {gpu_list}) for {o.held_s:.1f}s, "
-                f"now released{mem}",
+                f"gpu_train: held {len(o.gpus)} GPU(s) on {where} for {o.held_s:.1f}s, now released{mem}",
                 file=sys.stderr,
             )
 
@@ -132,6 +137,7 @@ class GpuMagics(Magics):
                 on_output=on_output,
                 on_granted=on_granted,
                 on_released=on_released,
+                nodes=args.nodes,
             )
         except errors.ServerUnavailable as exc:
             raise UsageError(str(exc)) from None
@@ -153,6 +159,14 @@ class GpuMagics(Magics):
         default=None,
         help="GPUs to lease: 2; or 1-4 for as many as are free now, at least 1; 0 for a CPU worker "
         "(default: %%gpu_config's, 1)",
+    )
+    @argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="Spread --gpus over this many nodes, all or nothing (a multi-node gang for torch.distributed): "
+        "one process per GPU with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set; output is "
+        "prefixed [rank N]; names come back from rank 0",
     )
     @argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)")
     @argument("--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)")

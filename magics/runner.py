@@ -30,6 +30,8 @@ from .worker import CHECKPOINT_STREAM, WATCHDOG_EXIT_CODE, GpuWorker
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
 SPARES_PER_NODE = 2  # one for the next call, one for the call after it while the first is replaced
+GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
+GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
 
 
 def node_resource(node: str) -> str:
@@ -55,6 +57,23 @@ def parse_gpus(text: int | str) -> tuple[int, int]:
     return lo, hi
 
 
+def check_gang(gpus_min: int | None, gpus: int | None, nodes: int | None) -> None:
+    """Refuse a bad ``nodes`` request before anything is leased: ``nodes`` must be >= 1; a gang
+    (nodes > 1) needs an exact GPU count (not 0, not a range) that ``nodes`` divides."""
+    if nodes is None or nodes == 1:
+        return
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"--nodes must be a whole number >= 1, got {nodes!r}")
+    if gpus is None:
+        raise ValueError(f"--nodes {nodes} needs --gpus N, a multiple of {nodes} (N/{nodes} GPUs on each node)")
+    if gpus == 0:
+        raise ValueError("--nodes needs GPUs: a gang runs one process per leased GPU, and --gpus 0 leases none")
+    if gpus_min is not None and gpus_min != gpus:
+        raise ValueError("--nodes: a multi-node gang is all or nothing; give --gpus a count, not a range")
+    if gpus % nodes:
+        raise ValueError(f"--gpus {gpus} is not a multiple of --nodes {nodes}: each node gets the same share")
+
+
 def parse_duration(text: str | float | int | None) -> float | None:
     """'90', '90s', '10m', '1h30m' -> seconds. None stays None."""
     if text is None:
@@ -75,15 +94,24 @@ def parse_duration(text: str | float | int | None) -> float | None:
 class GpuTrainError(Exception):
     """The call failed on the worker (or the worker died). Shown as the remote traceback, once."""
 
-    def __init__(self, summary: str, remote_traceback: str = "", node: str = "", remote_type: str = "") -> None:
+    def __init__(
+        self,
+        summary: str,
+        remote_traceback: str = "",
+        node: str = "",
+        remote_type: str = "",
+        rank: int | None = None,
+    ) -> None:
         super().__init__(summary)
         self.summary = summary
         self.remote_traceback = remote_traceback
         self.node = node
         self.remote_type = remote_type
+        self.rank = rank  # the failing rank of a multi-node gang (None for a one-node call)
 
     def render(self) -> str:
-        head = f"--- traceback from the worker on node {self.node} ---\n" if self.remote_traceback else ""
+        who = f"rank {self.rank} on node {self.node}" if self.rank is not None else f"the worker on node {self.node}"
+        head = f"--- traceback from {who} ---\n" if self.remote_traceback else ""
         return f"{head}{self.remote_traceback}{self.summary}"
 
 
@@ -130,6 +158,8 @@ class Session:
         # What the last call's checkpoint hook returned when its GPUs were recalled (or None).
         self.last_checkpoint: Any = None
         self.has_checkpoint = False
+        # A multi-node gang: how long Ray may take to place every rank and start its process.
+        self.gang_start_timeout = GANG_START_TIMEOUT_S
         atexit.register(self.release_all)
 
     # ---- connections -------------------------------------------------------------------------
@@ -250,12 +280,18 @@ class Session:
         on_released: Callable[[Outcome], None] | None = None,
         gpus_min: int | None = None,
         priority: str | None = None,
+        nodes: int | None = None,
+        all_ranks: bool = False,
     ) -> Outcome:
         """Lease, run ``call`` on a single-use worker of the lease's node, stream its output,
         then kill the worker and release the lease, whatever happened. ``on_released`` gets the
         summary (how long the GPUs were held) after the release, on success and on failure.
         ``gpus=0`` runs the call on a CPU worker of the Ray cluster, without a lease;
-        ``gpus_min`` makes the request elastic (granted gpus_min..gpus)."""
+        ``gpus_min`` makes the request elastic (granted gpus_min..gpus).
+
+        ``nodes=k`` (k > 1) runs a multi-node gang: ``gpus/k`` GPUs on each of k nodes, all or
+        nothing, one process per GPU (see :meth:`_run_gang`). The value is rank 0's, or with
+        ``all_ranks`` the list of every rank's value in rank order."""
         d = self.defaults
         gpus = d.gpus if gpus is None else gpus
         pool = pool or d.pool
@@ -265,7 +301,27 @@ class Session:
         self.last_checkpoint, self.has_checkpoint = None, False
         self.connect_ray()
         if gpus == 0:
+            if nodes is not None and nodes > 1:
+                raise ValueError("nodes > 1 needs GPUs: a gang runs one process per leased GPU")
             return self._run_cpu(call, timeout, write, on_released)
+        if nodes is not None and nodes > 1:
+            return self._run_gang(
+                call,
+                gpus=gpus,
+                nodes=nodes,
+                pool=pool,
+                timeout=timeout,
+                wait=wait,
+                label=label,
+                session=session,
+                on_queue=on_queue,
+                write=write,
+                on_granted=on_granted,
+                on_released=on_released,
+                gpus_min=gpus_min,
+                priority=priority,
+                all_ranks=all_ranks,
+            )
         client = self.client()
         lease = client.acquire(
             gpus,
@@ -319,6 +375,296 @@ class Session:
             if on_released is not None:
                 peak = result.get("peak_memory") if result else None
                 on_released(Outcome(None, lease.id, lease.node, lease.indexes, time.monotonic() - t0, peak))
+
+    # ---- multi-node gangs ------------------------------------------------------------------------
+
+    def _run_gang(
+        self,
+        call: dict[str, Any],
+        *,
+        gpus: int,
+        nodes: int,
+        pool: str | None,
+        timeout: float | None,
+        wait: float,
+        label: str,
+        session: str,
+        on_queue: Callable[[int | None, float], None] | None,
+        write: Callable[[str, str], None],
+        on_granted: Callable[[HeldLease], None] | None,
+        on_released: Callable[[Outcome], None] | None,
+        gpus_min: int | None,
+        priority: str | None,
+        all_ranks: bool,
+    ) -> Outcome:
+        """A multi-node gang: ``gpus/nodes`` GPUs on each of ``nodes`` nodes, one process per GPU.
+
+        The lease server grants every node's share at once or nothing (one lease). A Ray placement
+        group then reserves one bundle per rank on the leased nodes, all or nothing: if Ray cannot
+        place every bundle within ``gang_start_timeout`` no rank starts and the lease is released.
+        Each rank is a fresh single-use worker (spares are not in the placement group) that sees
+        its node's leased GPUs and the ``torch.distributed`` variables ``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's node IP
+        and a port free there). Ranks are numbered node by node in the lease's node order. Every
+        rank runs the same call; its output is streamed prefixed with ``[rank N]``. If one rank
+        fails (raises, or its process dies) every rank is killed and the error names that rank
+        and its node. Whatever happens, every rank is killed, the placement group removed and the
+        lease released before this returns."""
+        import ray
+        from ray.util import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if gpus_min is not None and gpus_min != gpus:
+            raise ValueError("a multi-node gang is all or nothing: ask for a GPU count, not a range")
+        client = self.client()
+        lease = client.acquire(
+            gpus,
+            pool,
+            self.defaults.ttl,
+            wait,
+            label[:200],
+            session[:200],
+            progress=on_queue,
+            priority=priority,
+            nodes=nodes,
+        )
+        held = HeldLease(client, lease)
+        held.activity = {"executing": True, "source": "gpu_train"}
+        self.held.add(held)
+        t0 = time.monotonic()
+        parts = lease.parts()
+        order = [n for n in lease.nodes if n in parts] + [n for n in parts if n not in lease.nodes]
+        ranks = [(node, local) for node in order for local in range(len(parts[node]))]
+        world = len(ranks)
+        where = " + ".join(f"{n} (GPU {','.join(map(str, parts[n]))})" for n in order)
+        pg: Any = None
+        workers: list[Any] = []
+        results: dict[int, dict[str, Any]] = {}
+        try:
+            if on_granted:
+                on_granted(held)
+            shares = [self._gang_share(node) for node, _ in ranks]
+            pg = placement_group(
+                [share or {"CPU": GANG_BUNDLE_SHARE} for share in shares], strategy="PACK", name=f"gpulease-{lease.id}"
+            )
+            if not pg.wait(self.gang_start_timeout):
+                raise GpuTrainError(
+                    f"Ray could not place all {world} ranks on {', '.join(order)} within "
+                    f"{self.gang_start_timeout:g}s; no rank was started and the GPUs were released",
+                    node=",".join(order),
+                )
+            for i in range(world):
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                opts: dict[str, Any] = {
+                    "num_cpus": 0,
+                    "max_concurrency": 4,
+                    "max_restarts": 0,
+                    "scheduling_strategy": strategy,
+                }
+                if shares[i]:
+                    opts["resources"] = shares[i]
+                workers.append(self._actor_cls.options(**opts).remote())
+            master = self._start_ranks(workers, ranks)
+            watch = {"url": client.url, "token": client.token, "id": lease.id}
+            envs = []
+            for rank, (node, local) in enumerate(ranks):
+                envs.append(
+                    {
+                        "CUDA_VISIBLE_DEVICES": ",".join(map(str, parts[node])),
+                        "GPULEASE_LEASE_ID": lease.id,
+                        "GPULEASE_GPU_UUIDS": ",".join(
+                            g.get("uuid", "") for g in lease.gpus if g.get("node", lease.node) == node
+                        ),
+                        "GPULEASE_NODE": node,
+                        "RANK": str(rank),
+                        "LOCAL_RANK": str(local),
+                        "WORLD_SIZE": str(world),
+                        "LOCAL_WORLD_SIZE": str(len(parts[node])),
+                        "MASTER_ADDR": str(master["ip"]),
+                        "MASTER_PORT": str(master["port"]),
+                    }
+                )
+            results = self._drive_gang(workers, ranks, call, envs, watch, timeout, write, lease, held)
+            values = [results[r]["value"] for r in range(world)]
+            return Outcome(
+                values if all_ranks else values[0],
+                lease.id,
+                ",".join(order),
+                lease.indexes,
+                time.monotonic() - t0,
+                _sum_memory(results.values()),
+                extra={"parts": parts, "world_size": world, "where": where},
+            )
+        finally:
+            for w in workers:
+                try:
+                    ray.kill(w, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            if pg is not None:
+                try:
+                    remove_placement_group(pg)
+                except Exception as exc:  # noqa: BLE001 - Ray removes it with this driver anyway
+                    log.warning("could not remove placement group of %s: %s", lease.id, exc)
+            held.release()
+            self.held.discard(held)
+            if on_released is not None:
+                on_released(
+                    Outcome(
+                        None,
+                        lease.id,
+                        ",".join(order),
+                        lease.indexes,
+                        time.monotonic() - t0,
+                        _sum_memory(results.values()),
+                        extra={"parts": parts, "world_size": world, "where": where},
+                    )
+                )
+
+    def _gang_share(self, node: str) -> dict[str, float]:
+        """What one rank's bundle takes of ``node``'s Ray resource ({} if Ray nodes are not pinned)."""
+        if not self._pinned:
+            return {}
+        res = node_resource(node)
+        if res not in self._resources and res not in self._refresh_resources():
+            raise errors.ConfigurationError(
+                f"no Ray node serves lease-server node {node!r}: start Ray there with --resources '{{\"{res}\": 1000}}'"
+            )
+        return {res: GANG_BUNDLE_SHARE}
+
+    def _start_ranks(self, workers: list[Any], ranks: list[tuple[str, int]]) -> dict[str, Any]:
+        """Wait until every rank's process is up (none runs the call before all are); return rank
+        0's endpoint (its node IP and a free port) for MASTER_ADDR / MASTER_PORT."""
+        import ray
+
+        deadline = time.monotonic() + self.gang_start_timeout
+        refs = [w.ready.remote() for w in workers] + [workers[0].endpoint.remote()]
+        owner = list(range(len(workers))) + [0]
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted({owner[refs.index(r)] for r in pending})
+                raise GpuTrainError(
+                    f"rank(s) {', '.join(map(str, late))} did not start within {self.gang_start_timeout:g}s; "
+                    "no rank ran the call and the GPUs were released",
+                    node=ranks[late[0]][0],
+                    rank=late[0],
+                )
+            rank = owner[refs.index(ready[0])]
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                raise GpuTrainError(
+                    f"rank {rank} on node {ranks[rank][0]} could not start: {_first_line(exc)}; "
+                    "no rank ran the call and the GPUs were released",
+                    node=ranks[rank][0],
+                    rank=rank,
+                ) from None
+        return ray.get(refs[-1])  # type: ignore[no-any-return]
+
+    def _drive_gang(
+        self,
+        workers: list[Any],
+        ranks: list[tuple[str, int]],
+        call: dict[str, Any],
+        envs: list[dict[str, str]],
+        watch: dict[str, Any],
+        timeout: float | None,
+        write: Callable[[str, str], None],
+        lease: Any,
+        held: HeldLease,
+    ) -> dict[int, dict[str, Any]]:
+        """Start the call on every rank, stream their output until all have returned, and return
+        each rank's result. The first rank to fail raises (the caller then kills every rank)."""
+        import ray
+
+        out = _RankWriter(write)
+        result_refs = {w.run.remote(call, envs[r], watch): r for r, w in enumerate(workers)}
+        out_refs = {w.read_output.remote(0.5): r for r, w in enumerate(workers)}
+        drained: set[int] = set()
+        results: dict[int, dict[str, Any]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def read(ref: Any, rank: int) -> None:
+            try:
+                chunks, done = ray.get(ref)
+            except ray.exceptions.RayError:
+                chunks, done = [], True
+            self._emit_rank(rank, chunks, out)
+            if done:
+                drained.add(rank)
+            else:
+                out_refs[workers[rank].read_output.remote(0.5)] = rank
+
+        def drain() -> None:
+            """What the ranks printed and we have not shown yet (bounded: a rank may be gone)."""
+            for ref, rank in list(out_refs.items()):
+                out_refs.pop(ref)
+                try:
+                    chunks, done = ray.get(ref, timeout=2)
+                    self._emit_rank(rank, chunks, out)
+                    if not done:
+                        chunks, _ = ray.get(workers[rank].read_output.remote(0), timeout=2)
+                        self._emit_rank(rank, chunks, out)
+                except Exception:  # noqa: BLE001 - the rank is gone; nothing more to show
+                    pass
+            out.flush()
+
+        try:
+            while len(results) < len(workers):
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait([*result_refs, *out_refs], num_returns=1, timeout=remaining)
+                if not ready:
+                    raise GpuTrainTimeout(
+                        f"stopped after --timeout {timeout:g}s; every rank was stopped and the GPUs were released. "
+                        "Raise --timeout, or save checkpoints and resume.",
+                        node=",".join(dict.fromkeys(n for n, _ in ranks)),
+                    )
+                for ref in ready:
+                    if ref in out_refs:
+                        read(ref, out_refs.pop(ref))
+                        continue
+                    rank = result_refs.pop(ref)
+                    node = ranks[rank][0]
+                    try:
+                        result = self._collect(ref, lease, held)
+                    except GpuTrainError as exc:
+                        drain()
+                        raise GpuTrainError(
+                            f"rank {rank} on node {node}: {exc.summary}; every rank was stopped",
+                            node=node,
+                            rank=rank,
+                        ) from None
+                    if not result["ok"]:
+                        drain()
+                        raise GpuTrainError(
+                            f"{result['type']}: {result['message']} (rank {rank} on {node}, GPU "
+                            f"{envs[rank]['CUDA_VISIBLE_DEVICES']}; every rank was stopped)",
+                            remote_traceback=result["traceback"],
+                            node=node,
+                            remote_type=result["type"],
+                            rank=rank,
+                        )
+                    results[rank] = result
+            drain()
+        finally:
+            out.flush()
+        return results
+
+    def _emit_rank(self, rank: int, chunks: list[tuple[str, str]], out: _RankWriter) -> None:
+        """A rank's output, prefixed line by line; rank 0's checkpoint state is kept as for one node."""
+        import base64
+
+        from ray import cloudpickle
+
+        for stream, text in chunks:
+            if stream == CHECKPOINT_STREAM:
+                if rank == 0:
+                    self.last_checkpoint = cloudpickle.loads(base64.b64decode(text))
+                    self.has_checkpoint = True
+            else:
+                out.write(rank, stream, text)
 
     def _drive(
         self,
@@ -464,6 +810,33 @@ def _emit(chunks: list[tuple[str, str]], write: Callable[[str, str], None]) -> N
         write(stream, text)
 
 
+class _RankWriter:
+    """Writes the ranks' output with each line prefixed ``[rank N] ``. A line is shown once it
+    is complete (or at the end), so that two ranks' pieces of a line never mix."""
+
+    def __init__(self, write: Callable[[str, str], None]) -> None:
+        self._write = write
+        self._partial: dict[tuple[int, str], str] = {}
+
+    def write(self, rank: int, stream: str, text: str) -> None:
+        key = (rank, stream)
+        lines = (self._partial.pop(key, "") + text).splitlines(keepends=True)
+        if lines and not lines[-1].endswith(("\n", "\r")):
+            self._partial[key] = lines.pop()
+        if lines:
+            self._write(stream, "".join(f"[rank {rank}] {line}" for line in lines))
+
+    def flush(self) -> None:
+        for (rank, stream), text in sorted(self._partial.items()):
+            self._write(stream, f"[rank {rank}] {text}\n")
+        self._partial.clear()
+
+
+def _sum_memory(results: Any) -> int | None:
+    peaks = [r.get("peak_memory") for r in results if r.get("peak_memory")]
+    return sum(peaks) if peaks else None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -494,20 +867,31 @@ def run_on_gpus(
     wait: str | float | None = None,
     label: str = "",
     priority: str | None = None,
+    nodes: int | None = None,
+    all_ranks: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` on a worker holding ``gpus`` leased GPUs and return its value.
 
     The worker sees only those GPUs (``CUDA_VISIBLE_DEVICES``); the lease is released when the
     call ends, however it ends. Raises :class:`GpuTrainError` with the remote traceback on failure.
+
+    ``nodes=k`` runs a multi-node gang for ``torch.distributed``: ``gpus/k`` GPUs on each of k
+    nodes, granted all or nothing, and one process per GPU, each with ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Every rank calls ``fn``; the value
+    returned is rank 0's (``all_ranks=True``: the list of every rank's value, in rank order).
+    If any rank fails, every rank is stopped and the error names the rank and its node.
     """
     s = session()
     lo, hi = parse_gpus(gpus) if gpus is not None else (None, None)
+    check_gang(lo, hi, nodes)
     outcome = s.run(
         {"kind": "function", "fn": fn, "args": args, "kwargs": kwargs},
         gpus=hi,
         gpus_min=lo,
         priority=priority,
+        nodes=nodes,
+        all_ranks=all_ranks,
         pool=pool,
         timeout=parse_duration(timeout),
         wait=parse_duration(wait),

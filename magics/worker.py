@@ -90,6 +90,18 @@ class GpuWorker:
 
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
+    def endpoint(self) -> dict[str, Any]:
+        """The IP of this process's Ray node and a TCP port free on it now: a multi-node gang's
+        rank 0 answers this, and every rank gets it as ``MASTER_ADDR`` / ``MASTER_PORT``."""
+        import socket
+
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return {"ip": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid()}
+
     def push(self, stream: str, text: str) -> None:
         with self._cond:
             self._chunks.append((stream, text))
