@@ -323,20 +323,7 @@ class Session:
                 all_ranks=all_ranks,
             )
         client = self.client()
-        lease = client.acquire(
-            gpus,
-            pool,
-            d.ttl,
-            wait,
-            label[:200],
-            session[:200],
-            progress=on_queue,
-            gpus_min=gpus_min,
-            priority=priority,
-        )
-        held = HeldLease(client, lease)
-        held.activity = {"executing": True, "source": "gpu_train"}
-        self.held.add(held)
+        lease, held = self._take_lease(gpus, pool, wait, label, session, on_queue, gpus_min=gpus_min, priority=priority)
         t0 = time.monotonic()
         worker = None
         result: dict[str, Any] | None = None
@@ -417,20 +404,7 @@ class Session:
         if gpus_min is not None and gpus_min != gpus:
             raise ValueError("a multi-node gang is all or nothing: ask for a GPU count, not a range")
         client = self.client()
-        lease = client.acquire(
-            gpus,
-            pool,
-            self.defaults.ttl,
-            wait,
-            label[:200],
-            session[:200],
-            progress=on_queue,
-            priority=priority,
-            nodes=nodes,
-        )
-        held = HeldLease(client, lease)
-        held.activity = {"executing": True, "source": "gpu_train"}
-        self.held.add(held)
+        lease, held = self._take_lease(gpus, pool, wait, label, session, on_queue, priority=priority, nodes=nodes)
         t0 = time.monotonic()
         parts = lease.parts()
         order = [n for n in lease.nodes if n in parts] + [n for n in parts if n not in lease.nodes]
@@ -665,6 +639,24 @@ class Session:
                     self.has_checkpoint = True
             else:
                 out.write(rank, stream, text)
+
+    def _take_lease(
+        self,
+        gpus: int,
+        pool: str | None,
+        wait: float,
+        label: str,
+        session: str,
+        on_queue: Callable[[int | None, float], None] | None,
+        **kw: Any,
+    ) -> tuple[Any, HeldLease]:
+        """Acquire (waiting in the queue with progress) and keep the lease renewed, marked busy."""
+        client = self.client()
+        lease = client.acquire(gpus, pool, self.defaults.ttl, wait, label[:200], session[:200], progress=on_queue, **kw)
+        held = HeldLease(client, lease)
+        held.activity = {"executing": True, "source": "gpu_train"}
+        self.held.add(held)
+        return lease, held
 
     def _drive(
         self,
