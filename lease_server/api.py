@@ -224,7 +224,20 @@ class BaseHandler(tornado.web.RequestHandler):
 class LeasesHandler(BaseHandler):
     async def post(self) -> None:
         body = self.body()
-        allowed = ("gpus", "gpus_min", "nodes", "pool", "ttl", "wait", "label", "session", "id", "priority")
+        allowed = (
+            "gpus",
+            "gpus_min",
+            "nodes",
+            "pool",
+            "ttl",
+            "wait",
+            "label",
+            "session",
+            "notebook",
+            "cell",
+            "id",
+            "priority",
+        )
         unknown = set(body) - set(allowed)
         if unknown:
             raise errors.BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {', '.join(allowed)}")
@@ -247,6 +260,8 @@ class LeasesHandler(BaseHandler):
             priority=body.get("priority"),
             gpus_min=body.get("gpus_min"),
             nodes=body.get("nodes"),
+            notebook=body.get("notebook"),
+            cell=body.get("cell"),
         )
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)

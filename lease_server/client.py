@@ -176,6 +176,8 @@ class Client:
         gpus_min: int | None = None,
         priority: str | None = None,
         nodes: int | None = None,
+        notebook: str = "",
+        cell: str = "",
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
 
@@ -197,6 +199,10 @@ class Client:
             body["priority"] = priority
         if nodes and nodes > 1:
             body["nodes"] = nodes
+        if notebook:
+            body["notebook"] = notebook[:200]
+        if cell:
+            body["cell"] = cell[:200]
 
         def post() -> Lease:
             return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))

@@ -78,6 +78,9 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         out["reservation"] = rec["resv"]
     if rec.get("nodes"):
         out["nodes"] = rec["nodes"]
+    for key in ("notebook", "cell"):
+        if rec.get(key):
+            out[key] = rec[key]
     if rec.get("preemptible"):
         out["preemptible"] = True
     if rec.get("elastic"):
@@ -248,6 +251,8 @@ class LeaseStore:
         priority: object = None,
         gpus_min: object = None,
         nodes: object = None,
+        notebook: object = None,
+        cell: object = None,
     ) -> dict[str, Any]:
         """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
 
@@ -262,6 +267,8 @@ class LeaseStore:
             raise errors.BadRequest(f"gpus_min ({n_min}) must not exceed gpus ({n}): ask for gpus_min..gpus GPUs")
         prio = check_priority(priority)
         k = check_nodes(nodes, n, n_min)
+        notebook_s = check_text("notebook", notebook)
+        cell_s = check_text("cell", cell)
         ttl_s = check_seconds("ttl", ttl, low=1, high=s.max_ttl, default=s.default_ttl)
         wait_s = check_seconds("wait", wait, low=0, high=s.max_wait, default=0.0)
         label_s = check_text("label", label)
@@ -285,6 +292,8 @@ class LeaseStore:
                     prio,
                     n_min,
                     k,
+                    notebook_s,
+                    cell_s,
                 ],
             )
             if code is Code.OK:

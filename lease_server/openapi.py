@@ -113,6 +113,8 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "label": {"type": "string", "maxLength": 200},
                 "session": {"type": "string", "maxLength": 200},
+                "notebook": {"type": "string", "maxLength": 200, "description": "For the usage ledger"},
+                "cell": {"type": "string", "maxLength": 200, "description": "The cell's hash, for the usage ledger"},
                 "id": {
                     "type": "string",
                     "pattern": "^[A-Za-z0-9._-]{8,64}$",

@@ -37,7 +37,7 @@ def summarize(entries: list[dict[str, Any]], by: str = "user") -> list[dict[str,
             for team in [t for t in (e.get("teams") or "").split(",") if t] or ["(no team)"]:
                 groups[team].append(e)
         elif by == "notebook":
-            groups[e.get("session") or "(none)"].append(e)
+            groups[e.get("notebook") or e.get("session") or "(none)"].append(e)
         else:
             groups[e[by]].append(e)
     out = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -133,6 +134,8 @@ class GpuMagics(Magics):
                 wait=_duration(args.wait, "--wait"),
                 label=label,
                 session=_kernel_session(),
+                notebook=os.environ.get("JPY_SESSION_NAME", ""),
+                cell=hashlib.sha1(call.get("source", "").encode()).hexdigest()[:12] if call.get("source") else "",
                 on_queue=on_queue,
                 on_output=on_output,
                 on_granted=on_granted,

@@ -282,6 +282,8 @@ class Session:
         priority: str | None = None,
         nodes: int | None = None,
         all_ranks: bool = False,
+        notebook: str = "",
+        cell: str = "",
     ) -> Outcome:
         """Lease, run ``call`` on a single-use worker of the lease's node, stream its output,
         then kill the worker and release the lease, whatever happened. ``on_released`` gets the
@@ -299,6 +301,8 @@ class Session:
         wait = d.wait if wait is None else wait
         write = on_output or _write_local
         self.last_checkpoint, self.has_checkpoint = None, False
+        # For the usage ledger: which notebook, and which cell (its hash), the lease is for.
+        self._call_meta = {"notebook": notebook, "cell": cell}
         self.connect_ray()
         if gpus == 0:
             if nodes is not None and nodes > 1:
@@ -652,6 +656,7 @@ class Session:
     ) -> tuple[Any, HeldLease]:
         """Acquire (waiting in the queue with progress) and keep the lease renewed, marked busy."""
         client = self.client()
+        kw.update(getattr(self, "_call_meta", {}))
         lease = client.acquire(gpus, pool, self.defaults.ttl, wait, label[:200], session[:200], progress=on_queue, **kw)
         held = HeldLease(client, lease)
         held.activity = {"executing": True, "source": "gpu_train"}

@@ -298,6 +298,13 @@ def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
         assert by_team["ml"]["calls"] == 2 and by_team["(no team)"]["calls"] == 1
         by_nb = alice.get(f"{API}/usage", params={"by": "notebook", "pool": "A100-80GB"}).json()["rows"]
         assert [(r["notebook"], r["calls"]) for r in by_nb] == [("nb/train.ipynb", 2)]
+        # The magic names the notebook and the cell's hash; the ledger keeps both.
+        lease = alice.post(f"{API}/leases", json={"gpus": 1, "notebook": "eval.ipynb", "cell": "3f2a9c1b"}).json()
+        assert lease["notebook"] == "eval.ipynb" and lease["cell"] == "3f2a9c1b"
+        alice.delete(f"{API}/leases/{lease['id']}")
+        by_nb = {r["notebook"]: r for r in alice.get(f"{API}/usage", params={"by": "notebook"}).json()["rows"]}
+        assert by_nb["eval.ipynb"]["calls"] == 1
+        assert_error(alice.post(f"{API}/leases", json={"gpus": 1, "cell": 7}), 400, "bad_request", "cell")
         assert (
             alice.get(f"{API}/usage", params={"from": time.time() + 60, "to": time.time() + 120}).json()["rows"] == []
         )

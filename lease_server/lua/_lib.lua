@@ -432,6 +432,8 @@ local function grant_parts(w, parts)
     waited_ms = NOW - w.enqueued_at,
   }
   if #parts > 1 then lease.nodes = nodes end
+  if w.notebook and w.notebook ~= '' then lease.notebook = w.notebook end
+  if w.cell and w.cell ~= '' then lease.cell = w.cell end
   if w.booking then
     local r = w.booking.r
     lease.resv = r.id
@@ -648,6 +650,7 @@ local function end_lease(lease, state, reason, by)
   touch_usage(lease.pool, lease.user, -#lease.gpus, charged - gpu_s)
   redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode({
     lease = lease.id, user = lease.user, teams = lease.teams or '', session = lease.session, label = lease.label,
+    notebook = lease.notebook or '', cell = lease.cell or '',
     pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
     held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
     busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, charged_gpu_s = charged,

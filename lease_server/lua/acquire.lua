@@ -7,6 +7,7 @@
 -- ARGV[14] = priority class (integer, higher first under the "priority" scheduler; 1 = normal)
 -- ARGV[15] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
 -- ARGV[16] = nodes: 1, or k > 1 for a gang of gpus / k GPUs on each of k nodes, all or nothing
+-- ARGV[17] = the notebook the request comes from ("" if unknown)   ARGV[18] = the cell's hash ("")
 -- {UNSATISFIABLE, largest node size, nodes that could hold a gang's share} when no node (or too
 -- few nodes, for a gang) could ever serve the request
 -- returns {OK, lease JSON} | {QUEUED, position} |
@@ -23,6 +24,7 @@ if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, 
 end
 local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
            session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
+           notebook = ARGV[17] or '', cell = ARGV[18] or '',
            priority = priority, gpus_min = n_min, nodes = n_nodes}
 
 -- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one. With a booking
