@@ -43,6 +43,14 @@ def fmt(ms: float) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%a %Y-%m-%d %H:%M UTC")
 
 
+def span(start_ms: float, end_ms: float) -> str:
+    """ "Mon 2026-11-23 09:00-11:00 UTC", or both ends in full when they are on different days."""
+    a, b = (datetime.fromtimestamp(t / 1000, UTC) for t in (start_ms, end_ms))
+    if a.date() == b.date():
+        return f"{a:%a %Y-%m-%d %H:%M}-{b:%H:%M} UTC"
+    return f"{fmt(start_ms)} - {fmt(end_ms)}"
+
+
 def parse_time(kind: str, value: object) -> int:
     """Epoch seconds (a number) or ISO 8601 with a UTC offset, to UTC milliseconds."""
     if isinstance(value, bool) or value is None:
@@ -169,34 +177,28 @@ def _clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.Reservat
     ]
     suggestions = [{"start": s["start"] / 1000, "end": s["end"] / 1000} for s in report.get("suggestions") or []]
     where = f"one node of pool {rec['pool']!r}" if report.get("colocate") else f"pool {rec['pool']!r}"
-    parts = [
-        f"{rec['gpus']} GPU(s) of {where} from {fmt(rec['start'])} to {fmt(rec['end'])}"
+    text = (
+        f"{rec['gpus']} GPU(s) of {where} {span(rec['start'], rec['end'])}"
         + (f" (weekly, {rec['occurrences']} times)" if rec.get("repeat") == "weekly" else "")
-        + f" would over-book it: {report['capacity']} can be booked"
-    ]
+        + f" would over-book it ({report['capacity']} can be booked)"
+    )
     if clashes:
         seen: dict[str, dict[str, Any]] = {}
         for c in clashes:
             seen.setdefault(c["id"], c)
-        parts.append(
-            "it clashes with "
-            + "; ".join(
-                f"{c['owner']}'s {c['gpus']} GPU(s) {fmt(c['start'] * 1000)}-{fmt(c['end'] * 1000)[-9:]}"
-                for c in list(seen.values())[:5]
-            )
+        text += ": it clashes with " + "; ".join(
+            f"{c['owner']}'s {c['gpus']} GPU(s) {span(c['start'] * 1000, c['end'] * 1000)}"
+            for c in list(seen.values())[:5]
         )
-    hints = []
+    moves = " or ".join(span(s["start"] * 1000, s["end"] * 1000) for s in suggestions[:2])
     if report.get("max_gpus", 0) > 0:
-        hints.append(f"book at most {report['max_gpus']} GPU(s) then")
-    if suggestions:
-        hints.append(
-            "or move it to "
-            + " or ".join(f"{fmt(s['start'] * 1000)}-{fmt(s['end'] * 1000)[-9:]}" for s in suggestions[:2])
-        )
-    if not hints:
-        hints.append("pick another time")
+        hint = f"Book at most {report['max_gpus']} GPU(s) then" + (f", or move it to {moves}" if moves else "")
+    elif moves:
+        hint = f"Move it to {moves}"
+    else:
+        hint = "Pick another time"
     return errors.ReservationClash(
-        ". ".join(parts) + ": " + ", ".join(hints),
+        f"{text}. {hint}.",
         clashes=clashes,
         capacity=report["capacity"],
         reserved=report.get("reserved", 0),
