@@ -19,6 +19,13 @@ def read_events(r: Redis, keys: Keys) -> list[dict[str, Any]]:
     return out
 
 
+def _gpus(ev: dict[str, Any]) -> set[tuple[str, int]]:
+    """The (node, index) GPUs an event names: a multi-node gang's come per node in ``parts``."""
+    if ev.get("parts"):
+        return {(part["node"], int(i)) for part in ev["parts"] for i in (part["gpus"] or [])}
+    return {(ev["node"], int(i)) for i in ev["gpus"]}
+
+
 def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
     """Replay grants and ends in stream order: no GPU granted while held, tokens strictly rising,
     every end returns exactly the GPUs its lease held. Returns counts per event type."""
@@ -31,14 +38,14 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
         if ev["type"] == "grant":
             assert ev["token"] > last_token, f"token {ev['token']} after {last_token}: reused or out of order"
             last_token = ev["token"]
-            gpus = {(ev["node"], int(i)) for i in ev["gpus"]}
+            gpus = _gpus(ev)
             for g in gpus:
                 assert g not in held, f"double grant: {g} granted to {ev['lease']} while held by {held[g]}"
                 held[g] = ev["lease"]
             assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
             lease_gpus[ev["lease"]] = gpus
         elif ev["type"] in END_TYPES:
-            gpus = {(ev["node"], int(i)) for i in ev["gpus"]}
+            gpus = _gpus(ev)
             assert gpus == lease_gpus.get(ev["lease"]), f"{ev['type']} of {ev['lease']} returned {gpus}"
             for g in gpus:
                 assert held.pop(g) == ev["lease"]
@@ -61,10 +68,12 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
     for slot, lid in holders.items():
         node, idx = slot.split("/")
         assert lid in leases, f"{slot} held by {lid}, which is not live"
-        assert leases[lid]["node"] == node and int(idx) in [g["index"] for g in leases[lid]["gpus"]]
+        mine = [(g.get("node", leases[lid]["node"]), g["index"]) for g in leases[lid]["gpus"]]
+        assert (node, int(idx)) in mine, f"{slot} held by {lid}, which does not list it"
     for lid, lease in leases.items():
         for g in lease["gpus"]:
-            assert holders.get(f"{lease['node']}/{g['index']}") == lid, f"{lid} lost its holder entry"
+            slot = f"{g.get('node', lease['node'])}/{g['index']}"
+            assert holders.get(slot) == lid, f"{lid} lost its holder entry {slot}"
     fit_by_node = {m.split("|", 2)[2]: int(m.split("|", 2)[1]) for m in fit}
     for node, raw in nodes.items():
         inv = json.loads(raw)

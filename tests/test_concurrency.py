@@ -127,3 +127,96 @@ def test_fifty_clients_never_double_grant(server_factory, redis_sync):
     assert counts["grant"] == sum(counts.get(t, 0) for t in ("released", "expired", "revoked"))
     assert counts.get("expired", 0) > 0 and counts.get("queued", 0) > 0
     assert snapshots > 3
+
+
+def churn_scheduled(url: str, token: str, seed: int, ops: int) -> dict[str, int]:
+    """A random walk that also uses what scheduling added: elastic requests, gangs, priorities."""
+    rng = random.Random(seed)
+    stats = {"ops": 0, "granted": 0, "busy": 0, "released": 0, "lost": 0, "gang": 0}
+    held = []
+    with Client(url, token, timeout=30) as c:
+        for _ in range(ops):
+            stats["ops"] += 1
+            if rng.random() < 0.55 or not held:
+                kind = rng.random()
+                kw: dict = {"priority": rng.choice(["low", "normal", "high"])}
+                if kind < 0.2:
+                    gpus, kw["nodes"] = 4, 2
+                elif kind < 0.4:
+                    gpus, kw["gpus_min"] = rng.choice([2, 4]), 1
+                else:
+                    gpus = rng.choice([1, 1, 2])
+                try:
+                    lease = c.acquire(gpus, ttl=rng.choice([1, 2]), wait=rng.choice([0, 0.3, 1]), **kw)
+                    held.append(lease)
+                    stats["granted"] += 1
+                    stats["gang"] += bool(lease.nodes)
+                except errors.NoCapacity:
+                    stats["busy"] += 1
+            else:
+                lease = held.pop(rng.randrange(len(held)))
+                try:
+                    c.release(lease)
+                    stats["released"] += 1
+                except errors.GpuLeaseError:
+                    stats["lost"] += 1
+        for lease in held:
+            c.release(lease)
+    return stats
+
+
+@pytest.mark.slow
+def test_bookings_quotas_preemption_and_gangs_never_double_grant(server_factory, redis_sync):
+    """24 clients under bookings in force (recalling borrowed leases), quotas (preempting), elastic
+    requests and 2-node gangs: the same invariants hold, and everything is free at the end."""
+    import time as _time
+
+    srv = server_factory(
+        simulate="n1=4xA100-80GB,n2=4xA100-80GB,n3=4xA100-80GB,n4=2xA100-80GB",
+        sweep_interval=0.05,
+        borrow_notice=0.3,
+        teams={"ml": ["u0", "u1", "u2"]},
+        scheduling={"A100-80GB": {"scheduler": "priority", "quota": {"*": 2}, "preempt_notice": 0.3}},
+    )
+    keys = Keys(srv.settings.prefix)
+    now = _time.time()
+    with Client(srv.url, srv.token("u0")) as c:
+        c.reserve("A100-80GB", 4, now - 1, now + 3600, owner="team:ml")
+        c.reserve("A100-80GB", 2, now - 1, now + 3600, colocate=True)
+    results: list[dict[str, int] | str] = []
+    lock = threading.Lock()
+
+    def thread_main(i: int) -> None:
+        try:
+            r = churn_scheduled(srv.url, srv.token(f"u{i % 8}"), 7000 + i, 40)
+        except BaseException as exc:
+            r = repr(exc)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    snapshots = 0
+    while any(t.is_alive() for t in threads):
+        check_state(redis_sync, keys)
+        snapshots += 1
+        threads[0].join(0.05)
+    for t in threads:
+        t.join()
+    failures = [r for r in results if isinstance(r, str)]
+    assert not failures, failures
+    total = {k: sum(r[k] for r in results if isinstance(r, dict)) for k in results[0]}  # type: ignore[union-attr]
+    assert total["granted"] > 100 and total["gang"] > 0
+    wait = threading.Event()
+    for _ in range(400):
+        if redis_sync.zcard(keys.deadlines) == 0 and redis_sync.zcard(keys.queue) == 0:
+            break
+        wait.wait(0.05)
+    check_state(redis_sync, keys, expect_all_free=True)
+    counts = check_event_log(read_events(redis_sync, keys))
+    assert counts["grant"] == sum(counts.get(t, 0) for t in ("released", "expired", "revoked"))
+    assert counts.get("borrow_recalled", 0) + counts.get("preempt_notice", 0) > 0, counts
+    assert redis_sync.hget(keys.held_by, "A100-80GB|~preemptible") in (None, "0")
+    assert all(int(v) == 0 for v in redis_sync.hvals(keys.held_by)), redis_sync.hgetall(keys.held_by)
+    assert snapshots > 3

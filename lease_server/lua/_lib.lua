@@ -401,7 +401,7 @@ end
 -- Grant waiter w the GPUs of `parts`: {{node, taken, rest, old_count}, ...}, one part per node
 -- (several for a multi-node gang, whose GPUs then name their node).
 local function grant_parts(w, parts)
-  local gpus, taken, nodes = {}, {}, {}
+  local gpus, taken, nodes, part_gpus = {}, {}, {}, {}
   for _, part in ipairs(parts) do
     local node = part.node
     local inv = cjson.decode(redis.call('HGET', K_NODES, node))
@@ -423,6 +423,7 @@ local function grant_parts(w, parts)
     end
     set_free(node, w.pool, part.rest, part.old_count)
     nodes[#nodes + 1] = node
+    part_gpus[#part_gpus + 1] = {node = node, gpus = part.taken}
   end
   local node = parts[1].node
   local lease = {
@@ -461,7 +462,7 @@ local function grant_parts(w, parts)
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
                  token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
                  reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
-                 priority = lease.priority, nodes = lease.nodes})
+                 priority = lease.priority, nodes = lease.nodes, parts = #parts > 1 and part_gpus or nil})
   return lease
 end
 
@@ -597,8 +598,10 @@ local function end_lease(lease, state, reason, by)
     if not by_node[node] then by_node[node] = {}; order[#order + 1] = node end
     table.insert(by_node[node], g)
   end
-  local returned = {}
+  local returned, returned_parts = {}, {}
   for _, node in ipairs(order) do
+    local part = {node = node, gpus = {}}
+    returned_parts[#returned_parts + 1] = part
     local inv_raw = redis.call('HGET', K_NODES, node)
     local free = decode_list(redis.call('HGET', K_FREE, node))
     local present = {}
@@ -612,6 +615,7 @@ local function end_lease(lease, state, reason, by)
         redis.call('HDEL', K_HOLDERS, slot)
         if present[g.index] then free[#free + 1] = g.index end
         returned[#returned + 1] = g.index
+        part.gpus[#part.gpus + 1] = g.index
       end
     end
     if inv_raw then set_free(node, lease.pool, free, old_count) end
@@ -663,6 +667,7 @@ local function end_lease(lease, state, reason, by)
   redis.call('HSET', K_ENDED, lease.id, cjson.encode(lease))
   redis.call('ZADD', K_ENDED_AT, NOW, lease.id)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
-               gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by})
+               gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
+               parts = #order > 1 and returned_parts or nil})
   return lease
 end
