@@ -426,3 +426,19 @@ def test_booking_with_datetime_offsets_round_trip():
     assert berlin_winter == parse_time("start", "2027-01-04T09:00:00Z") == int(MONDAY * 1000)
     assert parse_time("start", MONDAY) == int(MONDAY * 1000)
     assert (datetime.fromtimestamp(MONDAY, UTC) + timedelta(weeks=1)).timestamp() * 1000 == MONDAY * 1000 + WEEK_MS
+
+
+def test_a_borrowed_gang_is_recalled_for_the_holder(server_factory):
+    srv = server_factory("n1=2xA100-80GB,n2=2xA100-80GB", borrow_notice=0.5, default_ttl=60)
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    with http(srv, "alice") as alice:
+        booking = book(alice, gpus=2, start=time.time() - 1, hours=1).json()
+        gang = srv.client("bob").acquire(4, nodes=2, ttl=60)
+        assert gang.borrowed and sorted(gang.nodes) == ["n1", "n2"]
+        lease = srv.client("alice").acquire(2, wait=20, ttl=60)
+        assert lease.reservation == booking["id"]
+        recall = _wait_event(watcher, "borrow_recalled", lease=gang.id)
+        revoked = _wait_event(watcher, "revoked", lease=gang.id)
+        assert revoked["ts"] - recall["ts"] >= 0.5 - 0.001
+        # every node of the gang got its GPUs back, not only the one alice was served on
+        assert sorted((p["node"], sorted(p["gpus"])) for p in revoked["parts"]) == [("n1", [0, 1]), ("n2", [0, 1])]

@@ -276,15 +276,23 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
   local flat = redis.call('HGETALL', K_LEASES)
   for i = 2, #flat, 2 do
     local l = cjson.decode(flat[i])
-    local p = per[l.node]
-    if p and l.pool == pool then
-      if l.recall_at then
-        p.have = p.have + #l.gpus
-      elseif not l.nodes then
-        local r = rank(l)
-        if r then
-          l.rank, l.lost = r, (NOW - l.created_at) * #l.gpus
-          p.victims[#p.victims + 1] = l
+    if l.pool == pool then
+      -- GPUs per node: a multi-node gang frees its share on each of its nodes (and all its work
+      -- is lost wherever it is recalled).
+      local on = {}
+      for _, g in ipairs(l.gpus) do
+        local node = g.node or l.node
+        on[node] = (on[node] or 0) + 1
+      end
+      local r = (not l.recall_at) and rank(l) or nil
+      for node, count in pairs(on) do
+        local p = per[node]
+        if p then
+          if l.recall_at then
+            p.have = p.have + count
+          elseif r then
+            p.victims[#p.victims + 1] = {l = l, count = count, rank = r, lost = (NOW - l.created_at) * #l.gpus}
+          end
         end
       end
     end
@@ -294,14 +302,14 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
     table.sort(p.victims, function(x, y)
       if x.rank ~= y.rank then return x.rank < y.rank end
       if x.lost ~= y.lost then return x.lost < y.lost end
-      return x.id < y.id
+      return x.l.id < y.l.id
     end)
     local have, cost, list = p.have, 0, {}
-    for _, l in ipairs(p.victims) do
+    for _, v in ipairs(p.victims) do
       if have >= n then break end
-      list[#list + 1] = l
-      have = have + #l.gpus
-      cost = cost + l.lost
+      list[#list + 1] = v.l
+      have = have + v.count
+      cost = cost + v.lost
     end
     if have >= n and (best_cost == nil or cost < best_cost or (cost == best_cost and node < best)) then
       best, best_cost, best_list = node, cost, list
@@ -310,7 +318,6 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
   if not best then return nil end
   local due = NOW + notice_ms
   for _, l in ipairs(best_list) do
-    l.rank, l.lost = nil, nil
     if kind == 'borrow_recalled' then l.borrowed = true end
     l.recall_at = due
     l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
