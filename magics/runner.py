@@ -418,6 +418,18 @@ class Session:
         pg: Any = None
         workers: list[Any] = []
         results: dict[int, dict[str, Any]] = {}
+
+        def gang_outcome(value: Any) -> Outcome:
+            return Outcome(
+                value,
+                lease.id,
+                ",".join(order),
+                lease.indexes,
+                time.monotonic() - t0,
+                _sum_memory(results.values()),
+                extra={"parts": parts, "world_size": world, "where": where},
+            )
+
         try:
             if on_granted:
                 on_granted(held)
@@ -464,15 +476,7 @@ class Session:
                 )
             results = self._drive_gang(workers, ranks, call, envs, watch, timeout, write, lease, held)
             values = [results[r]["value"] for r in range(world)]
-            return Outcome(
-                values if all_ranks else values[0],
-                lease.id,
-                ",".join(order),
-                lease.indexes,
-                time.monotonic() - t0,
-                _sum_memory(results.values()),
-                extra={"parts": parts, "world_size": world, "where": where},
-            )
+            return gang_outcome(values if all_ranks else values[0])
         finally:
             for w in workers:
                 try:
@@ -487,17 +491,7 @@ class Session:
             held.release()
             self.held.discard(held)
             if on_released is not None:
-                on_released(
-                    Outcome(
-                        None,
-                        lease.id,
-                        ",".join(order),
-                        lease.indexes,
-                        time.monotonic() - t0,
-                        _sum_memory(results.values()),
-                        extra={"parts": parts, "world_size": world, "where": where},
-                    )
-                )
+                on_released(gang_outcome(None))
 
     def _gang_share(self, node: str) -> dict[str, float]:
         """What one rank's bundle takes of ``node``'s Ray resource ({} if Ray nodes are not pinned)."""
