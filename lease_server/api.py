@@ -580,6 +580,7 @@ class InfoHandler(BaseHandler):
             default_pool: str | None = await self.store.default_pool()
         except errors.UnknownPool:
             default_pool = None
+        pools = await self.store.pool_sizes()
         self.reply(
             {
                 "version": __version__,
@@ -588,7 +589,8 @@ class InfoHandler(BaseHandler):
                 "default_ttl": s.default_ttl,
                 "max_ttl": s.max_ttl,
                 "max_wait": s.max_wait,
-                "pools": await self.store.pool_sizes(),
+                "pools": pools,
+                "cpu_pool": s.cpu_pool if s.cpu_pool in pools else None,
             }
         )
 

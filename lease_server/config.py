@@ -27,6 +27,7 @@ class Settings:
     heartbeat_interval: float = 2.0  # agent heartbeat period
     heartbeat_timeout: float = 10.0  # a node not heard from for this long is down
     default_pool: str = ""  # empty: the pool of the first node registered
+    cpu_pool: str = "CPU"  # the pool of CPU slots (nodes declared as NxCPU): %%gpu_train --gpus 0 leases one
     pool_overrides: dict[str, str] = field(default_factory=dict)  # node -> pool
     fair_share_half_life: float = 3600.0  # seconds; past GPU-time counts half after this long
     ended_retention: float = 86400.0  # seconds ended leases stay readable

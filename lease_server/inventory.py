@@ -202,7 +202,10 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
             }
         )
     await _mark_reserved(store, nodes, pools, int(now_s * 1000))
-    return {"now": now_s, "nodes": nodes, "pools": pools}
+    cpu_pool = store.settings.cpu_pool
+    for name, counts in pools.items():
+        counts["kind"] = "cpu" if name == cpu_pool else "gpu"  # type: ignore[assignment]
+    return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
 
 
 async def _mark_reserved(

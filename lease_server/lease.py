@@ -229,7 +229,12 @@ class LeaseStore:
                 "no GPU node is registered yet: start a node agent "
                 "(gpulease agent, or gpulease up --simulate 1xA100-80GB)"
             )
-        name = sorted(pools, key=lambda p: (-pools[p]["gpus"], p))[0]
+        gpu_pools = [p for p in pools if p != self.settings.cpu_pool]
+        if not gpu_pools:
+            raise errors.UnknownPool(
+                f"only CPU slots (pool {self.settings.cpu_pool}) are registered: start a node agent on a GPU node"
+            )
+        name = sorted(gpu_pools, key=lambda p: (-pools[p]["gpus"], p))[0]
         self._default_pool = (time.monotonic() + 5.0, name)
         return name
 

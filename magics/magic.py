@@ -110,6 +110,10 @@ class GpuMagics(Magics):
                 status.show(f"gpu_train: granted {held.node} GPU {held.cuda_visible_devices}{got}{note}")
 
         def on_released(o: Outcome) -> None:
+            if o.extra.get("cpu"):
+                slot = f" (a CPU slot of {o.node})" if o.lease_id else ""
+                print(f"gpu_train: ran on a CPU worker{slot} for {o.held_s:.1f}s", file=sys.stderr)
+                return
             mem = f"; peak GPU memory {o.peak_memory / 2**30:.2f} GiB" if o.peak_memory else ""
             gpu_list = ",".join(map(str, o.gpus))
             where = o.extra.get("where") or f"{o.node} (GPU {gpu_list})"

@@ -304,10 +304,15 @@ class Session:
         # For the usage ledger: which notebook, and which cell (its hash), the lease is for.
         self._call_meta = {"notebook": notebook, "cell": cell}
         self.connect_ray()
+        cpu = False
         if gpus == 0:
             if nodes is not None and nodes > 1:
                 raise ValueError("nodes > 1 needs GPUs: a gang runs one process per leased GPU")
-            return self._run_cpu(call, timeout, write, on_released)
+            cpu_pool = self.client().request("GET", "/api/v1/info").get("cpu_pool")
+            if not cpu_pool:
+                return self._run_cpu(call, timeout, write, on_released)
+            # The CPU pool: one CPU slot leased like a GPU (queue, fair share, ledger).
+            gpus, pool, gpus_min, cpu = 1, cpu_pool, None, True
         if nodes is not None and nodes > 1:
             return self._run_gang(
                 call,
@@ -336,7 +341,7 @@ class Session:
                 on_granted(held)
             worker = self.take_worker(lease.node)
             env = {
-                "CUDA_VISIBLE_DEVICES": lease.cuda_visible_devices,
+                "CUDA_VISIBLE_DEVICES": "" if cpu else lease.cuda_visible_devices,
                 "GPULEASE_LEASE_ID": lease.id,
                 "GPULEASE_GPU_UUIDS": ",".join(lease.uuids),
                 "GPULEASE_NODE": lease.node,
@@ -352,7 +357,13 @@ class Session:
                     remote_type=result["type"],
                 )
             return Outcome(
-                result["value"], lease.id, lease.node, lease.indexes, time.monotonic() - t0, result.get("peak_memory")
+                result["value"],
+                lease.id,
+                lease.node,
+                lease.indexes,
+                time.monotonic() - t0,
+                result.get("peak_memory"),
+                extra={"cpu": cpu},
             )
         finally:
             if worker is not None:
@@ -365,7 +376,9 @@ class Session:
                 self.replenish(lease.node)
             if on_released is not None:
                 peak = result.get("peak_memory") if result else None
-                on_released(Outcome(None, lease.id, lease.node, lease.indexes, time.monotonic() - t0, peak))
+                on_released(
+                    Outcome(None, lease.id, lease.node, lease.indexes, time.monotonic() - t0, peak, extra={"cpu": cpu})
+                )
 
     # ---- multi-node gangs ------------------------------------------------------------------------
 
@@ -743,11 +756,11 @@ class Session:
                     node="cpu",
                     remote_type=result["type"],
                 )
-            return Outcome(result["value"], "", "cpu", [], time.monotonic() - t0)
+            return Outcome(result["value"], "", "cpu", [], time.monotonic() - t0, extra={"cpu": True})
         finally:
             ray.kill(worker, no_restart=True)
             if on_released is not None:
-                on_released(Outcome(None, "", "cpu", [], time.monotonic() - t0))
+                on_released(Outcome(None, "", "cpu", [], time.monotonic() - t0, extra={"cpu": True}))
 
     def _emit(self, chunks: list[tuple[str, str]], write: Callable[[str, str], None]) -> None:
         """Write the worker's output; keep the state a checkpoint hook sent along with it."""

@@ -29,7 +29,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     install(prefix=str(prefix))
     up = Up(
         home,
-        simulate="box=2xA100-80GB",
+        simulate="box=2xA100-80GB,cpu=2xCPU",
         GPULEASE_DEFAULT_TTL=TTL,
         GPULEASE_SWEEP_INTERVAL="0.2",
         GPULEASE_BORROW_NOTICE="4",
@@ -380,9 +380,14 @@ def test_recalled_call_checkpoints_and_resumes(stack, kernel):
 
 
 def test_cpu_worker_and_elastic_gpus(stack, kernel):
-    out = kernel.run("%%gpu_train --gpus 0\nimport os\nseen = os.environ['CUDA_VISIBLE_DEVICES']\n")
-    assert not errors_of(out), out
-    assert text(kernel.run("print(repr(seen))")).strip() == "''"
+    out = kernel.run(
+        "%%gpu_train --gpus 0\nimport os\nseen = (os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPULEASE_NODE'])\n"
+    )
+    assert not errors_of(out) and "a CPU slot of cpu" in text(out), out
+    # --gpus 0 leased a slot of the CPU pool: it ran on that node, with no GPU, and is in the ledger
+    assert text(kernel.run("print(seen)")).strip() == "('', 'cpu')"
+    by_pool = {r["pool"]: r for r in api(stack, "GET", "/api/v1/usage?by=pool")["rows"]}
+    assert by_pool["CPU"]["calls"] >= 1
     out = kernel.run("%%gpu_train --gpus 1-4\nimport os\nn = len(os.environ['CUDA_VISIBLE_DEVICES'].split(','))\n")
     assert not errors_of(out) and "(2 of 1-4 asked)" in shown(out), out
     assert text(kernel.run("print(n)")).strip() == "2"

@@ -366,3 +366,21 @@ def test_gang_over_http_and_its_bad_input(server_factory):
         )
         assert_error(alice.post(f"{API}/leases", json={"gpus": 6, "nodes": 3}), 422, "unsatisfiable", "only 2")
         assert_error(alice.post(f"{API}/leases", json={"gpus": 2, "nodes": 0}), 400, "bad_request", "nodes")
+
+
+def test_cpu_pool_is_leased_but_never_the_default_gpu_pool(server_factory):
+    srv = server_factory("a=2xA100-80GB,c=8xCPU")
+    with http(srv, "alice") as alice:
+        info = alice.get(f"{API}/info").json()
+        assert info["default_pool"] == "A100-80GB" and info["cpu_pool"] == "CPU"  # although CPU is larger
+        view = alice.get(f"{API}/cluster").json()
+        assert view["cpu_pool"] == "CPU" and view["pools"]["CPU"]["kind"] == "cpu"
+        assert view["pools"]["A100-80GB"]["kind"] == "gpu"
+        lease = alice.post(f"{API}/leases", json={"gpus": 1}).json()
+        assert lease["pool"] == "A100-80GB"
+        slot = alice.post(f"{API}/leases", json={"gpus": 1, "pool": "CPU"}).json()
+        assert slot["pool"] == "CPU" and slot["node"] == "c"
+    only_cpu = server_factory("c=8xCPU")
+    with http(only_cpu, "alice") as alice:
+        assert alice.get(f"{API}/info").json()["default_pool"] is None
+        assert_error(alice.post(f"{API}/leases", json={"gpus": 1}), 404, "unknown_pool", "only CPU slots")

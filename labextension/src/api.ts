@@ -50,6 +50,8 @@ export interface ICluster {
   nodes: INode[];
   pools: Record<string, Record<string, number>>;
   default_pool?: string | null;
+  /** The pool of CPU slots (%%gpu_train --gpus 0), if one is registered: not counted as GPUs. */
+  cpu_pool?: string | null;
 }
 
 export interface ILease {

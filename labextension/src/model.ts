@@ -127,14 +127,18 @@ export class GpuLeaseModel {
   }
 
   get heldGpus(): number {
-    return this.leases.reduce((n, lease) => n + lease.gpus.length, 0);
+    const cpu = this.cluster?.cpu_pool;
+    return this.leases.filter(lease => lease.pool !== cpu).reduce((n, lease) => n + lease.gpus.length, 0);
   }
 
   get freeGpus(): number {
     if (!this.cluster) {
       return 0;
     }
-    return Object.values(this.cluster.pools).reduce((n, pool) => n + (pool.free ?? 0), 0);
+    const cpu = this.cluster.cpu_pool;
+    return Object.entries(this.cluster.pools)
+      .filter(([name]) => name !== cpu)
+      .reduce((n, [, pool]) => n + (pool.free ?? 0), 0);
   }
 
   /** Handshake, first fetch, then the live stream. Safe to call again (it restarts). */
