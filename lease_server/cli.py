@@ -63,7 +63,7 @@ def main() -> None:
 # ---- running the service -----------------------------------------------------------------------
 
 
-def _inventories(simulate: str | None, node: str | None, pool: str | None) -> list[Any]:
+def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_slots: int = 0) -> list[Any]:
     from .agent import nvml_inventory
     from .inventory import parse_simulate
 
@@ -72,8 +72,15 @@ def _inventories(simulate: str | None, node: str | None, pool: str | None) -> li
         if pool:
             for inv in invs:
                 inv.pool = pool
-        return invs
-    return [nvml_inventory(node, pool)]
+    else:
+        invs = [nvml_inventory(node, pool)]
+    if cpu_slots:
+        # CPU slots for %%gpu_train --gpus 0: a node of their own in the CPU pool, on this machine.
+        invs += parse_simulate(f"{invs[0].node}-cpu={cpu_slots}xCPU")
+    return invs
+
+
+CPU_SLOTS_HELP = "Also declare this many CPU slots (pool CPU) for %%gpu_train --gpus 0 (default: none)"
 
 
 def _local_user() -> str:
@@ -233,10 +240,12 @@ def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
 @click.option("--ray/--no-ray", default=True, show_default=True, help="Start a local Ray head")
 @click.option("--lab/--no-lab", default=True, show_default=True, help="Start JupyterLab (if installed)")
 @click.option("--lab-port", default=8888, show_default=True)
+@click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
 @click.option("--config", type=click.Path(exists=True), help="TOML settings file")
 @click.option("-v", "--verbose", is_flag=True)
 def up(
     simulate: str | None,
+    cpu_slots: int,
     port: int,
     data_dir: Path,
     ray: bool,
@@ -255,7 +264,7 @@ def up(
     _setup_logging(verbose)
     data_dir = data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    nodes = _inventories(simulate, None, None)
+    nodes = _inventories(simulate, None, None, cpu_slots)
     redis_proc = RedisProcess(data_dir / "redis").start()
     ray_proc = lab_proc = None
     try:
@@ -333,9 +342,11 @@ def server(
 @click.option("--url", envvar="GPULEASE_URL")
 @click.option("--token", envvar="GPULEASE_TOKEN", help="An agent or admin token")
 @click.option("--interval", default=2.0, show_default=True, help="Heartbeat period, seconds")
+@click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
 @click.option("-v", "--verbose", is_flag=True)
 def agent(
     simulate: str | None,
+    cpu_slots: int,
     node: str | None,
     pool: str | None,
     url: str | None,
@@ -347,7 +358,7 @@ def agent(
     from .agent import run_remote
 
     _setup_logging(verbose)
-    invs = _inventories(simulate, node, pool)
+    invs = _inventories(simulate, node, pool, cpu_slots)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Client(url, token) as client:

@@ -92,7 +92,10 @@ async def policies(store: LeaseStore) -> dict[str, Policy]:
     stored = await store.redis.hgetall(store.keys.policy)
     out: dict[str, Policy] = {}
     for pool in await store.pool_sizes():
-        pol = base.updated(store.settings.policy_overrides.get(pool, {}))
+        # CPU slots report no utilization: idle reclaim would take every long CPU cell. Off unless
+        # the config or an admin turns it on for that pool.
+        start = base.updated({"enabled": False}) if pool == store.settings.cpu_pool else base
+        pol = start.updated(store.settings.policy_overrides.get(pool, {}))
         if pool in stored:
             pol = pol.updated(json.loads(stored[pool]))
         out[pool] = pol

@@ -16,7 +16,7 @@ CLI = [sys.executable, "-m", "lease_server.cli"]
 
 
 def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
-    up = Up(tmp_path / "home", "--no-ray")
+    up = Up(tmp_path / "home", "--no-ray", "--cpu-slots", "2")
     try:
         token_file = up.data / "token"
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
@@ -26,6 +26,7 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         assert status.returncode == 0, status.stderr
         view = json.loads(status.stdout)
         assert view["default_pool"] == "A100-80GB" and len(view["nodes"][0]["gpus"]) == 2
+        assert view["pools"]["CPU"]["gpus"] == 2 and view["nodes"][1]["name"] == "box-cpu"
 
         ran = up.run(
             "acquire",

@@ -380,6 +380,9 @@ def test_cpu_pool_is_leased_but_never_the_default_gpu_pool(server_factory):
         assert lease["pool"] == "A100-80GB"
         slot = alice.post(f"{API}/leases", json={"gpus": 1, "pool": "CPU"}).json()
         assert slot["pool"] == "CPU" and slot["node"] == "c"
+        # CPU slots report no utilization: idle reclaim is off there (on for GPUs)
+        pols = alice.get(f"{API}/policy").json()["policies"]
+        assert pols["CPU"]["enabled"] is False and pols["A100-80GB"]["enabled"] is True
     only_cpu = server_factory("c=8xCPU")
     with http(only_cpu, "alice") as alice:
         assert alice.get(f"{API}/info").json()["default_pool"] is None
