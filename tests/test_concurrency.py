@@ -60,6 +60,38 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
     return stats
 
 
+def snapshot_while_running(threads: list[threading.Thread], redis_sync, keys: Keys) -> int:
+    """Check consistent snapshots of the state while ``threads`` run; returns how many were taken."""
+    snapshots = 0
+    while any(t.is_alive() for t in threads):
+        check_state(redis_sync, keys)
+        snapshots += 1
+        threads[0].join(0.05)
+    for t in threads:
+        t.join()
+    return snapshots
+
+
+def totals(results: list) -> dict[str, int]:
+    failures = [r for r in results if isinstance(r, str)]
+    assert not failures, failures
+    return {k: sum(r[k] for r in results if isinstance(r, dict)) for k in results[0]}
+
+
+def drain_and_check_all_free(redis_sync, keys: Keys) -> dict[str, int]:
+    """Abandoned leases expire by TTL + one sweep: wait for the deadline index and the queue to
+    drain, then check that every GPU is free and replay the event log."""
+    wait = threading.Event()
+    for _ in range(400):
+        if redis_sync.zcard(keys.deadlines) == 0 and redis_sync.zcard(keys.queue) == 0:
+            break
+        wait.wait(0.05)
+    check_state(redis_sync, keys, expect_all_free=True)
+    counts = check_event_log(read_events(redis_sync, keys))
+    assert counts["grant"] == sum(counts.get(t, 0) for t in ("released", "expired", "revoked"))
+    return counts
+
+
 def _proc_main(args: tuple[str, str, int, int], out: mp.Queue) -> None:  # type: ignore[type-arg]
     try:
         out.put(churn(*args))
@@ -98,33 +130,16 @@ def test_fifty_clients_never_double_grant(server_factory, redis_sync):
     for t in threads:
         t.start()
     # While the load runs, take consistent snapshots of the state and check them.
-    snapshots = 0
-    while any(t.is_alive() for t in threads):
-        check_state(redis_sync, keys)
-        snapshots += 1
-        threads[0].join(0.05)
-    for t in threads:
-        t.join()
+    snapshots = snapshot_while_running(threads, redis_sync, keys)
     for _ in procs:
         results.append(queue.get(timeout=120))
     for p in procs:
         p.join(30)
 
-    failures = [r for r in results if isinstance(r, str)]
-    assert not failures, failures
-    total = {k: sum(r[k] for r in results if isinstance(r, dict)) for k in results[0]}  # type: ignore[union-attr]
+    total = totals(results)
     assert total["ops"] == 50 * OPS_PER_CLIENT
     assert total["granted"] > 400 and total["busy"] > 0 and total["abandoned"] > 0
-
-    # Abandoned leases expire by TTL (at most 4 s) + one sweep: wait for the deadline index to drain.
-    deadline_wait = threading.Event()
-    for _ in range(400):
-        if redis_sync.zcard(keys.deadlines) == 0 and redis_sync.zcard(keys.queue) == 0:
-            break
-        deadline_wait.wait(0.05)
-    check_state(redis_sync, keys, expect_all_free=True)
-    counts = check_event_log(read_events(redis_sync, keys))
-    assert counts["grant"] == sum(counts.get(t, 0) for t in ("released", "expired", "revoked"))
+    counts = drain_and_check_all_free(redis_sync, keys)
     assert counts.get("expired", 0) > 0 and counts.get("queued", 0) > 0
     assert snapshots > 3
 
@@ -197,25 +212,10 @@ def test_bookings_quotas_preemption_and_gangs_never_double_grant(server_factory,
     threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(24)]
     for t in threads:
         t.start()
-    snapshots = 0
-    while any(t.is_alive() for t in threads):
-        check_state(redis_sync, keys)
-        snapshots += 1
-        threads[0].join(0.05)
-    for t in threads:
-        t.join()
-    failures = [r for r in results if isinstance(r, str)]
-    assert not failures, failures
-    total = {k: sum(r[k] for r in results if isinstance(r, dict)) for k in results[0]}  # type: ignore[union-attr]
+    snapshots = snapshot_while_running(threads, redis_sync, keys)
+    total = totals(results)
     assert total["granted"] > 100 and total["gang"] > 0
-    wait = threading.Event()
-    for _ in range(400):
-        if redis_sync.zcard(keys.deadlines) == 0 and redis_sync.zcard(keys.queue) == 0:
-            break
-        wait.wait(0.05)
-    check_state(redis_sync, keys, expect_all_free=True)
-    counts = check_event_log(read_events(redis_sync, keys))
-    assert counts["grant"] == sum(counts.get(t, 0) for t in ("released", "expired", "revoked"))
+    counts = drain_and_check_all_free(redis_sync, keys)
     assert counts.get("borrow_recalled", 0) + counts.get("preempt_notice", 0) > 0, counts
     assert redis_sync.hget(keys.held_by, "A100-80GB|~preemptible") in (None, "0")
     assert all(int(v) == 0 for v in redis_sync.hvals(keys.held_by)), redis_sync.hgetall(keys.held_by)
