@@ -576,27 +576,22 @@ def reservations(pool: str | None, days: float, url: str | None, token: str | No
     with Client(url, token) as c:
         rows = c.reservations(pool, now, now + days * 86400)
     table = Table(
-        Column("id", no_wrap=True, min_width=14),
-        "owner",
-        "pool",
-        "GPUs",
-        Column("from", no_wrap=True),
-        Column("to", no_wrap=True),
-        "state",
-        "note",
+        Column("id", no_wrap=True),
+        Column("owner", no_wrap=True),
+        Column("pool", no_wrap=True),
+        Column("GPUs", no_wrap=True, justify="right"),
+        Column("when", no_wrap=True),
+        Column("state", no_wrap=True),
+        Column("note"),
+        box=None,  # fits 80 columns: a booking per line, the note wraps
+        pad_edge=False,
     )
     for r in rows:
         for inst in r["instances"]:
-            table.add_row(
-                r["id"],
-                r["owner"],
-                r["pool"],
-                str(r["gpus"]),
-                _when(inst["start"]),
-                _when(inst["end"]),
-                inst["state"],
-                r["note"],
-            )
+            start, end = time.localtime(inst["start"]), time.localtime(inst["end"])
+            same_day = start[:3] == end[:3]
+            when = f"{_when(inst['start'])}-{time.strftime('%H:%M', end) if same_day else _when(inst['end'])}"
+            table.add_row(r["id"], r["owner"], r["pool"], str(r["gpus"]), when, inst["state"], r["note"])
     console.print(table if rows else "no bookings")
 
 
