@@ -533,7 +533,8 @@ local function dispatch(pool)
         w.key = decayed_usage(pool, w.user) - sched.aging * (NOW - w.enqueued_at) / 1000 * w.gpus
         if sched.scheduler == 'priority' then w.key = w.key - (w.priority or 1) * 1e15 end
       end
-      if #acts > 0 and booking_for(acts, w) then w.key = -1e300 end
+      w.holder = #acts > 0 and booking_for(acts, w) ~= nil
+      if w.holder then w.key = -1e300 end
       order[#order + 1] = w
     else
       redis.call('ZREM', K_QUEUE, m)
@@ -547,7 +548,8 @@ local function dispatch(pool)
   local reserved = nil
   local granted = 0
   for _, w in ipairs(order) do
-    local a = #acts > 0 and booking_for(acts, w) or nil
+    -- (asked again: grants to holders before this one may have used up what the booking owes)
+    local a = w.holder and booking_for(acts, w) or nil
     local parts, count = nil, 0
     if (w.nodes or 1) > 1 then
       parts = allocate_gang(pool, w.gpus / w.nodes, w.nodes, reserved)
