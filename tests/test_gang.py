@@ -354,3 +354,58 @@ def test_gpu_train_magic_with_nodes(srv, sess, monkeypatch, capsys):
     ]:
         with pytest.raises(UsageError, match=expect):
             magics.gpu_train(line, "x = 1")
+
+
+def train_until_preempted() -> str:
+    import time
+
+    import magics
+
+    state = {"step": 0}
+    magics.on_preempt(lambda: dict(state))
+    while not magics.preempted():
+        state["step"] += 1
+        time.sleep(0.005)
+    return "stopped"
+
+
+def test_above_quota_call_is_preempted_and_its_checkpoint_hook_returns_state(cluster: Any, server_factory: Any) -> None:
+    """Issue 6's quota test end to end: alice's second GPU is above her quota of 1, so her call runs
+    preemptible; bob (within quota) asks; the call's on_preempt hook runs during the notice, the
+    loop stops, and the state comes back to alice's session while bob gets the GPUs."""
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory(
+        "n1=2xA100-80GB",
+        ray_address=cluster.address,
+        scheduling={"A100-80GB": {"quota": {"*": 1}, "preempt_notice": 5}},
+    )
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    s = Session()
+    s.defaults.url, s.defaults.token = srv.url, srv.token("alice")
+    within = srv.client("alice").acquire(1, ttl=60)
+    assert not within.raw.get("preemptible")
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            out["outcome"] = s.run(fn_call(train_until_preempted), gpus=1, wait=30)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+            out["error"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        granted = watcher.wait_for(lambda e: e["type"] == "grant" and e.get("preemptible"), 60, "preemptible grant")
+        bob = srv.client("bob").acquire(1, wait=30, ttl=60)
+        t.join(60)
+        assert "error" not in out, out
+        assert out["outcome"].value == "stopped"
+        notice = watcher.wait_for(lambda e: e["type"] == "preempt_notice", 5, "preempt_notice")
+        assert notice["lease"] == granted["lease"] and notice["requested_by"] == "bob"
+        assert s.has_checkpoint and s.last_checkpoint["step"] > 0
+        assert bob.node == "n1" and srv.client("bob").get(within.id)["state"] == "active"
+    finally:
+        t.join(60)
+        s.release_all()
+        s.reset_client()
