@@ -31,7 +31,7 @@ from . import __version__, errors, events, inventory, metrics, reclaim, usage
 from .aio import cancel_and_wait
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
-from .lease import LeaseStore, check_name, new_lease_id, public_lease
+from .lease import WITHDRAWN, LeaseStore, check_name, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
 from .reservations import MAX_LIST_SPAN_S, Bookings, parse_time, public_booking
@@ -304,9 +304,14 @@ class LeaseHandler(BaseHandler):
         ended, changed = await self.store.release(
             lease_id, me.user, admin=me.admin, token=token, revoke=None, reason=reason
         )
-        out = public_lease(ended, with_token=ended["user"] == me.user)
-        out["changed"] = changed
-        self.reply(out)
+        self.reply(_ended_view(ended, changed, with_token=ended["user"] == me.user))
+
+
+def _ended_view(rec: dict[str, Any], changed: bool, *, with_token: bool) -> dict[str, Any]:
+    """The answer of a DELETE or revoke: the ended lease, or the request it withdrew from the queue."""
+    out = public_withdrawal(rec) if rec.get("state") == WITHDRAWN else public_lease(rec, with_token=with_token)
+    out["changed"] = changed
+    return out
 
 
 class RenewHandler(BaseHandler):
@@ -327,9 +332,7 @@ class RevokeHandler(BaseHandler):
             raise errors.Forbidden("only an admin can revoke a lease; owners release theirs with DELETE")
         reason = body.get("reason") or f"revoked by admin {me.user}"
         ended, changed = await self.store.release(lease_id, me.user, admin=True, revoke=True, reason=reason)
-        out = public_lease(ended, with_token=False)
-        out["changed"] = changed
-        self.reply(out)
+        self.reply(_ended_view(ended, changed, with_token=False))
 
 
 class ReservationsHandler(BaseHandler):

@@ -106,6 +106,14 @@ class NoCapacity(Conflict):
     code = "no_capacity"
 
 
+class Withdrawn(GpuLeaseError):
+    """The queued request was withdrawn (``DELETE /leases/{id}`` while it waited): it is out of the
+    queue and will never be granted. Answers the ``POST /leases`` that was waiting for it."""
+
+    code = "withdrawn"
+    status = 410
+
+
 class Unsatisfiable(GpuLeaseError):
     """No node of the pool could ever serve the request, however long it waited."""
 

@@ -101,6 +101,27 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
     return out
 
 
+# The state a queued request reports once DELETE withdrew it (it never became a lease).
+WITHDRAWN = "withdrawn"
+
+
+def public_withdrawal(w: dict[str, Any]) -> dict[str, Any]:
+    """The API's view of a withdrawn request: what it asked for, where it stood, who withdrew it."""
+    return {
+        "id": w["id"],
+        "user": w["user"],
+        "pool": w["pool"],
+        "gpus": w["gpus"],
+        "state": WITHDRAWN,
+        "label": w.get("label", ""),
+        "session": w.get("session", ""),
+        "position": w["position"],
+        "enqueued_at": w["enqueued_at"] / 1000,
+        "end_reason": w.get("reason", ""),
+        "ended_by": w.get("by", ""),
+    }
+
+
 def check_name(kind: str, value: object) -> str:
     if not isinstance(value, str) or not NAME_RE.match(value):
         raise errors.BadRequest(
@@ -368,16 +389,54 @@ class LeaseStore:
             if remaining <= 0:
                 break
             try:
-                # The grant is published on the grants channel; the periodic check below is only a
-                # safety net for a pub/sub connection that dropped the message.
+                # The grant (or a withdrawal) is published on the grants channel; the periodic
+                # check below is only a safety net for a pub/sub connection that dropped the message.
                 await asyncio.wait_for(waiter.wait(), timeout=min(remaining, 5.0))
             except TimeoutError:
                 pass
-            raw = await self.redis.hget(self.keys.leases, lid)
-            if raw:
-                return json.loads(raw)
             waiter.clear()
-        return await self.cancel_wait(user, lid, pool, n, wait_s, reason="timeout")
+            rec = await self._settled(lid)
+            if rec is not None:
+                return rec
+        try:
+            return await self.cancel_wait(user, lid, pool, n, wait_s, reason="timeout")
+        except errors.NoSuchLease:
+            # Withdrawn (or granted and ended) just as the wait ran out: say which.
+            rec = await self._settled(lid)
+            if rec is not None:
+                return rec
+            raise
+
+    async def _settled(self, lid: str) -> dict[str, Any] | None:
+        """What became of a queued request: its lease once granted, None while it still waits.
+
+        Raises :class:`errors.Withdrawn` when it left the queue without a grant, and
+        :class:`errors.LeaseEnded` when it was granted and already ended (released by its owner
+        before this request saw the grant). The three keys are read in one MULTI: read one by one,
+        a grant landing between the reads would look like a withdrawal.
+        """
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self.keys.leases, lid)
+            pipe.hexists(self.keys.waiters, lid)
+            pipe.hget(self.keys.ended, lid)
+            raw, queued, ended = await pipe.execute()
+        if raw:
+            return dict(json.loads(raw))
+        if queued:
+            return None
+        if ended:
+            e = json.loads(ended)
+            raise errors.LeaseEnded(
+                f"request {lid} was granted and then {e['state']} ({e.get('end_reason', '')}) before this "
+                "request saw the grant; send a new request",
+                state=e["state"],
+            )
+        log.info("wait %s withdrawn", lid)
+        raise errors.Withdrawn(
+            f"request {lid} was withdrawn from the queue (DELETE /api/v1/leases/{lid}) before any GPU was "
+            "granted to it; it will never be granted: send a new request to queue again",
+            id=lid,
+        )
 
     async def cancel_wait(
         self, user: str, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0, *, reason: str = "cancelled"
@@ -456,6 +515,10 @@ class LeaseStore:
 
         ``revoke=None`` decides in the script: an admin ending another user's lease revokes it
         (with ``reason``), anyone ending their own releases it. One round trip either way.
+
+        A request still queued under ``lease_id`` is withdrawn instead (owner or admin): it leaves
+        the queue, its blocked POST is woken with :class:`errors.Withdrawn`, and the record
+        returned is the waiter's, with state ``"withdrawn"`` (see :func:`public_withdrawal`).
         """
         tok = self._token(token, required=False)
         if revoke and not admin:
@@ -467,12 +530,16 @@ class LeaseStore:
             args = [LeaseState.REVOKED.value, why or f"revoked by admin {user}", ""]
         else:
             args = [LeaseState.RELEASED.value, why or "released by its owner", ""]
-        code, rest = await self.run("release", [lease_id, tok, user, "1" if admin else "0", *args])
+        code, rest = await self.run("release", [lease_id, tok, user, "1" if admin else "0", *args, why])
         if code in (Code.OK, Code.ENDED):
             rec = json.loads(rest[0])
             if code is Code.OK:
                 log.info("%s %s user=%s by=%s", rec["state"], lease_id, rec["user"], user)
             return rec, code is Code.OK
+        if code is Code.REMOVED:
+            w = json.loads(rest[1])
+            log.info("withdrawn %s user=%s by=%s position=%s", lease_id, w["user"], user, rest[0])
+            return {**w, "state": WITHDRAWN, "position": int(rest[0])}, True
         raise_for(code, lease_id)
         raise AssertionError("unreachable")
 

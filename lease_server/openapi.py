@@ -22,6 +22,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         403: "Not allowed for this user",
         404: "No such lease, pool or node",
         409: "Conflict: stale token, lease ended, or no capacity in time",
+        410: "Withdrawn: the queued request was withdrawn (DELETE) before a grant; it will never be granted",
         413: "Body too large",
         422: "No node of the pool could ever serve this request",
         503: "Redis unreachable",
@@ -182,6 +183,24 @@ def openapi_document() -> dict[str, Any]:
             },
         },
         "Queue": {"type": "object", "properties": {"waiting": {"type": "array", "items": {"type": "object"}}}},
+        "Withdrawal": {
+            "type": "object",
+            "required": ["id", "user", "pool", "gpus", "state", "changed"],
+            "properties": {
+                "id": {"type": "string"},
+                "user": {"type": "string"},
+                "pool": {"type": "string"},
+                "gpus": {"type": "integer"},
+                "state": {"type": "string", "enum": ["withdrawn"]},
+                "label": {"type": "string"},
+                "session": {"type": "string"},
+                "position": {"type": "integer", "description": "Its place in the pool's queue when withdrawn"},
+                "enqueued_at": num,
+                "end_reason": {"type": "string"},
+                "ended_by": {"type": "string"},
+                "changed": {"type": "boolean"},
+            },
+        },
         "Event": {"type": "object", "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "ts": num}},
         "Policy": {
             "type": "object",
@@ -359,12 +378,14 @@ def openapi_document() -> dict[str, Any]:
         },
         "/api/v1/leases": {
             "post": _op(
-                "Acquire GPUs (waits in the pool's queue up to `wait` seconds)",
+                "Acquire GPUs (waits in the pool's queue up to `wait` seconds; "
+                "DELETE /leases/{id} of its `id` withdraws it while it waits)",
                 _json(_ref("Lease"), "Granted"),
                 400,
                 401,
                 404,
                 409,
+                410,
                 413,
                 422,
                 body=_ref("AcquireRequest"),
@@ -382,8 +403,15 @@ def openapi_document() -> dict[str, Any]:
                 "One lease, live or recently ended", _json(_ref("Lease"), "The lease"), 401, 404, params=[LEASE_ID]
             ),
             "delete": _op(
-                "Release (idempotent; an admin releasing another's lease revokes it)",
-                _json(_ref("Lease"), "Ended lease; `changed` is false if it had ended already"),
+                "Release (idempotent; an admin releasing another's lease revokes it), or withdraw a queued request",
+                _json(
+                    {"oneOf": [_ref("Lease"), _ref("Withdrawal")]},
+                    "The ended lease (`changed` is false if it had ended already); or, when `lease_id` is a "
+                    "request still waiting in the queue, a Withdrawal: the request left the queue atomically, "
+                    "will never be granted, and its waiting POST /leases answers 410 `withdrawn` at once. "
+                    "Only its owner or an admin may withdraw it (403 `not_owner`). A request granted just "
+                    "before the DELETE is released as any lease. Withdrawing again is a 404: nothing waits.",
+                ),
                 400,
                 401,
                 403,

@@ -1,12 +1,14 @@
--- release.lua: end a lease (owner release, or admin revoke). Idempotent: releasing an ended
--- lease answers with its ended record and changes nothing.
+-- release.lua: end a lease (owner release, or admin revoke), or withdraw a request still queued.
+-- Idempotent: releasing an ended lease answers with its ended record and changes nothing.
 -- KEYS: Keys.core() (see _lib.lua)
 -- ARGV[5] = lease id   ARGV[6] = token ("" = not given: ownership alone suffices)
 -- ARGV[7] = user       ARGV[8] = "1" if admin
 -- ARGV[9] = end state: "released", "revoked", or "auto" (revoked when an admin ends another
 --           user's lease, released otherwise)
 -- ARGV[10] = reason (for "auto", the reason used when it turns out to be a revoke is ARGV[11])
--- returns {OK, ended JSON} | {ENDED, ended JSON} | {NO_SUCH} | {NOT_OWNER} | {STALE}
+-- ARGV[12] = reason of a withdrawal ("" or absent: "withdrawn by its owner" / "by admin USER")
+-- returns {OK, ended JSON} | {ENDED, ended JSON} | {REMOVED, position it had, waiter JSON}
+--       | {NO_SUCH} | {NOT_OWNER} | {STALE}
 local id, token, user, admin, state, reason = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
@@ -17,7 +19,30 @@ if not raw then
     if token ~= '' and tostring(e.token) ~= token then return {STALE} end
     return {ENDED, ended}
   end
-  return {NO_SUCH}
+  -- Still queued: withdraw it. Queue removal and the grant (dispatch) both run inside scripts, so
+  -- either the grant came first (the lease branch below releases it) or it can never come: the
+  -- waiter is gone from the queue before any later dispatch looks. A token cannot name a request
+  -- that holds nothing yet, so it is not checked here.
+  local wraw = redis.call('HGET', K_WAITERS, id)
+  if not wraw then return {NO_SUCH} end
+  local w = cjson.decode(wraw)
+  if w.user ~= user and admin ~= '1' then return {NOT_OWNER} end
+  local why = ARGV[12] or ''
+  if why == '' then
+    if w.user == user then why = 'withdrawn by its owner' else why = 'withdrawn by admin ' .. user end
+  end
+  local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. w.pool .. '|', '[' .. w.member)
+  redis.call('ZREM', K_QUEUE, w.member)
+  redis.call('HDEL', K_WAITERS, id)
+  emit('wait_cancelled', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus,
+                          waited_ms = NOW - w.enqueued_at, reason = why, by = user})
+  -- Wake the request blocked on this id (its server finds the waiter gone and says so).
+  redis.call('PUBLISH', K_GRANTS, id)
+  -- The waiter may have been the blocked head holding a node back: serve the others now.
+  dispatch(w.pool)
+  w.reason = why
+  w.by = user
+  return {REMOVED, position, cjson.encode(w)}
 end
 local lease = cjson.decode(raw)
 if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
