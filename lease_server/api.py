@@ -52,6 +52,8 @@ def as_lease_error(exc: BaseException | None) -> BaseException | None:
 
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
+# Any lease id the routes accept (ids made by older clients may be shorter than a request id).
+LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class _HiredisPackConnection(AsyncConnection):
@@ -603,10 +605,22 @@ class WhoAmIHandler(BaseHandler):
         self.reply({"user": self.identity.user, "role": self.identity.role, "teams": list(self.teams)})
 
 
+def _lease_filter(handler: BaseHandler) -> str | None:
+    """The ``?lease=ID`` filter of the event endpoints: only events whose ``lease`` field is ID."""
+    lease = handler.get_query_argument("lease", None)
+    if lease is not None and not LEASE_ID_RE.match(lease):
+        raise errors.BadRequest(
+            f"lease must be a lease or request id of 1 to 64 letters, digits, '.', '_' or '-' "
+            f"(e.g. l-0123456789abcdef), got {lease!r}"
+        )
+    return lease
+
+
 class EventLogHandler(BaseHandler):
     async def get(self) -> None:
         since = self.get_query_argument("since", "-")
         check_since(since)
+        lease = _lease_filter(self)
         try:
             limit = int(self.get_query_argument("limit", "100"))
         except ValueError as exc:
@@ -614,14 +628,15 @@ class EventLogHandler(BaseHandler):
         if not 1 <= limit <= 10_000:
             raise errors.BadRequest("limit must be an integer between 1 and 10000")
         try:
-            entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit)
+            entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit, lease)
         except RedisResponseError as exc:  # a well-formed id Redis still rejects
             raise errors.BadRequest(f"since {since!r} is not a usable event id: {exc}") from exc
         self.reply({"events": entries})
 
 
 class EventStreamHandler(BaseHandler):
-    """Server-sent events: the backlog after Last-Event-ID (or ?since=), then live entries."""
+    """Server-sent events: the backlog after Last-Event-ID (or ?since=), then live entries; with
+    ?lease=ID only the events of that lease (or queued request), filtered here, not in the page."""
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "text/event-stream")
@@ -633,6 +648,7 @@ class EventStreamHandler(BaseHandler):
         since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
         if since:
             check_since(since)  # before the stream starts, so a bad id is a plain 400
+        lease = _lease_filter(self)
         queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
         sent_up_to = ""
         ev: dict[str, Any] | None
@@ -640,7 +656,7 @@ class EventStreamHandler(BaseHandler):
             self.write(": gpulease event stream\nretry: 2000\n\n")
             await self.flush()
             if since:
-                for ev in await events.read_log(self.ctx.redis, self.store.keys.events, since, 1000):
+                for ev in await events.read_log(self.ctx.redis, self.store.keys.events, since, 1000, lease):
                     self._send(ev)
                     sent_up_to = ev["id"]
                 await self.flush()
@@ -654,6 +670,8 @@ class EventStreamHandler(BaseHandler):
                 if ev is None:
                     break
                 if sent_up_to and _stream_id(ev["id"]) <= _stream_id(sent_up_to):
+                    continue
+                if lease is not None and ev.get("lease") != lease:
                     continue
                 self._send(ev)
                 await self.flush()

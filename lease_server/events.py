@@ -22,11 +22,36 @@ def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
     return {"id": entry_id, "type": fields.get("type", ""), "ts": ts / 1000 if ts else None, **data}
 
 
-async def read_log(redis: Redis, key: str, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
-    """Entries after ``since`` (exclusive; "-" for the oldest kept), oldest first."""
+# Entries read per XRANGE when filtering by lease: the stream is capped (event_log_max), so a
+# filtered read scans at most the whole of it, a page at a time.
+FILTER_PAGE = 1000
+
+
+async def read_log(
+    redis: Redis, key: str, since: str = "-", limit: int = 100, lease: str | None = None
+) -> list[dict[str, Any]]:
+    """Entries after ``since`` (exclusive; "-" for the oldest kept), oldest first.
+
+    With ``lease``, only entries whose ``lease`` field is that id: up to ``limit`` of them, however
+    many other entries lie between (Redis cannot filter a stream, so pages are read and filtered).
+    """
     lo = "-" if since in ("-", "", "0") else f"({since}"
-    entries: Any = await redis.xrange(key, lo, "+", count=limit)
-    return [parse_entry(i, f) for i, f in entries]
+    if lease is None:
+        entries: Any = await redis.xrange(key, lo, "+", count=limit)
+        return [parse_entry(i, f) for i, f in entries]
+    out: list[dict[str, Any]] = []
+    while len(out) < limit:
+        page: Any = await redis.xrange(key, lo, "+", count=FILTER_PAGE)
+        for entry_id, fields in page:
+            ev = parse_entry(entry_id, fields)
+            if ev.get("lease") == lease:
+                out.append(ev)
+                if len(out) == limit:
+                    break
+        if len(page) < FILTER_PAGE:
+            break
+        lo = f"({page[-1][0]}"
+    return out
 
 
 class EventHub:

@@ -57,6 +57,14 @@ GPU_PROPS = {
     "model": {"type": "string"},
     "memory_mb": {"type": "integer"},
 }
+LEASE_FILTER = {
+    "name": "lease",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
+    "description": "Only events whose `lease` field is this lease (or queued request) id, filtered by the "
+    "server; an id of another shape is a 400",
+}
 RESERVATION_ID = {"name": "reservation_id", "in": "path", "required": True, "schema": {"type": "string"}}
 DRY_RUN = {
     "name": "dry_run",
@@ -528,20 +536,21 @@ def openapi_document() -> dict[str, Any]:
         },
         "/api/v1/events": {
             "get": {
-                "summary": "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=",
-                "parameters": [{"name": "since", "in": "query", "schema": {"type": "string"}}],
+                "summary": "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=; "
+                "?lease=ID: only that lease's events",
+                "parameters": [{"name": "since", "in": "query", "schema": {"type": "string"}}, LEASE_FILTER],
                 "responses": {
                     "200": {
                         "description": "text/event-stream of Event objects",
                         "content": {"text/event-stream": {"schema": {"type": "string"}}},
                     },
-                    **_errors(401),
+                    **_errors(400, 401),
                 },
             }
         },
         "/api/v1/events/log": {
             "get": _op(
-                "Event log entries after `since`",
+                "Event log entries after `since` (?lease=ID: only that lease's, up to `limit` of them)",
                 _json(
                     {"type": "object", "properties": {"events": {"type": "array", "items": _ref("Event")}}}, "Entries"
                 ),
@@ -550,6 +559,7 @@ def openapi_document() -> dict[str, Any]:
                 params=[
                     {"name": "since", "in": "query", "schema": {"type": "string"}},
                     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
+                    LEASE_FILTER,
                 ],
             )
         },

@@ -13,6 +13,7 @@ import tornado.web
 from openapi_spec_validator import validate
 from prometheus_client.parser import text_string_to_metric_families
 
+from lease_server import events
 from lease_server.api import Context, make_app
 from lease_server.config import Settings
 from tests.api_helpers import API, assert_error, event_stream, http, next_event
@@ -209,3 +210,42 @@ def test_event_stream_resumes_after_last_event_id(server: Any) -> None:
 def test_event_stream_needs_a_token(server: Any) -> None:
     with http(server) as anon:
         assert_error(anon.get(f"{API}/events"), 401, "unauthorized", "Authorization: Bearer")
+
+
+def test_event_log_and_stream_filter_by_lease(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """?lease=ID keeps only the events of that lease, in the log (up to `limit` of them, however
+    many other events lie between: pages of 3 here, so the filter must read on) and on the stream."""
+    monkeypatch.setattr(events, "FILTER_PAGE", 3)
+    with http(server, "bob") as bob:
+        first = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
+        others = [bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json() for _ in range(3)]
+        for other in others:
+            bob.delete(f"{API}/leases/{other['id']}")
+        bob.delete(f"{API}/leases/{first['id']}")
+
+        def log(**params: str) -> list[dict[str, Any]]:
+            resp = bob.get(f"{API}/events/log", params={"lease": first["id"], **params})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["events"]  # type: ignore[no-any-return]
+
+        mine = log()
+        assert [(e["type"], e["lease"]) for e in mine] == [("grant", first["id"]), ("released", first["id"])]
+        assert [e["type"] for e in log(limit="1")] == ["grant"]
+        assert [e["type"] for e in log(since=mine[0]["id"])] == ["released"]
+        assert log(lease="l-nobody-has-this") == []
+
+        # The stream: the backlog after `since`, then live events, only this lease's.
+        second = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
+        with event_stream(server, "watcher", params={"lease": second["id"], "since": mine[0]["id"]}) as stream:
+            grant = next(stream)
+            assert (grant["event"], json.loads(grant["data"])["lease"]) == ("grant", second["id"])
+            noise = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
+            bob.delete(f"{API}/leases/{noise['id']}")
+            bob.delete(f"{API}/leases/{second['id']}")
+            released = next(stream)
+            assert (released["event"], json.loads(released["data"])["lease"]) == ("released", second["id"])
+
+        for path in ("events/log", "events"):
+            for bad in ("bad id!", "x" * 65, ""):
+                resp = bob.get(f"{API}/{path}", params={"lease": bad})
+                assert_error(resp, 400, "bad_request", "lease must be", "letters, digits")
