@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "gpulease"
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 RESERVATION_ID_RE = LEASE_ID_RE
+# The end_reason of a lease ended with the GPU board's Release button.
+BOARD_RELEASE_REASON = "released from the board"
 POOL_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 NUMBER_RE = re.compile(r"^-?\d{1,12}(\.\d{1,6})?$")
 # The fields of a booking (POST /reservations; PATCH takes any subset) and the JSON types each one takes.
@@ -220,7 +222,9 @@ class LeaseHandler(OwnLeaseHandler):
     @authorized
     async def delete(self, lease_id: str) -> None:
         await self.own_lease(lease_id, "release")
-        ended = await self.api.request("DELETE", f"/leases/{lease_id}")
+        # The reason lands in the ended record's end_reason (ended_by names the lease user), so
+        # "why did my call lose its GPUs" has an answer: someone pressed Release on the board.
+        ended = await self.api.request("DELETE", f"/leases/{lease_id}", params={"reason": BOARD_RELEASE_REASON})
         self.log.info("gpulease: %s released from JupyterLab by %s", lease_id, self.current_user.username)
         self.reply(_public(ended))
 

@@ -220,7 +220,9 @@ def test_release_is_owner_only_idempotent_and_clear_about_unknown_leases(fetch: 
     resp = fetch("gpulease", "leases", mine.id, method="DELETE")
     assert resp.code == 200, resp.body
     assert body(resp)["state"] == "released" and "token" not in body(resp)
-    assert server.client("alice").get(mine.id)["state"] == "released"
+    ended = server.client("alice").get(mine.id)
+    # The ended record says where the release came from and who pressed the button.
+    assert (ended["state"], ended["end_reason"], ended["ended_by"]) == ("released", "released from the board", "alice")
     again = fetch("gpulease", "leases", mine.id, method="DELETE")
     assert (again.code, body(again)["changed"]) == (200, False)
 
