@@ -249,3 +249,57 @@ class EventWatcher:
             seen = [e["type"] for e in self.events]
         assert ev is not None, f"no {what} event within {timeout}s (stream error {self.error!r}); saw {seen}"
         return ev
+
+
+# ---- queued requests ---------------------------------------------------------------------------
+
+
+class QueuedPost:
+    """A ``POST /leases`` with a long wait, run in a thread; ``answered`` is set when it returns."""
+
+    def __init__(self, server: Any, user: str, lease_id: str, wait: float = 30, gpus: int = 1) -> None:
+        self.server, self.user, self.lease_id, self.wait, self.gpus = server, user, lease_id, wait, gpus
+        self.resp: httpx.Response | None = None
+        self.error: BaseException | None = None
+        self.answered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"post-{lease_id}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with http(self.server, self.user) as c:
+                self.resp = c.post(
+                    f"{API}/leases",
+                    timeout=self.wait + 30,
+                    json={"gpus": self.gpus, "ttl": 600, "wait": self.wait, "id": self.lease_id},
+                )
+        except BaseException as exc:  # reported by the test thread
+            self.error = exc
+        finally:
+            self.answered.set()
+
+    def start(self) -> QueuedPost:
+        self._thread.start()
+        return self
+
+    def result(self, timeout: float) -> httpx.Response:
+        assert self.answered.wait(timeout), f"the POST of {self.lease_id} did not answer within {timeout}s"
+        assert self.error is None, repr(self.error)
+        assert self.resp is not None
+        return self.resp
+
+
+@contextlib.contextmanager
+def queued(server: Any, user: str, lease_id: str, gpus: int = 1) -> Iterator[QueuedPost]:
+    """``user``'s request ``lease_id`` waiting in the queue (its ``queued`` event seen). On leaving,
+    a POST still waiting is withdrawn (DELETE), so a failing test never leaves a thread hanging."""
+    post = QueuedPost(server, user, lease_id, gpus=gpus)
+    with event_stream(server, "watcher") as events:
+        post.start()
+        next_event(events, "queued", lease_id)
+    try:
+        yield post
+    finally:
+        if not post.answered.is_set():
+            with http(server, user) as c:
+                c.delete(f"{API}/leases/{lease_id}")
+        post.answered.wait(30)

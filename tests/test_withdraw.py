@@ -5,63 +5,13 @@ even when the withdrawal races the release that would have served it. Real serve
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from tests.api_helpers import API, assert_error, event_stream, http, next_event
+from tests.api_helpers import API, assert_error, http, queued
 
 ONE_GPU = "a=1xA100-80GB"
-
-
-class QueuedPost:
-    """A ``POST /leases`` with a long wait, run in a thread; ``answered`` is set when it returns."""
-
-    def __init__(self, server: Any, user: str, lease_id: str, wait: float = 30) -> None:
-        self.server, self.user, self.lease_id, self.wait = server, user, lease_id, wait
-        self.resp: httpx.Response | None = None
-        self.error: BaseException | None = None
-        self.answered = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"post-{lease_id}", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            with http(self.server, self.user) as c:
-                self.resp = c.post(
-                    f"{API}/leases",
-                    timeout=self.wait + 30,
-                    json={"gpus": 1, "ttl": 600, "wait": self.wait, "id": self.lease_id},
-                )
-        except BaseException as exc:  # reported by the test thread
-            self.error = exc
-        finally:
-            self.answered.set()
-
-    def start(self) -> QueuedPost:
-        self._thread.start()
-        return self
-
-    def result(self, timeout: float) -> httpx.Response:
-        assert self.answered.wait(timeout), f"the POST of {self.lease_id} did not answer within {timeout}s"
-        assert self.error is None, repr(self.error)
-        assert self.resp is not None
-        return self.resp
-
-
-@contextmanager
-def queued(server: Any, user: str, lease_id: str) -> Iterator[QueuedPost]:
-    """``user``'s request ``lease_id`` waiting in the queue (its ``queued`` event seen); on leaving,
-    its POST has answered (a test failure never leaves the thread hanging)."""
-    post = QueuedPost(server, user, lease_id)
-    with event_stream(server, "watcher") as events:
-        post.start()
-        next_event(events, "queued", lease_id)
-    try:
-        yield post
-    finally:
-        post.answered.wait(60)
 
 
 def _log(client: httpx.Client) -> list[dict[str, Any]]:
