@@ -437,15 +437,36 @@ class UsageHandler(BaseHandler):
 
 
 class EstimateHandler(BaseHandler):
+    """Time to GPUs. ``?lease=ID`` (or ``?id=``) names the asking request when it already waits:
+    then only the requests ahead of it count, and its own pool and size are the defaults."""
+
     async def get(self) -> None:
+        lease = _lease_filter(self)
+        alias = self.get_query_argument("id", None)
+        if alias is not None and lease is not None and alias != lease:
+            raise errors.BadRequest(f"id ({alias!r}) and lease ({lease!r}) name different requests; pass one")
+        if alias is not None and not LEASE_ID_RE.match(alias):
+            raise errors.BadRequest(
+                f"id must be a request id of 1 to 64 letters, digits, '.', '_' or '-', got {alias!r}"
+            )
+        lease = lease or alias
+        waiter: dict[str, Any] = {}
+        if lease is not None:
+            raw_w = await self.ctx.redis.hget(self.store.keys.waiters, lease)
+            waiter = json.loads(raw_w) if raw_w else {}
         pool = self.get_query_argument("pool", None)
-        pool_s = check_name("pool", pool) if pool is not None else await self.store.default_pool()
-        raw = self.get_query_argument("gpus", "1")
+        if pool is not None:
+            pool_s = check_name("pool", pool)
+        else:
+            pool_s = waiter.get("pool") or await self.store.default_pool()
+        raw = self.get_query_argument("gpus", None)
+        if raw is None:
+            raw = str(waiter.get("gpus", 1))
         if not raw.isdigit() or not 1 <= int(raw) <= 1024:
             raise errors.BadRequest(f"gpus must be a whole number from 1 to 1024, got {raw!r}")
         if pool_s not in await self.store.pool_sizes():
             raise errors.UnknownPool(f"unknown pool {pool_s!r}", pool=pool_s)
-        self.reply(await usage.estimate(self.store, pool_s, int(raw), int(time.time() * 1000)))
+        self.reply(await usage.estimate(self.store, pool_s, int(raw), int(time.time() * 1000), lease))
 
 
 class AgentHandler(BaseHandler):

@@ -374,13 +374,45 @@ def openapi_document() -> dict[str, Any]:
         "/api/v1/estimate": {
             "get": _op(
                 "How long a request for gpus GPUs of pool would wait, and other pools free now",
-                _json({"type": "object"}, "Estimate"),
+                _json(
+                    {"type": "object"},
+                    "Estimate: `estimate_s`, `text` (the reasoning in words), `queued_ahead` and "
+                    "`queued_gpus_ahead` (requests strictly ahead of the asking one), `position` (its place "
+                    "in the queue when `lease` names a queued request, else null), `held_gpus`, `free_now`, "
+                    "`alternatives`. With nothing queued ahead, `text` says what it waits for: a running "
+                    "lease's fixed end (recall or idle reclaim) when one is known, else the GPUs held by "
+                    "running calls",
+                ),
                 400,
                 401,
                 404,
                 params=[
-                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "gpus", "in": "query", "required": False, "schema": {"type": "integer"}},
+                    {
+                        "name": "pool",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string"},
+                        "description": "Default: the queued request's pool (with `lease`), else the default pool",
+                    },
+                    {
+                        "name": "gpus",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer"},
+                        "description": "Default: the queued request's GPUs (with `lease`), else 1",
+                    },
+                    {
+                        **LEASE_FILTER,
+                        "description": "The asking request's id when it is already queued: only the requests "
+                        "ahead of it count, not itself nor those behind it (a 400 for an id of another shape)",
+                    },
+                    {
+                        "name": "id",
+                        "in": "query",
+                        "required": False,
+                        "schema": LEASE_FILTER["schema"],
+                        "description": "Same as `lease`",
+                    },
                 ],
             )
         },

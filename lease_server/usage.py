@@ -72,12 +72,15 @@ async def typical_duration(store: LeaseStore, pool: str, sample: int = 200) -> f
     return float(statistics.median(held)) if held else DEFAULT_TYPICAL_S
 
 
-async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict[str, Any]:
+async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int, lease: str | None = None) -> dict[str, Any]:
     """How long ``gpus`` GPUs of ``pool`` would take to come free, and alternatives free now.
 
     A simple, explainable model: every running lease ends after the pool's typical duration (one
-    already older runs half its age again), GPUs owed to bookings in force stay taken, and the requests
-    queued ahead take GPUs first. Returns seconds, and the reasoning in words."""
+    already older runs half its age again; one with a fixed end, a recall or an idle reclaim, ends
+    then at the latest), GPUs owed to bookings in force stay taken, and the requests queued ahead take
+    GPUs first. ``lease`` is the id of the asking request when it is already queued: then only the
+    waiters strictly ahead of it count (in arrival order, as GET /queue numbers them), never itself
+    or those behind it. Returns seconds, and the reasoning in words."""
     view = await cluster_view(store)
     typical = await typical_duration(store, pool)
     queued: Any = await store.redis.zrangebylex(store.keys.queue, f"[{pool}|", f"({pool}|~")
@@ -85,24 +88,36 @@ async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict
     if queued:
         ids = [m.rsplit("|", 1)[1] for m in queued]
         waiters = [json.loads(w) for w in await store.redis.hmget(store.keys.waiters, ids) if w]
-    ahead_gpus = sum(w["gpus"] for w in waiters)
+    mine = next((i for i, w in enumerate(waiters) if w["id"] == lease), None) if lease else None
+    ahead = waiters if mine is None else waiters[:mine]
+    ahead_gpus = sum(w["gpus"] for w in ahead)
     nodes = [n for n in view["nodes"] if n["pool"] == pool and n["state"] == "up"]
     free_now = max((sum(1 for g in n["gpus"] if g["state"] == "free") for n in nodes), default=0)
     # When each held GPU is expected back: its lease's start + typical (at least now)
     back: list[float] = []
+    firm_ends: list[float] = []
+    held = 0
     for n in nodes:
         for g in n["gpus"]:
             if g["state"] == "free":
                 back.append(0.0)
             elif g["state"] in ("leased", "borrowed") and "lease" in g:
+                held += 1
                 # A lease younger than typical ends when typical; an older one has shown it runs
                 # long, so expect half its age again (never less than a second).
                 age = now_ms / 1000 - g["lease"]["since"]
-                back.append(max(typical - age, age / 2, 1.0))
+                expect = max(typical - age, age / 2, 1.0)
+                # A recalled or idle-warned lease ends by its deadline whatever its age says.
+                firm = [g["lease"][k] for k in ("recall_at", "reclaim_at") if g["lease"].get(k)]
+                if firm:
+                    end_in = max(0.0, min(firm) - now_ms / 1000)
+                    firm_ends.append(end_in)
+                    expect = min(expect, max(end_in, 1.0))
+                back.append(expect)
     back.sort()
     need = ahead_gpus + gpus
     if need <= len(back):
-        wait_s = back[need - 1]
+        wait_s: float | None = back[need - 1]
     elif back:
         rounds = need / max(1, len(back))
         wait_s = back[-1] + typical * max(0.0, rounds - 1)
@@ -119,14 +134,24 @@ async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict
         if most >= gpus:
             alternatives.append({"pool": other, "free": most, "text": f"{most} x {other} free now"})
     bookings = (await Bookings(store).in_force(now_ms)).get(pool, [])
-    if free_now >= gpus and not waiters:
+    if free_now >= gpus and not ahead:
         text = f"{gpus} GPU(s) of {pool} free now"
         wait_s = 0.0
     elif wait_s is None:
         text = f"no GPU of pool {pool} is up"
+    elif not ahead:
+        # Nothing queued ahead: what it waits for is running leases, not other requests.
+        if firm_ends:
+            why = f"waiting for a running lease to end (the soonest ends in about {_human(min(firm_ends))})"
+        else:
+            why = f"waiting for {max(1, gpus - free_now)} GPU(s) held by running calls"
+        text = (
+            f"nothing queued ahead, {why}: about {_human(wait_s)} for {gpus} GPU(s) of {pool}; "
+            f"cells here typically hold GPUs {_human(typical)}"
+        )
     else:
         text = (
-            f"about {_human(wait_s)} for {gpus} GPU(s) of {pool}: {len(waiters)} request(s) "
+            f"about {_human(wait_s)} for {gpus} GPU(s) of {pool}: {len(ahead)} request(s) "
             f"({ahead_gpus} GPUs) ahead, cells here typically hold GPUs {_human(typical)}"
         )
     if bookings:
@@ -135,8 +160,10 @@ async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int) -> dict
         "pool": pool,
         "gpus": gpus,
         "free_now": free_now,
-        "queued_ahead": len(waiters),
+        "position": None if mine is None else mine + 1,
+        "queued_ahead": len(ahead),
         "queued_gpus_ahead": ahead_gpus,
+        "held_gpus": held,
         "typical_s": typical,
         "estimate_s": wait_s,
         "estimate_at": None if wait_s is None else now_ms / 1000 + wait_s,

@@ -20,7 +20,7 @@ from lease_server import errors
 from lease_server.inventory import parse_simulate, register
 from lease_server.lease import LeaseStore
 from lease_server.scripts import Code
-from tests.api_helpers import API, assert_error, http
+from tests.api_helpers import API, assert_error, event_stream, http, next_event, queued
 from tests.conftest import make_settings
 
 DAY_MS = 86_400_000
@@ -319,6 +319,45 @@ def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
         bob.delete(f"{API}/leases/{held['id']}")
         assert_error(alice.get(f"{API}/estimate", params={"gpus": "-1"}), 400, "bad_request", "gpus")
         assert_error(alice.get(f"{API}/estimate", params={"pool": "H100"}), 404, "unknown_pool")
+
+
+def test_estimate_counts_only_the_requests_ahead_of_the_asking_one(server_factory):
+    """The first request in the queue, behind nothing but running leases, is not told that one
+    request is ahead of it (itself): it hears what it really waits for."""
+    srv = server_factory("a=2xA100-80GB")
+    with http(srv, "bob") as bob, http(srv, "alice") as alice:
+        bob.post(f"{API}/leases", json={"gpus": 2, "ttl": 600}).json()
+        with queued(srv, "alice", "alice-est-0001"), queued(srv, "carol", "carol-est-0001"):
+            est = alice.get(f"{API}/estimate", params={"lease": "alice-est-0001"}).json()
+            assert (est["position"], est["queued_ahead"], est["queued_gpus_ahead"]) == (1, 0, 0), est
+            assert est["pool"] == "A100-80GB" and est["gpus"] == 1  # the request's own pool and size
+            assert "request(s)" not in est["text"], est["text"]
+            assert "nothing queued ahead" in est["text"] and "held by running calls" in est["text"], est["text"]
+            assert est["held_gpus"] == 2 and est["estimate_s"] > 0
+            # Carol, behind alice, counts alice only; ?id= is the same as ?lease=.
+            est = alice.get(f"{API}/estimate", params={"id": "carol-est-0001"}).json()
+            assert (est["position"], est["queued_ahead"], est["queued_gpus_ahead"]) == (2, 1, 1), est
+            assert "1 request(s) (1 GPUs) ahead" in est["text"]
+            # Asked for a request not yet queued: everyone queued is ahead of it.
+            est = alice.get(f"{API}/estimate", params={"pool": "A100-80GB", "gpus": 1}).json()
+            assert (est["position"], est["queued_ahead"]) == (None, 2)
+            for bad in ({"lease": "bad id!"}, {"id": "x" * 65}, {"lease": "alice-est-0001", "id": "carol-est-0001"}):
+                assert_error(alice.get(f"{API}/estimate", params=bad), 400, "bad_request")
+        # (leaving the blocks withdraws both waiting requests)
+
+
+def test_estimate_names_when_a_lease_with_a_fixed_end_frees_the_gpus(server_factory):
+    """An idle-warned lease ends at its reclaim time: the first waiter is told so, in seconds."""
+    srv = server_factory("a=1xA100-80GB", sample_interval=0.1, idle_timeout=1.0, min_age=0.0, idle_threshold=5.0)
+    srv.client("root", "admin").request("PUT", "/api/v1/policy/A100-80GB", json={"grace": 60.0})
+    with http(srv, "bob") as bob, http(srv, "alice") as alice:
+        held = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
+        with event_stream(srv, "watcher", params={"lease": held["id"]}) as events:
+            next_event(events, "idle_warning", held["id"])  # its simulated GPU sits idle
+        with queued(srv, "alice", "alice-est-0002"):
+            est = alice.get(f"{API}/estimate", params={"lease": "alice-est-0002"}).json()
+            assert est["queued_ahead"] == 0 and 0 < est["estimate_s"] <= 60, est
+            assert "waiting for a running lease to end (the soonest ends in about" in est["text"], est["text"]
 
 
 def test_multi_node_gang_is_all_or_nothing(sim_factory):
