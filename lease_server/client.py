@@ -122,6 +122,11 @@ class Client:
             headers[ACT_AS_HEADER] = act_as
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0), headers=headers)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request carries (the token, and the user a proxy token acts for)."""
+        return dict(self._http.headers)
+
     def close(self) -> None:
         self._http.close()
 
@@ -178,6 +183,7 @@ class Client:
         nodes: int | None = None,
         notebook: str = "",
         cell: str = "",
+        request_id: str | None = None,
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
 
@@ -186,8 +192,11 @@ class Client:
 
         ``progress(position, elapsed_s)`` is called about once a second while the request waits
         (position None once it has left the queue), so a caller can show where it stands.
+        Any exception or interrupt while queued withdraws the request (``DELETE`` of its id): no
+        request is left queued, and a grant that raced ahead is released. ``request_id`` names the
+        request (default: a fresh one), e.g. to ask ``estimate`` about it while it waits.
         """
-        lid = "l-" + secrets.token_hex(8)
+        lid = request_id or self.new_request_id()
         body: dict[str, Any] = {"id": lid, "gpus": gpus, "wait": wait, "label": label, "session": session}
         if pool:
             body["pool"] = pool
@@ -203,35 +212,63 @@ class Client:
             body["notebook"] = notebook[:200]
         if cell:
             body["cell"] = cell[:200]
-
-        def post() -> Lease:
-            return Lease.from_json(self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout))
-
-        if progress is None or wait <= 0:
-            return post()
         outcome: dict[str, Any] = {}
 
-        def run() -> None:
+        def post() -> None:
             try:
-                outcome["lease"] = post()
-            except BaseException as exc:
+                outcome["lease"] = Lease.from_json(
+                    self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout)
+                )
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 outcome["error"] = exc
 
-        t0 = time.monotonic()
-        worker = threading.Thread(target=run, name=f"gpulease-acquire-{lid}", daemon=True)
-        worker.start()
-        while True:
-            worker.join(1.0)
-            if not worker.is_alive():
-                break
+        if wait <= 0:
+            post()
+        else:
+            # The long poll runs in a helper thread so that this thread stays interruptible and can
+            # report progress; whatever stops this thread (Stop, an error in ``progress``) withdraws
+            # the request, which also ends the long poll at once.
+            t0 = time.monotonic()
+            poller = threading.Thread(target=post, name=f"gpulease-acquire-{lid}")
+            poller.start()
+            tick = 0.05  # a request still waiting after this shows its place in the queue at once
             try:
-                position = next((w["position"] for w in self.queue(pool) if w["id"] == lid), None)
-            except errors.GpuLeaseError:
-                position = None
-            progress(position, time.monotonic() - t0)
+                while True:
+                    poller.join(tick if progress is not None else 5.0)
+                    tick = 1.0
+                    if not poller.is_alive():
+                        break
+                    if progress is not None:
+                        try:
+                            position = next((w["position"] for w in self.queue(pool) if w["id"] == lid), None)
+                        except errors.GpuLeaseError:
+                            position = None
+                        progress(position, time.monotonic() - t0)
+            except BaseException:
+                self.withdraw(lid, reason="withdrawn: the caller stopped waiting")
+                poller.join(self.timeout)
+                raise
         if "error" in outcome:
             raise outcome["error"]
         return outcome["lease"]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def new_request_id() -> str:
+        """A fresh id for a lease request (the lease keeps it once granted)."""
+        return "l-" + secrets.token_hex(8)
+
+    def withdraw(self, request_id: str, reason: str = "withdrawn") -> dict[str, Any] | None:
+        """Give up a request: leave the queue if it waits, release it if it was granted in between.
+        Never raises for a request that is already gone; returns the server's answer (or None)."""
+        try:
+            return self.request(  # type: ignore[no-any-return]
+                "DELETE", f"/api/v1/leases/{request_id}", params={"reason": reason}, timeout=self.timeout
+            )
+        except errors.NoSuchLease:
+            return None
+        except errors.GpuLeaseError as exc:
+            log.warning("could not withdraw %s: %s", request_id, exc)
+            return None
 
     def renew(
         self,
@@ -277,9 +314,12 @@ class Client:
     def events(self, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
         return self.request("GET", "/api/v1/events/log", params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
 
-    def estimate(self, gpus: int = 1, pool: str | None = None) -> dict[str, Any]:
-        """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now."""
+    def estimate(self, gpus: int = 1, pool: str | None = None, request: str | None = None) -> dict[str, Any]:
+        """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now.
+        ``request``: the id of a queued request, so that only what is queued ahead of it counts."""
         params: dict[str, Any] = {"gpus": gpus, **({"pool": pool} if pool else {})}
+        if request:
+            params["lease"] = request
         return self.request("GET", "/api/v1/estimate", params=params)  # type: ignore[no-any-return]
 
     def usage(self, by: str = "user", start: float | None = None, end: float | None = None) -> dict[str, Any]:

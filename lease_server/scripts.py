@@ -100,7 +100,8 @@ def raise_for(code: Code, lease_id: str = "", pool: str = "", extra: Any = None)
     if code is Code.UNSATISFIABLE:
         raise errors.Unsatisfiable(
             f"no node in pool {pool!r} has that many GPUs: the largest has {extra}; "
-            f"ask for at most {extra} (multi-node requests are not supported yet)",
+            f"ask for at most {extra} on one node, or spread the GPUs over several nodes, all or nothing "
+            f"(%%gpu_train --nodes K, API field nodes: each node gets 1/K of them)",
             pool=pool,
             largest_node=int(extra),
         )

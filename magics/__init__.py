@@ -10,12 +10,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from .runner import GpuTrainError, GpuTrainTimeout, parse_duration, run_on_gpus, session
+from .calls import Call
+from .runner import (
+    CellResult,
+    GpuLeaseEnded,
+    GpuTrainError,
+    GpuTrainStopped,
+    GpuTrainTimeout,
+    Options,
+    parse_duration,
+    run_call,
+    run_cell,
+    run_on_gpus,
+    session,
+)
 from .worker import on_preempt, preempted
 
 __all__ = [
+    "Call",
+    "CellResult",
+    "GpuLeaseEnded",
     "GpuTrainError",
+    "GpuTrainStopped",
     "GpuTrainTimeout",
+    "Options",
+    "run_call",
+    "run_cell",
     "parse_duration",
     "run_on_gpus",
     "session",
@@ -27,10 +47,10 @@ __all__ = [
 
 
 def load_ipython_extension(ip: Any) -> None:
-    from .magic import GpuMagics, show_gpu_train_error
+    from .magic import GpuMagics, close_live_cells
 
     ip.register_magics(GpuMagics(ip))
-    ip.set_custom_exc((GpuTrainError,), show_gpu_train_error)
+    _on_kernel_shutdown(ip, close_live_cells)
     try:
         # Ray is joined here, in the kernel's main thread (Ray installs signal handlers there);
         # spare workers are then started in the background.
@@ -38,6 +58,26 @@ def load_ipython_extension(ip: Any) -> None:
     except Exception:  # noqa: BLE001 - no server or Ray yet: the first %%gpu_train says what is wrong
         return
     GpuMagics.start_prewarm()
+
+
+def _on_kernel_shutdown(ip: Any, hook: Any) -> None:
+    """Run ``hook`` when the kernel is asked to shut down or restart, before it goes: the control
+    thread handles that request while a cell may still be queued in the main thread, and only
+    then can the cell's line still be updated."""
+    kernel = getattr(ip, "kernel", None)
+    if kernel is None or getattr(kernel, "_gpulease_hooked", False):
+        return
+    original = kernel.do_shutdown
+
+    def do_shutdown(restart: bool) -> Any:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - never block a shutdown; the TTL is the backstop
+            pass
+        return original(restart)
+
+    kernel.do_shutdown = do_shutdown
+    kernel._gpulease_hooked = True
 
 
 def unload_ipython_extension(ip: Any) -> None:

@@ -1,11 +1,12 @@
-"""The IPython magics. Thin: they parse arguments and call :class:`magics.runner.Session`."""
+"""The IPython magics. Thin: they parse arguments, call :func:`magics.runner.run_cell`, and
+render its progress as one line per cell that is updated in place (:class:`CellDisplay`)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
+import weakref
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -14,18 +15,20 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from lease_server import errors
 
-from . import cellcode
-from .runner import GpuTrainError, Outcome, check_gang, parse_duration, parse_gpus, session
+from .runner import (
+    Ending,
+    Options,
+    Running,
+    Waiting,
+    check_gang,
+    parse_duration,
+    parse_gpus,
+    run_cell,
+    session,
+)
 
-
-def show_gpu_train_error(shell: Any, etype: type, value: GpuTrainError, tb: Any, tb_offset: Any = None) -> list[str]:
-    """Custom exception display: the remote traceback once, tagged with the node, then a summary.
-
-    IPython ignores a custom handler's return value, so the handler shows the traceback itself
-    (in a kernel this sends the cell's error output, with ename GpuTrainError)."""
-    stb = [value.render()]
-    shell._showtraceback(etype, value, stb)
-    return stb
+# The cells running or queued right now, so that a kernel shutdown can close their lines.
+_LIVE: weakref.WeakSet[CellDisplay] = weakref.WeakSet()
 
 
 def _duration(text: str | None, flag: str) -> float | None:
@@ -35,13 +38,23 @@ def _duration(text: str | None, flag: str) -> float | None:
         raise UsageError(f"{flag}: {exc}") from None
 
 
-class _Status:
-    """One line in the cell output that is updated in place (queue position, elapsed time)."""
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+class CellDisplay:
+    """The cell's one status line (queued -> running -> released / stopped / revoked), a display
+    updated in place; the worker's output streams below it."""
 
     def __init__(self) -> None:
         self._handle: Any = None
+        self.text = ""
+        self.state = "new"
+        self._running = ""
+        _LIVE.add(self)
 
     def show(self, text: str) -> None:
+        self.text = text
         try:
             from IPython.display import display
 
@@ -49,8 +62,60 @@ class _Status:
                 self._handle = display({"text/plain": text}, raw=True, display_id=True)
             else:
                 self._handle.update({"text/plain": text}, raw=True)
-        except Exception:  # noqa: BLE001 - no display (plain IPython): fall back to stderr
-            sys.stderr.write(f"\r{text}")
+        except Exception:  # noqa: BLE001 - no display machinery (plain Python): one line each
+            print(text)
+
+    def waiting(self, w: Waiting) -> None:
+        self.state = "queued"
+        where = f"{_ordinal(w.position)} in line" if w.position else "being granted"
+        pool = f" of {w.pool}" if w.pool else ""
+        est = f" - {w.estimate}" if w.estimate and w.position else ""
+        self.show(f"gpu_train: queued for {w.gpus} GPU(s){pool}: {where}, {w.elapsed_s:.0f}s{est}")
+
+    def running(self, r: Running) -> None:
+        self.state = "running"
+        waited = f" (waited {r.waited_s:.1f}s)" if r.waited_s >= 1 else ""
+        note = f"; {r.note}" if r.note else ""
+        self._running = f"gpu_train: running on {r.where}{waited}{note}"
+        self.show(self._running)
+
+    def notice(self, text: str) -> None:
+        self.show(f"{self._running}\n  ! {text}")
+
+    def output(self, stream: str, text: str) -> None:
+        target = sys.stderr if stream == "stderr" else sys.stdout
+        target.write(text)
+        target.flush()
+
+    def ended(self, e: Ending) -> None:
+        self.state = e.state
+        self.show(e.line())
+        _LIVE.discard(self)
+
+    def kernel_shutdown(self) -> None:
+        if self.state == "queued":
+            self.show("gpu_train: the kernel shut down; the request was withdrawn")
+        elif self.state == "running":
+            self.show("gpu_train: the kernel shut down; the call was stopped and its GPUs released")
+
+
+def close_live_cells() -> None:
+    """Kernel shutdown or restart: withdraw what waits, release what runs, and say so in each
+    cell's line, so that no cell keeps claiming to wait for a kernel that is gone."""
+    session().release_all()
+    for cell in list(_LIVE):
+        cell.kernel_shutdown()
+
+
+_PARSE_ERRORS = (
+    errors.BadRequest,
+    errors.UnknownPool,
+    errors.Unsatisfiable,
+    errors.Unauthorized,
+    errors.ConfigurationError,
+    errors.ServerUnavailable,
+    errors.NoCapacity,
+)
 
 
 @magics_class
@@ -71,94 +136,27 @@ class GpuMagics(Magics):
 
         threading.Thread(target=warm, name="gpulease-prewarm", daemon=True).start()
 
-    def _run(self, call: dict[str, Any], args: Any, label: str) -> Outcome:
-        status = _Status()
+    def _options(self, args: Any, label: str) -> Options:
         try:
             gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
             check_gang(gpus_min, gpus, args.nodes)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        gang = args.nodes is not None and args.nodes > 1
-        want = args.gpus or session().defaults.gpus
-        estimate: dict[str, str] = {}
-
-        def on_queue(position: int | None, elapsed: float) -> None:
-            if position and "text" not in estimate:
-                # Once, before the wait: how long it may take, and where the GPUs are free now.
-                try:
-                    est = session().client().estimate(gpus or session().defaults.gpus, args.pool)
-                    alts = "; ".join(f"{a['text']} (--pool {a['pool']})" for a in est["alternatives"][:2])
-                    estimate["text"] = f" — {est['text']}" + (f"; {alts}" if alts else "")
-                except Exception:  # noqa: BLE001 - the estimate is a courtesy
-                    estimate["text"] = ""
-            where = f"position {position} in the queue" if position else "being granted"
-            status.show(f"gpu_train: waiting for {want} GPU(s): {where}, {elapsed:.0f}s{estimate.get('text', '')}")
-
-        def on_granted(held: Any) -> None:
-            lease = held.lease
-            elastic = gpus_min is not None and gpus_min != gpus
-            got = f" ({len(lease.gpus)} of {gpus_min}-{gpus} asked)" if elastic else ""
-            note = ""
-            if lease.borrowed:
-                note = "; borrowed from a booking: recalled with notice if its holder asks"
-            elif lease.raw.get("preemptible"):
-                note = "; above your quota: preemptible, recalled with notice for someone within theirs"
-            if gang:
-                where = " + ".join(f"{n} (GPU {','.join(map(str, i))})" for n, i in lease.parts().items())
-                status.show(f"gpu_train: granted {len(lease.gpus)} GPUs on {args.nodes} nodes: {where}")
-            elif status._handle is not None or got or note:
-                status.show(f"gpu_train: granted {held.node} GPU {held.cuda_visible_devices}{got}{note}")
-
-        def on_released(o: Outcome) -> None:
-            if o.extra.get("cpu"):
-                slot = f" (a CPU slot of {o.node})" if o.lease_id else ""
-                print(f"gpu_train: ran on a CPU worker{slot} for {o.held_s:.1f}s", file=sys.stderr)
-                return
-            mem = f"; peak GPU memory {o.peak_memory / 2**30:.2f} GiB" if o.peak_memory else ""
-            gpu_list = ",".join(map(str, o.gpus))
-            where = o.extra.get("where") or f"{o.node} (GPU {gpu_list})"
-            print(
-                f"gpu_train: held {len(o.gpus)} GPU(s) on {where} for {o.held_s:.1f}s, now released{mem}",
-                file=sys.stderr,
-            )
-
-        def on_output(stream: str, text: str) -> None:
-            target = sys.stderr if stream == "stderr" else sys.stdout
-            target.write(text)
-            target.flush()
-
-        try:
-            outcome = session().run(
-                call,
-                gpus=gpus,
-                gpus_min=gpus_min,
-                priority=args.priority,
-                pool=args.pool,
-                timeout=_duration(args.timeout, "--timeout"),
-                wait=_duration(args.wait, "--wait"),
-                label=label,
-                session=_kernel_session(),
-                notebook=os.environ.get("JPY_SESSION_NAME", ""),
-                cell=hashlib.sha1(call.get("source", "").encode()).hexdigest()[:12] if call.get("source") else "",
-                on_queue=on_queue,
-                on_output=on_output,
-                on_granted=on_granted,
-                on_released=on_released,
-                nodes=args.nodes,
-            )
-        except errors.ServerUnavailable as exc:
-            raise UsageError(str(exc)) from None
-        except (
-            errors.BadRequest,
-            errors.UnknownPool,
-            errors.Unsatisfiable,
-            errors.Unauthorized,
-            errors.ConfigurationError,
-        ) as exc:
-            raise UsageError(exc.message) from None
-        except errors.NoCapacity as exc:
-            raise UsageError(exc.message) from None
-        return outcome
+        outputs = [n.strip() for n in args.out.split(",") if n.strip()] if args.out is not None else None
+        return Options(
+            gpus=gpus,
+            gpus_min=gpus_min,
+            nodes=args.nodes,
+            pool=args.pool,
+            priority=args.priority,
+            timeout=_duration(args.timeout, "--timeout"),
+            wait=_duration(args.wait, "--wait"),
+            label=label,
+            session=_kernel_session(),
+            notebook=os.environ.get("JPY_SESSION_NAME", ""),
+            outputs=outputs,
+            resume=args.resume,
+        )
 
     @magic_arguments()
     @argument(
@@ -191,58 +189,26 @@ class GpuMagics(Magics):
         """Run this cell (or, as a line magic, one expression) on leased GPUs through Ray.
 
         Names the cell reads travel to the worker; names it assigns come back (or --out NAMES).
-        The GPUs are released the moment the cell ends: return, error, timeout or interrupt.
+        The GPUs are released the moment the cell ends: return, error, timeout or Stop.
         """
         args = parse_argstring(self.gpu_train, line)
-        source = cell if cell is not None else " ".join(args.code)
         if cell is not None and args.code:
             raise UsageError(f"unexpected arguments {' '.join(args.code)!r} on the %%gpu_train line")
-        if not source.strip():
-            raise UsageError("nothing to run: %gpu_train fn(args) or a %%gpu_train cell")
+        source = cell if cell is not None else " ".join(args.code)
+        label = source.strip().splitlines()[0][:120] if source.strip() else "cell"
+        opts = self._options(args, label)
+        if cell is None:
+            opts.outputs = []  # the line form brings back its value only
+        assert self.shell is not None
+        ui = CellDisplay()
         try:
-            plan = cellcode.plan_cell(source)
+            return run_cell(source, self.shell.user_ns, opts, ui).result
         except SyntaxError as exc:
             raise UsageError(f"the cell does not parse: {exc}") from None
-        assert self.shell is not None
-        ns = self.shell.user_ns
-        explicit = args.out is not None
-        outputs = (
-            [n.strip() for n in args.out.split(",") if n.strip()] if explicit else cellcode.pick_outputs(plan.assigns)
-        )
-        if cell is None:
-            outputs = []
-        if args.resume and "gpu_checkpoint" not in ns:
-            raise UsageError(
-                "--resume: there is no gpu_checkpoint to resume from; it is set when a call's GPUs are "
-                "recalled and its magics.on_preempt hook returns a state"
-            )
-        extra_ns = {"resume_state": ns["gpu_checkpoint"] if args.resume else ns.get("resume_state")}
-        inputs = cellcode.pick_inputs(plan.reads, {**ns, **extra_ns})
-        _check_picklable(inputs)
-        call = {
-            "kind": "cell",
-            "source": source,
-            "body": plan.body,
-            "last_expr": plan.last_expr,
-            "inputs": inputs,
-            "outputs": outputs,
-            "explicit_outputs": explicit,
-        }
-        label = (cell.strip().splitlines()[0] if cell else source)[:120] if source.strip() else "cell"
-        try:
-            outcome = self._run(call, args, label)
-        finally:
-            s = session()
-            if s.has_checkpoint:
-                ns["gpu_checkpoint"] = s.last_checkpoint
-                print(
-                    "gpu_train: the checkpoint hook's state is in gpu_checkpoint; continue with "
-                    "%%gpu_train --resume (the cell reads it as resume_state)",
-                    file=sys.stderr,
-                )
-        value = outcome.value
-        ns.update({k: v for k, v in value["names"].items() if not cellcode.is_module(v)})
-        return value["result"]
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        except _PARSE_ERRORS as exc:
+            raise UsageError(exc.message) from None
 
     @magic_arguments()
     @argument("action", nargs="?", default="show", choices=["show", "release", "keep"])
@@ -339,23 +305,9 @@ class GpuMagics(Magics):
         )
 
 
-def _check_picklable(inputs: dict[str, Any]) -> None:
-    """Name the variable that cannot travel to the worker, instead of a deep pickling error."""
-    from ray import cloudpickle
-
-    try:
-        cloudpickle.dumps(inputs)
-        return
-    except Exception:  # noqa: BLE001 - find the culprit below
-        pass
-    for name, value in inputs.items():
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001
-            raise UsageError(
-                f"the cell reads {name!r}, which cannot be sent to the GPU worker ({type(exc).__name__}: {exc}); "
-                "create it inside the cell instead"
-            ) from None
+# A typo such as --gpu is an error, not a silent --gpus (argparse's prefix matching).
+for _magic in (GpuMagics.gpu_train, GpuMagics.gpu_config, GpuMagics.gpu_lease):
+    _magic.parser.allow_abbrev = False  # type: ignore[attr-defined]
 
 
 def _kernel_session() -> str:

@@ -10,6 +10,7 @@ process exits, so a revoked lease or an orphaned call (its kernel died) stops us
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
@@ -19,10 +20,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .calls import CHECKPOINT_STREAM, Call, CellValue, Result, Where, this_machine
+
 END_EVENTS = ("released", "expired", "revoked")
-RELEASED_GRACE_S = 2.0
 WATCHDOG_EXIT_CODE = 75
-CHECKPOINT_STREAM = "checkpoint"  # an output chunk that carries a checkpoint hook's state
+DRIVER_GRACE_S = 2.0  # after the lease ended: the driver's own kill comes first
+KILL_AFTER_S = 2.0  # a worker asked to exit that is still there after this gets SIGKILL
+NVML_GONE_TIMEOUT_S = 2.0  # how long the driver may take to drop a dead process from a GPU
 
 # Preemption, in the worker process: set when the lease server recalls this call's GPUs
 # (preempted, or lent from a booking whose holder now wants them); the hooks run then.
@@ -85,10 +89,17 @@ class GpuWorker:
         except ImportError:
             pass
 
-    def ready(self) -> dict[str, Any]:
-        import socket
+    def ready(self) -> Where:
+        """Where this process lives (the driver watches its pid to know when it is gone)."""
+        import ray
 
-        return {"pid": os.getpid(), "host": socket.gethostname()}
+        return Where(os.getpid(), this_machine(), ray.get_runtime_context().get_node_id())
+
+    def reap(self, pid: int, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
+        """Run by a spare worker on the node of a finished call: wait until the call's process
+        ``pid`` has exited (SIGKILL after a grace) and, where NVML sees the GPUs, until no process
+        of it remains on them. See :func:`verify_gone`."""
+        return verify_gone(pid, uuids, indexes)
 
     def endpoint(self) -> dict[str, Any]:
         """The IP of this process's Ray node and a TCP port free on it now: a multi-node gang's
@@ -115,37 +126,41 @@ class GpuWorker:
             chunks, self._chunks = self._chunks, []
             return chunks, self._done
 
-    def run(self, call: dict[str, Any], env: dict[str, str], lease: dict[str, Any]) -> dict[str, Any]:
-        """Run one call. ``call`` is {"kind": "cell", "source", "inputs", "outputs"} or
-        {"kind": "function", "fn", "args", "kwargs"}. Never raises: failures come back as data so
-        that the notebook shows the remote traceback once, tagged with this node."""
+    def run(self, call: Call, env: dict[str, str], watch: dict[str, Any]) -> Result:
+        """Run one call with ``env`` set. ``watch`` ({url, token, id}) names the lease whose end
+        stops this process. Never raises: failures come back as a Result."""
         if self._used:
-            return {"ok": False, "error": "internal: a single-use worker was asked to run twice"}
+            return Result(False, error_type="RuntimeError", message="internal: a single-use worker ran twice")
         self._used = True
         os.environ.update(env)
-        if lease.get("url"):
-            threading.Thread(target=_watchdog, args=(lease, self), name="gpulease-watchdog", daemon=True).start()
+        if watch.get("url"):
+            threading.Thread(target=_watchdog, args=(watch, self), name="gpulease-watchdog", daemon=True).start()
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Capture(self, "stdout"), _Capture(self, "stderr")  # type: ignore[assignment]
         t0 = time.monotonic()
         try:
             value = _execute(call)
-            return {"ok": True, "value": value, "seconds": time.monotonic() - t0, "peak_memory": _peak_memory()}
+            return Result(True, value, seconds=time.monotonic() - t0, peak_memory=_peak_memory(), pid=os.getpid())
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
-            return {
-                "ok": False,
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": _user_traceback(exc),
-                "seconds": time.monotonic() - t0,
-                "peak_memory": _peak_memory(),
-            }
+            return Result(
+                False,
+                error_type=type(exc).__name__,
+                message=str(exc),
+                traceback=_user_traceback(exc),
+                seconds=time.monotonic() - t0,
+                peak_memory=_peak_memory(),
+                pid=os.getpid(),
+            )
         finally:
             sys.stdout.flush()
             sys.stdout, sys.stderr = old
             with self._cond:
                 self._done = True
                 self._cond.notify_all()
+
+    def exit(self) -> None:
+        """Leave now (the driver then watches the pid go); a call in flight is cut short."""
+        os._exit(0)
 
 
 CELL_FILENAME = "<gpu_train cell>"
@@ -159,23 +174,21 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _execute(call: dict[str, Any]) -> Any:
-    if call["kind"] == "function":
-        fn: Callable[..., Any] = call["fn"]
-        return fn(*call.get("args", ()), **call.get("kwargs", {}))
-    source: str = call["source"]
+def _execute(call: Call) -> Any:
+    if call.kind == "function":
+        assert call.fn is not None
+        return call.fn(*call.args, **call.kwargs)
+    source = call.source
     # Register the source so that tracebacks show the cell's lines.
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-    ns.update(call["inputs"])
-    body, last = call["body"], call.get("last_expr")
-    exec(compile(body, CELL_FILENAME, "exec"), ns)  # noqa: S102 - the user's own cell
-    result = eval(compile(last, CELL_FILENAME, "eval"), ns) if last else None  # noqa: S307
-    wanted = call["outputs"]
-    missing = [n for n in wanted if n not in ns]
-    if call.get("explicit_outputs") and missing:
+    ns.update(call.inputs)
+    exec(compile(call.body, CELL_FILENAME, "exec"), ns)  # noqa: S102 - the user's own cell
+    result = eval(compile(call.last_expr, CELL_FILENAME, "eval"), ns) if call.last_expr else None  # noqa: S307
+    missing = [n for n in call.outputs if n not in ns]
+    if call.explicit_outputs and missing:
         raise NameError(f"--out names {', '.join(missing)}, which the cell never set")
-    return {"names": {n: ns[n] for n in wanted if n in ns}, "result": result}
+    return CellValue({n: ns[n] for n in call.outputs if n in ns}, result)
 
 
 def _peak_memory() -> int | None:
@@ -222,16 +235,17 @@ def _recalled(worker: GpuWorker, rec: dict[str, Any]) -> None:
             worker.push("stderr", f"gpu_train: the checkpoint hook failed: {type(exc).__name__}: {exc}\n")
 
 
-def _watchdog(lease: dict[str, Any], worker: GpuWorker | None = None) -> None:
-    """Exit this process as soon as the lease is expired or revoked: follow the lease server's
-    event stream, and check the lease itself whenever the stream (re)connects so that nothing
-    between is missed. A plain release comes from our own driver, which kills this worker right
-    away; the watchdog only backs that up, after a short grace, to keep Ray's logs quiet."""
+def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
+    """Exit this process as soon as its lease has ended (released from elsewhere, expired or
+    revoked): follow the lease's own events (``GET /api/v1/events?lease=ID``, filtered on the
+    server), and check the lease itself whenever the stream (re)connects so that nothing between
+    is missed. Our own driver kills this worker before it releases the lease, so a release seen
+    here always came from somewhere else (the GPU board, another terminal)."""
     import httpx
 
-    url, lease_id = lease["url"], lease["id"]
+    url, lease_id = watch["url"], watch["id"]
     http = httpx.Client(
-        base_url=url, headers={"Authorization": f"Bearer {lease['token']}"}, timeout=httpx.Timeout(5, read=30)
+        base_url=url, headers={"Authorization": f"Bearer {watch['token']}"}, timeout=httpx.Timeout(5, read=30)
     )
 
     def ended() -> str | None:
@@ -250,18 +264,18 @@ def _watchdog(lease: dict[str, Any], worker: GpuWorker | None = None) -> None:
 
     def check() -> None:
         why = ended()
-        if why is None:
-            return
-        if why == "released":
-            time.sleep(RELEASED_GRACE_S)
-        _die(lease_id, why)
+        if why is not None:
+            # The driver follows the lease too and ends this worker through Ray at once (quietly);
+            # exiting here is the backstop for a driver that cannot (its kernel hangs or is gone).
+            time.sleep(DRIVER_GRACE_S)
+            _die(lease_id, why)
 
     while True:
         try:
-            with http.stream("GET", "/api/v1/events") as s:
+            with http.stream("GET", "/api/v1/events", params={"lease": lease_id}) as s:
                 check()
                 for line in s.iter_lines():
-                    if line.startswith("data:") and lease_id in line:
+                    if line.startswith("data:"):
                         check()
         except httpx.HTTPError:
             pass
@@ -273,3 +287,100 @@ def _die(lease_id: str, why: str) -> None:
     if sys.__stderr__ is not None:
         sys.__stderr__.write(f"gpulease: lease {lease_id} is {why}; stopping this worker\n")
     os._exit(WATCHDOG_EXIT_CODE)
+
+
+# ---- verified release: is the call's process gone, and off its GPUs? ------------------------------
+
+
+def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = KILL_AFTER_S) -> bool:
+    """Block until process ``pid`` (not our child) has exited; SIGKILL it after ``kill_after``.
+    True once it is gone. Uses a pidfd (Linux >= 5.3): readable the moment the process exits."""
+    import select
+    import signal
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:  # no pidfd here: poll the process table
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return True
+            if time.monotonic() > deadline - timeout + kill_after:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+        return not _alive(pid)
+    try:
+        if select.select([fd], [], [], kill_after)[0]:
+            return True
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return bool(select.select([fd], [], [], max(0.0, timeout - kill_after))[0])
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def gpu_pids(uuids: list[str], indexes: list[int]) -> set[int] | None:
+    """The pids NVML sees on these GPUs (by UUID where NVML knows it, else by index); None where
+    NVML cannot tell (no driver, or simulated GPUs)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML here
+        return None
+    try:
+        pids: set[int] = set()
+        for i, idx in enumerate(indexes):
+            uuid = uuids[i] if i < len(uuids) else ""
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid and not uuid.startswith("GPU-sim") else None
+            except pynvml.NVMLError:
+                handle = None
+            if handle is None:
+                if uuid.startswith("GPU-sim"):
+                    return None
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(idx))
+            for get in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+                pids.update(int(p.pid) for p in get(handle))
+        return pids
+    except Exception:  # noqa: BLE001 - a reading we cannot trust is no reading
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def verify_gone(pid: int, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
+    """Wait until ``pid`` has exited and, where NVML sees the GPUs, is on none of them.
+
+    Returns {"gone": bool, "nvml": bool (NVML checked the GPUs), "ms": time taken}."""
+    t0 = time.monotonic()
+    gone = wait_exit(pid)
+    nvml = False
+    if gone and indexes:
+        deadline = time.monotonic() + NVML_GONE_TIMEOUT_S
+        while True:
+            seen = gpu_pids(uuids, indexes)
+            if seen is None:
+                break
+            nvml = True
+            if pid not in seen:
+                break
+            if time.monotonic() > deadline:
+                gone = False
+                break
+            time.sleep(0.005)
+    return {"gone": gone, "nvml": nvml, "ms": (time.monotonic() - t0) * 1000}

@@ -16,7 +16,8 @@ import pytest
 
 from lease_server import errors
 from magics import runner
-from magics.runner import GpuTrainError, Session
+from magics.calls import Call
+from magics.runner import CallResult, Ending, GpuTrainError, Options, Session
 
 ray = pytest.importorskip("ray")
 
@@ -67,8 +68,34 @@ def sess(srv: Any) -> Iterator[Session]:
     s.reset_client()
 
 
-def fn_call(fn: Any, *args: Any) -> dict[str, Any]:
-    return {"kind": "function", "fn": fn, "args": args, "kwargs": {}}
+class Recorder:
+    """A UI that keeps what a call reported: output chunks and how it ended."""
+
+    def __init__(self, output: Any = None) -> None:
+        self.out: list[tuple[str, str]] = []
+        self.endings: list[Ending] = []
+        self._output = output
+
+    def waiting(self, w: Any) -> None:
+        pass
+
+    def running(self, r: Any) -> None:
+        pass
+
+    def notice(self, text: str) -> None:
+        pass
+
+    def output(self, stream: str, text: str) -> None:
+        self.out.append((stream, text))
+        if self._output is not None:
+            self._output(stream, text)
+
+    def ended(self, e: Ending) -> None:
+        self.endings.append(e)
+
+
+def run(sess: Session, fn: Any, *args: Any, ui: Any = None, **opts: Any) -> CallResult:
+    return runner.run_call(Call.function(fn, *args), Options(**opts), ui or Recorder(), sess)
 
 
 def free_gpus(srv: Any) -> int:
@@ -184,16 +211,8 @@ def gloo_all_reduce() -> float:
 
 def test_two_node_gang_runs_every_rank_with_its_env(srv, sess):
     out: list[tuple[str, str]] = []
-    released: list[runner.Outcome] = []
-    outcome = sess.run(
-        fn_call(report_env),
-        gpus=4,
-        nodes=2,
-        wait=0,
-        all_ranks=True,
-        on_output=lambda stream, text: out.append((stream, text)),
-        on_released=released.append,
-    )
+    ui = Recorder(lambda stream, text: out.append((stream, text)))
+    outcome = run(sess, report_env, gpus=4, nodes=2, wait=0, all_ranks=True, ui=ui)
     envs = outcome.value
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
@@ -218,7 +237,8 @@ def test_two_node_gang_runs_every_rank_with_its_env(srv, sess):
     for rank in range(4):
         assert f"[rank {rank}] hello from rank {rank}\n" in text
         assert f"[rank {rank}] partial line\n" in text
-    assert released and released[0].extra["world_size"] == 4
+    (ending,) = ui.endings
+    assert ending.state == "released" and ending.gpus == 4 and ending.verified
     assert free_gpus(srv) == 4
     assert wait_gone([e["pid"] for e in envs]) == []
 
@@ -236,7 +256,7 @@ def test_gang_is_all_or_nothing(srv, sess, tmp_path):
     with srv.client("bob") as bob:
         blocker = bob.acquire(2, wait=0)  # one whole node: only 2 GPUs on one node stay free
         with pytest.raises(errors.NoCapacity):
-            sess.run(fn_call(mark, str(tmp_path)), gpus=4, nodes=2, wait=0)
+            run(sess, mark, str(tmp_path), gpus=4, nodes=2, wait=0)
         assert list(tmp_path.iterdir()) == []  # no rank ever started
         assert free_gpus(srv) == 2 and [x["user"] for x in bob.leases(everyone=True)] == ["bob"]
         bob.release(blocker)
@@ -248,7 +268,7 @@ def test_gang_is_all_or_nothing(srv, sess, tmp_path):
     sess.gang_start_timeout = 2.0
     try:
         with pytest.raises(GpuTrainError, match="could not place all 4 ranks") as err:
-            sess.run(fn_call(mark, str(tmp_path)), gpus=4, nodes=2, wait=0)
+            run(sess, mark, str(tmp_path), gpus=4, nodes=2, wait=0)
     finally:
         remove_placement_group(hog)
     assert list(tmp_path.iterdir()) == []
@@ -257,7 +277,7 @@ def test_gang_is_all_or_nothing(srv, sess, tmp_path):
     assert gang_pgs and {p["state"] for p in gang_pgs} == {"REMOVED"}, err.value
     # With room again the same gang runs, every rank.
     sess.gang_start_timeout = runner.GANG_START_TIMEOUT_S
-    assert sess.run(fn_call(mark, str(tmp_path)), gpus=4, nodes=2, wait=0, all_ranks=True).value == [0, 1, 2, 3]
+    assert run(sess, mark, str(tmp_path), gpus=4, nodes=2, wait=0, all_ranks=True).value == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-{r}" for r in range(4)]
 
 
@@ -265,17 +285,11 @@ def test_killing_one_rank_ends_all_and_frees_every_gpu(srv, sess, tmp_path):
     out: list[str] = []
     t0 = time.monotonic()
     with pytest.raises(GpuTrainError) as err:
-        sess.run(
-            fn_call(die_on_rank_1, str(tmp_path)),
-            gpus=4,
-            nodes=2,
-            wait=0,
-            on_output=lambda stream, text: out.append(text),
-        )
+        run(sess, die_on_rank_1, str(tmp_path), gpus=4, nodes=2, wait=0, ui=Recorder(lambda s, t: out.append(t)))
     assert time.monotonic() - t0 < 60  # not the other ranks' 120 s sleep
     e = err.value
     assert e.rank == 1 and e.node in ("n1", "n2")
-    assert f"rank 1 on node {e.node}" in str(e) and "died" in str(e)
+    assert f"rank 1 on {e.node}" in str(e) and "exited unexpectedly" in str(e) and "every rank was stopped" in str(e)
     pids = {int(p.name.split("-")[1]): int(p.read_text()) for p in tmp_path.glob("pid-?")}
     assert sorted(pids) == [0, 1, 2, 3]
     shown = "".join(out)
@@ -289,7 +303,7 @@ def test_killing_one_rank_ends_all_and_frees_every_gpu(srv, sess, tmp_path):
 
 def test_torch_distributed_gloo_all_reduce(srv, sess):
     pytest.importorskip("torch")
-    values = sess.run(fn_call(gloo_all_reduce), gpus=4, nodes=2, wait=0, all_ranks=True, timeout=120).value
+    values = run(sess, gloo_all_reduce, gpus=4, nodes=2, wait=0, all_ranks=True, timeout=120).value
     assert values == [10.0, 10.0, 10.0, 10.0]  # 1 + 2 + 3 + 4 on every rank
     assert free_gpus(srv) == 4
 
@@ -299,7 +313,7 @@ def test_timeout_and_interrupt_stop_every_rank(srv, sess, tmp_path):
     d.mkdir()
     t0 = time.monotonic()
     with pytest.raises(runner.GpuTrainTimeout, match="every rank was stopped"):
-        sess.run(fn_call(sleep_long, str(d)), gpus=4, nodes=2, wait=0, timeout=5)
+        run(sess, sleep_long, str(d), gpus=4, nodes=2, wait=0, timeout=5)
     assert time.monotonic() - t0 < 60
     pids = [int(p.read_text()) for p in d.glob("pid-?")]
     assert len(pids) == 4 and wait_gone(pids) == []
@@ -318,7 +332,7 @@ def test_timeout_and_interrupt_stop_every_rank(srv, sess, tmp_path):
     t = threading.Thread(target=interrupt_once_all_run, daemon=True)
     t.start()
     with pytest.raises(KeyboardInterrupt):
-        sess.run(fn_call(sleep_long, str(d)), gpus=4, nodes=2, wait=0)
+        run(sess, sleep_long, str(d), gpus=4, nodes=2, wait=0)
     t.join(10)
     pids = [int(p.read_text()) for p in d.glob("pid-?")]
     assert len(pids) == 4 and wait_gone(pids) == []
@@ -343,7 +357,7 @@ def test_gpu_train_magic_with_nodes(srv, sess, monkeypatch, capsys):
     out, err = capsys.readouterr()
     for rank in range(4):
         assert f"[rank {rank}] hi {rank}\n" in out
-    assert "held 4 GPU(s) on n" in err and "(GPU 0,1) + n" in err and "now released" in err
+    assert "held 4 GPUs on n" in out and "(GPU 0,1) + n" in out and "released; GPU memory freed" in out
     assert free_gpus(srv) == 4
     for line, expect in [
         ("--gpus 0 --nodes 2", "--gpus 0 leases none"),
@@ -389,7 +403,7 @@ def test_above_quota_call_is_preempted_and_its_checkpoint_hook_returns_state(clu
 
     def call() -> None:
         try:
-            out["outcome"] = s.run(fn_call(train_until_preempted), gpus=1, wait=30)
+            out["outcome"] = run(s, train_until_preempted, gpus=1, wait=30)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
             out["error"] = exc
 
@@ -403,7 +417,7 @@ def test_above_quota_call_is_preempted_and_its_checkpoint_hook_returns_state(clu
         assert out["outcome"].value == "stopped"
         notice = watcher.wait_for(lambda e: e["type"] == "preempt_notice", 5, "preempt_notice")
         assert notice["lease"] == granted["lease"] and notice["requested_by"] == "bob"
-        assert s.has_checkpoint and s.last_checkpoint["step"] > 0
+        assert out["outcome"].has_checkpoint and out["outcome"].checkpoint["step"] > 0
         assert bob.node == "n1" and srv.client("bob").get(within.id)["state"] == "active"
     finally:
         t.join(60)

@@ -132,7 +132,10 @@ def test_kernel_is_cpu_only_and_the_cell_sees_exactly_its_lease(stack, kernel):
     )
     assert not errors_of(out), out
     assert "epoch 0\nepoch 1\nepoch 2\n" in text(out)
-    assert "held 2 GPU(s) on box (GPU 0,1)" in text(out) and "now released" in text(out)
+    line = status(out)  # the success line is a display, not stderr (no pink background)
+    assert line.startswith("gpu_train: held 2 GPUs on box (GPU 0,1) for ") and "released; GPU memory freed" in line
+    assert not [o for o in out if o["type"] == "stream" and o["name"] == "stderr"], out
+    assert any("running on box GPU 0,1" in t for t in displays(out)), out
     assert text(out, "execute_result") == "4"
     out = kernel.run("print(seen, losses, uuids)")
     assert text(out).strip() == "0,1 [0, 3, 6, 9] GPU-sim-box-0,GPU-sim-box-1"
@@ -156,9 +159,10 @@ def test_exception_releases_and_shows_the_remote_traceback_once(stack, kernel):
     (err,) = errors_of(out)
     assert err["ename"] == "GpuTrainError"
     tb = "\n".join(err["traceback"])
+    assert tb.count("ValueError: bad batch") == 1, tb  # the remote traceback once, its last line once
     assert "traceback from the worker on node box" in tb and 'File "<gpu_train cell>", line 2' in tb
     assert tb.count("raise ValueError('bad batch')") == 1
-    assert "now released" in text(out)
+    assert "released; GPU memory freed" in status(out) and "failed after" in status(out)
     assert free_gpus(stack) == 2
     assert text(kernel.run("print('usable')")).strip() == "usable"
 
@@ -178,7 +182,12 @@ def test_interrupt_cancels_the_worker_and_releases(stack, kernel):
     kernel.km.interrupt_kernel()
     rest, finished = kernel.outputs(msg_id, timeout=30)
     assert finished
-    assert any(o["type"] == "error" and o["ename"] == "KeyboardInterrupt" for o in rest), rest
+    (err,) = errors_of(rest)
+    assert err["ename"] == "GpuTrainStopped" and isinstance(KeyboardInterrupt(), BaseException)
+    shown_lines = [*status(first + rest).splitlines(), *text(first + rest).splitlines(), *err["traceback"]]
+    assert len(shown_lines) <= 3, shown_lines  # 'training', the status line, one error line
+    assert not any(frag in line for line in shown_lines for frag in FRAMES), shown_lines
+    assert status(first + rest).startswith("gpu_train: stopped after")
     assert free_gpus(stack) == 2
     assert text(kernel.run("print('usable')")).strip() == "usable"
 
@@ -216,7 +225,8 @@ def test_two_notebooks_contend_for_one_gpu(stack):
         m2 = second.start("%%gpu_train --gpus 1\nwho = 'second'\nprint('second running', flush=True)")
         out2, _ = second.outputs(m2, until="second running", timeout=60)
         waits = [o for o in out2 if o["type"] in ("display_data", "update_display_data")]
-        assert any("position 1 in the queue" in o["data"]["text/plain"] for o in waits), out2
+        assert any("1st in line" in o["data"]["text/plain"] for o in waits), out2
+        assert any("(waited " in o["data"]["text/plain"] for o in waits), out2  # how long it waited
         out1, done1 = first.outputs(m1, timeout=60)
         assert done1 and not errors_of(out1)
         rest2, done2 = second.outputs(m2, timeout=60)
@@ -269,7 +279,10 @@ def test_revoke_stops_the_worker_and_the_cell_says_why(stack, kernel):
     out, finished = kernel.outputs(msg_id, timeout=30)
     assert finished and time.monotonic() - revoked_at < 10
     (err,) = errors_of(out)
-    assert err["ename"] == "GpuTrainError" and "revoked" in err["evalue"] and "maintenance" in err["evalue"]
+    assert err["ename"] == "GpuLeaseEnded" and err["traceback"] == [f"GpuLeaseEnded: {err['evalue']}"]
+    assert err["evalue"].startswith("revoked by ") and err["evalue"].endswith(": maintenance"), err
+    assert status(out).startswith("gpu_train: revoked by ") and "maintenance" in status(out)
+    assert not any(w in text(out) + status(out) for w in ("worker died", "Ray", "SIGSEGV")), out
     assert free_gpus(stack) == 2
 
 
@@ -303,7 +316,8 @@ def test_example_notebook_runs_end_to_end(stack):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "training on cpu with CUDA_VISIBLE_DEVICES = '0'" in streams
-    assert "epoch   0" in streams and "now released" in streams and "final loss" in streams
+    shown_ = "".join(o.get("data", {}).get("text/plain", "") for o in outputs if o.output_type == "display_data")
+    assert "epoch   0" in streams and "released; GPU memory freed" in shown_ and "final loss" in streams
     assert any("image/png" in o.get("data", {}) for o in outputs if o.output_type == "display_data")
     assert free_gpus(stack) == 2
 
@@ -311,8 +325,8 @@ def test_example_notebook_runs_end_to_end(stack):
 def test_worker_crash_shows_rays_error_and_releases(stack, kernel):
     out = kernel.run("%%gpu_train\nimport os\nprint('about to crash', flush=True)\nos._exit(3)")
     (err,) = errors_of(out)
-    assert err["ename"] == "GpuTrainError" and "worker process died" in err["evalue"]
-    assert "now released" in text(out)
+    assert err["ename"] == "GpuTrainError" and "exited unexpectedly" in err["evalue"]
+    assert "released" in status(out)
     assert free_gpus(stack) == 2
     assert text(kernel.run("print('usable')")).strip() == "usable"
 
@@ -366,7 +380,7 @@ def test_recalled_call_checkpoints_and_resumes(stack, kernel):
         asker.join(30)
         assert finished and not errors_of(out), out
         said = text(out)
-        assert "these GPUs are recalled" in said and "gpu_checkpoint" in said
+        assert "these GPUs are recalled" in said and "checkpoint saved" in status(out)
         assert got["user"] == "bob" and got["reservation"] == booking["id"]
         api(stack, "DELETE", f"/api/v1/leases/{got['id']}", bob)
         out = kernel.run("print(gpu_checkpoint['step'] > 0, gpu_checkpoint['step'] <= steps)")
@@ -383,7 +397,7 @@ def test_cpu_worker_and_elastic_gpus(stack, kernel):
     out = kernel.run(
         "%%gpu_train --gpus 0\nimport os\nseen = (os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPULEASE_NODE'])\n"
     )
-    assert not errors_of(out) and "a CPU slot of cpu" in text(out), out
+    assert not errors_of(out) and "a CPU slot of cpu" in status(out), out
     # --gpus 0 leased a slot of the CPU pool: it ran on that node, with no GPU, and is in the ledger
     assert text(kernel.run("print(seen)")).strip() == "('', 'cpu')"
     by_pool = {r["pool"]: r for r in api(stack, "GET", "/api/v1/usage?by=pool")["rows"]}
@@ -400,3 +414,17 @@ def shown(outputs: list[dict[str, Any]]) -> str:
     return "\n".join(
         o.get("data", {}).get("text/plain", "") for o in outputs if o["type"] in ("display_data", "update_display_data")
     )
+
+
+FRAMES = ("magics/", "lease_server/", "ray/", "Traceback", "site-packages")
+
+
+def displays(outputs: list[dict[str, Any]]) -> list[str]:
+    """Every state the cell's status line went through, in order."""
+    return [o["data"]["text/plain"] for o in outputs if o["type"] in ("display_data", "update_display_data")]
+
+
+def status(outputs: list[dict[str, Any]]) -> str:
+    """The cell's status line as it stands at the end."""
+    seen = displays(outputs)
+    return seen[-1] if seen else ""

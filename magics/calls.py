@@ -1,0 +1,85 @@
+"""What travels between the notebook and a GPU worker: one :class:`Call` out, one :class:`Result` back.
+
+Both sides import this module (the driver in the kernel, :mod:`magics.worker` in the Ray worker
+process), so the contract has one owner and no untyped dicts cross the process boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+CHECKPOINT_STREAM = "checkpoint"  # an output chunk that carries a checkpoint hook's state
+
+
+@dataclass
+class Call:
+    """One unit of work for a worker: a notebook cell, or a function with its arguments.
+
+    A cell runs ``body`` (then evaluates ``last_expr``) in a fresh namespace holding ``inputs``,
+    and brings back the names in ``outputs``. A function call runs ``fn(*args, **kwargs)``.
+    """
+
+    kind: Literal["cell", "function"]
+    # kind == "cell"
+    source: str = ""
+    body: str = ""
+    last_expr: str | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
+    explicit_outputs: bool = False
+    # kind == "function"
+    fn: Callable[..., Any] | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def function(cls, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Call:
+        return cls("function", fn=fn, args=args, kwargs=kwargs)
+
+
+@dataclass
+class CellValue:
+    """What a cell call returns: the names it assigned (those asked for) and its last expression."""
+
+    names: dict[str, Any]
+    result: Any = None
+
+
+@dataclass
+class Result:
+    """How a call ended on its worker. A worker never raises: a failure comes back as data so that
+    the notebook shows the remote traceback once, tagged with the node."""
+
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    seconds: float = 0.0
+    peak_memory: int | None = None  # bytes on the leased GPUs, where NVML could tell
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a worker process lives: enough to tell whether the driver can watch its pid itself."""
+
+    pid: int
+    machine: str  # boot id + pid namespace: equal means the same process table
+    node_id: str = ""
+
+
+def this_machine() -> str:
+    """An id of this process table: the kernel's boot id and the pid namespace."""
+    import os
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        import socket
+
+        return f"host:{socket.gethostname()}"
