@@ -1,0 +1,230 @@
+"""run_cell without a kernel: a plain dict is the notebook, against `gpulease up` (real Ray, Redis,
+lease server; simulated GPUs). Names in and out, the last expression, errors, Stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lease_server.client import Client
+from magics.runner import (
+    Ending,
+    GpuTrainError,
+    GpuTrainStopped,
+    Options,
+    Running,
+    Session,
+    Waiting,
+    describe_end,
+    run_cell,
+)
+from tests.conftest import Up
+
+ray = pytest.importorskip("ray")
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.states: list[Any] = []
+        self.out: list[tuple[str, str]] = []
+
+    def waiting(self, w: Waiting) -> None:
+        self.states.append(w)
+
+    def running(self, r: Running) -> None:
+        self.states.append(r)
+
+    def notice(self, text: str) -> None:
+        self.states.append(text)
+
+    def output(self, stream: str, text: str) -> None:
+        self.out.append((stream, text))
+
+    def ended(self, e: Ending) -> None:
+        self.states.append(e)
+
+    @property
+    def ending(self) -> Ending:
+        (e,) = [s for s in self.states if isinstance(s, Ending)]
+        return e
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    stack = Up(tmp_path_factory.mktemp("gpulease-home"), simulate="box=2xA100-80GB", GPULEASE_DEFAULT_TTL="3")
+    yield stack
+    ray.shutdown()  # this process joined the stack's Ray cluster as a driver
+    stack.interrupt()
+
+
+@pytest.fixture
+def sess(up: Up) -> Iterator[Session]:
+    s = Session()
+    s.defaults.url, s.defaults.token = up.url, (up.data / "token").read_text().strip()
+    yield s
+    s.release_all()
+    s.reset_client()
+
+
+def free(s: Session) -> int:
+    return int(s.client().cluster()["pools"]["A100-80GB"]["free"])
+
+
+def test_names_in_and_out_and_the_last_expression(sess):
+    ns: dict[str, Any] = {"scale": 3, "unused": object()}
+    ui = Recorder()
+    got = run_cell(
+        "import os\nseen = os.environ['CUDA_VISIBLE_DEVICES']\nys = [scale * i for i in range(3)]\nsum(ys)",
+        ns,
+        Options(gpus=2),
+        ui,
+        sess,
+    )
+    assert got.result == 9 and got.names == {"seen": "0,1", "ys": [0, 3, 6]}
+    assert ns["ys"] == [0, 3, 6] and ns["seen"] == "0,1" and "os" not in ns  # modules stay behind
+    running = next(s for s in ui.states if isinstance(s, Running))
+    assert running.where == "box GPU 0,1" and running.gpus == 2
+    e = ui.ending
+    assert e.state == "released" and e.verified and e.where == "2 GPUs on box (GPU 0,1)"
+    assert e.line().startswith("gpu_train: held 2 GPUs on box (GPU 0,1) for ") and e.line().endswith(
+        "; released; GPU memory freed"
+    )
+    assert free(sess) == 2
+
+
+def test_out_names_and_a_name_that_cannot_travel(sess):
+    ns: dict[str, Any] = {}
+    run_cell("a = 1\nb = 2", ns, Options(outputs=["b"]), Recorder(), sess)
+    assert ns == {"b": 2}
+    with pytest.raises(GpuTrainError, match="NameError: --out names c, which the cell never set"):
+        run_cell("a = 1", ns, Options(outputs=["c"]), Recorder(), sess)
+    ns["lock"] = threading.Lock()
+    with pytest.raises(ValueError, match="the cell reads 'lock', which cannot be sent"):
+        run_cell("x = lock", ns, Options(), Recorder(), sess)
+    with pytest.raises(ValueError, match="nothing to run"):
+        run_cell("  ", ns, Options(), Recorder(), sess)
+    assert free(sess) == 2
+
+
+def test_an_error_comes_back_as_the_remote_traceback_once(sess):
+    ui = Recorder()
+    with pytest.raises(GpuTrainError) as err:
+        run_cell("print('step 1')\nraise ValueError('bad batch')", {}, Options(), ui, sess)
+    lines = err.value._render_traceback_()
+    assert lines[0] == "--- traceback from the worker on node box ---"
+    assert sum("ValueError: bad batch" in line for line in lines) == 1
+    assert not any("magics/" in line or "ray/" in line for line in lines)
+    assert ui.out == [("stdout", "step 1\n")]
+    assert ui.ending.state == "failed" and ui.ending.verified
+    assert free(sess) == 2
+
+
+def test_stop_ends_the_call_frees_the_gpus_and_the_worker(sess, tmp_path: Path):
+    marker = tmp_path / "pid"
+    code = f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
+    main = threading.get_ident()
+
+    def stop_when_running() -> None:
+        while not marker.exists() or not marker.read_text():
+            threading.Event().wait(0.01)  # the cell's marker file: no event crosses processes
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=stop_when_running)
+    t.start()
+    ui = Recorder()
+    with pytest.raises(GpuTrainStopped) as err:
+        run_cell(code, {}, Options(), ui, sess)
+    t.join(10)
+    assert isinstance(err.value, KeyboardInterrupt)
+    assert err.value._render_traceback_() == ["KeyboardInterrupt: gpu_train stopped; its GPUs are free"]
+    assert ui.ending.state == "stopped" and ui.ending.verified
+    pid = int(marker.read_text())
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert free(sess) == 2
+
+
+def test_stop_while_queued_withdraws_the_request(sess, up):
+    holder = Client(up.url, sess.defaults.token)
+    held = holder.acquire(2, ttl=60)
+    main = threading.get_ident()
+    ui = Recorder()
+
+    def stop_when_queued() -> None:
+        while not any(isinstance(s, Waiting) and s.position for s in ui.states):
+            threading.Event().wait(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=stop_when_queued)
+    t.start()
+    try:
+        with pytest.raises(GpuTrainStopped, match="withdrawn"):
+            run_cell("x = 1", {}, Options(gpus=1, wait=60), ui, sess)
+        t.join(10)
+        assert holder.queue() == []
+        assert ui.ending.state == "withdrawn"
+        rid = next(s.request for s in ui.states if isinstance(s, Waiting))
+        holder.release(held)
+        assert "grant" not in [e["type"] for e in holder.events(limit=10000) if e.get("lease") == rid]
+    finally:
+        holder.release(held)
+        holder.close()
+    assert free(sess) == 2
+
+
+@pytest.mark.parametrize(
+    ("rec", "line"),
+    [
+        (
+            {"state": "released", "ended_by": "ann", "end_reason": "released from the board"},
+            "released from the board by you",
+        ),
+        ({"state": "revoked", "ended_by": "alice", "end_reason": "maintenance"}, "revoked by alice: maintenance"),
+        (
+            {
+                "state": "revoked",
+                "ended_by": "reclaimer",
+                "end_reason": "reclaimed: its GPUs were idle for 10 min and "
+                "the owner did not keep it within the grace period",
+            },
+            "reclaimed: its GPUs were idle for 10 min after a warning",
+        ),
+        (
+            {
+                "state": "revoked",
+                "ended_by": "server",
+                "end_reason": "recalled for team:ml's booking r-1 (2 GPU(s) of "
+                "A100-80GB); save your work: the GPUs go back in 30 s",
+            },
+            "preempted for team:ml's booking r-1 (2 GPU(s) of A100-80GB)",
+        ),
+        ({"state": "active"}, None),
+    ],
+)
+def test_who_ended_a_lease_in_one_line(rec, line):
+    assert describe_end(rec, "ann") == line
+
+
+def test_an_idle_reclaim_reads_as_one_line_from_the_real_record(server_factory):
+    """The reclaimer's own ended record (not a hand-written one) turns into the cell's line."""
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory(
+        simulate="n1=1xA100-80GB", sample_interval=0.1, idle_timeout=1.0, grace=0.6, min_age=0.0, idle_threshold=5.0
+    )
+    srv.client("root", "admin").request("PUT", "/api/v1/simulate/n1", json={"gpus": {"0": {"util": 0}}})
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice = srv.client("alice")
+    lease = alice.acquire(1, label="forgotten notebook")
+    watcher.wait_for(lambda e: e["type"] == "reclaimed" and e["lease"] == lease.id, 20, "reclaimed")
+    line = describe_end(alice.get(lease.id), "alice")
+    assert (
+        line is not None
+        and line.startswith("reclaimed: its GPUs were idle for ")
+        and line.endswith(" min after a warning")
+    )
