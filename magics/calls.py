@@ -6,6 +6,7 @@ process), so the contract has one owner and no untyped dicts cross the process b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -83,3 +84,18 @@ def this_machine() -> str:
         import socket
 
         return f"host:{socket.gethostname()}"
+
+
+@functools.cache
+def _tls() -> Any:
+    import ssl
+
+    return ssl.create_default_context()
+
+
+def event_client(url: str, headers: dict[str, str]) -> Any:
+    """An HTTP client for one long-lived event stream. Building an httpx client loads the CA bundle
+    (~50 ms of CPU); the TLS context is made once per process, so a call pays nothing for it."""
+    import httpx
+
+    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(5, read=None), verify=_tls())

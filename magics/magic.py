@@ -88,6 +88,8 @@ class CellDisplay:
         target.flush()
 
     def ended(self, e: Ending) -> None:
+        if self.state == "shut down":  # the kernel's last word stays
+            return
         self.state = e.state
         self.show(e.line())
         _LIVE.discard(self)
@@ -97,14 +99,15 @@ class CellDisplay:
             self.show("gpu_train: the kernel shut down; the request was withdrawn")
         elif self.state == "running":
             self.show("gpu_train: the kernel shut down; the call was stopped and its GPUs released")
+        self.state = "shut down"
 
 
 def close_live_cells() -> None:
     """Kernel shutdown or restart: withdraw what waits, release what runs, and say so in each
     cell's line, so that no cell keeps claiming to wait for a kernel that is gone."""
-    session().release_all()
-    for cell in list(_LIVE):
+    for cell in list(_LIVE):  # first: the withdrawal below also wakes the cell's own thread
         cell.kernel_shutdown()
+    session().release_all()
 
 
 _PARSE_ERRORS = (

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .calls import CHECKPOINT_STREAM, Call, CellValue, Result, Where, this_machine
+from .calls import CHECKPOINT_STREAM, Call, CellValue, Result, Where, _tls, event_client, this_machine
 
 END_EVENTS = ("released", "expired", "revoked")
 WATCHDOG_EXIT_CODE = 75
@@ -83,6 +83,8 @@ class GpuWorker:
         self._used = False
         # Imports done while the spare waits, not on the call's clock (pynvml: ~15 ms).
         import httpx  # noqa: F401
+
+        _tls()  # the watchdog's TLS context, made while the spare waits
 
         try:
             import pynvml  # noqa: F401
@@ -244,9 +246,7 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
     import httpx
 
     url, lease_id = watch["url"], watch["id"]
-    http = httpx.Client(
-        base_url=url, headers={"Authorization": f"Bearer {watch['token']}"}, timeout=httpx.Timeout(5, read=30)
-    )
+    http = event_client(url, {"Authorization": f"Bearer {watch['token']}"})
 
     def ended() -> str | None:
         try:

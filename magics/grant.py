@@ -1,0 +1,385 @@
+"""A call's lease, from the request to the verified release, and the world of workers it runs on.
+
+:class:`Grant` is the one place that takes a lease (showing the queue, withdrawing the request on
+Stop), keeps it renewed, follows it (ending the workers when someone else ends it) and, whatever
+happened, kills the workers, sees their processes gone and only then releases it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lease_server import errors
+from lease_server.client import HeldLease, Lease
+
+from .calls import Where, event_client
+from .outcomes import UI, GpuTrainError, Running, Waiting, _first_line, _join, describe_end
+from .session import GANG_BUNDLE_SHARE, Session, _Worker
+from .worker import verify_gone
+
+if TYPE_CHECKING:
+    from .runner import Options
+
+log = logging.getLogger(__name__)
+ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
+END_STATES = ("released", "revoked", "expired")
+
+
+@dataclass
+class _Rank:
+    node: str
+    local: int
+    env: dict[str, str]
+    worker: _Worker
+
+
+class Grant:
+    """A call's lease (or, for a CPU call without a CPU pool, none) from the request to the
+    verified release. ``finish`` kills the workers, waits until their processes are gone, and only
+    then releases the lease."""
+
+    def __init__(self, sess: Session, lease: Lease | None, waited_s: float = 0.0, cpu: bool = False) -> None:
+        self.sess = sess
+        self.lease = lease
+        self.cpu = cpu
+        self.waited_s = waited_s
+        self.t0 = time.monotonic()
+        self.held: HeldLease | None = None
+        self.ranks: list[_Rank] = []
+        self.pg: Any = None
+        self.verified = False
+        self.nvml = False
+        self._finished = False
+        self._releasing = threading.Event()
+        self.ended_elsewhere = threading.Event()
+        self._follower: Any = None
+        if lease is not None:
+            self.held = HeldLease(sess.client(), lease)
+            self.held.activity = {"executing": True, "source": "gpu_train"}
+            sess.held.add(self.held)
+
+    @classmethod
+    def take(cls, sess: Session, opts: Options, ui: UI, cpu_pool: str | None, rid: str) -> Grant:
+        """Acquire, showing the queue; Stop or any error while queued withdraws the request."""
+        assert opts.gpus is not None and opts.wait is not None
+        if opts.gpus == 0 and not cpu_pool:
+            return cls(sess, None, cpu=True)
+        cpu = opts.gpus == 0
+        gpus, gpus_min, pool = (1, 1, cpu_pool) if cpu else (opts.gpus, opts.gpus_min, opts.pool)
+        client = sess.client()
+        asked = f"{gpus_min}-{gpus}" if gpus_min != gpus else str(gpus)
+        estimate = {"text": "", "at": -ESTIMATE_EVERY_S}
+
+        shown_pool = {"name": pool or ""}
+
+        def progress(position: int | None, elapsed: float) -> None:
+            if position and not shown_pool["name"]:  # the server's default pool: ask once, while waiting
+                with contextlib.suppress(errors.GpuLeaseError):
+                    shown_pool["name"] = client.cluster().get("default_pool") or ""
+            if position and elapsed - estimate["at"] >= ESTIMATE_EVERY_S:  # type: ignore[operator]
+                estimate["at"] = elapsed
+                try:
+                    est = client.estimate(gpus, pool, request=rid)
+                    alts = "; ".join(f"{a['text']} (--pool {a['pool']})" for a in est.get("alternatives", [])[:1])
+                    estimate["text"] = est["text"] + (f"; {alts}" if alts else "")
+                except errors.GpuLeaseError:
+                    estimate["text"] = ""
+            ui.waiting(Waiting(rid, asked, shown_pool["name"], position, elapsed, str(estimate["text"])))
+
+        sess.waiting.add(rid)
+        t0 = time.monotonic()
+        try:
+            lease = client.acquire(
+                gpus,
+                pool,
+                sess.defaults.ttl,
+                opts.wait,
+                opts.label[:200],
+                opts.session[:200],
+                progress=progress,
+                gpus_min=gpus_min,
+                priority=opts.priority,
+                nodes=opts.nodes,
+                notebook=opts.notebook,
+                cell=opts.cell,
+                request_id=rid,
+            )
+        finally:
+            sess.waiting.discard(rid)
+        waited = lease.raw.get("waited_ms")
+        return cls(sess, lease, waited / 1000 if waited is not None else time.monotonic() - t0, cpu=cpu)
+
+    @property
+    def where(self) -> str:
+        if self.lease is None:
+            return "a CPU worker"
+        if self.cpu:
+            return f"a CPU slot of {self.lease.node}"
+        parts = self.lease.parts()
+        n = len(self.lease.gpus)
+        gpus = f"{n} GPU{'s' if n != 1 else ''}"
+        return f"{gpus} on " + " + ".join(f"{node} (GPU {','.join(map(str, i))})" for node, i in parts.items())
+
+    def running(self, opts: Options) -> Running:
+        if self.lease is None:
+            return Running("", "a CPU worker", 0, 0.0)
+        lease = self.lease
+        note = ""
+        if opts.gpus_min != opts.gpus and not self.cpu:
+            note = f"{len(lease.gpus)} of {opts.gpus_min}-{opts.gpus} asked"
+        if lease.borrowed:
+            note = _join(note, "borrowed from a booking: recalled with notice if its holder asks")
+        elif lease.raw.get("preemptible"):
+            note = _join(note, "above your quota: preemptible, recalled with notice for someone within theirs")
+        where = (
+            "a CPU slot of " + lease.node
+            if self.cpu
+            else " + ".join(f"{node} GPU {','.join(map(str, i))}" for node, i in lease.parts().items())
+        )
+        return Running(lease.id, where, 0 if self.cpu else len(lease.gpus), self.waited_s, note)
+
+    def env(self, node: str) -> dict[str, str]:
+        """What a worker on ``node`` sees: exactly the GPUs leased there, in NVML's order."""
+        if self.lease is None or self.cpu:
+            base = {"CUDA_VISIBLE_DEVICES": ""}
+            return base if self.lease is None else {**base, "GPULEASE_LEASE_ID": self.lease.id, "GPULEASE_NODE": node}
+        mine = [g for g in self.lease.gpus if g.get("node", self.lease.node) == node]
+        return {
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # CUDA's indexes = NVML's = the lease's
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in mine),
+            "GPULEASE_LEASE_ID": self.lease.id,
+            "GPULEASE_GPU_UUIDS": ",".join(g.get("uuid", "") for g in mine),
+            "GPULEASE_NODE": node,
+        }
+
+    def watch(self) -> dict[str, Any]:
+        """What a worker's watchdog follows: this lease, on the lease server."""
+        if self.lease is None:
+            return {}
+        client = self.sess.client()
+        return {"url": client.url, "token": client.token, "id": self.lease.id}
+
+    def follow(self) -> None:
+        """Follow this lease's own events (``GET /api/v1/events?lease=ID``) while the call runs:
+        once someone else ends it (the board, an admin, the reclaimer, a preemption), end the
+        workers through Ray at once, so the GPUs' next holder never meets them."""
+        if self.lease is None:
+            return
+        client = self.sess.client()
+        lease_id = self.lease.id
+
+        def run() -> None:
+            http = event_client(client.url, client.headers)
+            self._follower = http
+            if self._releasing.is_set():
+                return
+            try:
+                with http.stream("GET", "/api/v1/events", params={"lease": lease_id}) as s:
+                    if self._is_over():  # ended before we subscribed
+                        self._ended()
+                        return
+                    for line in s.iter_lines():
+                        if self._releasing.is_set():
+                            return
+                        if line.startswith("event:") and line.split(":", 1)[1].strip() in END_STATES:
+                            self._ended()
+                            return
+            except Exception:  # noqa: BLE001 - closed by finish(), or the server is away: the renewal backs up
+                pass
+
+        threading.Thread(target=run, name=f"gpulease-follow-{lease_id}", daemon=True).start()
+
+    def _is_over(self) -> bool:
+        try:
+            assert self.lease is not None
+            return self.sess.client().get(self.lease.id).get("state") in END_STATES
+        except errors.GpuLeaseError:
+            return False
+
+    def _ended(self) -> None:
+        if self._releasing.is_set():
+            return
+        self.ended_elsewhere.set()
+        import ray
+
+        for rank in list(self.ranks):
+            with contextlib.suppress(Exception):
+                ray.kill(rank.worker.handle, no_restart=True)
+
+    def ended_by(self) -> str | None:
+        """Who ended this lease and why, if it was not us ("revoked by alice: maintenance")."""
+        if self.lease is None:
+            return None
+        try:
+            rec = self.sess.client().get(self.lease.id)
+        except errors.GpuLeaseError:
+            return None
+        return describe_end(rec, self.lease.user)
+
+    def finish(self) -> None:
+        """Kill every worker, wait until each process is gone, remove the placement group, then
+        release the lease. Idempotent, and carried through a second Stop press."""
+        if self._finished:
+            return
+        while True:
+            try:
+                self._finish()
+                break
+            except KeyboardInterrupt:  # Stop pressed again during cleanup: finish it anyway
+                continue
+        self._finished = True
+
+    def _finish(self) -> None:
+        import ray
+
+        self._releasing.set()
+        if self._follower is not None:
+            with contextlib.suppress(Exception):
+                self._follower.close()
+            self._follower = None
+
+        wheres: list[tuple[_Rank, Where | None]] = []
+        for rank in self.ranks:
+            try:
+                where = rank.worker.where(timeout=0) if _is_ready(rank.worker.ready_ref) else None
+            except Exception:  # noqa: BLE001 - it never started: nothing of it can hold a GPU
+                where = None
+            wheres.append((rank, where))
+            with contextlib.suppress(Exception):
+                ray.kill(rank.worker.handle, no_restart=True)
+        self.verified = all(w is not None for _, w in wheres) or not wheres
+        nvml = True
+        for rank, where in wheres:
+            if where is None:
+                continue
+            indexes = [int(i) for i in rank.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
+            uuids = [u for u in rank.env.get("GPULEASE_GPU_UUIDS", "").split(",") if u]
+            seen = self._verify(rank.node, where, uuids, indexes)
+            log.debug("worker %s on %s: %s", where.pid, rank.node, seen)
+            self.verified = self.verified and seen["gone"]
+            nvml = nvml and seen["nvml"]
+        self.nvml = nvml and bool(wheres) and not self.cpu
+        self.ranks = []
+        if self.pg is not None:
+            from ray.util import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception as exc:  # noqa: BLE001 - Ray removes it with this driver anyway
+                log.warning("could not remove a placement group: %s", exc)
+            self.pg = None
+        if self.held is not None:
+            self.held.release()
+            self.sess.held.discard(self.held)
+
+    def _verify(self, node: str, where: Where, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
+        """Is the process gone (and off its GPUs)? Watched from here when it shares our process
+        table, else by a spare worker on its node."""
+        if where.machine == self.sess.machine:
+            return verify_gone(where.pid, uuids, indexes)
+        import ray
+
+        try:
+            reaper = self.sess.spare(node)
+            return ray.get(reaper.handle.reap.remote(where.pid, uuids, indexes), timeout=30)  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001 - say so in the closing line; the lease is still released
+            log.warning("could not verify that worker %s on %s exited: %s", where.pid, node, exc)
+            return {"gone": False, "nvml": False}
+
+
+def _is_ready(ref: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+# ---- starting the world of workers ---------------------------------------------------------------
+
+
+def start_world(sess: Session, grant: Grant, opts: Options) -> None:
+    """One worker for a one-node or CPU call; one per GPU in a placement group for a gang."""
+    lease = grant.lease
+    if lease is None:
+        grant.ranks = [_Rank("cpu", 0, grant.env("cpu"), sess.new_worker(None, num_cpus=1))]
+        return
+    if not (opts.nodes and opts.nodes > 1):
+        grant.ranks = [_Rank(lease.node, 0, grant.env(lease.node), sess.take_worker(lease.node))]
+        return
+    _start_gang(sess, grant)
+
+
+def _start_gang(sess: Session, grant: Grant) -> None:
+    """A multi-node gang: one rank per leased GPU, numbered node by node in the lease's order.
+    A Ray placement group reserves a bundle per rank on the leased nodes, all or nothing; if Ray
+    cannot place (or start) every rank within ``gang_start_timeout``, none runs the call. Every
+    rank sees its node's leased GPUs and the ``torch.distributed`` variables."""
+    from ray.util import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    lease = grant.lease
+    assert lease is not None
+    parts = lease.parts()
+    order = [n for n in lease.nodes if n in parts] + [n for n in parts if n not in lease.nodes]
+    places = [(node, local) for node in order for local in range(len(parts[node]))]
+    shares = [sess.node_share(node) for node, _ in places]
+    grant.pg = placement_group(
+        [share or {"CPU": GANG_BUNDLE_SHARE} for share in shares], strategy="PACK", name=f"gpulease-{lease.id}"
+    )
+    if not grant.pg.wait(sess.gang_start_timeout):
+        raise GpuTrainError(
+            f"Ray could not place all {len(places)} ranks on {', '.join(order)} within "
+            f"{sess.gang_start_timeout:g}s; no rank was started",
+            node=",".join(order),
+        )
+    for i, (node, local) in enumerate(places):
+        strategy = PlacementGroupSchedulingStrategy(grant.pg, placement_group_bundle_index=i)
+        worker = sess.new_worker(None, scheduling_strategy=strategy, **({"resources": shares[i]} if shares[i] else {}))
+        grant.ranks.append(_Rank(node, local, grant.env(node), worker))
+    master = _wait_ranks_started(sess, grant.ranks)
+    world = len(places)
+    for rank, r in enumerate(grant.ranks):
+        r.env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(r.local),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(len(parts[r.node])),
+            MASTER_ADDR=str(master["ip"]),
+            MASTER_PORT=str(master["port"]),
+        )
+
+
+def _wait_ranks_started(sess: Session, ranks: list[_Rank]) -> dict[str, Any]:
+    """Wait until every rank's process is up (none runs the call before all are); return rank
+    0's endpoint (its node IP and a free port) for MASTER_ADDR / MASTER_PORT."""
+    import ray
+
+    deadline = time.monotonic() + sess.gang_start_timeout
+    refs = [r.worker.ready_ref for r in ranks] + [ranks[0].worker.handle.endpoint.remote()]
+    owner = list(range(len(ranks))) + [0]
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = sorted({owner[refs.index(r)] for r in pending})
+            raise GpuTrainError(
+                f"rank(s) {', '.join(map(str, late))} did not start within {sess.gang_start_timeout:g}s; "
+                "no rank ran the call",
+                node=ranks[late[0]].node,
+                rank=late[0],
+            )
+        rank = owner[refs.index(ready[0])]
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayError as exc:
+            raise GpuTrainError(
+                f"rank {rank} on node {ranks[rank].node} could not start: {_first_line(exc)}; no rank ran the call",
+                node=ranks[rank].node,
+                rank=rank,
+            ) from None
+    return ray.get(refs[-1])  # type: ignore[no-any-return]

@@ -1,0 +1,190 @@
+"""How a call is seen from the notebook: its states (queued, running, ended), the UI that shows
+them, and the errors a call can end with. Each is one line for a person; none shows local frames."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class GpuTrainError(Exception):
+    """The call failed on the worker (or the worker died). Shown as the remote traceback, once."""
+
+    def __init__(
+        self,
+        summary: str,
+        remote_traceback: str = "",
+        node: str = "",
+        remote_type: str = "",
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(summary)
+        self.summary = summary
+        self.remote_traceback = remote_traceback
+        self.node = node
+        self.remote_type = remote_type
+        self.rank = rank  # the failing rank of a multi-node gang (None for a one-node call)
+
+    def render(self) -> str:
+        if not self.remote_traceback:
+            return f"{type(self).__name__}: {self.summary}"
+        who = f"rank {self.rank} on node {self.node}" if self.rank is not None else f"the worker on node {self.node}"
+        return f"--- traceback from {who} ---\n{self.remote_traceback.rstrip()}"
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows these lines instead of local frames
+        return self.render().splitlines()
+
+
+class GpuTrainTimeout(GpuTrainError):
+    """The call ran past ``--timeout``: it was stopped and its GPUs released."""
+
+
+class GpuLeaseEnded(GpuTrainError):
+    """Someone else ended the lease while the call ran (the board, an admin, the idle reclaimer, a
+    preemption). An expected event: one line naming who and why, no traceback."""
+
+
+class GpuTrainStopped(KeyboardInterrupt):
+    """Stop (a kernel interrupt) ended the call: the request was withdrawn or the GPUs released.
+    Still a KeyboardInterrupt, so code around the call stops as it would on any interrupt."""
+
+    def __init__(self, summary: str) -> None:
+        super().__init__(summary)
+        self.summary = summary
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self.summary}"]
+
+
+@dataclass
+class Waiting:
+    request: str
+    gpus: str  # "2", "1-4"
+    pool: str
+    position: int | None  # None: leaving the queue (being granted)
+    elapsed_s: float
+    estimate: str = ""  # the server's latest estimate, e.g. "about 40 s more"
+
+
+@dataclass
+class Running:
+    lease_id: str
+    where: str  # "box GPU 0,1", "n1 GPU 0,1 + n2 GPU 0,1", "a CPU worker"
+    gpus: int
+    waited_s: float
+    note: str = ""  # elastic size, borrowed or preemptible
+
+
+@dataclass
+class Ending:
+    """How the call ended, once its workers are gone and its lease is released."""
+
+    state: str  # released | failed | timeout | stopped | withdrawn | ended | refused
+    where: str = ""
+    gpus: int = 0
+    held_s: float = 0.0
+    verified: bool = False  # every worker process was seen gone before the release
+    nvml: bool = False  # and NVML saw none of them on the GPUs
+    peak_memory: int | None = None
+    why: str = ""  # who ended the lease, and why (state "ended")
+    hint: str = ""  # right-sizing advice for next time
+    checkpoint: bool = False
+    cpu: bool = False
+
+    def line(self) -> str:
+        """One line for the notebook, at most 80 columns where the names allow."""
+        if self.state == "withdrawn":
+            return "gpu_train: stopped while queued; the request was withdrawn"
+        if self.state == "refused":
+            return f"gpu_train: {self.why}"
+        if self.cpu:
+            what = f"ran on {self.where} for {self.held_s:.1f}s"
+        else:
+            what = f"held {self.where} for {self.held_s:.1f}s"
+        freed = "GPU memory freed" if self.verified else "worker not seen to exit"
+        released = "released" if self.cpu else f"released; {freed}"
+        head = {
+            "released": f"gpu_train: {what}",
+            "failed": f"gpu_train: failed after {self.held_s:.1f}s on {self.where}",
+            "timeout": f"gpu_train: stopped by --timeout after {self.held_s:.1f}s on {self.where}",
+            "stopped": f"gpu_train: stopped after {self.held_s:.1f}s on {self.where}",
+            "ended": f"gpu_train: {self.why}",
+        }[self.state]
+        tail = "" if self.state == "ended" and self.cpu else f"; {released}"
+        mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory and not self.hint else ""
+        saved = " (checkpoint saved: %%gpu_train --resume)" if self.checkpoint else ""
+        hint = f"\n  {self.hint}" if self.hint else ""
+        return f"{head}{tail}{mem}{saved}{hint}"
+
+
+class UI(Protocol):
+    """Where a call reports its progress. Each method is called from the calling thread."""
+
+    def waiting(self, w: Waiting) -> None: ...
+    def running(self, r: Running) -> None: ...
+    def notice(self, text: str) -> None: ...
+    def output(self, stream: str, text: str) -> None: ...
+    def ended(self, e: Ending) -> None: ...
+
+
+class StreamUI:
+    """For scripts (:func:`run_on_gpus`): the worker's output to this process's streams, the
+    ending line and notices to stderr; no queue progress."""
+
+    def __init__(self, quiet: bool = True) -> None:
+        self.quiet = quiet
+
+    def waiting(self, w: Waiting) -> None:
+        pass
+
+    def running(self, r: Running) -> None:
+        pass
+
+    def notice(self, text: str) -> None:
+        sys.stderr.write(f"gpu_train: {text}\n")
+
+    def output(self, stream: str, text: str) -> None:
+        target = sys.stderr if stream == "stderr" else sys.stdout
+        target.write(text)
+        target.flush()
+
+    def ended(self, e: Ending) -> None:
+        if not self.quiet:
+            sys.stderr.write(e.line() + "\n")
+
+
+def describe_end(rec: dict[str, Any], me: str) -> str | None:
+    """One line of who ended a lease and why, from its ended record; None while it is live."""
+    state = rec.get("state")
+    if state not in ("released", "revoked", "expired"):
+        return None
+    by = rec.get("ended_by") or ""
+    who = "you" if by == me else by
+    reason = (rec.get("end_reason") or "").split("; save your work")[0]
+    if state == "released":
+        if reason == "released from the board":
+            return f"released from the board by {who}"
+        if not reason or reason == "released by its owner":
+            return f"released by {who} (gpulease release or %gpu_lease release)"
+        return f"released by {who}: {reason}"
+    if state == "expired":
+        return f"expired: {reason} (was the kernel paused or cut off?)"
+    if reason.startswith("reclaimed"):
+        return reason.replace(" and the owner did not keep it within the grace period", " after a warning")
+    if by == "server":  # a recall ran out: a preemption, or a booking whose holder asked
+        return reason.replace("recalled for", "preempted for", 1) if reason.startswith("recalled") else reason
+    return f"revoked by {who}: {reason}" if reason else f"revoked by {who}"
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def _gb(n: int | None) -> str:
+    return f"{(n or 0) / 1e9:.1f} GB"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,183 @@
+"""One output pump for 1..N workers: start the call on every rank, stream what they print, and
+collect their results. A world of one writes output as is; a gang's lines are ``[rank N]``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .calls import CHECKPOINT_STREAM, Call, Result
+from .grant import Grant
+from .outcomes import UI, GpuLeaseEnded, GpuTrainError, GpuTrainTimeout, _first_line
+
+POLL_S = 0.5  # a worker's output long poll
+WAKE_S = 0.05  # the pump wakes this often: Ray's wait does not give way to Stop (SIGINT) until it returns
+
+
+class Pump:
+    """Starts the call on every rank and streams their output until all have returned. A world
+    of one writes output as is; a gang's lines are prefixed ``[rank N]``. The first rank to fail
+    raises; the caller then ends every rank."""
+
+    def __init__(self, grant: Grant, ui: UI) -> None:
+        self.grant = grant
+        self.ui = ui
+        self.checkpoint: Any = None
+        self.has_checkpoint = False
+        self._warned_at: Any = None
+
+    def run(self, call: Call, timeout: float | None) -> list[Result]:
+        import ray
+
+        ranks = self.grant.ranks
+        multi = len(ranks) > 1
+        writer = _RankWriter(self.ui.output) if multi else None
+        watch = self.grant.watch()
+        result_refs = {r.worker.handle.run.remote(call, r.env, watch): i for i, r in enumerate(ranks)}
+        out_refs = {r.worker.handle.read_output.remote(POLL_S): i for i, r in enumerate(ranks)}
+        results: dict[int, Result] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while len(results) < len(ranks):
+                wait_s = WAKE_S if deadline is None else max(0.0, min(WAKE_S, deadline - time.monotonic()))
+                ready, _ = ray.wait([*result_refs, *out_refs], num_returns=1, timeout=wait_s)
+                if deadline is not None and time.monotonic() >= deadline and not ready:
+                    every = "; every rank was stopped" if multi else ""
+                    raise GpuTrainTimeout(f"stopped after --timeout {timeout:g}s{every}", node=self._nodes())
+                self._check_lease()
+                for ref in ready:
+                    if ref in out_refs:
+                        i = out_refs.pop(ref)
+                        try:
+                            chunks, done = ray.get(ref)
+                        except ray.exceptions.RayError:
+                            chunks, done = [], True
+                        self._emit(i, chunks, writer)
+                        if not done:
+                            out_refs[ranks[i].worker.handle.read_output.remote(POLL_S)] = i
+                        continue
+                    i = result_refs.pop(ref)
+                    result = self._collect(ref, i, multi)
+                    if not result.ok:
+                        self._drain(out_refs, writer)
+                        rank = f"rank {i} on {ranks[i].node}" if multi else ranks[i].node
+                        gpus = ranks[i].env.get("CUDA_VISIBLE_DEVICES", "")
+                        raise GpuTrainError(
+                            f"{result.error_type}: {result.message} (on {rank}"
+                            + (f", GPU {gpus}" if gpus else "")
+                            + ("; every rank was stopped)" if multi else ")"),
+                            remote_traceback=result.traceback,
+                            node=ranks[i].node,
+                            remote_type=result.error_type,
+                            rank=i if multi else None,
+                        )
+                    results[i] = result
+            self._drain(out_refs, writer)
+        finally:
+            if writer is not None:
+                writer.flush()
+        return [results[i] for i in range(len(ranks))]
+
+    def _nodes(self) -> str:
+        return ",".join(dict.fromkeys(r.node for r in self.grant.ranks))
+
+    def _check_lease(self) -> None:
+        held = self.grant.held
+        if held is None:
+            return
+        if held.lost is not None or self.grant.ended_elsewhere.is_set():  # someone else ended it
+            raise GpuLeaseEnded(self.grant.ended_by() or f"the lease ended: {held.lost}", node=self._nodes())
+        reclaim_at = held.lease.raw.get("reclaim_at")
+        if reclaim_at and reclaim_at != self._warned_at:
+            self._warned_at = reclaim_at
+            self.ui.notice(
+                f"these GPUs look idle: reclaimed in {max(0, reclaim_at - time.time()):.0f}s unless they get "
+                f"busy; to keep them: gpulease keep {held.lease.id}"
+            )
+
+    def _collect(self, ref: Any, i: int, multi: bool) -> Result:
+        import ray
+
+        node = self.grant.ranks[i].node
+        try:
+            return ray.get(ref)  # type: ignore[no-any-return]
+        except ray.exceptions.RayActorError:
+            why = self.grant.ended_by()
+            if why:
+                raise GpuLeaseEnded(why, node=node) from None
+            who = f"rank {i} on {node}" if multi else f"on {node}"
+            raise GpuTrainError(
+                f"the worker process {who} exited unexpectedly (os._exit, a crash, or the OOM killer)"
+                + ("; every rank was stopped" if multi else ""),
+                node=node,
+                rank=i if multi else None,
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise GpuTrainError(f"Ray could not run the call: {_first_line(exc)}", node=node) from None
+
+    def _emit(self, i: int, chunks: list[tuple[str, str]], writer: _RankWriter | None) -> None:
+        import base64
+
+        from ray import cloudpickle
+
+        for stream, text in chunks:
+            if stream == CHECKPOINT_STREAM:
+                if i == 0:  # rank 0's state, as for one node
+                    self.checkpoint = cloudpickle.loads(base64.b64decode(text))
+                    self.has_checkpoint = True
+        plain = [c for c in chunks if c[0] != CHECKPOINT_STREAM]
+        if writer is not None:
+            for stream, text in plain:
+                writer.write(i, stream, text)
+        else:
+            for stream, text in _merge(plain):
+                self.ui.output(stream, text)
+
+    def _drain(self, out_refs: dict[Any, int], writer: _RankWriter | None) -> None:
+        """What the ranks printed and we have not shown yet (bounded: a rank may be gone)."""
+        import ray
+
+        for ref, i in list(out_refs.items()):
+            out_refs.pop(ref)
+            try:
+                chunks, done = ray.get(ref, timeout=2)
+                self._emit(i, chunks, writer)
+                if not done:
+                    chunks, _ = ray.get(self.grant.ranks[i].worker.handle.read_output.remote(0), timeout=2)
+                    self._emit(i, chunks, writer)
+            except Exception:  # noqa: BLE001 - the rank is gone; nothing more to show
+                pass
+
+
+def _merge(chunks: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Join consecutive pieces of one stream (print writes several)."""
+    merged: list[tuple[str, str]] = []
+    for stream, text in chunks:
+        if merged and merged[-1][0] == stream:
+            merged[-1] = (stream, merged[-1][1] + text)
+        else:
+            merged.append((stream, text))
+    return merged
+
+
+class _RankWriter:
+    """Writes the ranks' output with each line prefixed ``[rank N] ``. A line is shown once it
+    is complete (or at the end), so that two ranks' pieces of a line never mix."""
+
+    def __init__(self, write: Callable[[str, str], None]) -> None:
+        self._write = write
+        self._partial: dict[tuple[int, str], str] = {}
+
+    def write(self, rank: int, stream: str, text: str) -> None:
+        key = (rank, stream)
+        lines = (self._partial.pop(key, "") + text).splitlines(keepends=True)
+        if lines and not lines[-1].endswith(("\n", "\r")):
+            self._partial[key] = lines.pop()
+        if lines:
+            self._write(stream, "".join(f"[rank {rank}] {line}" for line in lines))
+
+    def flush(self) -> None:
+        for (rank, stream), text in sorted(self._partial.items()):
+            self._write(stream, f"[rank {rank}] {text}\n")
+        self._partial.clear()

@@ -1,0 +1,230 @@
+"""The kernel's connections: the lease client, the Ray connection, the spare workers.
+
+Nothing about a particular call lives here (see :mod:`magics.grant` and :mod:`magics.pump`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from lease_server import errors
+from lease_server.client import Client, HeldLease
+
+from .calls import Where, this_machine
+from .worker import GpuWorker
+
+log = logging.getLogger(__name__)
+RESOURCE_PREFIX = "gpulease_node_"
+SPARES_PER_NODE = 2  # one for the next call, one for the call after it while the first is replaced
+GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
+GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
+
+
+def node_resource(node: str) -> str:
+    """The Ray custom resource that marks the Ray node serving lease-server node ``node``."""
+    return RESOURCE_PREFIX + node
+
+
+@dataclass
+class Defaults:
+    """Session defaults, changed with %gpu_config."""
+
+    gpus: int = 1
+    pool: str | None = None
+    timeout: float | None = None
+    wait: float = 3600.0
+    url: str | None = None
+    token: str | None = None
+    ttl: float | None = None
+
+
+@dataclass
+class _Worker:
+    """A started worker actor and the reference that resolves to where its process lives."""
+
+    handle: Any
+    ready_ref: Any
+
+    def where(self, timeout: float = 60.0) -> Where:
+        import ray
+
+        return ray.get(self.ready_ref, timeout=timeout)  # type: ignore[no-any-return]
+
+
+class Session:
+    """Per-process connections: the lease client, the Ray connection, the spare workers. Leases
+    held right now are tracked only so that a kernel shutdown can give them back."""
+
+    def __init__(self) -> None:
+        self.defaults = Defaults()
+        self._client: Client | None = None
+        self._lock = threading.RLock()
+        self._pinned: bool | None = None
+        self._spares: dict[str, deque[_Worker]] = {}
+        self._actor_cls: Any = None
+        self._resources: set[str] = set()
+        self.machine = this_machine()
+        self.held: set[HeldLease] = set()
+        self.waiting: set[str] = set()  # request ids queued right now
+        # A multi-node gang: how long Ray may take to place every rank and start its process.
+        self.gang_start_timeout = GANG_START_TIMEOUT_S
+        atexit.register(self.release_all)
+
+    def client(self) -> Client:
+        with self._lock:
+            if self._client is None:
+                self._client = Client(self.defaults.url, self.defaults.token)
+            return self._client
+
+    def reset_client(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+            self._client = None
+
+    def connect_ray(self) -> None:
+        """Join the Ray cluster that the lease server names; start nothing of our own."""
+        import ray
+
+        # Ray tells notebook users to install ipywidgets for a prettier repr; that is noise here.
+        logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)
+        with self._lock:
+            if self._actor_cls is not None and ray.is_initialized():
+                return
+            if not ray.is_initialized():
+                address = self.client().request("GET", "/api/v1/info").get("ray_address") or os.environ.get(
+                    "RAY_ADDRESS"
+                )
+                if not address:
+                    raise errors.ConfigurationError(
+                        "the lease server names no Ray cluster: start it with 'gpulease up' (which starts "
+                        "a Ray head) or 'gpulease server --ray-address HOST:PORT'"
+                    )
+                _probe_ray(address)
+                ray.init(
+                    address=address,
+                    namespace="gpulease",
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                    configure_logging=False,
+                )
+            self._actor_cls = ray.remote(GpuWorker)
+            self._pinned = any(k.startswith(RESOURCE_PREFIX) for k in self._refresh_resources())
+
+    def _refresh_resources(self) -> set[str]:
+        import ray
+
+        self._resources = set(ray.cluster_resources())
+        return self._resources
+
+    def node_share(self, node: str) -> dict[str, float]:
+        """What one worker takes of ``node``'s Ray resource ({} if Ray nodes are not pinned)."""
+        if not self._pinned:
+            return {}
+        res = node_resource(node)
+        if res not in self._resources and res not in self._refresh_resources():
+            raise errors.ConfigurationError(
+                f"no Ray node serves lease-server node {node!r}: start Ray there with --resources '{{\"{res}\": 1000}}'"
+            )
+        return {res: GANG_BUNDLE_SHARE}
+
+    def new_worker(self, node: str | None, **opts: Any) -> _Worker:
+        """Start a worker: on ``node``'s Ray node, or (node None) anywhere with ``opts``."""
+        merged: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": 0, **opts}
+        if node is not None and "resources" not in merged:
+            share = self.node_share(node)
+            if share:
+                merged["resources"] = share
+        handle = self._actor_cls.options(**merged).remote()
+        return _Worker(handle, handle.ready.remote())
+
+    def prewarm(self, nodes: list[str]) -> None:
+        """Start spare workers on ``nodes`` now, so that a call later costs no process start."""
+        self.connect_ray()
+        with self._lock:
+            for node in nodes:
+                spares = self._spares.setdefault(node, deque())
+                while len(spares) < SPARES_PER_NODE:
+                    spares.append(self.new_worker(node))
+
+    def take_worker(self, node: str) -> _Worker:
+        """A pre-started worker on ``node`` (or a new one if none is left); a replacement starts
+        in the background."""
+        with self._lock:
+            spares = self._spares.setdefault(node, deque())
+            worker = spares.popleft() if spares else self.new_worker(node)
+        self._replenish(node)
+        return worker
+
+    def spare(self, node: str) -> _Worker:
+        """A live worker on ``node`` to run a short helper task on (it stays a spare)."""
+        with self._lock:
+            spares = self._spares.setdefault(node, deque())
+            if not spares:
+                spares.append(self.new_worker(node))
+            return spares[0]
+
+    def _replenish(self, node: str) -> None:
+        """Start the spare that replaces the one just taken, in the background: starting a
+        process costs a second or two of CPU, which must not compete with the call itself."""
+
+        def start() -> None:
+            try:
+                with self._lock:
+                    spares = self._spares.setdefault(node, deque())
+                    if len(spares) < SPARES_PER_NODE:
+                        spares.append(self.new_worker(node))
+            except Exception as exc:  # noqa: BLE001 - the next call starts one itself
+                log.warning("could not start a spare worker on %s: %s", node, exc)
+
+        threading.Thread(target=start, name="gpulease-spare", daemon=True).start()
+
+    def release_all(self, reason: str = "kernel shut down") -> None:
+        """Kernel shutdown: withdraw every queued request and give back every lease held."""
+        client = self._client
+        for rid in list(self.waiting):
+            with contextlib.suppress(Exception):
+                if client is not None:
+                    client.withdraw(rid, reason=reason)
+        self.waiting.clear()
+        for held in list(self.held):
+            try:
+                held.release()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit; the TTL is the backstop
+                log.warning("could not release %s at exit: %s", held.id, exc)
+        self.held.clear()
+
+
+_session: Session | None = None
+
+
+def session() -> Session:
+    global _session
+    if _session is None:
+        _session = Session()
+    return _session
+
+
+def _probe_ray(address: str, timeout: float = 3.0) -> None:
+    """Fail in seconds, with the next step, when the Ray head does not answer: ``ray.init`` would
+    retry for minutes and hold the kernel (it runs while the kernel starts)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or "/" in host:  # "auto", ray://...: Ray's own lookup, not a plain head
+        return
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return
+    except (OSError, ValueError) as exc:
+        raise errors.ConfigurationError(
+            f"the Ray head at {address} does not answer ({exc}): restart 'gpulease up', or ask your admin "
+            "to restart Ray on the head node"
+        ) from None
