@@ -219,7 +219,7 @@ def port_open(port: int) -> bool:
 class Up:
     """``gpulease up`` as a child process, as a user starts it."""
 
-    def __init__(self, data: Path, *extra: str, simulate: str = "box=2xA100-80GB", **env: str) -> None:
+    def __init__(self, data: Path, *extra: str, simulate: str | None = "box=2xA100-80GB", **env: str) -> None:
         self.data, self.port = data, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "GPULEASE_HOME": str(data), **env}
@@ -232,8 +232,7 @@ class Up:
                 [
                     *CLI,
                     "up",
-                    "--simulate",
-                    simulate,
+                    *(["--simulate", simulate] if simulate else []),  # None: the real GPUs, through NVML
                     "--no-lab",
                     "--port",
                     str(self.port),
