@@ -14,27 +14,14 @@ import httpx
 import pytest
 
 from lease_server.client import Client
-from magics.kernel import install
 from tests.api_helpers import EventWatcher
 from tests.conftest import Up
-from tests.test_magics import FRAMES, Kernel, _alive, displays, errors_of, status, text
-
-TTL = "3"
+from tests.test_magics import FRAMES, Kernel, _alive, displays, errors_of, stack_with_kernels, status, text
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    home = tmp_path_factory.mktemp("gpulease-home")
-    prefix = tmp_path_factory.mktemp("kernels")
-    install(prefix=str(prefix))
-    up = Up(
-        home,
-        simulate="box=2xA100-80GB,pair=2xA100-80GB",
-        GPULEASE_DEFAULT_TTL=TTL,
-        GPULEASE_SWEEP_INTERVAL="0.2",
-        GPULEASE_BORROW_NOTICE="3",
-    )
-    up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
+    up = stack_with_kernels(tmp_path_factory, "box=2xA100-80GB,pair=2xA100-80GB", GPULEASE_BORROW_NOTICE="3")
     yield up
     up.interrupt()
 

@@ -22,19 +22,19 @@ from tests.conftest import Up
 TTL = "3"  # seconds: short, so that a dead kernel's lease runs out quickly
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def stack_with_kernels(tmp_path_factory: pytest.TempPathFactory, simulate: str, **env: str) -> Up:
+    """`gpulease up` with short TTL and sweep, and the gpulease kernelspec on its JUPYTER_PATH."""
     home = tmp_path_factory.mktemp("gpulease-home")
     prefix = tmp_path_factory.mktemp("kernels")
     install(prefix=str(prefix))
-    up = Up(
-        home,
-        simulate="box=2xA100-80GB,cpu=2xCPU",
-        GPULEASE_DEFAULT_TTL=TTL,
-        GPULEASE_SWEEP_INTERVAL="0.2",
-        GPULEASE_BORROW_NOTICE="4",
-    )
+    up = Up(home, simulate=simulate, GPULEASE_DEFAULT_TTL=TTL, GPULEASE_SWEEP_INTERVAL="0.2", **env)
     up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
+    return up
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    up = stack_with_kernels(tmp_path_factory, "box=2xA100-80GB,cpu=2xCPU", GPULEASE_BORROW_NOTICE="4")
     yield up
     up.interrupt()
 
