@@ -16,6 +16,7 @@ import pytest
 
 from lease_server import errors
 from magics import runner
+from magics import session as session_module
 from magics.calls import Call
 from magics.runner import CallResult, Ending, GpuTrainError, Options, Session
 
@@ -244,7 +245,7 @@ def test_two_node_gang_runs_every_rank_with_its_env(srv, sess):
 
 
 def test_run_on_gpus_returns_rank_0s_value(srv, sess, monkeypatch):
-    monkeypatch.setattr(runner, "_session", sess)
+    monkeypatch.setattr(session_module, "_session", sess)
     assert runner.run_on_gpus(report_env, gpus=4, nodes=2, wait=5)["RANK"] == "0"
     for bad in ({"gpus": 0}, {"gpus": "2-4"}, {"gpus": 3}, {}):
         with pytest.raises(ValueError):
@@ -345,7 +346,7 @@ def test_gpu_train_magic_with_nodes(srv, sess, monkeypatch, capsys):
 
     from magics.magic import GpuMagics
 
-    monkeypatch.setattr(runner, "_session", sess)
+    monkeypatch.setattr(session_module, "_session", sess)
     ip = start_ipython()
     assert ip is not None
     magics = GpuMagics(ip)
