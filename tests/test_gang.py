@@ -5,6 +5,7 @@ leased GPUs and the torch.distributed variables, and one rank dying ends all and
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 import threading
@@ -16,11 +17,12 @@ import pytest
 
 from lease_server import errors
 from magics import runner
-from magics import session as session_module
 from magics.calls import Call
 from magics.runner import CallResult, Ending, GpuTrainError, Options, Session
 
 ray = pytest.importorskip("ray")
+# magics.session is also the name of the function the package exports: take the module itself.
+session_module = importlib.import_module("magics.session")
 
 NODES = "n1=2xA100-80GB,n2=2xA100-80GB"
 ENV_KEYS = (
