@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
 END_STATES = ("released", "revoked", "expired")
+FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
 
 
 @dataclass
@@ -174,6 +175,10 @@ class Grant:
         lease_id = self.lease.id
 
         def run() -> None:
+            # Short calls end before this and never pay for a stream; the renewal and the worker's
+            # watchdog cover the first moments of a long one.
+            if self._releasing.wait(FOLLOW_DELAY_S):
+                return
             http = event_client(client.url, client.headers)
             self._follower = http
             if self._releasing.is_set():

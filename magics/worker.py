@@ -24,6 +24,7 @@ from .calls import CHECKPOINT_STREAM, Call, CellValue, Result, Where, _tls, even
 
 END_EVENTS = ("released", "expired", "revoked")
 WATCHDOG_EXIT_CODE = 75
+WATCHDOG_DELAY_S = 0.5  # the watchdog starts following the lease this long into a call
 DRIVER_GRACE_S = 2.0  # after the lease ended: the driver's own kill comes first
 KILL_AFTER_S = 2.0  # a worker asked to exit that is still there after this gets SIGKILL
 NVML_GONE_TIMEOUT_S = 2.0  # how long the driver may take to drop a dead process from a GPU
@@ -80,16 +81,14 @@ class GpuWorker:
         self._cond = threading.Condition()
         self._chunks: list[tuple[str, str]] = []
         self._done = False
+        self._done_event = threading.Event()
         self._used = False
         # Imports done while the spare waits, not on the call's clock (pynvml: ~15 ms).
         import httpx  # noqa: F401
 
         _tls()  # the watchdog's TLS context, made while the spare waits
 
-        try:
-            import pynvml  # noqa: F401
-        except ImportError:
-            pass
+        _nvml_here()  # pynvml imported and NVML probed now, not on the call's clock
 
     def ready(self) -> Where:
         """Where this process lives (the driver watches its pid to know when it is gone)."""
@@ -159,6 +158,7 @@ class GpuWorker:
             with self._cond:
                 self._done = True
                 self._cond.notify_all()
+            self._done_event.set()
 
     def exit(self) -> None:
         """Leave now (the driver then watches the pid go); a call in flight is cut short."""
@@ -193,8 +193,26 @@ def _execute(call: Call) -> Any:
     return CellValue({n: ns[n] for n in call.outputs if n in ns}, result)
 
 
+_NVML: list[bool] = []  # [whether NVML works here], found once per process while the spare waits
+
+
+def _nvml_here() -> bool:
+    if not _NVML:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            pynvml.nvmlShutdown()
+            _NVML.append(True)
+        except Exception:  # noqa: BLE001 - no driver: no GPU readings in this process
+            _NVML.append(False)
+    return _NVML[0]
+
+
 def _peak_memory() -> int | None:
     """Peak GPU memory of this process in bytes, where NVML can tell (None without a GPU)."""
+    if not _nvml_here():
+        return None
     try:
         import pynvml
 
@@ -246,6 +264,9 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
     import httpx
 
     url, lease_id = watch["url"], watch["id"]
+    # A backstop (the driver follows the lease too): a call that ends within this never pays for it.
+    if worker is not None and worker._done_event.wait(WATCHDOG_DELAY_S):
+        return
     http = event_client(url, {"Authorization": f"Bearer {watch['token']}"})
 
     def ended() -> str | None:
