@@ -170,7 +170,7 @@ def describe_end(rec: dict[str, Any], me: str) -> str | None:
         return f"released by {who}: {reason}"
     if state == "expired":
         return f"expired: {reason} (was the kernel paused or cut off?)"
-    if reason.startswith("reclaimed"):
+    if by == "reclaimer":  # reclaim.lua's ended_by
         return reason.replace(" and the owner did not keep it within the grace period", " after a warning")
     if by == "server":  # a recall ran out: a preemption, or a booking whose holder asked
         return reason.replace("recalled for", "preempted for", 1) if reason.startswith("recalled") else reason
