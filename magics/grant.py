@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
 END_STATES = ("released", "revoked", "expired")
+READY_WAIT_S = 5.0  # how long the release waits to learn a starting worker's pid
 FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
 
 
@@ -251,7 +252,9 @@ class Grant:
         wheres: list[tuple[_Rank, Where | None]] = []
         for rank in self.ranks:
             try:
-                where = rank.worker.where(timeout=0) if _is_ready(rank.worker.ready_ref) else None
+                # Resolved long ago for a pre-started spare; a worker still starting is waited for,
+                # since its process may already hold a CUDA context.
+                where = rank.worker.where(timeout=READY_WAIT_S)
             except Exception:  # noqa: BLE001 - it never started: nothing of it can hold a GPU
                 where = None
             wheres.append((rank, where))
@@ -295,13 +298,6 @@ class Grant:
         except Exception as exc:  # noqa: BLE001 - say so in the closing line; the lease is still released
             log.warning("could not verify that worker %s on %s exited: %s", where.pid, node, exc)
             return {"gone": False, "nvml": False}
-
-
-def _is_ready(ref: Any) -> bool:
-    import ray
-
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
 
 
 # ---- starting the world of workers ---------------------------------------------------------------

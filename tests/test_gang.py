@@ -395,7 +395,7 @@ def test_above_quota_call_is_preempted_and_its_checkpoint_hook_returns_state(clu
     srv = server_factory(
         "n1=2xA100-80GB",
         ray_address=cluster.address,
-        scheduling={"A100-80GB": {"quota": {"*": 1}, "preempt_notice": 5}},
+        scheduling={"A100-80GB": {"quota": {"*": 1}, "preempt_notice": 15}},  # ample under load: it ends at notice
     )
     watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
     s = Session()
