@@ -128,6 +128,35 @@ class UI(Protocol):
     def ended(self, e: Ending) -> None: ...
 
 
+class RecordingUI:
+    """A UI that keeps everything a call reported, in order: for scripts that want the states
+    after the fact, and for tests. ``states`` holds Waiting / Running / notices / the Ending."""
+
+    def __init__(self) -> None:
+        self.states: list[Any] = []
+        self.out: list[tuple[str, str]] = []
+
+    def waiting(self, w: Waiting) -> None:
+        self.states.append(w)
+
+    def running(self, r: Running) -> None:
+        self.states.append(r)
+
+    def notice(self, text: str) -> None:
+        self.states.append(text)
+
+    def output(self, stream: str, text: str) -> None:
+        self.out.append((stream, text))
+
+    def ended(self, e: Ending) -> None:
+        self.states.append(e)
+
+    @property
+    def ending(self) -> Ending:
+        (e,) = [s for s in self.states if isinstance(s, Ending)]
+        return e
+
+
 class StreamUI:
     """For scripts (:func:`run_on_gpus`): the worker's output to this process's streams, the
     ending line and notices to stderr; no queue progress."""

@@ -75,12 +75,18 @@ def hold_all(up: Up, c: Client) -> list[Any]:
     return [c.acquire(2, ttl=60), c.acquire(2, ttl=60)]
 
 
+def queue_a_cell(up: Up, c: Client, kernel: Kernel, watcher: EventWatcher) -> tuple[list[Any], str, Any, list[Any]]:
+    """Hold every GPU, start a 1-GPU cell, and return once its line shows it first in line:
+    (holders, the cell's msg id, its queued event, its outputs so far)."""
+    holders = hold_all(up, c)
+    msg = kernel.start("%%gpu_train --gpus 1\nx = 1")
+    queued = watcher.wait_for(lambda e: e["type"] == "queued", 120, "the cell's request queued")
+    return holders, msg, queued, until_shown(kernel, msg, "queued for 1 GPU(s) of A100-80GB: 1st in line")
+
+
 def test_stop_on_a_queued_cell_withdraws_the_request(stack, kernel, watcher):
     with client(stack) as c:
-        holders = hold_all(stack, c)
-        msg = kernel.start("%%gpu_train --gpus 1\nx = 1")
-        queued = watcher.wait_for(lambda e: e["type"] == "queued", 120, "the cell's request queued")
-        first = until_shown(kernel, msg, "queued for 1 GPU(s) of A100-80GB: 1st in line")
+        holders, msg, queued, first = queue_a_cell(stack, c, kernel, watcher)
         kernel.km.interrupt_kernel()
         stopped_at = time.monotonic()
         out, finished = kernel.outputs(msg, timeout=30)
@@ -149,10 +155,7 @@ def test_stop_on_a_running_cell_is_three_lines_at_most(stack, kernel):
 
 def test_kernel_restart_while_queued_withdraws_and_closes_the_line(stack, kernel, watcher):
     with client(stack) as c:
-        holders = hold_all(stack, c)
-        msg = kernel.start("%%gpu_train --gpus 1\nx = 1")
-        queued = watcher.wait_for(lambda e: e["type"] == "queued", 120, "queued")
-        first = until_shown(kernel, msg, "1st in line")
+        holders, msg, queued, first = queue_a_cell(stack, c, kernel, watcher)
         (display_id,) = {o["transient"]["display_id"] for o in first if o["type"] == "display_data"}
         kernel.km.restart_kernel(now=False)
         watcher.wait_for(

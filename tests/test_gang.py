@@ -18,7 +18,7 @@ import pytest
 from lease_server import errors
 from magics import runner
 from magics.calls import Call
-from magics.runner import CallResult, Ending, GpuTrainError, Options, Session
+from magics.runner import CallResult, GpuTrainError, Options, RecordingUI, Session
 
 ray = pytest.importorskip("ray")
 # magics.session is also the name of the function the package exports: take the module itself.
@@ -71,34 +71,8 @@ def sess(srv: Any) -> Iterator[Session]:
     s.reset_client()
 
 
-class Recorder:
-    """A UI that keeps what a call reported: output chunks and how it ended."""
-
-    def __init__(self, output: Any = None) -> None:
-        self.out: list[tuple[str, str]] = []
-        self.endings: list[Ending] = []
-        self._output = output
-
-    def waiting(self, w: Any) -> None:
-        pass
-
-    def running(self, r: Any) -> None:
-        pass
-
-    def notice(self, text: str) -> None:
-        pass
-
-    def output(self, stream: str, text: str) -> None:
-        self.out.append((stream, text))
-        if self._output is not None:
-            self._output(stream, text)
-
-    def ended(self, e: Ending) -> None:
-        self.endings.append(e)
-
-
 def run(sess: Session, fn: Any, *args: Any, ui: Any = None, **opts: Any) -> CallResult:
-    return runner.run_call(Call.function(fn, *args), Options(**opts), ui or Recorder(), sess)
+    return runner.run_call(Call.function(fn, *args), Options(**opts), ui or RecordingUI(), sess)
 
 
 def free_gpus(srv: Any) -> int:
@@ -213,8 +187,7 @@ def gloo_all_reduce() -> float:
 
 
 def test_two_node_gang_runs_every_rank_with_its_env(srv, sess):
-    out: list[tuple[str, str]] = []
-    ui = Recorder(lambda stream, text: out.append((stream, text)))
+    ui = RecordingUI()
     outcome = run(sess, report_env, gpus=4, nodes=2, wait=0, all_ranks=True, ui=ui)
     envs = outcome.value
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
@@ -236,11 +209,11 @@ def test_two_node_gang_runs_every_rank_with_its_env(srv, sess):
         assert {e["ray_node"] for e in ranks} == {ray_node_of(node)}  # placed on the node's Ray node
     assert {e["GPULEASE_LEASE_ID"] for e in envs} == {outcome.lease_id}
     assert len({e["pid"] for e in envs}) == 4  # one process per GPU
-    text = "".join(t for s, t in out if s == "stdout")
+    text = "".join(t for s, t in ui.out if s == "stdout")
     for rank in range(4):
         assert f"[rank {rank}] hello from rank {rank}\n" in text
         assert f"[rank {rank}] partial line\n" in text
-    (ending,) = ui.endings
+    ending = ui.ending
     assert ending.state == "released" and ending.gpus == 4 and ending.verified
     assert free_gpus(srv) == 4
     assert wait_gone([e["pid"] for e in envs]) == []
@@ -285,17 +258,17 @@ def test_gang_is_all_or_nothing(srv, sess, tmp_path):
 
 
 def test_killing_one_rank_ends_all_and_frees_every_gpu(srv, sess, tmp_path):
-    out: list[str] = []
+    ui = RecordingUI()
     t0 = time.monotonic()
     with pytest.raises(GpuTrainError) as err:
-        run(sess, die_on_rank_1, str(tmp_path), gpus=4, nodes=2, wait=0, ui=Recorder(lambda s, t: out.append(t)))
+        run(sess, die_on_rank_1, str(tmp_path), gpus=4, nodes=2, wait=0, ui=ui)
     assert time.monotonic() - t0 < 60  # not the other ranks' 120 s sleep
     e = err.value
     assert e.rank == 1 and e.node in ("n1", "n2")
     assert f"rank 1 on {e.node}" in str(e) and "exited unexpectedly" in str(e) and "every rank was stopped" in str(e)
     pids = {int(p.name.split("-")[1]): int(p.read_text()) for p in tmp_path.glob("pid-?")}
     assert sorted(pids) == [0, 1, 2, 3]
-    shown = "".join(out)
+    shown = "".join(t for _, t in ui.out)
     for rank in (0, 2, 3):
         assert f"[rank {rank}] pid {pids[rank]}\n" in shown
     assert wait_gone(list(pids.values())) == []  # every rank's process is gone

@@ -14,10 +14,10 @@ import pytest
 
 from lease_server.client import Client
 from magics.runner import (
-    Ending,
     GpuTrainError,
     GpuTrainStopped,
     Options,
+    RecordingUI,
     Running,
     Session,
     Waiting,
@@ -27,32 +27,6 @@ from magics.runner import (
 from tests.conftest import Up
 
 ray = pytest.importorskip("ray")
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.states: list[Any] = []
-        self.out: list[tuple[str, str]] = []
-
-    def waiting(self, w: Waiting) -> None:
-        self.states.append(w)
-
-    def running(self, r: Running) -> None:
-        self.states.append(r)
-
-    def notice(self, text: str) -> None:
-        self.states.append(text)
-
-    def output(self, stream: str, text: str) -> None:
-        self.out.append((stream, text))
-
-    def ended(self, e: Ending) -> None:
-        self.states.append(e)
-
-    @property
-    def ending(self) -> Ending:
-        (e,) = [s for s in self.states if isinstance(s, Ending)]
-        return e
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +52,7 @@ def free(s: Session) -> int:
 
 def test_names_in_and_out_and_the_last_expression(sess):
     ns: dict[str, Any] = {"scale": 3, "unused": object()}
-    ui = Recorder()
+    ui = RecordingUI()
     got = run_cell(
         "import os\nseen = os.environ['CUDA_VISIBLE_DEVICES']\nys = [scale * i for i in range(3)]\nsum(ys)",
         ns,
@@ -100,20 +74,20 @@ def test_names_in_and_out_and_the_last_expression(sess):
 
 def test_out_names_and_a_name_that_cannot_travel(sess):
     ns: dict[str, Any] = {}
-    run_cell("a = 1\nb = 2", ns, Options(outputs=["b"]), Recorder(), sess)
+    run_cell("a = 1\nb = 2", ns, Options(outputs=["b"]), RecordingUI(), sess)
     assert ns == {"b": 2}
     with pytest.raises(GpuTrainError, match="NameError: --out names c, which the cell never set"):
-        run_cell("a = 1", ns, Options(outputs=["c"]), Recorder(), sess)
+        run_cell("a = 1", ns, Options(outputs=["c"]), RecordingUI(), sess)
     ns["lock"] = threading.Lock()
     with pytest.raises(ValueError, match="the cell reads 'lock', which cannot be sent"):
-        run_cell("x = lock", ns, Options(), Recorder(), sess)
+        run_cell("x = lock", ns, Options(), RecordingUI(), sess)
     with pytest.raises(ValueError, match="nothing to run"):
-        run_cell("  ", ns, Options(), Recorder(), sess)
+        run_cell("  ", ns, Options(), RecordingUI(), sess)
     assert free(sess) == 2
 
 
 def test_an_error_comes_back_as_the_remote_traceback_once(sess):
-    ui = Recorder()
+    ui = RecordingUI()
     with pytest.raises(GpuTrainError) as err:
         run_cell("print('step 1')\nraise ValueError('bad batch')", {}, Options(), ui, sess)
     lines = err.value._render_traceback_()
@@ -137,7 +111,7 @@ def test_stop_ends_the_call_frees_the_gpus_and_the_worker(sess, tmp_path: Path):
 
     t = threading.Thread(target=stop_when_running)
     t.start()
-    ui = Recorder()
+    ui = RecordingUI()
     with pytest.raises(GpuTrainStopped) as err:
         run_cell(code, {}, Options(), ui, sess)
     t.join(10)
@@ -153,7 +127,7 @@ def test_stop_while_queued_withdraws_the_request(sess, up):
     holder = Client(up.url, sess.defaults.token)
     held = holder.acquire(2, ttl=60)
     main = threading.get_ident()
-    ui = Recorder()
+    ui = RecordingUI()
 
     def stop_when_queued() -> None:
         while not any(isinstance(s, Waiting) and s.position for s in ui.states):
