@@ -157,6 +157,10 @@ def test_kernel_restart_while_queued_withdraws_and_closes_the_line(stack, kernel
     with client(stack) as c:
         holders, msg, queued, first = queue_a_cell(stack, c, kernel, watcher)
         (display_id,) = {o["transient"]["display_id"] for o in first if o["type"] == "display_data"}
+        # jupyter_client SIGTERMs a kernel that has not exited 2.5 s after the shutdown request
+        # (half of shutdown_wait_time); on a loaded CI machine that can cut off the old kernel's
+        # last messages, so it gets the time a loaded machine needs.
+        kernel.km.shutdown_wait_time = 30
         kernel.km.restart_kernel(now=False)
         watcher.wait_for(
             lambda e: e["type"] == "wait_cancelled" and e["lease"] == queued["lease"], 30, "request withdrawn"
