@@ -31,8 +31,13 @@ NVML_GONE_TIMEOUT_S = 2.0  # how long the driver may take to drop a dead process
 
 # Preemption, in the worker process: set when the lease server recalls this call's GPUs
 # (preempted, or lent from a booking whose holder now wants them); the hooks run then.
+# _NOTICE (what ``preempted()`` reads) is set only after the notice is written and the hooks
+# have run: a loop that stops on ``preempted()`` must not return before its checkpoint exists.
 _NOTICE = threading.Event()
+_RECALL_SEEN = threading.Event()  # the recall was seen once; its thread is _RECALL[0]
+_RECALL: list[threading.Thread] = []
 _HOOKS: list[Callable[[], Any]] = []
+CHECKPOINT_WAIT_S = 60.0  # how long a returning call waits for a checkpoint hook still running
 
 
 def on_preempt(hook: Callable[[], Any]) -> Callable[[], Any]:
@@ -153,6 +158,8 @@ class GpuWorker:
                 pid=os.getpid(),
             )
         finally:
+            for t in _RECALL:  # a checkpoint being taken goes back with this call's output
+                t.join(CHECKPOINT_WAIT_S)
             sys.stdout.flush()
             sys.stdout, sys.stderr = old
             with self._cond:
@@ -231,8 +238,15 @@ def _peak_memory() -> int | None:
 
 
 def _recalled(worker: GpuWorker, rec: dict[str, Any]) -> None:
-    """The lease server recalls this call's GPUs: tell the notebook, run the checkpoint hooks."""
-    _NOTICE.set()
+    """The lease server recalls this call's GPUs: tell the notebook, run the checkpoint hooks,
+    then let ``preempted()`` say so."""
+    try:
+        _notify_and_checkpoint(worker, rec)
+    finally:
+        _NOTICE.set()
+
+
+def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
     left = max(0.0, rec["recall_at"] - time.time())
     worker.push(
         "stderr",
@@ -273,9 +287,11 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
         if r.status_code == 404:
             return "gone"
         rec = r.json()
-        if rec.get("recall_at") and worker is not None and not _NOTICE.is_set():
-            _NOTICE.set()
-            threading.Thread(target=_recalled, args=(worker, rec), name="gpulease-checkpoint", daemon=True).start()
+        if rec.get("recall_at") and worker is not None and not _RECALL_SEEN.is_set():
+            _RECALL_SEEN.set()
+            t = threading.Thread(target=_recalled, args=(worker, rec), name="gpulease-checkpoint", daemon=True)
+            _RECALL.append(t)
+            t.start()
         state = rec.get("state")
         return state if state in END_EVENTS else None
 
