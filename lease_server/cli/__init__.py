@@ -21,8 +21,8 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from . import __version__, errors
-from .client import DEFAULT_HOME, Client
+from .. import __version__, errors
+from ..client import DEFAULT_HOME, Client
 
 console = Console()
 err_console = Console(stderr=True)
@@ -64,8 +64,8 @@ def main() -> None:
 
 
 def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_slots: int = 0) -> list[Any]:
-    from .agent import nvml_inventory
-    from .inventory import parse_simulate
+    from ..agent import nvml_inventory
+    from ..inventory import parse_simulate
 
     if simulate:
         invs = parse_simulate(simulate, default_node=node)
@@ -100,8 +100,8 @@ async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str
     """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
     from redis.asyncio import Redis
 
-    from .auth import create_token, hash_token
-    from .keys import Keys
+    from ..auth import create_token, hash_token
+    from ..keys import Keys
 
     r = Redis.from_url(redis_url, decode_responses=True)
     try:
@@ -128,7 +128,7 @@ def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes
     if not Path(ray).exists():
         err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
         return None, ""
-    from .redis_proc import free_port
+    from ..redis_proc import free_port
 
     port = free_port()
     log = open(data_dir / "ray.log", "ab")
@@ -257,9 +257,9 @@ def up(
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
     import secrets
 
-    from .config import Settings
-    from .redis_proc import RedisProcess
-    from .server import serve
+    from ..config import Settings
+    from ..redis_proc import RedisProcess
+    from ..server import serve
 
     _setup_logging(verbose)
     data_dir = data_dir.expanduser().resolve()
@@ -305,7 +305,7 @@ def up(
                 console.print(f"  jupyterlab    {lab_url}")
             console.print("Ctrl-C stops everything.")
 
-        from .server import run_loop
+        from ..server import run_loop
 
         run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes))
     finally:
@@ -327,8 +327,8 @@ def server(
     redis_url: str, host: str, port: int, workers: int, config: str | None, ray_address: str | None, verbose: bool
 ) -> None:
     """Run the HTTP lease server against an existing Redis (any number of replicas)."""
-    from .config import Settings
-    from .server import run
+    from ..config import Settings
+    from ..server import run
 
     _setup_logging(verbose)
     settings = Settings.load(config, redis_url=redis_url, host=host, port=port, ray_address=ray_address)
@@ -355,7 +355,7 @@ def agent(
     verbose: bool,
 ) -> None:
     """Declare this node's GPUs to the lease server and keep it alive."""
-    from .agent import run_remote
+    from ..agent import run_remote
 
     _setup_logging(verbose)
     invs = _inventories(simulate, node, pool, cpu_slots)
@@ -728,8 +728,8 @@ def simulate(
         return
     if not trace or not gpus:
         raise click.UsageError("gpulease simulate needs --trace FILE and --gpus N (or a subcommand: util)")
-    from .sim import command as sim_command
-    from .sim.run import parse_policies
+    from ..sim import command as sim_command
+    from ..sim.run import parse_policies
 
     try:
         names = parse_policies(policies)
@@ -917,8 +917,8 @@ def token_create(
     if redis_url:
         from redis.asyncio import Redis
 
-        from .auth import create_token
-        from .keys import Keys
+        from ..auth import create_token
+        from ..keys import Keys
 
         async def make() -> str:
             r = Redis.from_url(redis_url, decode_responses=True)
@@ -932,6 +932,3 @@ def token_create(
     with Client(url, admin_token) as c:
         click.echo(c.request("POST", "/api/v1/tokens", json={"user": name, "role": role})["token"])
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,5 @@
+"""``python -m lease_server.cli``: the ``gpulease`` command line."""
+
+from . import main
+
+main()
