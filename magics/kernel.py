@@ -1,37 +1,12 @@
-"""The CPU-only kernelspec "Python 3 (gpulease)": no GPU visible, the magics preloaded.
+"""The CPU-only kernelspec "Python 3 (gpulease)" that loads these magics.
 
-The notebook kernel only plots and analyses; training runs on leased GPUs through %%gpu_train.
-Hiding every GPU from the kernel (``CUDA_VISIBLE_DEVICES=""``) makes sure it never opens a CUDA
-context and so never holds GPU memory while its owner reads charts.
+The spec and its installer belong to the lease server (:mod:`lease_server.kernelspec`), so that
+``gpulease kernel install`` needs no import of this package; they are re-exported here for
+callers that think of the kernel as part of the magics.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import tempfile
-from pathlib import Path
+from lease_server.kernelspec import DISPLAY_NAME, EXTENSION, KERNEL_NAME, install, kernel_spec
 
-KERNEL_NAME = "gpulease"
-DISPLAY_NAME = "Python 3 (gpulease)"
-
-
-def kernel_spec(python: str = sys.executable) -> dict[str, object]:
-    return {
-        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext=magics"],
-        "display_name": DISPLAY_NAME,
-        "language": "python",
-        "env": {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"},
-        "metadata": {"debugger": True, "gpulease": {"cpu_only": True}},
-    }
-
-
-def install(user: bool = False, prefix: str | None = None) -> str:
-    """Install the kernelspec; returns the directory it went to."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / KERNEL_NAME
-        path.mkdir()
-        (path / "kernel.json").write_text(json.dumps(kernel_spec(), indent=2))
-        return str(KernelSpecManager().install_kernel_spec(str(path), KERNEL_NAME, user=user, prefix=prefix))
+__all__ = ["DISPLAY_NAME", "EXTENSION", "KERNEL_NAME", "install", "kernel_spec"]

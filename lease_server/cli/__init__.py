@@ -180,7 +180,7 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
     except ImportError:
         err_console.print("[yellow]JupyterLab is not installed: pip install 'gpulease[lab]' to get it[/]")
         return None
-    from magics.kernel import install
+    from ..kernelspec import install
 
     install(prefix=sys.prefix)  # the CPU-only "Python 3 (gpulease)" kernel, beside this JupyterLab
     log = open(data_dir / "jupyterlab.log", "ab")
@@ -875,7 +875,7 @@ def kernel() -> None:
 @click.option("--prefix", default=None, help="Install under this prefix (e.g. a virtualenv: sys.prefix)")
 def kernel_install(user: bool, prefix: str | None) -> None:
     """Install the kernelspec "Python 3 (gpulease)": no GPU visible, magics preloaded."""
-    from magics.kernel import DISPLAY_NAME, install
+    from ..kernelspec import DISPLAY_NAME, install
 
     path = install(user=user, prefix=prefix)
     click.echo(f"installed kernel {DISPLAY_NAME!r} in {path}")
@@ -931,4 +931,3 @@ def token_create(
         return
     with Client(url, admin_token) as c:
         click.echo(c.request("POST", "/api/v1/tokens", json={"user": name, "role": role})["token"])
-
