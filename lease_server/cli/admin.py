@@ -1,0 +1,176 @@
+"""Administration: revoking leases, idle-GPU reclaim, policies, the notebook kernel, tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ..client import Client
+from ._common import console, server_options
+
+
+@click.command()
+@click.argument("lease_id")
+@click.option("--reason", default="")
+@server_options
+def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> None:
+    """Revoke anyone's lease (admin)."""
+    with Client(url, token) as c:
+        out = c.revoke(lease_id, reason)
+    click.echo(f"{lease_id}: {out['state']}")
+
+
+@click.group()
+def reclaim() -> None:
+    """Idle-GPU reclaim: explain a decision."""
+
+
+def sparkline(values: list[float], top: float = 100.0) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[min(len(bars) - 1, int(v / top * (len(bars) - 1) + 0.5))] for v in values)
+
+
+@reclaim.command("explain")
+@click.argument("lease_id")
+@server_options
+def reclaim_explain(lease_id: str, url: str | None, token: str | None) -> None:
+    """Why a lease was warned or reclaimed: the policy, the holder's activity, the samples."""
+    with Client(url, token) as c:
+        lease = c.get(lease_id)
+    ev = lease.get("idle_evidence")
+    if not ev:
+        click.echo(f"lease {lease_id} ({lease['state']}) was never judged idle.")
+        return
+    state = lease["state"]
+    verdict = (
+        "reclaimed"
+        if state == "revoked" and lease.get("end_reason", "").startswith("reclaimed")
+        else (
+            "warned: reclaim at " + time.strftime("%H:%M:%S", time.localtime(lease["reclaim_at"]))
+            if lease.get("reclaim_at")
+            else state
+        )
+    )
+    console.print(f"[bold]{lease_id}[/] of {lease['user']} on {lease['node']} ({lease['pool']}): {verdict}")
+    console.print(
+        f"  idle for {ev.get('idle_s', 0):.0f}s under {ev.get('threshold')}% "
+        f"(policy: idle_timeout {ev.get('idle_timeout')}s); holder activity: {ev.get('activity') or 'none reported'}"
+    )
+    table = Table()
+    for col in ("GPU", "samples", "util min/mean/max %", "mem MB (last)", "utilization over the window"):
+        table.add_column(col)
+    for idx, samples in sorted(ev.get("gpus", {}).items()):
+        utils = [s[1] for s in samples] or [0.0]
+        table.add_row(
+            idx,
+            str(len(samples)),
+            f"{min(utils):.0f} / {sum(utils) / len(utils):.1f} / {max(utils):.0f}",
+            str(samples[-1][2] if samples else 0),
+            sparkline(utils),
+        )
+    console.print(table)
+
+
+@click.group()
+def policy() -> None:
+    """Reclaim policy per pool."""
+
+
+@policy.command("show")
+@server_options
+def policy_show(url: str | None, token: str | None) -> None:
+    """Every pool's idle-GPU reclaim policy."""
+    with Client(url, token) as c:
+        click.echo(json.dumps(c.request("GET", "/api/v1/policy")["policies"], indent=2))
+
+
+@policy.command("set")
+@click.argument("pool")
+@click.argument("changes", nargs=-1, required=True, metavar="KEY=VALUE...")
+@server_options
+def policy_set(pool: str, changes: tuple[str, ...], url: str | None, token: str | None) -> None:
+    """Change a pool's policy (admin), e.g.: gpulease policy set A100-80GB idle_timeout=900 grace=300"""
+    body: dict[str, Any] = {}
+    for item in changes:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.UsageError(f"cannot read {item!r}: write KEY=VALUE")
+        try:
+            body[key] = json.loads(value)
+        except json.JSONDecodeError:
+            body[key] = [v for v in value.split(",") if v] if key.startswith("exempt") else value
+    with Client(url, token) as c:
+        click.echo(json.dumps(c.request("PUT", f"/api/v1/policy/{pool}", json=body), indent=2))
+
+
+@click.group()
+def kernel() -> None:
+    """The CPU-only Jupyter kernel with the %%gpu_train magics."""
+
+
+@kernel.command("install")
+@click.option("--user", is_flag=True, help="Install for this user only (~/.local/share/jupyter)")
+@click.option("--prefix", default=None, help="Install under this prefix (e.g. a virtualenv: sys.prefix)")
+def kernel_install(user: bool, prefix: str | None) -> None:
+    """Install the kernelspec "Python 3 (gpulease)": no GPU visible, magics preloaded."""
+    from ..kernelspec import DISPLAY_NAME, install
+
+    path = install(user=user, prefix=prefix)
+    click.echo(f"installed kernel {DISPLAY_NAME!r} in {path}")
+
+
+@click.group()
+def token() -> None:
+    """API tokens."""
+
+
+@token.command("create")
+@click.argument("name")
+@click.option("--admin", is_flag=True, help="Admin role: may revoke others' leases and create tokens")
+@click.option("--agent", "agent_role", is_flag=True, help="Agent role: may register nodes")
+@click.option(
+    "--proxy",
+    "proxy_role",
+    is_flag=True,
+    help="Proxy role: a trusted front end (the Jupyter extension under JupyterHub) acting for its users",
+)
+@click.option("--redis-url", envvar="GPULEASE_REDIS_URL", help="Write straight into this Redis (bootstrap)")
+@click.option("--prefix", default="gpulease", show_default=True)
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", "admin_token", envvar="GPULEASE_TOKEN")
+def token_create(
+    name: str,
+    admin: bool,
+    agent_role: bool,
+    proxy_role: bool,
+    redis_url: str | None,
+    prefix: str,
+    url: str | None,
+    admin_token: str | None,
+) -> None:
+    """Create a token for user NAME and print it (it is stored only hashed)."""
+    if admin + agent_role + proxy_role > 1:
+        raise click.UsageError("--admin, --agent and --proxy clash: a token has one role")
+    role = "admin" if admin else "agent" if agent_role else "proxy" if proxy_role else "user"
+    if redis_url:
+        from redis.asyncio import Redis
+
+        from ..auth import create_token
+        from ..keys import Keys
+
+        async def make() -> str:
+            r = Redis.from_url(redis_url, decode_responses=True)
+            try:
+                return await create_token(r, Keys(prefix), name, role)
+            finally:
+                await r.aclose()
+
+        click.echo(asyncio.run(make()))
+        return
+    with Client(url, admin_token) as c:
+        click.echo(c.request("POST", "/api/v1/tokens", json={"user": name, "role": role})["token"])

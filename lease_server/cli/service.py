@@ -1,0 +1,333 @@
+"""Running the service: ``gpulease up`` (everything on one machine), ``server`` and ``agent``."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..client import DEFAULT_HOME, Client
+from ._common import console, err_console
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_slots: int = 0) -> list[Any]:
+    from ..agent import nvml_inventory
+    from ..inventory import parse_simulate
+
+    if simulate:
+        invs = parse_simulate(simulate, default_node=node)
+        if pool:
+            for inv in invs:
+                inv.pool = pool
+    else:
+        invs = [nvml_inventory(node, pool)]
+    if cpu_slots:
+        # CPU slots for %%gpu_train --gpus 0: a node of their own in the CPU pool, on this machine.
+        invs += parse_simulate(f"{invs[0].node}-cpu={cpu_slots}xCPU")
+    return invs
+
+
+CPU_SLOTS_HELP = "Also declare this many CPU slots (pool CPU) for %%gpu_train --gpus 0 (default: none)"
+
+
+def _local_user() -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", getpass.getuser()) or "user"
+    return name[:63]
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+
+
+async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
+    """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
+    from redis.asyncio import Redis
+
+    from ..auth import create_token, hash_token
+    from ..keys import Keys
+
+    r = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        keys = Keys(prefix)
+        if token_file.exists():
+            token = token_file.read_text().strip()
+            if token and await r.hexists(keys.tokens, hash_token(token)):
+                return token
+        token = await create_token(r, keys, user, "admin")
+        _write_private(token_file, token)
+        return token
+    finally:
+        await r.aclose()
+
+
+def _tool(name: str) -> str:
+    """A console script of this environment first (the one whose packages we import), else PATH's."""
+    here = Path(sys.executable).with_name(name)
+    return str(here) if here.exists() else (shutil.which(name) or str(here))
+
+
+def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes] | None, str]:
+    ray = _tool("ray")
+    if not Path(ray).exists():
+        err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
+        return None, ""
+    from ..redis_proc import free_port
+
+    port = free_port()
+    log = open(data_dir / "ray.log", "ab")
+    proc = subprocess.Popen(
+        [
+            ray,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--block",
+            "--disable-usage-stats",
+            "--include-dashboard=false",
+            "--num-gpus=0",
+            # Every lease-server node this machine serves is a Ray resource, so that a call is
+            # placed on the Ray node of its lease (magics.runner.node_resource).
+            "--resources=" + json.dumps({f"gpulease_node_{n.node}": 1000 for n in nodes}),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+def _wait_for_ray(address: str, timeout: float = 180.0) -> None:
+    """Connect one throw-away driver, so that "gpulease is up" means a notebook's first
+    %%gpu_train finds a Ray head that accepts drivers (its first connection can take ~10 s)."""
+    code = (
+        "import logging, ray; "
+        f"ray.init(address={address!r}, log_to_driver=False, logging_level=logging.ERROR, configure_logging=False); "
+        "ray.shutdown()"
+    )
+    with console.status("waiting for the Ray head…"):
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            err_console.print(f"[yellow]the Ray head at {address} did not accept a driver within {timeout:g}s[/]")
+            return
+    if done.returncode != 0:
+        tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        err_console.print(f"[yellow]the Ray head at {address} refused a driver: {tail[0]}[/]")
+
+
+def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    jupyter = _tool("jupyter")
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        err_console.print("[yellow]JupyterLab is not installed: pip install 'gpulease[lab]' to get it[/]")
+        return None
+    from ..kernelspec import install
+
+    install(prefix=sys.prefix)  # the CPU-only "Python 3 (gpulease)" kernel, beside this JupyterLab
+    log = open(data_dir / "jupyterlab.log", "ab")
+    return subprocess.Popen(
+        [
+            jupyter,
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={env['GPULEASE_LAB_TOKEN']}",
+            *(["--allow-root"] if os.geteuid() == 0 else []),  # containers often run as root
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
+    """SIGTERM the leader (Ray's `start --block` then stops its own children in order), then
+    SIGKILL whatever is left in its process group."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            # Ray drains for up to 30 s when workers of dead drivers linger; nothing it holds
+            # needs saving, so a short grace then SIGKILL is enough.
+            proc.wait(8)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    err_console.print(f"stopped {name}")
+
+
+@click.command()
+@click.option(
+    "--simulate",
+    metavar="SPEC",
+    help="Declare GPUs instead of reading NVML: 4xA100-80GB or node-a=4xA100-80GB,node-b=2xT4-16GB",
+)
+@click.option("--port", default=8470, show_default=True, help="Port of the lease server (127.0.0.1)")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_HOME,
+    show_default=True,
+    help="Redis AOF, token, logs",
+)
+@click.option("--ray/--no-ray", default=True, show_default=True, help="Start a local Ray head")
+@click.option("--lab/--no-lab", default=True, show_default=True, help="Start JupyterLab (if installed)")
+@click.option("--lab-port", default=8888, show_default=True)
+@click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
+@click.option("--config", type=click.Path(exists=True), help="TOML settings file")
+@click.option("-v", "--verbose", is_flag=True)
+def up(
+    simulate: str | None,
+    cpu_slots: int,
+    port: int,
+    data_dir: Path,
+    ray: bool,
+    lab: bool,
+    lab_port: int,
+    config: str | None,
+    verbose: bool,
+) -> None:
+    """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
+    import secrets
+
+    from ..config import Settings
+    from ..redis_proc import RedisProcess
+    from ..server import serve
+
+    _setup_logging(verbose)
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    nodes = _inventories(simulate, None, None, cpu_slots)
+    redis_proc = RedisProcess(data_dir / "redis").start()
+    ray_proc = lab_proc = None
+    try:
+        settings = Settings.load(config, redis_url=redis_proc.url, port=port, host="127.0.0.1")
+        token = asyncio.run(_ensure_token(settings.redis_url, settings.prefix, data_dir / "token", _local_user()))
+        url = f"http://127.0.0.1:{port}"
+        (data_dir / "url").write_text(url + "\n")
+        if ray:
+            ray_proc, settings.ray_address = _start_ray(data_dir, nodes)
+            (data_dir / "ray_address").write_text(settings.ray_address + "\n")
+            if ray_proc is not None:
+                _wait_for_ray(settings.ray_address)
+        lab_url = ""
+        if lab:
+            env = {
+                **os.environ,
+                "GPULEASE_URL": url,
+                "GPULEASE_TOKEN": token,
+                "GPULEASE_LAB_TOKEN": secrets.token_hex(16),
+            }
+            if settings.ray_address:
+                env["RAY_ADDRESS"] = settings.ray_address
+            lab_proc = _start_lab(data_dir, lab_port, env)
+            if lab_proc is not None:
+                lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['GPULEASE_LAB_TOKEN']}"
+
+        def ready(bound: int) -> None:
+            gpus = sum(len(n.gpus) for n in nodes)
+            console.print(
+                f"[bold green]gpulease is up[/]: {gpus} GPU(s) in {', '.join(sorted({n.pool for n in nodes}))}"
+            )
+            console.print(f"  lease server  {url}")
+            console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)")
+            console.print(f"  redis         {redis_proc.url}   (AOF in {data_dir / 'redis'})")
+            if settings.ray_address:
+                console.print(f"  ray head      {settings.ray_address}")
+            if lab_url:
+                console.print(f"  jupyterlab    {lab_url}")
+            console.print("Ctrl-C stops everything.")
+
+        from ..server import run_loop
+
+        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes))
+    finally:
+        _stop(lab_proc, "jupyterlab")
+        _stop(ray_proc, "ray head")
+        redis_proc.stop()
+        err_console.print("stopped redis; gpulease is down")
+
+
+@click.command()
+@click.option("--redis-url", envvar="GPULEASE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8470, show_default=True)
+@click.option("--workers", default=1, show_default=True, help="Processes sharing the port")
+@click.option("--config", type=click.Path(exists=True), help="TOML settings file")
+@click.option("--ray-address", default=None, help="Ray cluster the clients should use")
+@click.option("-v", "--verbose", is_flag=True)
+def server(
+    redis_url: str, host: str, port: int, workers: int, config: str | None, ray_address: str | None, verbose: bool
+) -> None:
+    """Run the HTTP lease server against an existing Redis (any number of replicas)."""
+    from ..config import Settings
+    from ..server import run
+
+    _setup_logging(verbose)
+    settings = Settings.load(config, redis_url=redis_url, host=host, port=port, ray_address=ray_address)
+    run(settings, workers)
+
+
+@click.command()
+@click.option("--simulate", metavar="SPEC", help="Declared GPUs instead of NVML, e.g. 4xA100-80GB")
+@click.option("--node", help="Node name (default: host name)")
+@click.option("--pool", help="Pool of this node (default: GPU model and memory)")
+@click.option("--url", envvar="GPULEASE_URL")
+@click.option("--token", envvar="GPULEASE_TOKEN", help="An agent or admin token")
+@click.option("--interval", default=2.0, show_default=True, help="Heartbeat period, seconds")
+@click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
+@click.option("-v", "--verbose", is_flag=True)
+def agent(
+    simulate: str | None,
+    cpu_slots: int,
+    node: str | None,
+    pool: str | None,
+    url: str | None,
+    token: str | None,
+    interval: float,
+    verbose: bool,
+) -> None:
+    """Declare this node's GPUs to the lease server and keep it alive."""
+    from ..agent import run_remote
+
+    _setup_logging(verbose)
+    invs = _inventories(simulate, node, pool, cpu_slots)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with Client(url, token) as client:
+        try:
+            run_remote(client, invs, interval, stop)
+        except KeyboardInterrupt:
+            pass
