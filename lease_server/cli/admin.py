@@ -10,6 +10,7 @@ from typing import Any
 import click
 from rich.table import Table
 
+from .. import protocol
 from ..client import Client
 from ._common import console, server_options
 
@@ -28,6 +29,10 @@ def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> No
 @click.group()
 def reclaim() -> None:
     """Idle-GPU reclaim: explain a decision."""
+
+
+# The ``ended_by`` of a lease that the idle-GPU reclaimer took back (lua/reclaim.lua's end_lease).
+RECLAIMER = "reclaimer"
 
 
 def sparkline(values: list[float], top: float = 100.0) -> str:
@@ -49,7 +54,7 @@ def reclaim_explain(lease_id: str, url: str | None, token: str | None) -> None:
     state = lease["state"]
     verdict = (
         "reclaimed"
-        if state == "revoked" and lease.get("end_reason", "").startswith("reclaimed")
+        if lease.get("ended_by") == RECLAIMER
         else (
             "warned: reclaim at " + time.strftime("%H:%M:%S", time.localtime(lease["reclaim_at"]))
             if lease.get("reclaim_at")
@@ -86,7 +91,7 @@ def policy() -> None:
 def policy_show(url: str | None, token: str | None) -> None:
     """Every pool's idle-GPU reclaim policy."""
     with Client(url, token) as c:
-        click.echo(json.dumps(c.request("GET", "/api/v1/policy")["policies"], indent=2))
+        click.echo(json.dumps(c.request("GET", protocol.POLICIES)["policies"], indent=2))
 
 
 @policy.command("set")
@@ -105,7 +110,7 @@ def policy_set(pool: str, changes: tuple[str, ...], url: str | None, token: str 
         except json.JSONDecodeError:
             body[key] = [v for v in value.split(",") if v] if key.startswith("exempt") else value
     with Client(url, token) as c:
-        click.echo(json.dumps(c.request("PUT", f"/api/v1/policy/{pool}", json=body), indent=2))
+        click.echo(json.dumps(c.request("PUT", protocol.policy(pool), json=body), indent=2))
 
 
 @click.group()
@@ -173,4 +178,4 @@ def token_create(
         click.echo(asyncio.run(make()))
         return
     with Client(url, admin_token) as c:
-        click.echo(c.request("POST", "/api/v1/tokens", json={"user": name, "role": role})["token"])
+        click.echo(c.request("POST", protocol.TOKENS, json={"user": name, "role": role})["token"])

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from .. import protocol
 from ..client import Client
 from ._common import console, server_options
 
@@ -98,5 +99,5 @@ def simulate_util(settings: tuple[str, ...], url: str | None, token: str | None)
         by_node.setdefault(node, {})[idx] = gpu
     with Client(url, token) as c:
         for node, gpus in by_node.items():
-            c.request("PUT", f"/api/v1/simulate/{node}", json={"gpus": gpus})
+            c.request("PUT", protocol.simulate(node), json={"gpus": gpus})
             click.echo(f"{node}: " + ", ".join(f"GPU {i} {g['util']:g}%" for i, g in sorted(gpus.items())))
