@@ -95,8 +95,10 @@ def simulate(name: str) -> str:
 # ---- states ----------------------------------------------------------------------------------------
 
 
-class LeaseState(str, enum.Enum):
-    """A lease's ``state``: active until it ends one of three ways."""
+class LeaseState(enum.StrEnum):
+    """A lease's ``state``: active until it ends one of three ways.
+
+    A StrEnum, so ``str()`` and f-strings give the value ("revoked"), as JSON does."""
 
     ACTIVE = "active"
     RELEASED = "released"
@@ -105,3 +107,102 @@ class LeaseState(str, enum.Enum):
 
 
 ENDED_STATES = frozenset({LeaseState.RELEASED.value, LeaseState.EXPIRED.value, LeaseState.REVOKED.value})
+
+
+# ---- events ----------------------------------------------------------------------------------------
+
+
+class EventType(enum.StrEnum):
+    """Every ``type`` of entry the server adds to its event log (``GET /events``, ``/events/log``).
+
+    Most come from the Lua scripts' ``emit()`` (``lua/*.lua``); ``unleased_use*`` from
+    ``samples.lua``'s own XADD; ``policy_changed`` from Python (``reclaim.set_policy``).
+    ``tests/test_protocol.py`` finds every type the sources publish and fails on one missing here.
+    """
+
+    # leases
+    QUEUED = "queued"  # a request joined the queue (acquire.lua)
+    GRANT = "grant"  # GPUs granted to a request, at once or from the queue (_lib.lua dispatch)
+    RELEASED = "released"  # a lease ended by its owner (_lib.lua end_lease, the lease's new state)
+    EXPIRED = "expired"  # a lease not renewed within its ttl (end_lease: sweep, a late renew)
+    REVOKED = "revoked"  # a lease ended by an admin, idle reclaim, a recall or a preemption (end_lease)
+    RENEW_MISS = "renew_miss"  # a renewal came after the lease's deadline: it expired (renew.lua)
+    # queued requests that leave the queue without a grant (cancel_wait.lua: 'wait_' .. reason)
+    WAIT_TIMEOUT = "wait_timeout"  # its wait ran out (LeaseStore.acquire)
+    WAIT_CANCELLED = "wait_cancelled"  # its client went away, or it was withdrawn (DELETE; release.lua)
+    WAIT_ABANDONED = "wait_abandoned"  # past its deadline, its client gone: the sweep dropped it (sweep.lua)
+    # recalls: the lease keeps its GPUs until recall_at, then it is revoked (_lib.lua recall)
+    PREEMPT_NOTICE = "preempt_notice"  # a preemptible lease above quota is preempted for a request within it
+    BORROW_RECALLED = "borrow_recalled"  # a lease borrowed from a booking's GPUs is recalled for the booking
+    # idle reclaim
+    IDLE_WARNING = "idle_warning"  # a lease's GPUs have been idle: reclaimed at reclaim_at (idle_warn.lua)
+    IDLE_CLEARED = "idle_cleared"  # a warned lease's GPUs got busy again (keep.lua)
+    IDLE_KEPT = "idle_kept"  # a warned lease's owner kept it ("Still using it"; keep.lua)
+    RECLAIMED = "reclaimed"  # a warned lease was taken back (reclaim.lua; a "revoked" follows)
+    # nodes and GPUs
+    NODE_REGISTERED = "node_registered"  # a node agent registered a new node, or a changed inventory (register.lua)
+    NODE_UP = "node_up"  # a node that was down heartbeats again (register.lua)
+    NODE_DOWN = "node_down"  # a node missed its heartbeats: its GPUs are down (_lib.lua)
+    UNLEASED_USE = "unleased_use"  # processes on a GPU that no lease holds (samples.lua)
+    UNLEASED_USE_ENDED = "unleased_use_ended"  # that GPU is clear again (samples.lua)
+    # bookings
+    RESERVATION_CREATED = "reservation_created"  # a booking was made (reserve.lua)
+    RESERVATION_CHANGED = "reservation_changed"  # a booking was changed (reserve.lua)
+    RESERVATION_CANCELLED = "reservation_cancelled"  # a booking was cancelled (unreserve.lua)
+    RESERVATION_ENDED = "reservation_ended"  # a booking's current occurrence was ended early (unreserve.lua)
+    RESERVATION_NO_SHOW = "reservation_no_show"  # a booking's occurrence unused by its deadline: GPUs freed (sweep.lua)
+    # policy
+    POLICY_CHANGED = "policy_changed"  # an admin changed a pool's idle reclaim policy (reclaim.set_policy)
+
+
+# The groups below are plain strings (a type read off the wire is a str): the labextension's lists
+# in labextension/src/model.ts must equal them (tests/test_protocol.py), and every type is in
+# exactly one group, so a new type is a decision about who watches it.
+
+# After these the GPU board may have changed: the board refetches (model.ts BOARD_EVENTS).
+BOARD_EVENTS = frozenset(
+    e.value
+    for e in (
+        EventType.GRANT,
+        EventType.RELEASED,
+        EventType.EXPIRED,
+        EventType.REVOKED,
+        EventType.QUEUED,
+        EventType.WAIT_TIMEOUT,
+        EventType.WAIT_CANCELLED,
+        EventType.WAIT_ABANDONED,
+        EventType.NODE_REGISTERED,
+        EventType.NODE_UP,
+        EventType.NODE_DOWN,
+        EventType.IDLE_WARNING,
+        EventType.IDLE_CLEARED,
+        EventType.IDLE_KEPT,
+        EventType.RECLAIMED,
+        EventType.UNLEASED_USE,
+        EventType.UNLEASED_USE_ENDED,
+        EventType.PREEMPT_NOTICE,
+        EventType.BORROW_RECALLED,
+    )
+)
+
+# After these bookings changed: the calendar and My bookings refetch, the board too (model.ts
+# RESERVATION_EVENTS).
+RESERVATION_EVENTS = frozenset(
+    e.value
+    for e in (
+        EventType.RESERVATION_CREATED,
+        EventType.RESERVATION_CHANGED,
+        EventType.RESERVATION_CANCELLED,
+        EventType.RESERVATION_ENDED,
+        EventType.RESERVATION_NO_SHOW,
+    )
+)
+
+# In the log only: nothing any view shows changes with them.
+LOG_ONLY_EVENTS = frozenset(e.value for e in (EventType.RENEW_MISS, EventType.POLICY_CHANGED))
+
+# A lease's own stream ends with one of these: the type is the lease's new state.
+ENDED_EVENTS = frozenset(e.value for e in (EventType.RELEASED, EventType.EXPIRED, EventType.REVOKED))
+
+# A lease was recalled: it keeps its GPUs until its recall_at, then it is revoked.
+RECALL_EVENTS = frozenset(e.value for e in (EventType.PREEMPT_NOTICE, EventType.BORROW_RECALLED))
