@@ -19,6 +19,7 @@ export interface IHolder {
   reclaim_at?: number;
   /** Leased from capacity a booking holds back: revoked (at recall_at) once the booking's holder asks. */
   borrowed?: boolean;
+  /** Recalled (borrowed and its booking's holder asked, or preempted for quota): revoked at recall_at. */
   recall_at?: number;
 }
 
@@ -54,13 +55,16 @@ export interface ICluster {
   cpu_pool?: string | null;
 }
 
+/** A lease's state (lease_server.protocol.LeaseState; tests/test_protocol.py keeps them equal). */
+export type LeaseState = 'active' | 'released' | 'expired' | 'revoked';
+
 export interface ILease {
   id: string;
   user: string;
   pool: string;
   node: string;
   gpus: { index: number; uuid: string }[];
-  state: string;
+  state: LeaseState;
   label: string;
   session: string;
   ttl: number;

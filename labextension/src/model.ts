@@ -32,7 +32,8 @@ export const INSTALL_HINT =
 
 /**
  * Event types after which the board may have changed (with RESERVATION_EVENTS: bookings make GPUs
- * reserved). New GPU states come with new event types: add them here.
+ * reserved). New GPU states come with new event types: add them here and to
+ * lease_server/protocol.py's BOARD_EVENTS (tests/test_protocol.py keeps the two lists equal).
  */
 export const BOARD_EVENTS = [
   'grant',
@@ -52,10 +53,14 @@ export const BOARD_EVENTS = [
   'reclaimed',
   'unleased_use',
   'unleased_use_ended',
+  'preempt_notice',
   'borrow_recalled'
 ];
 
-/** Event types after which bookings changed: the calendar and My bookings refetch (the board too). */
+/**
+ * Event types after which bookings changed: the calendar and My bookings refetch (the board too).
+ * Equal to lease_server/protocol.py's RESERVATION_EVENTS (tests/test_protocol.py).
+ */
 export const RESERVATION_EVENTS = [
   'reservation_created',
   'reservation_changed',

@@ -2,7 +2,8 @@
  * The "GPU Leases" panel, in two tabs. Board: the GPU board (nodes x GPUs, live), my leases with
  * Release buttons and my bookings with Cancel / End now. Calendar: everyone's bookings (calendar.tsx).
  * A lease that idle reclaim warned shows its countdown, and (if it is mine) a "Still using it" button;
- * a borrowed lease that a booking's holder recalled shows when it is revoked.
+ * a recalled lease (borrowed from a booking whose holder now wants it, or preempted for a request
+ * within quota) shows when it is revoked.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer, useRef, useState } from 'react';
@@ -25,10 +26,15 @@ export const STATES: Record<string, { label: string; legend: boolean }> = {
   down: { label: 'down', legend: true }
 };
 
-/** "recalled — revoked in 27 s": a borrowed lease whose booking's holder asked for the GPUs. */
-export function recallCountdown(recallAt: number, now: number): string {
+/**
+ * The countdown of a recalled lease (the server set its recall_at): "recalled — revoked in 27 s"
+ * for a borrowed lease whose booking's holder asked for the GPUs (borrow_recalled), "preempted —
+ * revoked in 27 s" for a lease above quota preempted for a request within it (preempt_notice).
+ */
+export function recallCountdown(recallAt: number, now: number, borrowed: boolean): string {
+  const what = borrowed ? 'recalled' : 'preempted';
   const s = Math.floor(recallAt - now);
-  return s <= 0 ? 'recalled — revoked now' : `recalled — revoked in ${s < 60 ? `${s} s` : duration(s)}`;
+  return s <= 0 ? `${what} — revoked now` : `${what} — revoked in ${s < 60 ? `${s} s` : duration(s)}`;
 }
 
 function stateLabel(state: string): string {
@@ -97,8 +103,8 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
     if (idle && lease.reclaim_at) {
       parts.push(reclaimCountdown(lease.reclaim_at, now));
     }
-    if (lease.borrowed && lease.recall_at) {
-      parts.push(recallCountdown(lease.recall_at, now));
+    if (lease.recall_at) {
+      parts.push(recallCountdown(lease.recall_at, now, !!lease.borrowed));
     }
   }
   if (gpu.unleased_use) {
@@ -127,9 +133,9 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
         </div>
       )}
       {lease && <div className="jp-GpuLease-cellHeld">{held}</div>}
-      {lease?.borrowed && lease.recall_at && (
+      {lease?.recall_at && (
         <div className="jp-GpuLease-cellIdle" aria-hidden="true">
-          {recallCountdown(lease.recall_at, now)}
+          {recallCountdown(lease.recall_at, now, !!lease.borrowed)}
         </div>
       )}
       {lease?.label && <div className="jp-GpuLease-cellLabel">{lease.label}</div>}
@@ -276,8 +282,14 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
             {lease.borrowed && (
               <div className="jp-GpuLease-warning" role="note" aria-label={`borrowed lease ${lease.id}`}>
                 {lease.recall_at
-                  ? `${recallCountdown(lease.recall_at, now)}: the booking these GPUs were borrowed from needs them`
+                  ? `${recallCountdown(lease.recall_at, now, true)}: the booking these GPUs were borrowed from needs them`
                   : 'borrowed from a booking: revoked with a short notice if its holder asks for the GPUs'}
+              </div>
+            )}
+            {!lease.borrowed && lease.recall_at && (
+              <div className="jp-GpuLease-warning" role="note" aria-label={`preempted lease ${lease.id}`}>
+                {recallCountdown(lease.recall_at, now, false)}: this lease ran above quota, and a request within
+                quota needs its GPUs
               </div>
             )}
             {keepFailed && (
