@@ -16,12 +16,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from lease_server import errors
-from lease_server.auth import ACT_AS_HEADER
+from lease_server import errors, protocol
 
 log = logging.getLogger(__name__)
 
-API = "/api/v1"
 CONFIG_HINT = "set c.GpuLease.lease_server_url / lease_server_token, or GPULEASE_URL / GPULEASE_TOKEN"
 # An SSE stream carries a keep-alive comment every 15 s; a silence 4x longer means a hung upstream.
 STREAM_READ_TIMEOUT = 60.0
@@ -48,6 +46,11 @@ def config_problem(url: str) -> str:
     return ""
 
 
+def _api_path(path: str) -> str:
+    """A protocol path as it is; a path relative to the API (``"/leases"``) under it."""
+    return path if path.startswith(protocol.API + "/") else protocol.API + path
+
+
 class LeaseApi:
     """Async client of the lease API, with the Jupyter server's lease token."""
 
@@ -64,10 +67,10 @@ class LeaseApi:
         self._http = httpx.AsyncClient(
             base_url=self.url if not self.problem else "http://unconfigured.invalid",
             timeout=httpx.Timeout(timeout, connect=5.0),
-            headers={"Authorization": f"Bearer {token}"} if token else {},
+            headers=protocol.bearer(token) if token else {},
         )
         if act_as:
-            self._http.headers[ACT_AS_HEADER] = act_as
+            self._http.headers[protocol.USER_HEADER] = act_as
 
     async def _resolve(self) -> None:
         """Under JupyterHub with a shared proxy token: act for the Hub user of this server."""
@@ -75,9 +78,9 @@ class LeaseApi:
             return
         self._resolved = True
         try:
-            resp = await self._http.get(f"{API}/whoami")
+            resp = await self._http.get(protocol.WHOAMI)
             if resp.status_code == 200 and resp.json().get("role") == "proxy":
-                self._http.headers[ACT_AS_HEADER] = self._hub_user
+                self._http.headers[protocol.USER_HEADER] = self._hub_user
                 log.info("gpulease: acting for JupyterHub user %s with a proxy token", self._hub_user)
         except (httpx.HTTPError, ValueError):
             self._resolved = False  # try again with the next call
@@ -109,13 +112,16 @@ class LeaseApi:
     async def request(self, method: str, path: str, *, params: dict[str, str] | None = None, json: Any = None) -> Any:
         """One API call (``json``: the request body); returns the JSON body or raises the typed error of the answer.
 
+        ``path``: a :mod:`lease_server.protocol` path (``protocol.lease(id)``), or the part after
+        ``protocol.API`` (``"/leases"``), as the handlers have long passed it.
+
         An error's ``details`` (e.g. the clashing bookings and the windows that fit, of a 409
         ``reservation_clash``) travel on the typed error, so the handlers pass them on intact.
         """
         self._check()
         await self._resolve()
         try:
-            resp = await self._http.request(method, f"{API}{path}", params=params, json=json)
+            resp = await self._http.request(method, _api_path(path), params=params, json=json)
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from exc
         try:
@@ -133,14 +139,14 @@ class LeaseApi:
     async def whoami(self) -> dict[str, Any]:
         """The lease user this Jupyter server acts as (a token's identity never changes: cached)."""
         if self._me is None:
-            self._me = await self.request("GET", "/whoami")
+            self._me = await self.request("GET", protocol.WHOAMI)
         return self._me
 
     async def probe(self) -> dict[str, Any]:
         """For the version handshake: is the lease server there, and who are we to it?"""
         out: dict[str, Any] = {"url": self.url or None, "reachable": False}
         try:
-            health = await self.request("GET", "/health")
+            health = await self.request("GET", protocol.HEALTH)
             out.update(reachable=True, version=health.get("version"))
             me = await self.whoami()
             out.update(user=me.get("user"), role=me.get("role"))
@@ -158,10 +164,10 @@ class LeaseApi:
         await self._resolve()
         headers = {"Accept": "text/event-stream"}
         if since:
-            headers["Last-Event-ID"] = since
+            headers[protocol.LAST_EVENT_ID] = since
         timeout = httpx.Timeout(self.timeout, connect=5.0, read=STREAM_READ_TIMEOUT)
         try:
-            async with self._http.stream("GET", f"{API}/events", headers=headers, timeout=timeout) as resp:
+            async with self._http.stream("GET", protocol.EVENTS, headers=headers, timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode(errors="replace")
                     try:

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from . import errors
-from .auth import ACT_AS_HEADER
+from . import errors, protocol
+from .protocol import LeaseState
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -61,7 +61,7 @@ class Lease:
     gpus: list[dict[str, Any]]
     expires_at: float
     ttl: float
-    state: str = "active"
+    state: str = LeaseState.ACTIVE.value
     label: str = ""
     reservation: str = ""  # the booking it is served from, if any
     borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
@@ -79,7 +79,7 @@ class Lease:
             gpus=data["gpus"],
             expires_at=data["expires_at"],
             ttl=data["ttl"],
-            state=data.get("state", "active"),
+            state=data.get("state", LeaseState.ACTIVE.value),
             label=data.get("label", ""),
             reservation=data.get("reservation", ""),
             borrowed=bool(data.get("borrowed", False)),
@@ -116,10 +116,10 @@ class Client:
         """``act_as`` (default: GPULEASE_USER): the user a proxy token acts for (JupyterHub)."""
         self.url, self.token = discover(url, token)
         self.timeout = timeout
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers = protocol.bearer(self.token) if self.token else {}
         act_as = act_as if act_as is not None else os.environ.get("GPULEASE_USER", "")
         if act_as:
-            headers[ACT_AS_HEADER] = act_as
+            headers[protocol.USER_HEADER] = act_as
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0), headers=headers)
 
     @property
@@ -217,7 +217,7 @@ class Client:
         def post() -> None:
             try:
                 outcome["lease"] = Lease.from_json(
-                    self.request("POST", "/api/v1/leases", json=body, timeout=wait + self.timeout)
+                    self.request("POST", protocol.LEASES, json=body, timeout=wait + self.timeout)
                 )
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 outcome["error"] = exc
@@ -262,7 +262,7 @@ class Client:
         Never raises for a request that is already gone; returns the server's answer (or None)."""
         try:
             return self.request(  # type: ignore[no-any-return]
-                "DELETE", f"/api/v1/leases/{request_id}", params={"reason": reason}, timeout=self.timeout
+                "DELETE", protocol.lease(request_id), params={"reason": reason}, timeout=self.timeout
             )
         except errors.NoSuchLease:
             return None
@@ -285,34 +285,34 @@ class Client:
             body["ttl"] = ttl
         if activity is not None:
             body["activity"] = activity
-        return Lease.from_json(self.request("POST", f"/api/v1/leases/{lid}/renew", json=body))
+        return Lease.from_json(self.request("POST", protocol.lease_renew(lid), json=body))
 
     def keep(self, lease_id: str) -> dict[str, Any]:
         """ "I'm still using it": reset the idle clock of a warned lease."""
-        return self.request("POST", f"/api/v1/leases/{lease_id}/keep")  # type: ignore[no-any-return]
+        return self.request("POST", protocol.lease_keep(lease_id))  # type: ignore[no-any-return]
 
     def release(self, lease: Lease | str, token: int | None = None) -> dict[str, Any]:
         lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
         params = {"token": tok} if tok else None
-        return self.request("DELETE", f"/api/v1/leases/{lid}", params=params)  # type: ignore[no-any-return]
+        return self.request("DELETE", protocol.lease(lid), params=params)  # type: ignore[no-any-return]
 
     def revoke(self, lease_id: str, reason: str = "") -> dict[str, Any]:
-        return self.request("POST", f"/api/v1/leases/{lease_id}/revoke", json={"reason": reason})  # type: ignore[no-any-return]
+        return self.request("POST", protocol.lease_revoke(lease_id), json={"reason": reason})  # type: ignore[no-any-return]
 
     def get(self, lease_id: str) -> dict[str, Any]:
-        return self.request("GET", f"/api/v1/leases/{lease_id}")  # type: ignore[no-any-return]
+        return self.request("GET", protocol.lease(lease_id))  # type: ignore[no-any-return]
 
     def leases(self, everyone: bool = False) -> list[dict[str, Any]]:
-        return self.request("GET", "/api/v1/leases", params={"all": "true" if everyone else "false"})["leases"]  # type: ignore[no-any-return]
+        return self.request("GET", protocol.LEASES, params={"all": "true" if everyone else "false"})["leases"]  # type: ignore[no-any-return]
 
     def cluster(self) -> dict[str, Any]:
-        return self.request("GET", "/api/v1/cluster")  # type: ignore[no-any-return]
+        return self.request("GET", protocol.CLUSTER)  # type: ignore[no-any-return]
 
     def queue(self, pool: str | None = None) -> list[dict[str, Any]]:
-        return self.request("GET", "/api/v1/queue", params={"pool": pool} if pool else None)["waiting"]  # type: ignore[no-any-return]
+        return self.request("GET", protocol.QUEUE, params={"pool": pool} if pool else None)["waiting"]  # type: ignore[no-any-return]
 
     def events(self, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
-        return self.request("GET", "/api/v1/events/log", params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
+        return self.request("GET", protocol.EVENT_LOG, params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
 
     def estimate(self, gpus: int = 1, pool: str | None = None, request: str | None = None) -> dict[str, Any]:
         """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now.
@@ -320,11 +320,11 @@ class Client:
         params: dict[str, Any] = {"gpus": gpus, **({"pool": pool} if pool else {})}
         if request:
             params["lease"] = request
-        return self.request("GET", "/api/v1/estimate", params=params)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.ESTIMATE, params=params)  # type: ignore[no-any-return]
 
     def usage(self, by: str = "user", start: float | None = None, end: float | None = None) -> dict[str, Any]:
         params = {k: v for k, v in (("by", by), ("from", start), ("to", end)) if v is not None}
-        return self.request("GET", "/api/v1/usage", params=params)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.USAGE, params=params)  # type: ignore[no-any-return]
 
     # ---- reservations ----------------------------------------------------------------------------
 
@@ -336,27 +336,27 @@ class Client:
         :class:`errors.ReservationClash` whose ``details`` name the clashing bookings and suggestions."""
         body = {"pool": pool, "gpus": gpus, "start": start, "end": end, **extra}
         params = {"dry_run": "true"} if dry_run else None
-        return self.request("POST", "/api/v1/reservations", json=body, params=params)  # type: ignore[no-any-return]
+        return self.request("POST", protocol.RESERVATIONS, json=body, params=params)  # type: ignore[no-any-return]
 
     def reservations(self, pool: str | None = None, start: float | None = None, end: float | None = None) -> list:
         params = {k: v for k, v in (("pool", pool), ("from", start), ("to", end)) if v is not None}
-        return self.request("GET", "/api/v1/reservations", params=params)["reservations"]  # type: ignore[no-any-return]
+        return self.request("GET", protocol.RESERVATIONS, params=params)["reservations"]  # type: ignore[no-any-return]
 
     def change_reservation(self, booking_id: str, **changes: Any) -> dict[str, Any]:
-        return self.request("PATCH", f"/api/v1/reservations/{booking_id}", json=changes)  # type: ignore[no-any-return]
+        return self.request("PATCH", protocol.reservation(booking_id), json=changes)  # type: ignore[no-any-return]
 
     def cancel_reservation(self, booking_id: str) -> dict[str, Any]:
-        return self.request("DELETE", f"/api/v1/reservations/{booking_id}")  # type: ignore[no-any-return]
+        return self.request("DELETE", protocol.reservation(booking_id))  # type: ignore[no-any-return]
 
     def end_reservation(self, booking_id: str) -> dict[str, Any]:
         """End the booking's occurrence in force now: its GPUs go back to the pool."""
-        return self.request("POST", f"/api/v1/reservations/{booking_id}/end")  # type: ignore[no-any-return]
+        return self.request("POST", protocol.reservation_end(booking_id))  # type: ignore[no-any-return]
 
     def whoami(self) -> dict[str, Any]:
-        return self.request("GET", "/api/v1/whoami")  # type: ignore[no-any-return]
+        return self.request("GET", protocol.WHOAMI)  # type: ignore[no-any-return]
 
     def health(self) -> dict[str, Any]:
-        return self.request("GET", "/api/v1/health")  # type: ignore[no-any-return]
+        return self.request("GET", protocol.HEALTH)  # type: ignore[no-any-return]
 
     @contextmanager
     def lease(

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lease_server import errors
+from lease_server import errors, protocol
 from lease_server.client import HeldLease, Lease
 
 from .calls import Where, event_client
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
-END_STATES = ("released", "revoked", "expired")
 READY_WAIT_S = 5.0  # how long the release waits to learn a starting worker's pid
 FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
 
@@ -185,14 +184,14 @@ class Grant:
             if self._releasing.is_set():
                 return
             try:
-                with http.stream("GET", "/api/v1/events", params={"lease": lease_id}) as s:
+                with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
                     if self._is_over():  # ended before we subscribed
                         self._ended()
                         return
                     for line in s.iter_lines():
                         if self._releasing.is_set():
                             return
-                        if line.startswith("event:") and line.split(":", 1)[1].strip() in END_STATES:
+                        if line.startswith("event:") and line.split(":", 1)[1].strip() in protocol.ENDED_EVENTS:
                             self._ended()
                             return
             except Exception:  # noqa: BLE001 - closed by finish(), or the server is away: the renewal backs up
@@ -203,7 +202,7 @@ class Grant:
     def _is_over(self) -> bool:
         try:
             assert self.lease is not None
-            return self.sess.client().get(self.lease.id).get("state") in END_STATES
+            return self.sess.client().get(self.lease.id).get("state") in protocol.ENDED_STATES
         except errors.GpuLeaseError:
             return False
 

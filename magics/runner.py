@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lease_server import errors
+from lease_server import errors, protocol
 from lease_server.client import Client, Lease
 
 from . import cellcode
@@ -223,7 +223,7 @@ def run_call(
     assert opts.gpus is not None
     check_gang(opts.gpus_min, opts.gpus, opts.nodes)
     sess.connect_ray()
-    cpu_pool = sess.client().request("GET", "/api/v1/info").get("cpu_pool") if opts.gpus == 0 else None
+    cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
     rid = Client.new_request_id()
     try:
         grant = Grant.take(sess, opts, ui, cpu_pool, rid)

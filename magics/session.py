@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from lease_server import errors
+from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease
 
 from .calls import Where, this_machine
@@ -99,7 +99,7 @@ class Session:
             if self._actor_cls is not None and ray.is_initialized():
                 return
             if not ray.is_initialized():
-                address = self.client().request("GET", "/api/v1/info").get("ray_address") or os.environ.get(
+                address = self.client().request("GET", protocol.INFO).get("ray_address") or os.environ.get(
                     "RAY_ADDRESS"
                 )
                 if not address:

@@ -20,9 +20,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from lease_server import protocol
+
 from .calls import CHECKPOINT_STREAM, Call, CellValue, Result, Where, _tls, event_client, this_machine
 
-END_EVENTS = ("released", "expired", "revoked")
 WATCHDOG_EXIT_CODE = 75
 WATCHDOG_DELAY_S = 0.5  # the watchdog starts following the lease this long into a call
 DRIVER_GRACE_S = 2.0  # after the lease ended: the driver's own kill comes first
@@ -277,11 +278,11 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
     # A backstop (the driver follows the lease too): a call that ends within this never pays for it.
     if worker is not None and worker._done_event.wait(WATCHDOG_DELAY_S):
         return
-    http = event_client(url, {"Authorization": f"Bearer {watch['token']}"})
+    http = event_client(url, protocol.bearer(watch["token"]))
 
     def ended() -> str | None:
         try:
-            r = http.get(f"/api/v1/leases/{lease_id}")
+            r = http.get(protocol.lease(lease_id))
         except httpx.TransportError:
             return None
         if r.status_code == 404:
@@ -293,7 +294,7 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
             _RECALL.append(t)
             t.start()
         state = rec.get("state")
-        return state if state in END_EVENTS else None
+        return state if state in protocol.ENDED_STATES else None
 
     def check() -> None:
         why = ended()
@@ -305,7 +306,7 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
 
     while True:
         try:
-            with http.stream("GET", "/api/v1/events", params={"lease": lease_id}) as s:
+            with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
                 check()
                 for line in s.iter_lines():
                     if line.startswith("data:"):
