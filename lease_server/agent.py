@@ -18,7 +18,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from . import errors
+from . import errors, protocol
 from .inventory import Gpu, NodeInventory, default_node_name, register
 from .lease import LeaseStore
 
@@ -160,7 +160,7 @@ def run_remote(
     import time
 
     def declare(inv: NodeInventory) -> None:
-        client.request("PUT", f"/api/v1/nodes/{inv.node}", json=json.loads(inv.to_json()))
+        client.request("PUT", protocol.node(inv.node), json=json.loads(inv.to_json()))
 
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     for inv in inventories:
@@ -174,7 +174,7 @@ def run_remote(
                 next_beat = now + interval
                 for inv in inventories:
                     try:
-                        client.request("POST", f"/api/v1/nodes/{inv.node}/heartbeat")
+                        client.request("POST", protocol.node_heartbeat(inv.node))
                     except errors.UnknownNode:
                         declare(inv)
                     except errors.GpuLeaseError as exc:
@@ -186,8 +186,8 @@ def run_remote(
                         if inv.source == "nvml" and nvml is not None:
                             gpus = nvml.sample()
                         else:
-                            gpus = client.request("GET", f"/api/v1/simulate/{inv.node}")["gpus"]
-                        client.request("POST", f"/api/v1/nodes/{inv.node}/samples", json={"gpus": gpus})
+                            gpus = client.request("GET", protocol.simulate(inv.node))["gpus"]
+                        client.request("POST", protocol.node_samples(inv.node), json={"gpus": gpus})
                     except errors.GpuLeaseError as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
             stop.wait(max(0.01, min(next_beat, next_sample) - time.monotonic()))

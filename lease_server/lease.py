@@ -8,7 +8,6 @@ admin commands and the benchmarks all go through it.
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import logging
 import secrets
@@ -21,17 +20,11 @@ from redis.asyncio import Redis
 from . import errors
 from .config import PRIORITIES, Settings
 from .keys import NAME_RE, Keys
+from .protocol import LeaseState  # the lease states: protocol owns them; importable from here too
 from .queue import GrantNotifier
 from .scripts import Code, Scripts, raise_for
 
 log = logging.getLogger(__name__)
-
-
-class LeaseState(str, enum.Enum):
-    ACTIVE = "active"
-    RELEASED = "released"
-    EXPIRED = "expired"
-    REVOKED = "revoked"
 
 
 MAX_GPUS_PER_REQUEST = 1024
@@ -55,7 +48,7 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
             {"index": int(g["index"]), "uuid": g.get("uuid", ""), **({"node": g["node"]} if "node" in g else {})}
             for g in rec["gpus"]
         ],
-        "state": rec.get("state", "active"),
+        "state": rec.get("state", LeaseState.ACTIVE.value),
         "label": rec.get("label", ""),
         "session": rec.get("session", ""),
         "ttl": rec["ttl_ms"] / 1000,
