@@ -245,5 +245,5 @@ async def register_all(store: LeaseStore, spec: str, alive_s: float = LONG) -> l
 
     nodes = parse_simulate(spec)
     for inv in nodes:
-        await register(store, inv, alive_s=alive_s)
+        await register(store.engine, inv, alive_s=alive_s)
     return nodes

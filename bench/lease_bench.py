@@ -121,10 +121,11 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
     """Declare simulated nodes straight into Redis, alive for the whole run (no agent needed)."""
     from redis.asyncio import Redis
 
+    from lease_server.engine import Engine
     from lease_server.lease import LeaseStore
 
     r = Redis.from_url(redis_url, decode_responses=True)
-    store = LeaseStore(r, settings_for(redis_url, prefix))
+    store = LeaseStore(Engine(r, settings_for(redis_url, prefix)))
     try:
         await _common.register_all(store, spec)
     finally:
@@ -137,10 +138,11 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
 async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
     from redis.asyncio import Redis
 
+    from lease_server.engine import Engine
     from lease_server.lease import LeaseStore
 
     r = Redis.from_url(redis_url, decode_responses=True)
-    store = LeaseStore(r, settings_for(redis_url, "bclient"))
+    store = LeaseStore(Engine(r, settings_for(redis_url, "bclient")))
     try:
         await _common.register_all(store, simulate_spec("c", 1))
         pc = time.perf_counter
@@ -203,6 +205,7 @@ def bench_http_client(url: str, token: str, n: int, warmup: int) -> dict[str, fl
 async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
     from redis.asyncio import Redis
 
+    from lease_server.engine import Engine
     from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
 
@@ -212,7 +215,7 @@ async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
     try:
         t_setup = time.perf_counter()
         for total_nodes in (1, 1250):
-            store = LeaseStore(r, settings_for(redis_url, f"bscale{total_nodes}"))
+            store = LeaseStore(Engine(r, settings_for(redis_url, f"bscale{total_nodes}")))
             stores[total_nodes * 8] = store
             invs = parse_simulate(simulate_spec("s", total_nodes))
             busy = max(1, total_nodes // 2)
@@ -220,10 +223,10 @@ async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
             # and leased before the next node exists; as every busy node keeps fewer free GPUs than
             # the next lease asks for, best fit puts that lease on the new node.
             for inv in invs[:busy]:
-                await register(store, inv, alive_s=LONG)
+                await register(store.engine, inv, alive_s=LONG)
                 await store.acquire("holder", rng.choice((5, 6, 7)), ttl=LONG)
             for inv in invs[busy:]:
-                await register(store, inv, alive_s=LONG)
+                await register(store.engine, inv, alive_s=LONG)
         setup_s = time.perf_counter() - t_setup
         pc = time.perf_counter
         samples: dict[int, list[float]] = {8: [], 10_000: []}

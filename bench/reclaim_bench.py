@@ -491,18 +491,19 @@ async def bench_record(redis_url: str, redis_pid: int, n: int, warmup: int) -> d
     from redis.asyncio import Redis
 
     from lease_server.agent import NvmlSampler
+    from lease_server.engine import Engine
     from lease_server.lease import LeaseStore
     from lease_server.reclaim import policies, record_samples
 
     r = Redis.from_url(redis_url, decode_responses=True)
-    store = LeaseStore(r, settings_for(redis_url, "bsamp"))
+    store = LeaseStore(Engine(r, settings_for(redis_url, "bsamp")))
     modes: dict[str, Any] = {}
     try:
         await _common.register_all(store, f"g8=8x{POOL8},h8=8x{POOL8}")  # two nodes: pool_sizes() has a little to read
         with pynvml_over_fakes(8) as nv:
             sampler = NvmlSampler(nv)
             samples = [sampler.sample() for _ in range(97)]
-        threshold = (await policies(store))[POOL8].idle_threshold
+        threshold = (await policies(store.engine))[POOL8].idle_threshold
         acc: dict[str, dict[str, Any]] = {
             mode: {"cpu": 0.0, "wall": 0.0, "redis_cpu": 0.0, "n": 0, "script_us": 0.0, "sent_us": 0.0, "calls": {}}
             for mode in ("agent", "threshold_passed")
@@ -510,7 +511,7 @@ async def bench_record(redis_url: str, redis_pid: int, n: int, warmup: int) -> d
         thresholds = {"agent": None, "threshold_passed": threshold}
         for thr in thresholds.values():
             for i in range(warmup):
-                await record_samples(store, "g8", POOL8, samples[i % 97], thr)
+                await record_samples(store.engine, "g8", POOL8, samples[i % 97], thr)
         block = 100  # alternate the two modes block by block, so that drift of the machine hits both alike
         i = 0
         while acc["agent"]["n"] < n:
@@ -519,7 +520,7 @@ async def bench_record(redis_url: str, redis_pid: int, n: int, warmup: int) -> d
                 await r.config_resetstat()  # our private redis-server: its command stats are ours alone
                 rc0, c0, w0 = proc_cpu_seconds(redis_pid), time.thread_time(), time.perf_counter()
                 for _ in range(block):
-                    await record_samples(store, "g8", POOL8, samples[i % 97], thr)
+                    await record_samples(store.engine, "g8", POOL8, samples[i % 97], thr)
                     i += 1
                 c1, w1, rc1 = time.thread_time(), time.perf_counter(), proc_cpu_seconds(redis_pid)
                 stats: Any = await r.info("commandstats")
@@ -562,6 +563,7 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
     For information: samples.lua's Redis time at each fleet size, and a window at MAX_WINDOW entries."""
     from redis.asyncio import Redis
 
+    from lease_server.engine import Engine
     from lease_server.lease import LeaseStore
     from lease_server.reclaim import MAX_WINDOW, record_samples, window_length
 
@@ -585,13 +587,13 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
         base = int(time.time() * 1000)
         step = int(store.settings.sample_interval * 1000)
         for j in range(count):
-            await record_samples(store, node, POOL8, nvml_like_sample(j == 0), 5.0, base + j * step)
+            await record_samples(store.engine, node, POOL8, nvml_like_sample(j == 0), 5.0, base + j * step)
 
     async def mem(key: str) -> int:
         return int(await r.memory_usage(key, samples=0) or 0)
 
     try:
-        store = LeaseStore(r, settings_for(redis_url, "bwin"))
+        store = LeaseStore(Engine(r, settings_for(redis_url, "bwin")))
         k = store.keys
         wl = window_length(store)
         nodes = await _common.register_all(store, ",".join(f"f{i:03d}=8x{POOL8}" for i in range(128)))
@@ -612,7 +614,7 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
             samples = [nvml_like_sample(False) for _ in range(16)]
             await r.config_resetstat()
             for j in range(script_n):
-                await record_samples(store, "f000", POOL8, samples[j % 16], 5.0)
+                await record_samples(store.engine, "f000", POOL8, samples[j % 16], 5.0)
             stats: Any = await r.info("commandstats")
             return float(stats["cmdstat_evalsha"]["usec_per_call"])
 
@@ -636,7 +638,7 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
         out["share"] = max(v["bytes"] for v in shares.values())
         out["bytes_per_gpu"] = out["list_bytes"] + out["share"]
         # For information: the longest window any setting can make (MAX_WINDOW entries).
-        big = LeaseStore(r, settings_for(redis_url, "bwinmax", idle_timeout=3600))
+        big = LeaseStore(Engine(r, settings_for(redis_url, "bwinmax", idle_timeout=3600)))
         await _common.register_all(big, f"m0=8x{POOL8}")
         await fill(big, "m0", MAX_WINDOW + 10)
         out["max_window"] = window_length(big)

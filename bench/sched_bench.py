@@ -50,23 +50,28 @@ def verdict(name: str, value: float) -> str:
 async def _store(url: str, prefix: str, simulate: str, **kw: Any) -> Any:
     from redis.asyncio import Redis
 
+    from lease_server.engine import Engine
     from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
 
     r = Redis.from_url(url, decode_responses=True)
-    st = LeaseStore(r, settings_for(url, prefix, heartbeat_timeout=30 * 86400, heartbeat_interval=10, **kw))
+    st = LeaseStore(Engine(r, settings_for(url, prefix, heartbeat_timeout=30 * 86400, heartbeat_interval=10, **kw)))
     await st.publish_scheduling()
     for inv in parse_simulate(simulate):
-        await register(st, inv)
+        await register(st.engine, inv)
     return st
 
 
-def _acquire_args(lid: str, user: str, gpus: int, wait_ms: int) -> list[Any]:
-    return [lid, user, POOL, gpus, 86_400_000, wait_ms, "", "", "", 1, gpus, 1]
+def _acquire(lid: str, user: str, gpus: int, wait_ms: int) -> Any:
+    from lease_server.scripts import Acquire
+
+    return Acquire(lid, user, POOL, gpus, 86_400_000, wait_ms)
 
 
-def _release_args(lid: str, user: str) -> list[Any]:
-    return [lid, "", user, "0", "released", "done", ""]
+def _release(lid: str, user: str) -> Any:
+    from lease_server.scripts import Release
+
+    return Release(lid, "", user, False, "released", "done")
 
 
 async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
@@ -79,13 +84,13 @@ async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
     held = []
     for i in range(128):
         lid = f"l-held-{i:04d}"
-        code, _ = await st.run("acquire", _acquire_args(lid, users[i % 100], 1, 0))
+        code, _ = await st.engine.raw(_acquire(lid, users[i % 100], 1, 0))
         assert code is Code.OK, code
         held.append((lid, users[i % 100]))
     # Past use differs between users, so the fair-share order is not arrival order.
     for i in range(1000):
         user = users[(i * 37) % 100]
-        code, _ = await st.run("acquire", _acquire_args(f"l-wait-{i:05d}", user, 1, 3_600_000))
+        code, _ = await st.engine.raw(_acquire(f"l-wait-{i:05d}", user, 1, 3_600_000))
         assert code is Code.QUEUED, code
     pings, rels = [], []
     for _ in range(200):
@@ -95,14 +100,14 @@ async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
     info0 = await st.redis.info("commandstats")
     for lid, user in held[:n_releases] if n_releases <= len(held) else held:
         t0 = time.perf_counter()
-        await st.run("release", _release_args(lid, user))
+        await st.engine.raw(_release(lid, user))
         rels.append(time.perf_counter() - t0)
     # More releases than held GPUs: release the leases granted from the queue, oldest first.
     granted = sorted(k for k in await st.redis.hkeys(st.keys.leases) if k.startswith("l-wait-"))
     for lid in granted[: max(0, n_releases - len(rels))]:
         user = json.loads(await st.redis.hget(st.keys.leases, lid))["user"]
         t0 = time.perf_counter()
-        await st.run("release", _release_args(lid, user))
+        await st.engine.raw(_release(lid, user))
         rels.append(time.perf_counter() - t0)
     info1 = await st.redis.info("commandstats")
     queued_left = await st.redis.zcard(st.keys.queue)
@@ -111,9 +116,9 @@ async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
     base = []
     for i in range(min(200, n_releases)):
         lid = f"l-b-{i:04d}"
-        await empty.run("acquire", _acquire_args(lid, "u000", 1, 0))
+        await empty.engine.raw(_acquire(lid, "u000", 1, 0))
         t0 = time.perf_counter()
-        await empty.run("release", _release_args(lid, "u000"))
+        await empty.engine.raw(_release(lid, "u000"))
         base.append(time.perf_counter() - t0)
     ev0, ev1 = info0.get("cmdstat_evalsha", {}), info1.get("cmdstat_evalsha", {})
     calls = ev1.get("calls", 0) - ev0.get("calls", 0)
@@ -201,10 +206,10 @@ async def replay_day(url: str, prefix: str, cells: list[tuple[int, str, int, int
             break
         for lid in [lid for lid, e in ends.items() if e <= now]:
             del ends[lid]
-            await st.run("release", _release_args(lid, user_of[lid]), now_ms=now)
+            await st.engine.raw(_release(lid, user_of[lid]), now_ms=now)
         while i < len(cells) and t0 + cells[i][0] <= now:
             _a, user, g, _d = cells[i]
-            code, _ = await st.run("acquire", _acquire_args(f"l-c-{i:05d}", user, g, 86_400_000), now_ms=now)
+            code, _ = await st.engine.raw(_acquire(f"l-c-{i:05d}", user, g, 86_400_000), now_ms=now)
             assert code in (Code.OK, Code.QUEUED), code
             i += 1
         for lid in await st.redis.hkeys(st.keys.leases):

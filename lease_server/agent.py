@@ -19,8 +19,8 @@ from types import ModuleType
 from typing import Any
 
 from . import errors, protocol
+from .engine import Engine
 from .inventory import Gpu, NodeInventory, default_node_name, register
-from .lease import LeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +101,15 @@ class NvmlSampler:
         self.nvml.nvmlShutdown()
 
 
-async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
-    """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the store."""
+async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
+    """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the engine."""
     from .reclaim import policies, record_samples, simulated_sample
 
-    interval = store.settings.heartbeat_interval
-    sample_every = store.settings.sample_interval
+    interval = engine.settings.heartbeat_interval
+    sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     for inv in inventories:
-        await register(store, inv)
+        await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
     loop = asyncio.get_running_loop()
     next_beat = next_sample = loop.time()
@@ -120,26 +120,26 @@ async def heartbeat_local(store: LeaseStore, inventories: list[NodeInventory], s
                 next_beat = now + interval
                 for inv in inventories:
                     try:
-                        await register(store, None, inv.node)
+                        await register(engine, None, inv.node)
                     except errors.UnknownNode:
-                        await register(store, inv)
+                        await register(engine, inv)
                     except Exception as exc:  # Redis away: the next beat retries
                         log.warning("heartbeat of %s failed: %s", inv.node, exc)
             if now >= next_sample:
                 next_sample = now + sample_every
                 try:
-                    pols = await policies(store)  # once per pass: each pool's idle threshold
+                    pols = await policies(engine)  # once per pass: each pool's idle threshold
                 except Exception as exc:
                     log.warning("reading the reclaim policies failed: %s", exc)
                     pols = {}
                 for inv in inventories:
-                    threshold = pols[inv.pool].idle_threshold if inv.pool in pols else store.settings.idle_threshold
+                    threshold = pols[inv.pool].idle_threshold if inv.pool in pols else engine.settings.idle_threshold
                     try:
                         if inv.source == "nvml" and nvml is not None:
                             gpus = nvml.sample()
                         else:
-                            gpus = await simulated_sample(store, inv.node, [g.index for g in inv.gpus])
-                        await record_samples(store, inv.node, inv.pool, gpus, threshold)
+                            gpus = await simulated_sample(engine, inv.node, [g.index for g in inv.gpus])
+                        await record_samples(engine, inv.node, inv.pool, gpus, threshold)
                     except Exception as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
             try:

@@ -31,6 +31,7 @@ from . import __version__, errors, events, inventory, metrics, reclaim, usage
 from .aio import cancel_and_wait
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
+from .engine import Engine
 from .lease import WITHDRAWN, LeaseStore, check_name, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
@@ -86,11 +87,12 @@ class Context:
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             connection_class=_HiredisPackConnection,
         )
-        self.store = LeaseStore(self.redis, settings)
-        self.bookings = Bookings(self.store)
+        self.engine = Engine(self.redis, settings)
+        self.store = LeaseStore(self.engine)
+        self.bookings = Bookings(self.engine)
         self.auth = Authenticator(self.redis, self.store.keys)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
-        self.metrics = metrics.Metrics(self)
+        self.metrics = metrics.Metrics(self.engine)
         self._sweeper: asyncio.Task[None] | None = None
         self._reclaimer: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -99,7 +101,7 @@ class Context:
         await self.store.start()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="gpulease-sweeper")
         self._reclaimer = asyncio.create_task(
-            reclaim.Reclaimer(self.store).run_forever(self._stopping), name="gpulease-reclaimer"
+            reclaim.Reclaimer(self.engine).run_forever(self._stopping), name="gpulease-reclaimer"
         )
 
     async def stop(self) -> None:
@@ -143,6 +145,10 @@ class BaseHandler(tornado.web.RequestHandler):
     @property
     def store(self) -> LeaseStore:
         return self.ctx.store
+
+    @property
+    def engine(self) -> Engine:
+        return self.ctx.engine
 
     @property
     def teams(self) -> tuple[str, ...]:
@@ -427,7 +433,7 @@ class UsageHandler(BaseHandler):
         hi = _time_arg(self, "to", now + 1)
         if hi <= lo:
             raise errors.BadRequest("to must be after from")
-        entries = await usage.ledger(self.store, lo, hi)
+        entries = await usage.ledger(self.engine, lo, hi)
         pool = self.get_query_argument("pool", None)
         if pool is not None:
             entries = [e for e in entries if e["pool"] == check_name("pool", pool)]
@@ -466,7 +472,7 @@ class EstimateHandler(BaseHandler):
             raise errors.BadRequest(f"gpus must be a whole number from 1 to 1024, got {raw!r}")
         if pool_s not in await self.store.pool_sizes():
             raise errors.UnknownPool(f"unknown pool {pool_s!r}", pool=pool_s)
-        self.reply(await usage.estimate(self.store, pool_s, int(raw), int(time.time() * 1000), lease))
+        self.reply(await usage.estimate(self.engine, pool_s, int(raw), int(time.time() * 1000), lease))
 
 
 class AgentHandler(BaseHandler):
@@ -483,7 +489,7 @@ class NodeHandler(AgentHandler):
     async def put(self, node: str) -> None:
         self._check_role()
         inv = inventory.NodeInventory.from_body(node, self.body())
-        status = await inventory.register(self.store, inv)
+        status = await inventory.register(self.engine, inv)
         self.reply({"node": node, "status": status})
 
 
@@ -493,7 +499,7 @@ class HeartbeatHandler(AgentHandler):
     async def post(self, node: str) -> None:
         self._check_role()
         check_name("node", node)
-        status = await inventory.register(self.store, None, node)
+        status = await inventory.register(self.engine, None, node)
         self.reply({"node": node, "status": status})
 
 
@@ -502,19 +508,19 @@ class KeepHandler(BaseHandler):
 
     async def post(self, lease_id: str) -> None:
         me = self.identity
-        rec = await reclaim.keep(self.store, lease_id, me.user, me.admin)
+        rec = await reclaim.keep(self.engine, lease_id, me.user, me.admin)
         self.reply(public_lease(rec, with_token=rec["user"] == me.user))
 
 
 class PoliciesHandler(BaseHandler):
     async def get(self) -> None:
-        pols = await reclaim.policies(self.store)
+        pols = await reclaim.policies(self.engine)
         self.reply({"policies": {name: asdict(p) for name, p in pols.items()}})
 
 
 class PolicyHandler(BaseHandler):
     async def get(self, pool: str) -> None:
-        pols = await reclaim.policies(self.store)
+        pols = await reclaim.policies(self.engine)
         if pool not in pols:
             raise errors.UnknownPool(f"unknown pool {pool!r}; known pools: {', '.join(sorted(pols))}")
         self.reply({"pool": pool, **asdict(pols[pool])})
@@ -522,7 +528,7 @@ class PolicyHandler(BaseHandler):
     async def put(self, pool: str) -> None:
         if not self.identity.admin:
             raise errors.Forbidden("only an admin can change the reclaim policy")
-        new = await reclaim.set_policy(self.store, check_name("pool", pool), self.body(), self.identity.user)
+        new = await reclaim.set_policy(self.engine, check_name("pool", pool), self.body(), self.identity.user)
         self.reply({"pool": pool, **asdict(new)})
 
 
@@ -536,7 +542,7 @@ class SamplesHandler(AgentHandler):
         raw = await self.ctx.redis.hget(self.store.keys.nodes, node)
         if raw is None:
             raise errors.UnknownNode(f"node {node!r} is not registered: PUT {API}/nodes/{node} first")
-        recorded, unleased = await reclaim.record_samples(self.store, node, json.loads(raw)["pool"], gpus)
+        recorded, unleased = await reclaim.record_samples(self.engine, node, json.loads(raw)["pool"], gpus)
         self.reply({"node": node, "recorded": recorded, "unleased": unleased})
 
 
@@ -549,7 +555,7 @@ class SimulateHandler(AgentHandler):
         if raw is None:
             raise errors.UnknownNode(f"node {node!r} is not registered")
         indexes = [g["index"] for g in json.loads(raw)["gpus"]]
-        self.reply({"node": node, "gpus": await reclaim.simulated_sample(self.store, node, indexes)})
+        self.reply({"node": node, "gpus": await reclaim.simulated_sample(self.engine, node, indexes)})
 
     async def put(self, node: str) -> None:
         if not self.identity.admin:
@@ -564,13 +570,13 @@ class SimulateHandler(AgentHandler):
                 raise errors.BadRequest(f"gpus keys are GPU indexes and values objects, got {key!r}: {value!r}")
             g = reclaim.check_gpu_sample(value, int(key))
             parsed[int(key)] = {"util": g["util"], "mem_mb": g["mem_mb"], "procs": g["procs"]}
-        await reclaim.set_simulated(self.store, check_name("node", node), parsed)
+        await reclaim.set_simulated(self.engine, check_name("node", node), parsed)
         self.reply({"node": node, "gpus": {str(i): v for i, v in parsed.items()}})
 
 
 class ClusterHandler(BaseHandler):
     async def get(self) -> None:
-        view = await inventory.cluster_view(self.store)
+        view = await inventory.cluster_view(self.engine)
         view["default_pool"] = await self._default_pool()
         self.reply(view)
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import errors
+from .engine import Engine
 from .keys import NAME_RE
-from .lease import LeaseStore, check_name
+from .lease import check_name
 from .reservations import Bookings
-from .scripts import Code, raise_for
+from .scripts import Register
+
+log = logging.getLogger(__name__)
 
 MAX_GPUS_PER_NODE = 4096
 _SIM_RE = re.compile(r"^(\d+)x([A-Za-z0-9][A-Za-z0-9._]*?)(?:-(\d+)GB)?$", re.IGNORECASE)
@@ -108,22 +112,35 @@ def parse_simulate(
     return nodes
 
 
-async def register(store: LeaseStore, inv: NodeInventory | None, node: str = "", alive_s: float | None = None) -> str:
+async def pool_sizes(engine: Engine) -> dict[str, dict[str, int]]:
+    """{pool: {"nodes": n, "gpus": total, "largest": biggest node}} from the sizes index."""
+    pools: dict[str, dict[str, int]] = {}
+    members: Any = await engine.redis.zrange(engine.keys.sizes, 0, -1)
+    for member in members:
+        pool, total, _node = member.split("|", 2)
+        p = pools.setdefault(pool, {"nodes": 0, "gpus": 0, "largest": 0})
+        p["nodes"] += 1
+        p["gpus"] += int(total)
+        p["largest"] = max(p["largest"], int(total))
+    return pools
+
+
+async def register(engine: Engine, inv: NodeInventory | None, node: str = "", alive_s: float | None = None) -> str:
     """Heartbeat of a node agent; with ``inv``, (re)declare its GPUs. Returns up/registered/alive."""
-    s = store.settings
+    s = engine.settings
     alive_ms = int((alive_s if alive_s is not None else s.heartbeat_timeout) * 1000)
     name = inv.node if inv else node
     if inv is not None and inv.node in s.pool_overrides:
         inv.pool = s.pool_overrides[inv.node]
-    code, rest = await store.run("register", [name, inv.to_json() if inv else "", alive_ms])
-    if code is not Code.OK:
-        raise_for(code, name)
-    return str(rest[0])
+    state: str = await engine.run(Register(name, inv.to_json() if inv else "", alive_ms))
+    if state != "alive":
+        log.info("node %s %s (pool %s)", name, state, inv.pool if inv else "?")
+    return state
 
 
-async def cluster_view(store: LeaseStore) -> dict[str, Any]:
+async def cluster_view(engine: Engine) -> dict[str, Any]:
     """Every node and GPU with its state (free / leased / down) and holder."""
-    r, k = store.redis, store.keys
+    r, k = engine.redis, engine.keys
     async with r.pipeline(transaction=True) as p:
         p.hgetall(k.nodes)
         p.zrange(k.alive, 0, -1, withscores=True)
@@ -201,19 +218,19 @@ async def cluster_view(store: LeaseStore) -> dict[str, Any]:
                 "gpus": gpus,
             }
         )
-    await _mark_reserved(store, nodes, pools, int(now_s * 1000))
-    cpu_pool = store.settings.cpu_pool
+    await _mark_reserved(engine, nodes, pools, int(now_s * 1000))
+    cpu_pool = engine.settings.cpu_pool
     for name, counts in pools.items():
         counts["kind"] = "cpu" if name == cpu_pool else "gpu"  # type: ignore[assignment]
     return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
 
 
 async def _mark_reserved(
-    store: LeaseStore, nodes: list[dict[str, Any]], pools: dict[str, dict[str, int]], now_ms: int
+    engine: Engine, nodes: list[dict[str, Any]], pools: dict[str, dict[str, int]], now_ms: int
 ) -> None:
     """Show as "reserved" the free GPUs that bookings in force still owe their holders: on an
     all-on-one-node booking's node first, then anywhere in its pool."""
-    for pool, bookings in (await Bookings(store).in_force(now_ms)).items():
+    for pool, bookings in (await Bookings(engine).in_force(now_ms)).items():
         free = [(n, g) for n in nodes if n["pool"] == pool for g in n["gpus"] if g["state"] == "free"]
         for r in sorted(bookings, key=lambda r: (not r.get("colocate"), r["start"])):
             owed = max(0, r["gpus"] - int(r.get("held", 0)))

@@ -19,10 +19,24 @@ from redis.asyncio import Redis
 
 from . import errors
 from .config import PRIORITIES, Settings
+from .engine import Engine
 from .keys import NAME_RE, Keys
 from .protocol import LeaseState  # the lease states: protocol owns them; importable from here too
 from .queue import GrantNotifier
-from .scripts import Code, Scripts, raise_for
+from .scripts import (
+    Acquire,
+    CancelWait,
+    Duplicate,
+    Ended,
+    Granted,
+    Queued,
+    Release,
+    Removed,
+    Renew,
+    Sweep,
+    SweepCounts,
+    no_such_lease,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,30 +192,30 @@ def check_priority(value: object) -> int:
     return PRIORITIES[value]
 
 
+async def read_lease(engine: Engine, lease_id: str) -> dict[str, Any]:
+    """A live or recently ended lease record."""
+    raw: Any = await engine.redis.hget(engine.keys.leases, lease_id)
+    if raw is None:
+        raw = await engine.redis.hget(engine.keys.ended, lease_id)
+    if raw is None:
+        raise no_such_lease(lease_id)
+    return dict(json.loads(raw))
+
+
+async def live_leases(engine: Engine) -> list[dict[str, Any]]:
+    return [json.loads(v) for v in await engine.redis.hvals(engine.keys.leases)]
+
+
 class LeaseStore:
     """Lease state in Redis. One instance per server process; safe to share between coroutines."""
 
-    def __init__(self, redis: Redis, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = Keys(settings.prefix)
-        self.scripts = Scripts(redis)
-        self.notifier = GrantNotifier(redis, self.keys.grants)
-        self._core = self.keys.core()
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.redis: Redis = engine.redis
+        self.settings: Settings = engine.settings
+        self.keys: Keys = engine.keys
+        self.notifier = GrantNotifier(engine.redis, self.keys.grants)
         self._default_pool: tuple[float, str] | None = None
-
-    def _common(self, now_ms: int | None = None) -> list[Any]:
-        s = self.settings
-        return [
-            "" if now_ms is None else now_ms,
-            s.event_log_max,
-            s.fair_share_half_life,
-            int(s.ended_retention * 1000),
-        ]
-
-    async def run(self, name: str, args: list[Any], now_ms: int | None = None) -> tuple[Code, list[Any]]:
-        """Run a lifecycle script; ``now_ms`` is a virtual clock (the simulator), else Redis TIME."""
-        return await self.scripts.call(name, self._core, self._common(now_ms) + args)
 
     async def start(self) -> None:
         await self.publish_scheduling()
@@ -219,16 +233,9 @@ class LeaseStore:
     # ---- pools -------------------------------------------------------------------------------
 
     async def pool_sizes(self) -> dict[str, dict[str, int]]:
-        """{pool: {"nodes": n, "gpus": total, "largest": biggest node}} from the sizes index."""
-        pools: dict[str, dict[str, int]] = {}
-        members: Any = await self.redis.zrange(self.keys.sizes, 0, -1)
-        for member in members:
-            pool, total, _node = member.split("|", 2)
-            p = pools.setdefault(pool, {"nodes": 0, "gpus": 0, "largest": 0})
-            p["nodes"] += 1
-            p["gpus"] += int(total)
-            p["largest"] = max(p["largest"], int(total))
-        return pools
+        from .inventory import pool_sizes
+
+        return await pool_sizes(self.engine)
 
     async def default_pool(self) -> str:
         """The configured default pool, else the pool with the most GPUs (cached for 5 s)."""
@@ -296,27 +303,29 @@ class LeaseStore:
         lid = lease_id or new_lease_id()
         waiter = self.notifier.expect(lid) if wait_s > 0 else None
         try:
-            code, rest = await self.run(
-                "acquire",
-                [
-                    lid,
-                    user,
-                    pool_s,
-                    n,
-                    int(ttl_s * 1000),
-                    int(wait_s * 1000),
-                    label_s,
-                    session_s,
-                    ",".join(teams),
-                    prio,
-                    n_min,
-                    k,
-                    notebook_s,
-                    cell_s,
-                ],
+            call = Acquire(
+                lid,
+                user,
+                pool_s,
+                n,
+                int(ttl_s * 1000),
+                int(wait_s * 1000),
+                label_s,
+                session_s,
+                ",".join(teams),
+                prio,
+                n_min,
+                k,
+                notebook_s,
+                cell_s,
             )
-            if code is Code.OK:
-                rec = json.loads(rest[0])
+            try:
+                got = await self.engine.run(call)
+            except errors.UnknownPool:
+                known = ", ".join(sorted(await self.pool_sizes())) or "none registered"
+                raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s) from None
+            if isinstance(got, Granted):
+                rec = got.lease
                 log.info(
                     "grant %s user=%s pool=%s node=%s gpus=%s",
                     lid,
@@ -326,43 +335,15 @@ class LeaseStore:
                     [g["index"] for g in rec["gpus"]],
                 )
                 return rec
-            if code is Code.BUSY:
-                lent = len(rest) > 1 and int(rest[1]) == 1
-                hint = (
-                    "your booking's GPUs are lent out: pass wait (at least the booking's recall "
-                    "notice) and they are recalled for you"
-                    if lent
-                    else "pass wait (seconds) to queue for them"
-                )
-                raise errors.NoCapacity(
-                    f"no node in pool {pool_s!r} has {n} free GPU(s) now (the most free on one node: "
-                    f"{rest[0]}); {hint}",
-                    pool=pool_s,
-                    most_free_on_a_node=int(rest[0]),
-                    position=0,
-                )
-            if code is Code.DUPLICATE:
+            if isinstance(got, Duplicate):
                 # A retried request (same id, same user) whose grant already happened: return it,
                 # so a client may safely resend a POST whose answer it lost.
                 raw = await self.redis.hget(self.keys.leases, lid)
                 if raw and json.loads(raw)["user"] == user:
                     return dict(json.loads(raw))
                 raise errors.Conflict(f"request id {lid!r} is already in use; send a new id, or none")
-            if code is not Code.QUEUED:
-                if code is Code.UNKNOWN_POOL:
-                    known = ", ".join(sorted(await self.pool_sizes())) or "none registered"
-                    raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s)
-                if code is Code.UNSATISFIABLE and k > 1:
-                    able = int(rest[1])
-                    raise errors.Unsatisfiable(
-                        f"a gang of {n // k} GPUs on each of {k} nodes cannot fit pool {pool_s!r}: only {able} "
-                        f"of its nodes have {n // k} GPUs; ask for fewer nodes or fewer GPUs per node",
-                        pool=pool_s,
-                        nodes_able=able,
-                    )
-                raise_for(code, lid, pool_s, rest[0] if rest else None)
-            assert waiter is not None
-            position = int(rest[0])
+            assert isinstance(got, Queued) and waiter is not None
+            position = got.position
             log.info("queued %s user=%s pool=%s gpus=%d position=%d", lid, user, pool_s, n, position)
             if on_queued is not None:
                 maybe = on_queued(position)
@@ -436,21 +417,17 @@ class LeaseStore:
     ) -> dict[str, Any]:
         """Leave the queue. A grant that raced ahead is returned (the caller now holds it).
         Only the request's own user may cancel it."""
-        code, rest = await self.run("cancel_wait", [lid, reason, user])
-        if code is Code.OK:
-            return json.loads(rest[0])
-        if code is Code.REMOVED:
-            log.info("wait %s %s after %.1fs", lid, reason, wait_s)
-            raise errors.NoCapacity(
-                f"no {n} GPU(s) of pool {pool!r} became free within {wait_s:g}s "
-                f"(position {rest[0]} in the queue); wait longer or ask for fewer GPUs",
-                pool=pool,
-                position=int(rest[0]),
-            )
-        if code is Code.NO_SUCH:
-            raise errors.NoSuchLease(f"request {lid} is not queued")
-        raise_for(code, lid)
-        raise AssertionError("unreachable")
+        got = await self.engine.run(CancelWait(lid, reason, user))
+        if isinstance(got, Granted):
+            return got.lease
+        assert isinstance(got, Removed)
+        log.info("wait %s %s after %.1fs", lid, reason, wait_s)
+        raise errors.NoCapacity(
+            f"no {n} GPU(s) of pool {pool!r} became free within {wait_s:g}s "
+            f"(position {got.position} in the queue); wait longer or ask for fewer GPUs",
+            pool=pool,
+            position=got.position,
+        )
 
     async def renew(
         self,
@@ -480,19 +457,8 @@ class LeaseStore:
             act = json.dumps(
                 {"executing": bool(activity.get("executing")), "source": str(activity.get("source", ""))[:40]}
             )
-        code, rest = await self.run("renew", [lease_id, tok, user, "1" if admin else "0", int(ttl_s * 1000), act])
-        if code is Code.OK:
-            return json.loads(rest[0])
-        if code in (Code.ENDED, Code.EXPIRED):
-            ended = json.loads(rest[0])
-            cls = errors.LeaseExpired if ended["state"] == "expired" else errors.LeaseEnded
-            raise cls(
-                f"lease {lease_id} has {ended['state']} ({ended.get('end_reason', '')}); its GPUs may "
-                "belong to someone else now: acquire a new lease",
-                state=ended["state"],
-            )
-        raise_for(code, lease_id)
-        raise AssertionError("unreachable")
+        rec: dict[str, Any] = await self.engine.run(Renew(lease_id, tok, user, admin, int(ttl_s * 1000), act))
+        return rec
 
     async def release(
         self,
@@ -518,23 +484,20 @@ class LeaseStore:
             raise errors.Forbidden("only an admin can revoke another user's lease")
         why = check_text("reason", reason)
         if revoke is None:
-            args = ["auto", why or "released by its owner", why or f"revoked by admin {user}"]
+            state, because, if_revoked = "auto", why or "released by its owner", why or f"revoked by admin {user}"
         elif revoke:
-            args = [LeaseState.REVOKED.value, why or f"revoked by admin {user}", ""]
+            state, because, if_revoked = LeaseState.REVOKED.value, why or f"revoked by admin {user}", ""
         else:
-            args = [LeaseState.RELEASED.value, why or "released by its owner", ""]
-        code, rest = await self.run("release", [lease_id, tok, user, "1" if admin else "0", *args, why])
-        if code in (Code.OK, Code.ENDED):
-            rec = json.loads(rest[0])
-            if code is Code.OK:
-                log.info("%s %s user=%s by=%s", rec["state"], lease_id, rec["user"], user)
-            return rec, code is Code.OK
-        if code is Code.REMOVED:
-            w = json.loads(rest[1])
-            log.info("withdrawn %s user=%s by=%s position=%s", lease_id, w["user"], user, rest[0])
-            return {**w, "state": WITHDRAWN, "position": int(rest[0])}, True
-        raise_for(code, lease_id)
-        raise AssertionError("unreachable")
+            state, because, if_revoked = LeaseState.RELEASED.value, why or "released by its owner", ""
+        got = await self.engine.run(Release(lease_id, tok, user, admin, state, because, if_revoked, why))
+        if isinstance(got, Ended):
+            if got.changed:
+                log.info("%s %s user=%s by=%s", got.record["state"], lease_id, got.record["user"], user)
+            return got.record, got.changed
+        assert isinstance(got, Removed) and got.waiter is not None
+        w = got.waiter
+        log.info("withdrawn %s user=%s by=%s position=%s", lease_id, w["user"], user, got.position)
+        return {**w, "state": WITHDRAWN, "position": got.position}, True
 
     @staticmethod
     def _token(token: object, *, required: bool) -> str:
@@ -548,27 +511,17 @@ class LeaseStore:
 
     async def get(self, lease_id: str) -> dict[str, Any]:
         """A live or recently ended lease record."""
-        raw: Any = await self.redis.hget(self.keys.leases, lease_id)
-        if raw is None:
-            raw = await self.redis.hget(self.keys.ended, lease_id)
-        if raw is None:
-            raise_for(Code.NO_SUCH, lease_id)
-        return json.loads(raw)
+        return await read_lease(self.engine, lease_id)
 
     async def live_leases(self) -> list[dict[str, Any]]:
-        return [json.loads(v) for v in await self.redis.hvals(self.keys.leases)]
+        return await live_leases(self.engine)
 
-    async def sweep(self, limit: int = 500, now_ms: int | None = None) -> list[int]:
+    async def sweep(self, limit: int = 500, now_ms: int | None = None) -> SweepCounts:
         """Expire, mark down, drop abandoned waiters, trim, revoke recalled borrowed leases, release
-        no-show bookings; repeat while a batch was full.
-
-        Returns [leases expired, nodes marked down, waiters dropped, ended records trimmed,
-        borrowed leases revoked, booking checks].
-        """
-        totals = [0, 0, 0, 0, 0, 0]
+        no-show bookings; repeat while a batch was full. Returns what was done, summed."""
+        totals = SweepCounts()
         while True:
-            _code, rest = await self.scripts.call("sweep", self._core, self._common(now_ms) + [limit, WAITER_GRACE_MS])
-            counts = [int(x) for x in rest]
-            totals = [a + b for a, b in zip(totals, counts, strict=True)]
+            counts: SweepCounts = await self.engine.run(Sweep(limit, WAITER_GRACE_MS), now_ms)
+            totals = totals + counts
             if max(counts) < limit:
                 return totals

@@ -3,22 +3,20 @@ Redis at scrape time (so every replica reports the same cluster state)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .engine import Engine
 from .inventory import cluster_view
 from .queue import queue_view
-
-if TYPE_CHECKING:
-    from .api import Context
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "gpulease_http_requests", "HTTP requests served", ["method", "route", "status"], registry=self.registry
@@ -44,7 +42,7 @@ class Metrics:
             self.latency.labels(route).observe(seconds)
 
     async def render(self) -> bytes:
-        view = await cluster_view(self.ctx.store)
+        view = await cluster_view(self.engine)
         for pool, counts in view["pools"].items():
             for state in ("free", "leased", "down"):
                 self.gpus.labels(pool, state).set(counts[state])
@@ -54,7 +52,7 @@ class Metrics:
         for pool in view["pools"]:
             for state in ("up", "down"):
                 self.nodes.labels(pool, state).set(node_counts.get((pool, state), 0))
-        waiting = await queue_view(self.ctx.redis, self.ctx.store.keys)
+        waiting = await queue_view(self.engine.redis, self.engine.keys)
         for pool in view["pools"]:
             ws = [w for w in waiting if w["pool"] == pool]
             self.queued.labels(pool).set(len(ws))

@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from . import errors
-from .lease import LeaseStore
-from .scripts import Code, raise_for
+from .engine import Engine
+from .inventory import pool_sizes
+from .lease import live_leases, read_lease
+from .scripts import GpuSample, IdleWarn, Keep, Reclaim, Samples
 
 log = logging.getLogger(__name__)
 MAX_WINDOW = 240  # samples kept per GPU, whatever the timeout (bounds Redis memory per GPU)
@@ -45,8 +47,8 @@ class Policy:
     exempt_labels: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_settings(cls, store: LeaseStore) -> Policy:
-        s = store.settings
+    def from_settings(cls, engine: Engine) -> Policy:
+        s = engine.settings
         return cls(s.reclaim_enabled, s.idle_threshold, s.idle_timeout, s.grace, s.min_age, s.max_extensions)
 
     def updated(self, changes: object) -> Policy:
@@ -85,60 +87,60 @@ class Policy:
         return out
 
 
-async def policies(store: LeaseStore) -> dict[str, Policy]:
+async def policies(engine: Engine) -> dict[str, Policy]:
     """The effective policy of every pool: settings, then the config's [policy.POOL], then the
     admin's run-time changes."""
-    base = Policy.from_settings(store)
-    stored = await store.redis.hgetall(store.keys.policy)
+    base = Policy.from_settings(engine)
+    stored = await engine.redis.hgetall(engine.keys.policy)
     out: dict[str, Policy] = {}
-    for pool in await store.pool_sizes():
+    for pool in await pool_sizes(engine):
         # CPU slots report no utilization: idle reclaim would take every long CPU cell. Off unless
         # the config or an admin turns it on for that pool.
-        start = base.updated({"enabled": False}) if pool == store.settings.cpu_pool else base
-        pol = start.updated(store.settings.policy_overrides.get(pool, {}))
+        start = base.updated({"enabled": False}) if pool == engine.settings.cpu_pool else base
+        pol = start.updated(engine.settings.policy_overrides.get(pool, {}))
         if pool in stored:
             pol = pol.updated(json.loads(stored[pool]))
         out[pool] = pol
     return out
 
 
-async def set_policy(store: LeaseStore, pool: str, changes: object, by: str) -> Policy:
+async def set_policy(engine: Engine, pool: str, changes: object, by: str) -> Policy:
     """Change one pool's policy at run time (callers check that ``by`` is an admin)."""
-    known = await store.pool_sizes()
+    known = await pool_sizes(engine)
     if pool not in known:
         raise errors.UnknownPool(f"unknown pool {pool!r}; known pools: {', '.join(sorted(known)) or 'none'}")
-    current = (await policies(store))[pool]
+    current = (await policies(engine))[pool]
     new = current.updated(changes)
-    raw = await store.redis.hget(store.keys.policy, pool)
+    raw = await engine.redis.hget(engine.keys.policy, pool)
     stored = json.loads(raw) if raw else {}
     assert isinstance(changes, dict)  # checked by updated()
     stored.update(changes)
-    await store.redis.hset(store.keys.policy, pool, json.dumps(stored))
-    await store.redis.xadd(
-        store.keys.events,
+    await engine.redis.hset(engine.keys.policy, pool, json.dumps(stored))
+    await engine.redis.xadd(
+        engine.keys.events,
         {
             "type": "policy_changed",
             "data": json.dumps({"pool": pool, "by": by, "changes": changes, "policy": asdict(new)}),
         },
-        maxlen=store.settings.event_log_max,
+        maxlen=engine.settings.event_log_max,
         approximate=True,
     )
     log.info("policy of pool %s changed by %s: %s", pool, by, changes)
     return new
 
 
-def window_length(store: LeaseStore) -> int:
+def window_length(engine: Engine) -> int:
     """Samples kept per GPU. They are the evidence shown with a warning; the verdict itself reads
     busy_at and covered_since, so a pool with a longer idle_timeout still works (its evidence
     shows the newest samples only)."""
-    return min(MAX_WINDOW, math.ceil(store.settings.idle_timeout / store.settings.sample_interval) + 4)
+    return min(MAX_WINDOW, math.ceil(engine.settings.idle_timeout / engine.settings.sample_interval) + 4)
 
 
 # ---- samples -------------------------------------------------------------------------------------
 
 
 async def record_samples(
-    store: LeaseStore,
+    engine: Engine,
     node: str,
     pool: str,
     gpus: list[dict[str, Any]],
@@ -147,29 +149,27 @@ async def record_samples(
 ) -> tuple[int, int]:
     """Store one sample of ``node``'s GPUs: [{index, util, mem_mb, procs}]. Returns (recorded,
     GPUs in use by processes that no live lease covers)."""
-    k = store.keys
     if threshold is None:
-        pols = await policies(store)
-        threshold = pols[pool].idle_threshold if pool in pols else store.settings.idle_threshold
-    args: list[Any] = [
-        "" if now_ms is None else now_ms,
-        store.settings.event_log_max,
-        window_length(store),
+        pols = await policies(engine)
+        threshold = pols[pool].idle_threshold if pool in pols else engine.settings.idle_threshold
+    call = Samples(
+        now_ms,
+        engine.settings.event_log_max,
+        window_length(engine),
         threshold,
         node,
-        int(store.settings.sample_interval * 3000),  # a longer gap breaks the coverage
-    ]
-    keys = [k.last, k.busy_at, k.holders, k.unleased, k.events, k.covered_since, k.lease_util]
-    for g in gpus:
-        keys.append(k.samples(f"{node}/{g['index']}"))
-        args += [
-            int(g["index"]),
-            round(float(g.get("util", 0)), 1),
-            int(g.get("mem_mb", 0)),
-            json.dumps([int(p) for p in g.get("procs", [])]),
-        ]
-    recorded, unleased = await store.scripts.call_raw("samples", keys, args)
-    return int(recorded), int(unleased)
+        int(engine.settings.sample_interval * 3000),  # a longer gap breaks the coverage
+        tuple(
+            GpuSample(
+                int(g["index"]),
+                round(float(g.get("util", 0)), 1),
+                int(g.get("mem_mb", 0)),
+                json.dumps([int(p) for p in g.get("procs", [])]),
+            )
+            for g in gpus
+        ),
+    )
+    return await engine.samples(call)
 
 
 def check_samples_body(body: object) -> list[dict[str, Any]]:
@@ -203,9 +203,9 @@ def check_gpu_sample(g: dict[str, Any], index: object = None) -> dict[str, Any]:
     return {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
 
 
-async def simulated_sample(store: LeaseStore, node: str, indexes: list[int]) -> list[dict[str, Any]]:
+async def simulated_sample(engine: Engine, node: str, indexes: list[int]) -> list[dict[str, Any]]:
     """What the simulated GPUs of ``node`` report now (set with gpulease simulate util)."""
-    raws = await store.redis.hmget(store.keys.sim, [f"{node}/{i}" for i in indexes])
+    raws = await engine.redis.hmget(engine.keys.sim, [f"{node}/{i}" for i in indexes])
     out = []
     for i, raw in zip(indexes, raws, strict=True):
         g = json.loads(raw) if raw else {}
@@ -213,8 +213,8 @@ async def simulated_sample(store: LeaseStore, node: str, indexes: list[int]) -> 
     return out
 
 
-async def set_simulated(store: LeaseStore, node: str, gpus: dict[int, dict[str, Any]]) -> None:
-    raw = await store.redis.hget(store.keys.nodes, node)
+async def set_simulated(engine: Engine, node: str, gpus: dict[int, dict[str, Any]]) -> None:
+    raw = await engine.redis.hget(engine.keys.nodes, node)
     if raw is None:
         raise errors.UnknownNode(f"node {node!r} is not registered")
     inv = json.loads(raw)
@@ -224,7 +224,7 @@ async def set_simulated(store: LeaseStore, node: str, gpus: dict[int, dict[str, 
     missing = sorted(set(gpus) - present)
     if missing:
         raise errors.BadRequest(f"node {node!r} has no GPU {missing}; it has {sorted(present)}")
-    await store.redis.hset(store.keys.sim, mapping={f"{node}/{i}": json.dumps(v) for i, v in gpus.items()})
+    await engine.redis.hset(engine.keys.sim, mapping={f"{node}/{i}": json.dumps(v) for i, v in gpus.items()})
 
 
 # ---- the verdict ---------------------------------------------------------------------------------
@@ -291,22 +291,22 @@ def idle_verdict(
 class Reclaimer:
     """Runs in every server process; warnings and reclaims are atomic, so replicas can race."""
 
-    def __init__(self, store: LeaseStore) -> None:
-        self.store = store
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     async def tick(self, now_ms: int | None = None) -> tuple[int, int, float]:
         """One pass over live leases: due reclaims first, then warnings.
         Returns (warned, reclaimed, seconds until the next due reclaim)."""
-        store = self.store
+        engine = self.engine
         if now_ms is None:
-            t = await store.redis.time()
+            t = await engine.redis.time()
             now_ms = t[0] * 1000 + t[1] // 1000
-        pols = await policies(store)
+        pols = await policies(engine)
         off = Policy(enabled=False)
         # Multi-node gangs are not judged idle (their GPUs share indexes across nodes): left out.
         leases = [
             lease
-            for lease in await store.live_leases()
+            for lease in await live_leases(engine)
             if pols.get(lease["pool"], off).enabled and not lease.get("nodes")
         ]
         warned = reclaimed = 0
@@ -321,7 +321,10 @@ class Reclaimer:
             pol = pols[lease["pool"]]
             if self._busy_since(lease, states, lease["warned_at"]):
                 await self._clear(lease, pol)
-            elif await self._run("reclaim", lease, [json.dumps(await self._evidence(lease, pol, now_ms))]):
+            elif await self.engine.run(
+                Reclaim(lease["id"], str(lease["token"]), json.dumps(await self._evidence(lease, pol, now_ms)))
+            ):
+                log.info("reclaimed %s user=%s pool=%s", lease["id"], lease["user"], lease["pool"])
                 reclaimed += 1
         for lease in leases:
             if is_due(lease):
@@ -336,12 +339,13 @@ class Reclaimer:
             if self._busy_since(lease, states, now_ms - pol.idle_timeout * 1000):
                 continue  # the cheap check first: some GPU was busy inside the window
             gpus = {int(g["index"]): states[f"{lease['node']}/{g['index']}"] for g in lease["gpus"]}
-            idle, _ = idle_verdict(lease, gpus, pol, now_ms, store.settings.sample_interval)
+            idle, _ = idle_verdict(lease, gpus, pol, now_ms, engine.settings.sample_interval)
             if not idle:
                 continue
             await self._fill_windows(lease, gpus)
-            _, evidence = idle_verdict(lease, gpus, pol, now_ms, store.settings.sample_interval)
-            if await self._run("idle_warn", lease, [int(pol.grace * 1000), json.dumps(evidence)]):
+            _, evidence = idle_verdict(lease, gpus, pol, now_ms, engine.settings.sample_interval)
+            warn = IdleWarn(lease["id"], str(lease["token"]), int(pol.grace * 1000), json.dumps(evidence))
+            if await self.engine.run(warn):
                 warned += 1
                 log.info(
                     "idle warning %s user=%s: idle %.0fs, reclaim in %.0fs",
@@ -356,8 +360,8 @@ class Reclaimer:
     async def _states(self, slots: list[str]) -> dict[str, GpuState]:
         if not slots:
             return {}
-        k = self.store.keys
-        async with self.store.redis.pipeline(transaction=False) as p:
+        k = self.engine.keys
+        async with self.engine.redis.pipeline(transaction=False) as p:
             p.hmget(k.covered_since, slots)
             p.hmget(k.busy_at, slots)
             p.hmget(k.last, slots)
@@ -380,11 +384,11 @@ class Reclaimer:
         return False
 
     async def _clear(self, lease: dict[str, Any], pol: Policy) -> None:
-        await self.store.run("keep", [lease["id"], lease["user"], "1", pol.max_extensions, "auto"])
+        await self.engine.run(Keep(lease["id"], lease["user"], True, pol.max_extensions, auto=True))
 
     async def _fill_windows(self, lease: dict[str, Any], gpus: dict[int, GpuState]) -> None:
-        k = self.store.keys
-        async with self.store.redis.pipeline(transaction=False) as p:
+        k = self.engine.keys
+        async with self.engine.redis.pipeline(transaction=False) as p:
             for idx in gpus:
                 p.lrange(k.samples(f"{lease['node']}/{idx}"), -60, -1)
             raws = await p.execute()
@@ -409,19 +413,8 @@ class Reclaimer:
         evidence["busy_during_grace"] = bool(busy)  # used again during the grace but not kept
         return evidence
 
-    async def _run(self, script: str, lease: dict[str, Any], extra: list[Any]) -> bool:
-        code, rest = await self.store.run(script, [lease["id"], str(lease["token"]), *extra])
-        if code is Code.OK:
-            if script == "reclaim":
-                log.info("reclaimed %s user=%s pool=%s", lease["id"], lease["user"], lease["pool"])
-            return True
-        if code in (Code.NO_SUCH, Code.STALE, Code.ENDED, Code.NOT_DUE):
-            return False  # released, renewed into a new grant, already warned or kept: fine
-        raise_for(code, lease["id"])
-        return False
-
     async def run_forever(self, stop: asyncio.Event) -> None:
-        interval = self.store.settings.sample_interval
+        interval = self.engine.settings.sample_interval
         while not stop.is_set():
             wait = interval
             try:
@@ -437,20 +430,9 @@ class Reclaimer:
                 pass
 
 
-async def keep(store: LeaseStore, lease_id: str, user: str, admin: bool) -> dict[str, Any]:
+async def keep(engine: Engine, lease_id: str, user: str, admin: bool) -> dict[str, Any]:
     """ "I'm still using it": reset the idle clock (limited per lease)."""
-    rec = await store.get(lease_id)
-    pol = (await policies(store)).get(rec["pool"], Policy.from_settings(store))
-    code, rest = await store.run("keep", [lease_id, user, "1" if admin else "0", pol.max_extensions, ""])
-    if code is Code.OK:
-        return dict(json.loads(rest[0]))
-    if code is Code.LIMIT:
-        raise errors.Conflict(
-            f"lease {lease_id} was already kept {rest[0]} times, the most pool {rec['pool']} allows; "
-            "use the GPUs, or release them and acquire again when you need them",
-            extensions=int(rest[0]),
-        )
-    if code is Code.ENDED:
-        raise errors.LeaseEnded(f"lease {lease_id} has ended ({json.loads(rest[0]).get('end_reason', '')})")
-    raise_for(code, lease_id)
-    raise AssertionError("unreachable")
+    rec = await read_lease(engine, lease_id)
+    pol = (await policies(engine)).get(rec["pool"], Policy.from_settings(engine))
+    kept: dict[str, Any] = await engine.run(Keep(lease_id, user, admin, pol.max_extensions))
+    return kept

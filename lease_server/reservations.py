@@ -21,9 +21,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import errors
+from .engine import Engine
 from .keys import NAME_RE
-from .lease import LeaseStore, check_gpus, check_name, check_text
-from .scripts import Code
+from .lease import check_gpus, check_name, check_text
+from .scripts import Reserve, Unreserve
 
 WEEK_MS = 7 * 24 * 3600 * 1000
 MAX_OCCURRENCES = 52
@@ -163,7 +164,7 @@ def public_booking(
     return out
 
 
-def _clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.ReservationClash:
+def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.ReservationClash:
     clashes = [
         {
             "id": c["id"],
@@ -210,10 +211,10 @@ def _clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.Reservat
 class Bookings:
     """Create, change, cancel, end and list bookings. One per server process."""
 
-    def __init__(self, store: LeaseStore) -> None:
-        self.store = store
-        self.settings = store.settings
-        self.keys = store.keys
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.settings = engine.settings
+        self.keys = engine.keys
 
     # ---- validation --------------------------------------------------------------------------
 
@@ -340,40 +341,15 @@ class Bookings:
         raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
 
     async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None) -> dict[str, Any]:
-        code, rest = await self.store.run(
-            "reserve", [mode, json.dumps(rec), self.settings.on_demand_floor, rev], now_ms=now_ms
-        )
-        if code is Code.OK:
-            out: dict[str, Any] = json.loads(rest[0])
-            return out
-        if code is Code.CLASH:
-            raise _clash_error(rec, json.loads(rest[0]))
-        if code is Code.UNKNOWN_POOL:
-            known = ", ".join(sorted(await self.store.pool_sizes())) or "none registered"
-            raise errors.UnknownPool(f"unknown pool {rec['pool']!r}; known pools: {known}", pool=rec["pool"])
-        if code is Code.UNSATISFIABLE:
-            cap, largest = int(rest[0]), int(rest[1])
-            if rec.get("colocate") and rec["gpus"] > largest:
-                raise errors.Unsatisfiable(
-                    f"no node of pool {rec['pool']!r} has {rec['gpus']} GPUs (the largest has {largest}); "
-                    "book without colocate, or fewer GPUs",
-                    largest_node=largest,
-                )
-            floor = self.settings.on_demand_floor
-            kept = f" ({floor} per pool are kept for on-demand use)" if floor else ""
-            raise errors.Unsatisfiable(
-                f"pool {rec['pool']!r} has {cap} GPU(s) that can be booked{kept}; book at most {cap}",
-                capacity=cap,
-            )
-        if code is Code.DUPLICATE:
-            raise errors.Conflict(f"booking id {rec['id']!r} is already in use")
-        if code is Code.NO_SUCH:
-            raise errors.NoSuchReservation(f"no booking {rec['id']!r}")
-        if code is Code.STALE:
-            raise errors.StaleToken(f"booking {rec['id']} changed meanwhile")
-        if code is Code.ENDED:
-            raise errors.Conflict(f"booking {rec['id']} was cancelled; make a new one")
-        raise errors.GpuLeaseError(f"unexpected reply {code!r} from reserve.lua")
+        call = Reserve(mode, json.dumps(rec), self.settings.on_demand_floor, rev)
+        try:
+            out: dict[str, Any] = await self.engine.run(call, now_ms)
+        except errors.UnknownPool:
+            from .inventory import pool_sizes  # inventory reads bookings: imported here, not at the top
+
+            known = ", ".join(sorted(await pool_sizes(self.engine))) or "none registered"
+            raise errors.UnknownPool(f"unknown pool {rec['pool']!r}; known pools: {known}", pool=rec["pool"]) from None
+        return out
 
     async def cancel(self, booking_id: str, user: str, **kw: Any) -> dict[str, Any]:
         return await self._unreserve(booking_id, "cancel", user, **kw)
@@ -393,29 +369,17 @@ class Bookings:
         now_ms: int | None = None,
     ) -> dict[str, Any]:
         check_id(booking_id)
-        code, rest = await self.store.run(
-            "unreserve",
-            [booking_id, mode, user, "1" if admin else "0", ",".join(teams), int(self.settings.ended_retention * 1000)],
-            now_ms=now_ms,
+        keep_ms = int(self.settings.ended_retention * 1000)
+        out: dict[str, Any] = await self.engine.run(
+            Unreserve(booking_id, mode, user, admin, ",".join(teams), keep_ms), now_ms
         )
-        if code in (Code.OK, Code.ENDED):
-            out: dict[str, Any] = json.loads(rest[0])
-            return out
-        if code is Code.NO_SUCH:
-            raise errors.NoSuchReservation(f"no booking {booking_id!r}; list them with GET /api/v1/reservations")
-        if code is Code.NOT_OWNER:
-            raise errors.NotOwner(f"booking {booking_id} is not yours; only its owner or an admin may change it")
-        if code is Code.NOT_DUE:
-            raise errors.Conflict(
-                f"booking {booking_id} is not in force now, so there is nothing to end; cancel it instead"
-            )
-        raise errors.GpuLeaseError(f"unexpected reply {code!r} from unreserve.lua")
+        return out
 
     # ---- reading -----------------------------------------------------------------------------
 
     async def get(self, booking_id: str) -> dict[str, Any]:
         check_id(booking_id)
-        raw = await self.store.redis.hget(self.keys.resv, booking_id)
+        raw = await self.engine.redis.hget(self.keys.resv, booking_id)
         if raw is None:
             raise errors.NoSuchReservation(f"no booking {booking_id!r}; list them with GET /api/v1/reservations")
         out: dict[str, Any] = json.loads(raw)
@@ -425,7 +389,7 @@ class Bookings:
         self, pool: str | None = None, lo_ms: int | None = None, hi_ms: int | None = None
     ) -> list[dict[str, Any]]:
         """Active bookings (of ``pool``) with an occurrence overlapping [lo, hi), by start."""
-        r = self.store.redis
+        r = self.engine.redis
         members: Any
         if pool:
             members = await r.zrangebylex(self.keys.resv_idx, f"[{pool}|", f"({pool}|~")

@@ -1,24 +1,43 @@
-"""Loads the Lua scripts and maps their return codes to results or typed errors.
+"""The Lua scripts and their calling convention, owned here: one typed wrapper per script.
 
-Each script in ``lua/`` is the shared prologue ``_lib.lua`` followed by the script's own body, so
-that the lease life cycle (grant, end, dispatch the queue) is written once and every script applies
-it atomically. One function per code path turns a script's small integer code into a value or a
-:mod:`errors` exception; an unknown code raises, it is never ignored.
+A script is its own ``lua/<name>.lua`` body after the helpers of ``lua/_lib.lua`` that it calls
+(found by following calls, so ``keep`` carries a few lines and ``acquire`` the scheduler). Its
+header declares the keys it uses (``-- KEYS: leases deadlines ...``) and its arguments
+(``ARGV[5] = ...``); this module binds the keys as ``K_<NAME>`` locals, and each wrapper below
+(:class:`Acquire`, :class:`Release`, ...) is the one place that builds the script's ``ARGV`` and
+reads its reply, raising the typed :mod:`errors` exception for a refusal. The server, the
+simulator's replay and the benches all call scripts through these wrappers;
+``tests/test_scripts.py`` checks every header against its wrapper and the Lua code table against
+:class:`Code`.
+
+Every state-changing script takes four common arguments first (:class:`Common`): the virtual
+"now" (only the simulator passes one), the event log's length, the fair-share half-life and how
+long ended leases stay readable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
+import json
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, ClassVar
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from . import errors
+from .keys import Keys
 
 
 class Code(enum.IntEnum):
+    """A script's first reply element (``lua/_lib.lua`` declares the same table)."""
+
     OK = 0
     QUEUED = 1
     BUSY = 2
@@ -35,80 +54,630 @@ class Code(enum.IntEnum):
     LIMIT = 13
     NOT_DUE = 14
     CLASH = 15
+    WARNED = 16
 
 
-SCRIPT_NAMES = (
-    "acquire",
-    "cancel_wait",
-    "renew",
-    "release",
-    "sweep",
-    "register",
-    "idle_warn",
-    "keep",
-    "reclaim",
-    "samples",
-    "reserve",
-    "unreserve",
-)
-# Scripts that do not touch lease state: no shared prologue, their own KEYS[] (see their headers).
-STANDALONE = ("samples",)
+# ---- assembling a script from its body and the helpers it calls -----------------------------------
+
+_LIB = "_lib"
+_CHUNK_START = re.compile(r"^local (?:function )?([A-Za-z_][A-Za-z0-9_]*)\b")
+_NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+_KEYREF = re.compile(r"\bK_([A-Z_]+)\b")
+_KEYS_HEADER = re.compile(r"^-- KEYS: ([a-z_ ]+)$", re.M)
 
 
+def _lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+
+
+def _code_only(text: str) -> str:
+    return "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+
+
+@functools.cache
+def _library() -> tuple[str, list[tuple[str, str]]]:
+    """``_lib.lua`` as (preamble always included, [(helper name, its text)] in file order). A
+    helper starts at a top-level ``local function NAME`` / ``local NAME =`` line, with the
+    comment lines just above it."""
+    lines = _lua(_LIB).splitlines(keepends=True)
+    starts: list[tuple[int, str]] = []
+    for i, line in enumerate(lines):
+        m = _CHUNK_START.match(line)
+        if m and line.startswith("local function"):
+            starts.append((i, m.group(1)))
+        elif m and not starts:
+            continue  # the preamble's own locals (codes, NOW, ...)
+        elif m:
+            starts.append((i, m.group(1)))
+    bounds: list[tuple[int, str]] = []
+    for i, name in starts:
+        j = i
+        while j > 0 and lines[j - 1].startswith("--"):
+            j -= 1
+        bounds.append((j, name))
+    preamble = "".join(lines[: bounds[0][0]])
+    chunks = [
+        (name, "".join(lines[j : bounds[k + 1][0] if k + 1 < len(bounds) else len(lines)]))
+        for k, (j, name) in enumerate(bounds)
+    ]
+    return preamble, chunks
+
+
+def _helpers_for(body: str) -> list[str]:
+    """The helpers ``body`` calls, directly or through other helpers, in the library's order."""
+    _, chunks = _library()
+    text = dict(chunks)
+    wanted: set[str] = set()
+    todo = [n for n in _NAME.findall(_code_only(body)) if n in text]
+    while todo:
+        name = todo.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        todo += [n for n in _NAME.findall(_code_only(text[name])) if n in text and n not in wanted]
+    return [name for name, _ in chunks if name in wanted]
+
+
+def declared_keys(name: str) -> tuple[str, ...]:
+    """The keys ``lua/<name>.lua`` declares in its header, in KEYS[] order."""
+    m = _KEYS_HEADER.search(_lua(name))
+    if m is None:
+        raise ValueError(f"lua/{name}.lua declares no '-- KEYS: ...' line")
+    return tuple(m.group(1).split())
+
+
+@functools.cache
 def source(name: str) -> str:
-    lua = resources.files(__package__).joinpath("lua")
-    body = lua.joinpath(f"{name}.lua").read_text()
+    """The whole Lua text run for script ``name``: key bindings, the preamble, the helpers it
+    calls, its body. A standalone script (``STANDALONE``) is its body alone."""
+    body = _lua(name)
     if name in STANDALONE:
         return body
-    return lua.joinpath("_lib.lua").read_text() + "\n" + body
+    preamble, chunks = _library()
+    keys = declared_keys(name)
+    binding = "local " + ", ".join(f"K_{k.upper()}" for k in keys) + " = "
+    binding += ", ".join(f"KEYS[{i}]" for i in range(1, len(keys) + 1)) + "\n"
+    helpers = dict(chunks)
+    return binding + preamble + "".join(helpers[h] for h in _helpers_for(body)) + "\n" + body
+
+
+def used_keys(name: str) -> set[str]:
+    """The keys the assembled script really refers to (``K_<NAME>``), lower-cased."""
+    text = source(name)
+    return {k.lower() for k in _KEYREF.findall(_code_only(text.split("\n", 1)[1]))}
+
+
+# ---- the calling convention ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Common:
+    """The four arguments every state-changing script takes first (``ARGV[1..4]``)."""
+
+    now_ms: int | None  # a virtual clock (the simulator); None: Redis TIME
+    event_log_max: int
+    half_life_s: float
+    retention_ms: int
+
+    def argv(self) -> list[Any]:
+        return ["" if self.now_ms is None else self.now_ms, self.event_log_max, self.half_life_s, self.retention_ms]
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value is None:
+        return ""
+    return value
+
+
+_GETTERS: dict[type, Any] = {}
+
+
+def _getter(cls: type) -> Any:
+    """The call's fields in ARGV order, read in one go (the replay builds millions of calls)."""
+    get = _GETTERS.get(cls)
+    if get is None:
+        names = [f.name for f in dataclasses.fields(cls)]
+        one = operator.attrgetter(*names)
+        get = _GETTERS[cls] = one if len(names) > 1 else (lambda obj: (one(obj),))
+    return get
+
+
+class ScriptCall:
+    """One call of one script: its fields are the script's own ARGV (from ``ARGV[5]``), in order."""
+
+    script: ClassVar[str]
+
+    def argv(self) -> list[Any]:
+        return [_wire(v) for v in _getter(type(self))(self)]
+
+    def reply(self, code: Code, rest: list[Any]) -> Any:
+        raise NotImplementedError
+
+    def unexpected(self, code: Code) -> errors.GpuLeaseError:
+        return errors.GpuLeaseError(f"unexpected reply {code.name} from {self.script}.lua")
+
+
+def _json(raw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(raw)
+    return out
+
+
+def no_such_lease(lease_id: str) -> errors.NoSuchLease:
+    return errors.NoSuchLease(
+        f"no lease {lease_id!r}: it never existed or ended long ago; list yours with gpulease leases"
+    )
+
+
+def _not_owner(lease_id: str) -> errors.NotOwner:
+    return errors.NotOwner(f"lease {lease_id} belongs to another user; only its owner or an admin may change it")
+
+
+def _stale(lease_id: str) -> errors.StaleToken:
+    return errors.StaleToken(
+        f"the token given for lease {lease_id} is not its current fencing token: "
+        "you hold an older grant; acquire a new lease"
+    )
+
+
+def _ended(lease_id: str, raw: Any) -> errors.LeaseEnded:
+    ended = _json(raw)
+    cls = errors.LeaseExpired if ended["state"] == "expired" else errors.LeaseEnded
+    return cls(
+        f"lease {lease_id} has {ended['state']} ({ended.get('end_reason', '')}); its GPUs may "
+        "belong to someone else now: acquire a new lease",
+        state=ended["state"],
+    )
+
+
+# ---- acquire ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Granted:
+    lease: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Queued:
+    position: int
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """The id is taken: a resent request whose grant already happened, or a clash of ids."""
+
+
+@dataclass(frozen=True)
+class Acquire(ScriptCall):
+    script: ClassVar[str] = "acquire"
+    id: str
+    user: str
+    pool: str
+    gpus: int
+    ttl_ms: int
+    wait_ms: int  # 0: do not queue
+    label: str = ""
+    session: str = ""
+    teams: str = ""  # comma-separated
+    priority: int = 1
+    gpus_min: int = 0  # 0: = gpus (not elastic)
+    nodes: int = 1
+    notebook: str = ""
+    cell: str = ""
+
+    def argv(self) -> list[Any]:
+        out = super().argv()
+        out[10] = self.gpus_min or self.gpus
+        return out
+
+    def reply(self, code: Code, rest: list[Any]) -> Granted | Queued | Duplicate:
+        if code is Code.OK:
+            return Granted(_json(rest[0]))
+        if code is Code.QUEUED:
+            return Queued(int(rest[0]))
+        if code is Code.DUPLICATE:
+            return Duplicate()
+        if code is Code.BUSY:
+            lent = len(rest) > 1 and int(rest[1]) == 1
+            hint = (
+                "your booking's GPUs are lent out: pass wait (at least the booking's recall "
+                "notice) and they are recalled for you"
+                if lent
+                else "pass wait (seconds) to queue for them"
+            )
+            raise errors.NoCapacity(
+                f"no node in pool {self.pool!r} has {self.gpus} free GPU(s) now (the most free on one node: "
+                f"{rest[0]}); {hint}",
+                pool=self.pool,
+                most_free_on_a_node=int(rest[0]),
+                position=0,
+            )
+        if code is Code.UNKNOWN_POOL:
+            raise errors.UnknownPool(f"unknown pool {self.pool!r}", pool=self.pool)
+        if code is Code.UNSATISFIABLE and self.nodes > 1:
+            per, able = self.gpus // self.nodes, int(rest[1])
+            raise errors.Unsatisfiable(
+                f"a gang of {per} GPUs on each of {self.nodes} nodes cannot fit pool {self.pool!r}: only "
+                f"{able} of its nodes have {per} GPUs; ask for fewer nodes or fewer GPUs per node",
+                pool=self.pool,
+                nodes_able=able,
+            )
+        if code is Code.UNSATISFIABLE:
+            largest = int(rest[0])
+            raise errors.Unsatisfiable(
+                f"no node in pool {self.pool!r} has {self.gpus} GPUs: the largest has {largest}; ask for at "
+                f"most {largest} on one node, or spread them over K nodes, all or nothing (--nodes K)",
+                pool=self.pool,
+                largest_node=largest,
+            )
+        raise self.unexpected(code)
+
+
+# ---- the queue, renewal, release -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A queued request left the queue (withdrawn, timed out): where it stood."""
+
+    position: int
+    waiter: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CancelWait(ScriptCall):
+    script: ClassVar[str] = "cancel_wait"
+    id: str
+    reason: str  # "timeout" | "cancelled"
+    user: str
+
+    def reply(self, code: Code, rest: list[Any]) -> Granted | Removed:
+        if code is Code.OK:
+            return Granted(_json(rest[0]))
+        if code is Code.REMOVED:
+            return Removed(int(rest[0]))
+        if code is Code.NO_SUCH:
+            raise errors.NoSuchLease(f"request {self.id} is not queued")
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class Renew(ScriptCall):
+    script: ClassVar[str] = "renew"
+    id: str
+    token: str
+    user: str
+    admin: bool
+    ttl_ms: int  # 0: the lease's own ttl
+    activity: str = ""  # JSON {"executing": ..., "source": ...} or ""
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code in (Code.ENDED, Code.EXPIRED):
+            raise _ended(self.id, rest[0])
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        if code is Code.STALE:
+            raise _stale(self.id)
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A release's answer: the ended record, and whether this call ended it (else it had ended)."""
+
+    record: dict[str, Any]
+    changed: bool
+
+
+@dataclass(frozen=True)
+class Release(ScriptCall):
+    script: ClassVar[str] = "release"
+    id: str
+    token: str  # "": ownership alone suffices
+    user: str
+    admin: bool
+    state: str  # "released" | "revoked" | "auto"
+    reason: str
+    revoke_reason: str = ""  # for "auto": the reason if it turns out to be a revoke
+    withdraw_reason: str = ""  # for a queued request ("": "withdrawn by its owner" / "by admin USER")
+
+    def reply(self, code: Code, rest: list[Any]) -> Ended | Removed:
+        if code in (Code.OK, Code.ENDED):
+            return Ended(_json(rest[0]), code is Code.OK)
+        if code is Code.REMOVED:
+            return Removed(int(rest[0]), _json(rest[1]))
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        if code is Code.STALE:
+            raise _stale(self.id)
+        raise self.unexpected(code)
+
+
+class SweepCounts(tuple[int, int, int, int, int, int]):
+    """What one sweep did (a named tuple's fields, summed over the batches of one pass)."""
+
+    _fields = ("expired", "nodes_down", "waiters_dropped", "trimmed", "recalled", "booking_checks")
+
+    def __new__(cls, values: Sequence[int] = (0, 0, 0, 0, 0, 0)) -> SweepCounts:
+        return super().__new__(cls, tuple(int(v) for v in values))  # type: ignore[arg-type]
+
+    def __add__(self, other: object) -> SweepCounts:  # type: ignore[override]
+        assert isinstance(other, SweepCounts)
+        return SweepCounts([a + b for a, b in zip(self, other, strict=True)])
+
+    expired = property(lambda self: self[0])
+    nodes_down = property(lambda self: self[1])
+    waiters_dropped = property(lambda self: self[2])
+    trimmed = property(lambda self: self[3])
+    recalled = property(lambda self: self[4])
+    booking_checks = property(lambda self: self[5])
+
+
+@dataclass(frozen=True)
+class Sweep(ScriptCall):
+    script: ClassVar[str] = "sweep"
+    limit: int
+    waiter_grace_ms: int
+
+    def reply(self, code: Code, rest: list[Any]) -> SweepCounts:
+        if code is not Code.OK:
+            raise self.unexpected(code)
+        return SweepCounts(rest)
+
+
+@dataclass(frozen=True)
+class Register(ScriptCall):
+    script: ClassVar[str] = "register"
+    node: str
+    inventory: str  # JSON, or "" for a heartbeat of a registered node
+    alive_ms: int
+
+    def reply(self, code: Code, rest: list[Any]) -> str:
+        if code is Code.OK:
+            return str(rest[0])  # "up" | "registered" | "alive"
+        if code is Code.UNKNOWN_NODE:
+            raise errors.UnknownNode(f"node {self.node!r} is not registered: send its inventory first")
+        raise self.unexpected(code)
+
+
+# ---- idle reclaim ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IdleWarn(ScriptCall):
+    """Warn an idle lease's holder. ``reply`` is the warned lease, or None when there is nothing to
+    do (released meanwhile, renewed into a newer grant, already warned)."""
+
+    script: ClassVar[str] = "idle_warn"
+    id: str
+    token: str
+    grace_ms: int
+    evidence: str  # JSON
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any] | None:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code in (Code.NO_SUCH, Code.STALE, Code.WARNED):
+            return None
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class Reclaim(ScriptCall):
+    """Take back a warned lease. ``reply``: its ended record, or None when it was released, renewed
+    into a newer grant or kept meanwhile."""
+
+    script: ClassVar[str] = "reclaim"
+    id: str
+    token: str
+    evidence: str  # JSON
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any] | None:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code in (Code.NO_SUCH, Code.STALE, Code.NOT_DUE):
+            return None
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class Keep(ScriptCall):
+    script: ClassVar[str] = "keep"
+    id: str
+    user: str
+    admin: bool
+    max_extensions: int
+    auto: bool = False  # the reclaimer clears the warning (the GPUs got busy): no extension used
+
+    def argv(self) -> list[Any]:
+        return [self.id, self.user, _wire(self.admin), self.max_extensions, "auto" if self.auto else ""]
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.LIMIT:
+            raise errors.Conflict(
+                f"lease {self.id} was already kept {rest[0]} times, the most its pool allows; "
+                "use the GPUs, or release them and acquire again when you need them",
+                extensions=int(rest[0]),
+            )
+        if code is Code.ENDED:
+            raise errors.LeaseEnded(f"lease {self.id} has ended ({_json(rest[0]).get('end_reason', '')})")
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        raise self.unexpected(code)
+
+
+# ---- bookings --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserve(ScriptCall):
+    script: ClassVar[str] = "reserve"
+    mode: str  # "create" | "edit" | "check"
+    booking: str  # JSON, validated by reservations.py
+    floor: int  # on-demand GPUs of a pool that are never booked
+    rev: str = ""  # for "edit": the revision the change was made against
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        rec = _json(self.booking)
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.CLASH:
+            from .reservations import clash_error
+
+            raise clash_error(rec, _json(rest[0]))
+        if code is Code.UNKNOWN_POOL:
+            raise errors.UnknownPool(f"unknown pool {rec['pool']!r}", pool=rec["pool"])
+        if code is Code.UNSATISFIABLE:
+            cap, largest = int(rest[0]), int(rest[1])
+            if rec.get("colocate") and rec["gpus"] > largest:
+                raise errors.Unsatisfiable(
+                    f"no node of pool {rec['pool']!r} has {rec['gpus']} GPUs (the largest has {largest}); "
+                    "book without colocate, or fewer GPUs",
+                    largest_node=largest,
+                )
+            kept = f" ({self.floor} per pool are kept for on-demand use)" if self.floor else ""
+            raise errors.Unsatisfiable(
+                f"pool {rec['pool']!r} has {cap} GPU(s) that can be booked{kept}; book at most {cap}",
+                capacity=cap,
+            )
+        if code is Code.DUPLICATE:
+            raise errors.Conflict(f"booking id {rec['id']!r} is already in use")
+        if code is Code.NO_SUCH:
+            raise errors.NoSuchReservation(f"no booking {rec['id']!r}")
+        if code is Code.STALE:
+            raise errors.StaleToken(f"booking {rec['id']} changed meanwhile")
+        if code is Code.ENDED:
+            raise errors.Conflict(f"booking {rec['id']} was cancelled; make a new one")
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class Unreserve(ScriptCall):
+    script: ClassVar[str] = "unreserve"
+    id: str
+    action: str  # "cancel" | "end"
+    user: str
+    admin: bool
+    teams: str  # comma-separated
+    keep_ms: int  # how long a cancelled booking stays readable
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code in (Code.OK, Code.ENDED):
+            return _json(rest[0])
+        if code is Code.NO_SUCH:
+            raise errors.NoSuchReservation(f"no booking {self.id!r}; list them with gpulease reservations")
+        if code is Code.NOT_OWNER:
+            raise errors.NotOwner(f"booking {self.id} is not yours; only its owner or an admin may change it")
+        if code is Code.NOT_DUE:
+            raise errors.Conflict(
+                f"booking {self.id} is not in force now, so there is nothing to end; cancel it instead"
+            )
+        raise self.unexpected(code)
+
+
+# ---- samples (standalone) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    util: float
+    mem_mb: int
+    procs: str  # JSON list of pids
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One node agent's sample of its GPUs. Standalone: own ARGV from 1, per-GPU keys after the fixed
+    seven; the reply is (samples recorded, GPUs in use by processes no lease holds)."""
+
+    script: ClassVar[str] = "samples"
+    FIXED_KEYS: ClassVar[tuple[str, ...]] = (
+        "last",
+        "busy_at",
+        "holders",
+        "unleased",
+        "events",
+        "covered_since",
+        "lease_util",
+    )
+    now_ms: int | None
+    event_log_max: int
+    window: int
+    threshold: float
+    node: str
+    gap_ms: int
+    gpus: tuple[GpuSample, ...]
+
+    def keys(self, k: Keys) -> list[str]:
+        return [getattr(k, name) for name in self.FIXED_KEYS] + [k.samples(f"{self.node}/{g.index}") for g in self.gpus]
+
+    def argv(self) -> list[Any]:
+        out: list[Any] = [_wire(self.now_ms), self.event_log_max, self.window, self.threshold, self.node, self.gap_ms]
+        for g in self.gpus:
+            out += [g.index, g.util, g.mem_mb, g.procs]
+        return out
+
+    def reply(self, raw: list[Any]) -> tuple[int, int]:
+        return int(raw[0]), int(raw[1])
+
+
+CALLS: tuple[type[ScriptCall], ...] = (
+    Acquire,
+    CancelWait,
+    Renew,
+    Release,
+    Sweep,
+    Register,
+    IdleWarn,
+    Keep,
+    Reclaim,
+    Reserve,
+    Unreserve,
+)
+SCRIPT_NAMES = tuple(c.script for c in CALLS) + (Samples.script,)
+STANDALONE = (Samples.script,)  # no prologue, no common ARGV: see its header
 
 
 class Scripts:
-    """The registered scripts of one Redis connection (EVALSHA, re-loaded on NOSCRIPT)."""
+    """The registered scripts of one Redis connection (EVALSHA, re-loaded on NOSCRIPT), each with
+    the keys it declares."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
         self._scripts: dict[str, AsyncScript] = {name: redis.register_script(source(name)) for name in SCRIPT_NAMES}
+        self._keys = {c.script: [getattr(keys, k) for k in declared_keys(c.script)] for c in CALLS}
+        self.keys = keys
 
-    async def call(self, name: str, keys: list[str], args: list[Any]) -> tuple[Code, list[Any]]:
-        reply = await self._scripts[name](keys=keys, args=args)
+    def keys_of(self, script: str) -> list[str]:
+        return self._keys[script]
+
+    async def call(self, call: ScriptCall, common: Common) -> Any:
+        """Run ``call`` and return its typed reply (or raise its typed error)."""
+        code, rest = await self.raw(call, common)
+        return call.reply(code, rest)
+
+    async def raw(self, call: ScriptCall, common: Common) -> tuple[Code, list[Any]]:
+        """Run ``call`` and return its code and the rest of the reply, undecoded (tests, benches)."""
+        reply = await self._scripts[call.script](keys=self._keys[call.script], args=common.argv() + call.argv())
         try:
             code = Code(int(reply[0]))
         except (ValueError, IndexError, TypeError) as exc:
-            raise errors.GpuLeaseError(f"script {name} returned an unknown reply {reply!r}") from exc
+            raise errors.GpuLeaseError(f"script {call.script} returned an unknown reply {reply!r}") from exc
         return code, list(reply[1:])
 
-    async def call_raw(self, name: str, keys: list[str], args: list[Any]) -> list[Any]:
-        """A standalone script's plain reply (no return code)."""
-        return list(await self._scripts[name](keys=keys, args=args))
-
-
-def raise_for(code: Code, lease_id: str = "", pool: str = "", extra: Any = None) -> None:
-    """Raise the typed error for a refusal code (codes that are not refusals return None)."""
-    if code is Code.NO_SUCH:
-        raise errors.NoSuchLease(
-            f"no lease {lease_id!r}: it never existed or ended long ago; list yours with GET /api/v1/leases"
-        )
-    if code is Code.NOT_OWNER:
-        raise errors.NotOwner(f"lease {lease_id} belongs to another user; only its owner or an admin may change it")
-    if code is Code.STALE:
-        raise errors.StaleToken(
-            f"the token given for lease {lease_id} is not its current fencing token: "
-            "you hold an older grant; acquire a new lease"
-        )
-    if code is Code.UNKNOWN_POOL:
-        raise errors.UnknownPool(f"unknown pool {pool!r}", pool=pool)
-    if code is Code.UNSATISFIABLE:
-        raise errors.Unsatisfiable(
-            f"no node in pool {pool!r} has that many GPUs: the largest has {extra}; "
-            f"ask for at most {extra} on one node, or spread the GPUs over several nodes, all or nothing "
-            f"(%%gpu_train --nodes K, API field nodes: each node gets 1/K of them)",
-            pool=pool,
-            largest_node=int(extra),
-        )
-    if code is Code.DUPLICATE:
-        raise errors.Conflict(f"lease id {lease_id!r} is already in use")
-    if code is Code.CLASH:
-        raise errors.ReservationClash(f"booking {lease_id} clashes with others", **(extra or {}))
-    if code is Code.UNKNOWN_NODE:
-        raise errors.UnknownNode(f"node {lease_id!r} is not registered: send its inventory first")
-    raise errors.GpuLeaseError(f"unexpected script code {code!r}")
+    async def samples(self, call: Samples) -> tuple[int, int]:
+        return call.reply(list(await self._scripts[Samples.script](keys=call.keys(self.keys), args=call.argv())))

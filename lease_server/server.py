@@ -41,8 +41,8 @@ async def serve(
         from .inventory import register
 
         for inv in local_nodes:  # before serving, so the first request finds the pools
-            await register(ctx.store, inv)
-        agent = asyncio.create_task(heartbeat_local(ctx.store, local_nodes, stop), name="gpulease-agent")
+            await register(ctx.engine, inv)
+        agent = asyncio.create_task(heartbeat_local(ctx.engine, local_nodes, stop), name="gpulease-agent")
     app = make_app(ctx)
     # The body limit is enforced with a clear 413 in the handlers; tornado's own limit (which just
     # drops the connection) only guards against absurd uploads.

@@ -14,17 +14,17 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from .engine import Engine
 from .inventory import cluster_view
-from .lease import LeaseStore
 from .reservations import Bookings
 
 GROUPS = ("user", "team", "pool", "notebook")
 DEFAULT_TYPICAL_S = 600.0
 
 
-async def ledger(store: LeaseStore, lo_ms: int, hi_ms: int, limit: int = 200_000) -> list[dict[str, Any]]:
+async def ledger(engine: Engine, lo_ms: int, hi_ms: int, limit: int = 200_000) -> list[dict[str, Any]]:
     """Ledger entries of leases that ended in [lo, hi), oldest first."""
-    rows: Any = await store.redis.xrange(store.keys.ledger, f"{lo_ms}-0", f"{max(lo_ms, hi_ms - 1)}", count=limit)
+    rows: Any = await engine.redis.xrange(engine.keys.ledger, f"{lo_ms}-0", f"{max(lo_ms, hi_ms - 1)}", count=limit)
     return [json.loads(fields["data"]) for _id, fields in rows]
 
 
@@ -65,14 +65,14 @@ def summarize(entries: list[dict[str, Any]], by: str = "user") -> list[dict[str,
     return out
 
 
-async def typical_duration(store: LeaseStore, pool: str, sample: int = 200) -> float:
+async def typical_duration(engine: Engine, pool: str, sample: int = 200) -> float:
     """Median seconds held of the pool's last ``sample`` ended leases (600 s with no history)."""
-    rows: Any = await store.redis.xrevrange(store.keys.ledger, count=sample * 4)
+    rows: Any = await engine.redis.xrevrange(engine.keys.ledger, count=sample * 4)
     held = [d["held_s"] for d in (json.loads(f["data"]) for _id, f in rows) if d["pool"] == pool][:sample]
     return float(statistics.median(held)) if held else DEFAULT_TYPICAL_S
 
 
-async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int, lease: str | None = None) -> dict[str, Any]:
+async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str | None = None) -> dict[str, Any]:
     """How long ``gpus`` GPUs of ``pool`` would take to come free, and alternatives free now.
 
     A simple, explainable model: every running lease ends after the pool's typical duration (one
@@ -81,13 +81,13 @@ async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int, lease: 
     GPUs first. ``lease`` is the id of the asking request when it is already queued: then only the
     waiters strictly ahead of it count (in arrival order, as GET /queue numbers them), never itself
     or those behind it. Returns seconds, and the reasoning in words."""
-    view = await cluster_view(store)
-    typical = await typical_duration(store, pool)
-    queued: Any = await store.redis.zrangebylex(store.keys.queue, f"[{pool}|", f"({pool}|~")
+    view = await cluster_view(engine)
+    typical = await typical_duration(engine, pool)
+    queued: Any = await engine.redis.zrangebylex(engine.keys.queue, f"[{pool}|", f"({pool}|~")
     waiters = []
     if queued:
         ids = [m.rsplit("|", 1)[1] for m in queued]
-        waiters = [json.loads(w) for w in await store.redis.hmget(store.keys.waiters, ids) if w]
+        waiters = [json.loads(w) for w in await engine.redis.hmget(engine.keys.waiters, ids) if w]
     mine = next((i for i, w in enumerate(waiters) if w["id"] == lease), None) if lease else None
     ahead = waiters if mine is None else waiters[:mine]
     ahead_gpus = sum(w["gpus"] for w in ahead)
@@ -133,7 +133,7 @@ async def estimate(store: LeaseStore, pool: str, gpus: int, now_ms: int, lease: 
         )
         if most >= gpus:
             alternatives.append({"pool": other, "free": most, "text": f"{most} x {other} free now"})
-    bookings = (await Bookings(store).in_force(now_ms)).get(pool, [])
+    bookings = (await Bookings(engine).in_force(now_ms)).get(pool, [])
     if free_now >= gpus and not ahead:
         text = f"{gpus} GPU(s) of {pool} free now"
         wait_s = 0.0

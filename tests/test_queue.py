@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from lease_server import errors
+from lease_server.engine import Engine
 from lease_server.inventory import cluster_view, parse_simulate, register
 from lease_server.lease import LeaseStore
 from tests.conftest import make_settings
@@ -20,10 +21,10 @@ from tests.conftest import make_settings
 @asynccontextmanager
 async def store_for(redis_url: str, prefix: str, simulate: str, **kw: object) -> AsyncIterator[LeaseStore]:
     r = Redis.from_url(redis_url, decode_responses=True)
-    store = LeaseStore(r, make_settings(redis_url, prefix, **kw))
+    store = LeaseStore(Engine(r, make_settings(redis_url, prefix, **kw)))
     await store.start()
     for inv in parse_simulate(simulate):
-        await register(store, inv)
+        await register(store.engine, inv)
     try:
         yield store
     finally:
@@ -137,7 +138,7 @@ def test_dead_node_is_never_granted_and_comes_back(redis_server, prefix):
             # The agent's heartbeat deadline passes (virtual clock 10 s ahead, inside the scripts).
             expired, down, *_ = await st.sweep(now_ms=now + 10_000)
             assert down == 1
-            view = await cluster_view(st)
+            view = await cluster_view(st.engine)
             assert {g["state"] for g in view["nodes"][0]["gpus"]} == {"down"}
             with pytest.raises(errors.NoCapacity):
                 await st.acquire("u", 1)
@@ -146,7 +147,7 @@ def test_dead_node_is_never_granted_and_comes_back(redis_server, prefix):
             waiter = asyncio.create_task(st.acquire("u", 2, wait=30, on_queued=q.append))
             while not q:
                 await asyncio.sleep(0)
-            assert await register(st, None, "a") == "up"
+            assert await register(st.engine, None, "a") == "up"
             got = await asyncio.wait_for(waiter, 10)
             assert got["node"] == "a"
 
@@ -160,6 +161,6 @@ def test_allocation_skips_a_node_whose_heartbeat_ran_out_before_any_sweep(redis_
             await st.redis.zadd(st.keys.alive, {"a": 1})
             got = await st.acquire("u", 1)
             assert got["node"] == "b"
-            assert (await cluster_view(st))["nodes"][0]["state"] == "down"
+            assert (await cluster_view(st.engine))["nodes"][0]["state"] == "down"
 
     asyncio.run(main())

@@ -11,10 +11,12 @@ import pytest
 from redis.asyncio import Redis
 
 from lease_server import errors
+from lease_server.engine import Engine
 from lease_server.inventory import parse_simulate, register
 from lease_server.keys import Keys
 from lease_server.lease import LeaseStore
 from lease_server.reclaim import GpuState, Policy, idle_verdict
+from lease_server.scripts import IdleWarn, Keep, Reclaim
 from tests.api_helpers import EventWatcher
 from tests.conftest import make_settings
 from tests.invariants import check_event_log, check_state, read_events
@@ -220,18 +222,18 @@ def test_reclaim_racing_release_renew_and_keep_never_double_frees(redis_server, 
 
     async def main() -> None:
         r = Redis.from_url(redis_server.url, decode_responses=True)
-        store = LeaseStore(r, make_settings(redis_server.url, prefix))
+        store = LeaseStore(Engine(r, make_settings(redis_server.url, prefix)))
         for inv in parse_simulate("a=2xA100-80GB"):
-            await register(store, inv)
+            await register(store.engine, inv)
         outcomes: dict[str, int] = {}
         for i in range(150):
             lease = await store.acquire("u", 1 + i % 2)
-            code, _ = await store.run("idle_warn", [lease["id"], str(lease["token"]), 0, json.dumps({"idle_s": 1})])
+            code, _ = await store.engine.raw(IdleWarn(lease["id"], str(lease["token"]), 0, json.dumps({"idle_s": 1})))
             results = await asyncio.gather(
-                store.run("reclaim", [lease["id"], str(lease["token"]), json.dumps({"idle_s": 1})]),
+                store.engine.raw(Reclaim(lease["id"], str(lease["token"]), json.dumps({"idle_s": 1}))),
                 store.release(lease["id"], "u", token=lease["token"]),
                 store.renew(lease["id"], lease["token"], "u"),
-                store.run("keep", [lease["id"], "u", "0", 3, ""]),
+                store.engine.raw(Keep(lease["id"], "u", False, 3)),
                 return_exceptions=True,
             )
             reclaimed = results[0][0].name == "OK"  # type: ignore[index,union-attr]

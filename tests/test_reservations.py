@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from redis.asyncio import Redis as ARedis
 
+from lease_server.engine import Engine
 from lease_server.inventory import parse_simulate, register
 from lease_server.lease import LeaseStore
 from lease_server.reservations import WEEK_MS, Bookings
@@ -338,9 +339,9 @@ def store_factory(redis_server, prefix):
 
     async def make(simulate: str, **kw: object) -> LeaseStore:
         r = ARedis.from_url(redis_server.url, decode_responses=True)
-        st = LeaseStore(r, make_settings(redis_server.url, f"{prefix}v{len(made)}", **kw))
+        st = LeaseStore(Engine(r, make_settings(redis_server.url, f"{prefix}v{len(made)}", **kw)))
         for inv in parse_simulate(simulate):
-            await register(st, inv)
+            await register(st.engine, inv)
         made.append((st, r))
         return st
 
@@ -354,7 +355,7 @@ async def _read(st: LeaseStore) -> list[tuple[str, dict]]:
 def test_no_show_releases_the_booking_and_tells_the_owner(store_factory):
     async def main() -> None:
         st = await store_factory("a=2xA100-80GB", no_show_after=900)
-        b = Bookings(st)
+        b = Bookings(st.engine)
         now = int(time.time() * 1000)
         unused = await b.create(
             "alice", {"pool": "A100-80GB", "gpus": 1, "start": now / 1000, "end": now / 1000 + 3600}
@@ -381,7 +382,7 @@ def test_no_show_releases_the_booking_and_tells_the_owner(store_factory):
 def test_weekly_no_show_checks_every_occurrence(store_factory):
     async def main() -> None:
         st = await store_factory("a=2xA100-80GB", no_show_after=600)
-        b = Bookings(st)
+        b = Bookings(st.engine)
         now = int(time.time() * 1000)
         r = await b.create(
             "alice",

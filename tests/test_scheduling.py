@@ -8,6 +8,7 @@ same path the policy simulator uses), so hours of scheduling take a fraction of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -17,9 +18,10 @@ import pytest
 from redis.asyncio import Redis as ARedis
 
 from lease_server import errors
+from lease_server.engine import Engine
 from lease_server.inventory import parse_simulate, register
 from lease_server.lease import LeaseStore
-from lease_server.scripts import Code
+from lease_server.scripts import Acquire, Code, Release
 from tests.api_helpers import API, assert_error, event_stream, http, next_event, queued
 from tests.conftest import make_settings
 
@@ -37,14 +39,14 @@ class Sim:
     ) -> tuple[Code, Any, str]:
         self.seq += 1
         lid = f"l-{user}-{self.seq:05d}"
-        args = [lid, user, "A100-80GB", n, 3_600_000, int(wait_s * 1000), "", "", teams, prio, n_min or n]
-        code, rest = await self.st.run("acquire", args, now_ms=self.now)
+        call = Acquire(lid, user, "A100-80GB", n, 3_600_000, int(wait_s * 1000), "", "", teams, prio, n_min or n)
+        code, rest = await self.st.engine.raw(call, now_ms=self.now)
         return code, (json.loads(rest[0]) if code is Code.OK else rest), lid
 
     async def release(self, lid: str) -> None:
         raw = await self.st.redis.hget(self.st.keys.leases, lid)
         user = json.loads(raw)["user"]
-        await self.st.run("release", [lid, "", user, "0", "released", "done", ""], now_ms=self.now)
+        await self.st.engine.raw(Release(lid, "", user, False, "released", "done", ""), now_ms=self.now)
 
     async def sweep(self) -> list[int]:
         return await self.st.sweep(now_ms=self.now)
@@ -66,10 +68,10 @@ def sim_factory(redis_server, prefix):
         settings = make_settings(
             redis_server.url, f"{prefix}q{len(made)}", heartbeat_timeout=30 * 86400, heartbeat_interval=10, **kw
         )
-        st = LeaseStore(r, settings)
+        st = LeaseStore(Engine(r, settings))
         await st.publish_scheduling()
         for inv in parse_simulate(simulate):
-            await register(st, inv)
+            await register(st.engine, inv)
         return Sim(st, int(time.time() * 1000))
 
     return make
@@ -245,12 +247,12 @@ def test_ledger_records_each_call_with_utilization(sim_factory):
 
         sim = await sim_factory("a=2xA100-80GB")
         now = sim.now
-        args = ["l-ledger-0001", "alice", "A100-80GB", 2, 60_000, 0, "cell:3f2a", "nb/train.ipynb", "ml", 1, 2]
-        code, _rest = await sim.st.run("acquire", args, now_ms=now)
+        args = Acquire("l-ledger-0001", "alice", "A100-80GB", 2, 60_000, 0, "cell:3f2a", "nb/train.ipynb", "ml", 1, 2)
+        code, _rest = await sim.st.engine.raw(args, now_ms=now)
         assert code is Code.OK
         for i, util in enumerate([90, 0, 80, 0]):
             await record_samples(
-                sim.st,
+                sim.st.engine,
                 "a",
                 "A100-80GB",
                 [{"index": 0, "util": util, "mem_mb": 1000 + i}, {"index": 1, "util": util, "mem_mb": 500}],
@@ -365,8 +367,8 @@ def test_multi_node_gang_is_all_or_nothing(sim_factory):
         sim = await sim_factory("a=4xA100-80GB,b=4xA100-80GB,c=2xA100-80GB")
         _c, _l, other = await sim.acquire("dave", 2)  # c (best fit) is now full
         _c, blocker, b_id = await sim.acquire("dave", 2)  # a or b now has only 2 free
-        args = ["l-gang-00001", "alice", "A100-80GB", 8, 60_000, 600_000, "", "", "", 1, 8, 2]
-        code, rest = await sim.st.run("acquire", args, now_ms=sim.now)
+        args = Acquire("l-gang-00001", "alice", "A100-80GB", 8, 60_000, 600_000, "", "", "", 1, 8, 2)
+        code, rest = await sim.st.engine.raw(args, now_ms=sim.now)
         assert code is Code.QUEUED  # 4 + 2 free on two nodes: nothing is granted, not even half
         assert all(len(lease["gpus"]) == 2 for lease in (await sim.leases()).values())
         await sim.release(b_id)
@@ -379,8 +381,8 @@ def test_multi_node_gang_is_all_or_nothing(sim_factory):
         assert json.loads(view["a"]) == [0, 1, 2, 3] and json.loads(view["b"]) == [0, 1, 2, 3]
         assert await sim.st.redis.hlen(sim.st.keys.holders) == 2  # only dave's other lease, on c
         # 3 nodes with 3 GPUs each do not exist: refused at once
-        args[0], args[3], args[10], args[11] = "l-gang-00002", 9, 9, 3
-        code, rest = await sim.st.run("acquire", args, now_ms=sim.now)
+        args = dataclasses.replace(args, id="l-gang-00002", gpus=9, gpus_min=9, nodes=3)
+        code, rest = await sim.st.engine.raw(args, now_ms=sim.now)
         assert code is Code.UNSATISFIABLE and int(rest[1]) == 2
         assert other
 

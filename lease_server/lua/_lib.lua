@@ -1,36 +1,20 @@
--- _lib.lua: the shared prologue that lease_server/scripts.py prepends to every state-changing script.
+-- _lib.lua: the helpers of the state-changing scripts; lease_server/scripts.py prepends to each
+-- script the ones it calls.
 -- It defines no entry point of its own; each script below it reads its own ARGV from ARGV[5] on.
 --
--- KEYS (Keys.core() order, the same for every script):
---   KEYS[1] = nodes      hash node -> inventory JSON      KEYS[9]  = ended     hash id -> ended lease JSON
---   KEYS[2] = alive      zset node -> heartbeat deadline  KEYS[10] = ended_at  zset id -> end ms
---   KEYS[3] = free       hash node -> JSON free indexes   KEYS[11] = queue     lex zset pool|enq|id
---   KEYS[4] = fit        lex zset pool|free|node (up)     KEYS[12] = waiters   hash id -> request JSON
---   KEYS[5] = sizes      lex zset pool|total|node         KEYS[13] = usage     hash pool|user -> {v,t}
---   KEYS[6] = holders    hash node/index -> lease id      KEYS[14] = fence     fencing counter
---   KEYS[7] = leases     hash id -> live lease JSON       KEYS[15] = events    stream
---   KEYS[8] = deadlines  zset id -> expires_at ms         KEYS[16] = grants    pub/sub channel name
---   KEYS[18] = resv     hash id -> booking JSON         KEYS[17] = queue_seq arrival-order counter
---   KEYS[19] = resv_idx lex zset pool|id                 KEYS[20] = resv_due  zset id -> next check ms
---   KEYS[21] = recall   zset lease id -> revoke ms (a borrowed lease whose booking holder needs it)
---   KEYS[22] = lease_util hash id|n|busy|sum|peak        KEYS[23] = ledger    stream of ended leases
---   KEYS[24] = held_by  hash pool|user -> GPUs held      KEYS[25] = sched     hash pool -> scheduling JSON
+-- KEYS: none of its own. Each script declares the keys it uses, its helpers' included, in its
+-- header ("-- KEYS: leases deadlines ..."); lease_server/scripts.py binds them as K_<NAME> locals
+-- (K_LEASES = KEYS[i]) and includes only the helpers below that the script calls, transitively.
+-- What each key holds: lease_server/keys.py.
 -- Common ARGV:
 --   ARGV[1] = virtual "now" in ms, or "" to use Redis TIME (only the simulator passes a value)
 --   ARGV[2] = approximate maximum length of the event stream
 --   ARGV[3] = fair-share half-life in seconds
 --   ARGV[4] = how long ended leases stay readable, ms
-local K_NODES, K_ALIVE, K_FREE, K_FIT, K_SIZES, K_HOLDERS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local K_LEASES, K_DEADLINES, K_ENDED, K_ENDED_AT = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local K_QUEUE, K_WAITERS, K_USAGE, K_FENCE, K_EVENTS, K_GRANTS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]
-local K_QUEUE_SEQ = KEYS[17]
-local K_RESV, K_RESV_IDX, K_RESV_DUE, K_RECALL = KEYS[18], KEYS[19], KEYS[20], KEYS[21]
-local K_LEASE_UTIL, K_LEDGER, K_HELD_BY, K_SCHED = KEYS[22], KEYS[23], KEYS[24], KEYS[25]
-
--- Return codes shared with lease_server/scripts.py (Code enum). Keep both in step.
+-- Return codes: lease_server/scripts.py's Code enum (tests/test_scripts.py checks the two agree).
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
-local LIMIT, NOT_DUE, CLASH = 13, 14, 15
+local LIMIT, NOT_DUE, CLASH, WARNED = 13, 14, 15, 16
 local WEEK_MS = 7 * 24 * 3600 * 1000
 
 local NOW

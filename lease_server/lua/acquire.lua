@@ -1,5 +1,5 @@
 -- acquire.lua: ask for GPUs; granted at once, queued, or refused.
--- KEYS: Keys.core() (see _lib.lua)
+-- KEYS: nodes alive free fit sizes holders leases deadlines ended queue waiters usage fence events grants queue_seq resv resv_idx recall held_by sched
 -- ARGV[5] = lease id (chosen by the caller; it is also the waiter id while queued)
 -- ARGV[6] = user      ARGV[7] = pool      ARGV[8] = gpus (int >= 1)     ARGV[9] = ttl ms
 -- ARGV[10] = wait ms (0: do not queue)   ARGV[11] = label    ARGV[12] = session

@@ -1,6 +1,6 @@
 -- keep.lua: "I'm still using it": the owner resets the idle clock of a lease, a limited number
 -- of times. Atomic with reclaim.lua: whichever runs first wins.
--- KEYS: Keys.core() (see _lib.lua)
+-- KEYS: leases ended events
 -- ARGV[5] = lease id   ARGV[6] = user   ARGV[7] = "1" if admin   ARGV[8] = most extensions allowed
 -- ARGV[9] = "auto" when the reclaimer clears the warning because the GPUs got busy again (that
 --           costs the owner no extension), else ""

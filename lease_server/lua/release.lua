@@ -1,6 +1,6 @@
 -- release.lua: end a lease (owner release, or admin revoke), or withdraw a request still queued.
 -- Idempotent: releasing an ended lease answers with its ended record and changes nothing.
--- KEYS: Keys.core() (see _lib.lua)
+-- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched
 -- ARGV[5] = lease id   ARGV[6] = token ("" = not given: ownership alone suffices)
 -- ARGV[7] = user       ARGV[8] = "1" if admin
 -- ARGV[9] = end state: "released", "revoked", or "auto" (revoked when an admin ends another

@@ -1,7 +1,7 @@
 -- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
--- KEYS: Keys.core() (see _lib.lua)
+-- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx resv_due recall lease_util ledger held_by sched
 -- ARGV[5] = most items of each kind handled in this call
 -- ARGV[6] = grace ms after a waiter's own deadline before the sweeper removes it
 -- It also revokes borrowed leases whose recall notice ran out, and releases bookings nobody used

@@ -1,7 +1,7 @@
 -- unreserve.lua: cancel a booking, or end its current occurrence early ("I'm done"), giving its
 -- GPUs back to the pool at once. Only its owner (for a team booking: a member), the person who
 -- made it, or an admin may.
--- KEYS: Keys.core() (see _lib.lua)
+-- KEYS: nodes alive free fit holders leases deadlines queue waiters usage fence events grants resv resv_idx resv_due recall held_by sched
 -- ARGV[5] = booking id   ARGV[6] = "cancel" | "end"   ARGV[7] = user   ARGV[8] = "1" if admin
 -- ARGV[9] = the user's teams, comma-separated
 -- ARGV[10] = ms a cancelled booking stays readable

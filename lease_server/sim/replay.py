@@ -16,6 +16,7 @@ socket with the ``hiredis`` reply parser; the event stream is read only while so
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import json
 import socket
@@ -32,7 +33,7 @@ from ..config import Settings
 from ..inventory import Gpu, NodeInventory
 from ..keys import Keys
 from ..lease import WAITER_GRACE_MS
-from ..scripts import Code, source
+from ..scripts import Acquire, Code, Release, ScriptCall, Sweep, declared_keys, source
 from . import resv
 from .result import Result, intervals
 from .workload import Workload
@@ -65,6 +66,10 @@ def _arg(value: object) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 
 
+def _pack(argv: list[Any]) -> bytes:
+    return b"".join(_arg(a) for a in argv)
+
+
 def _command(*parts: object) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(_arg(p) for p in parts)
 
@@ -72,7 +77,8 @@ def _command(*parts: object) -> bytes:
 class _Script:
     """One script's EVALSHA, packed once up to the virtual now; per call only its own ARGV is added."""
 
-    def __init__(self, sha: str, keys: list[str], common_tail: list[object], n_args: int) -> None:
+    def __init__(self, sha: str, keys: list[str], common_tail: list[object], call: type[ScriptCall]) -> None:
+        n_args = len(dataclasses.fields(call))  # type: ignore[arg-type]
         self.head = (
             b"*%d\r\n" % (3 + len(keys) + 1 + len(common_tail) + n_args)
             + _arg(b"EVALSHA")
@@ -160,18 +166,18 @@ async def _register(
     and make the teams' bookings through the reservations module."""
     from redis.asyncio import Redis
 
+    from ..engine import Engine
     from ..inventory import register
-    from ..lease import LeaseStore
     from ..reservations import Bookings
 
     r = Redis.from_url(setup.redis_url, decode_responses=True)
     try:
-        store = LeaseStore(r, setup.settings)
-        if await r.exists(*store.keys.all()):
+        engine = Engine(r, setup.settings)
+        if await r.exists(*engine.keys.all()):
             raise RuntimeError(f"key prefix {setup.prefix!r} is already in use in {setup.redis_url}")
         for inv in invs:
-            await register(store, inv, alive_s=FOREVER_MS / 1000)
-        book = Bookings(store)
+            await register(engine, inv, alive_s=FOREVER_MS / 1000)
+        book = Bookings(engine)
         for b in bookings:
             members = setup.settings.teams[b.team]
             body = {
@@ -239,7 +245,10 @@ class _Replay:
         self, w: Workload, nodes: Sequence[int], wire: _Wire, keys: Keys, settings: Settings, policy: str, resv: bool
     ) -> None:
         self.w, self.nodes, self.wire, self.keys, self.policy, self.resv = w, nodes, wire, keys, policy, resv
-        core = keys.core()
+
+        def keys_of(script: str) -> list[str]:
+            return [getattr(keys, k) for k in declared_keys(script)]
+
         common_tail: list[object] = [
             settings.event_log_max,
             settings.fair_share_half_life,
@@ -249,16 +258,16 @@ class _Replay:
             name: wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode()
             for name in ("acquire", "release", "sweep")
         }
-        # acquire's ARGV after the common four: id, user, pool, gpus, ttl, wait, label, session,
-        # teams, priority, gpus_min
-        self.acq = _Script(sha["acquire"], core, common_tail, 11)
-        self.rel = _Script(sha["release"], core, common_tail, 7)
-        self.sweep = _Script(sha["sweep"], core, common_tail, 2)
-        self.sweep_args = _arg(SWEEP_LIMIT) + _arg(WAITER_GRACE_MS)
+        # Every call's ARGV comes from the script's wrapper (lease_server.scripts): what the server
+        # sends, the replay sends, argument for argument.
+        self.acq = _Script(sha["acquire"], keys_of("acquire"), common_tail, Acquire)
+        self.rel = _Script(sha["release"], keys_of("release"), common_tail, Release)
+        self.sweep = _Script(sha["sweep"], keys_of("sweep"), common_tail, Sweep)
+        self.sweep_args = _pack(Sweep(SWEEP_LIMIT, WAITER_GRACE_MS).argv())
         n = w.n_cells
-        self.user_b = [u.encode() for u in w.users]
+        self.users = list(w.users)
         teams = settings.teams if resv else {}
-        self.teams_b = [_arg(",".join(sorted(t for t, m in teams.items() if u in m))) for u in w.users]
+        self.teams = [",".join(sorted(t for t, m in teams.items() if u in m)) for u in w.users]
         self.cell_user = w.cell_user.tolist()
         self.cell_gpus = w.cell_gpus.tolist()
         self.dur = w.dur.tolist()
@@ -267,9 +276,6 @@ class _Replay:
         is_last = np.zeros(n, dtype=bool)
         is_last[w.first + w.count - 1] = True
         self.last = is_last.tolist()
-        self.fixed_b = _arg(POOL)
-        self.wait_b = _arg(FOREVER_MS) + _arg(FOREVER_MS)  # ttl, wait
-        self.release_tail = _arg(b"") + b"%s" + _arg(b"0") + _arg(b"released") + _arg(b"cell returned") + _arg(b"")
         self.ready = np.zeros(n, dtype=np.int64)
         self.start = np.full(n, -1, dtype=np.int64)
         self.token = np.zeros(n, dtype=np.int64)
@@ -314,28 +320,29 @@ class _Replay:
 
     # ---- commands -------------------------------------------------------------------------
 
-    def _acquire_args(self, c: int) -> bytes:
+    def _lease_id(self, c: int) -> str:
         a = self.attempt[c]
-        u = self.cell_user[c]
-        g = _arg(self.cell_gpus[c])
-        w = self.w
-        return (
-            _arg(b"c%d" % c if a == 0 else b"c%d.%d" % (c, a))
-            + _arg(self.user_b[u])
-            + self.fixed_b
-            + g
-            + self.wait_b
-            + _arg(w.label[c] if c < len(w.label) else "")
-            + _arg(b"s%d" % self.session[c])
-            + self.teams_b[u]
-            + _arg(b"1")
-            + g
+        return f"c{c}" if a == 0 else f"c{c}.{a}"
+
+    def _acquire_args(self, c: int) -> bytes:
+        u, g, w = self.cell_user[c], self.cell_gpus[c], self.w
+        label = w.label[c] if c < len(w.label) else ""
+        call = Acquire(
+            self._lease_id(c),
+            self.users[u],
+            POOL,
+            g,
+            ttl_ms=FOREVER_MS,
+            wait_ms=FOREVER_MS,
+            label=label,
+            session=f"s{self.session[c]}",
+            teams=self.teams[u],
         )
+        return _pack(call.argv())
 
     def _release_args(self, c: int) -> bytes:
-        a = self.attempt[c]
-        lid = b"c%d" % c if a == 0 else b"c%d.%d" % (c, a)
-        return _arg(lid) + self.release_tail % _arg(self.user_b[self.cell_user[c]])
+        user = self.users[self.cell_user[c]]
+        return _pack(Release(self._lease_id(c), "", user, False, "released", "cell returned").argv())
 
     def _granted(self, c: int, at: int, node: str, token: int) -> None:
         self.start[c] = at
