@@ -206,7 +206,7 @@ def _json(raw: Any) -> dict[str, Any]:
 
 def no_such_lease(lease_id: str) -> errors.NoSuchLease:
     return errors.NoSuchLease(
-        f"no lease {lease_id!r}: it never existed or ended long ago; list yours with gpulease leases"
+        f"no lease {lease_id!r}: it never existed or ended long ago; list yours with GET /api/v1/leases"
     )
 
 
@@ -579,7 +579,7 @@ class Unreserve(ScriptCall):
         if code in (Code.OK, Code.ENDED):
             return _json(rest[0])
         if code is Code.NO_SUCH:
-            raise errors.NoSuchReservation(f"no booking {self.id!r}; list them with gpulease reservations")
+            raise errors.NoSuchReservation(f"no booking {self.id!r}; list them with GET /api/v1/reservations")
         if code is Code.NOT_OWNER:
             raise errors.NotOwner(f"booking {self.id} is not yours; only its owner or an admin may change it")
         if code is Code.NOT_DUE:
