@@ -28,13 +28,13 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import __version__, errors, events, inventory, metrics, reclaim, usage
-from .aio import cancel_and_wait
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
 from .engine import Engine
 from .lease import WITHDRAWN, LeaseStore, check_name, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
+from .reaper import Reaper
 from .reservations import MAX_LIST_SPAN_S, Bookings, parse_time, public_booking
 
 log = logging.getLogger(__name__)
@@ -93,43 +93,17 @@ class Context:
         self.auth = Authenticator(self.redis, self.store.keys)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
         self.metrics = metrics.Metrics(self.engine)
-        self._sweeper: asyncio.Task[None] | None = None
-        self._reclaimer: asyncio.Task[None] | None = None
-        self._stopping = asyncio.Event()
+        self.reaper = Reaper(self.store)
 
     async def start(self) -> None:
         await self.store.start()
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name="gpulease-sweeper")
-        self._reclaimer = asyncio.create_task(
-            reclaim.Reclaimer(self.engine).run_forever(self._stopping), name="gpulease-reclaimer"
-        )
+        self.reaper.start()
 
     async def stop(self) -> None:
-        self._stopping.set()
-        await cancel_and_wait(self._sweeper)
-        await cancel_and_wait(self._reclaimer)
+        await self.reaper.stop()
         await self.hub.stop()
         await self.store.close()
         await self.redis.aclose()
-
-    async def _sweep_forever(self) -> None:
-        interval = self.settings.sweep_interval
-        while True:
-            try:
-                expired, down, dropped, _, recalled, _ = await self.store.sweep()
-                if expired or down or dropped or recalled:
-                    log.info(
-                        "sweep: %d leases expired, %d nodes down, %d waiters dropped, %d borrowed leases recalled",
-                        expired,
-                        down,
-                        dropped,
-                        recalled,
-                    )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: keep trying, the state is safe in Redis
-                log.warning("sweep failed: %s", exc)
-            await asyncio.sleep(interval)
 
 
 class BaseHandler(tornado.web.RequestHandler):

@@ -522,6 +522,6 @@ class LeaseStore:
         totals = SweepCounts()
         while True:
             counts: SweepCounts = await self.engine.run(Sweep(limit, WAITER_GRACE_MS), now_ms)
-            totals = totals + counts
+            totals = totals.plus(counts)
             if max(counts) < limit:
                 return totals

@@ -23,10 +23,9 @@ import functools
 import json
 import operator
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -403,24 +402,18 @@ class Release(ScriptCall):
         raise self.unexpected(code)
 
 
-class SweepCounts(tuple[int, int, int, int, int, int]):
-    """What one sweep did (a named tuple's fields, summed over the batches of one pass)."""
+class SweepCounts(NamedTuple):
+    """What a sweep did (summed over the batches of one pass)."""
 
-    _fields = ("expired", "nodes_down", "waiters_dropped", "trimmed", "recalled", "booking_checks")
+    expired: int = 0  # leases past their deadline
+    nodes_down: int = 0  # nodes whose heartbeat ran out
+    waiters_dropped: int = 0  # queued requests whose server went away
+    trimmed: int = 0  # ended records past their retention
+    recalled: int = 0  # borrowed leases revoked when their recall notice ran out
+    booking_checks: int = 0  # no-show checks of bookings
 
-    def __new__(cls, values: Sequence[int] = (0, 0, 0, 0, 0, 0)) -> SweepCounts:
-        return super().__new__(cls, tuple(int(v) for v in values))  # type: ignore[arg-type]
-
-    def __add__(self, other: object) -> SweepCounts:  # type: ignore[override]
-        assert isinstance(other, SweepCounts)
-        return SweepCounts([a + b for a, b in zip(self, other, strict=True)])
-
-    expired = property(lambda self: self[0])
-    nodes_down = property(lambda self: self[1])
-    waiters_dropped = property(lambda self: self[2])
-    trimmed = property(lambda self: self[3])
-    recalled = property(lambda self: self[4])
-    booking_checks = property(lambda self: self[5])
+    def plus(self, other: SweepCounts) -> SweepCounts:
+        return SweepCounts(*(a + b for a, b in zip(self, other, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -432,7 +425,7 @@ class Sweep(ScriptCall):
     def reply(self, code: Code, rest: list[Any]) -> SweepCounts:
         if code is not Code.OK:
             raise self.unexpected(code)
-        return SweepCounts(rest)
+        return SweepCounts(*(int(x) for x in rest))
 
 
 @dataclass(frozen=True)
