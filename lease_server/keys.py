@@ -1,8 +1,9 @@
 """The one Redis key schema of gpulease.
 
-Every key the project uses is built here, under one prefix. Lua scripts never build keys: they
-receive all of them through ``KEYS[]`` in the order of :meth:`Keys.core`. To make that possible
-without per-node or per-lease keys, state lives in a handful of global structures:
+Every key the project uses is built here, under one prefix. Lua scripts never build keys: each
+script declares the keys it uses in its header (``-- KEYS: leases deadlines ...``, the names of the
+properties below) and receives exactly those through ``KEYS[]`` (see ``scripts.py``). To make that
+possible without per-node or per-lease keys, state lives in a handful of global structures:
 
 ``nodes``      hash   node -> JSON inventory {pool, gpus:[{index, uuid, model, memory_mb}], source}
 ``alive``      zset   node -> heartbeat deadline (ms); a node past it is down and never granted
@@ -24,14 +25,14 @@ without per-node or per-lease keys, state lives in a handful of global structure
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}
 
-Reservations (reservations.py, reserve.lua; part of Keys.core() because dispatch enforces them):
+Reservations (reservations.py, reserve.lua; dispatch enforces them, so most scripts take them):
 
 ``resv``       hash   reservation id -> JSON booking (times in ms, UTC; weekly repeats are 168 h apart)
 ``resv_idx``   zset   lexicographic "pool|id" for every booking, so a pool's bookings are one range
 ``resv_due``   zset   reservation id -> ms of its next no-show check (or of its removal, when past)
 ``recall``     zset   borrowed lease id -> ms when it is revoked because a booking's holder needs it
 
-Scheduling (part of Keys.core()):
+Scheduling:
 
 ``lease_util`` hash   "<lease id>|n|busy|sum|peak" -> the agent's samples of a live lease's GPUs
 ``ledger``     stream one entry per ended lease: who, notebook, cell, pool, GPUs, held, utilization
@@ -198,7 +199,7 @@ class Keys:
         return self._k("policy")
 
     def core(self) -> list[str]:
-        """The KEYS[] every state-changing script receives, in this fixed order (see lua/_lib.lua)."""
+        """Every key of the lease life cycle (what a replay deletes when it is done)."""
         return [
             self.nodes,
             self.alive,
