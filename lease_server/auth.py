@@ -53,14 +53,6 @@ async def create_token(redis: Redis, keys: Keys, user: str, role: str = "user") 
     return token
 
 
-async def delete_tokens(redis: Redis, keys: Keys, user: str) -> int:
-    """Delete every token of ``user``; returns how many."""
-    doomed = [h for h, raw in (await redis.hgetall(keys.tokens)).items() if json.loads(raw)["user"] == user]
-    if doomed:
-        await redis.hdel(keys.tokens, *doomed)
-    return len(doomed)
-
-
 def act_as(ident: Identity, user: str | None) -> Identity:
     """The identity a request acts with: a proxy token may name the user it acts for."""
     if user is None:

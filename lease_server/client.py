@@ -342,9 +342,6 @@ class Client:
         params = {k: v for k, v in (("pool", pool), ("from", start), ("to", end)) if v is not None}
         return self.request("GET", protocol.RESERVATIONS, params=params)["reservations"]  # type: ignore[no-any-return]
 
-    def change_reservation(self, booking_id: str, **changes: Any) -> dict[str, Any]:
-        return self.request("PATCH", protocol.reservation(booking_id), json=changes)  # type: ignore[no-any-return]
-
     def cancel_reservation(self, booking_id: str) -> dict[str, Any]:
         return self.request("DELETE", protocol.reservation(booking_id))  # type: ignore[no-any-return]
 

@@ -16,7 +16,6 @@ from .result import Result
 from .workload import Workload
 
 POLICIES = ("calendar", "culler-10m", "culler-60m", "lease", "lease+resv")
-DEFAULT_POLICIES = ("calendar", "culler-10m", "culler-60m", "lease")
 LUA_POLICIES = ("lease", "lease+resv")
 
 

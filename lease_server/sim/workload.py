@@ -305,15 +305,6 @@ class Fitted:
     users: int
     zipf: float
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "sessions_per_hour": [round(float(x), 2) for x in self.sessions_per_hour],
-            "gpus_p": {k: round(v, 3) for k, v in sorted(self.gpus_p.items())},
-            "cells_per_session_mean": {k: round(float(v.mean()), 2) for k, v in sorted(self.cells_per_session.items())},
-            "duration_min_median": {k: float(np.median(v)) / MIN for k, v in sorted(self.durations.items())},
-            "think_min_median": float(np.median(self.gaps)) / MIN if self.gaps.size else 0.0,
-        }
-
 
 def fit(w: Workload, params: SessionParams = SessionParams()) -> Fitted:
     """Measure what :func:`generate` draws from: session arrivals by hour of day, GPU counts, cells per
