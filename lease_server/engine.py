@@ -33,7 +33,8 @@ class Engine:
         return await self.scripts.call(call, self.common(now_ms))
 
     async def raw(self, call: ScriptCall, now_ms: int | None = None) -> tuple[Code, list[Any]]:
-        """The script's code and undecoded reply (tests and benches that look at codes)."""
+        """The script's code and undecoded reply, for callers that look at codes: tests, benches,
+        ``Bookings`` (telling a change from a repeat). ``call.reply(code, rest)`` decodes it."""
         return await self.scripts.raw(call, self.common(now_ms))
 
     async def samples(self, call: Samples) -> tuple[int, int]:

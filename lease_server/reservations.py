@@ -15,6 +15,7 @@ time).
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from datetime import UTC, datetime
@@ -24,7 +25,9 @@ from . import errors
 from .engine import Engine
 from .keys import NAME_RE
 from .lease import check_gpus, check_name, check_text
-from .scripts import Reserve, Unreserve
+from .scripts import Code, Reserve, Unreserve
+
+log = logging.getLogger(__name__)
 
 WEEK_MS = 7 * 24 * 3600 * 1000
 MAX_OCCURRENCES = 52
@@ -311,7 +314,11 @@ class Bookings:
             no_show_ms=int(s.no_show_after * 1000),
             keep_ms=int(s.booking_history * 1000),
         )
-        return await self._write("check" if dry_run else "create", rec, "", now_ms)
+        if dry_run:
+            return await self._write("check", rec, "", now_ms)
+        made = await self._write("create", rec, "", now_ms)
+        log_booking("created", made, user)
+        return made
 
     async def update(
         self,
@@ -335,9 +342,13 @@ class Bookings:
             rec = self._spec(body, dict(old), user, admin, teams)
             rec["changed_by"] = user
             try:
-                return await self._write("check" if dry_run else "edit", rec, str(old.get("rev", 0)), now_ms)
+                out = await self._write("check" if dry_run else "edit", rec, str(old.get("rev", 0)), now_ms)
             except errors.StaleToken:
                 continue
+            if not dry_run:
+                changed = ",".join(f for f in FIELDS if f in body and old.get(f) != out.get(f)) or "nothing"
+                log_booking("changed", out, user, f" changed={changed}")
+            return out
         raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
 
     async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None) -> dict[str, Any]:
@@ -370,9 +381,11 @@ class Bookings:
     ) -> dict[str, Any]:
         check_id(booking_id)
         keep_ms = int(self.settings.ended_retention * 1000)
-        out: dict[str, Any] = await self.engine.run(
-            Unreserve(booking_id, mode, user, admin, ",".join(teams), keep_ms), now_ms
-        )
+        call = Unreserve(booking_id, mode, user, admin, ",".join(teams), keep_ms)
+        code, rest = await self.engine.raw(call, now_ms)  # the code tells a change from a repeat
+        out: dict[str, Any] = call.reply(code, rest)
+        if code is Code.OK:
+            log_booking("cancelled" if mode == "cancel" else "ended", out, user)
         return out
 
     # ---- reading -----------------------------------------------------------------------------
@@ -411,6 +424,24 @@ class Bookings:
                 if s <= now_ms < e and str(k) not in (rec.get("released") or {}):
                     out.setdefault(rec["pool"], []).append(rec)
         return out
+
+
+def log_booking(verb: str, rec: dict[str, Any], by: str, extra: str = "") -> None:
+    """One line per change of a booking: ``booking created r-... owner=... pool=... gpus=... by=...``."""
+    when = span(rec["start"], rec["end"])
+    if rec.get("repeat") == "weekly":
+        when += f", weekly x{rec.get('occurrences')}"
+    log.info(
+        "booking %s %s owner=%s pool=%s gpus=%s by=%s%s (%s)",
+        verb,
+        rec.get("id"),
+        rec.get("owner"),
+        rec.get("pool"),
+        rec.get("gpus"),
+        by,
+        extra,
+        when,
+    )
 
 
 def check_id(booking_id: object) -> str:
