@@ -125,7 +125,7 @@ async def set_policy(engine: Engine, pool: str, changes: object, by: str) -> Pol
         maxlen=engine.settings.event_log_max,
         approximate=True,
     )
-    log.info("policy of pool %s changed by %s: %s", pool, by, changes)
+    log.info("policy changed pool=%s by=%s: %s", pool, by, changes)
     return new
 
 
@@ -384,7 +384,12 @@ class Reclaimer:
         return False
 
     async def _clear(self, lease: dict[str, Any], pol: Policy) -> None:
-        await self.engine.run(Keep(lease["id"], lease["user"], True, pol.max_extensions, auto=True))
+        kept = await self.engine.run(Keep(lease["id"], lease["user"], True, pol.max_extensions, auto=True))
+        # Cleared now (not kept by its owner first: that counts an extension).
+        if kept.get("kept_at") != lease.get("kept_at") and kept.get("extensions") == lease.get("extensions"):
+            log.info(
+                "idle cleared %s user=%s pool=%s: its GPUs are busy again", lease["id"], lease["user"], lease["pool"]
+            )
 
     async def _fill_windows(self, lease: dict[str, Any], gpus: dict[int, GpuState]) -> None:
         k = self.engine.keys
@@ -435,4 +440,12 @@ async def keep(engine: Engine, lease_id: str, user: str, admin: bool) -> dict[st
     rec = await read_lease(engine, lease_id)
     pol = (await policies(engine)).get(rec["pool"], Policy.from_settings(engine))
     kept: dict[str, Any] = await engine.run(Keep(lease_id, user, admin, pol.max_extensions))
+    log.info(
+        "idle kept %s user=%s by=%s extensions=%s/%s",
+        lease_id,
+        kept.get("user"),
+        user,
+        kept.get("extensions"),
+        pol.max_extensions,
+    )
     return kept
