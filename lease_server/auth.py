@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from redis.asyncio import Redis
 
 from . import errors
 from .keys import NAME_RE, Keys
+
+log = logging.getLogger(__name__)
 
 # proxy: a trusted front end (the Jupyter server extension under JupyterHub) that acts for the
 # logged-in user it names in the X-Gpulease-User header.
@@ -50,6 +53,7 @@ async def create_token(redis: Redis, keys: Keys, user: str, role: str = "user") 
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     record = {"user": user, "role": role, "created": time.time()}
     await redis.hset(keys.tokens, hash_token(token), json.dumps(record))
+    log.info("token created user=%s role=%s", user, role)  # never the token
     return token
 
 

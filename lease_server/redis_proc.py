@@ -5,6 +5,7 @@ Used by ``gpulease up`` and by the test fixtures."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 from .errors import ConfigurationError
+
+log = logging.getLogger(__name__)
 
 
 def redis_server_binary() -> str:
@@ -80,10 +83,11 @@ class RedisProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                log = self.data_dir / "redis.log"
-                tail = log.read_text()[-800:] if log.exists() else ""
+                logfile = self.data_dir / "redis.log"
+                tail = logfile.read_text()[-800:] if logfile.exists() else ""
                 raise ConfigurationError(f"redis-server exited at start: {err}{tail}")
             if self._ping():
+                log.info("redis-server started pid=%d port=%d dir=%s", self.proc.pid, self.port, self.data_dir)
                 return self
             time.sleep(0.02)
         raise ConfigurationError(f"redis-server did not answer on port {self.port} within {timeout}s")
@@ -100,6 +104,7 @@ class RedisProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            log.info("redis-server killed pid=%d port=%d", self.proc.pid, self.port)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -109,3 +114,4 @@ class RedisProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            log.info("redis-server stopped pid=%d port=%d", self.proc.pid, self.port)
