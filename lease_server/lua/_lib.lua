@@ -33,17 +33,56 @@ local function emit(kind, body)
   redis.call('XADD', K_EVENTS, 'MAXLEN', '~', EVENT_MAX, '*', 'type', kind, 'data', cjson.encode(body))
 end
 
--- cjson decodes [] and {} alike; free lists are always arrays of integers.
+-- Free lists are JSON arrays of integers ("[0,3,5]"), read and written without cjson (they are
+-- on every grant and release path).
 local function decode_list(raw)
-  if not raw then return {} end
   local out = {}
-  for _, v in ipairs(cjson.decode(raw)) do out[#out + 1] = v end
+  if raw then
+    for v in string.gmatch(raw, '%-?%d+') do out[#out + 1] = tonumber(v) end
+  end
   return out
 end
 
 local function encode_list(list)
-  if #list == 0 then return '[]' end
-  return cjson.encode(list)
+  return '[' .. table.concat(list, ',') .. ']'
+end
+
+-- A node's inventory JSON is canonical (inventory.py writes it with sorted keys and no spaces), so
+-- one GPU's entry, {"index":I,"memory_mb":M,"model":"...","uuid":"U"}, is found by a plain search
+-- instead of decoding the whole inventory on every grant and release. Any other layout (spaces,
+-- escapes in the uuid, other keys) is not found that way, and the callers then decode it.
+local function inv_find(raw, idx)
+  return string.find(raw, '{"index":' .. idx .. ',', 1, true)
+end
+
+-- {index = uuid} for `indexes` of the inventory `raw` (a GPU it does not list: "").
+local function inv_uuids(raw, indexes)
+  local out = {}
+  for _, idx in ipairs(indexes) do
+    local at = inv_find(raw, idx)
+    local uuid = at and string.match(raw, '^{"index":%d+,[^{}]-"uuid":"([^"\\]*)"}', at)
+    if not uuid then
+      local uuid_of = {}
+      for _, g in ipairs(cjson.decode(raw).gpus) do uuid_of[g.index] = g.uuid end
+      for _, i in ipairs(indexes) do out[i] = uuid_of[i] or '' end
+      return out
+    end
+    out[idx] = uuid
+  end
+  return out
+end
+
+-- {index = true} for those of `indexes` that the inventory `raw` lists.
+local function inv_present(raw, indexes)
+  local out = {}
+  for _, idx in ipairs(indexes) do
+    if not inv_find(raw, idx) then
+      for _, g in ipairs(cjson.decode(raw).gpus) do out[g.index] = true end
+      return out
+    end
+    out[idx] = true
+  end
+  return out
 end
 
 local function fit_member(pool, node, count)
@@ -75,20 +114,35 @@ end
 -- A user's standing in fair share: GPU-seconds used in the pool, decayed with the half-life,
 -- plus those of the leases running now (u.r GPUs since u.t), so a user who holds many GPUs
 -- right now is behind one who holds none, before any of those leases ends.
+-- A usage record is JSON {"v":..,"t":..,"r":..}, written by touch_usage in that one layout; it is
+-- read with patterns, and decoded only if written otherwise (r is optional).
+local function usage_of(raw)
+  local v = tonumber(string.match(raw, '"v":%s*([^,}%s]+)'))
+  local t = tonumber(string.match(raw, '"t":%s*([^,}%s]+)'))
+  if not v or not t then
+    local u = cjson.decode(raw)
+    return u.v, u.t, u.r or 0
+  end
+  return v, t, tonumber(string.match(raw, '"r":%s*([^,}%s]+)') or '0') or 0
+end
+
+local function decayed_of(raw)
+  if not raw then return 0, 0 end
+  local v, t, r = usage_of(raw)
+  return v * math.pow(0.5, (NOW - t) / HALF_LIFE_MS) + r * (NOW - t) / 1000, r
+end
+
 local function decayed_usage(pool, user)
-  local raw = redis.call('HGET', K_USAGE, pool .. '|' .. user)
-  if not raw then return 0 end
-  local u = cjson.decode(raw)
-  return u.v * math.pow(0.5, (NOW - u.t) / HALF_LIFE_MS) + (u.r or 0) * (NOW - u.t) / 1000
+  return (decayed_of(redis.call('HGET', K_USAGE, pool .. '|' .. user)))
 end
 
 -- Fold the time since the last change into the usage, add `extra` GPU-seconds, change the GPUs
 -- running by dr.
 local function touch_usage(pool, user, dr, extra)
-  local raw = redis.call('HGET', K_USAGE, pool .. '|' .. user)
-  local r = raw and (cjson.decode(raw).r or 0) or 0
-  redis.call('HSET', K_USAGE, pool .. '|' .. user,
-             cjson.encode({v = decayed_usage(pool, user) + extra, t = NOW, r = math.max(0, r + dr)}))
+  local field = pool .. '|' .. user
+  local v, r = decayed_of(redis.call('HGET', K_USAGE, field))
+  redis.call('HSET', K_USAGE, field,
+             string.format('{"v":%.17g,"t":%d,"r":%d}', v + extra, NOW, math.max(0, r + dr)))
 end
 
 -- Best fit: the up node of the pool with the fewest free GPUs that still has n, skipping `exclude`
@@ -390,14 +444,12 @@ local function allocate_for(w, pool, exclude)
 end
 
 -- Grant waiter w the GPUs of `parts`: {{node, taken, rest, old_count}, ...}, one part per node
--- (several for a multi-node gang, whose GPUs then name their node).
+-- (several for a multi-node gang, whose GPUs then name their node). Returns the lease and its JSON.
 local function grant_parts(w, parts)
   local gpus, taken, nodes, part_gpus = {}, {}, {}, {}
   for _, part in ipairs(parts) do
     local node = part.node
-    local inv = cjson.decode(redis.call('HGET', K_NODES, node))
-    local uuid_of = {}
-    for _, g in ipairs(inv.gpus) do uuid_of[g.index] = g.uuid end
+    local uuid_of = inv_uuids(redis.call('HGET', K_NODES, node), part.taken)
     -- Invariant guard, checked before any write: a free GPU never has a holder. If one does, the
     -- state is corrupt, and granting it would be a double grant: fail the script loudly instead.
     for _, idx in ipairs(part.taken) do
@@ -448,13 +500,14 @@ local function grant_parts(w, parts)
   else
     count_held(lease, 1)
   end
-  redis.call('HSET', K_LEASES, w.id, cjson.encode(lease))
+  local lease_json = cjson.encode(lease)
+  redis.call('HSET', K_LEASES, w.id, lease_json)
   redis.call('ZADD', K_DEADLINES, lease.expires_at, w.id)
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
                  token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
                  reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
                  priority = lease.priority, nodes = lease.nodes, parts = #parts > 1 and part_gpus or nil})
-  return lease
+  return lease, lease_json
 end
 
 local function grant(w, node, taken, rest, old_count)
@@ -584,6 +637,7 @@ local function dispatch(pool)
 end
 
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
+-- Returns the ended record and its JSON.
 local function end_lease(lease, state, reason, by)
   local by_node, order = {}, {}
   for _, g in ipairs(lease.gpus) do
@@ -599,7 +653,9 @@ local function end_lease(lease, state, reason, by)
     local free = decode_list(redis.call('HGET', K_FREE, node))
     local present = {}
     if inv_raw then
-      for _, g in ipairs(cjson.decode(inv_raw).gpus) do present[g.index] = true end
+      local idx = {}
+      for _, g in ipairs(by_node[node]) do idx[#idx + 1] = g.index end
+      present = inv_present(inv_raw, idx)
     end
     local old_count = #free
     for _, g in ipairs(by_node[node]) do
@@ -657,10 +713,11 @@ local function end_lease(lease, state, reason, by)
   lease.ended_at = NOW
   lease.end_reason = reason
   lease.ended_by = by
-  redis.call('HSET', K_ENDED, lease.id, cjson.encode(lease))
+  local ended_json = cjson.encode(lease)
+  redis.call('HSET', K_ENDED, lease.id, ended_json)
   redis.call('ZADD', K_ENDED_AT, NOW, lease.id)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
                gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
                parts = #order > 1 and returned_parts or nil})
-  return lease
+  return lease, ended_json
 end

@@ -34,7 +34,7 @@ if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~
   if n_nodes > 1 then
     if #active_bookings(pool) == 0 then
       local parts = allocate_gang(pool, n / n_nodes, n_nodes, nil)
-      if parts then return {OK, cjson.encode(grant_parts(w, parts))} end
+      if parts then return {OK, select(2, grant_parts(w, parts))} end
     end
   else
     local acts, owed = active_bookings(pool)
@@ -51,7 +51,7 @@ if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~
       elseif owed > 0 and pool_free(pool) - #taken < owed then
         w.borrowed = true
       end
-      return {OK, cjson.encode(grant(w, node, taken, rest, old_count))}
+      return {OK, select(2, grant(w, node, taken, rest, old_count))}
     end
   end
 end

@@ -13,9 +13,9 @@ if not lease.reclaim_at or lease.reclaim_at > NOW then return {NOT_DUE} end
 local evidence = cjson.decode(ARGV[7])
 lease.idle_evidence = evidence
 local idle_min = math.floor((evidence.idle_s or 0) / 60)
-local ended = end_lease(lease, 'revoked', 'reclaimed: its GPUs were idle for ' .. idle_min ..
+local ended, ended_json = end_lease(lease, 'revoked', 'reclaimed: its GPUs were idle for ' .. idle_min ..
   ' min and the owner did not keep it within the grace period', 'reclaimer')
 emit('reclaimed', {lease = id, user = lease.user, pool = lease.pool, node = lease.node,
                    gpus = ended.gpus, label = lease.label, session = lease.session, evidence = evidence})
 dispatch(lease.pool)
-return {OK, cjson.encode(ended)}
+return {OK, ended_json}
