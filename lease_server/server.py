@@ -8,6 +8,7 @@ import signal
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import tornado.httpserver
 import tornado.netutil
@@ -57,7 +58,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         except (RuntimeError, ValueError):  # not the main thread
             pass
-    log.info("gpulease server listening on http://%s:%d (redis %s)", settings.host, port, settings.redis_url)
+    log.info("gpulease server listening on http://%s:%d (redis %s)", settings.host, port, safe_url(settings.redis_url))
     if on_ready:
         on_ready(port)
     try:
@@ -68,6 +69,19 @@ async def serve(
             await agent
         await http.close_all_connections()
         await ctx.stop()
+        log.info("gpulease server on port %d stopped", port)
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password (redis://user:secret@host, ?password=secret), for logs."""
+    parts = urlsplit(url)
+    if parts.password is None and "password" not in dict(parse_qsl(parts.query)):
+        return url
+    if parts.password is not None:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hostport}")
+    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return parts._replace(query=urlencode(query, safe="*")).geturl()
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
