@@ -9,6 +9,10 @@ very last line of stdout, by one JSON object with every figure:
 
 client_p50_ratio   acquire+release of 1 GPU through LeaseStore (direct to Redis), uncontended, p50 of
                    the pair / p50 of a PING with the same redis.asyncio client      (target <= 2.0)
+lease_over_lock_ratio
+                   the same pair's p50 / p50 of acquire+release of a bare redis-py Lock (SET NX PX,
+                   then its Lua release) with the same client on the same redis-server, measured in
+                   interleaved blocks in the same run                                 (target <= 2.0)
 http_grants_per_s  64 closed-loop aiohttp clients (another process) doing POST /leases then DELETE,
 http_p99_ms        grants per second and p99 of the POST; best of --workers 1 and 2
                                                             (targets >= 2000/s, p99 <= 20 ms)
@@ -48,6 +52,7 @@ HANDOFF_POOL = "H100-80GB"  # the 1-GPU pool of the hand-off measurement
 
 TARGETS = {
     "client_p50_ratio": ("<=", 2.0),
+    "lease_over_lock_ratio": ("<=", 2.0),
     "http_grants_per_s": (">=", 2000.0),
     "http_p99_ms": ("<=", 20.0),
     "scale_ratio": ("<=", 1.2),
@@ -158,11 +163,24 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
             await store.release(rec["id"], "alice")
             return pc() - t0
 
+        # The baseline of a mutual-exclusion lease: redis-py's own Lock, acquire (SET NX PX) and
+        # release (its Lua compare-and-delete script), on the same client and redis-server.
+        lock = r.lock("bclient:bare-lock", timeout=60, blocking=False)
+
+        async def one_lock() -> float:
+            t0 = pc()
+            if not await lock.acquire():
+                raise RuntimeError("the bare lock was not free")
+            await lock.release()
+            return pc() - t0
+
         for _ in range(warmup):
             await one_ping()
             await one_pair()
+            await one_lock()
         pings: list[float] = []
         pairs: list[float] = []
+        locks: list[float] = []
         await r.config_resetstat()  # our private redis-server: its command stats are ours alone
         block = 100  # interleaved blocks, so that drift of the machine hits both alike
         while len(pairs) < n:
@@ -170,6 +188,8 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
                 pings.append(await one_ping())
             for _ in range(block):
                 pairs.append(await one_pair())
+            for _ in range(block):
+                locks.append(await one_lock())
         stats: Any = await r.info("commandstats")
         script_us = float(stats.get("cmdstat_evalsha", {}).get("usec_per_call", "nan"))
     finally:
@@ -179,6 +199,7 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
         "ping_p50_us": pct(pings, 50) * 1e6,
         "pair_p50_us": pct(pairs, 50) * 1e6,
         "pair_p99_us": pct(pairs, 99) * 1e6,
+        "lock_p50_us": pct(locks, 50) * 1e6,
         "script_us": script_us,
         "n": len(pairs),
     }
@@ -527,6 +548,8 @@ def main() -> None:
                 redis_ping_p50_us=round(c["ping_p50_us"], 1),
                 redis_script_us_per_call=c["script_us"],
             )
+            lock_ratio = c["pair_p50_us"] / c["lock_p50_us"]
+            out.update(lease_over_lock_ratio=round(lock_ratio, 3), lock_pair_p50_us=round(c["lock_p50_us"], 1))
             say(
                 f"[1] LeaseStore acquire+release p50 {c['pair_p50_us']:.0f} us (p99 {c['pair_p99_us']:.0f} us), "
                 f"PING p50 {c['ping_p50_us']:.0f} us, n={c['n']}: ratio {ratio:.2f} "
@@ -535,6 +558,10 @@ def main() -> None:
             say(
                 f"    (two round trips make the floor 2.0; Redis itself spends {c['script_us']:.0f} us in each of the "
                 "two scripts, per INFO commandstats)"
+            )
+            say(
+                f"    bare redis-py Lock acquire+release p50 {c['lock_p50_us']:.0f} us: lease_over_lock_ratio "
+                f"{lock_ratio:.2f} {verdict('lease_over_lock_ratio', lock_ratio)}"
             )
 
         with section(out, "3"):
