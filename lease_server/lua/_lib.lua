@@ -96,8 +96,7 @@ local function set_free(node, pool, list, old_count)
   local old_member = fit_member(pool, node, old_count)
   table.sort(list)
   redis.call('HSET', K_FREE, node, encode_list(list))
-  if redis.call('ZSCORE', K_FIT, old_member) then
-    redis.call('ZREM', K_FIT, old_member)
+  if redis.call('ZREM', K_FIT, old_member) == 1 then
     redis.call('ZADD', K_FIT, 0, fit_member(pool, node, #list))
   end
 end
@@ -637,8 +636,10 @@ local function dispatch(pool)
 end
 
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
--- Returns the ended record and its JSON.
-local function end_lease(lease, state, reason, by)
+-- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
+-- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
+-- instead of the whole record encoded again.
+local function end_lease(lease, state, reason, by, raw)
   local by_node, order = {}, {}
   for _, g in ipairs(lease.gpus) do
     local node = g.node or lease.node
@@ -713,7 +714,16 @@ local function end_lease(lease, state, reason, by)
   lease.ended_at = NOW
   lease.end_reason = reason
   lease.ended_by = by
-  local ended_json = cjson.encode(lease)
+  local ended_json
+  local at = raw and string.find(raw, '"state":"active"', 1, true)
+  if at and string.sub(raw, -1) == '}' then
+    local tail = ',"ended_at":' .. string.format('%d', NOW)
+    if reason ~= nil then tail = tail .. ',"end_reason":' .. cjson.encode(reason) end
+    if by ~= nil then tail = tail .. ',"ended_by":' .. cjson.encode(by) end
+    ended_json = string.sub(raw, 1, at + 7) .. cjson.encode(state) .. string.sub(raw, at + 16, -2) .. tail .. '}'
+  else
+    ended_json = cjson.encode(lease)
+  end
   redis.call('HSET', K_ENDED, lease.id, ended_json)
   redis.call('ZADD', K_ENDED_AT, NOW, lease.id)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,

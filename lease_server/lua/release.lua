@@ -50,6 +50,6 @@ if token ~= '' and tostring(lease.token) ~= token then return {STALE} end
 if state == 'auto' then
   if lease.user ~= user then state, reason = 'revoked', ARGV[11] else state = 'released' end
 end
-local _, ended_json = end_lease(lease, state, reason, user)
+local _, ended_json = end_lease(lease, state, reason, user, raw)
 dispatch(lease.pool)
 return {OK, ended_json}

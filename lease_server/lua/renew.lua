@@ -27,7 +27,7 @@ if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
 if tostring(lease.token) ~= token then return {STALE} end
 if lease.expires_at < NOW then
   emit('renew_miss', {lease = id, user = lease.user, late_ms = NOW - lease.expires_at})
-  local _, ended_json = end_lease(lease, 'expired', 'renewed ' .. (NOW - lease.expires_at) .. ' ms after its deadline', 'server')
+  local _, ended_json = end_lease(lease, 'expired', 'renewed ' .. (NOW - lease.expires_at) .. ' ms after its deadline', 'server', raw)
   dispatch(lease.pool)
   return {EXPIRED, ended_json}
 end

@@ -15,7 +15,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
     local lease = cjson.decode(raw)
-    end_lease(lease, 'revoked', lease.recall_reason or 'recalled for a booking', 'server')
+    end_lease(lease, 'revoked', lease.recall_reason or 'recalled for a booking', 'server', raw)
     pools[lease.pool] = true
   else
     redis.call('ZREM', K_RECALL, id)
@@ -56,7 +56,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'L
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
     local lease = cjson.decode(raw)
-    end_lease(lease, 'expired', 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms', 'server')
+    end_lease(lease, 'expired', 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms', 'server', raw)
     pools[lease.pool] = true
   else
     redis.call('ZREM', K_DEADLINES, id)
