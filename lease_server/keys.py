@@ -19,7 +19,8 @@ possible without per-node or per-lease keys, state lives in a handful of global 
 ``queue``      zset   lexicographic "pool|SEQUENCE|waiter id" (FIFO per pool)
 ``queue_seq``  string counter giving every waiter its place in arrival order
 ``waiters``    hash   waiter id -> JSON request
-``usage``      hash   "pool|user" -> JSON {v: decayed GPU-seconds, t: ms}
+``usage``      hash   "pool|user" -> JSON {"v":decayed GPU-seconds,"t":ms,"r":GPUs running now}, written in
+                      that one layout so the scripts read it with patterns (other layouts: decoded)
 ``fence``      string monotonic fencing-token counter
 ``events``     stream the audit log / live feed
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
