@@ -141,12 +141,10 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
 
 
 async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
-    from redis.asyncio import Redis
-
-    from lease_server.engine import Engine
+    from lease_server.engine import Engine, connect
     from lease_server.lease import LeaseStore
 
-    r = Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url)  # the server's own client (hiredis packing), for the lease and the Lock alike
     store = LeaseStore(Engine(r, settings_for(redis_url, "bclient")))
     try:
         await _common.register_all(store, simulate_spec("c", 1))
@@ -224,13 +222,11 @@ def bench_http_client(url: str, token: str, n: int, warmup: int) -> dict[str, fl
 
 
 async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
-    from redis.asyncio import Redis
-
-    from lease_server.engine import Engine
+    from lease_server.engine import Engine, connect
     from lease_server.inventory import parse_simulate, register
     from lease_server.lease import LeaseStore
 
-    r = Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url)  # the server's own client
     rng = random.Random(7)
     stores: dict[int, LeaseStore] = {}
     try:
