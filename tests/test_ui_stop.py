@@ -25,6 +25,7 @@ from lease_server.client import Client
 from magics.kernel import DISPLAY_NAME, KERNEL_NAME, install
 from tests.conftest import Up
 from tests.test_ui import Lab, page, shots
+from tests.test_ui import pytestmark as pytestmark  # skipped with test_ui where Chromium is missing
 
 # test_ui's fixtures, which the tests here take by name: its Playwright page (on the `lab` below) and
 # its screenshot folder.
