@@ -12,6 +12,7 @@ also on exceptions. The server and token come from arguments, else ``GPULEASE_UR
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -311,8 +312,44 @@ class Client:
     def queue(self, pool: str | None = None) -> list[dict[str, Any]]:
         return self.request("GET", protocol.QUEUE, params={"pool": pool} if pool else None)["waiting"]  # type: ignore[no-any-return]
 
-    def events(self, since: str = "-", limit: int = 100) -> list[dict[str, Any]]:
-        return self.request("GET", protocol.EVENT_LOG, params={"since": since, "limit": limit})["events"]  # type: ignore[no-any-return]
+    def events(self, since: str = "-", limit: int = 100, *, lease: str | None = None) -> list[dict[str, Any]]:
+        """Up to ``limit`` entries of the event log after ``since``, oldest first (``lease``: only
+        that lease's)."""
+        params: dict[str, Any] = {"since": since, "limit": limit}
+        if lease:
+            params["lease"] = lease
+        return self.request("GET", protocol.EVENT_LOG, params=params)["events"]  # type: ignore[no-any-return]
+
+    @contextmanager
+    def event_stream(self, since: str | None = None, lease: str | None = None) -> Iterator[Iterator[dict[str, Any]]]:
+        """The live event stream (``GET /api/v1/events``, server-sent events) as an iterator of
+        events, open when this returns: the server has subscribed this client by then, so no event
+        added after it is missed. ``since``: first the entries after this id; ``lease``: only that
+        lease's. The server sends a keep-alive every 15 s, so a read waits at most a minute; a lost
+        connection raises :class:`errors.ServerUnavailable`."""
+        headers = {"Accept": "text/event-stream"}
+        if since:
+            headers[protocol.LAST_EVENT_ID] = since
+        timeout = httpx.Timeout(self.timeout, connect=5.0, read=60.0)
+        params = {"lease": lease} if lease else None
+        try:
+            with self._http.stream("GET", protocol.EVENTS, headers=headers, params=params, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    try:
+                        body = resp.json()
+                    except ValueError:
+                        body = {"code": "http_error", "message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+                    raise errors.from_json(resp.status_code, body)
+                lines = resp.iter_lines()
+                for line in lines:  # the stream's opening comment: sent once this client is subscribed
+                    if line == "":
+                        break
+                yield _sse_events(lines)
+        except httpx.TransportError as exc:
+            raise errors.ServerUnavailable(
+                f"lost the event stream of {self.url} ({exc.__class__.__name__}: {exc})"
+            ) from exc
 
     def estimate(self, gpus: int = 1, pool: str | None = None, request: str | None = None) -> dict[str, Any]:
         """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now.
@@ -372,6 +409,20 @@ class Client:
             yield held
         finally:
             held.release()
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The events of a server-sent event stream: each block's ``data`` as JSON (comments such as
+    the keep-alives skipped)."""
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield json.loads("\n".join(data))
+            data = []
+        elif line.startswith("data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(" ") else value)
 
 
 class HeldLease:
