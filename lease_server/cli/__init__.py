@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import click
 
 from .. import __version__, errors
 from . import admin, bookings, leases, service, simulate
-from ._common import err_console
+from ._common import fail
 
 
 def _fail(exc: errors.GpuLeaseError) -> None:
-    err_console.print(f"[bold red]error[/]: {exc.message}")
-    sys.exit(2 if exc.status < 500 else 1)
+    """A server's refusal as one line naming gpulease commands (not HTTP paths); exit 2 for what
+    the caller can fix, 1 for the server's trouble."""
+    fail(exc.message, 2 if exc.status < 500 else 1)
 
 
 class Group(click.Group):

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .. import protocol
 from ..client import Client
-from ._common import console, server_options
+from ._common import console, resolve_lease, server_options
 
 
 @click.command()
@@ -20,8 +20,9 @@ from ._common import console, server_options
 @click.option("--reason", default="")
 @server_options
 def revoke(lease_id: str, reason: str, url: str | None, token: str | None) -> None:
-    """Revoke anyone's lease (admin)."""
+    """Revoke anyone's lease (admin). LEASE_ID may be any unique start of the id."""
     with Client(url, token) as c:
+        lease_id = resolve_lease(c, lease_id)
         out = c.revoke(lease_id, reason)
     click.echo(f"{lease_id}: {out['state']}")
 
