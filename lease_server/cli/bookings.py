@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Any
 
 import click
+from rich.console import Console
 from rich.table import Column, Table
+from rich.text import Text
 
 from .. import errors
 from ..client import Client
-from ._common import console, err_console, server_options
+from ._common import console, err_console, one_line, print_error, resolve_booking, server_options
 
 
 def _when(ts: float) -> str:
@@ -60,7 +63,7 @@ def reserve(
         try:
             out = c.reserve(pool, gpus, when(start), when(end), dry_run=dry_run, **extra)
         except errors.ReservationClash as exc:
-            err_console.print(f"[red]clash:[/red] {exc.message}")
+            print_error(exc.message, prefix="clash")
             for s in exc.details.get("suggestions") or []:  # type: ignore[attr-defined]
                 err_console.print(f"  fits: {_when(s['start'])} - {_when(s['end'])}")
             sys.exit(1)
@@ -75,22 +78,34 @@ def reserve(
 
 @click.command()
 @click.option("--pool", default=None)
-@click.option("--days", type=float, default=14, show_default=True, help="How far ahead to list")
+@click.option(
+    "--days", type=click.FloatRange(0, 365, min_open=True), default=14, show_default=True, help="How far ahead to list"
+)
+@click.option("--wide", is_flag=True, help="Notes in full (as wide as they take)")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw booking records")
 @server_options
-def reservations(pool: str | None, days: float, url: str | None, token: str | None) -> None:
-    """Everyone's bookings from now on (each weekly occurrence on its own line)."""
+def reservations(pool: str | None, days: float, wide: bool, as_json: bool, url: str | None, token: str | None) -> None:
+    """Everyone's bookings from now on, a line each (each weekly occurrence on its own line)."""
     now = time.time()
     with Client(url, token) as c:
         rows = c.reservations(pool, now, now + days * 86400)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print("no bookings")
+        return
+    # The state column only when some occurrence is not simply upcoming (then a blank one is), so
+    # that at 80 columns the note keeps room.
+    states = wide or any(inst["state"] != "upcoming" for r in rows for inst in r["instances"])
     table = Table(
         Column("id", no_wrap=True),
         Column("owner", no_wrap=True),
-        Column("pool", no_wrap=True),
-        Column("GPUs", no_wrap=True, justify="right"),
+        Column("GPUs", no_wrap=True),
         Column("when", no_wrap=True),
-        Column("state", no_wrap=True),
-        Column("note"),
-        box=None,  # fits 80 columns: a booking per line, the note wraps
+        *([Column("state", no_wrap=True)] if states else []),
+        Column("note"),  # takes what is left, cut with an ellipsis (--wide: all of it)
+        box=None,
         pad_edge=False,
     )
     for r in rows:
@@ -98,8 +113,16 @@ def reservations(pool: str | None, days: float, url: str | None, token: str | No
             start, end = time.localtime(inst["start"]), time.localtime(inst["end"])
             same_day = start[:3] == end[:3]
             when = f"{_when(inst['start'])}-{time.strftime('%H:%M', end) if same_day else _when(inst['end'])}"
-            table.add_row(r["id"], r["owner"], r["pool"], str(r["gpus"]), when, inst["state"], r["note"])
-    console.print(table if rows else "no bookings")
+            state = inst["state"] if wide or inst["state"] != "upcoming" else ""
+            table.add_row(
+                r["id"],
+                r["owner"],
+                f"{r['gpus']}x {r['pool']}",
+                when,
+                *([Text(state, style="green" if state == "active" else "")] if states else []),
+                Text(r["note"]) if wide else one_line(r["note"]),
+            )
+    (Console(width=100_000) if wide else console).print(table)
 
 
 @click.command()
@@ -107,7 +130,9 @@ def reservations(pool: str | None, days: float, url: str | None, token: str | No
 @click.option("--end", "end_now", is_flag=True, help="End the occurrence in force now instead of cancelling")
 @server_options
 def unreserve(reservation_id: str, end_now: bool, url: str | None, token: str | None) -> None:
-    """Cancel a booking (or, with --end, give back the GPUs of the occurrence in force now)."""
+    """Cancel a booking (or, with --end, give back the GPUs of the occurrence in force now).
+    RESERVATION_ID may be any unique start of the id (gpulease reservations lists them)."""
     with Client(url, token) as c:
+        reservation_id = resolve_booking(c, reservation_id)
         out = c.end_reservation(reservation_id) if end_now else c.cancel_reservation(reservation_id)
     click.echo(f"{reservation_id}: {'ended now' if end_now else out['state']}")
