@@ -36,6 +36,7 @@ for _command in (
     service.server,
     service.agent,
     leases.status,
+    leases.leases_cmd,
     leases.acquire,
     leases.release,
     leases.usage,

@@ -1,4 +1,4 @@
-"""Using the cluster: status, acquire, release, keep, usage and the event log."""
+"""Using the cluster: status, leases, acquire, release, keep, usage and the event log."""
 
 from __future__ import annotations
 
@@ -7,32 +7,45 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import click
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..client import Client
-from ._common import console, err_console, server_options
+from ._common import (
+    ago,
+    console,
+    err_console,
+    gpu_places,
+    lease_parts,
+    one_line,
+    resolve_lease,
+    server_options,
+    span,
+)
 
 
-def _ago(ts: float | None, now: float) -> str:
-    if not ts:
-        return ""
-    secs = int(now - ts)
-    return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
+def _table(title: str | None = None) -> Table:
+    """A borderless table, a row per line: what fits 80 columns (cells that may be cut say so)."""
+    return Table(title=title, box=None, pad_edge=False, title_justify="left", title_style="bold")
 
 
 @click.command()
+@click.option("--wide", is_flag=True, help="Every GPU on a line, every column, nothing cut (as wide as it takes)")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw cluster JSON")
 @server_options
-def status(as_json: bool, url: str | None, token: str | None) -> None:
-    """Pools, nodes, every GPU with its holder, and the queue."""
+def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> None:
+    """Pools, the leases with their GPUs, and the queue (--wide: every GPU with its holder)."""
     with Client(url, token) as c:
         view = c.cluster()
         view["queue"] = c.queue()
     if as_json:
         click.echo(json.dumps(view, indent=2))
         return
+    out = Console(width=100_000) if wide else console  # --wide: lines as long as their content
     now = view["now"]
     pools = Table(title="Pools")
     for col in ("pool", "nodes", "gpus", "free", "leased", "down", "waiting"):
@@ -41,43 +54,169 @@ def status(as_json: bool, url: str | None, token: str | None) -> None:
         waiting = sum(1 for w in view["queue"] if w["pool"] == name)
         default = " (default)" if name == view.get("default_pool") else ""
         pools.add_row(name + default, *(str(p[k]) for k in ("nodes", "gpus", "free", "leased", "down")), str(waiting))
-    console.print(pools)
-    gpus = Table(title="GPUs")
-    for col in ("node", "gpu", "model", "state", "util", "holder", "label", "held", "lease"):
-        gpus.add_column(col)
-    colors = {"free": "green", "leased": "yellow", "down": "red"}
+    out.print(pools)
     unleased = []
     for n in view["nodes"]:
         for g in n["gpus"]:
+            if g.get("unleased_use"):
+                pids = ", ".join(str(pid) for pid in g["unleased_use"].get("pids", []))
+                unleased.append(f"{n['name']} GPU {g['index']}, pids {pids} (no lease holds this GPU)")
+    if wide:
+        _gpu_table(view, out)
+    else:
+        _lease_table(view)
+    for line in unleased:
+        err_console.print(Text.assemble(("unleased use", "bold red"), f": {line}"), soft_wrap=True)
+    if view["queue"]:
+        q = _table("Queue")
+        q.add_column("request", no_wrap=True)
+        for col in ("pool", "#", "user", "gpus", "waiting"):
+            q.add_column(col, no_wrap=True, justify="right" if col in ("#", "gpus", "waiting") else "left")
+        q.add_column("label", overflow="fold" if wide else "ellipsis")
+        for w in view["queue"]:
+            q.add_row(
+                w["id"],
+                w["pool"],
+                str(w["position"]),
+                w["user"],
+                str(w["gpus"]),
+                ago(w["enqueued_at"], now),
+                w["label"] if wide else one_line(w["label"]),
+            )
+        out.print()
+        out.print(q)
+
+
+def _lease_table(view: dict[str, Any]) -> None:
+    """A line per lease: its full id (to paste into release / keep), holder, GPUs, label cut to fit."""
+    now = view["now"]
+    by_id: dict[str, dict[str, Any]] = {}
+    for n in view["nodes"]:
+        for g in n["gpus"]:
+            lease = g.get("lease")
+            if not lease:
+                continue
+            row = by_id.setdefault(lease["id"], {"lease": lease, "parts": {}, "utils": []})
+            row["parts"].setdefault(n["name"], []).append(int(g["index"]))
+            if g.get("sample"):
+                row["utils"].append(g["sample"]["util"])
+    console.print()
+    if not by_id:
+        console.print("[bold]Leases[/]: none")
+        return
+    warned = [r for r in by_id.values() if r["lease"].get("idle_warning")]
+    table = _table("Leases")
+    table.add_column("lease", no_wrap=True)
+    table.add_column("user", no_wrap=True)
+    # Whole unless a gang's list of nodes is long: then it may be cut to fit.
+    table.add_column("GPUs", no_wrap=all(len(gpu_places(r["parts"])) <= 24 for r in by_id.values()))
+    table.add_column("util", no_wrap=True, justify="right")
+    table.add_column("held", no_wrap=True, justify="right")
+    if warned:
+        table.add_column("state", no_wrap=True)
+    table.add_column("label")  # takes what is left, cut with an ellipsis
+    for lid, row in sorted(by_id.items(), key=lambda kv: (kv[1]["lease"].get("since") or 0, kv[0])):
+        lease, utils = row["lease"], row["utils"]
+        cells: list[Any] = [
+            lid,
+            lease.get("user", ""),
+            one_line(gpu_places(row["parts"])),
+            f"{sum(utils) / len(utils):.0f}%" if utils else "",
+            ago(lease.get("since"), now),
+        ]
+        if warned:
+            left = span(lease["reclaim_at"] - now) if lease.get("idle_warning") else ""
+            cells.append(Text(f"idle {left}", style="magenta") if left else Text("active"))
+        cells.append(one_line(lease.get("label", "")))
+        table.add_row(*cells)
+    console.print(table)
+    for r in warned:
+        lid = r["lease"]["id"]
+        console.print(
+            Text.assemble((f"{lid} idle", "magenta"), f": reclaimed unless used or kept (gpulease keep {lid})"),
+            soft_wrap=True,
+        )
+
+
+def _gpu_table(view: dict[str, Any], out: Console) -> None:
+    """--wide: every GPU on its line with everything known about it, nothing cut."""
+    now = view["now"]
+    gpus = Table(title="GPUs")
+    for col in ("node", "gpu", "model", "memory", "state", "util", "mem used", "holder", "label", "held", "lease"):
+        gpus.add_column(col, no_wrap=True)
+    colors = {"free": "green", "leased": "yellow", "down": "red"}
+    for n in view["nodes"]:
+        for g in n["gpus"]:
             lease = g.get("lease") or {}
-            state = f"[{colors[g['state']]}]{g['state']}[/]"
+            state = f"[{colors.get(g['state'], 'white')}]{g['state']}[/]"
             if lease.get("idle_warning"):
                 state += f" [magenta]idle: reclaim in {max(0, lease['reclaim_at'] - now):.0f}s[/]"
             if g.get("unleased_use"):
                 state += " [bold red]unleased use[/]"
-                unleased.append(f"{n['name']} GPU {g['index']}: pids {g['unleased_use']['pids']}")
-            util = f"{g['sample']['util']:.0f}%" if g.get("sample") else ""
+            sample = g.get("sample") or {}
             gpus.add_row(
                 n["name"],
                 str(g["index"]),
                 g.get("model", ""),
+                f"{g['memory_mb']} MiB" if g.get("memory_mb") else "",
                 state,
-                util,
+                f"{sample['util']:.0f}%" if "util" in sample else "",
+                f"{sample['mem_used_mb']} MiB" if "mem_used_mb" in sample else "",
                 lease.get("user", ""),
-                lease.get("label", ""),
-                _ago(lease.get("since"), now),
+                Text(lease.get("label", "")),
+                ago(lease.get("since"), now),
                 lease.get("id", ""),
             )
-    console.print(gpus)
-    for line in unleased:
-        err_console.print(f"[bold red]unleased use[/]: {line} (processes on a GPU that no lease holds)")
-    if view["queue"]:
-        q = Table(title="Queue")
-        for col in ("pool", "#", "user", "gpus", "waiting", "label"):
-            q.add_column(col)
-        for w in view["queue"]:
-            q.add_row(w["pool"], str(w["position"]), w["user"], str(w["gpus"]), _ago(w["enqueued_at"], now), w["label"])
-        console.print(q)
+    out.print()
+    out.print(gpus)
+
+
+@click.command("leases")
+@click.option("--all", "everyone", is_flag=True, help="Everyone's, not only yours")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw lease records")
+@server_options
+def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None) -> None:
+    """Your leases (--all: everyone's) and queued requests, with the ids release and keep take."""
+    with Client(url, token) as c:
+        rows = c.leases(everyone=everyone)
+        me = c.whoami()["user"]
+        waiting = [w for w in c.queue() if everyone or w["user"] == me]
+    if as_json:
+        click.echo(json.dumps({"leases": rows, "waiting": waiting}, indent=2))
+        return
+    if not rows and not waiting:
+        click.echo(
+            "no leases"
+            + ("" if everyone else f" of {me}")
+            + ("" if everyone else " (gpulease leases --all: everyone's)")
+        )
+        return
+    now = time.time()
+    table = _table()
+    table.add_column("lease", no_wrap=True)
+    if everyone:
+        table.add_column("user", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    places = [gpu_places(lease_parts(r)) for r in rows] + [f"{w['gpus']}x {w['pool']}" for w in waiting]
+    table.add_column("GPUs", no_wrap=all(len(p) <= 24 for p in places))  # a long gang's may be cut
+    table.add_column("held", no_wrap=True, justify="right")
+    table.add_column("expires", no_wrap=True, justify="right")
+    table.add_column("label")
+    for r in rows:
+        state = Text("idle", style="magenta") if r.get("idle_warning") or r.get("reclaim_at") else Text(r["state"])
+        cells: list[Any] = [r["id"], *([r["user"]] if everyone else []), state]
+        cells += [
+            one_line(f"{gpu_places(lease_parts(r))}"),
+            ago(r.get("created_at"), now),
+            "in " + span(r["expires_at"] - now) if r.get("expires_at") else "",
+            one_line(r.get("label", "")),
+        ]
+        table.add_row(*cells)
+    for w in waiting:
+        cells = [w["id"], *([w["user"]] if everyone else []), Text(f"queued #{w['position']}", style="cyan")]
+        cells += [one_line(f"{w['gpus']}x {w['pool']}"), "", "", one_line(w.get("label", ""))]
+        table.add_row(*cells)
+    console.print(table)
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -106,10 +245,8 @@ def acquire(
         if not command:
             lease = c.acquire(gpus, pool, ttl, wait, label)
             click.echo(json.dumps(lease.raw, indent=2))
-            err_console.print(
-                f"lease {lease.id} expires in {lease.ttl:g}s unless renewed; "
-                f"release it with: gpulease release {lease.id}"
-            )
+            err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed")
+            err_console.print(f"release it with: gpulease release {lease.id}")
             return
         t0 = time.monotonic()
         with console.status(f"asking for {gpus} GPU(s)…") as spinner:
@@ -145,8 +282,10 @@ def acquire(
 @click.argument("lease_id")
 @server_options
 def release(lease_id: str, url: str | None, token: str | None) -> None:
-    """Release a lease (yours; an admin's release of another user's lease revokes it)."""
+    """Release a lease (yours; an admin's release of another user's lease revokes it), or withdraw
+    a queued request. LEASE_ID may be any unique start of the id (gpulease leases lists them)."""
     with Client(url, token) as c:
+        lease_id = resolve_lease(c, lease_id)
         out = c.release(lease_id)
     click.echo(f"{lease_id}: {out['state']}" + ("" if out.get("changed") else " (already)"))
 
@@ -184,8 +323,10 @@ def usage(by: str, days: float, as_json: bool, url: str | None, token: str | Non
 @click.argument("lease_id")
 @server_options
 def keep(lease_id: str, url: str | None, token: str | None) -> None:
-    """Answer an idle warning: "I'm still using it" (resets the idle clock; limited per lease)."""
+    """Answer an idle warning: "I'm still using it" (resets the idle clock; limited per lease).
+    LEASE_ID may be any unique start of the id."""
     with Client(url, token) as c:
+        lease_id = resolve_lease(c, lease_id)
         out = c.keep(lease_id)
     click.echo(f"{lease_id}: kept ({out.get('extensions', 0)} extension(s) used)")
 
