@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from ._common import (
     ago,
     console,
     err_console,
+    fail,
     gpu_places,
     lease_parts,
     one_line,
@@ -241,6 +243,10 @@ def acquire(
 
     gpulease acquire --gpus 2 --wait 600 -- python train.py
     """
+    if command:
+        unrunnable = _unrunnable(command[0])
+        if unrunnable:  # as a shell says it, and before any GPU is taken (or waited for)
+            fail(unrunnable[0], unrunnable[1], prefix="gpulease")
     with Client(url, token) as c:
         if not command:
             lease = c.acquire(gpus, pool, ttl, wait, label)
@@ -267,15 +273,31 @@ def acquire(
             "GPULEASE_LEASE_ID": held.id,
             "GPULEASE_GPU_UUIDS": ",".join(held.uuids),
         }
-        code = 1
+        code, failed = 1, ""
         try:
             code = subprocess.call(list(command), env=env)
         except KeyboardInterrupt:
             code = 130
+        except OSError as exc:  # gone since the check above, or not an executable after all
+            code = 127 if isinstance(exc, FileNotFoundError) else 126
+            failed = f"{command[0]}: {'command not found' if code == 127 else exc.strerror or exc}"
         finally:
             held_cm.__exit__(None, None, None)
             err_console.print(f"released {held.id} after {time.monotonic() - t0:.1f}s")
+        if failed:
+            fail(failed, code, prefix="gpulease")
         sys.exit(code)
+
+
+def _unrunnable(program: str) -> tuple[str, int] | None:
+    """Why a shell could not run ``program``, with its exit status (127: not found, 126: found but
+    not executable); None if it can."""
+    if shutil.which(program):
+        return None
+    if os.sep in program and os.path.exists(program):
+        why = "Is a directory" if os.path.isdir(program) else "Permission denied"
+        return f"{program}: {why}", 126
+    return f"{program}: command not found", 127
 
 
 @click.command()
