@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from . import errors
 from .config import PRIORITIES, Settings
 from .engine import Engine
-from .keys import NAME_RE, Keys
+from .keys import Keys
 from .protocol import LeaseState  # the lease states: protocol owns them; importable from here too
 from .queue import GrantNotifier
 from .scripts import (
@@ -37,12 +37,19 @@ from .scripts import (
     SweepCounts,
     no_such_lease,
 )
+from .validate import (  # the input validators live in validate.py; imported from here too
+    check_gpus,
+    check_name,
+    check_nodes,
+    check_priority,
+    check_seconds,
+    check_text,
+    check_token,
+)
 
 log = logging.getLogger(__name__)
 
 
-MAX_GPUS_PER_REQUEST = 1024
-MAX_TEXT = 200
 # A waiter whose own deadline passed this long ago has lost its server (killed mid-wait).
 WAITER_GRACE_MS = 5000
 
@@ -127,69 +134,6 @@ def public_withdrawal(w: dict[str, Any]) -> dict[str, Any]:
         "end_reason": w.get("reason", ""),
         "ended_by": w.get("by", ""),
     }
-
-
-def check_name(kind: str, value: object) -> str:
-    if not isinstance(value, str) or not NAME_RE.match(value):
-        raise errors.BadRequest(
-            f"{kind} must be a name of letters, digits, '.', '_' or '-' (at most 63), got {value!r}"
-        )
-    return value
-
-
-def check_text(kind: str, value: object) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str) or len(value) > MAX_TEXT:
-        raise errors.BadRequest(f"{kind} must be a string of at most {MAX_TEXT} characters")
-    return value
-
-
-def check_seconds(kind: str, value: object, *, low: float, high: float, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise errors.BadRequest(f"{kind} must be a number of seconds, got {value!r}")
-    if not low <= value <= high:
-        raise errors.BadRequest(f"{kind} must be between {low:g} and {high:g} seconds, got {value!r}")
-    return float(value)
-
-
-def check_gpus(value: object, kind: str = "gpus") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.BadRequest(f"{kind} must be a whole number of GPUs such as 1 or 2, got {value!r}")
-    if value < 1:
-        raise errors.BadRequest(f"{kind} must be at least 1, got {value}")
-    if value > MAX_GPUS_PER_REQUEST:
-        raise errors.BadRequest(f"{kind} must be at most {MAX_GPUS_PER_REQUEST}, got {value}")
-    return value
-
-
-MAX_NODES = 64
-
-
-def check_nodes(value: object, gpus: int, gpus_min: int) -> int:
-    """A gang's node count: gpus must split evenly, and a gang is not elastic."""
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NODES:
-        raise errors.BadRequest(f"nodes must be a whole number from 1 to {MAX_NODES}, got {value!r}")
-    if value > 1 and gpus % value:
-        raise errors.BadRequest(
-            f"gpus ({gpus}) must be a multiple of nodes ({value}): a gang has the same GPUs on every node, "
-            f"e.g. gpus={value * max(1, gpus // value)}"
-        )
-    if value > 1 and gpus_min != gpus:
-        raise errors.BadRequest("a multi-node gang is all or nothing: drop gpus_min, or ask for one node")
-    return value
-
-
-def check_priority(value: object) -> int:
-    if value is None:
-        return PRIORITIES["normal"]
-    if not isinstance(value, str) or value not in PRIORITIES:
-        raise errors.BadRequest(f"priority must be one of {', '.join(PRIORITIES)}, got {value!r}")
-    return PRIORITIES[value]
 
 
 async def read_lease(engine: Engine, lease_id: str) -> dict[str, Any]:
@@ -499,15 +443,7 @@ class LeaseStore:
         log.info("withdrawn %s user=%s by=%s position=%s", lease_id, w["user"], user, got.position)
         return {**w, "state": WITHDRAWN, "position": got.position}, True
 
-    @staticmethod
-    def _token(token: object, *, required: bool) -> str:
-        if token is None or token == "":
-            if required:
-                raise errors.BadRequest("token is required: pass the fencing token of your grant")
-            return ""
-        if isinstance(token, bool) or not isinstance(token, (int, str)) or not str(token).isdigit():
-            raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {token!r}")
-        return str(int(token))
+    _token = staticmethod(check_token)
 
     async def get(self, lease_id: str) -> dict[str, Any]:
         """A live or recently ended lease record."""
