@@ -1,10 +1,19 @@
-"""The OpenAPI 3.1 document of the HTTP API, served at /api/v1/openapi.json."""
+"""The OpenAPI 3.1 document of the HTTP API, served at /api/v1/openapi.json.
+
+Request bodies and query parameters are not written here: they are generated from their one
+declaration in :mod:`lease_server.validate`, against which the server also checks every request.
+Every status an operation can answer is listed: the operation's own, plus those any request may
+get (a bad ``X-Gpulease-User`` or token, a body over the limit, Redis away, a path parameter of the
+wrong shape).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import __version__
+from . import __version__, validate
+from .config import Settings
+from .protocol import ENDED_STATES, LeaseState
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -15,41 +24,62 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*codes: int) -> dict[str, Any]:
-    text = {
-        400: "Bad input: the message says what to fix",
-        401: "No or unknown API token",
-        403: "Not allowed for this user",
-        404: "No such lease, pool or node",
-        409: "Conflict: stale token, lease ended, or no capacity in time",
-        410: "Withdrawn: the queued request was withdrawn (DELETE) before a grant; it will never be granted",
-        413: "Body too large",
-        422: "No node of the pool could ever serve this request",
-        503: "Redis unreachable",
-    }
-    return {str(c): _json(_ref("Error"), text[c]) for c in codes}
+ERRORS = {
+    400: "Bad input: the message says what to fix",
+    401: "No or unknown API token",
+    403: "Not allowed for this user (or an X-Gpulease-User header sent without a proxy token)",
+    404: "No such lease, booking, pool or node (or a path parameter of another shape)",
+    409: "Conflict: stale token, lease ended, booking clash, or no capacity in time",
+    410: "Withdrawn: the queued request was withdrawn (DELETE) before a grant; it will never be granted",
+    413: "Body too large",
+    422: "No node of the pool could ever serve this request",
+    503: "Redis unreachable (retry in a few seconds)",
+}
+# What any request may get: a malformed X-Gpulease-User (400), no token (401), X-Gpulease-User without
+# a proxy token (403), a body over the limit (413), Redis away (503).
+AUTHENTICATED = (400, 401, 403, 413, 503)
+PUBLIC = (413, 503)
 
 
 def _op(
     summary: str,
     ok: dict[str, Any],
     *codes: int,
-    body: dict[str, Any] | None = None,
-    params: list[dict[str, Any]] | None = None,
+    body: validate.Body | None = None,
+    params: list[dict[str, Any]] | tuple[validate.Param, ...] = (),
     public: bool = False,
     ok_code: int = 200,
+    more: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {str(ok_code): ok, **_errors(*codes)}}
+    """One operation: its answer, every error status it can give, its body and parameters."""
+    statuses = sorted({*codes, *(PUBLIC if public else AUTHENTICATED)})
+    if any(isinstance(p, dict) and p.get("in") == "path" for p in params):
+        statuses = sorted({*statuses, 404})  # a path parameter that matches no route
+    responses = {str(ok_code): ok, **(more or {}), **{str(c): _json(_ref("Error"), ERRORS[c]) for c in statuses}}
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
     if body is not None:
-        op["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
+        required = any(f.required for f in body.fields)  # else an empty body is a valid one
+        op["requestBody"] = {"required": required, "content": {"application/json": {"schema": _ref(body.name)}}}
     if params:
-        op["parameters"] = params
+        op["parameters"] = [p.openapi() if isinstance(p, validate.Param) else p for p in params]
     if public:
         op["security"] = []
     return op
 
 
-LEASE_ID = {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+def _path(name: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
+    out = {"name": name, "in": "path", "required": True, "schema": schema}
+    if description:
+        out["description"] = description
+    return out
+
+
+# The route's shape for ids (a lease id, or a request id of an older client).
+LEASE_ID = _path("lease_id", {"type": "string", "pattern": validate.LEASE_ID_PATTERN})
+RESERVATION_ID = _path("reservation_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")
+POOL = _path("pool", validate.NAME)
+NODE = _path("node", validate.NAME)
+NUM = {"type": "number"}
 # A GPU as a node agent declares it (also part of every GPU in the cluster view).
 GPU_PROPS = {
     "index": {"type": "integer"},
@@ -57,84 +87,22 @@ GPU_PROPS = {
     "model": {"type": "string"},
     "memory_mb": {"type": "integer"},
 }
-LEASE_FILTER = {
-    "name": "lease",
-    "in": "query",
-    "required": False,
-    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
-    "description": "Only events whose `lease` field is this lease (or queued request) id, filtered by the "
-    "server; an id of another shape is a 400",
-}
-RESERVATION_ID = {"name": "reservation_id", "in": "path", "required": True, "schema": {"type": "string"}}
-DRY_RUN = {
-    "name": "dry_run",
-    "in": "query",
-    "required": False,
-    "schema": {"type": "boolean"},
-    "description": "Only check: answer {fits, node} or the 409 clash, and store nothing",
-}
-TIME = {
-    "oneOf": [
-        {"type": "number", "description": "epoch seconds"},
-        {"type": "string", "description": "ISO 8601 with a UTC offset, e.g. 2026-11-23T09:00:00+01:00"},
-    ]
-}
-POOL = {"name": "pool", "in": "path", "required": True, "schema": {"type": "string"}}
-NODE = {"name": "node", "in": "path", "required": True, "schema": {"type": "string"}}
+ENDED = ", ".join(sorted(ENDED_STATES))
 
 
-def openapi_document() -> dict[str, Any]:
-    num = {"type": "number"}
-    schemas: dict[str, Any] = {
+def _response_schemas() -> dict[str, Any]:
+    num = NUM
+    return {
         "Error": {
             "type": "object",
             "required": ["code", "message"],
             "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {"type": "object"}},
         },
-        "AcquireRequest": {
-            "type": "object",
-            "required": ["gpus"],
-            "additionalProperties": False,
-            "properties": {
-                "gpus": {"type": "integer", "minimum": 1, "maximum": 1024},
-                "gpus_min": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "description": "Elastic request: granted as many as one node has free, from gpus_min to gpus",
-                },
-                "nodes": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "maximum": 64,
-                    "description": "A multi-node gang: gpus / nodes GPUs on each of that many nodes, all or nothing",
-                },
-                "priority": {
-                    "enum": ["low", "normal", "high"],
-                    "description": "Priority class (the priority scheduler serves higher classes first; a request "
-                    "may preempt only preemptible leases of no higher class)",
-                },
-                "pool": {"type": "string", "description": "Default: the server's default GPU pool"},
-                "ttl": {"type": "number", "minimum": 1, "description": "Seconds the lease lives unless renewed"},
-                "wait": {
-                    "type": "number",
-                    "minimum": 0,
-                    "description": "Seconds to wait in the queue (0: fail at once)",
-                },
-                "label": {"type": "string", "maxLength": 200},
-                "session": {"type": "string", "maxLength": 200},
-                "notebook": {"type": "string", "maxLength": 200, "description": "For the usage ledger"},
-                "cell": {"type": "string", "maxLength": 200, "description": "The cell's hash, for the usage ledger"},
-                "id": {
-                    "type": "string",
-                    "pattern": "^[A-Za-z0-9._-]{8,64}$",
-                    "description": "Optional request id chosen by the client: it becomes the lease id, shows "
-                    "the request in GET /queue while it waits, and makes a resent POST return the same grant",
-                },
-            },
-        },
         "Gpu": {"type": "object", "properties": {"index": {"type": "integer"}, "uuid": {"type": "string"}}},
         "Lease": {
             "type": "object",
+            "description": f"A lease, live (state active) or ended ({ENDED}); an ended lease stays readable for "
+            "the server's ended_retention, with ended_at, end_reason and ended_by",
             "required": ["id", "user", "pool", "node", "gpus", "state", "expires_at"],
             "properties": {
                 "id": {"type": "string"},
@@ -143,7 +111,7 @@ def openapi_document() -> dict[str, Any]:
                 "pool": {"type": "string"},
                 "node": {"type": "string"},
                 "gpus": {"type": "array", "items": _ref("Gpu")},
-                "state": {"type": "string", "enum": ["active", "released", "expired", "revoked"]},
+                "state": {"type": "string", "enum": [s.value for s in LeaseState]},
                 "label": {"type": "string"},
                 "session": {"type": "string"},
                 "ttl": num,
@@ -158,8 +126,12 @@ def openapi_document() -> dict[str, Any]:
                 "changed": {"type": "boolean"},
             },
         },
+        "EndedLease": {
+            "description": "What a release or revoke answers: the lease, ended (`changed` is false when it had "
+            "ended already); or the withdrawn request, when the id named a request still waiting in the queue",
+            "oneOf": [_ref("Lease"), _ref("Withdrawal")],
+        },
         "LeaseList": {"type": "object", "properties": {"leases": {"type": "array", "items": _ref("Lease")}}},
-        "TokenBody": {"type": "object", "properties": {"token": {"type": "integer"}, "ttl": num}},
         "Cluster": {
             "type": "object",
             "properties": {
@@ -209,166 +181,128 @@ def openapi_document() -> dict[str, Any]:
                 "changed": {"type": "boolean"},
             },
         },
-        "Event": {"type": "object", "properties": {"id": {"type": "string"}, "type": {"type": "string"}, "ts": num}},
-        "Policy": {
+        "Event": {
             "type": "object",
+            "required": ["id", "type"],
             "properties": {
-                "enabled": {"type": "boolean"},
-                "idle_threshold": {"type": "number", "minimum": 0, "maximum": 100, "description": "% utilization"},
-                "idle_timeout": {"type": "number", "description": "seconds idle before a warning"},
-                "grace": {"type": "number", "description": "seconds from warning to reclaim"},
-                "min_age": {"type": "number", "description": "seconds a new lease is never reclaimed"},
-                "max_extensions": {"type": "integer"},
-                "exempt_users": {"type": "array", "items": {"type": "string"}},
-                "exempt_labels": {"type": "array", "items": {"type": "string"}},
+                "id": {"type": "string"},
+                "type": {"type": "string"},
+                "ts": {"type": ["number", "null"], "description": "When (epoch seconds); null if not recorded"},
             },
         },
-        "GpuSample": {
+        "Reservation": {
             "type": "object",
+            "description": "A booking; a cancelled one stays readable (state cancelled) for a while",
             "properties": {
-                "index": {"type": "integer"},
-                "util": {"type": "number", "minimum": 0, "maximum": 100},
-                "mem_mb": {"type": "integer", "minimum": 0},
-                "procs": {"type": "array", "items": {"type": "integer"}},
-            },
-        },
-        "Inventory": {
-            "type": "object",
-            "required": ["pool", "gpus"],
-            "properties": {
+                "id": {"type": "string"},
+                "owner": {"type": "string"},
                 "pool": {"type": "string"},
-                "source": {"type": "string", "enum": ["nvml", "simulated"]},
-                "gpus": {
+                "gpus": {"type": "integer"},
+                "start": num,
+                "end": num,
+                "repeat": {"type": "string"},
+                "occurrences": {"type": "integer"},
+                "colocate": {"type": "boolean"},
+                "node": {"type": "string"},
+                "note": {"type": "string"},
+                "state": {"enum": ["active", "cancelled"]},
+                "held": {"type": "integer", "description": "GPUs its holders lease from it now"},
+                "mine": {"type": "boolean", "description": "The caller may change it"},
+                "instances": {
                     "type": "array",
-                    "items": {"type": "object", "properties": GPU_PROPS},
-                },
-            },
-        },
-    }
-    schemas["ReservationRequest"] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "pool": {"type": "string"},
-            "gpus": {"type": "integer", "minimum": 1},
-            "start": TIME,
-            "end": TIME,
-            "owner": {"type": "string", "description": 'A user, or "team:NAME" (members share it). Default: you'},
-            "note": {"type": "string", "maxLength": 200},
-            "repeat": {"enum": ["none", "weekly"], "description": "weekly: every 168 h of UTC"},
-            "occurrences": {"type": "integer", "minimum": 1, "maximum": 52},
-            "colocate": {"type": "boolean", "description": "All GPUs on one node (for one multi-GPU lease)"},
-        },
-    }
-    schemas["Reservation"] = {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "owner": {"type": "string"},
-            "pool": {"type": "string"},
-            "gpus": {"type": "integer"},
-            "start": num,
-            "end": num,
-            "repeat": {"type": "string"},
-            "occurrences": {"type": "integer"},
-            "colocate": {"type": "boolean"},
-            "node": {"type": "string"},
-            "note": {"type": "string"},
-            "state": {"enum": ["active", "cancelled"]},
-            "held": {"type": "integer", "description": "GPUs its holders lease from it now"},
-            "mine": {"type": "boolean", "description": "The caller may change it"},
-            "instances": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "k": {"type": "integer"},
-                        "start": num,
-                        "end": num,
-                        "state": {"enum": ["upcoming", "active", "released", "past"]},
-                        "used": {"type": "boolean"},
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "k": {"type": "integer"},
+                            "start": num,
+                            "end": num,
+                            "state": {"enum": ["upcoming", "active", "released", "past"]},
+                            "used": {"type": "boolean"},
+                        },
                     },
                 },
             },
         },
+        "ServerSentEvent": {
+            "type": "object",
+            "description": "One event of the stream (OpenAPI 3.1: the schema describes each event)",
+            "properties": {
+                "event": {"type": "string"},
+                "id": {"type": "string"},
+                "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref("Event")},
+                "retry": {"type": "integer"},
+            },
+        },
+        "BookingCheck": {
+            "type": "object",
+            "description": "The answer of a dry run: whether the booking fits, and on which node (colocate)",
+            "properties": {"fits": {"type": "boolean"}, "node": {"type": ["string", "null"]}},
+        },
     }
+
+
+def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
+    """The document; request bounds that are settings (max_ttl, max_wait) are ``settings``' own."""
+    bodies = validate.bodies(settings)
+    schemas = _response_schemas()
+    for body in bodies.all():
+        schemas[body.name] = body.schema()
+    schemas["PoolPolicy"] = {
+        "type": "object",
+        "description": "A pool's reclaim policy in force",
+        "properties": {"pool": {"type": "string"}, **schemas[bodies.policy.name]["properties"]},
+    }
+    v = validate
     paths: dict[str, Any] = {
         "/api/v1/reservations": {
             "post": _op(
                 "Book GPUs of a pool for a window (409 names clashing bookings and windows that fit)",
                 _json(_ref("Reservation"), "Booked"),
-                400,
-                401,
                 403,
                 404,
                 409,
-                413,
                 422,
-                body=_ref("ReservationRequest"),
-                params=[DRY_RUN],
+                body=bodies.reservation,
+                params=(v.DRY_RUN,),
                 ok_code=201,
+                more={"200": _json(_ref("BookingCheck"), "dry_run: it fits")},
             ),
             "get": _op(
-                "Everyone's bookings with an occurrence in [from, to) (default: the last day to 14 days ahead)",
+                "Everyone's bookings with an occurrence in [from, to) (default: the last day to 14 days ahead; "
+                "to after from, at most 366 days later)",
                 _json(
                     {"type": "object", "properties": {"reservations": {"type": "array", "items": _ref("Reservation")}}},
                     "Bookings",
                 ),
-                400,
-                401,
-                params=[
-                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "from", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "to", "in": "query", "required": False, "schema": {"type": "string"}},
-                ],
+                params=(v.POOL, v.FROM, v.TO),
             ),
         },
         "/api/v1/reservations/{reservation_id}": {
-            "get": _op("One booking", _json(_ref("Reservation"), "Booking"), 401, 404, params=[RESERVATION_ID]),
+            "get": _op("One booking", _json(_ref("Reservation"), "Booking"), params=[RESERVATION_ID]),
             "patch": _op(
                 "Change a booking (owner, team member or admin; fields not given stay)",
-                _json(_ref("Reservation"), "Changed"),
-                400,
-                401,
-                403,
-                404,
+                _json({"anyOf": [_ref("Reservation"), _ref("BookingCheck")]}, "Changed (dry_run: it fits)"),
                 409,
                 422,
-                body=_ref("ReservationRequest"),
-                params=[RESERVATION_ID, DRY_RUN],
+                body=bodies.reservation_change,
+                params=[RESERVATION_ID, v.DRY_RUN.openapi()],
             ),
-            "delete": _op(
-                "Cancel a booking", _json(_ref("Reservation"), "Cancelled"), 401, 403, 404, params=[RESERVATION_ID]
-            ),
+            "delete": _op("Cancel a booking", _json(_ref("Reservation"), "Cancelled"), params=[RESERVATION_ID]),
         },
         "/api/v1/reservations/{reservation_id}/end": {
             "post": _op(
                 "End the occurrence in force now: its GPUs go back to the pool",
                 _json(_ref("Reservation"), "Ended"),
-                401,
-                403,
-                404,
                 409,
                 params=[RESERVATION_ID],
             )
         },
         "/api/v1/usage": {
             "get": _op(
-                "The usage ledger summed per user, team, pool or notebook over [from, to) (default: 7 days)",
+                "The usage ledger summed per user, team, pool or notebook over [from, to) (default: 7 days; "
+                "to after from)",
                 _json({"type": "object"}, "Usage"),
-                400,
-                401,
-                params=[
-                    {
-                        "name": "by",
-                        "in": "query",
-                        "required": False,
-                        "schema": {"enum": ["user", "team", "pool", "notebook"]},
-                    },
-                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "from", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "to", "in": "query", "required": False, "schema": {"type": "string"}},
-                ],
+                params=(v.BY, v.POOL, v.FROM, v.TO),
             )
         },
         "/api/v1/estimate": {
@@ -383,37 +317,8 @@ def openapi_document() -> dict[str, Any]:
                     "lease's fixed end (recall or idle reclaim) when one is known, else the GPUs held by "
                     "running calls",
                 ),
-                400,
-                401,
                 404,
-                params=[
-                    {
-                        "name": "pool",
-                        "in": "query",
-                        "required": False,
-                        "schema": {"type": "string"},
-                        "description": "Default: the queued request's pool (with `lease`), else the default pool",
-                    },
-                    {
-                        "name": "gpus",
-                        "in": "query",
-                        "required": False,
-                        "schema": {"type": "integer"},
-                        "description": "Default: the queued request's GPUs (with `lease`), else 1",
-                    },
-                    {
-                        **LEASE_FILTER,
-                        "description": "The asking request's id when it is already queued: only the requests "
-                        "ahead of it count, not itself nor those behind it (a 400 for an id of another shape)",
-                    },
-                    {
-                        "name": "id",
-                        "in": "query",
-                        "required": False,
-                        "schema": LEASE_FILTER["schema"],
-                        "description": "Same as `lease`",
-                    },
-                ],
+                params=(v.EST_POOL, v.EST_GPUS, v.EST_LEASE, v.EST_ID),
             )
         },
         "/api/v1/leases": {
@@ -421,70 +326,56 @@ def openapi_document() -> dict[str, Any]:
                 "Acquire GPUs (waits in the pool's queue up to `wait` seconds; "
                 "DELETE /leases/{id} of its `id` withdraws it while it waits)",
                 _json(_ref("Lease"), "Granted"),
-                400,
-                401,
                 404,
                 409,
                 410,
-                413,
                 422,
-                body=_ref("AcquireRequest"),
+                body=bodies.acquire,
                 ok_code=201,
             ),
             "get": _op(
                 "My live leases (?all=true: everyone's, without tokens)",
                 _json(_ref("LeaseList"), "Leases"),
-                401,
-                params=[{"name": "all", "in": "query", "schema": {"type": "boolean"}}],
+                params=(v.ALL,),
             ),
         },
         "/api/v1/leases/{lease_id}": {
             "get": _op(
-                "One lease, live or recently ended", _json(_ref("Lease"), "The lease"), 401, 404, params=[LEASE_ID]
+                "One lease, live or recently ended: a released, expired or revoked lease stays readable, "
+                "with its final state, for the server's ended_retention",
+                _json(_ref("Lease"), "The lease"),
+                params=[LEASE_ID],
             ),
             "delete": _op(
                 "Release (idempotent; an admin releasing another's lease revokes it), or withdraw a queued request",
                 _json(
-                    {"oneOf": [_ref("Lease"), _ref("Withdrawal")]},
-                    "The ended lease (`changed` is false if it had ended already); or, when `lease_id` is a "
-                    "request still waiting in the queue, a Withdrawal: the request left the queue atomically, "
-                    "will never be granted, and its waiting POST /leases answers 410 `withdrawn` at once. "
-                    "Only its owner or an admin may withdraw it (403 `not_owner`). A request granted just "
-                    "before the DELETE is released as any lease. Withdrawing again is a 404: nothing waits.",
+                    _ref("EndedLease"),
+                    "The ended lease (`changed` is false if it had ended already; it stays readable with GET); "
+                    "or, when `lease_id` is a request still waiting in the queue, a Withdrawal: the request left "
+                    "the queue atomically, will never be granted, and its waiting POST /leases answers 410 "
+                    "`withdrawn` at once. Only its owner or an admin may withdraw it (403 `not_owner`). A request "
+                    "granted just before the DELETE is released as any lease. Withdrawing again is a 404: "
+                    "nothing waits.",
                 ),
-                400,
-                401,
-                403,
-                404,
                 409,
-                params=[
-                    LEASE_ID,
-                    {"name": "token", "in": "query", "schema": {"type": "integer"}},
-                    {"name": "reason", "in": "query", "schema": {"type": "string", "maxLength": 200}},
-                ],
+                body=bodies.release,
+                params=[LEASE_ID, v.TOKEN_ARG.openapi(), v.REASON_ARG.openapi()],
             ),
         },
         "/api/v1/leases/{lease_id}/renew": {
             "post": _op(
                 "Renew with the lease's fencing token",
                 _json(_ref("Lease"), "Renewed"),
-                400,
-                401,
-                403,
-                404,
                 409,
-                body=_ref("TokenBody"),
+                body=bodies.renew,
                 params=[LEASE_ID],
             ),
         },
         "/api/v1/leases/{lease_id}/revoke": {
             "post": _op(
-                "Revoke a lease (admin)",
-                _json(_ref("Lease"), "Revoked"),
-                401,
-                403,
-                404,
-                body={"type": "object", "properties": {"reason": {"type": "string"}}},
+                "Revoke a lease, or withdraw a queued request (admin)",
+                _json(_ref("EndedLease"), "Revoked (`changed` is false if it had ended already)"),
+                body=bodies.revoke,
                 params=[LEASE_ID],
             ),
         },
@@ -492,26 +383,19 @@ def openapi_document() -> dict[str, Any]:
             "post": _op(
                 "I'm still using it: reset the idle clock of a warned lease (owner; limited per lease)",
                 _json(_ref("Lease"), "Kept"),
-                401,
-                403,
-                404,
                 409,
                 params=[LEASE_ID],
             )
         },
         "/api/v1/policy": {
-            "get": _op("The idle-GPU reclaim policy of every pool", _json({"type": "object"}, "Policies"), 401)
+            "get": _op("The idle-GPU reclaim policy of every pool", _json({"type": "object"}, "Policies"))
         },
         "/api/v1/policy/{pool}": {
-            "get": _op("One pool's reclaim policy", _json(_ref("Policy"), "Policy"), 401, 404, params=[POOL]),
+            "get": _op("One pool's reclaim policy", _json(_ref("PoolPolicy"), "Policy"), params=[POOL]),
             "put": _op(
                 "Change one pool's reclaim policy (admin; fields not given stay)",
-                _json(_ref("Policy"), "New policy"),
-                400,
-                401,
-                403,
-                404,
-                body=_ref("Policy"),
+                _json(_ref("PoolPolicy"), "New policy"),
+                body=bodies.policy,
                 params=[POOL],
             ),
         },
@@ -519,66 +403,38 @@ def openapi_document() -> dict[str, Any]:
             "post": _op(
                 "Agent: one sample of the node's GPUs (utilization, memory, processes)",
                 _json({"type": "object"}, "Recorded"),
-                400,
-                401,
-                403,
-                404,
                 params=[NODE],
-                body={
-                    "type": "object",
-                    "required": ["gpus"],
-                    "properties": {"gpus": {"type": "array", "items": _ref("GpuSample")}},
-                },
+                body=bodies.samples,
             )
         },
         "/api/v1/simulate/{node}": {
             "get": _op(
                 "What a simulated node's GPUs report (agent/admin)",
                 _json({"type": "object"}, "Samples"),
-                401,
-                403,
-                404,
                 params=[NODE],
             ),
             "put": _op(
-                'Set what simulated GPUs report (admin), e.g. {"gpus": {"0": {"util": 0}}}',
+                'Set what simulated GPUs report (admin), e.g. {"gpus": {"0": {"util": 0}}}; a node with real '
+                "GPUs, or a GPU index the node does not have, is a 409",
                 _json({"type": "object"}, "Set"),
-                400,
-                401,
-                403,
-                404,
+                409,
                 params=[NODE],
-                body={
-                    "type": "object",
-                    "properties": {"gpus": {"type": "object", "additionalProperties": _ref("GpuSample")}},
-                },
+                body=bodies.simulate,
             ),
         },
-        "/api/v1/cluster": {
-            "get": _op("Nodes and every GPU's state and holder", _json(_ref("Cluster"), "Cluster"), 401)
-        },
-        "/api/v1/queue": {
-            "get": _op(
-                "Waiting requests",
-                _json(_ref("Queue"), "Queue"),
-                400,
-                401,
-                params=[{"name": "pool", "in": "query", "schema": {"type": "string"}}],
-            )
-        },
+        "/api/v1/cluster": {"get": _op("Nodes and every GPU's state and holder", _json(_ref("Cluster"), "Cluster"))},
+        "/api/v1/queue": {"get": _op("Waiting requests", _json(_ref("Queue"), "Queue"), params=(v.POOL,))},
         "/api/v1/events": {
-            "get": {
-                "summary": "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=; "
+            "get": _op(
+                "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=; "
                 "?lease=ID: only that lease's events",
-                "parameters": [{"name": "since", "in": "query", "schema": {"type": "string"}}, LEASE_FILTER],
-                "responses": {
-                    "200": {
-                        "description": "text/event-stream of Event objects",
-                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                    },
-                    **_errors(400, 401),
+                {
+                    "description": "text/event-stream: each event's `event` is its type, `id` its id, `data` "
+                    "the Event as JSON",
+                    "content": {"text/event-stream": {"schema": _ref("ServerSentEvent")}},
                 },
-            }
+                params=(v.SINCE, v.LAST_EVENT_ID, v.LEASE),
+            )
         },
         "/api/v1/events/log": {
             "get": _op(
@@ -586,44 +442,25 @@ def openapi_document() -> dict[str, Any]:
                 _json(
                     {"type": "object", "properties": {"events": {"type": "array", "items": _ref("Event")}}}, "Entries"
                 ),
-                400,
-                401,
-                params=[
-                    {"name": "since", "in": "query", "schema": {"type": "string"}},
-                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
-                    LEASE_FILTER,
-                ],
+                params=(v.SINCE, v.LIMIT, v.LEASE),
             )
         },
         "/api/v1/nodes/{node}": {
             "put": _op(
                 "Declare a node's GPUs (agent/admin)",
                 _json({"type": "object"}, "Registered"),
-                400,
-                401,
-                403,
-                body=_ref("Inventory"),
+                body=bodies.inventory,
                 params=[NODE],
             )
         },
         "/api/v1/nodes/{node}/heartbeat": {
-            "post": _op("Agent heartbeat", _json({"type": "object"}, "Alive"), 401, 403, 404, params=[NODE])
+            "post": _op("Agent heartbeat", _json({"type": "object"}, "Alive"), params=[NODE])
         },
         "/api/v1/tokens": {
             "post": _op(
                 "Create an API token (admin)",
                 _json({"type": "object"}, "Token"),
-                400,
-                401,
-                403,
-                body={
-                    "type": "object",
-                    "required": ["user"],
-                    "properties": {
-                        "user": {"type": "string"},
-                        "role": {"type": "string", "enum": ["user", "admin", "agent"]},
-                    },
-                },
+                body=bodies.token,
                 ok_code=201,
             )
         },
@@ -631,25 +468,19 @@ def openapi_document() -> dict[str, Any]:
             "get": _op(
                 "Server settings clients need: Ray address, default pool, TTLs, pools",
                 _json({"type": "object"}, "Info"),
-                401,
             )
         },
-        "/api/v1/whoami": {"get": _op("The caller's user and role", _json({"type": "object"}, "Identity"), 401)},
+        "/api/v1/whoami": {"get": _op("The caller's user and role", _json({"type": "object"}, "Identity"))},
         "/api/v1/health": {
-            "get": _op("Liveness and Redis reachability", _json({"type": "object"}, "Healthy"), 503, public=True)
+            "get": _op("Liveness and Redis reachability", _json({"type": "object"}, "Healthy"), public=True)
         },
         "/api/v1/openapi.json": {"get": _op("This document", _json({"type": "object"}, "OpenAPI 3.1"), public=True)},
         "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics",
-                "security": [],
-                "responses": {
-                    "200": {
-                        "description": "Prometheus text format",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                },
-            }
+            "get": _op(
+                "Prometheus metrics",
+                {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                public=True,
+            )
         },
     }
     return {
@@ -657,7 +488,11 @@ def openapi_document() -> dict[str, Any]:
         "info": {
             "title": "gpulease lease server",
             "version": __version__,
-            "description": "GPUs leased to notebook cells. All times are Unix epoch seconds.",
+            "description": "GPUs leased to notebook cells. All times are Unix epoch seconds. Every JSON body is "
+            "checked against its schema here: an unknown field, a value of another type, out of bounds or of "
+            "another shape is a 400 that says what to fix. Rules a schema cannot state are listed in the "
+            "body's description; a request breaking one is a 400 too. A method a path does not list is a "
+            "405 with an Allow header.",
         },
         "servers": [{"url": "/"}],
         "security": [{"bearer": []}],

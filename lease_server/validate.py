@@ -1,19 +1,38 @@
 """Input validation: one owner for what the API and the lease store accept.
 
+Three parts:
+
 * the ``check_*`` validators of single values (a pool name, a GPU count, seconds, text, ...),
-  used by the lease store and by the API alike (they lived in lease.py);
-* the parsing of query strings and headers (flags, times, request and event ids), which lived in
-  api.py.
+  used by the lease store and by the API alike;
+* the parsing of query strings and headers (flags, times, request and event ids);
+* the declaration of every JSON request body (:data:`Body`) and query parameter (:data:`Param`):
+  each field's name, JSON type, bounds, pattern and description, once. ``openapi.py`` generates
+  the OpenAPI schemas from them, and the API checks every request against the same declarations
+  (unknown fields, types, bounds, patterns, enums, required fields) before anything changes.
+
+The declarations are a small subset of JSON Schema (OpenAPI 3.1), interpreted here by
+:func:`conform`: what the document says is exactly what the server enforces. What JSON Schema
+cannot say (``gpus_min`` at most ``gpus``, a booking's end after its start, ...) is listed in
+each body's ``rules``, which the document shows in the body's description; those are refused
+with a 400 as well, by the code that owns them (the lease store, the bookings).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from . import errors
+from .auth import ROLES
 from .config import PRIORITIES
 from .keys import NAME_RE
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 MAX_GPUS_PER_REQUEST = 1024
 MAX_TEXT = 200
@@ -203,3 +222,735 @@ def parse_time_arg(name: str, raw: str) -> int:
     """A time in a query string: epoch seconds or ISO 8601 with an offset, to UTC milliseconds."""
     value: object = float(raw) if matches(NUMBER_PATTERN, raw) else raw
     return check_time(name, value)
+
+
+# ---- declarations -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a JSON body: its JSON Schema (type, bounds, pattern, enum, description) and,
+    optionally, the validator of its own whose message the API gives for a bad value (run before the
+    schema is checked; the schema is always checked too)."""
+
+    name: str
+    schema: dict[str, Any]
+    required: bool = False
+    check: Callable[[Any], object] | None = None
+    missing: str | None = None  # the message when a required field is absent
+
+
+@dataclass(frozen=True)
+class Body:
+    """A JSON request body: its fields, and the rules beyond them that JSON Schema cannot say."""
+
+    name: str  # the schema's name under components/schemas
+    fields: tuple[Field, ...]
+    description: str = ""
+    rules: tuple[str, ...] = ()
+    noun: str = "the body"  # what the missing-field message says needs them
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {f.name: f.schema for f in self.fields},
+        }
+        required = [f.name for f in self.fields if f.required]
+        if required:
+            out["required"] = required
+        text = self.description
+        if self.rules:
+            text += (" " if text else "") + "Also refused with a 400: " + "; ".join(self.rules) + "."
+        if text:
+            out["description"] = text
+        return out
+
+    def check(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """``data`` (a JSON object) checked against the declaration; raises BadRequest naming what to fix."""
+        unknown = [k for k in data if k not in self.allowed]
+        if unknown:
+            raise errors.BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {', '.join(self.allowed)}")
+        schemas = {f.name: f.schema for f in self.fields}
+        data = {k: normalize(schemas[k], v) for k, v in data.items()}
+        for f in self.fields:
+            if f.name in data:
+                if f.check is not None:
+                    f.check(data[f.name])
+                conform(f.schema, data[f.name], f.name)
+        missing = [f for f in self.fields if f.required and f.name not in data]
+        if missing:
+            if missing[0].missing:
+                raise errors.BadRequest(missing[0].missing)
+            needed = ", ".join(f.name for f in self.fields if f.required)
+            raise errors.BadRequest(
+                f"missing field(s) {', '.join(f.name for f in missing)}: {self.noun} needs {needed}"
+            )
+        return data
+
+
+@dataclass(frozen=True)
+class Param:
+    """A query parameter or request header: what the document shows, and how the server reads it
+    (``parse``: the raw text to its value, raising BadRequest; by default read by the schema)."""
+
+    name: str
+    schema: dict[str, Any]
+    description: str = ""
+    where: str = "query"
+    parse: Callable[[str], Any] | None = None
+
+    def read(self, raw: str | None) -> Any:
+        """The value of the raw text given (None when absent), checked against the declaration."""
+        if raw is None:
+            return None
+        if self.parse is not None:
+            return self.parse(raw)
+        kind = self.schema.get("type")
+        if kind == "boolean":
+            return parse_flag(self.name, raw)
+        if kind == "integer":
+            lo, hi = self.schema.get("minimum", -(2**63)), self.schema.get("maximum", 2**63 - 1)
+            return parse_int(self.name, raw, low=lo, high=hi)
+        conform(self.schema, raw, self.name)
+        return raw
+
+    def openapi(self) -> dict[str, Any]:
+        out = {"name": self.name, "in": self.where, "required": False, "schema": self.schema}
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` or null (null means: not given, the default applies)."""
+    out = dict(schema)
+    if "enum" in out:
+        out["enum"] = [*out["enum"], None]
+    elif isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    else:
+        out = {"anyOf": [schema, {"type": "null"}]}
+    return out
+
+
+def _text(description: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "string", "maxLength": MAX_TEXT}
+    if description:
+        out["description"] = description
+    return out
+
+
+NAME = {"type": "string", "pattern": NAME_PATTERN}
+TIME = {
+    "anyOf": [
+        {"type": "number", "minimum": EPOCH_LOW, "maximum": EPOCH_HIGH, "description": "epoch seconds"},
+        {
+            "type": "string",
+            "pattern": TIME_PATTERN,
+            "description": "ISO 8601 with a UTC offset, e.g. 2026-11-23T09:00:00+01:00",
+        },
+    ]
+}
+TOKEN = {
+    "anyOf": [
+        {"type": "integer", "minimum": 0},
+        {"type": "string", "pattern": DIGITS_PATTERN, "description": "the token's digits"},
+    ],
+    "description": "The fencing token of the grant",
+}
+GPUS = {"type": "integer", "minimum": 1, "maximum": MAX_GPUS_PER_REQUEST}
+GPU_INDEX = {"type": "integer", "minimum": 0, "maximum": MAX_GPUS_PER_NODE - 1}
+SAMPLE_PROPS: dict[str, Any] = {
+    "util": {"type": "number", "minimum": 0, "maximum": 100, "description": "% utilization (default 0)"},
+    "mem_mb": {"type": "integer", "minimum": 0, "maximum": MAX_MB, "description": "memory in use, MB (default 0)"},
+    "procs": {
+        "type": "array",
+        "maxItems": 1000,
+        "items": {"type": "integer", "minimum": 0, "maximum": MAX_PID},
+        "description": "ids of the processes on the GPU",
+    },
+}
+GPU_SAMPLE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["index"],
+    "properties": {"index": GPU_INDEX, **SAMPLE_PROPS},
+}
+SIMULATED_SAMPLE = {"type": "object", "additionalProperties": False, "properties": SAMPLE_PROPS}
+INVENTORY_GPU = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["index"],
+    "properties": {
+        "index": GPU_INDEX,
+        "uuid": {"type": "string", "description": "kept up to 100 characters"},
+        "model": {"type": "string", "description": "kept up to 100 characters"},
+        "memory_mb": {"type": "integer", "minimum": 0, "maximum": MAX_MB},
+    },
+}
+SECONDS_IN_A_WEEK = 7 * 86400
+
+
+def _ttl(max_ttl: float, what: str) -> Field:
+    return Field(
+        "ttl",
+        nullable({"type": "number", "minimum": 1, "maximum": max_ttl, "description": what}),
+        check=lambda v: check_seconds("ttl", v, low=1, high=max_ttl, default=0.0),
+    )
+
+
+def _optional(check: Callable[[Any], object]) -> Callable[[Any], object]:
+    return lambda v: None if v is None else check(v)
+
+
+def _owner(value: object) -> object:
+    from .reservations import check_owner  # reservations imports this module
+
+    return check_owner(value)
+
+
+@dataclass(frozen=True)
+class Bodies:
+    """Every JSON request body of the API, for one server's settings (its TTL and wait limits)."""
+
+    acquire: Body
+    release: Body
+    renew: Body
+    revoke: Body
+    reservation: Body
+    reservation_change: Body
+    policy: Body
+    inventory: Body
+    samples: Body
+    simulate: Body
+    token: Body
+
+    def all(self) -> list[Body]:
+        return [getattr(self, name) for name in self.__dataclass_fields__]
+
+
+def bodies(settings: Settings | None = None) -> Bodies:
+    if settings is None:
+        from .config import Settings
+
+        settings = Settings()
+    return _bodies(settings.max_ttl, settings.max_wait, settings.default_ttl)
+
+
+@lru_cache(maxsize=8)
+def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
+    reason = Field(
+        "reason",
+        nullable(_text("Why (shown to the lease's owner and in the event log)")),
+        check=_optional(lambda v: check_text("reason", v)),
+    )
+    booking_fields = (
+        Field("pool", NAME, required=True, check=lambda v: check_name("pool", v)),
+        Field("gpus", GPUS, required=True, check=check_gpus),
+        Field("start", TIME, required=True, check=lambda v: check_time("start", v)),
+        Field("end", TIME, required=True, check=lambda v: check_time("end", v)),
+        Field(
+            "owner",
+            nullable(
+                {
+                    "type": "string",
+                    "pattern": OWNER_PATTERN,
+                    "description": 'A user, or "team:NAME" (members share it). Default: you',
+                }
+            ),
+            check=_optional(_owner),
+        ),
+        Field("note", nullable(_text()), check=lambda v: check_text("note", v)),
+        Field("repeat", nullable({"enum": list(REPEATS), "description": "weekly: every 168 h of UTC (default none)"})),
+        Field(
+            "occurrences",
+            nullable(
+                {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": MAX_OCCURRENCES,
+                    "description": "How many weeks (repeat weekly; default 4)",
+                }
+            ),
+        ),
+        Field("colocate", {"type": "boolean", "description": "All GPUs on one node (for one multi-GPU lease)"}),
+    )
+    booking_rules = (
+        "end at least 60 s after start, and at most the server's max_booking_days later (7 days when weekly)",
+        "a new booking's last occurrence must end in the future",
+        'occurrences above 1 need repeat "weekly"',
+        "an ISO 8601 time must name a real date (no February 30)",
+    )
+    return Bodies(
+        acquire=Body(
+            "AcquireRequest",
+            (
+                Field(
+                    "gpus",
+                    {**GPUS, "description": "GPUs to lease (all on one node unless nodes is above 1)"},
+                    required=True,
+                    check=check_gpus,
+                    missing='gpus is required, e.g. {"gpus": 1}',
+                ),
+                Field(
+                    "gpus_min",
+                    nullable(
+                        {
+                            **GPUS,
+                            "description": "Elastic request: granted as many as one node has free, "
+                            "from gpus_min to gpus",
+                        }
+                    ),
+                    check=_optional(lambda v: check_gpus(v, "gpus_min")),
+                ),
+                Field(
+                    "nodes",
+                    nullable(
+                        {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": MAX_NODES,
+                            "description": "A multi-node gang: gpus / nodes GPUs on each of that many nodes, "
+                            "all or nothing",
+                        }
+                    ),
+                ),
+                Field(
+                    "pool",
+                    nullable({**NAME, "description": "Default: the server's default GPU pool"}),
+                    check=_optional(lambda v: check_name("pool", v)),
+                ),
+                _ttl(max_ttl, f"Seconds the lease lives unless renewed (default {default_ttl:g})"),
+                Field(
+                    "wait",
+                    nullable(
+                        {
+                            "type": "number",
+                            "minimum": 0,
+                            "maximum": max_wait,
+                            "description": "Seconds to wait in the queue (0, the default: fail at once)",
+                        }
+                    ),
+                    check=lambda v: check_seconds("wait", v, low=0, high=max_wait, default=0.0),
+                ),
+                Field("label", nullable(_text()), check=lambda v: check_text("label", v)),
+                Field("session", nullable(_text()), check=lambda v: check_text("session", v)),
+                Field("notebook", nullable(_text("For the usage ledger")), check=lambda v: check_text("notebook", v)),
+                Field(
+                    "cell",
+                    nullable(_text("The cell's hash, for the usage ledger")),
+                    check=lambda v: check_text("cell", v),
+                ),
+                Field(
+                    "id",
+                    nullable(
+                        {
+                            "type": "string",
+                            "pattern": REQUEST_ID_PATTERN,
+                            "description": "Optional request id chosen by the client: it becomes the lease id, "
+                            "shows the request in GET /queue while it waits, and makes a resent POST return the "
+                            "same grant",
+                        }
+                    ),
+                    check=check_request_id,
+                ),
+                Field(
+                    "priority",
+                    nullable(
+                        {
+                            "enum": list(PRIORITIES),
+                            "description": "Priority class (the priority scheduler serves higher classes first; "
+                            "a request may preempt only preemptible leases of no higher class)",
+                        }
+                    ),
+                    check=check_priority,
+                ),
+            ),
+            rules=(
+                "gpus_min above gpus",
+                "nodes above 1 with gpus not a multiple of nodes, or with a gpus_min other than gpus",
+            ),
+        ),
+        release=Body(
+            "ReleaseRequest",
+            (
+                Field(
+                    "token",
+                    nullable(TOKEN),
+                    check=lambda v: check_token(v, required=False),
+                ),
+                reason,
+            ),
+            description="Optional; the same fields may be given in the query string (the body wins)",
+        ),
+        renew=Body(
+            "RenewRequest",
+            (
+                Field(
+                    "token",
+                    TOKEN,
+                    required=True,
+                    check=lambda v: check_token(v, required=True),
+                    missing="token is required: pass the fencing token of your grant",
+                ),
+                _ttl(max_ttl, "Seconds from now (default: the lease's own ttl)"),
+                Field(
+                    "activity",
+                    nullable(
+                        {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "executing": {"type": "boolean", "description": "A cell is running"},
+                                "source": {"type": "string", "description": "Who reports it (kept to 40 characters)"},
+                            },
+                            "description": "What the holder is doing: a signal for the idle-GPU reclaimer",
+                        }
+                    ),
+                ),
+            ),
+        ),
+        revoke=Body("RevokeRequest", (reason,)),
+        reservation=Body(
+            "ReservationRequest",
+            booking_fields,
+            rules=booking_rules,
+            noun="a booking",
+        ),
+        reservation_change=Body(
+            "ReservationChange",
+            tuple(Field(f.name, f.schema, check=f.check) for f in booking_fields),
+            description="Fields not given stay",
+            rules=("an empty change", *booking_rules[:1], *booking_rules[2:]),
+        ),
+        policy=Body(
+            "Policy",
+            (
+                Field("enabled", {"type": "boolean"}),
+                Field(
+                    "idle_threshold", {"type": "number", "minimum": 0, "maximum": 100, "description": "% utilization"}
+                ),
+                Field(
+                    "idle_timeout",
+                    {
+                        "type": "number",
+                        "exclusiveMinimum": 0,
+                        "maximum": SECONDS_IN_A_WEEK,
+                        "description": "seconds idle before a warning",
+                    },
+                ),
+                Field(
+                    "grace",
+                    {
+                        "type": "number",
+                        "minimum": 0,
+                        "maximum": SECONDS_IN_A_WEEK,
+                        "description": "seconds from warning to reclaim",
+                    },
+                ),
+                Field(
+                    "min_age",
+                    {
+                        "type": "number",
+                        "minimum": 0,
+                        "maximum": SECONDS_IN_A_WEEK,
+                        "description": "seconds a new lease is never reclaimed",
+                    },
+                ),
+                Field("max_extensions", {"type": "integer", "minimum": 0, "maximum": 1000}),
+                Field("exempt_users", {"type": "array", "items": _text()}),
+                Field("exempt_labels", {"type": "array", "items": _text()}),
+            ),
+            description="Fields not given stay",
+        ),
+        inventory=Body(
+            "Inventory",
+            (
+                Field(
+                    "pool",
+                    NAME,
+                    required=True,
+                    check=lambda v: check_name("pool", v),
+                    missing="pool must be a name of letters, digits, '.', '_' or '-': the pool of the node's GPUs",
+                ),
+                Field("source", {"enum": ["nvml", "simulated"], "description": "Default: simulated"}),
+                Field(
+                    "gpus",
+                    {"type": "array", "minItems": 1, "maxItems": MAX_GPUS_PER_NODE, "items": INVENTORY_GPU},
+                    required=True,
+                ),
+            ),
+            rules=("two GPUs with the same index",),
+        ),
+        samples=Body(
+            "Samples",
+            (
+                Field(
+                    "gpus",
+                    {"type": "array", "minItems": 1, "maxItems": MAX_GPUS_PER_NODE, "items": GPU_SAMPLE},
+                    required=True,
+                ),
+            ),
+        ),
+        simulate=Body(
+            "SimulatedSamples",
+            (
+                Field(
+                    "gpus",
+                    {
+                        "type": "object",
+                        "minProperties": 1,
+                        "propertyNames": {"pattern": "^[0-9]{1,4}$"},
+                        "additionalProperties": SIMULATED_SAMPLE,
+                        "description": 'GPU index -> what it reports, e.g. {"0": {"util": 95}}',
+                    },
+                    required=True,
+                    missing='body must be {"gpus": {"0": {"util": 95, "mem_mb": 1000, "procs": [123]}}}',
+                ),
+            ),
+        ),
+        token=Body(
+            "TokenRequest",
+            (
+                Field(
+                    "user",
+                    {**NAME, "description": "Whom the token is for"},
+                    required=True,
+                    check=lambda v: check_name("user", v),
+                    missing="user must be a name of letters, digits, '.', '_' or '-': whom the token is for",
+                ),
+                Field("role", {"enum": list(ROLES), "description": "Default: user"}),
+            ),
+        ),
+    )
+
+
+# ---- query parameters and headers ---------------------------------------------------------------------
+
+BOOL_NOTE = " (1/0, yes/no and on/off read the same)"
+ALL = Param("all", {"type": "boolean"}, "Everyone's live leases (without their tokens)" + BOOL_NOTE)
+DRY_RUN = Param(
+    "dry_run", {"type": "boolean"}, "Only check: answer {fits, node} or the 409 clash, and store nothing" + BOOL_NOTE
+)
+POOL = Param("pool", NAME, "Only this pool", parse=lambda raw: check_name("pool", raw))
+FROM = Param(
+    "from",
+    TIME,
+    "Start of the window: epoch seconds or ISO 8601 with an offset (of a date that exists)",
+    parse=lambda raw: parse_time_arg("from", raw),
+)
+TO = Param("to", TIME, "End of the window (exclusive)", parse=lambda raw: parse_time_arg("to", raw))
+BY = Param("by", {"enum": list(USAGE_GROUPS)}, "How to group (default user)")
+EST_GPUS = Param("gpus", GPUS, "Default: the queued request's GPUs (with `lease`), else 1")
+EST_POOL = Param(
+    "pool",
+    NAME,
+    "Default: the queued request's pool (with `lease`), else the default pool",
+    parse=lambda raw: check_name("pool", raw),
+)
+LEASE_ID = {"type": "string", "pattern": LEASE_ID_PATTERN}
+LEASE = Param(
+    "lease",
+    LEASE_ID,
+    "Only events whose `lease` field is this lease (or queued request) id, filtered by the server",
+    parse=lambda raw: check_lease_id("lease", raw),
+)
+EST_LEASE = Param(
+    "lease",
+    LEASE_ID,
+    "The asking request's id when it is already queued: only the requests ahead of it count, not itself "
+    "nor those behind it",
+    parse=lambda raw: check_lease_id("lease", raw),
+)
+EST_ID = Param(
+    "id", LEASE_ID, "Same as `lease` (give one, or both the same)", parse=lambda raw: check_lease_id("id", raw)
+)
+SINCE = Param(
+    "since",
+    {"type": "string", "pattern": SINCE_PATTERN},
+    "Entries after this event id ('-': from the start)",
+    parse=check_since,
+)
+LAST_EVENT_ID = Param(
+    "Last-Event-ID",
+    {"type": "string", "pattern": SINCE_PATTERN},
+    "Resume after this event id (wins over ?since=)",
+    "header",
+    parse=check_since,
+)
+LIMIT = Param(
+    "limit", {"type": "integer", "minimum": 1, "maximum": EVENT_LOG_MAX_LIMIT}, "At most this many (default 100)"
+)
+
+
+def _token_arg(raw: str) -> int:
+    if not matches(DIGITS_PATTERN, raw):
+        raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {raw!r}")
+    return int(raw)
+
+
+TOKEN_ARG = Param(
+    "token", {"type": "integer", "minimum": 0}, "The fencing token (as the body's `token`)", parse=_token_arg
+)
+REASON_ARG = Param(
+    "reason",
+    _text(),
+    "Why (as the body's `reason`), e.g. kernel shut down",
+    parse=lambda raw: check_text("reason", raw),
+)
+
+
+# ---- the schema subset -------------------------------------------------------------------------------
+
+_TYPE_WORDS = {
+    "integer": "a whole number",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "true or false",
+    "array": "a list",
+    "object": "an object",
+    "null": "null",
+}
+
+
+def _is(kind: str, value: object) -> bool:
+    if kind == "null":
+        return value is None
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "array":
+        return isinstance(value, list)
+    if kind == "object":
+        return isinstance(value, dict)
+    raise AssertionError(f"unknown JSON type {kind}")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _allows_integer(schema: Mapping[str, Any]) -> bool:
+    kinds = schema.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        return True
+    return any(_allows_integer(option) for option in schema.get("anyOf", ()))
+
+
+def normalize(schema: Mapping[str, Any], value: Any) -> Any:
+    """JSON Schema counts 2.0 an integer: where one is declared, such a number becomes the int
+    the validators expect (an integer written with a fraction is still refused)."""
+    if isinstance(value, float) and value.is_integer() and _allows_integer(schema):
+        return int(value)
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [normalize(schema["items"], v) for v in value]
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        return {
+            k: normalize(props[k], v) if k in props else normalize(extra, v) if isinstance(extra, dict) else v
+            for k, v in value.items()
+        }
+    for option in schema.get("anyOf", ()):
+        if isinstance(value, (dict, list)) and option.get("type") in ("object", "array"):
+            return normalize(option, value)
+    return value
+
+
+def conform(schema: Mapping[str, Any], value: object, path: str) -> None:
+    """Raise BadRequest unless ``value`` is valid by ``schema`` (the subset of JSON Schema used above)."""
+    if "anyOf" in schema:
+        problems = []
+        for option in schema["anyOf"]:
+            try:
+                conform(option, value, path)
+                break
+            except errors.BadRequest as exc:
+                problems.append(exc.message)
+        else:
+            kinds = [o.get("type") for o in schema["anyOf"]]
+            fitting = [p for p, k in zip(problems, kinds, strict=True) if isinstance(k, str) and _is(k, value)]
+            if fitting:
+                raise errors.BadRequest(fitting[0])
+            words = " or ".join(_TYPE_WORDS.get(str(k), str(k)) for k in kinds)
+            raise errors.BadRequest(f"{path} must be {words}, got {_short(value)}")
+        return
+    if "enum" in schema:
+        if not any(value == e and type(value) is type(e) for e in schema["enum"]):
+            shown = ", ".join("null" if e is None else str(e) for e in schema["enum"])
+            raise errors.BadRequest(f"{path} must be one of {shown}, got {_short(value)}")
+        return
+    declared = schema.get("type")
+    if declared is not None:
+        kinds = [declared] if isinstance(declared, str) else list(declared)
+        if not any(_is(k, value) for k in kinds):
+            words = " or ".join(_TYPE_WORDS[k] for k in kinds)
+            raise errors.BadRequest(f"{path} must be {words}, got {_short(value)}")
+    if value is None:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        _bounds(schema, value, path)
+    elif isinstance(value, str):
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            raise errors.BadRequest(f"{path} must be a string of at most {schema['maxLength']} characters")
+        if "pattern" in schema and not matches(schema["pattern"], value):
+            raise errors.BadRequest(f"{path} must match {schema['pattern']}, got {_short(value)}")
+    elif isinstance(value, list):
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
+        if len(value) < lo or (hi is not None and len(value) > hi):
+            raise errors.BadRequest(
+                f"{path} must be a list of {lo} to {hi if hi is not None else 'any number of'} items"
+            )
+        if "items" in schema:
+            for i, item in enumerate(value):
+                conform(schema["items"], item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        _object(schema, value, path)
+
+
+def _bounds(schema: Mapping[str, Any], value: float, path: str) -> None:
+    lo, hi = schema.get("minimum"), schema.get("maximum")
+    if "exclusiveMinimum" in schema and not value > schema["exclusiveMinimum"]:
+        raise errors.BadRequest(f"{path} must be above {schema['exclusiveMinimum']:g}, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if lo is not None and hi is not None:
+            raise errors.BadRequest(f"{path} must be between {lo:g} and {hi:g}, got {value!r}")
+        raise errors.BadRequest(
+            f"{path} must be at least {lo:g}, got {value!r}"
+            if lo is not None
+            else f"{path} must be at most {hi:g}, got {value!r}"
+        )
+
+
+def _object(schema: Mapping[str, Any], value: dict[str, Any], path: str) -> None:
+    props: Mapping[str, Any] = schema.get("properties", {})
+    extra = schema.get("additionalProperties", True)
+    if extra is False:
+        unknown = sorted(k for k in value if k not in props)
+        if unknown:
+            raise errors.BadRequest(f"unknown field(s) {unknown} in {path}; allowed: {', '.join(props)}")
+    names = schema.get("propertyNames")
+    if names and "pattern" in names:
+        for key in value:
+            if not matches(names["pattern"], key):
+                raise errors.BadRequest(f"{path} keys must match {names['pattern']}, got {_short(key)}")
+    if len(value) < schema.get("minProperties", 0):
+        raise errors.BadRequest(f"{path} must have at least {schema['minProperties']} entries")
+    for key in schema.get("required", ()):
+        if key not in value:
+            raise errors.BadRequest(f"{path}.{key} is required")
+    for key, item in value.items():
+        if key in props:
+            conform(props[key], item, f"{path}.{key}")
+        elif isinstance(extra, dict):
+            conform(extra, item, f"{path}.{key}")
