@@ -15,13 +15,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import hiredis
 import tornado.iostream
 import tornado.web
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection as AsyncConnection
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -29,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import __version__, errors, events, inventory, metrics, reclaim, usage, validate
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
-from .engine import Engine
+from .engine import Engine, connect
 from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
@@ -51,19 +47,6 @@ def as_lease_error(exc: BaseException | None) -> BaseException | None:
     return exc
 
 
-class _HiredisPackConnection(AsyncConnection):
-    """redis-py's asyncio client packs commands in Python (~23 µs for a script call with our 17
-    keys); hiredis does it in ~2 µs. Commands hiredis cannot pack fall back to redis-py."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        if isinstance(args[0], str) and " " not in args[0]:
-            try:
-                return [hiredis.pack_command(args)]
-            except (TypeError, ValueError):
-                pass
-        return super().pack_command(*args)  # type: ignore[no-any-return]
-
-
 class Context:
     """Everything a handler needs, built once per process and put in the app's settings."""
 
@@ -72,15 +55,7 @@ class Context:
         # A pooled connection that Redis dropped (restart, failover) is retried on a fresh one.
         # Every script is safe to resend: a resent acquire finds its own lease id, a resent
         # release finds the lease ended.
-        self.redis = redis or Redis.from_url(
-            settings.redis_url,
-            decode_responses=True,
-            health_check_interval=30,
-            max_connections=256,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=3),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            connection_class=_HiredisPackConnection,
-        )
+        self.redis = redis or connect(settings.redis_url)
         self.engine = Engine(self.redis, settings)
         self.store = LeaseStore(self.engine)
         self.bookings = Bookings(self.engine)

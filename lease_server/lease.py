@@ -315,6 +315,15 @@ class LeaseStore:
             waiter.clear()
             rec = await self._settled(lid)
             if rec is not None:
+                log.info(
+                    "grant %s user=%s pool=%s node=%s gpus=%s from the queue after %.1fs",
+                    lid,
+                    user,
+                    pool,
+                    rec["node"],
+                    [g["index"] for g in rec["gpus"]],
+                    rec.get("waited_ms", 0) / 1000,
+                )
                 return rec
         try:
             return await self.cancel_wait(user, lid, pool, n, wait_s, reason="timeout")
