@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from .. import __version__, errors
-from . import admin, bookings, leases, service, simulate
+from . import admin, bookings, events, leases, service, simulate
 from ._common import fail
 
 
@@ -41,7 +41,7 @@ for _command in (
     leases.release,
     leases.usage,
     leases.keep,
-    leases.events,
+    events.events,
     bookings.reserve,
     bookings.reservations,
     bookings.unreserve,

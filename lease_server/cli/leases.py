@@ -1,4 +1,4 @@
-"""Using the cluster: status, leases, acquire, release, keep, usage and the event log."""
+"""Using the cluster: status, leases, acquire, release, keep and usage."""
 
 from __future__ import annotations
 
@@ -351,37 +351,3 @@ def keep(lease_id: str, url: str | None, token: str | None) -> None:
         lease_id = resolve_lease(c, lease_id)
         out = c.keep(lease_id)
     click.echo(f"{lease_id}: kept ({out.get('extensions', 0)} extension(s) used)")
-
-
-@click.group(invoke_without_command=True)
-@click.option("--since", default="-", help="Event id to start after")
-@click.option("--limit", default=50, show_default=True)
-@server_options
-@click.pass_context
-def events(ctx: click.Context, since: str, limit: int, url: str | None, token: str | None) -> None:
-    """Print the event log as JSON lines (``events export``: all of it, for the policy simulator)."""
-    if ctx.invoked_subcommand is not None:
-        return
-    with Client(url, token) as c:
-        for ev in c.events(since, limit):
-            click.echo(json.dumps(ev))
-
-
-@events.command("export")
-@click.option("-o", "--out", type=click.Path(dir_okay=False, writable=True), help="File to write (default: stdout)")
-@click.option("--since", default="-", help="Event id to start after")
-@server_options
-def events_export(out: str | None, since: str, url: str | None, token: str | None) -> None:
-    """Write every event kept in the log as JSON lines: the input of gpulease simulate --trace."""
-    n = 0
-    with Client(url, token) as c, click.open_file(out or "-", "w") as f:
-        while True:
-            page = c.events(since, 10_000)
-            for ev in page:
-                f.write(json.dumps(ev) + "\n")
-            n += len(page)
-            if len(page) < 10_000:
-                break
-            since = page[-1]["id"]
-    if out:
-        err_console.print(f"{n} events written to {out}")

@@ -1,0 +1,517 @@
+"""``gpulease events``: the newest entries of the event log, a readable line each; ``--follow`` for
+the live stream; ``events export`` for all of it (the policy simulator's input).
+
+The log API (GET /api/v1/events/log) reads forward only: the entries after ``since`` (a stream id,
+whose first part is a time in ms), oldest first, at most 10 000 a call. The newest N are found
+from times instead of from the start:
+
+* unfiltered (or filtered by a whole lease id, which the server does): a time T with between N
+  and 2N entries after it, found with reads of at most 2N entries (back from now in growing
+  steps, then halving the gap): ~20 small reads, whatever the log's length;
+* filtered here (--type, --user, a start of an id): stretches of time back from now, each read
+  once, sized from the density seen to about half a page; past a quiet stretch a jump to the
+  newest entry before it. This reads about as far back as the N-th match lies (all of the log
+  when there are fewer than N).
+
+A server-side ``before=ID`` / newest-first read (XREVRANGE, with the type and user filters done
+there) would make each of these one request.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+from rich.text import Text
+
+from .. import errors, protocol
+from ..client import Client
+from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
+
+PAGE = 10_000  # the most the log API answers in one call (validate.EVENT_LOG_MAX_LIMIT)
+TYPES = sorted(t.value for t in protocol.EventType)
+Pos = tuple[int, int]  # a stream entry id: (ms, seq)
+
+
+# ---- positions in the log ----------------------------------------------------------------------
+
+
+def position(ev: dict[str, Any]) -> Pos:
+    """Where an entry lies in the stream. A booking's events carry the booking's id in ``id`` (it
+    hides the entry id: events.parse_entry), so theirs is taken from the time, to the ms."""
+    m = re.fullmatch(r"(\d+)-(\d+)", str(ev.get("id", "")))
+    if m:
+        return int(m[1]), int(m[2])
+    return round((ev.get("ts") or 0) * 1000), 0
+
+
+def _since(pos: Pos | None) -> str:
+    return "-" if pos is None else f"{pos[0]}-{pos[1]}"
+
+
+def read_forward(
+    client: Client,
+    after: Pos | None,
+    lease: str | None = None,
+    until: Pos | None = None,
+    density: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Every entry after ``after`` (None: from the oldest kept) up to ``until`` (inclusive; None:
+    to the end), oldest first, a page at a time. ``density`` (entries per ms, a guess) sizes the
+    pages to what is expected up to ``until``, as a page runs on past it to the end of the log."""
+    # A page read on from a position taken from a time (a booking's entry) may start with entries
+    # of that same ms again: those already seen are skipped.
+    seen: set[str] = set()
+    while True:
+        limit = PAGE
+        if density is not None and until is not None:
+            # A little less than expected: a page that ran on past ``until`` would carry entries
+            # read already; one that stops short is followed by one for the rest.
+            span = until[0] - (after[0] if after else until[0] - 1000)
+            limit = max(20, min(PAGE, int(0.9 * density * max(1, span)) + 20))
+        page = client.events(_since(after), limit, lease=lease)
+        for ev in page:
+            pos = position(ev)
+            if until is not None and pos > until:
+                return
+            if seen and after and pos[0] == after[0] and json.dumps(ev, sort_keys=True) in seen:
+                continue
+            yield ev
+        if len(page) < limit:
+            return
+        start = after
+        after = position(page[-1])
+        seen = {json.dumps(ev, sort_keys=True) for ev in page if position(ev)[0] == after[0]}
+        if density is not None and start is not None:
+            density = len(page) / max(1, after[0] - start[0])  # as seen in this page
+
+
+def newest(
+    client: Client,
+    n: int,
+    keep: Callable[[dict[str, Any]], bool] | None,
+    lease: str | None = None,
+    after: Pos | None = None,
+    now: float | None = None,
+) -> tuple[list[dict[str, Any]], bool, Pos | None]:
+    """The newest ``n`` entries (after ``after``) that ``keep`` accepts, oldest first; whether
+    earlier ones may have been left out; and the position of the newest entry read (to follow on
+    from). Read back from now, never from the start of a long log."""
+    first = client.events(_since(after), 1, lease=lease)
+    if not first:
+        return [], False, after
+    floor = position(first[0])[0]
+    now_ms = int((now if now is not None else time.time()) * 1000)
+    if keep is None and 2 * n <= PAGE:
+        return _newest_unfiltered(client, n, lease, after, floor, now_ms)
+    return _newest_filtered(client, n, keep, lease, after, floor, now_ms)
+
+
+def _newest_unfiltered(
+    client: Client, n: int, lease: str | None, after: Pos | None, floor: int, now_ms: int
+) -> tuple[list[dict[str, Any]], bool, Pos | None]:
+    """Every entry counts: look for a time T with between n and 2n entries after it, probing with
+    reads of at most 2n entries (back from now in growing steps, then halving the gap), and show
+    the last n of them."""
+    cap = 2 * n
+
+    def probe(t_ms: int) -> list[dict[str, Any]]:
+        return client.events(_since(after if t_ms <= floor else (t_ms, 0)), cap, lease=lease)
+
+    def done(page: list[dict[str, Any]], t_ms: int) -> tuple[list[dict[str, Any]], bool, Pos | None]:
+        return page[-n:], len(page) > n or t_ms > floor, position(page[-1]) if page else after
+
+    near, far, step = now_ms, None, 10_000  # fewer than n entries after near; at least 2n after far
+    while far is None:
+        t = max(floor, now_ms - step)
+        page = probe(t)
+        if len(page) < cap and (len(page) >= n or t <= floor):
+            return done(page, t)
+        if len(page) < n:
+            near, step = t, step * 4
+        else:
+            far = t
+    while near - far > 1:
+        mid = (near + far) // 2
+        page = probe(mid)
+        if n <= len(page) < cap:
+            return done(page, mid)
+        if len(page) < n:
+            near = mid
+        else:
+            far = mid
+    # More than 2n entries within a millisecond (or a clock far behind the server's): read on.
+    rest = list(read_forward(client, (far, 0), lease))
+    return rest[-n:], True, position(rest[-1]) if rest else after
+
+
+def _newest_filtered(
+    client: Client,
+    n: int,
+    keep: Callable[[dict[str, Any]], bool] | None,
+    lease: str | None,
+    after: Pos | None,
+    floor: int,
+    now_ms: int,
+) -> tuple[list[dict[str, Any]], bool, Pos | None]:
+    """Only some entries count: read back stretch by stretch (each read whole, never twice), each
+    sized from the density of the one before to hold about half a page, growing at most 4x; past a
+    quiet stretch, jump to the newest entry before it (found with one-entry reads)."""
+    found: list[dict[str, Any]] = []
+    until: Pos | None = None  # what lies after this is read already (None: nothing yet)
+    top, step = now_ms, 10_000
+    density = 0.1  # entries per ms, until one is seen
+    newest_pos: Pos | None = None
+    while True:
+        lo = top - step
+        from_floor = lo <= floor
+        begin = after if from_floor else (lo, 0)
+        inside = list(read_forward(client, begin, lease, until, density if until else None))
+        if inside and (newest_pos is None or position(inside[-1]) > newest_pos):
+            newest_pos = position(inside[-1])
+        found = [ev for ev in inside if keep is None or keep(ev)] + found
+        if len(found) >= n or from_floor:
+            return found[-n:], len(found) > n or not from_floor, newest_pos or after
+        until = begin
+        if inside:
+            top, density = lo, len(inside) / step
+            step = min(4 * step, max(1, int(PAGE / 2 / density)))
+        else:
+            top, step = _newest_before(client, lease, floor, lo) + 1, 1_000
+
+
+def _newest_before(client: Client, lease: str | None, floor: int, before_ms: int) -> int:
+    """The time (ms) of the newest entry before ``before_ms``, halving the gap with reads of one
+    entry (the oldest entry, at ``floor``, is before it)."""
+    lo, hi = floor - 1, before_ms  # an entry lies in (lo, before_ms]; none in (hi, before_ms]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        page = client.events(_since((mid, 0)), 1, lease=lease)
+        if page and position(page[0]) <= (before_ms, 0):
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+# ---- one line per event -------------------------------------------------------------------------
+
+
+def _when(ms: float) -> str:
+    return time.strftime("%a %d %b %H:%M", time.localtime(ms / 1000 if ms > 1e11 else ms))
+
+
+def _gpus(ev: dict[str, Any]) -> str:
+    """'2x A100-80GB on box (GPU 0,1)', a gang's parts each with its node."""
+    parts = ev.get("parts")
+    if isinstance(parts, list) and parts:
+        places = {p.get("node", "?"): list(p.get("gpus") or []) for p in parts if isinstance(p, dict)}
+        count = sum(len(v) for v in places.values())
+        return f"{count}x {ev.get('pool', '')} on {gpu_places(places)}"
+    gpus = ev.get("gpus")
+    if isinstance(gpus, list):
+        idx = [int(g["index"]) if isinstance(g, dict) else int(g) for g in gpus]
+        where = f" on {ev['node']}" if ev.get("node") else ""
+        return f"{len(idx)}x {ev.get('pool', '')}{where} (GPU {index_list(idx)})"
+    if isinstance(gpus, int):
+        return f"{gpus}x {ev.get('pool', '')}"
+    return str(ev.get("pool", ""))
+
+
+def _quoted(label: object) -> str:
+    return f' "{label}"' if label else ""
+
+
+def describe(ev: dict[str, Any]) -> str:
+    """What happened, in words, without the time, type and user (they have their columns)."""
+    t = ev.get("type", "")
+    reason = f": {ev['reason']}" if ev.get("reason") else ""
+    if t == "grant":
+        waited = ev.get("waited_ms") or 0
+        return (
+            _gpus(ev) + (f" after {span(waited / 1000)} waiting" if waited >= 1000 else "") + _quoted(ev.get("label"))
+        )
+    if t in ("released", "expired", "revoked", "reclaimed"):
+        held = f" after {span(ev['held_s'])}" if ev.get("held_s") is not None else ""
+        by = f" by {ev['by']}" if ev.get("by") and ev.get("by") != ev.get("user") else ""
+        return _gpus(ev) + held + by + (reason if t != "released" else "") + _quoted(ev.get("label"))
+    if t == "queued":
+        return f"{ev.get('gpus')}x {ev.get('pool', '')}, position {ev.get('position')}" + _quoted(ev.get("label"))
+    if t.startswith("wait_"):
+        return f"{ev.get('gpus')}x {ev.get('pool', '')} after {span((ev.get('waited_ms') or 0) / 1000)}{reason}"
+    if t == "renew_miss":
+        return f"renewed {(ev.get('late_ms') or 0) / 1000:.1f}s after its deadline"
+    if t in ("preempt_notice", "borrow_recalled"):
+        back = time.strftime("%H:%M:%S", time.localtime((ev.get("recall_at") or 0) / 1000))
+        return f"on {ev.get('node', '')} for {ev.get('requested_by', '?')}: GPUs back at {back}"
+    if t == "idle_warning":
+        at = time.strftime("%H:%M:%S", time.localtime(ev.get("reclaim_at") or 0))
+        return f"on {ev.get('node', '')} idle: reclaimed at {at} unless kept" + _quoted(ev.get("label"))
+    if t == "idle_kept":
+        return f"kept, {ev.get('left', 0)} extension(s) left"
+    if t == "idle_cleared":
+        return str(ev.get("reason", "busy again"))
+    if t == "node_registered":
+        return f"{ev.get('node')}: {ev.get('gpus')} GPU(s) of {ev.get('pool')} ({ev.get('source', '')})"
+    if t in ("node_up", "node_down"):
+        return f"{ev.get('node')} ({ev.get('pool')}){reason}"
+    if t == "unleased_use":
+        pids = ", ".join(str(p) for p in ev.get("pids") or [])
+        return f"{ev.get('node')} GPU {ev.get('gpu')}: pids {pids}, no lease holds it"
+    if t == "unleased_use_ended":
+        return f"{ev.get('node')} GPU {ev.get('gpu')} is clear again"
+    if t.startswith("reservation_"):
+        text = f"{ev.get('gpus')}x {ev.get('pool', '')}"
+        if ev.get("start") and t != "reservation_cancelled":
+            end = time.strftime("%H:%M", time.localtime((ev.get("end") or 0) / 1000))
+            text += f" {_when(ev['start'])}-{end}"
+        if ev.get("repeat") == "weekly":
+            text += f", weekly x{ev.get('occurrences')}"
+        if ev.get("by") and ev.get("by") != ev.get("owner"):
+            text += f" by {ev['by']}"
+        return text
+    if t == "policy_changed":
+        changes = ev.get("changes") or {}
+        return f"{ev.get('pool')}: " + (" ".join(f"{k}={v}" for k, v in changes.items()) or "unchanged")
+    skip = {"id", "type", "ts", "user", "lease", "token"}
+    return " ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
+
+
+def who(ev: dict[str, Any]) -> str:
+    return str(ev.get("user") or ev.get("owner") or ev.get("by") or "-")
+
+
+def subject(ev: dict[str, Any]) -> str:
+    """The lease (its id's first 8 hex digits: a unique start that release and keep take) or booking
+    the event is about."""
+    lid = str(ev.get("lease") or "")
+    if lid:
+        return lid[:10] if re.fullmatch(r"l-[0-9a-f]{16}", lid) else lid[:24]
+    if ev.get("type", "").startswith("reservation_"):
+        return str(ev.get("id", ""))
+    return ""
+
+
+def event_ms(ev: dict[str, Any]) -> float:
+    return ev["ts"] * 1000 if ev.get("ts") else float(position(ev)[0])
+
+
+class Lines:
+    """Events as aligned lines that fit the terminal: the description is cut, nothing wraps."""
+
+    STYLES = {
+        "grant": "green",
+        "released": "cyan",
+        "expired": "yellow",
+        "revoked": "red",
+        "reclaimed": "red",
+        "node_down": "bold red",
+        "unleased_use": "bold red",
+        "idle_warning": "magenta",
+        "preempt_notice": "magenta",
+        "borrow_recalled": "magenta",
+    }
+
+    def __init__(self, sample: list[dict[str, Any]]) -> None:
+        # Types up to 12 characters align; a longer one (reservation_created) pushes its line on.
+        self.type_w = min(12, max([8, *(len(ev.get("type", "")) for ev in sample)]))
+        self.who_w = min(12, max([5, *(len(who(ev)) for ev in sample)]))
+        self.day = time.strftime("%Y-%m-%d")  # a day line comes before the first event of another day
+
+    def print(self, ev: dict[str, Any]) -> None:
+        local = time.localtime(event_ms(ev) / 1000)
+        day = time.strftime("%Y-%m-%d", local)
+        if day != self.day:
+            console.print(Text(time.strftime("-- %a %d %b %Y --", local), style="dim"))
+            self.day = day
+        name = who(ev)
+        if len(name) > self.who_w:
+            name = name[: self.who_w - 1] + "…"
+        head = Text(time.strftime("%H:%M:%S", local) + "  ")
+        head.append(f"{ev.get('type', ''):<{self.type_w}}", style=self.STYLES.get(ev.get("type", ""), ""))
+        head.append(f"  {name:<{self.who_w}}  ")
+        ref = subject(ev)
+        tail = f"  {ref}" if ref else ""
+        room = console.width - head.cell_len - len(tail)
+        what = Text(" ".join(describe(ev).split()))
+        if room < 1:
+            what = Text("")
+        elif what.cell_len > room:
+            what.truncate(room, overflow="ellipsis")
+        console.print(head + what + Text(tail, style="dim"), no_wrap=True, crop=True, soft_wrap=False)
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def parse_since(text: str, now: float | None = None) -> Pos:
+    """An event id (1700000000000-0), an age (90s, 10m, 2h, 3d), a time today (14:05, 14:05:30)
+    or a date and time (2026-11-22, 2026-11-22T14:05, with or without an offset)."""
+    now = time.time() if now is None else now
+    if re.fullmatch(r"\d{10,}(-\d+)?", text):
+        ms, _, seq = text.partition("-")
+        return int(ms), int(seq or 0)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhdw])", text)
+    if m:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}[m[2]]
+        return int((now - float(m[1]) * unit) * 1000), 0
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})(?::(\d{2}))?", text)
+    try:
+        if m:
+            today = dt.datetime.fromtimestamp(now)
+            moment = today.replace(hour=int(m[1]), minute=int(m[2]), second=int(m[3] or 0), microsecond=0)
+            if moment.timestamp() > now:  # 23:50 just after midnight: yesterday's
+                moment -= dt.timedelta(days=1)
+        else:
+            moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None:
+        fail(
+            f"--since {text!r}: give an age (10m, 2h, 3d), a time today (14:05), a date (2026-11-22T14:05) "
+            "or an event id (1700000000000-0)"
+        )
+    return int(moment.timestamp() * 1000), 0
+
+
+def _filter(types: set[str], user: str | None, lease_prefix: str | None) -> Callable[[dict[str, Any]], bool] | None:
+    if not types and not user and not lease_prefix:
+        return None
+
+    def keep(ev: dict[str, Any]) -> bool:
+        if types and ev.get("type") not in types:
+            return False
+        if user and user not in (ev.get("user"), ev.get("owner"), ev.get("by"), ev.get("requested_by")):
+            return False
+        if lease_prefix:
+            ids = [str(ev.get("lease") or ""), str(ev.get("reservation") or "")]
+            if ev.get("type", "").startswith("reservation_"):
+                ids.append(str(ev.get("id", "")))
+            return any(i and (i.startswith(lease_prefix) or i.partition("-")[2].startswith(lease_prefix)) for i in ids)
+        return True
+
+    return keep
+
+
+def _types(given: tuple[str, ...]) -> set[str]:
+    out = {t.strip() for g in given for t in g.split(",") if t.strip()}
+    for name in sorted(out - set(TYPES)):
+        close = difflib.get_close_matches(name, TYPES, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else "gpulease events --help lists them"
+        raise click.BadParameter(f"no event type {name!r}; {hint}", param_hint="--type")
+    return out
+
+
+@click.group(invoke_without_command=True)
+@click.option("--since", help="Only events after this: an age (10m, 2h, 3d), a time (14:05), a date or an event id")
+@click.option("--type", "types", multiple=True, metavar="TYPE[,TYPE]", help=f"Only these types: {', '.join(TYPES)}")
+@click.option("--user", help="Only events of this user (holder, booking owner or the one who acted)")
+@click.option("--lease", "lease_id", help="Only events of this lease, request or booking (any unique start of its id)")
+@click.option("-n", "--limit", default=50, show_default=True, type=click.IntRange(min=0), help="The newest N (0: all)")
+@click.option("-f", "--follow", is_flag=True, help="Then print events as they happen (Ctrl-C ends)")
+@click.option("--json", "as_json", is_flag=True, help="The raw records, a JSON line each")
+@server_options
+@click.pass_context
+def events(
+    ctx: click.Context,
+    since: str | None,
+    types: tuple[str, ...],
+    user: str | None,
+    lease_id: str | None,
+    limit: int,
+    follow: bool,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
+) -> None:
+    """The newest events of the log (oldest first), a line each: time, type, who, what, lease.
+
+    \b
+    gpulease events --since 1h --user alice
+    gpulease events --type grant,released -f
+    gpulease events export -o trace.jsonl     (all of it, for gpulease simulate --trace)
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    wanted = _types(types)
+    after = parse_since(since) if since else None
+    # A whole lease id is filtered by the server; a start of one (or a booking id) here.
+    whole = lease_id if lease_id and re.fullmatch(r"l-[0-9a-f]{16}", lease_id) else None
+    keep = _filter(wanted, user, None if whole else lease_id)
+    with Client(url, token) as c:
+        if limit == 0:
+            shown = [ev for ev in read_forward(c, after, whole) if keep is None or keep(ev)]
+            more, last = False, max((position(ev) for ev in shown), default=after)
+        else:
+            shown, more, last = newest(c, limit, keep, whole, after)
+        lines = None if as_json else Lines(shown)
+
+        def emit(ev: dict[str, Any]) -> None:
+            if lines is None:
+                click.echo(json.dumps(ev))
+            else:
+                lines.print(ev)
+
+        for ev in shown:
+            emit(ev)
+        if not shown and not as_json and not follow:
+            console.print("no events" + (" match" if keep or since or whole else ""))
+        if more and len(shown) == limit and not as_json:
+            err_console.print(Text(f"(the newest {limit}; -n N shows more, --since an earlier start)", style="dim"))
+        if follow:
+            try:
+                _follow(c, last, whole, keep, emit)
+            except KeyboardInterrupt:
+                sys.exit(0)
+
+
+def _follow(
+    c: Client,
+    after: Pos | None,
+    lease: str | None,
+    keep: Callable[[dict[str, Any]], bool] | None,
+    emit: Callable[[dict[str, Any]], None],
+) -> None:
+    """Print events as they come, from the live stream; on a lost stream, reconnect and catch up
+    from the log (subscribed first, then the gap read, so nothing falls in between)."""
+    while True:
+        try:
+            with c.event_stream(lease=lease) as stream:
+                for ev in read_forward(c, after, lease):
+                    after = position(ev)
+                    if keep is None or keep(ev):
+                        emit(ev)
+                for ev in stream:
+                    if after is not None and position(ev) <= after:
+                        continue  # read from the log already
+                    after = position(ev)
+                    if keep is None or keep(ev):
+                        emit(ev)
+            reason = "the server closed the event stream"
+        except errors.ServerUnavailable as exc:
+            reason = str(exc)
+        print_error(f"{reason}; reconnecting in 2s", prefix="events")
+        time.sleep(2)
+
+
+@events.command("export")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, writable=True), help="File to write (default: stdout)")
+@click.option("--since", default=None, help="Only events after this (as for gpulease events)")
+@server_options
+def events_export(out: str | None, since: str | None, url: str | None, token: str | None) -> None:
+    """Write every event kept in the log as JSON lines: the input of gpulease simulate --trace."""
+    n = 0
+    after = parse_since(since) if since else None
+    with Client(url, token) as c, click.open_file(out or "-", "w") as f:
+        for ev in read_forward(c, after):
+            f.write(json.dumps(ev) + "\n")
+            n += 1
+    if out:
+        err_console.print(f"{n} events written to {out}")
