@@ -127,16 +127,16 @@ def _lease_table(view: dict[str, Any]) -> None:
             ago(lease.get("since"), now),
         ]
         if warned:
-            left = span(lease["reclaim_at"] - now) if lease.get("idle_warning") else ""
-            cells.append(Text(f"idle {left}", style="magenta") if left else Text("active"))
+            cells.append(Text("idle", style="magenta") if lease.get("idle_warning") else Text("active"))
         cells.append(one_line(lease.get("label", "")))
         table.add_row(*cells)
     console.print(table)
     for r in warned:
         lid = r["lease"]["id"]
+        short = lid[:10] if sum(other.startswith(lid[:10]) for other in by_id) == 1 else lid
+        left = span(r["lease"]["reclaim_at"] - now)
         console.print(
-            Text.assemble((f"{lid} idle", "magenta"), f": reclaimed unless used or kept (gpulease keep {lid})"),
-            soft_wrap=True,
+            Text.assemble((f"{short} idle", "magenta"), f": reclaimed in {left} unless used (gpulease keep {short})"),
         )
 
 
