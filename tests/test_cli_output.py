@@ -1,0 +1,409 @@
+"""What a user reads on the first day, at 80 columns: gpulease events / status / leases /
+reservations, ids given by their start, errors that name commands, a missing program.
+
+One `gpulease up` for the module; every command runs as a subprocess with COLUMNS=80, and no line
+of what it prints may be longer (a longer one would wrap in the terminal).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lease_server.cli.events import PAGE, newest, parse_since
+from lease_server.client import Client
+from tests.conftest import CLI, Up
+
+WIDTH = 80
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    stack = Up(tmp_path_factory.mktemp("cli-output") / "home", "--no-ray", simulate="box=2xA100-80GB,vm=4xA100-80GB")
+    stack.env["COLUMNS"] = str(WIDTH)
+    try:
+        yield stack
+    finally:
+        stack.interrupt()
+
+
+def client(up: Up, user: str | None = None) -> Client:
+    token = (up.data / "token").read_text().strip()
+    if user is None:
+        return Client(up.url, token)
+    made = up.run("token", "create", user, "--url", up.url, "--token", token)
+    assert made.returncode == 0, made.stderr
+    return Client(up.url, made.stdout.strip())
+
+
+def run(up: Up, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """The command as a user runs it; every line it prints for people (out and err) fits 80
+    columns (JSON lines are for programs)."""
+    done = up.run(*args)
+    if ok:
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+    for stream in (done.stderr,) if "--json" in args else (done.stdout, done.stderr):
+        for line in stream.splitlines():
+            assert len(line) <= WIDTH, f"{args}: {len(line)} columns: {line!r}"
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def end_all(c: Client) -> None:
+    for lease in c.leases(everyone=True):
+        c.release(lease["id"])
+
+
+# ---- events ------------------------------------------------------------------------------------
+
+EVENT_LINE = re.compile(r"^(\d\d:\d\d:\d\d)  (\w+) +(\S+) +(.*)$")
+
+
+def test_events_shows_the_newest_a_line_each(up: Up) -> None:
+    c = client(up)
+    end_all(c)
+    for i in range(30):  # 60 lease events, besides the nodes' registrations: more than a page of 50
+        lease = c.acquire(2, label=f"run {i}")
+        c.release(lease)
+    log = c.events("-", 10_000)
+    assert len(log) > 54
+
+    shown = lines(run(up, "events").stdout)
+    assert len(shown) == 50
+    assert all(EVENT_LINE.match(line) for line in shown), shown
+    last = log[-1]  # the newest event is the last line (oldest first within the page)
+    assert last["type"] == "released" and last["lease"][:10] in shown[-1]
+    assert shown[-1].split()[1:3] == ["released", last["user"]]
+    grant = next(line for line in shown if " grant " in line)
+    assert re.search(r"grant +\S+ +2x A100-80GB on (box|vm) \(GPU \d,\d\) \"run \d+\"  l-[0-9a-f]{8}$", grant), grant
+
+    raw = [json.loads(line) for line in run(up, "events", "--json").stdout.splitlines()]
+    assert raw == log[-50:]
+    assert [json.loads(line) for line in run(up, "events", "-n", "3", "--json").stdout.splitlines()] == log[-3:]
+    assert len(lines(run(up, "events", "-n", "0", "--json").stdout)) == len(log)
+
+
+def test_events_filters(up: Up) -> None:
+    c = client(up)
+    end_all(c)
+    bob = client(up, "bob")
+    held = bob.acquire(1, label="bob's")
+    bob.release(held)
+    log = c.events("-", 10_000)
+
+    of_bob = lines(run(up, "events", "--user", "bob").stdout)
+    assert [line.split()[1] for line in of_bob] == ["grant", "released"]
+    assert all(line.split()[2] == "bob" and held.id[:10] in line for line in of_bob)
+
+    grants = lines(run(up, "events", "--type", "grant", "-n", "5").stdout)
+    assert len(grants) == 5 and all(line.split()[1] == "grant" for line in grants)
+    assert held.id[:10] in grants[-1]
+    both = run(up, "events", "--type", "grant,released", "-n", "4", "--json").stdout
+    assert [json.loads(x)["type"] for x in both.splitlines()] == ["grant", "released"] * 2
+
+    for given in (held.id, held.id[:8], held.id[2:10]):  # the whole id, a start of it, without "l-"
+        mine = lines(run(up, "events", "--lease", given).stdout)
+        assert [line.split()[1] for line in mine] == ["grant", "released"], given
+
+    since = log[-3]["id"]
+    after = [json.loads(x) for x in run(up, "events", "--since", since, "--json").stdout.splitlines()]
+    assert after == log[-2:]
+    assert len(lines(run(up, "events", "--since", "1h", "-n", "0").stdout)) == len(log)
+    assert run(up, "events", "--since", "1m", "--user", "nobody").stdout.strip() == "no events match"
+
+    bad = run(up, "events", "--type", "grnat", ok=False)
+    assert bad.returncode == 2 and "no event type 'grnat'; did you mean grant?" in bad.stderr
+    bad = run(up, "events", "--since", "yesterday-ish", ok=False)
+    assert bad.returncode == 2 and "give an age (10m, 2h, 3d)" in " ".join(bad.stderr.split())
+
+
+def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if ready:
+            return proc.stdout.readline()
+    raise AssertionError("no line from gpulease events --follow in time")
+
+
+def test_events_follow_prints_what_happens(up: Up) -> None:
+    c = client(up)
+    end_all(c)
+    proc = subprocess.Popen(
+        [*CLI, "events", "--follow", "-n", "1"],
+        env=up.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        first = _read_line(proc, deadline)  # the page (one line): the stream is open after it
+        assert EVENT_LINE.match(first), first
+        # The stream is subscribed before the gap is read: an event now is printed, wherever it falls.
+        lease = c.acquire(1, label="followed")
+        c.release(lease)
+        seen = []
+        while len(seen) < 2:
+            line = _read_line(proc, deadline)
+            assert len(line.rstrip("\n")) <= WIDTH, line
+            if lease.id[:10] in line:
+                seen.append(line.split()[1])
+        assert seen == ["grant", "released"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def _log(stamps_ms: list[int]) -> list[dict]:
+    """Entries at these times: a node_down every 1000th, the rest grants; every 500th a booking's,
+    whose ``id`` is the booking's (the entry's own id hidden, as the log API returns it)."""
+    log: list[dict] = []
+    seq = 0
+    for i, ms in enumerate(stamps_ms):
+        seq = seq + 1 if i and ms == stamps_ms[i - 1] else 0
+        ev = {"id": f"{ms}-{seq}", "type": "grant" if i % 1000 else "node_down", "ts": ms / 1000}
+        if i % 500 == 250:
+            ev.update(id=f"r-{i:012x}", type="reservation_created")
+        log.append(ev)
+    return log
+
+
+class FakeLog:
+    """The log API over a list of entries: those after ``since``, at most ``limit``; it counts what
+    it hands out."""
+
+    def __init__(self, log: list[dict]) -> None:
+        self.log = log
+        self.keys = [(int(entry["ts"] * 1000), 0) for entry in log]
+        for i in range(1, len(log)):  # the entry's own id, also where the log API hides it
+            if self.keys[i][0] == self.keys[i - 1][0]:
+                self.keys[i] = (self.keys[i][0], self.keys[i - 1][1] + 1)
+        self.read = self.calls = 0
+
+    def events(self, since: str, limit: int, lease: str | None = None) -> list[dict]:
+        lo = (-1, -1) if since == "-" else tuple(int(x) for x in since.split("-"))
+        i = bisect.bisect_right(self.keys, lo)
+        self.read += len(self.log[i : i + limit])
+        self.calls += 1
+        return self.log[i : i + limit]
+
+
+NOW = 1_800_000_000.0
+SHAPES = {
+    # 200 000 entries spread over the last day
+    "steady": [int((NOW - 86_400) * 1000) + i * 432 for i in range(200_000)],
+    # 100 000 over the day before, then 100 000 in 30 s, then five quiet minutes
+    "burst": [int((NOW - 2 * 86_400) * 1000) + i * 864 for i in range(100_000)]
+    + [int((NOW - 330) * 1000) + i * 3 // 10 for i in range(100_000)],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_newest_reads_back_from_now_not_from_the_start(shape: str) -> None:
+    """The newest 50 of 200 000 entries take a few small reads, not the whole log; a filter reads
+    back about as far as its matches lie; --since bounds what is read."""
+    log = _log(SHAPES[shape])
+    fake = FakeLog(log)
+    got, more, last = newest(fake, 50, None, now=NOW)  # type: ignore[arg-type]
+    assert got == log[-50:] and more and last == fake.keys[-1]
+    assert fake.read <= 40 * 100, (fake.read, fake.calls)  # probes of at most 2n entries
+
+    fake.read = 0
+    downs, more, _ = newest(fake, 3, lambda ev: ev["type"] == "node_down", now=NOW)  # type: ignore[arg-type]
+    assert downs == [ev for ev in log if ev["type"] == "node_down"][-3:] and more
+    assert fake.read < 4 * PAGE, (fake.read, fake.calls)  # the last 3 lie in the newest 3000
+
+    fake.read = 0
+    tail, more, _ = newest(fake, 50, None, after=fake.keys[-10], now=NOW)  # type: ignore[arg-type]
+    assert tail == log[-9:] and not more and fake.read < 100
+
+    everything, more, _ = newest(fake, 10**6, None, now=NOW)  # type: ignore[arg-type]
+    assert everything == log and not more
+
+
+def test_parse_since() -> None:
+    now = 1_800_000_000.0
+    assert parse_since("1700000000000-3", now) == (1_700_000_000_000, 3)
+    assert parse_since("10m", now) == (int((now - 600) * 1000), 0)
+    assert parse_since("2h", now) == (int((now - 7200) * 1000), 0)
+    assert parse_since("2026-01-01T00:00:00+00:00", now) == (1_767_225_600_000, 0)
+    hh = parse_since("00:00", now)
+    assert hh[0] <= now * 1000 and now * 1000 - hh[0] < 86_400_000
+
+
+# ---- status, leases, ids by their start --------------------------------------------------------
+
+LABEL = "fine tune the big model on the whole corpus"
+
+
+def test_status_is_a_line_per_lease_with_whole_ids(up: Up) -> None:
+    c = client(up)
+    end_all(c)
+    two = c.acquire(2, label=LABEL)
+    one = c.acquire(1, label="x")
+    try:
+        out = run(up, "status").stdout
+        rows = [line for line in out.splitlines() if re.match(r"^l-[0-9a-f]{16} ", line)]
+        assert [r.split()[0] for r in rows] == [two.id, one.id], out
+        assert re.search(r"\w GPU \d,\d", rows[0]) and "fine tune" in rows[0] and LABEL not in rows[0]
+        assert rows[0].rstrip().endswith("…"), rows[0]  # the label is cut, on its line
+        header = next(line for line in out.splitlines() if line.startswith("lease "))
+        assert header.split() == ["lease", "user", "GPUs", "util", "held", "label"]  # no model repeating the pool
+
+        wide = up.run("status", "--wide").stdout
+        assert LABEL in wide and "model" in wide and wide.count(two.id) == 2 and one.id in wide
+
+        mine = run(up, "leases").stdout
+        assert two.id in mine and one.id in mine and "fine tune" in mine
+        assert "user" not in lines(mine)[0]
+        everyone = run(up, "leases", "--all").stdout
+        assert "user" in lines(everyone)[0]
+        assert json.loads(run(up, "leases", "--json").stdout)["leases"][0]["id"] == two.id
+
+        released = run(up, "release", two.id[:8])  # any unique start of the id
+        assert released.stdout.strip() == f"{two.id}: released"
+        again = run(up, "release", two.id[2:12], ok=False)  # ended: no live lease starts so, the server says
+        assert again.returncode == 2 and "gpulease leases" in again.stderr and "/api/" not in again.stderr
+    finally:
+        end_all(c)
+
+
+def test_ambiguous_start_lists_the_matches(up: Up) -> None:
+    c = client(up)
+    end_all(c)
+    a = c.acquire(1, label="first", request_id="l-abcd000000000001")
+    b = c.acquire(1, label="second", request_id="l-abcd000000000002")
+    try:
+        amb = run(up, "release", "l-abcd", ok=False)
+        assert amb.returncode == 2
+        assert a.id in amb.stderr and b.id in amb.stderr and "first" in amb.stderr
+        assert "gpulease leases" in amb.stderr
+        assert c.get(a.id)["state"] == "active" and c.get(b.id)["state"] == "active"
+        kept = run(up, "keep", "abcd000000000002", ok=False)  # a unique start, without "l-"
+        assert b.id in kept.stdout + kept.stderr and "/api/" not in kept.stderr
+        assert run(up, "revoke", "l-abcd000000000001", "--reason", "test").stdout.strip() == f"{a.id}: revoked"
+    finally:
+        end_all(c)
+
+
+def test_errors_name_commands_not_http_paths(up: Up) -> None:
+    gone = run(up, "release", "l-6a6683", ok=False)
+    assert gone.returncode == 2
+    assert "no lease 'l-6a6683'" in gone.stderr and "gpulease leases" in gone.stderr
+    assert "/api/v1" not in gone.stderr and "GET " not in gone.stderr
+    no_booking = run(up, "unreserve", "r-000000000000", ok=False)
+    assert no_booking.returncode == 2 and "gpulease reservations" in no_booking.stderr
+    assert "/api/v1" not in no_booking.stderr
+
+
+# ---- reservations ------------------------------------------------------------------------------
+
+NOTE = "paper deadline experiments for the NeurIPS rebuttal, ablations first"
+
+
+def test_reservations_are_a_line_each(up: Up) -> None:
+    booked = run(up, "reserve", "A100-80GB", "2", "2027-01-04T09:00:00+00:00", "2027-01-04T11:00:00+00:00")
+    plain = booked.stdout.split(":")[0]
+    weekly = run(
+        up, "reserve", "A100-80GB", "1", "2027-01-05T09:00Z", "2027-01-05T10:00Z", "--note", NOTE, "--weekly", "3"
+    ).stdout.split(":")[0]
+    out = run(up, "reservations", "--days", "365").stdout
+    rows = lines(out)[1:]
+    assert len(rows) == 4 and [r.split()[0] for r in rows] == [plain] + [weekly] * 3, out
+    noted = [r for r in rows if r.startswith(weekly)]
+    assert all("paper deadline" in r and r.rstrip().endswith("…") for r in noted), out
+    assert NOTE in up.run("reservations", "--days", "365", "--wide").stdout
+
+    assert run(up, "unreserve", weekly[:6]).stdout.strip() == f"{weekly}: cancelled"
+    assert run(up, "unreserve", plain[2:]).stdout.strip() == f"{plain}: cancelled"
+
+
+# ---- acquire -- a missing program --------------------------------------------------------------
+
+
+def test_acquire_a_missing_program_says_so_like_a_shell(up: Up, tmp_path: Path) -> None:
+    c = client(up)
+    end_all(c)
+    missing = run(up, "acquire", "--", "no-such-program-nvidia-smi", "-L", ok=False)
+    assert missing.returncode == 127
+    assert missing.stderr.strip().splitlines()[-1] == "gpulease: no-such-program-nvidia-smi: command not found"
+    assert c.leases(everyone=True) == []
+
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    denied = run(up, "acquire", "--", str(script), ok=False)
+    assert denied.returncode == 126 and f"gpulease: {script}: Permission denied" in " ".join(denied.stderr.split())
+    assert c.leases(everyone=True) == []
+
+
+def test_acquire_a_program_gone_by_exec_time_releases(up: Up, tmp_path: Path) -> None:
+    """The program there when checked, before the lease, but gone when run: the same one line and
+    127, after the lease (granted) is released."""
+    c = client(up)
+    end_all(c)
+    env = dict(up.env)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    prog = bin_dir / "vanishing"
+    # The CLI in a child whose subprocess.call first deletes the program: the exec then fails.
+    prog.write_text("#!/bin/sh\nexit 0\n")
+    prog.chmod(0o755)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    code = (
+        "import os, sys, shutil, subprocess\n"
+        "real = subprocess.call\n"
+        f"def call(args, **kw):\n    os.unlink({str(prog)!r})\n    return real(args, **kw)\n"
+        "subprocess.call = call\n"
+        "from lease_server.cli import main\n"
+        "sys.argv = ['gpulease', 'acquire', '--', 'vanishing']\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 127, done.stderr
+    assert "gpulease: vanishing: command not found" in done.stderr and "Traceback" not in done.stderr
+    assert "leased" in done.stderr and "released" in done.stderr and c.leases(everyone=True) == []
+
+
+# ---- an idle warning, answered by the id's start ------------------------------------------------
+
+
+def test_idle_lease_in_status_names_the_keep_command(up: Up) -> None:
+    """Last in the module: it makes A100-80GB's reclaim policy hair-trigger (restored after)."""
+    c = client(up)
+    end_all(c)
+    run(up, "policy", "set", "A100-80GB", "idle_timeout=1", "min_age=0", "grace=600")
+    try:
+        lease = c.acquire(2, ttl=600, label="waiting for data")
+        deadline = time.monotonic() + 60
+        while not c.get(lease.id).get("reclaim_at"):  # the reclaimer runs on its own clock
+            assert time.monotonic() < deadline, "no idle warning within 60 s"
+            time.sleep(0.2)
+        out = run(up, "status").stdout
+        row = next(line for line in out.splitlines() if line.startswith(lease.id))
+        assert re.search(r"\d+m\d\ds +idle +waiting for data", row), row
+        note = next(line for line in out.splitlines() if line.startswith(f"{lease.id[:10]} idle"))
+        assert f"(gpulease keep {lease.id[:10]})" in note
+        kept = run(up, "keep", lease.id[:10])
+        assert kept.stdout.startswith(f"{lease.id}: kept")
+    finally:
+        run(up, "policy", "set", "A100-80GB", "idle_timeout=600", "min_age=120", "grace=120")
+        end_all(c)
