@@ -436,7 +436,7 @@ def events(
     \b
     gpulease events --since 1h --user alice
     gpulease events --type grant,released -f
-    gpulease events export -o trace.jsonl     (all of it, for gpulease simulate --trace)
+    gpulease events export -o trace.jsonl    (all of it, for simulate --trace)
     """
     if ctx.invoked_subcommand is not None:
         return
