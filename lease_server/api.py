@@ -483,16 +483,6 @@ class SimulateHandler(AgentHandler):
         for key, value in gpus.items():
             g = reclaim.check_gpu_sample(value, int(key))
             parsed[int(key)] = {"util": g["util"], "mem_mb": g["mem_mb"], "procs": g["procs"]}
-        # What the node is decides whether its GPUs can be set: a conflict with its state, not bad input.
-        raw = await self.ctx.redis.hget(self.store.keys.nodes, node)
-        if raw is None:
-            raise errors.UnknownNode(f"node {node!r} is not registered")
-        inv = json.loads(raw)
-        if inv.get("source") != "simulated":
-            raise errors.Conflict(f"node {node!r} reports real GPUs through NVML; only simulated GPUs can be set")
-        present = {g["index"] for g in inv["gpus"]}
-        if set(parsed) - present:
-            raise errors.Conflict(f"node {node!r} has no GPU {sorted(set(parsed) - present)}; it has {sorted(present)}")
         await reclaim.set_simulated(self.engine, node, parsed)
         self.reply({"node": node, "gpus": {str(i): v for i, v in parsed.items()}})
 

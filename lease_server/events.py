@@ -17,9 +17,13 @@ log = logging.getLogger(__name__)
 
 
 def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    """An event as the API shows it: ``id`` is always the log entry's id (what ``since`` and
+    ``Last-Event-ID`` resume from); a booking event's own id is its ``reservation``."""
     data = json.loads(fields.get("data", "{}"))
     ts = data.pop("ts", None)
-    return {"id": entry_id, "type": fields.get("type", ""), "ts": ts / 1000 if ts else None, **data}
+    if "id" in data:
+        data["reservation"] = data.pop("id")
+    return {**data, "id": entry_id, "type": fields.get("type", ""), "ts": ts / 1000 if ts else None}
 
 
 # Entries read per XRANGE when filtering by lease: the stream is capped (event_log_max), so a

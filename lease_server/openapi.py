@@ -185,9 +185,10 @@ def _response_schemas() -> dict[str, Any]:
             "type": "object",
             "required": ["id", "type"],
             "properties": {
-                "id": {"type": "string"},
+                "id": {"type": "string", "description": "The log entry's id: resume after it with since"},
                 "type": {"type": "string"},
                 "ts": {"type": ["number", "null"], "description": "When (epoch seconds); null if not recorded"},
+                "reservation": {"type": "string", "description": "A booking event's booking id"},
             },
         },
         "Reservation": {
@@ -414,10 +415,8 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 params=[NODE],
             ),
             "put": _op(
-                'Set what simulated GPUs report (admin), e.g. {"gpus": {"0": {"util": 0}}}; a node with real '
-                "GPUs, or a GPU index the node does not have, is a 409",
+                'Set what simulated GPUs report (admin), e.g. {"gpus": {"0": {"util": 0}}}',
                 _json({"type": "object"}, "Set"),
-                409,
                 params=[NODE],
                 body=bodies.simulate,
             ),

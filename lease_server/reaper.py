@@ -92,7 +92,7 @@ def log_sweep_event(ev: dict[str, Any]) -> None:
     elif kind == EventType.RESERVATION_NO_SHOW:
         log.info(
             "booking no-show %s owner=%s pool=%s gpus=%s occurrence=%s: its GPUs are free",
-            ev.get("id"),
+            ev.get("reservation"),
             ev.get("owner"),
             ev.get("pool"),
             ev.get("gpus"),

@@ -59,9 +59,9 @@ LEASE_ID_PATTERN = "^[A-Za-z0-9._-]{1,64}$"
 SINCE_PATTERN = "^(-|[0-9]{1,19}(-[0-9]{1,19})?)$"
 DIGITS_PATTERN = "^[0-9]+$"
 NUMBER_PATTERN = "^-?[0-9]+(\\.[0-9]+)?([eE][+-]?[0-9]+)?$"
-# An ISO 8601 time with a UTC offset, 2001..2098 (inside EPOCH_LOW..EPOCH_HIGH whatever the offset).
+# An ISO 8601 time with a UTC offset, years 2000..2098.
 TIME_PATTERN = (
-    "^20(0[1-9]|[1-8][0-9]|9[0-8])-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[T ]([01][0-9]|2[0-3]):[0-5][0-9]"
+    "^20(0[0-9]|[1-8][0-9]|9[0-8])-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[T ]([01][0-9]|2[0-3]):[0-5][0-9]"
     "(:[0-5][0-9](\\.[0-9]{1,6})?)?(Z|[+-]([01][0-9]|2[0-3]):?[0-5][0-9])$"
 )
 
@@ -249,6 +249,7 @@ class Body:
     description: str = ""
     rules: tuple[str, ...] = ()
     noun: str = "the body"  # what the missing-field message says needs them
+    what: str = "field"  # what the unknown-field message calls a field ("policy field")
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -274,7 +275,7 @@ class Body:
         """``data`` (a JSON object) checked against the declaration; raises BadRequest naming what to fix."""
         unknown = [k for k in data if k not in self.allowed]
         if unknown:
-            raise errors.BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {', '.join(self.allowed)}")
+            raise errors.BadRequest(f"unknown {self.what}(s) {sorted(unknown)}; allowed: {', '.join(self.allowed)}")
         schemas = {f.name: f.schema for f in self.fields}
         data = {k: normalize(schemas[k], v) for k, v in data.items()}
         for f in self.fields:
@@ -402,6 +403,33 @@ def _ttl(max_ttl: float, what: str) -> Field:
         nullable({"type": "number", "minimum": 1, "maximum": max_ttl, "description": what}),
         check=lambda v: check_seconds("ttl", v, low=1, high=max_ttl, default=0.0),
     )
+
+
+def _utilization(value: object) -> object:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= 100:
+        raise errors.BadRequest(f"idle_threshold is a utilization in %, 0 to 100, got {value}")
+    return value
+
+
+def _simulated_gpus(value: object) -> object:
+    """What simulated GPUs report, with the messages of the sample checks (reclaim.check_gpu_sample)."""
+    from .reclaim import check_gpu_sample  # reclaim reads leases, which import this module
+
+    if isinstance(value, dict):
+        for key, sample in value.items():
+            if not (isinstance(key, str) and key.isdigit()) or not isinstance(sample, dict):
+                raise errors.BadRequest(f"gpus keys are GPU indexes and values objects, got {key!r}: {sample!r}")
+            check_gpu_sample(sample, int(key))
+    return value
+
+
+def _names(key: str) -> Callable[[Any], object]:
+    def check(value: object) -> object:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise errors.BadRequest(f"{key} must be a list of names, got {value!r}")
+        return value
+
+    return check
 
 
 def _optional(check: Callable[[Any], object]) -> Callable[[Any], object]:
@@ -633,7 +661,9 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
             (
                 Field("enabled", {"type": "boolean"}),
                 Field(
-                    "idle_threshold", {"type": "number", "minimum": 0, "maximum": 100, "description": "% utilization"}
+                    "idle_threshold",
+                    {"type": "number", "minimum": 0, "maximum": 100, "description": "% utilization"},
+                    check=_utilization,
                 ),
                 Field(
                     "idle_timeout",
@@ -663,10 +693,11 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     },
                 ),
                 Field("max_extensions", {"type": "integer", "minimum": 0, "maximum": 1000}),
-                Field("exempt_users", {"type": "array", "items": _text()}),
-                Field("exempt_labels", {"type": "array", "items": _text()}),
+                Field("exempt_users", {"type": "array", "items": _text()}, check=_names("exempt_users")),
+                Field("exempt_labels", {"type": "array", "items": _text()}, check=_names("exempt_labels")),
             ),
             description="Fields not given stay",
+            what="policy field",
         ),
         inventory=Body(
             "Inventory",
@@ -711,8 +742,10 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     },
                     required=True,
                     missing='body must be {"gpus": {"0": {"util": 95, "mem_mb": 1000, "procs": [123]}}}',
+                    check=_simulated_gpus,
                 ),
             ),
+            rules=("a GPU the node does not have", "a node whose GPUs are real (NVML)"),
         ),
         token=Body(
             "TokenRequest",

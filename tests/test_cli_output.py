@@ -173,15 +173,15 @@ def test_events_follow_prints_what_happens(up: Up) -> None:
 
 
 def _log(stamps_ms: list[int]) -> list[dict]:
-    """Entries at these times: a node_down every 1000th, the rest grants; every 500th a booking's,
-    whose ``id`` is the booking's (the entry's own id hidden, as the log API returns it)."""
+    """Entries at these times: a node_down every 1000th, the rest grants; every 500th a booking's
+    (its booking's id in ``reservation``, as the log API returns it)."""
     log: list[dict] = []
     seq = 0
     for i, ms in enumerate(stamps_ms):
         seq = seq + 1 if i and ms == stamps_ms[i - 1] else 0
         ev = {"id": f"{ms}-{seq}", "type": "grant" if i % 1000 else "node_down", "ts": ms / 1000}
         if i % 500 == 250:
-            ev.update(id=f"r-{i:012x}", type="reservation_created")
+            ev.update(reservation=f"r-{i:012x}", type="reservation_created")
         log.append(ev)
     return log
 

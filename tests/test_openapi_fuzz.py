@@ -59,6 +59,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "GET /api/v1/estimate": (r"name different requests",),
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),
+    "PUT /api/v1/simulate/{node}": (r"has no GPU", r"only simulated GPUs can be set"),
 }
 # What a deleted lease or booking reads as: ended, never active.
 ENDED = {*ENDED_STATES, "withdrawn", "cancelled"}

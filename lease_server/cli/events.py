@@ -44,8 +44,7 @@ Pos = tuple[int, int]  # a stream entry id: (ms, seq)
 
 
 def position(ev: dict[str, Any]) -> Pos:
-    """Where an entry lies in the stream. A booking's events carry the booking's id in ``id`` (it
-    hides the entry id: events.parse_entry), so theirs is taken from the time, to the ms."""
+    """Where an entry lies in the stream: its id (an event without one: its time, to the ms)."""
     m = re.fullmatch(r"(\d+)-(\d+)", str(ev.get("id", "")))
     if m:
         return int(m[1]), int(m[2])
@@ -294,9 +293,7 @@ def subject(ev: dict[str, Any]) -> str:
     lid = str(ev.get("lease") or "")
     if lid:
         return lid[:10] if re.fullmatch(r"l-[0-9a-f]{16}", lid) else lid[:24]
-    if ev.get("type", "").startswith("reservation_"):
-        return str(ev.get("id", ""))
-    return ""
+    return str(ev.get("reservation") or "")
 
 
 def event_ms(ev: dict[str, Any]) -> float:
@@ -392,8 +389,6 @@ def _filter(types: set[str], user: str | None, lease_prefix: str | None) -> Call
             return False
         if lease_prefix:
             ids = [str(ev.get("lease") or ""), str(ev.get("reservation") or "")]
-            if ev.get("type", "").startswith("reservation_"):
-                ids.append(str(ev.get("id", "")))
             return any(i and (i.startswith(lease_prefix) or i.partition("-")[2].startswith(lease_prefix)) for i in ids)
         return True
 
