@@ -31,6 +31,7 @@ from .openapi import openapi_document
 from .queue import queue_view
 from .reaper import Reaper
 from .reservations import MAX_LIST_SPAN_S, Bookings, public_booking
+from .scripts import Acquire
 from .validate import check_name
 
 log = logging.getLogger(__name__)
@@ -208,15 +209,12 @@ class LeasesHandler(BaseHandler):
             body.get("pool"),
             body.get("ttl"),
             body.get("wait"),
-            body.get("label"),
-            body.get("session"),
             lease_id=self._lease_id,
             teams=self.teams,
             priority=body.get("priority"),
             gpus_min=body.get("gpus_min"),
             nodes=body.get("nodes"),
-            notebook=body.get("notebook"),
-            cell=body.get("cell"),
+            **{name: body.get(name) for name in Acquire.TEXT},
         )
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)

@@ -212,8 +212,6 @@ class LeaseStore:
         pool: object = None,
         ttl: object = None,
         wait: object = None,
-        label: object = None,
-        session: object = None,
         *,
         lease_id: str | None = None,
         on_queued: Callable[[int], Awaitable[None] | None] | None = None,
@@ -221,10 +219,12 @@ class LeaseStore:
         priority: object = None,
         gpus_min: object = None,
         nodes: object = None,
-        notebook: object = None,
-        cell: object = None,
+        **text: object,
     ) -> dict[str, Any]:
         """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
+
+        ``text``: the request's free-text fields (``Acquire.TEXT``: label, session, notebook, cell),
+        each checked here and passed to the script by name.
 
         Returns the lease record. Raises :class:`errors.NoCapacity` when nothing was free in time,
         :class:`errors.Unsatisfiable` when no node of the pool is big enough, and
@@ -237,12 +237,12 @@ class LeaseStore:
             raise errors.BadRequest(f"gpus_min ({n_min}) must not exceed gpus ({n}): ask for gpus_min..gpus GPUs")
         prio = check_priority(priority)
         k = check_nodes(nodes, n, n_min)
-        notebook_s = check_text("notebook", notebook)
-        cell_s = check_text("cell", cell)
+        unknown = sorted(set(text) - set(Acquire.TEXT))
+        if unknown:
+            raise TypeError(f"acquire() got unexpected field(s) {unknown}; text fields: {Acquire.TEXT}")
+        texts = {name: check_text(name, value) for name, value in text.items()}
         ttl_s = check_seconds("ttl", ttl, low=1, high=s.max_ttl, default=s.default_ttl)
         wait_s = check_seconds("wait", wait, low=0, high=s.max_wait, default=0.0)
-        label_s = check_text("label", label)
-        session_s = check_text("session", session)
         pool_s = check_name("pool", pool) if pool is not None else await self.default_pool()
         lid = lease_id or new_lease_id()
         waiter = self.notifier.expect(lid) if wait_s > 0 else None
@@ -254,14 +254,11 @@ class LeaseStore:
                 n,
                 int(ttl_s * 1000),
                 int(wait_s * 1000),
-                label_s,
-                session_s,
-                ",".join(teams),
-                prio,
-                n_min,
-                k,
-                notebook_s,
-                cell_s,
+                teams=",".join(teams),
+                priority=prio,
+                gpus_min=n_min,
+                nodes=k,
+                **texts,  # type: ignore[arg-type]
             )
             try:
                 got = await self.engine.run(call)

@@ -251,6 +251,9 @@ class Duplicate:
 @dataclass(frozen=True)
 class Acquire(ScriptCall):
     script: ClassVar[str] = "acquire"
+    # The free-text fields a request sets as it is (checked as text, passed on by name): a new one
+    # is a field here, its line in the script, and its entry in the request schema (validate.py).
+    TEXT: ClassVar[tuple[str, ...]] = ("label", "session", "notebook", "cell")
     id: str
     user: str
     pool: str

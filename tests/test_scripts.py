@@ -98,3 +98,15 @@ def test_every_code_a_script_returns_is_one_its_wrapper_reads() -> None:
 
 def _dummy(call: type[S.ScriptCall]) -> S.ScriptCall:
     return call(**{f.name: _sample(f) for f in dataclasses.fields(call)})  # type: ignore[arg-type]
+
+
+def test_the_acquire_request_and_its_wrapper_agree() -> None:
+    """A field of the HTTP request (validate.py's one declaration, from which the OpenAPI schema is
+    made) is a field of the Acquire wrapper, and the free-text fields pass through by name."""
+    from lease_server.validate import bodies
+
+    request = {f.name for f in bodies().acquire.fields}
+    wrapper = {f.name for f in dataclasses.fields(S.Acquire)}
+    renamed = {"ttl": "ttl_ms", "wait": "wait_ms"}  # seconds in the API, ms in Lua
+    assert {renamed.get(n, n) for n in request} <= wrapper, request
+    assert set(S.Acquire.TEXT) <= request
