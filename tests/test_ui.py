@@ -167,10 +167,26 @@ def open_panel(page: Any, lab: Lab) -> None:
 
     page.goto(f"{lab.url}lab?token={lab.token}")
     expect(page.locator(".jp-LauncherCard", has_text="GPU Leases")).to_be_visible(timeout=60_000)
-    page.keyboard.press("Control+Shift+C")
-    page.keyboard.type("GPU Leases")
-    page.locator(".lm-CommandPalette-item", has_text="GPU Leases").first.click()
+    palette_item(page, "GPU Leases").click()
     expect(page.get_by_role("heading", name="GPU Leases")).to_be_visible()
+
+
+def palette_item(page: Any, label: str) -> Any:
+    """Open the command palette, type ``label``, and return the item of exactly that label."""
+    page.keyboard.press("Control+Shift+C")
+    page.keyboard.type(label)
+    item_label = page.locator(".lm-CommandPalette-itemLabel", has_text=re.compile(rf"^{re.escape(label)}$"))
+    return page.locator(".lm-CommandPalette-item").filter(has=item_label)
+
+
+def confirm(page: Any, title: str, button: str) -> None:
+    """Answer JupyterLab's confirmation dialog titled ``title`` with ``button``."""
+    from playwright.sync_api import expect
+
+    dialog = page.locator(".jp-Dialog")
+    expect(dialog.locator(".jp-Dialog-header")).to_have_text(title)
+    dialog.get_by_role("button", name=button, exact=True).click()
+    expect(dialog).to_have_count(0)
 
 
 def test_a_lease_appears_live_and_the_release_button_frees_it(
@@ -208,6 +224,7 @@ def test_a_lease_appears_live_and_the_release_button_frees_it(
     expect(page.get_by_role("cell", name=re.compile(rf"^{theirs.node} GPU {theirs.indexes[0]}: free$"))).to_be_visible()
 
     release.click()
+    confirm(page, f"Release lease {mine.id}?", "Release")
     for i in mine.indexes:
         expect(page.get_by_role("cell", name=re.compile(rf"^{mine.node} GPU {i}: free$"))).to_be_visible()
     expect(page.get_by_text("You hold no GPUs.")).to_be_visible()
@@ -449,6 +466,7 @@ def test_booking_by_dragging_on_the_calendar(page: Any, lab: Lab, clients: dict[
     expect(cancel).to_be_visible()
     page.screenshot(path=str(shots / "3-my-bookings.png"), full_page=True)
     cancel.click()
+    confirm(page, f"Cancel booking {made['id']}?", "Cancel booking")
     expect(section.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
     assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "cancelled"
     assert page.evaluate("window.__notReloaded") is True
@@ -480,6 +498,10 @@ def test_a_clash_is_refused_with_the_clashing_booking_and_a_suggestion_books_in_
     expect(clash.get_by_role("list", name="clashing bookings")).to_contain_text(full["id"])
     suggestions = clash.get_by_role("group", name="windows that fit").get_by_role("button")
     expect(suggestions.first).to_be_visible()
+    # Every time in the browser's zone (24-hour, as the calendar grid), the zone said once: no UTC.
+    expect(clash.locator("strong")).to_contain_text(shown_window(f"{day}T11:00", f"{day}T13:00"))
+    expect(clash).to_contain_text(f"Times in {TIME_ZONE} (24-hour)")
+    expect(clash).not_to_contain_text("UTC")
 
     # Booking anyway is refused by the lease server, with the same details.
     dialog.get_by_role("button", name="Book", exact=True).click()
@@ -598,4 +620,102 @@ def test_the_board_shows_reserved_and_borrowed_gpus_and_a_recall(
     for i in (0, 1):
         expect(board.get_by_role("cell", name=f"t1 GPU {i}: free")).to_be_visible()
     expect(mine.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
+    print(f"screenshots: {shots}")
+
+
+def test_the_first_day_palette_commands_tile_origin_kernel_logo_a_narrow_board_and_confirmations(
+    page: Any, lab: Lab, clients: dict[str, Any], tmp_path: Path, shots: Path
+) -> None:
+    """The first day with gpulease: what a new user meets in JupyterLab."""
+    from playwright.sync_api import expect
+
+    from lease_server.kernelspec import DISPLAY_NAME, KERNEL_NAME, write_spec
+
+    alice = clients["alice"]
+    # The CPU-only kernelspec, as `gpulease kernel install` writes it, where this JupyterLab looks.
+    write_spec(tmp_path / "lab" / "data" / "kernels" / KERNEL_NAME)
+    page.goto(f"{lab.url}lab?token={lab.token}")
+
+    # The kernel's launcher cards show its logo (not a bare "P"), and the logo loads.
+    cards = page.locator(".jp-LauncherCard", has_text=DISPLAY_NAME)
+    expect(cards.first).to_be_visible(timeout=60_000)
+    for card in cards.all():
+        logo = card.locator("img")
+        expect(logo).to_be_visible()
+        page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=logo.element_handle())
+        assert logo.evaluate("img => img.naturalWidth") in (32, 64)
+        expect(card.locator(".jp-LauncherCard-noKernelIcon")).to_have_count(0)
+    page.screenshot(path=str(shots / "1-launcher.png"))
+
+    # The palette finds the calendar and the booking form, not only the panel.
+    palette_item(page, "GPU Leases: Calendar").click()
+    expect(page.get_by_role("tab", name="Calendar")).to_have_attribute("aria-selected", "true")
+    # The week shown starts today: tomorrow is on screen whatever the day of the week.
+    today = datetime.now(ZoneInfo(TIME_ZONE)).date()
+    columns = page.locator("td.fc-timegrid-col[data-date]")
+    expect(columns).to_have_count(7)
+    days = [columns.nth(i).get_attribute("data-date") for i in range(7)]
+    assert days == [(today + timedelta(days=i)).isoformat() for i in range(7)]
+    page.get_by_role("tab", name="Board").click()
+    palette_item(page, "GPU Leases: New booking…").click()
+    dialog = page.get_by_role("dialog", name=re.compile("^Book GPUs of "))
+    expect(dialog).to_be_visible()
+    expect(page.get_by_role("tab", name="Calendar")).to_have_attribute("aria-selected", "true")
+    dialog.get_by_role("button", name="Close").click()
+    expect(dialog).to_have_count(0)
+    page.get_by_role("tab", name="Board").click()
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+
+    # A tile names the lease's notebook and cell; the cell's first line (the label) is its tooltip.
+    lease = alice.acquire(gpus=1, pool="T4-16GB", ttl=300, label="import time", notebook="work/train.ipynb", cell="4")
+    board = page.get_by_role("region", name="GPU board")
+    cell = board.get_by_role("cell", name=re.compile(rf"^{lease.node} GPU {lease.indexes[0]}: leased, by alice"))
+    origin = cell.locator(".jp-GpuLease-cellOrigin")
+    expect(origin).to_have_text("train.ipynb · cell 4")
+    expect(origin).to_have_attribute("title", "import time")
+
+    # A booking with a long note keeps its Cancel button beside its text.
+    day = tomorrow()
+    note = "fine-tuning the large model for the camera-ready version of the paper, please do not move " * 2
+    made = book(alice, day, "10:00", "12:00", 1, note=note.strip())
+    section = page.get_by_role("region", name="My bookings")
+    cancel = section.get_by_role("button", name=re.compile(rf"^Cancel booking {made['id']} "))
+
+    # Half a screen wide: every tile of the 4-GPU node is whole inside the panel (they wrap).
+    page.set_viewport_size({"width": 700, "height": 900})
+    expect(cancel).to_be_visible()
+    panel = page.locator(".jp-GpuLease-panel").bounding_box()
+    tiles = board.get_by_role("cell", name=re.compile(r"^n1 GPU \d"))
+    expect(tiles).to_have_count(4)
+    for i in range(4):
+        tile = tiles.nth(i).bounding_box()
+        assert tile["width"] >= 90, tile
+        assert panel["x"] <= tile["x"] and tile["x"] + tile["width"] <= panel["x"] + panel["width"] + 0.5, (i, tile)
+    assert page.locator(".jp-GpuLease-panel").evaluate("el => el.scrollWidth <= el.clientWidth")
+    text = section.locator(f'li[aria-label="booking {made["id"]}"] .jp-GpuLease-leaseText').bounding_box()
+    button = cancel.bounding_box()
+    assert button["y"] < text["y"] + text["height"] and button["x"] >= text["x"] + text["width"], (button, text)
+    page.screenshot(path=str(shots / "2-half-width.png"), full_page=True)
+
+    # Cancel and Release ask first: "Keep it" keeps the booking and the lease.
+    cancel.click()
+    confirm(page, f"Cancel booking {made['id']}?", "Keep it")
+    expect(cancel).to_be_visible()
+    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "active"
+    release = page.get_by_role("region", name="My leases").get_by_role(
+        "button", name=re.compile(rf"^Release lease {lease.id} ")
+    )
+    release.click()
+    expect(page.locator(".jp-Dialog")).to_contain_text(f"{lease.node} GPU {lease.indexes[0]}")
+    page.screenshot(path=str(shots / "3-confirm-release.png"))
+    confirm(page, f"Release lease {lease.id}?", "Keep it")
+    expect(cell).to_have_accessible_name(re.compile(r": leased, by alice"))
+    assert alice.get(lease.id)["state"] == "active"
+    release.click()
+    confirm(page, f"Release lease {lease.id}?", "Release")
+    expect(board.get_by_role("cell", name=f"{lease.node} GPU {lease.indexes[0]}: free")).to_be_visible()
+    cancel.click()
+    confirm(page, f"Cancel booking {made['id']}?", "Cancel booking")
+    expect(section.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
+    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "cancelled"
     print(f"screenshots: {shots}")

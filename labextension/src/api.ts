@@ -21,6 +21,9 @@ export interface IHolder {
   borrowed?: boolean;
   /** Recalled (borrowed and its booking's holder asked, or preempted for quota): revoked at recall_at. */
   recall_at?: number;
+  /** Where the lease comes from, when the client said (%%gpu_train sends them): a notebook's path, its cell. */
+  notebook?: string;
+  cell?: string;
 }
 
 export interface IGpu {
@@ -74,6 +77,9 @@ export interface ILease {
   reclaim_at?: number;
   borrowed?: boolean;
   recall_at?: number;
+  /** The notebook (its path) and cell the lease was taken for, if the client said. */
+  notebook?: string;
+  cell?: string;
 }
 
 export interface IWaiter {

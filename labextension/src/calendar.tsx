@@ -14,6 +14,7 @@ import timeGridPlugin from '@fullcalendar/timegrid';
 import React, { useEffect, useRef, useState } from 'react';
 
 import { GpuLeaseError, IBooking, IClash, IInstance, IReservation } from './api';
+import { confirmAction } from './confirm';
 import { GpuLeaseModel, describe } from './model';
 
 /** Where the calendar was (pool, view, day), kept while the Board tab is shown. */
@@ -21,6 +22,8 @@ export interface ICalendarPlace {
   pool: string;
   view: string;
   date: Date | null;
+  /** The newest "New booking…" request (a command's seq) the form was opened for. */
+  newBookingSeen: number;
 }
 
 const DAYS = ['Sun', 'Mon', 'Tue', 'Wed', 'Thu', 'Fri', 'Sat'];
@@ -62,6 +65,21 @@ function fromLocalInput(value: string): number {
 }
 
 const ZONE = Intl.DateTimeFormat().resolvedOptions().timeZone;
+
+/**
+ * Ask, then cancel one of my bookings (every week of a weekly one): true once cancelled, false when
+ * the cancel failed (model.bookingErrors says why), null when the user kept the booking.
+ */
+export async function confirmCancelBooking(model: GpuLeaseModel, r: IReservation): Promise<boolean | null> {
+  const weekly = r.repeat === 'weekly' ? `, every week of it (${r.occurrences} weeks)` : '';
+  const ok = await confirmAction(
+    `Cancel booking ${r.id}?`,
+    `${gpuCount(r.gpus)} of ${r.pool}, ${formatWindow(r.start, r.end)}${weekly}: ` +
+      'the GPUs go back to everyone. This cannot be undone.',
+    'Cancel booking'
+  );
+  return ok ? model.cancelBooking(r.id) : null;
+}
 
 /** One calendar event per occurrence of a booking. */
 function toEvents(reservations: IReservation[]): EventInput[] {
@@ -110,8 +128,13 @@ type DialogTarget =
   | { mode: 'new'; start: Date; end: Date; fromDrag: boolean }
   | { mode: 'edit'; reservation: IReservation; instance: IInstance | null };
 
-export function BookingCalendar(props: { model: GpuLeaseModel; place: ICalendarPlace }): JSX.Element {
-  const { model, place } = props;
+export function BookingCalendar(props: {
+  model: GpuLeaseModel;
+  place: ICalendarPlace;
+  /** A "New booking…" command's seq: the form opens once for each new one. */
+  newBooking?: number;
+}): JSX.Element {
+  const { model, place, newBooking = 0 } = props;
   const pools = Object.keys(model.cluster?.pools ?? {}).sort();
   if (!place.pool || !pools.includes(place.pool)) {
     const preferred = model.cluster?.default_pool;
@@ -135,7 +158,8 @@ export function BookingCalendar(props: { model: GpuLeaseModel; place: ICalendarP
       initialView: place.view,
       initialDate: place.date ?? undefined,
       headerToolbar: { left: 'prev,next today', center: 'title', right: 'timeGridWeek,timeGridDay' },
-      firstDay: 1,
+      // The week shown starts today (and the days after it): tomorrow is always on screen.
+      firstDay: new Date().getDay(),
       allDaySlot: false,
       height: 620,
       slotDuration: '00:30:00',
@@ -252,6 +276,13 @@ export function BookingCalendar(props: { model: GpuLeaseModel; place: ICalendarP
     setDialog({ mode: 'new', start, end: new Date(start.getTime() + 3600_000), fromDrag: false });
   };
 
+  useEffect(() => {
+    if (newBooking > place.newBookingSeen) {
+      place.newBookingSeen = newBooking;
+      openNew();
+    }
+  }, [newBooking]);
+
   const capacity = model.cluster?.pools[pool];
   return (
     <div className="jp-GpuLease-calendar">
@@ -321,7 +352,7 @@ interface IFields {
 type Check =
   | { state: 'idle' | 'checking' | 'fits' }
   | { state: 'invalid' | 'error'; message: string }
-  | { state: 'clash'; message: string; clash: IClash | null };
+  | { state: 'clash'; message: string; clash: IClash | null; serverMessage?: string };
 
 /** The fields as a booking, or what is wrong with them. */
 function toBooking(f: IFields): IBooking | string {
@@ -377,10 +408,22 @@ function changesOf(existing: IReservation, booking: IBooking): Partial<IBooking>
   return changes as Partial<IBooking>;
 }
 
-function clashOf(error: unknown): Check {
+/**
+ * A 409 reservation_clash as the clash panel shows it. The lease server's message writes times in
+ * UTC; the panel writes every time in the browser's zone (as the calendar does), so the headline is
+ * made here from the booking and the details (the server's message stays as its tooltip).
+ */
+function clashOf(error: unknown, booking: IBooking | null): Check {
   if (error instanceof GpuLeaseError && error.status === 409) {
     const d = error.details;
     const clash = d && Array.isArray(d.clashes) ? (d as IClash) : null;
+    if (clash && booking) {
+      const weekly = booking.repeat === 'weekly' ? ` (weekly, ${booking.occurrences ?? 1} times)` : '';
+      const message =
+        `${gpuCount(booking.gpus)} of ${booking.pool}, ${formatWindow(booking.start, booking.end)}${weekly}, ` +
+        `would over-book it (${clash.capacity} can be booked)`;
+      return { state: 'clash', message, clash, serverMessage: error.message };
+    }
     return { state: 'clash', message: error.message, clash };
   }
   return { state: 'error', message: describe(error) };
@@ -461,7 +504,7 @@ function BookingDialog(props: {
     const timer = window.setTimeout(() => {
       (existing && changes ? model.checkChange(existing.id, changes) : model.checkBooking(booking)).then(
         () => mine === seq.current && setCheck({ state: 'fits' }),
-        error => mine === seq.current && setCheck(clashOf(error))
+        error => mine === seq.current && setCheck(clashOf(error, booking))
       );
     }, 250);
     return () => window.clearTimeout(timer);
@@ -495,7 +538,7 @@ function BookingDialog(props: {
         );
       }
     } catch (error) {
-      const answer = clashOf(error);
+      const answer = clashOf(error, booking);
       setSaved(answer.state === 'clash' ? { ...answer, message: `Refused: ${answer.message}` } : answer);
     } finally {
       setBusy(null);
@@ -507,8 +550,11 @@ function BookingDialog(props: {
       return;
     }
     setBusy(what);
-    const ok = what === 'cancel' ? await model.cancelBooking(existing.id) : await model.endBooking(existing.id);
+    const ok = what === 'cancel' ? await confirmCancelBooking(model, existing) : await model.endBooking(existing.id);
     setBusy(null);
+    if (ok === null) {
+      return; // not confirmed: the booking stays, and the form with it
+    }
     if (ok) {
       onClose(what === 'cancel' ? `Cancelled booking ${existing.id}` : `Ended booking ${existing.id} now`);
     } else {
@@ -717,9 +763,10 @@ function CheckView(props: {
   const clash = check.clash;
   return (
     <div className="jp-GpuLease-error jp-GpuLease-clash" role="alert" aria-label="clash">
-      <strong>{check.message}</strong>
+      <strong title={check.serverMessage}>{check.message}</strong>
       {clash && (
         <>
+          <p className="jp-GpuLease-hint jp-GpuLease-zone">Times in {ZONE} (24-hour), as on the calendar.</p>
           <p>
             At most {gpuCount(clash.max_gpus)} of the {clash.capacity} in {pool} can be booked then
             {clash.reserved ? ` (${clash.reserved} already booked)` : ''}.

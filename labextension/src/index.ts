@@ -9,10 +9,12 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 
 import { GpuLeaseModel } from './model';
-import { GpuLeasePanel } from './panel';
+import { GpuLeasePanel, Tab } from './panel';
 import { GpuLeaseStatus } from './status';
 
 const OPEN = 'gpulease:open';
+const CALENDAR = 'gpulease:calendar';
+const NEW_BOOKING = 'gpulease:new-booking';
 
 export const gpuIcon = new LabIcon({
   name: 'gpulease:gpu',
@@ -42,28 +44,51 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const tracker = new WidgetTracker<MainAreaWidget<GpuLeasePanel>>({ namespace: 'gpulease' });
     let widget: MainAreaWidget<GpuLeasePanel> | null = null;
 
+    /** The panel, made (and put in the main area) if need be, and shown. */
+    const open = (): MainAreaWidget<GpuLeasePanel> => {
+      if (!widget || widget.isDisposed) {
+        widget = new MainAreaWidget({ content: new GpuLeasePanel(model) });
+        widget.id = 'gpulease-panel';
+        widget.title.label = 'GPU Leases';
+        widget.title.icon = gpuIcon;
+        widget.title.closable = true;
+        widget.toolbar.hide(); // nothing to put there: the board updates itself
+        void tracker.add(widget);
+      }
+      if (!widget.isAttached) {
+        app.shell.add(widget, 'main');
+      }
+      app.shell.activateById(widget.id);
+      return widget;
+    };
+    const openOn = (tab: Tab, newBooking: boolean) => {
+      const shown = open();
+      shown.content.showView(tab, newBooking);
+      return shown;
+    };
+
     app.commands.addCommand(OPEN, {
       label: 'GPU Leases',
       caption: 'The GPU board, the booking calendar, your GPU leases and bookings',
       icon: gpuIcon,
-      execute: () => {
-        if (!widget || widget.isDisposed) {
-          widget = new MainAreaWidget({ content: new GpuLeasePanel(model) });
-          widget.id = 'gpulease-panel';
-          widget.title.label = 'GPU Leases';
-          widget.title.icon = gpuIcon;
-          widget.title.closable = true;
-          widget.toolbar.hide(); // nothing to put there: the board updates itself
-          void tracker.add(widget);
-        }
-        if (!widget.isAttached) {
-          app.shell.add(widget, 'main');
-        }
-        app.shell.activateById(widget.id);
-        return widget;
-      }
+      execute: open
     });
-    palette?.addItem({ command: OPEN, category: 'GPU Leases' });
+    app.commands.addCommand(CALENDAR, {
+      label: 'GPU Leases: Calendar',
+      caption: "The booking calendar: everyone's bookings of a pool, from today on",
+      icon: gpuIcon,
+      execute: () => openOn('calendar', false)
+    });
+    app.commands.addCommand(NEW_BOOKING, {
+      label: 'GPU Leases: New booking…',
+      caption: 'Book GPUs of a pool for a time window (the booking form)',
+      icon: gpuIcon,
+      execute: () => openOn('calendar', true)
+    });
+    // "GPU Leases" first: it is what typing the name is most likely after.
+    palette?.addItem({ command: OPEN, category: 'GPU Leases', rank: 0 });
+    palette?.addItem({ command: CALENDAR, category: 'GPU Leases', rank: 1 });
+    palette?.addItem({ command: NEW_BOOKING, category: 'GPU Leases', rank: 2 });
     launcher?.add({ command: OPEN, category: 'Other', rank: 0 });
     if (restorer) {
       void restorer.restore(tracker, { command: OPEN, name: () => 'gpulease' });

@@ -8,8 +8,9 @@
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer, useRef, useState } from 'react';
 
-import { IGpu, ILease, INode, IReservation } from './api';
-import { BookingCalendar, ICalendarPlace, formatWindow, gpuCount } from './calendar';
+import { IGpu, IHolder, ILease, INode, IReservation } from './api';
+import { BookingCalendar, ICalendarPlace, confirmCancelBooking, formatWindow, gpuCount } from './calendar';
+import { confirmAction } from './confirm';
 import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
 
 /**
@@ -62,6 +63,26 @@ function useModel(model: GpuLeaseModel): void {
   }, [model]);
 }
 
+/**
+ * What a GPU tile says about its lease's origin: "train.ipynb · cell 4" when the lease carries its
+ * notebook (and cell), else its label (the cell's first line). The label goes to the tooltip.
+ * The cluster view may not carry notebook and cell: my own leases (GET /gpulease/leases) do.
+ */
+export function holderOrigin(holder: IHolder, mine: ILease | undefined): { text: string; title: string } | null {
+  const notebook = holder.notebook || mine?.notebook || '';
+  const cell = holder.cell || mine?.cell || '';
+  const label = holder.label || mine?.label || '';
+  if (!notebook) {
+    return label ? { text: label, title: label } : null;
+  }
+  const name = notebook.split('/').pop() || notebook;
+  // A cell number reads as one; the magic's hash of the cell's source is only a tooltip detail.
+  const numbered = /^\d+$/.test(cell);
+  const text = numbered ? `${name} · cell ${cell}` : name;
+  const title = [label, cell && !numbered ? `cell ${cell}` : ''].filter(Boolean).join(' · ') || text;
+  return { text, title };
+}
+
 /** The "Still using it" button of an idle-warned lease of mine (in My leases and on the board). */
 function KeepButton(props: { model: GpuLeaseModel; id: string; where: string; small?: boolean }): JSX.Element {
   const { model, id, where, small } = props;
@@ -85,6 +106,7 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
   const lease = gpu.lease;
   const mine = !!lease && lease.user === model.user;
   const held = lease ? duration(now - lease.since) : '';
+  const origin = lease ? holderOrigin(lease, model.leases.find(l => l.id === lease.id)) : null;
   // An idle-warned lease is shown as idle: its GPUs go back to the pool at reclaim_at.
   const idle = !!lease?.idle_warning;
   const state = idle && gpu.state === 'leased' ? 'idle' : gpu.state;
@@ -99,6 +121,9 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
     parts.push(`by ${lease.user}${mine ? ' (you)' : ''}, held ${held}`);
     if (lease.label) {
       parts.push(`label ${lease.label}`);
+    }
+    if (origin && origin.text !== lease.label) {
+      parts.push(`from ${origin.text}`);
     }
     if (idle && lease.reclaim_at) {
       parts.push(reclaimCountdown(lease.reclaim_at, now));
@@ -116,6 +141,7 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
     : `${gpu.model ?? ''}${util}`;
   return (
     <td
+      role="cell"
       className={`jp-GpuLease-cell jp-GpuLease-state-${state}${mine ? ' jp-GpuLease-mine' : ''}${gpu.unleased_use ? ' jp-GpuLease-unleased' : ''}`}
       aria-label={parts.join(', ')}
       title={title}
@@ -138,7 +164,11 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
           {recallCountdown(lease.recall_at, now, !!lease.borrowed)}
         </div>
       )}
-      {lease?.label && <div className="jp-GpuLease-cellLabel">{lease.label}</div>}
+      {origin && (
+        <div className="jp-GpuLease-cellLabel jp-GpuLease-cellOrigin" title={origin.title}>
+          {origin.text}
+        </div>
+      )}
       {gpu.unleased_use && <div className="jp-GpuLease-cellLabel">in use without a lease</div>}
       {lease && idle && lease.reclaim_at && (
         <div className="jp-GpuLease-cellIdle" aria-hidden="true">
@@ -168,7 +198,6 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
   if (cluster.nodes.length === 0) {
     return <p className="jp-GpuLease-empty">No GPU node has registered with the lease server yet.</p>;
   }
-  const width = Math.max(...cluster.nodes.map(n => n.gpus.length));
   const shown = new Set(
     cluster.nodes.flatMap(n => n.gpus.map(g => (g.lease?.idle_warning && g.state === 'leased' ? 'idle' : g.state)))
   );
@@ -180,35 +209,21 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
   }
   return (
     <>
-      <table className="jp-GpuLease-board" aria-label="GPUs by node">
-        <thead>
-          <tr>
-            <th scope="col">node</th>
-            {Array.from({ length: width }, (_, i) => (
-              <th scope="col" key={i}>
-                GPU {i}
-              </th>
-            ))}
-          </tr>
-        </thead>
-        <tbody>
+      {/* A row per node; its GPU tiles wrap onto more lines when the panel is narrow. */}
+      <table className="jp-GpuLease-board" role="table" aria-label="GPUs by node">
+        <tbody role="rowgroup">
           {cluster.nodes.map(node => (
-            <tr key={node.name} className={node.state === 'down' ? 'jp-GpuLease-nodeDown' : ''}>
-              <th scope="row" className="jp-GpuLease-node">
+            <tr key={node.name} role="row" className={node.state === 'down' ? 'jp-GpuLease-nodeDown' : ''}>
+              <th scope="row" role="rowheader" className="jp-GpuLease-node">
                 <div className="jp-GpuLease-nodeName">{node.name}</div>
                 <div className="jp-GpuLease-nodePool">
                   {node.pool}
                   {node.state === 'down' ? ' · down' : ''}
                 </div>
               </th>
-              {Array.from({ length: width }, (_, i) => {
-                const gpu = node.gpus[i];
-                return gpu ? (
-                  <GpuCell key={i} model={model} node={node} gpu={gpu} now={now} />
-                ) : (
-                  <td key={i} className="jp-GpuLease-noGpu" aria-hidden="true" />
-                );
-              })}
+              {node.gpus.map(gpu => (
+                <GpuCell key={gpu.index} model={model} node={node} gpu={gpu} now={now} />
+              ))}
             </tr>
           ))}
         </tbody>
@@ -258,7 +273,17 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
               className="jp-mod-styled jp-mod-warn jp-GpuLease-release"
               aria-label={`Release lease ${lease.id} (${gpuList(lease)})`}
               disabled={busy}
-              onClick={() => void model.release(lease.id)}
+              onClick={async () => {
+                const ok = await confirmAction(
+                  `Release lease ${lease.id}?`,
+                  `The GPUs of this lease (${gpuList(lease)}${lease.label ? `, ${lease.label}` : ''}) go back ` +
+                    'to the pool now: whatever runs on them loses them. This cannot be undone.',
+                  'Release'
+                );
+                if (ok) {
+                  await model.release(lease.id);
+                }
+              }}
             >
               {busy ? 'Releasing…' : 'Release'}
             </button>
@@ -369,7 +394,7 @@ function MyBookings(props: { model: GpuLeaseModel; now: number }): JSX.Element {
               aria-label={`Cancel booking ${r.id} (${what})`}
               title={r.repeat === 'weekly' ? 'Cancel every week of this booking' : 'Cancel this booking'}
               disabled={busy}
-              onClick={() => void model.cancelBooking(r.id)}
+              onClick={() => void confirmCancelBooking(model, r)}
             >
               {busy ? 'Working…' : 'Cancel'}
             </button>
@@ -406,11 +431,24 @@ function Queue(props: { model: GpuLeaseModel; now: number }): JSX.Element | null
   );
 }
 
-function GpuLeaseView(props: { model: GpuLeaseModel }): JSX.Element {
-  const { model } = props;
+/** What a command asked the panel to show: a tab, and the booking form; seq tells requests apart. */
+export interface IShowRequest {
+  tab: Tab;
+  newBooking: boolean;
+  seq: number;
+}
+
+function GpuLeaseView(props: { model: GpuLeaseModel; request: IShowRequest | null }): JSX.Element {
+  const { model, request } = props;
   useModel(model);
-  const [tab, setTab] = useState<Tab>('board');
-  const place = useRef<ICalendarPlace>({ pool: '', view: 'timeGridWeek', date: null });
+  const [tab, setTab] = useState<Tab>(request?.tab ?? 'board');
+  const place = useRef<ICalendarPlace>({ pool: '', view: 'timeGridWeek', date: null, newBookingSeen: 0 });
+  useEffect(() => {
+    if (request) {
+      setTab(request.tab);
+    }
+  }, [request?.seq]);
+  const newBooking = request?.newBooking ? request.seq : 0;
   if (model.problem) {
     return (
       <div className="jp-GpuLease-content">
@@ -470,7 +508,7 @@ function GpuLeaseView(props: { model: GpuLeaseModel }): JSX.Element {
       ) : (
         <div role="tabpanel" id="jp-GpuLease-tabpanel-calendar" aria-labelledby="jp-GpuLease-tab-calendar">
           {model.cluster ? (
-            <BookingCalendar model={model} place={place.current} />
+            <BookingCalendar model={model} place={place.current} newBooking={newBooking} />
           ) : (
             <p className="jp-GpuLease-empty">Loading…</p>
           )}
@@ -480,7 +518,7 @@ function GpuLeaseView(props: { model: GpuLeaseModel }): JSX.Element {
   );
 }
 
-type Tab = 'board' | 'calendar';
+export type Tab = 'board' | 'calendar';
 const TABS: { id: Tab; label: string }[] = [
   { id: 'board', label: 'Board' },
   { id: 'calendar', label: 'Calendar' }
@@ -524,7 +562,15 @@ export class GpuLeasePanel extends ReactWidget {
     this.addClass('jp-GpuLease-panel');
   }
 
-  render(): JSX.Element {
-    return <GpuLeaseView model={this.model} />;
+  /** Show a tab (the commands "GPU Leases: Calendar", "GPU Leases: New booking…"). */
+  showView(tab: Tab, newBooking = false): void {
+    this._request = { tab, newBooking, seq: (this._request?.seq ?? 0) + 1 };
+    this.update();
   }
+
+  render(): JSX.Element {
+    return <GpuLeaseView model={this.model} request={this._request} />;
+  }
+
+  private _request: IShowRequest | null = null;
 }
