@@ -10,11 +10,12 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import queue
 import re
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,13 +133,21 @@ def test_events_filters(up: Up) -> None:
     assert bad.returncode == 2 and "give an age (10m, 2h, 3d)" in " ".join(bad.stderr.split())
 
 
-def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if ready:
-            return proc.stdout.readline()
-    raise AssertionError("no line from gpulease events --follow in time")
+class LineReader:
+    """A process's stdout lines, read by a thread as they come (a select() on the pipe would miss
+    lines already taken into the file's buffer by an earlier readline)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.lines: queue.Queue[str] = queue.Queue()
+        stdout = proc.stdout
+        threading.Thread(target=lambda: [self.lines.put(line) for line in stdout], daemon=True).start()
+
+    def next(self, deadline: float) -> str:
+        try:
+            return self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError("no line from gpulease events --follow in time") from None
 
 
 def test_events_follow_prints_what_happens(up: Up) -> None:
@@ -154,21 +163,24 @@ def test_events_follow_prints_what_happens(up: Up) -> None:
     )
     try:
         deadline = time.monotonic() + 30
-        first = _read_line(proc, deadline)  # the page (one line): the stream is open after it
+        reader = LineReader(proc)
+        first = reader.next(deadline)  # the page (one line): the stream is open after it
         assert EVENT_LINE.match(first), first
         # The stream is subscribed before the gap is read: an event now is printed, wherever it falls.
         lease = c.acquire(1, label="followed")
         c.release(lease)
         seen = []
         while len(seen) < 2:
-            line = _read_line(proc, deadline)
+            line = reader.next(deadline)
             assert len(line.rstrip("\n")) <= WIDTH, line
             if lease.id[:10] in line:
                 seen.append(line.split()[1])
         assert seen == ["grant", "released"]
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)  # stdout is the reader's; stderr holds a line or two
+        assert proc.stderr is not None
+        err = proc.stderr.read()
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
