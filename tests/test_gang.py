@@ -306,10 +306,16 @@ def test_timeout_and_interrupt_stop_every_rank(srv, sess, tmp_path):
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     t = threading.Thread(target=interrupt_once_all_run, daemon=True)
-    t.start()
-    with pytest.raises(KeyboardInterrupt):
-        run(sess, sleep_long, str(d), gpus=4, nodes=2, wait=0)
-    t.join(10)
+    # SIGINT raises KeyboardInterrupt, as in a kernel (an earlier test in this process may have left
+    # another handler installed: then the interrupt never arrives and the ranks run their 120 s).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            run(sess, sleep_long, str(d), gpus=4, nodes=2, wait=0)
+        t.join(10)
+    finally:
+        signal.signal(signal.SIGINT, before)
     pids = [int(p.read_text()) for p in d.glob("pid-?")]
     assert len(pids) == 4 and wait_gone(pids) == []
     assert free_gpus(srv) == 4
