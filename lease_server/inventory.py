@@ -200,6 +200,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 if lease.get("reclaim_at"):
                     entry["lease"]["idle_warning"] = True
                     entry["lease"]["reclaim_at"] = lease["reclaim_at"] / 1000
+                for key in ("notebook", "cell"):  # where the lease comes from: the board names it
+                    if lease.get(key):
+                        entry["lease"][key] = lease[key]
                 if lease.get("resv"):
                     entry["lease"]["reservation"] = lease["resv"]
                 if lease.get("borrowed"):
