@@ -32,6 +32,15 @@ from lease_server.redis_proc import RedisProcess, free_port
 _prefixes = itertools.count()
 
 
+@pytest.fixture(autouse=True)
+def default_sigint() -> Iterator[None]:
+    """Each test starts with Ctrl-C raising KeyboardInterrupt, as in a terminal or a kernel. A
+    library that an earlier test ran in this process can leave SIGINT ignored or handled its own
+    way; processes started then inherit an ignored SIGINT and can no longer be stopped with it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     proc = RedisProcess(tmp_path_factory.mktemp("redis")).start()

@@ -178,7 +178,11 @@ def test_events_follow_prints_what_happens(up: Up) -> None:
         assert seen == ["grant", "released"]
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)  # stdout is the reader's; stderr holds a line or two
+        try:
+            proc.wait(timeout=30)  # stdout is the reader's; stderr holds a line or two
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"events --follow did not stop on Ctrl-C: {proc.stderr.read()}") from None
         assert proc.stderr is not None
         err = proc.stderr.read()
     assert proc.returncode == 0 and "Traceback" not in err, err
