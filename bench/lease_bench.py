@@ -325,6 +325,18 @@ async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
 # ---- 2. HTTP throughput and open-loop latency (load generator in its own process) ------------------
 
 
+async def _release(session: Any, url: str, lease: dict[str, Any], headers: dict[str, str]) -> bool:
+    """DELETE a lease the load generator was granted; True when the server answered 200."""
+    import aiohttp
+
+    try:
+        async with session.delete(f"{url}/api/v1/leases/{lease['id']}?token={lease['token']}", headers=headers) as resp:
+            await resp.read()
+            return bool(resp.status == 200)
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
 async def loadgen(cfg: dict[str, Any]) -> dict[str, Any]:
     """The load generator: ``cfg["mode"]`` "closed" (the default) or "open"."""
     if cfg.get("mode", "closed") == "open":
@@ -403,14 +415,7 @@ async def loadgen_closed(cfg: dict[str, Any]) -> dict[str, Any]:
                 if counted:
                     counts["grants"] += 1
                 t2 = pc()
-                try:
-                    async with session.delete(
-                        f"{url}/api/v1/leases/{lease['id']}?token={lease['token']}", headers=headers
-                    ) as resp:
-                        await resp.read()
-                        ok = resp.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    ok = False
+                ok = await _release(session, url, lease, headers)
                 t3 = pc()
                 if m0 <= t3 <= end:
                     delete_lat.append(t3 - t2)
@@ -512,14 +517,7 @@ async def loadgen_open(cfg: dict[str, Any]) -> dict[str, Any]:
             counts["grants_total"] += 1
             if counted:
                 counts["grants"] += 1
-            try:
-                async with session.delete(
-                    f"{url}/api/v1/leases/{lease['id']}?token={lease['token']}", headers=hdrs
-                ) as resp:
-                    await resp.read()
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
+            ok = await _release(session, url, lease, hdrs)
             if counted:
                 delete_lat.append(pc() - t1)
                 counts["deletes"] += 1
