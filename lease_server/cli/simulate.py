@@ -12,14 +12,17 @@ from ._common import console, server_options
 
 
 @click.group(invoke_without_command=True)
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="Trace CSV, or an events export (.jsonl)")
+@click.option(
+    "--trace",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Trace CSV, an events export (.jsonl), or a session workload (NotebookOS .json)",
+)
 @click.option("--gpus", type=click.IntRange(min=1), help="GPUs of the simulated cluster")
 @click.option("--node-gpus", default=8, show_default=True, type=click.IntRange(min=1), help="GPUs per node")
 @click.option(
     "--policies",
-    default="calendar,culler-10m,culler-60m,lease,lease+resv",
-    show_default=True,
-    help="Any of calendar, culler-10m, culler-60m, lease, lease+resv",
+    help="Any of session, calendar, culler-10m, culler-60m, lease, lease+resv  "
+    "[default: all but session; for a session workload all but calendar]",
 )
 @click.option("--seed", type=int, help="Seed of the session generator [default: 1]")
 @click.option("--think-median", type=float, help="Median think time between cells, s [default: 600]")
@@ -28,13 +31,28 @@ from ._common import console, server_options
 @click.option("--out", default="simulation", show_default=True, help="Writes OUT.csv, OUT-users.csv, OUT.png")
 @click.option("--no-plot", is_flag=True, help="Skip the PNG figure")
 @click.option("--redis-url", help="Replay on this Redis (a private redis-server is started otherwise)")
+@click.option(
+    "--find-min-gpus",
+    is_flag=True,
+    help="Search the smallest cluster (whole nodes) on which each policy keeps time-to-GPU in bounds",
+)
+@click.option(
+    "--max-wait", default=60.0, show_default=True, type=click.FloatRange(min=0), help="With --find-min-gpus: seconds"
+)
+@click.option(
+    "--quantile",
+    default="95",
+    show_default=True,
+    type=click.Choice(["95", "99"]),
+    help="With --find-min-gpus: the time-to-GPU percentile held to --max-wait",
+)
 @click.pass_context
 def simulate(
     ctx: click.Context,
     trace: str | None,
     gpus: int | None,
     node_gpus: int,
-    policies: str,
+    policies: str | None,
     seed: int | None,
     think_median: float | None,
     users: int | None,
@@ -42,19 +60,42 @@ def simulate(
     out: str,
     no_plot: bool,
     redis_url: str | None,
+    find_min_gpus: bool,
+    max_wait: float,
+    quantile: str,
 ) -> None:
     """Compare GPU-sharing policies on a workload (--trace FILE --gpus N), replayed through the real
-    scheduler under a virtual clock; or drive simulated GPUs (simulate util ...)."""
+    scheduler under a virtual clock; find the smallest cluster for each (--trace FILE
+    --find-min-gpus); or drive simulated GPUs (simulate util ...)."""
     if ctx.invoked_subcommand is not None:
         return
-    if not trace or not gpus:
-        raise click.UsageError("gpulease simulate needs --trace FILE and --gpus N (or a subcommand: util)")
+    if not trace or not (gpus or find_min_gpus):
+        raise click.UsageError(
+            "gpulease simulate needs --trace FILE and --gpus N, or --trace FILE --find-min-gpus (or a subcommand: util)"
+        )
     from ..sim import command as sim_command
-    from ..sim.run import parse_policies
+    from ..sim import workload
+    from ..sim.run import POLICIES, parse_policies
 
     try:
+        if policies is None:
+            skip = ("calendar",) if workload.is_session_trace(trace) else ("session",)
+            policies = ",".join(p for p in POLICIES if p not in skip)
         names = parse_policies(policies)
         params = sim_command.session_params(seed=seed, think_median_s=think_median, users=users)
+        if find_min_gpus:
+            sim_command.find_min(
+                trace,
+                names,
+                node_gpus=node_gpus,
+                wait_s=max_wait,
+                quantile=int(quantile),
+                params=params,
+                redis_url=redis_url,
+                console=console,
+            )
+            return
+        assert gpus is not None
         sim_command.run(
             trace,
             gpus,
@@ -69,6 +110,8 @@ def simulate(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @simulate.command("util")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import report, workload
 from .replay import cluster
-from .run import simulate
+from .run import private_redis, simulate
 
 
 def load_workload(trace: str, params: workload.SessionParams, max_cell_hours: float | None = None) -> workload.Workload:
+    """A session trace as it is; cells of a CSV trace or an events export grouped into sessions."""
+    if workload.is_session_trace(trace):
+        if max_cell_hours is not None:
+            raise ValueError("--max-cell-hours applies to traces of cells; a session trace is replayed whole")
+        return workload.load_sessions(trace)
     cells = workload.load(trace)
     if max_cell_hours is not None:
         cells = [c for c in cells if c.dur <= max_cell_hours * workload.HOUR]
@@ -40,12 +47,7 @@ def run(
     console = console or Console()
     params = params or workload.SessionParams()
     w = load_workload(trace, params, max_cell_hours)
-    s = w.summary()
-    console.print(
-        f"[bold]{w.name}[/]: {s['cells']:,} cells in {s['sessions']:,} sessions of {s['users']} users "
-        f"over {s['span_h']:.0f} h, {s['gpu_hours_used']:,.0f} GPU-hours used; "
-        f"cluster {gpus} GPUs as nodes of {node_gpus}"
-    )
+    console.print(describe(w) + f"; cluster {gpus} GPUs as nodes of {node_gpus}")
     nodes = cluster(gpus, node_gpus)
     span = max(1, w.span_ms())
     with Progress(
@@ -66,7 +68,13 @@ def run(
 
         results = simulate(w, nodes, policies, redis_url=redis_url, tick=tick)
     rows = [report.figures(w, r) for r in results]
+    report.add_savings(rows)
     console.print(report.table(rows, title=f"{w.name} on {gpus} GPUs"))
+    if "session" in policies:
+        console.print(
+            f"saved: GPU-hours the session policy holds in the first {report.SAVED_WINDOW_H:g} h "
+            "minus what each policy holds then"
+        )
     console.print(report.user_table(w, results))
     if out:
         base = Path(out)
@@ -79,6 +87,109 @@ def run(
             written.append(png.name)
         console.print(f"wrote {', '.join(str(base.parent / n) for n in written)}")
     return rows
+
+
+def describe(w: workload.Workload) -> str:
+    s = w.summary()
+    kind = "real sessions" if w.real_sessions else "sessions"
+    dropped = f" ({w.dropped} without GPU cells left out)" if w.dropped else ""
+    return (
+        f"[bold]{w.name}[/]: {s['cells']:,} GPU cells in {s['sessions']:,} {kind}{dropped} of {s['users']} users "
+        f"over {s['span_h']:.0f} h, {s['gpu_hours_used']:,.0f} GPU-hours used"
+    )
+
+
+@dataclasses.dataclass
+class MinCluster:
+    """The smallest cluster (in whole nodes) on which a policy keeps p95 time-to-GPU within a target."""
+
+    policy: str
+    nodes: int
+    gpus: int
+    row: dict[str, Any]  # the policy's figures on that cluster
+    probes: int
+
+
+def find_min_nodes(
+    w: workload.Workload,
+    policy: str,
+    *,
+    node_gpus: int = 8,
+    wait_s: float = 60.0,
+    quantile: int = 95,
+    redis_url: str | None = None,
+    on_probe: Callable[[str, int, dict[str, Any]], None] | None = None,
+) -> MinCluster:
+    """Search the fewest nodes of ``node_gpus`` on which ``policy`` keeps time-to-GPU per cell at
+    its ``quantile`` (95 or 99) at most ``wait_s``; each probe is a full replay. Doubling from the
+    fewest nodes that can hold the biggest request, then bisection. One node per session is always
+    enough (no session ever shares a node), so the search ends there at the latest. Assumes more
+    nodes never make the percentile worse."""
+    lo = max(1, -(-int(w.session_request().max()) // node_gpus))
+    hi_cap = max(lo, w.n_sessions)
+    probes = 0
+    seen: dict[int, dict[str, Any]] = {}
+
+    def ok(n: int) -> bool:
+        nonlocal probes
+        if n not in seen:
+            (r,) = simulate(w, cluster(n * node_gpus, node_gpus), [policy], redis_url=redis_url)
+            seen[n] = report.figures(w, r)
+            probes += 1
+            if on_probe:
+                on_probe(policy, n, seen[n])
+        return bool(seen[n][key] <= wait_s)
+
+    key = f"wait_p{quantile}_s"
+
+    n = lo
+    while not ok(n):
+        if n >= hi_cap:
+            raise RuntimeError(f"{policy}: p{quantile} time-to-GPU stays over {wait_s:g} s with a node per session")
+        lo, n = n + 1, min(hi_cap, 2 * n)
+    hi = n  # passes; everything below lo failed
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return MinCluster(policy, hi, hi * node_gpus, seen[hi], probes)
+
+
+def find_min(
+    trace: str,
+    policies: list[str],
+    *,
+    node_gpus: int = 8,
+    wait_s: float = 60.0,
+    quantile: int = 95,
+    params: workload.SessionParams | None = None,
+    redis_url: str | None = None,
+    console: Console | None = None,
+) -> list[MinCluster]:
+    """``gpulease simulate --find-min-gpus``: the search for each policy, and its table."""
+    console = console or Console()
+    w = load_workload(trace, params or workload.SessionParams())
+    want = f"p{quantile} time-to-GPU <= {wait_s:g} s"
+    console.print(describe(w) + f"; searching in nodes of {node_gpus} for {want}")
+    found = []
+    with contextlib.ExitStack() as stack:
+        url = redis_url or stack.enter_context(private_redis())
+        for p in policies:
+            with console.status(f"{p}: replaying") as st:
+
+                def probe(policy: str, n: int, row: dict[str, Any], _st: Any = st) -> None:
+                    v = row[f"wait_p{quantile}_s"]
+                    _st.update(f"{policy}: {n} nodes, p{quantile} {v:.0f} s ({'ok' if v <= wait_s else 'too slow'})")
+
+                found.append(
+                    find_min_nodes(
+                        w, p, node_gpus=node_gpus, wait_s=wait_s, quantile=quantile, redis_url=url, on_probe=probe
+                    )
+                )
+    console.print(report.min_table(found, title=f"smallest cluster with {want}"))
+    return found
 
 
 def session_params(**kw: Any) -> workload.SessionParams:

@@ -1,4 +1,8 @@
-"""The two ways teams share GPUs today, as plain event simulations of people's behaviour.
+"""The ways teams share GPUs today, as plain event simulations of people's behaviour.
+
+**session**: a notebook takes the most GPUs it may use when it starts and holds them until it stops
+(a GPU notebook pod; NotebookOS's "reservation" baseline). A notebook that finds no node with its
+GPUs free waits for them (a pending pod), and so does all its work: its whole session moves later.
 
 **calendar**: a person books GPUs in a shared calendar in whole-hour blocks covering their session
 (from the hour they start in, or the next free block, to the end of the hour their last cell ends
@@ -7,10 +11,13 @@ free for the whole session, they take the earliest block that has them and wait 
 
 **session-held + idle culler**: a notebook takes its GPUs when its first cell runs and holds them
 until it has been idle (no cell running) for ``idle`` (JupyterHub's idle culler: 10 min, 60 min);
-the culled notebook asks again at its next cell. A notebook that finds no node with its GPUs free
-waits (a pending pod), served first come first served, smaller requests backfilled around it.
+the culled notebook asks again at its next cell. With real sessions (a session-level trace) the
+notebook's CPU-only cells keep it busy too, the GPUs go back at the latest when it stops, and each
+cull followed by another cell of the session loses the kernel's state (``culls_felt``). A
+notebook that finds no node with its GPUs free waits (a pending pod), served first come first
+served, smaller requests backfilled around it.
 
-Both keep a session's cells on one node (a notebook runs on one machine) and do not move a session
+All three keep a session's cells on one node (a notebook runs on one machine) and do not move a session
 once started; the per-cell lease policies are replayed through the real scheduler (``replay.py``).
 """
 
@@ -57,6 +64,10 @@ def culler(w: Workload, nodes: Sequence[int], idle_s: float, progress: Progress 
     for s in range(w.n_sessions):
         ready[w.first[s]] = w.start[s]
 
+    culls = [0, 0]  # culls, culls followed by another cell of the session
+    stop_after = w.tail() if w.real_sessions else None
+    cpu = w.cpu
+
     def hold(c: int, node: int, now: int) -> None:
         s = int(w.session[c])
         g, k, cur = int(w.gpus[s]), c, now
@@ -64,17 +75,41 @@ def culler(w: Workload, nodes: Sequence[int], idle_s: float, progress: Progress 
             start[k] = cur
             order.append(k)
             end = cur + int(w.dur[k])
+            # the notebook is busy until ``active``; it is culled once idle for ``cull``
+            active, culled = end, -1
+            for off, d in cpu[k] if cpu is not None else ():
+                if end + off - active > cull:
+                    culled = active + cull
+                    break
+                active = max(active, end + off + d)
             if k == last[s]:
+                if culled < 0:
+                    if stop_after is None:
+                        release, felt = active + cull, False
+                    elif end + int(stop_after[s]) - active > cull:
+                        release, felt = active + cull, False
+                    else:
+                        release, felt = end + int(stop_after[s]), None  # the notebook stops
+                else:
+                    release, felt = culled, True
+                if felt is not None:
+                    culls[0] += 1
+                    culls[1] += felt
                 break
             nxt = end + int(w.gap[k + 1])
             ready[k + 1] = nxt
-            if w.gap[k + 1] > cull:
+            if culled < 0 and nxt - active > cull:
+                culled = active + cull
+            if culled >= 0:
+                culls[0] += 1
+                culls[1] += 1
+                release = culled
                 heapq.heappush(heap, (nxt, 1, k + 1, -1))
                 break
             cur, k = nxt, k + 1
-        heapq.heappush(heap, (end + cull, 0, k, node))
+        heapq.heappush(heap, (release, 0, k, node))
         a_s.append(now)
-        a_e.append(end + cull)
+        a_e.append(release)
         a_g.append(g)
         a_u.append(int(w.user[s]))
 
@@ -112,6 +147,79 @@ def culler(w: Workload, nodes: Sequence[int], idle_s: float, progress: Progress 
         ready,
         start,
         order=np.asarray(order, dtype=np.int64),
+        wall_s=time.perf_counter() - t_wall,
+        extra={"culls": culls[0], "culls_felt": culls[1]},
+        **intervals(a_s, a_e, a_g, a_u),
+    )
+
+
+def session(w: Workload, nodes: Sequence[int], progress: Progress | None = None) -> Result:
+    """Each notebook holds ``request`` GPUs on one node from when it starts until it stops.
+
+    A pod that finds no node with its GPUs free is pending: pods are served first come first
+    served, smaller ones backfilled around a blocked one. A pod that started ``D`` late moves its
+    whole session ``D`` later (the person could not run anything meanwhile): its first GPU cell's
+    time-to-GPU is ``D`` and the rest of its cells keep their think times. Without real sessions the
+    notebook starts at its first cell and stops when its last cell ends.
+    """
+    t_wall = time.perf_counter()
+    free = list(nodes)
+    ready = np.zeros(w.n_cells, dtype=np.int64)
+    start = np.zeros(w.n_cells, dtype=np.int64)
+    opened = w.session_open()
+    req = w.session_request()
+    nominal = w.nominal_ready()
+    last = w.first + w.count - 1
+    span = (w.stop if w.stop is not None else nominal[last] + w.dur[last]) - opened
+    a_s: list[int] = []
+    a_e: list[int] = []
+    a_g: list[int] = []
+    a_u: list[int] = []
+    # (time, kind, session, node): kind 0 = a pod stops (GPUs back), 1 = a pod asks for its GPUs
+    heap: list[tuple[int, int, int, int]] = [(int(opened[s]), 1, s, -1) for s in range(w.n_sessions)]
+    heapq.heapify(heap)
+    pending: list[int] = []
+    n = 0
+
+    def run(s: int, node: int, now: int) -> None:
+        late = now - int(opened[s])
+        f, k = int(w.first[s]), int(w.count[s])
+        start[f : f + k] = nominal[f : f + k] + late
+        ready[f : f + k] = start[f : f + k]
+        ready[f] = nominal[f]
+        end = now + int(span[s])
+        heapq.heappush(heap, (end, 0, s, node))
+        a_s.append(now)
+        a_e.append(end)
+        a_g.append(int(req[s]))
+        a_u.append(int(w.user[s]))
+
+    while heap:
+        t, kind, s, node = heapq.heappop(heap)
+        if kind == 0:
+            free[node] += int(req[s])
+        else:
+            pending.append(s)
+        if pending and (not heap or heap[0][0] != t):
+            kept = []
+            for p in pending:
+                node = _best_fit(free, int(req[p]))
+                if node < 0:
+                    kept.append(p)
+                    continue
+                free[node] -= int(req[p])
+                run(p, node, t)
+            pending[:] = kept
+        n += 1
+        if progress is not None and n % 2048 == 0:
+            progress(t)
+    order = np.lexsort((np.arange(w.n_cells), start))
+    return Result(
+        "session",
+        int(sum(nodes)),
+        ready,
+        start,
+        order=order,
         wall_s=time.perf_counter() - t_wall,
         **intervals(a_s, a_e, a_g, a_u),
     )

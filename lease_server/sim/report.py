@@ -8,22 +8,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich import box
 from rich.table import Table
 
 from .result import Result
 from .workload import HOUR, Workload
+from .workload import MIN as MIN_MS
 
-COLUMNS = (
-    ("policy", "policy"),
+ROWS = (  # the figures the table shows, one line each (policies are its columns: it fits 80 columns)
     ("gpus", "GPUs"),
     ("gpu_hours_allocated", "GPU-h held"),
     ("gpu_hours_used", "GPU-h used"),
-    ("utilization", "util"),
-    ("occupancy", "of cluster"),
+    ("utilization", "utilization"),
+    ("busy_util", "GPU busy (NVML)"),
+    ("occupancy", "of the cluster"),
+    ("peak_gpus", "peak GPUs held"),
     ("wait_p50_s", "wait p50"),
-    ("wait_p95_s", "p95"),
-    ("wait_p99_s", "p99"),
-    ("cells_waited_1m", "waited >1 min"),
+    ("wait_p95_s", "wait p95"),
+    ("wait_p99_s", "wait p99"),
+    ("cells_waited_1m", "waited > 1 min"),
+    ("culls_felt", "culled kernels"),
+    ("saved_gpu_hours", "GPU-h saved"),
     ("top_user_share", "top user"),
     ("wall_s", "wall s"),
 )
@@ -38,9 +43,31 @@ def pct(values: np.ndarray, q: float) -> float:
     return float(xs[k])
 
 
+SAVED_WINDOW_H = 17.5  # the NotebookOS paper's "GPU hours saved in 17.5 hours"
+
+
+def peak_held(r: Result) -> int:
+    """The most GPUs the policy held at once."""
+    if not r.alloc_start.size:
+        return 0
+    t = np.concatenate([r.alloc_start, r.alloc_end])
+    d = np.concatenate([r.alloc_gpus, -r.alloc_gpus])
+    order = np.lexsort((d, t))  # at one instant, releases before grants
+    return int(np.max(np.cumsum(d[order])))
+
+
+def held_before(r: Result, end_ms: float) -> float:
+    """GPU-hours held in ``[0, end_ms)``."""
+    lo = np.minimum(r.alloc_start, end_ms)
+    hi = np.minimum(r.alloc_end, end_ms)
+    return float(np.sum((hi - lo).astype(np.float64) * r.alloc_gpus)) / HOUR
+
+
 def figures(w: Workload, r: Result) -> dict[str, Any]:
     """The row of one policy: GPU-hours allocated and used, utilization (used / allocated), the share
-    of the cluster held, time-to-GPU per cell, cells that waited more than a minute."""
+    of the cluster held, the most GPUs held at once, time-to-GPU per cell, cells that waited more
+    than a minute; culls (only the culler policies cull). With per-cell utilization (a session
+    trace) also ``busy_util``: the GPUs' own mean utilization over all the GPU-time held."""
     alloc = float(np.sum((r.alloc_end - r.alloc_start).astype(np.float64) * r.alloc_gpus))
     used = w.used_gpu_ms()
     wait_s = r.wait_ms.astype(np.float64) / 1000
@@ -57,13 +84,29 @@ def figures(w: Workload, r: Result) -> dict[str, Any]:
         "wait_p50_s": pct(wait_s, 50),
         "wait_p95_s": pct(wait_s, 95),
         "wait_p99_s": pct(wait_s, 99),
+        "wait_max_s": float(wait_s.max()) if wait_s.size else float("nan"),
         "cells_waited_1m": int(np.sum(wait_s > 60)),
         "cells": int(wait_s.size),
+        "peak_gpus": peak_held(r),
+        "culls": 0,
+        "culls_felt": 0,
+        "gpu_hours_window": held_before(r, SAVED_WINDOW_H * HOUR),
+        "busy_util": (
+            float(np.sum(w.util * w.dur * w.cell_gpus) / 100 / alloc) if w.util is not None and alloc else float("nan")
+        ),
         "top_user_share": max(shares.values()) if shares else float("nan"),
         "span_h": (t1 - t0) / HOUR,
         "wall_s": r.wall_s,
         **{k: v for k, v in r.extra.items() if isinstance(v, (int, float))},
     }
+
+
+def add_savings(rows: Sequence[dict[str, Any]]) -> None:
+    """``saved_gpu_hours``: GPU-hours held in the first ``SAVED_WINDOW_H`` hours by the ``session``
+    policy (notebooks that hold their GPUs all their life) minus by this policy; NaN without it."""
+    base = next((r["gpu_hours_window"] for r in rows if r["policy"] == "session"), float("nan"))
+    for row in rows:
+        row["saved_gpu_hours"] = base - row["gpu_hours_window"]
 
 
 def user_shares(w: Workload, r: Result) -> dict[str, float]:
@@ -91,27 +134,56 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _cell(key: str, row: dict[str, Any]) -> str:
+    v = row.get(key, float("nan"))
+    if isinstance(v, float) and v != v:
+        return "-"
+    if key.startswith("wait_"):
+        return _fmt_s(v)
+    if key in ("utilization", "occupancy", "top_user_share", "busy_util"):
+        return f"{v:.1%}"
+    if key.startswith("gpu_hours") or key == "saved_gpu_hours":
+        return f"{v:,.0f}"
+    if key == "cells_waited_1m":
+        return f"{v:,} ({v / max(1, row['cells']):.0%})"
+    if key == "wall_s":
+        return f"{v:.1f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
 def table(rows: Sequence[dict[str, Any]], title: str = "") -> Table:
-    t = Table(title=title or None)
-    for key, head in COLUMNS:
-        t.add_column(head, justify="left" if key == "policy" else "right")
+    """One column per policy, one line per figure (lines that say nothing for any policy left out:
+    NVML utilization without a session trace, culls and savings without those policies)."""
+    t = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("")
     for row in rows:
-        cells = []
-        for key, _ in COLUMNS:
-            v = row[key]
-            if key.startswith("wait_"):
-                cells.append(_fmt_s(v))
-            elif key in ("utilization", "occupancy", "top_user_share"):
-                cells.append(f"{v:.1%}")
-            elif key.startswith("gpu_hours"):
-                cells.append(f"{v:,.0f}")
-            elif key == "cells_waited_1m":
-                cells.append(f"{v:,} ({v / max(1, row['cells']):.1%})")
-            elif key == "wall_s":
-                cells.append(f"{v:.1f}")
-            else:
-                cells.append(str(v))
-        t.add_row(*cells)
+        t.add_column(row["policy"], justify="right", no_wrap=True)
+    for key, head in ROWS:
+        cells = [_cell(key, row) for row in rows]
+        if key in ("busy_util", "saved_gpu_hours") and all(c == "-" for c in cells):
+            continue
+        if key == "culls_felt" and not any(row["policy"].startswith("culler") for row in rows):
+            continue
+        t.add_row(head, *cells)
+    return t
+
+
+def min_table(found: Sequence[Any], title: str = "") -> Table:
+    """One row per policy: the smallest cluster found, and the policy's figures on it."""
+    t = Table(title=title or None, box=box.SIMPLE_HEAD, pad_edge=False)
+    for head in ("policy", "nodes", "GPUs", "util", "peak", "p50", "p95", "p99", "worst", "probes"):
+        t.add_column(head, justify="left" if head == "policy" else "right", no_wrap=head == "policy")
+    for m in found:
+        r = m.row
+        t.add_row(
+            m.policy,
+            str(m.nodes),
+            str(m.gpus),
+            f"{r['utilization']:.0%}",
+            str(r["peak_gpus"]),
+            *(_fmt_s(r[k]) for k in ("wait_p50_s", "wait_p95_s", "wait_p99_s", "wait_max_s")),
+            str(m.probes),
+        )
     return t
 
 
@@ -120,7 +192,8 @@ def user_table(w: Workload, results: Sequence[Result], top: int = 8) -> Table:
     demand = demand_shares(w)
     heavy = sorted(demand, key=lambda u: -demand[u])[:top]
     shares = [user_shares(w, r) for r in results]
-    t = Table(title=f"per-user share of GPU-time (top {len(heavy)} of {len(w.users)} users)")
+    title = f"per-user share of GPU-time (top {len(heavy)} of {len(w.users)} users)"
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("user")
     t.add_column("used", justify="right")
     for r in results:
@@ -169,7 +242,8 @@ def busy_per_bin(starts: np.ndarray, ends: np.ndarray, weights: np.ndarray, edge
 
 
 def plot(path: Path, w: Workload, results: Sequence[Result], title: str = "", bin_h: float = 6.0) -> None:
-    """Utilization (used / allocated GPU-time) over time per policy, and the CDF of time-to-GPU."""
+    """Utilization (used / allocated GPU-time) over time per policy, the CDF of time-to-GPU, and the
+    GPUs each policy held over time against the GPUs its cells used."""
     try:
         import matplotlib
 
@@ -177,20 +251,31 @@ def plot(path: Path, w: Workload, results: Sequence[Result], title: str = "", bi
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("the figure needs matplotlib: pip install 'gpulease[sim]' (or pass --no-plot)") from exc
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 4.5))
     t_end = max(float(max(np.max(r.alloc_end), np.max(r.start + w.dur))) for r in results)
+    span_days = t_end / (24 * HOUR)
+    if span_days < 4:  # a short workload: finer bins, and hours on the axis
+        bin_h = min(bin_h, 1.0)
     edges = np.arange(0.0, t_end + bin_h * HOUR, bin_h * HOUR)
-    mid_days = (edges[:-1] + edges[1:]) / 2 / (24 * HOUR)
-    for r in results:
+    unit, per = ("hour", HOUR) if span_days < 4 else ("day", 24 * HOUR)
+    mid = (edges[:-1] + edges[1:]) / 2 / per
+    fine = np.arange(0.0, t_end + 10 * MIN_MS, 10 * MIN_MS)  # held vs used: 10-minute means
+    fine_mid = (fine[:-1] + fine[1:]) / 2 / per
+    for i, r in enumerate(results):
         alloc = busy_per_bin(r.alloc_start, r.alloc_end, r.alloc_gpus, edges)
         used = busy_per_bin(r.start, r.start + w.dur, w.cell_gpus, edges)
         with np.errstate(invalid="ignore", divide="ignore"):
             util = np.where(alloc > 0, used / alloc, np.nan)
-        ax1.plot(mid_days, util * 100, label=r.policy, lw=1.2)
+        (line,) = ax1.plot(mid, util * 100, label=r.policy, lw=1.2)
         wait = np.sort(r.wait_ms.astype(np.float64) / 1000)
         frac = np.arange(1, wait.size + 1) / max(1, wait.size)
         ax2.step(np.maximum(wait, 0.1), frac, where="post", label=r.policy)
-    ax1.set_xlabel("day")
+        held = busy_per_bin(r.alloc_start, r.alloc_end, r.alloc_gpus, fine) / (10 * MIN_MS)
+        ax3.plot(fine_mid, held, lw=1.0, color=line.get_color(), label=f"{r.policy} held")
+        if i == 0:
+            busy = busy_per_bin(r.start, r.start + w.dur, w.cell_gpus, fine) / (10 * MIN_MS)
+            ax3.fill_between(fine_mid, busy, color="0.8", label="used by cells", step="mid")
+    ax1.set_xlabel(unit)
     ax1.set_ylabel(f"utilization, % of allocated GPU-time used ({bin_h:g} h bins)")
     ax1.set_ylim(0, 105)
     ax1.legend(fontsize=8)
@@ -200,6 +285,9 @@ def plot(path: Path, w: Workload, results: Sequence[Result], title: str = "", bi
     ax2.set_ylim(0, 1.01)
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=8)
+    ax3.set_xlabel(unit)
+    ax3.set_ylabel("GPUs (10-minute means)")
+    ax3.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

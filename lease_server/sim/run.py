@@ -15,7 +15,7 @@ from . import policies, replay, resv
 from .result import Result
 from .workload import Workload
 
-POLICIES = ("calendar", "culler-10m", "culler-60m", "lease", "lease+resv")
+POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+resv")
 LUA_POLICIES = ("lease", "lease+resv")
 
 
@@ -74,7 +74,9 @@ def simulate(
             url = stack.enter_context(private_redis())
         for name in names:
             progress = (lambda t, _n=name: tick(_n, t)) if tick else None
-            if name == "calendar":
+            if name == "session":
+                r = policies.session(w, nodes, progress=progress)
+            elif name == "calendar":
                 r = policies.calendar(w, nodes, progress=progress)
             elif name.startswith("culler-"):
                 r = policies.culler(w, nodes, int(name[7:-1]) * 60, progress=progress)

@@ -12,6 +12,9 @@ Sources:
   June 2021 trace: each row is a cell; the trace has no sessions, so :func:`sessionize` groups the
   rows into sessions (seeded), keeping every arrival, duration and GPU count of the trace;
 * the server's own event log (``gpulease events export``, JSON lines): one cell per ended lease;
+* a NotebookOS workload template (JSON with ``sessions``, e.g. ``adobe_sensei_june_1-2_2021.json``):
+  real sessions, each with its start and stop, the most GPUs it asked for and its cells (GPU cells
+  with their per-GPU utilization, CPU-only cells), read by :func:`load_sessions` as they are;
 * :func:`generate`: synthetic sessions drawn from the statistics :func:`fit` measures on a workload.
 """
 
@@ -73,6 +76,32 @@ class Workload:
     gap: np.ndarray  # per cell: think time before it (ms)
     session: np.ndarray  # per cell: its session
     label: list[str] = field(default_factory=list)  # per cell: where it came from (trace job id)
+    # Real sessions (a session-level trace) also know when the notebook was open, what it asked for
+    # and what else it ran; traces of cells alone leave these None.
+    open: np.ndarray | None = None  # per session: the notebook starts (ms, <= start)
+    stop: np.ndarray | None = None  # per session: the notebook stops when nothing waited (ms)
+    request: np.ndarray | None = None  # per session: the GPUs its pod asks for (>= gpus)
+    util: np.ndarray | None = None  # per cell: mean GPU utilization while it ran (NVML %)
+    cpu: list[list[tuple[int, int]]] | None = None  # per cell: CPU-only cells after it (offset from its end, ms)
+    dropped: int = 0  # sessions of the source without any GPU cell (left out)
+
+    @property
+    def real_sessions(self) -> bool:
+        return self.stop is not None
+
+    def session_open(self) -> np.ndarray:
+        """Per session: when the notebook starts (its first cell's ready time when unknown)."""
+        return self.start if self.open is None else self.open
+
+    def session_request(self) -> np.ndarray:
+        return self.gpus if self.request is None else self.request
+
+    def tail(self) -> np.ndarray:
+        """Per session: from the end of its last cell to the notebook's stop (0 when unknown)."""
+        if self.stop is None:
+            return np.zeros(self.n_sessions, dtype=np.int64)
+        last = self.first + self.count - 1
+        return self.stop - (self.nominal_ready()[last] + self.dur[last])
 
     @property
     def n_cells(self) -> int:
@@ -187,6 +216,129 @@ def load(path: str | Path) -> list[Cell]:
     if p.suffix in (".jsonl", ".json", ".ndjson"):
         return load_events(p)
     return load_trace(p)
+
+
+def is_session_trace(path: str | Path) -> bool:
+    """Whether ``path`` is a session-level workload: one JSON object with a list of ``sessions``
+    (an events export is JSON lines, one object per line)."""
+    p = Path(path)
+    if p.suffix != ".json":
+        return False
+    with open(p, "rb") as f:
+        if not f.read(256).lstrip().startswith(b"{"):
+            return False
+    try:
+        with open(p) as f:
+            doc = json.load(f)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("sessions"), list)
+
+
+TICK_MS = 60_000  # one tick of a NotebookOS workload template
+
+
+def load_sessions(path: str | Path, tick_ms: int = TICK_MS) -> Workload:
+    """A NotebookOS workload template: ``sessions``, each with ``start_tick``, ``stop_tick``,
+    ``max_resource_request.gpus`` and ``trainings`` (``start_tick``, ``duration_in_ticks``, ``gpus``,
+    ``gpu_utilizations``). The sessions and cells are the trace's own: nothing is grouped or drawn.
+    Each session is its own user (the template names no people). Trainings without GPUs are CPU-only
+    cells: they keep the notebook busy (the culler sees them) but ask for no GPU. Sessions that never
+    use a GPU are left out (counted in ``dropped``)."""
+    p = Path(path)
+    try:
+        with open(p) as f:
+            doc = json.load(f)
+        raw = doc["sessions"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{p.name}: not a session workload (a JSON object with 'sessions'): {exc}") from None
+    sessions = []
+    for n, s in enumerate(raw):
+        try:
+            t_open, t_stop = int(s["start_tick"]) * tick_ms, int(s["stop_tick"]) * tick_ms
+            request = int((s.get("max_resource_request") or {}).get("gpus", 0))
+            runs = sorted(
+                (
+                    int(t["start_tick"]) * tick_ms,
+                    max(1, int(t["duration_in_ticks"])) * tick_ms,
+                    int(t.get("gpus", 0)),
+                    [float(u["utilization"]) for u in t.get("gpu_utilizations") or []],
+                )
+                for t in s.get("trainings") or []
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{p.name}: session {n} cannot be read ({exc!r} missing or malformed)") from None
+        sessions.append((t_open, t_stop, request, str(s.get("id") or n), runs))
+    sessions.sort(key=lambda x: (x[0], x[3]))
+    kept = [x for x in sessions if any(r[2] > 0 for r in x[4])]
+    if not kept:
+        raise ValueError(f"{p.name}: no session runs a GPU cell")
+    ns = len(kept)
+    start, user, gpus, first, count = (np.zeros(ns, dtype=np.int64) for _ in range(5))
+    s_open, s_stop, s_req = (np.zeros(ns, dtype=np.int64) for _ in range(3))
+    dur: list[int] = []
+    gap: list[int] = []
+    session: list[int] = []
+    util: list[float] = []
+    cpu: list[list[tuple[int, int]]] = []
+    label: list[str] = []
+    for si, (t_open, t_stop, request, sid, runs) in enumerate(kept):
+        gpu_runs = [r for r in runs if r[2] > 0]
+        g = max(r[2] for r in gpu_runs)
+        start[si], user[si], gpus[si], first[si], count[si] = gpu_runs[0][0], si, g, len(dur), len(gpu_runs)
+        s_open[si], s_req[si] = min(t_open, gpu_runs[0][0]), max(request, g)
+        prev_end = None
+        k = 0
+        for t0, d, rg, us in runs:
+            if rg == 0:
+                if prev_end is not None:  # CPU work after a GPU cell: the culler sees it
+                    cpu[-1].append((t0 - prev_end, d))
+                continue
+            dur.append(d)
+            gap.append(0 if prev_end is None else max(0, t0 - prev_end))
+            session.append(si)
+            util.append(sum(us) / len(us) if us else 100.0)
+            cpu.append([])
+            label.append(f"{sid[:8]}/{k}")
+            prev_end = t0 + d
+            k += 1
+        s_stop[si] = max(t_stop, prev_end or t_stop, max(t0 + d for t0, d, _, _ in runs))
+    users = [f"s{si:02d}-{x[3][:4]}" for si, x in enumerate(kept)]
+    return Workload(
+        p.name,
+        users,
+        start,
+        user,
+        gpus,
+        first,
+        count,
+        np.asarray(dur, dtype=np.int64),
+        np.asarray(gap, dtype=np.int64),
+        np.asarray(session, dtype=np.int64),
+        label,
+        open=s_open,
+        stop=s_stop,
+        request=s_req,
+        util=np.asarray(util, dtype=np.float64),
+        cpu=cpu,
+        dropped=len(sessions) - ns,
+    )
+
+
+def window(w: Workload, hours: float) -> Workload:
+    """The part of a session workload that starts in its first ``hours`` (live-replay slices):
+    sessions opened before then, their cells that start before then, cut at the window's end."""
+    end = int(hours * HOUR)
+    ready = w.nominal_ready()
+    cells: list[Cell] = []
+    for s in range(w.n_sessions):
+        if w.session_open()[s] >= end:
+            continue
+        for c in range(int(w.first[s]), int(w.first[s] + w.count[s])):
+            if ready[c] < end:
+                d = int(min(w.dur[c], end - ready[c]))
+                cells.append(Cell(int(ready[c]), d, int(w.gpus[s]), w.label[c], w.users[int(w.user[s])], f"s{s}"))
+    return from_cells(cells, name=f"{w.name} (first {hours:g} h)")
 
 
 def _zipf_users(n: int, exponent: float) -> np.ndarray:
