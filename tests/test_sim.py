@@ -224,6 +224,7 @@ def test_sessionize_keeps_the_trace_and_is_seeded():
         assert (a.gap[f + 1 : f + n] >= 0).all()
 
 
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the NotebookOS June trace is not at {TRACE}")
 def test_generator_fitted_to_a_workload():
     cells = workload.load_trace(TRACE)[:3000]
     w = workload.sessionize(cells)

@@ -91,6 +91,7 @@ def simulate(
                 wait_s=max_wait,
                 quantile=int(quantile),
                 params=params,
+                max_cell_hours=max_cell_hours,
                 redis_url=redis_url,
                 console=console,
             )

@@ -165,12 +165,13 @@ def find_min(
     wait_s: float = 60.0,
     quantile: int = 95,
     params: workload.SessionParams | None = None,
+    max_cell_hours: float | None = None,
     redis_url: str | None = None,
     console: Console | None = None,
 ) -> list[MinCluster]:
     """``gpulease simulate --find-min-gpus``: the search for each policy, and its table."""
     console = console or Console()
-    w = load_workload(trace, params or workload.SessionParams())
+    w = load_workload(trace, params or workload.SessionParams(), max_cell_hours)
     want = f"p{quantile} time-to-GPU <= {wait_s:g} s"
     console.print(describe(w) + f"; searching in nodes of {node_gpus} for {want}")
     found = []
