@@ -5,11 +5,14 @@ command line, and the Adobe 1-2 June 2021 template's own figures (where the trac
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lease_server.client import Client
 from lease_server.sim import command, policies, report, workload
 from lease_server.sim.replay import cluster
 from lease_server.sim.run import simulate
@@ -184,3 +187,88 @@ def test_adobe_template_figures_as_its_source_states(redis_server):
     assert session["gpu_hours_window"] == pytest.approx(1493, abs=1)
     assert lease["peak_gpus"] == 64 and lease["wait_p99_s"] == 0
     assert lease["saved_gpu_hours"] == pytest.approx(1493 - 319, abs=1.5)
+
+
+SPEED = 60  # the live replay runs 60x faster than the trace: one simulated minute is one second
+
+
+@pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
+def test_simulator_and_a_live_stack_agree_on_the_first_two_hours(tmp_path_factory, redis_server):
+    """The template's first 2 hours, 60x faster, played live through ``run_call`` (what
+    ``run_on_gpus`` and ``%%gpu_train`` run) against ``gpulease up --simulate`` with one 8-GPU node:
+    real lease server, real Ray workers, cells that sleep, one user per notebook, each notebook a
+    thread. The simulation of the same slice grants in the same order. Its waits differ from the live
+    ones by what a live cell costs beyond the trace's duration (a Ray worker's start and end); so the
+    simulator is also fed what the live run measured (each request's time and each lease's held
+    time, from the server's event log) and must then give every wait within 1 simulated second."""
+    ray = pytest.importorskip("ray")
+    from magics.calls import Call
+    from magics.outcomes import RecordingUI
+    from magics.runner import Options, run_call
+    from magics.session import Session
+    from tests.conftest import Up
+
+    w = workload.window(workload.load_sessions(ADOBE), 2.0)
+    (sim,) = simulate(w, [8], ["lease"], redis_url=redis_server.url)
+    assert sim.wait_ms.max() > 0, "the slice should make someone wait on one node"
+
+    stack = Up(tmp_path_factory.mktemp("adobe-live"), simulate="box=8xA100-80GB")
+    failures: list[BaseException] = []
+    try:
+        admin = Client(stack.url, (stack.data / "token").read_text().strip())
+        tokens = {u: admin.request("POST", "/api/v1/tokens", json={"user": u})["token"] for u in w.users}
+        t0 = time.monotonic() + 3.0
+
+        def play(s: int) -> None:
+            sess = Session()
+            sess.defaults.url, sess.defaults.token = stack.url, tokens[w.users[int(w.user[s])]]
+            try:
+                at = t0 + int(w.start[s]) / 1000 / SPEED
+                for c in range(int(w.first[s]), int(w.first[s] + w.count[s])):
+                    if c > w.first[s]:
+                        at = time.monotonic() + int(w.gap[c]) / 1000 / SPEED
+                    time.sleep(max(0.0, at - time.monotonic()))  # the person's think time
+                    seconds = int(w.dur[c]) / 1000 / SPEED
+                    opts = Options(gpus=int(w.gpus[s]), label=w.label[c], wait=600)
+                    run_call(Call.function(time.sleep, seconds), opts, RecordingUI(), sess)
+            except BaseException as exc:  # surfaced below
+                failures.append(exc)
+            finally:
+                sess.release_all()
+
+        threads = [threading.Thread(target=play, args=(s,)) for s in range(w.n_sessions)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(600)
+        assert not failures, failures
+        events = admin.events("-", 1000)
+        admin.close()
+    finally:
+        ray.shutdown()
+        stack.interrupt()
+
+    grants = [e for e in events if e["type"] == "grant"]
+    ended = {e["lease"]: e["ts"] for e in events if e["type"] in ("released", "expired", "revoked")}
+    assert [g["label"] for g in grants] == [w.label[c] for c in sim.order]
+    # the simulator fed the live run's own request and held times: every wait within 1 simulated s
+    base = min(g["ts"] - g["waited_ms"] / 1000 for g in grants)
+    by_label = {w.label[c]: c for c in range(w.n_cells)}
+    fed = workload.from_cells(
+        workload.Cell(
+            round((g["ts"] - g["waited_ms"] / 1000 - base) * 1000 * SPEED),
+            round((ended[g["lease"]] - g["ts"]) * 1000 * SPEED),
+            int(w.cell_gpus[by_label[g["label"]]]),
+            g["label"],
+            g["user"],
+            g["label"],  # each cell its own session: its request time is the live one
+        )
+        for g in grants
+    )
+    (again,) = simulate(fed, [8], ["lease"], redis_url=redis_server.url)
+    live_wait = {g["label"]: g["waited_ms"] * SPEED for g in grants}
+    trace_wait = {w.label[c]: int(sim.wait_ms[c]) for c in range(w.n_cells)}
+    print("simulated ms waited, trace vs live:", {k: (trace_wait[k], live_wait[k]) for k in live_wait if live_wait[k]})
+    for c in range(fed.n_cells):
+        assert abs(int(again.wait_ms[c]) - live_wait[fed.label[c]]) <= 1000, fed.label[c]
+    assert [fed.label[c] for c in again.order] == [g["label"] for g in grants]
