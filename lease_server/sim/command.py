@@ -121,7 +121,7 @@ def find_min_nodes(
     on_probe: Callable[[str, int, dict[str, Any]], None] | None = None,
 ) -> MinCluster:
     """Search the fewest nodes of ``node_gpus`` on which ``policy`` keeps time-to-GPU per cell at
-    its ``quantile`` (95 or 99) at most ``wait_s``; each probe is a full replay. Doubling from the
+    its ``quantile`` (95 or 99; 100: the longest wait) at most ``wait_s``; each probe is a full replay. Doubling from the
     fewest nodes that can hold the biggest request, then bisection. One node per session is always
     enough (no session ever shares a node), so the search ends there at the latest. Assumes more
     nodes never make the percentile worse."""
@@ -140,7 +140,7 @@ def find_min_nodes(
                 on_probe(policy, n, seen[n])
         return bool(seen[n][key] <= wait_s)
 
-    key = f"wait_p{quantile}_s"
+    key = "wait_max_s" if quantile == 100 else f"wait_p{quantile}_s"
 
     n = lo
     while not ok(n):
