@@ -122,9 +122,9 @@ def find_min_nodes(
 ) -> MinCluster:
     """Search the fewest nodes of ``node_gpus`` on which ``policy`` keeps time-to-GPU per cell at
     its ``quantile`` (95 or 99; 100: the longest wait) at most ``wait_s``; each probe is a full
-    replay. Doubling from the fewest nodes that can hold the biggest request, then bisection. One node per session is always
-    enough (no session ever shares a node), so the search ends there at the latest. Assumes more
-    nodes never make the percentile worse."""
+    replay. Doubling from the fewest nodes that can hold the biggest request, then bisection. One
+    node per session is always enough (no session ever shares a node), so the search ends there at
+    the latest. Assumes more nodes never make the percentile worse."""
     lo = max(1, -(-int(w.session_request().max()) // node_gpus))
     hi_cap = max(lo, w.n_sessions)
     probes = 0
