@@ -193,6 +193,7 @@ SPEED = 60  # the live replay runs 60x faster than the trace: one simulated minu
 
 
 @pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
+@pytest.mark.timeout(600)  # two hours of trace at 60x, and a stack to start
 def test_simulator_and_a_live_stack_agree_on_the_first_two_hours(tmp_path_factory, redis_server):
     """The template's first 2 hours, 60x faster, played live through ``run_call`` (what
     ``run_on_gpus`` and ``%%gpu_train`` run) against ``gpulease up --simulate`` with one 8-GPU node:
