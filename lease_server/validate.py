@@ -571,7 +571,7 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                 Field("notebook", nullable(_text("For the usage ledger")), check=lambda v: check_text("notebook", v)),
                 Field(
                     "cell",
-                    nullable(_text("The cell's hash, for the usage ledger")),
+                    nullable(_text("The cell: its number in the notebook (In [4] sends 4), else a hash of its source")),
                     check=lambda v: check_text("cell", v),
                 ),
                 Field(

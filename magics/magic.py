@@ -139,6 +139,12 @@ class GpuMagics(Magics):
 
         threading.Thread(target=warm, name="gpulease-prewarm", daemon=True).start()
 
+    def _cell_number(self) -> str:
+        """The running cell's number as the notebook shows it (``In [4]``): the board's tile then
+        reads "train.ipynb · cell 4". IPython counts a cell while it runs and moves on after."""
+        count = getattr(self.shell, "execution_count", None)
+        return str(count) if isinstance(count, int) and count > 0 else ""
+
     def _options(self, args: Any, label: str) -> Options:
         try:
             gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
@@ -157,6 +163,7 @@ class GpuMagics(Magics):
             label=label,
             session=_kernel_session(),
             notebook=os.environ.get("JPY_SESSION_NAME", ""),
+            cell=self._cell_number(),
             outputs=outputs,
             resume=args.resume,
         )

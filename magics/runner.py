@@ -162,7 +162,7 @@ class Options:
     label: str = ""
     session: str = ""  # the kernel (its leases are released when it shuts down)
     notebook: str = ""
-    cell: str = ""  # a hash of the cell's source, for the usage ledger
+    cell: str = ""  # the cell's number in its notebook (the magic sends it), else a hash of its source
     all_ranks: bool = False  # a gang's value: every rank's (else rank 0's)
     outputs: list[str] | None = None  # a cell's names to bring back (None: all it assigns)
     resume: bool = False  # a cell reads gpu_checkpoint as resume_state

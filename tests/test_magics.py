@@ -139,9 +139,11 @@ def test_kernel_is_cpu_only_and_the_cell_sees_exactly_its_lease(stack, kernel):
     assert text(out, "execute_result") == "4"
     out = kernel.run("print(seen, losses, uuids)")
     assert text(out).strip() == "0,1 [0, 3, 6, 9] GPU-sim-box-0,GPU-sim-box-1"
-    lease_id = text(kernel.run("print(lease_id)")).strip()
+    lease_id, count = text(kernel.run("print(lease_id, get_ipython().execution_count)")).split()
     lease = api(stack, "GET", f"/api/v1/leases/{lease_id}")
     assert lease["state"] == "released" and [g["index"] for g in lease["gpus"]] == [0, 1]
+    # The lease names the cell as the notebook numbers it (In [n]): the board's tile says "cell n".
+    assert lease["cell"] == str(int(count) - 2), (lease, count)
     assert free_gpus(stack) == 2
 
 

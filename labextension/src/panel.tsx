@@ -76,7 +76,8 @@ export function holderOrigin(holder: IHolder, mine: ILease | undefined): { text:
     return label ? { text: label, title: label } : null;
   }
   const name = notebook.split('/').pop() || notebook;
-  // A cell number reads as one; the magic's hash of the cell's source is only a tooltip detail.
+  // A cell number (the magic sends In [n]'s n) reads as one; a hash of a cell's source (run_cell
+  // outside a kernel) is only a tooltip detail.
   const numbered = /^\d+$/.test(cell);
   const text = numbered ? `${name} · cell ${cell}` : name;
   const title = [label, cell && !numbered ? `cell ${cell}` : ''].filter(Boolean).join(' · ') || text;

@@ -7,7 +7,7 @@
 -- ARGV[14] = priority class (integer, higher first under the "priority" scheduler; 1 = normal)
 -- ARGV[15] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
 -- ARGV[16] = nodes: 1, or k > 1 for a gang of gpus / k GPUs on each of k nodes, all or nothing
--- ARGV[17] = the notebook the request comes from ("" if unknown)   ARGV[18] = the cell's hash ("")
+-- ARGV[17] = the notebook the request comes from ("" if unknown)   ARGV[18] = the cell: its number, or a hash ("")
 -- {UNSATISFIABLE, largest node size, nodes that could hold a gang's share} when no node (or too
 -- few nodes, for a gang) could ever serve the request
 -- returns {OK, lease JSON} | {QUEUED, position} |
