@@ -45,6 +45,9 @@ BUILT = REPO / "jupyter_ext" / "labextension"
 ARTIFACTS = Path(os.environ.get("GPULEASE_TEST_ARTIFACTS", REPO / "test-artifacts"))
 # The browser's time zone: not UTC, so the calendar's local times really are converted.
 TIME_ZONE = "Europe/Berlin"
+# The browser's locale: en-GB reads a 24-hour clock. One test runs in en-US (12-hour) to show that every
+# time on the page follows the locale's clock, as the form's native date-time inputs do.
+LOCALE = "en-GB"
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing: apt-get install -y chromium to run the UI tests"
@@ -135,13 +138,14 @@ def clients(server: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def page(lab: Lab, clients: dict[str, Any], tmp_path: Path) -> Iterator[Any]:
+def page(lab: Lab, clients: dict[str, Any], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
+    locale = getattr(request, "param", LOCALE)  # @pytest.mark.parametrize("page", ["en-US"], indirect=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": 1400, "height": 900}, timezone_id=TIME_ZONE)
+            context = browser.new_context(viewport={"width": 1400, "height": 900}, timezone_id=TIME_ZONE, locale=locale)
             context.set_default_timeout(20_000)
             yield context.new_page()
         finally:
@@ -531,6 +535,33 @@ def test_a_clash_is_refused_with_the_clashing_booking_and_a_suggestion_books_in_
     expect(page.get_by_role("button", name=re.compile(rf"^Booking {made['id']}: alice, 1 GPU, "))).to_be_attached()
     page.screenshot(path=str(shots / "3-booked.png"), full_page=True)
     print(f"screenshots: {shots}")
+
+
+@pytest.mark.parametrize("page", ["en-US"], indirect=True)
+def test_in_a_12_hour_locale_every_time_on_the_page_reads_12_hour(
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
+) -> None:
+    """en-US: Chromium's date-time inputs show 12-hour times, so the grid, the bookings and the clash
+    panel do too (one clock on the page, named once beside the zone)."""
+    from playwright.sync_api import expect
+
+    day = tomorrow() + timedelta(days=2)
+    full = book(clients["bob"], day, "13:00", "15:00", 6, note="all of them")
+    open_calendar(page, lab, "A100-80GB", day)
+    slot = page.locator('td.fc-timegrid-slot-label[data-time="13:00:00"]')
+    expect(slot).to_have_text(re.compile(r"^\s*1:00\sPM\s*$"))
+    name = re.compile(rf"^Booking {full['id']}: bob, 6 GPUs, \w+ \d+ \w+ 1:00 PM–3:00 PM")
+    expect(page.get_by_role("button", name=name)).to_be_visible()
+
+    drag(page, day, "15:30", "14:30")  # upwards from below bob's booking: 14:30-16:00 clashes with it
+    dialog = page.get_by_role("dialog", name="Book GPUs of A100-80GB")
+    expect(dialog.get_by_label("Start")).to_have_value(f"{day.isoformat()}T14:30")  # the input's value is ISO
+    clash = dialog.get_by_role("alert", name="clash")
+    expect(clash).to_contain_text(f"Times in {TIME_ZONE} (12-hour)")
+    expect(clash.get_by_role("list", name="clashing bookings")).to_contain_text("1:00 PM–3:00 PM")
+    expect(clash.locator("strong")).to_contain_text("2:30 PM–4:00 PM")
+    expect(clash).not_to_contain_text("13:")
+    page.screenshot(path=str(shots / "1-en-US-clash.png"), full_page=True)
 
 
 def test_the_keyboard_form_books_without_dragging(page: Any, lab: Lab, clients: dict[str, Any], shots: Path) -> None:

@@ -30,10 +30,24 @@ const DAYS = ['Sun', 'Mon', 'Tue', 'Wed', 'Thu', 'Fri', 'Sat'];
 const MONTHS = ['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun', 'Jul', 'Aug', 'Sep', 'Oct', 'Nov', 'Dec'];
 const pad = (n: number) => String(n).padStart(2, '0');
 
-/** "Tue 24 Nov 10:00" in the browser's time zone (24 h, the same in every locale). */
+/**
+ * The browser locale's clock: true where it reads 12-hour (en-US), false for 24-hour (de-DE, en-GB).
+ * Every time on the page (grid, lists, clash) follows it, as the form's native date-time inputs do.
+ */
+export const HOUR12 = new Intl.DateTimeFormat(undefined, { hour: 'numeric' }).resolvedOptions().hour12 === true;
+
+/** "10:00", or "10:00 AM" where the locale's clock is 12-hour. */
+function clock(d: Date): string {
+  if (!HOUR12) {
+    return `${pad(d.getHours())}:${pad(d.getMinutes())}`;
+  }
+  return `${((d.getHours() + 11) % 12) + 1}:${pad(d.getMinutes())} ${d.getHours() < 12 ? 'AM' : 'PM'}`;
+}
+
+/** "Tue 24 Nov 10:00" in the browser's time zone, on the locale's clock. */
 export function formatTime(epoch: number): string {
   const d = new Date(epoch * 1000);
-  return `${DAYS[d.getDay()]} ${d.getDate()} ${MONTHS[d.getMonth()]} ${pad(d.getHours())}:${pad(d.getMinutes())}`;
+  return `${DAYS[d.getDay()]} ${d.getDate()} ${MONTHS[d.getMonth()]} ${clock(d)}`;
 }
 
 /** "Tue 24 Nov 10:00–12:00", or with both dates when the window spans midnight. */
@@ -41,7 +55,7 @@ export function formatWindow(start: number, end: number): string {
   const a = new Date(start * 1000);
   const b = new Date(end * 1000);
   const sameDay = a.toDateString() === b.toDateString();
-  return `${formatTime(start)}–${sameDay ? `${pad(b.getHours())}:${pad(b.getMinutes())}` : formatTime(end)}`;
+  return `${formatTime(start)}–${sameDay ? clock(b) : formatTime(end)}`;
 }
 
 export function gpuCount(n: number): string {
@@ -163,8 +177,9 @@ export function BookingCalendar(props: {
       allDaySlot: false,
       height: 620,
       slotDuration: '00:30:00',
-      slotLabelFormat: { hour: '2-digit', minute: '2-digit', hour12: false },
-      eventTimeFormat: { hour: '2-digit', minute: '2-digit', hour12: false },
+      // The locale's clock, as the form's inputs and every other time on the page.
+      slotLabelFormat: { hour: HOUR12 ? 'numeric' : '2-digit', minute: '2-digit', hour12: HOUR12 },
+      eventTimeFormat: { hour: HOUR12 ? 'numeric' : '2-digit', minute: '2-digit', hour12: HOUR12 },
       scrollTime: `${pad(Math.max(0, new Date().getHours() - 1))}:00:00`,
       nowIndicator: true,
       selectable: true,
@@ -766,7 +781,9 @@ function CheckView(props: {
       <strong title={check.serverMessage}>{check.message}</strong>
       {clash && (
         <>
-          <p className="jp-GpuLease-hint jp-GpuLease-zone">Times in {ZONE} (24-hour), as on the calendar.</p>
+          <p className="jp-GpuLease-hint jp-GpuLease-zone">
+            Times in {ZONE} ({HOUR12 ? '12-hour' : '24-hour'}), as on the calendar.
+          </p>
           <p>
             At most {gpuCount(clash.max_gpus)} of the {clash.capacity} in {pool} can be booked then
             {clash.reserved ? ` (${clash.reserved} already booked)` : ''}.
