@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from types import ModuleType
 from typing import Any
@@ -30,10 +31,11 @@ def _text(value: Any) -> str:
 
 
 def pool_name(model: str, memory_mb: int) -> str:
-    """Default pool of a GPU: its model and memory, e.g. "A100-SXM4-80GB" -> "A100-SXM4-80GB"."""
+    """Default pool of a GPU: its model and memory, e.g. "A100-SXM4-80GB" -> "A100-SXM4-80GB",
+    "NVIDIA H100 80GB HBM3" -> "H100-80GB-HBM3", "Tesla T4" -> "Tesla-T4-15GB"."""
     name = model.replace("NVIDIA ", "").strip().replace(" ", "-")
     gb = round(memory_mb / 1024)
-    if gb and not name.upper().endswith("GB"):
+    if gb and not re.search(r"\d+GB", name.upper()):  # the model may name its memory anywhere in it
         name = f"{name}-{gb}GB"
     return "".join(c for c in name if c.isalnum() or c in "._-")[:63] or "gpu"
 
@@ -85,11 +87,21 @@ class NvmlSampler:
         nvml.nvmlInit()
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
 
+    def used_mb(self, handle: Any) -> int:
+        """Memory the processes use, in MiB. NVML's v1 reading counts what the driver reserves for
+        itself (480 MiB on an idle H100 80GB HBM3, where nvidia-smi says 0); v2 does not."""
+        nvml = self.nvml
+        try:
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+        except (AttributeError, TypeError, nvml.NVMLError):  # an older driver or nvidia-ml-py: v1
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(mem.used // (1024 * 1024))
+
     def sample(self) -> list[dict[str, Any]]:
         nvml, out = self.nvml, []
         for index, handle in enumerate(self.handles):
             util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle).used // (1024 * 1024)
+            mem = self.used_mb(handle)
             try:
                 procs = [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
             except nvml.NVMLError:  # not supported on some boards: no process evidence then

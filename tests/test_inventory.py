@@ -56,7 +56,7 @@ def nvml_like(gpus: list[tuple[str, str, int]]) -> types.SimpleNamespace:
     for name, fn in fns.items():
         real = getattr(pynvml, name)
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(real).parameters), name
-    return types.SimpleNamespace(NVMLError=pynvml.NVMLError, **fns)
+    return types.SimpleNamespace(NVMLError=pynvml.NVMLError, nvmlMemory_v2=pynvml.nvmlMemory_v2, **fns)
 
 
 def test_nvml_inventory_reads_index_uuid_model_memory():
@@ -92,6 +92,8 @@ def test_agent_cli_without_gpus_fails_with_one_clear_line():
 def test_pool_names():
     assert pool_name("NVIDIA A100-SXM4-80GB", 81920) == "A100-SXM4-80GB"
     assert pool_name("Tesla T4", 15360) == "Tesla-T4-15GB"
+    # what NVML names the H100 SXM (read on one): the memory is in the name already, mid-way
+    assert pool_name("NVIDIA H100 80GB HBM3", 81559) == "H100-80GB-HBM3"
 
 
 def test_parse_simulate_single_and_many_nodes():
@@ -119,9 +121,15 @@ def test_nvml_sampler_reads_utilization_memory_and_processes():
         rates.gpu, rates.memory = util[handle], 0
         return rates
 
+    reserved = 480 * 2**20  # what the driver keeps for itself (an idle H100 80GB HBM3)
+
     def nvmlDeviceGetMemoryInfo(handle, version=None):  # noqa: ANN001, ANN202, N802
-        mem = pynvml.c_nvmlMemory_t()
-        mem.total, mem.used = 80 * gib, used[handle]
+        if version:  # v2: the driver's reservation apart from the processes' memory
+            mem = pynvml.c_nvmlMemory_v2_t()
+            mem.total, mem.reserved, mem.used = 80 * gib, reserved, used[handle]
+            return mem
+        mem = pynvml.c_nvmlMemory_t()  # v1: "used" counts the reservation too
+        mem.total, mem.used = 80 * gib, used[handle] + reserved
         return mem
 
     def nvmlDeviceGetComputeRunningProcesses(handle):  # noqa: ANN001, ANN202, N802
@@ -136,4 +144,6 @@ def test_nvml_sampler_reads_utilization_memory_and_processes():
         {"index": 0, "util": 97, "mem_mb": 30 * 1024, "procs": [4242]},
         {"index": 1, "util": 0, "mem_mb": 0, "procs": []},
     ]
+    del nvml.nvmlMemory_v2  # an nvidia-ml-py without v2: the v1 reading, reservation and all
+    assert [g["mem_mb"] for g in sampler.sample()] == [30 * 1024 + 480, 480]
     sampler.close()
