@@ -25,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import __version__, errors, events, inventory, metrics, reclaim, usage, validate
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
-from .engine import Engine, connect
+from .engine import Engine, connect, migrate_untagged
 from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
@@ -66,6 +66,7 @@ class Context:
         self.reaper = Reaper(self.store)
 
     async def start(self) -> None:
+        await migrate_untagged(self.redis, self.engine.keys)
         await self.store.start()
         self.reaper.start()
 

@@ -18,6 +18,11 @@ PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     prefix: str = "gpulease"
+    # Durability: a state change is acknowledged to a client only once WAIT confirms that this many
+    # replicas have it (else 503, and the client retries). 0 for one Redis (gpulease up); 1 with a
+    # replica and Sentinel (docs/deploy.md), so a failover cannot lose an acknowledged grant.
+    replicas_ack: int = 0
+    replicas_ack_timeout: float = 1.0  # seconds WAIT waits for the replicas
     host: str = "127.0.0.1"
     port: int = 8470
     default_ttl: float = 15.0  # seconds a lease lives without renewal
@@ -122,6 +127,11 @@ class Settings:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in quota.values()
             ):
                 raise ConfigurationError(f'quota of pool {pool} must map users, "*" or "team:NAME" to GPU counts')
+        if self.replicas_ack < 0 or self.replicas_ack_timeout <= 0:
+            raise ConfigurationError(
+                "replicas_ack must be 0 (one Redis) or the replicas a change must reach (1 with Sentinel), "
+                "and replicas_ack_timeout a positive number of seconds"
+            )
         if self.heartbeat_interval >= self.heartbeat_timeout:
             raise ConfigurationError(
                 f"heartbeat_interval ({self.heartbeat_interval}s) must be below heartbeat_timeout "

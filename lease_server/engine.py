@@ -7,22 +7,26 @@ scripts and the settings, and :meth:`Engine.run` to call a script through its ty
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection as AsyncConnection
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import Settings
+from .errors import ConfigurationError
 from .keys import Keys
 from .scripts import Code, Common, Samples, ScriptCall, Scripts
 
 
-class HiredisPackConnection(AsyncConnection):
+class _HiredisPack:
     """redis-py's asyncio client packs commands in Python (about 40 us for a script call with 20
     keys and 20 arguments, more than Redis takes to run it); hiredis packs them in C. Commands
     hiredis cannot pack fall back to redis-py."""
@@ -33,13 +37,89 @@ class HiredisPackConnection(AsyncConnection):
                 return [hiredis.pack_command(args)]
             except (TypeError, ValueError):
                 pass
-        return super().pack_command(*args)  # type: ignore[no-any-return]
+        return super().pack_command(*args)  # type: ignore[misc, no-any-return]
+
+
+class HiredisPackConnection(_HiredisPack, AsyncConnection):
+    pass
+
+
+class HiredisSentinelConnection(_HiredisPack, SentinelManagedConnection):
+    pass
+
+
+class FencingSentinel(Sentinel):
+    """Sentinel that also keeps, per service, the highest config epoch the sentinels reported with
+    the primary's address. Sentinel raises that epoch for every failover before it hands out the new
+    primary's address, so it is the fencing epoch (lua/_lib.lua next_token argues why it suffices)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.epochs: dict[str, int] = {}
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        problems = []
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                masters = await sentinel.sentinel_masters()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                problems.append(f"{sentinel}: {exc!r}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask this one first next time
+                epoch = int(state.get("config-epoch") or 0)
+                self.epochs[service_name] = max(epoch, self.epochs.get(service_name, 0))
+                return state["ip"], int(state["port"])
+        raise MasterNotFoundError(f"no primary for {service_name!r} known to any sentinel: {'; '.join(problems)}")
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """``redis+sentinel://[[user]:password@]host:port,host:port/SERVICE[/DB][?sentinel_password=X]``."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+    sentinel_password: str | None
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelUrl:
+        parts = urlsplit(url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        user, _, password = userinfo.partition(":")
+        sentinels = []
+        for host in hosts.split(","):
+            name, _, port = host.strip().rpartition(":") if ":" in host else (host.strip(), "", "26379")
+            if not name or not port.isdigit():
+                raise ConfigurationError(
+                    f"{url!r}: each sentinel is host:port, e.g. redis+sentinel://h1:26379,h2:26379/mymaster/0"
+                )
+            sentinels.append((name.strip("[]"), int(port)))
+        path = [p for p in parts.path.split("/") if p]
+        if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+            raise ConfigurationError(f"{url!r}: name the Sentinel service and the database, e.g. .../mymaster/0")
+        query = dict(parse_qsl(parts.query))
+        return cls(
+            tuple(sentinels),
+            path[0],
+            int(path[1]) if len(path) == 2 else 0,
+            unquote(user) or None,
+            unquote(password) or None,
+            query.get("sentinel_password"),
+        )
 
 
 def connect(url: str, **kw: Any) -> Redis:
     """The lease server's Redis client: hiredis packing, and a pooled connection that Redis
     dropped (restart, failover) retried on a fresh one. Every script is safe to resend: a resent
-    acquire finds its own lease id, a resent release finds the lease ended."""
+    acquire finds its own lease id, a resent release finds the lease ended.
+
+    ``redis://`` / ``rediss://`` / ``unix://``: one Redis. ``redis+sentinel://h1:26379,h2:26379/mymaster/0``:
+    the primary that the sentinels name, found again after a failover (a connection to a demoted
+    primary fails with READONLY and is retried on the new one, for up to about 15 s)."""
     options: dict[str, Any] = {
         "decode_responses": True,
         "health_check_interval": 30,
@@ -48,7 +128,71 @@ def connect(url: str, **kw: Any) -> Redis:
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
         "connection_class": HiredisPackConnection,
     }
-    return Redis.from_url(url, **{**options, **kw})
+    if not url.startswith("redis+sentinel://"):
+        return Redis.from_url(url, **{**options, **kw})
+    u = SentinelUrl.parse(url)
+    sentinel_kwargs = {"password": u.sentinel_password, "socket_timeout": 1.0, "socket_connect_timeout": 1.0}
+    options.update(
+        # A failover takes Sentinel's down-after-milliseconds plus a second or two: keep retrying
+        # that long before the request fails (503, "retry in a few seconds").
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=20),
+        connection_class=HiredisSentinelConnection,
+        db=u.db,
+        username=u.username,
+        password=u.password,
+        socket_timeout=5.0,
+        socket_connect_timeout=1.0,
+    )
+    options.update(kw)
+    sentinel = FencingSentinel(list(u.sentinels), sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(u.service, redis_class=Redis, **options)  # type: ignore[no-any-return]
+
+
+def resolve_primary(url: str) -> str:
+    """A ``redis://`` URL of the primary that a ``redis+sentinel://`` URL names now (other URLs as
+    they are): for tools that hold one plain connection, such as the simulator's replay."""
+    if not url.startswith("redis+sentinel://"):
+        return url
+    from redis.sentinel import Sentinel as SyncSentinel
+
+    u = SentinelUrl.parse(url)
+    sentinel = SyncSentinel(list(u.sentinels), sentinel_kwargs={"password": u.sentinel_password, "socket_timeout": 1.0})
+    host, port = sentinel.discover_master(u.service)
+    auth = ""
+    if u.password:
+        auth = f"{quote(u.username or '')}:{quote(u.password)}@"
+    return f"redis://{auth}{host}:{port}/{u.db}"
+
+
+def fencing_epoch(redis: Redis) -> int:
+    """The fencing epoch for the primary ``redis`` talks to: Sentinel's config epoch (0 without
+    Sentinel: one Redis has no failover, and its fencing counter survives restarts with AOF)."""
+    pool = redis.connection_pool
+    if isinstance(pool, SentinelConnectionPool) and isinstance(pool.sentinel_manager, FencingSentinel):
+        return pool.sentinel_manager.epochs.get(pool.service_name, 0)
+    return 0
+
+
+async def migrate_untagged(redis: Redis, keys: Keys) -> int:
+    """Rename the keys of a deployment made before keys carried the hash tag ("gpulease:leases" ->
+    "{gpulease}:leases"), and turn its string fencing counter into the {e, n} hash. Idempotent;
+    returns how many keys were renamed. A tagged key that already exists is left alone."""
+    renamed = 0
+    old_keys = [keys.untagged(k) for k in keys.all()]
+    async for key in redis.scan_iter(match=keys.untagged(keys.samples("*")), count=1000):
+        old_keys.append(key)
+    for old in old_keys:
+        new = "{" + keys.prefix + "}" + old[len(keys.prefix) :]
+        if await redis.exists(old) and not await redis.exists(new):
+            await redis.rename(old, new)
+            renamed += 1
+    if await redis.type(keys.fence) == "string":
+        n = int(await redis.get(keys.fence) or 0)
+        pipe = redis.pipeline(transaction=True)
+        pipe.delete(keys.fence)
+        pipe.hset(keys.fence, mapping={"e": 0, "n": n})
+        await pipe.execute()
+    return renamed
 
 
 class Engine:
@@ -56,11 +200,12 @@ class Engine:
         self.redis = redis
         self.settings = settings
         self.keys = Keys(settings.prefix)
-        self.scripts = Scripts(redis, self.keys)
+        self.scripts = Scripts(redis, self.keys, settings.replicas_ack, settings.replicas_ack_timeout)
 
     def common(self, now_ms: int | None = None) -> Common:
         s = self.settings
-        return Common(now_ms, s.event_log_max, s.fair_share_half_life, int(s.ended_retention * 1000))
+        epoch = fencing_epoch(self.redis)
+        return Common(now_ms, s.event_log_max, s.fair_share_half_life, int(s.ended_retention * 1000), epoch)
 
     async def run(self, call: ScriptCall, now_ms: int | None = None) -> Any:
         """Run a lifecycle script; ``now_ms`` is a virtual clock (the simulator), else Redis TIME.

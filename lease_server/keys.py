@@ -1,9 +1,11 @@
 """The one Redis key schema of gpulease.
 
-Every key the project uses is built here, under one prefix. Lua scripts never build keys: each
-script declares the keys it uses in its header (``-- KEYS: leases deadlines ...``, the names of the
-properties below) and receives exactly those through ``KEYS[]`` (see ``scripts.py``). To make that
-possible without per-node or per-lease keys, state lives in a handful of global structures:
+Every key the project uses is built here, under one prefix written as a hash tag
+(``{gpulease}:leases``): all of a deployment's keys live in one Redis Cluster slot, as multi-key
+scripts require. Lua scripts never build keys: each script declares the keys it uses in its header
+(``-- KEYS: leases deadlines ...``, the names of the properties below) and receives exactly those
+through ``KEYS[]`` (see ``scripts.py``). To make that possible without per-node or per-lease keys,
+state lives in a handful of global structures:
 
 ``nodes``      hash   node -> JSON inventory {pool, gpus:[{index, uuid, model, memory_mb}], source}
 ``alive``      zset   node -> heartbeat deadline (ms); a node past it is down and never granted
@@ -21,7 +23,7 @@ possible without per-node or per-lease keys, state lives in a handful of global 
 ``waiters``    hash   waiter id -> JSON request
 ``usage``      hash   "pool|user" -> JSON {"v":decayed GPU-seconds,"t":ms,"r":GPUs running now}, written in
                       that one layout so the scripts read it with patterns (other layouts: decoded)
-``fence``      string monotonic fencing-token counter
+``fence``      hash   {e: fencing epoch, n: tokens issued in it}: token = e * 10**9 + n (lua/_lib.lua)
 ``events``     stream the audit log / live feed
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}
@@ -65,7 +67,17 @@ class Keys:
     prefix: str = "gpulease"
 
     def _k(self, name: str) -> str:
-        return f"{self.prefix}:{name}"
+        # One hash tag for the whole deployment: every key hashes to one slot, so every script (whose
+        # keys must share a slot) runs on a Redis Cluster or a managed Redis in cluster mode too.
+        return f"{{{self.prefix}}}:{name}"
+
+    def pattern(self) -> str:
+        """A SCAN pattern that matches every key of this prefix."""
+        return self._k("*")
+
+    def untagged(self, key: str) -> str:
+        """The name ``key`` had before keys carried the hash tag ("gpulease:leases")."""
+        return self.prefix + key[len(self.prefix) + 2 :]
 
     @property
     def nodes(self) -> str:

@@ -3,7 +3,7 @@
 A script is its own ``lua/<name>.lua`` body after the helpers of ``lua/_lib.lua`` that it calls
 (found by following calls, so ``keep`` carries a few lines and ``acquire`` the scheduler). Its
 header declares the keys it uses (``-- KEYS: leases deadlines ...``) and its arguments
-(``ARGV[5] = ...``); this module binds the keys as ``K_<NAME>`` locals, and each wrapper below
+(``ARGV[6] = ...``); this module binds the keys as ``K_<NAME>`` locals, and each wrapper below
 (:class:`Acquire`, :class:`Release`, ...) is the one place that builds the script's ``ARGV`` and
 reads its reply, raising the typed :mod:`errors` exception for a refusal. The server, the
 simulator's replay and the benches all call scripts through these wrappers;
@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from . import errors
 from .keys import Keys
@@ -151,15 +152,17 @@ def used_keys(name: str) -> set[str]:
 
 @dataclass(frozen=True)
 class Common:
-    """The four arguments every state-changing script takes first (``ARGV[1..4]``)."""
+    """The five arguments every state-changing script takes first (``ARGV[1..5]``)."""
 
     now_ms: int | None  # a virtual clock (the simulator); None: Redis TIME
     event_log_max: int
     half_life_s: float
     retention_ms: int
+    epoch: int = 0  # the fencing epoch (engine.fencing_epoch): folded into every fencing token
 
     def argv(self) -> list[Any]:
-        return ["" if self.now_ms is None else self.now_ms, self.event_log_max, self.half_life_s, self.retention_ms]
+        now = "" if self.now_ms is None else self.now_ms
+        return [now, self.event_log_max, self.half_life_s, self.retention_ms, self.epoch]
 
 
 def _wire(value: Any) -> Any:
@@ -184,7 +187,7 @@ def _getter(cls: type) -> Any:
 
 
 class ScriptCall:
-    """One call of one script: its fields are the script's own ARGV (from ``ARGV[5]``), in order."""
+    """One call of one script: its fields are the script's own ARGV (from ``ARGV[6]``), in order."""
 
     script: ClassVar[str]
 
@@ -653,10 +656,12 @@ class Scripts:
     """The registered scripts of one Redis connection (EVALSHA, re-loaded on NOSCRIPT), each with
     the keys it declares."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, replicas_ack: int = 0, ack_timeout_s: float = 1.0) -> None:
+        self._redis = redis
         self._scripts: dict[str, AsyncScript] = {name: redis.register_script(source(name)) for name in SCRIPT_NAMES}
         self._keys = {c.script: [getattr(keys, k) for k in declared_keys(c.script)] for c in CALLS}
         self.keys = keys
+        self.replicas_ack, self._ack_timeout_ms = replicas_ack, max(1, int(ack_timeout_s * 1000))
 
     def keys_of(self, script: str) -> list[str]:
         return self._keys[script]
@@ -668,12 +673,40 @@ class Scripts:
 
     async def raw(self, call: ScriptCall, common: Common) -> tuple[Code, list[Any]]:
         """Run ``call`` and return its code and the rest of the reply, undecoded (tests, benches)."""
-        reply = await self._scripts[call.script](keys=self._keys[call.script], args=common.argv() + call.argv())
+        keys, args = self._keys[call.script], common.argv() + call.argv()
+        if self.replicas_ack and common.now_ms is None:
+            reply = await self._acked(self._scripts[call.script], keys, args)
+        else:
+            reply = await self._scripts[call.script](keys=keys, args=args)
         try:
             code = Code(int(reply[0]))
         except (ValueError, IndexError, TypeError) as exc:
             raise errors.GpuLeaseError(f"script {call.script} returned an unknown reply {reply!r}") from exc
         return code, list(reply[1:])
+
+    async def _acked(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA then WAIT on the same connection (one round trip): the reply counts only once
+        ``replicas_ack`` replicas have the change. If they do not within the timeout, the change
+        is on the primary alone and a failover could lose it: 503, and the client resends (every
+        script is safe to resend)."""
+        for attempt in (1, 2):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", self.replicas_ack, self._ack_timeout_ms)
+            try:
+                reply, acked = await pipe.execute()
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                await self._redis.script_load(script.script)
+                continue
+            if int(acked) < self.replicas_ack:
+                raise errors.ServerUnavailable(
+                    f"the change reached {acked} of the {self.replicas_ack} Redis replica(s) it must reach "
+                    "(replicas_ack) in time; retry in a few seconds"
+                )
+            return reply
+        raise AssertionError("unreachable")
 
     async def samples(self, call: Samples) -> tuple[int, int]:
         return call.reply(list(await self._scripts[Samples.script](keys=call.keys(self.keys), args=call.argv())))

@@ -93,7 +93,7 @@ def snapshot(r: Redis, prefix: str) -> dict[str, Any]:
     """
     keys = Keys(prefix)
     out: dict[str, Any] = {}
-    for key in sorted(r.scan_iter(match=f"{prefix}:*", count=1000)):
+    for key in sorted(r.scan_iter(match=keys.pattern(), count=1000)):
         if key == keys.events:
             continue
         kind = r.type(key)

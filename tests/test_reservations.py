@@ -17,6 +17,7 @@ from redis.asyncio import Redis as ARedis
 
 from lease_server.engine import Engine
 from lease_server.inventory import parse_simulate, register
+from lease_server.keys import Keys
 from lease_server.lease import LeaseStore
 from lease_server.reservations import WEEK_MS, Bookings
 from tests.api_helpers import API, EventWatcher, assert_error, http, unchanged
@@ -80,7 +81,7 @@ def test_create_list_get_edit_cancel(server_factory, redis_sync):
             alice.get(f"{API}/reservations", params={"from": MONDAY, "to": MONDAY + HOUR}).json()["reservations"] == []
         )
         assert_error(alice.get(f"{API}/reservations/r-nosuch"), 404, "no_such_reservation")
-    types = [f["type"] for _id, f in redis_sync.xrange(srv.settings.prefix + ":events")]
+    types = [f["type"] for _id, f in redis_sync.xrange(Keys(srv.settings.prefix).events)]
     assert {"reservation_created", "reservation_changed", "reservation_cancelled"} <= set(types)
 
 

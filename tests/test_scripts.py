@@ -35,11 +35,11 @@ def body_args(name: str) -> set[int]:
 def test_header_argv_matches_the_wrapper(call: type[S.ScriptCall]) -> None:
     documented = sorted({int(i) for i in _HEADER_ARG.findall(header(call.script))})
     fields = dataclasses.fields(call)  # type: ignore[arg-type]
-    # ARGV[1..4] are the common four (Common); the script's own start at 5, one per wrapper field.
-    assert documented == list(range(5, 5 + len(fields))), (documented, [f.name for f in fields])
-    assert body_args(call.script) <= set(range(1, 5 + len(fields))), "the body reads an ARGV nobody sends"
+    # ARGV[1..5] are the common five (Common); the script's own start at 6, one per wrapper field.
+    assert documented == list(range(6, 6 + len(fields))), (documented, [f.name for f in fields])
+    assert body_args(call.script) <= set(range(1, 6 + len(fields))), "the body reads an ARGV nobody sends"
     assert len(_dummy(call).argv()) == len(fields)
-    assert len(S.Common(None, 1, 1.0, 1).argv()) == 4
+    assert len(S.Common(None, 1, 1.0, 1).argv()) == 5
 
 
 def _sample(f: dataclasses.Field[object]) -> object:
@@ -58,7 +58,7 @@ def test_each_script_gets_exactly_the_keys_it_uses(call: type[S.ScriptCall]) -> 
     assert S.used_keys(call.script) == set(declared)  # no key missing (nil in Lua), none to spare
     keys = Keys("t")
     for name in declared:
-        assert getattr(keys, name) == f"t:{name}"  # built by keys.py
+        assert getattr(keys, name) == f"{{t}}:{name}"  # built by keys.py, under the hash tag
 
 
 def test_a_small_script_carries_only_the_helpers_it_calls() -> None:

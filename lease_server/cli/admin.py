@@ -164,14 +164,14 @@ def token_create(
         raise click.UsageError("--admin, --agent and --proxy clash: a token has one role")
     role = "admin" if admin else "agent" if agent_role else "proxy" if proxy_role else "user"
     if redis_url:
-        from redis.asyncio import Redis
-
         from ..auth import create_token
+        from ..engine import connect, migrate_untagged
         from ..keys import Keys
 
         async def make() -> str:
-            r = Redis.from_url(redis_url, decode_responses=True)
+            r = connect(redis_url)
             try:
+                await migrate_untagged(r, Keys(prefix))
                 return await create_token(r, Keys(prefix), name, role)
             finally:
                 await r.aclose()

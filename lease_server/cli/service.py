@@ -63,14 +63,14 @@ def _write_private(path: Path, text: str) -> None:
 
 async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
     """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
-    from redis.asyncio import Redis
-
     from ..auth import create_token, hash_token
+    from ..engine import connect, migrate_untagged
     from ..keys import Keys
 
-    r = Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url)
     try:
         keys = Keys(prefix)
+        await migrate_untagged(r, keys)  # a token made before keys carried the hash tag still counts
         if token_file.exists():
             token = token_file.read_text().strip()
             if token and await r.hexists(keys.tokens, hash_token(token)):

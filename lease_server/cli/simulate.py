@@ -78,6 +78,10 @@ def simulate(
     from ..sim.run import POLICIES, parse_policies
 
     try:
+        if redis_url:
+            from ..engine import resolve_primary
+
+            redis_url = resolve_primary(redis_url)  # the replay holds one plain connection to the primary
         if policies is None:
             skip = ("calendar",) if workload.is_session_trace(trace) else ("session",)
             policies = ",".join(p for p in POLICIES if p not in skip)

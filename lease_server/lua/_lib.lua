@@ -1,6 +1,6 @@
 -- _lib.lua: the helpers of the state-changing scripts; lease_server/scripts.py prepends to each
 -- script the ones it calls.
--- It defines no entry point of its own; each script below it reads its own ARGV from ARGV[5] on.
+-- It defines no entry point of its own; each script below it reads its own ARGV from ARGV[6] on.
 --
 -- KEYS: none of its own. Each script declares the keys it uses, its helpers' included, in its
 -- header ("-- KEYS: leases deadlines ..."); lease_server/scripts.py binds them as K_<NAME> locals
@@ -11,6 +11,8 @@
 --   ARGV[2] = approximate maximum length of the event stream
 --   ARGV[3] = fair-share half-life in seconds
 --   ARGV[4] = how long ended leases stay readable, ms
+--   ARGV[5] = the fencing epoch: Sentinel's config epoch of the primary the server found (0 without
+--             Sentinel); see next_token below
 -- Return codes: lease_server/scripts.py's Code enum (tests/test_scripts.py checks the two agree).
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
@@ -27,6 +29,7 @@ end
 local EVENT_MAX = ARGV[2]
 local HALF_LIFE_MS = tonumber(ARGV[3]) * 1000
 local RETENTION_MS = tonumber(ARGV[4])
+local FENCE_EPOCH = tonumber(ARGV[5]) or 0
 
 local function emit(kind, body)
   body.ts = NOW
@@ -442,6 +445,28 @@ local function allocate_for(w, pool, exclude)
   return nil
 end
 
+-- The next fencing token: FENCE_EPOCH * 10^9 + the count of tokens issued in that epoch. It never
+-- repeats and never goes backwards, across failovers too:
+-- * On one primary, the hash {e, n} only grows: (e, n) rises on every call, and an epoch older than
+--   the stored one (a server that has not yet seen a failover) does not lower it.
+-- * Redis replication is asynchronous, so a replica promoted by Sentinel may miss the old primary's
+--   last increments of n, and would hand out the same n again. But the server passes Sentinel's
+--   config epoch of the primary it found, and Sentinel raises that epoch for every failover before
+--   anyone can find the new primary: the first token on the new primary moves to an epoch no token
+--   of the old one carries, whatever n the new primary starts from.
+-- * A partitioned old primary that still takes writes has no replica to acknowledge them: with
+--   replicas_ack >= 1 its grants (and their tokens) are never acknowledged to a client (503).
+-- n stays below 10^9 per epoch (a billion grants between two failovers), and tokens below 2^53,
+-- so they are exact in Lua numbers, cjson (14 digits up to epoch 99,999) and JavaScript.
+local function next_token()
+  local e = tonumber(redis.call('HGET', K_FENCE, 'e') or '0')
+  if FENCE_EPOCH > e then
+    redis.call('HSET', K_FENCE, 'e', FENCE_EPOCH, 'n', 0)
+    e = FENCE_EPOCH
+  end
+  return e * 1000000000 + redis.call('HINCRBY', K_FENCE, 'n', 1)
+end
+
 -- Grant waiter w the GPUs of `parts`: {{node, taken, rest, old_count}, ...}, one part per node
 -- (several for a multi-node gang, whose GPUs then name their node). Returns the lease and its JSON.
 local function grant_parts(w, parts)
@@ -469,7 +494,7 @@ local function grant_parts(w, parts)
   end
   local node = parts[1].node
   local lease = {
-    id = w.id, token = redis.call('INCR', K_FENCE), user = w.user, pool = w.pool, node = node,
+    id = w.id, token = next_token(), user = w.user, pool = w.pool, node = node,
     gpus = gpus, ttl_ms = w.ttl_ms, label = w.label, session = w.session, state = 'active',
     created_at = NOW, renewed_at = NOW, expires_at = NOW + w.ttl_ms, renewals = 0,
     waited_ms = NOW - w.enqueued_at,

@@ -1,30 +1,30 @@
 -- acquire.lua: ask for GPUs; granted at once, queued, or refused.
 -- KEYS: nodes alive free fit sizes holders leases deadlines ended queue waiters usage fence events grants queue_seq resv resv_idx recall held_by sched
--- ARGV[5] = lease id (chosen by the caller; it is also the waiter id while queued)
--- ARGV[6] = user      ARGV[7] = pool      ARGV[8] = gpus (int >= 1)     ARGV[9] = ttl ms
--- ARGV[10] = wait ms (0: do not queue)   ARGV[11] = label    ARGV[12] = session
--- ARGV[13] = the user's teams, comma-separated (a "team:NAME" booking serves its members)
--- ARGV[14] = priority class (integer, higher first under the "priority" scheduler; 1 = normal)
--- ARGV[15] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
--- ARGV[16] = nodes: 1, or k > 1 for a gang of gpus / k GPUs on each of k nodes, all or nothing
--- ARGV[17] = the notebook the request comes from ("" if unknown)   ARGV[18] = the cell: its number, or a hash ("")
+-- ARGV[6] = lease id (chosen by the caller; it is also the waiter id while queued)
+-- ARGV[7] = user      ARGV[8] = pool      ARGV[9] = gpus (int >= 1)     ARGV[10] = ttl ms
+-- ARGV[11] = wait ms (0: do not queue)   ARGV[12] = label    ARGV[13] = session
+-- ARGV[14] = the user's teams, comma-separated (a "team:NAME" booking serves its members)
+-- ARGV[15] = priority class (integer, higher first under the "priority" scheduler; 1 = normal)
+-- ARGV[16] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
+-- ARGV[17] = nodes: 1, or k > 1 for a gang of gpus / k GPUs on each of k nodes, all or nothing
+-- ARGV[18] = the notebook the request comes from ("" if unknown)   ARGV[19] = the cell: its number, or a hash ("")
 -- {UNSATISFIABLE, largest node size, nodes that could hold a gang's share} when no node (or too
 -- few nodes, for a gang) could ever serve the request
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE}
-local id, user, pool = ARGV[5], ARGV[6], ARGV[7]
-local n, ttl_ms, wait_ms = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local priority, n_min = tonumber(ARGV[14] or '1') or 1, tonumber(ARGV[15] or '') or tonumber(ARGV[8])
-local n_nodes = tonumber(ARGV[16] or '1') or 1
+local id, user, pool = ARGV[6], ARGV[7], ARGV[8]
+local n, ttl_ms, wait_ms = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local priority, n_min = tonumber(ARGV[15] or '1') or 1, tonumber(ARGV[16] or '') or tonumber(ARGV[9])
+local n_nodes = tonumber(ARGV[17] or '1') or 1
 
 if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, id) == 1
     or redis.call('HEXISTS', K_ENDED, id) == 1 then
   return {DUPLICATE}
 end
-local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[11],
-           session = ARGV[12], teams = ARGV[13] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
-           notebook = ARGV[17] or '', cell = ARGV[18] or '',
+local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label = ARGV[12],
+           session = ARGV[13], teams = ARGV[14] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
+           notebook = ARGV[18] or '', cell = ARGV[19] or '',
            priority = priority, gpus_min = n_min, nodes = n_nodes}
 
 -- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one. With a booking
@@ -94,5 +94,5 @@ if wait_ms <= 0 then
 end
 redis.call('SET', K_QUEUE_SEQ, seq)
 local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. pool .. '|', '[' .. member)
-emit('queued', {lease = id, user = user, pool = pool, gpus = n, position = position, label = ARGV[11]})
+emit('queued', {lease = id, user = user, pool = pool, gpus = n, position = position, label = ARGV[12]})
 return {QUEUED, position}

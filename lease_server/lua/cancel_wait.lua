@@ -1,10 +1,10 @@
 -- cancel_wait.lua: a waiter gives up (its wait ran out or its client went away).
 -- A grant that raced ahead of the cancel wins: the caller gets the lease and must use or release it.
 -- KEYS: nodes alive free fit holders leases deadlines queue waiters usage fence events grants resv resv_idx recall held_by sched
--- ARGV[5] = waiter / lease id     ARGV[6] = reason ("timeout" | "cancelled")
--- ARGV[7] = user: only the request's own user may cancel it
+-- ARGV[6] = waiter / lease id     ARGV[7] = reason ("timeout" | "cancelled")
+-- ARGV[8] = user: only the request's own user may cancel it
 -- returns {OK, lease JSON} (granted meanwhile) | {REMOVED, position it had} | {NO_SUCH} | {NOT_OWNER}
-local id, reason, user = ARGV[5], ARGV[6], ARGV[7]
+local id, reason, user = ARGV[6], ARGV[7], ARGV[8]
 local lease = redis.call('HGET', K_LEASES, id)
 if lease then
   if cjson.decode(lease).user ~= user then return {NOT_OWNER} end

@@ -1,16 +1,16 @@
 -- idle_warn.lua: warn the holder of an idle lease; it is reclaimed at reclaim_at unless the
 -- owner says "I'm still using it" (keep.lua) or releases it first. Warns once per idle period.
 -- KEYS: leases events
--- ARGV[5] = lease id   ARGV[6] = token (the lease judged idle; a newer grant is not warned)
--- ARGV[7] = grace ms   ARGV[8] = evidence JSON (policy and samples behind the verdict)
+-- ARGV[6] = lease id   ARGV[7] = token (the lease judged idle; a newer grant is not warned)
+-- ARGV[8] = grace ms   ARGV[9] = evidence JSON (policy and samples behind the verdict)
 -- returns {OK, lease JSON} | {NO_SUCH} | {STALE} | {WARNED} (already warned: nothing done)
-local id, token, grace_ms = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local id, token, grace_ms = ARGV[6], ARGV[7], tonumber(ARGV[8])
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then return {NO_SUCH} end
 local lease = cjson.decode(raw)
 if tostring(lease.token) ~= token then return {STALE} end
 if lease.reclaim_at then return {WARNED} end
-local evidence = cjson.decode(ARGV[8])
+local evidence = cjson.decode(ARGV[9])
 lease.warned_at = NOW
 lease.reclaim_at = NOW + grace_ms
 lease.idle_evidence = evidence

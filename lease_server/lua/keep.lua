@@ -1,11 +1,11 @@
 -- keep.lua: "I'm still using it": the owner resets the idle clock of a lease, a limited number
 -- of times. Atomic with reclaim.lua: whichever runs first wins.
 -- KEYS: leases ended events
--- ARGV[5] = lease id   ARGV[6] = user   ARGV[7] = "1" if admin   ARGV[8] = most extensions allowed
--- ARGV[9] = "auto" when the reclaimer clears the warning because the GPUs got busy again (that
+-- ARGV[6] = lease id   ARGV[7] = user   ARGV[8] = "1" if admin   ARGV[9] = most extensions allowed
+-- ARGV[10] = "auto" when the reclaimer clears the warning because the GPUs got busy again (that
 --           costs the owner no extension), else ""
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {LIMIT, extensions}
-local id, user, admin, max_ext, auto = ARGV[5], ARGV[6], ARGV[7], tonumber(ARGV[8]), ARGV[9] == 'auto'
+local id, user, admin, max_ext, auto = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9]), ARGV[10] == 'auto'
 
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then

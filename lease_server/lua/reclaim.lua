@@ -2,15 +2,15 @@
 -- renew and keep: a lease released or kept in the meantime is left alone, and the GPUs of a
 -- newer grant (another token) are never touched.
 -- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched
--- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = evidence JSON (samples up to now)
+-- ARGV[6] = lease id   ARGV[7] = token   ARGV[8] = evidence JSON (samples up to now)
 -- returns {OK, ended JSON} | {NO_SUCH} | {STALE} | {NOT_DUE}
-local id, token = ARGV[5], ARGV[6]
+local id, token = ARGV[6], ARGV[7]
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then return {NO_SUCH} end
 local lease = cjson.decode(raw)
 if tostring(lease.token) ~= token then return {STALE} end
 if not lease.reclaim_at or lease.reclaim_at > NOW then return {NOT_DUE} end
-local evidence = cjson.decode(ARGV[7])
+local evidence = cjson.decode(ARGV[8])
 lease.idle_evidence = evidence
 local idle_min = math.floor((evidence.idle_s or 0) / 60)
 local ended, ended_json = end_lease(lease, 'revoked', 'reclaimed: its GPUs were idle for ' .. idle_min ..

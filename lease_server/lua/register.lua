@@ -2,11 +2,11 @@
 -- Registering never frees a GPU that a live lease holds: the free list is the inventory minus
 -- the holders. A node that was down comes back up, and its pool's queue is served.
 -- KEYS: nodes alive free fit sizes holders leases deadlines queue waiters usage fence events grants resv resv_idx recall held_by sched
--- ARGV[5] = node   ARGV[6] = inventory JSON {pool, gpus:[{index, uuid, model, memory_mb}], ...}
+-- ARGV[6] = node   ARGV[7] = inventory JSON {pool, gpus:[{index, uuid, model, memory_mb}], ...}
 --                  or "" for a heartbeat of an already registered node
--- ARGV[7] = ms until the node counts as down without another heartbeat
+-- ARGV[8] = ms until the node counts as down without another heartbeat
 -- returns {OK, "up" | "registered" | "alive"} | {UNKNOWN_NODE}
-local node, inv_json, alive_ms = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local node, inv_json, alive_ms = ARGV[6], ARGV[7], tonumber(ARGV[8])
 local old_raw = redis.call('HGET', K_NODES, node)
 if inv_json == '' and not old_raw then return {UNKNOWN_NODE} end
 local old = old_raw and cjson.decode(old_raw)

@@ -1,15 +1,15 @@
 -- release.lua: end a lease (owner release, or admin revoke), or withdraw a request still queued.
 -- Idempotent: releasing an ended lease answers with its ended record and changes nothing.
 -- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched
--- ARGV[5] = lease id   ARGV[6] = token ("" = not given: ownership alone suffices)
--- ARGV[7] = user       ARGV[8] = "1" if admin
--- ARGV[9] = end state: "released", "revoked", or "auto" (revoked when an admin ends another
+-- ARGV[6] = lease id   ARGV[7] = token ("" = not given: ownership alone suffices)
+-- ARGV[8] = user       ARGV[9] = "1" if admin
+-- ARGV[10] = end state: "released", "revoked", or "auto" (revoked when an admin ends another
 --           user's lease, released otherwise)
--- ARGV[10] = reason (for "auto", the reason used when it turns out to be a revoke is ARGV[11])
--- ARGV[12] = reason of a withdrawal ("" or absent: "withdrawn by its owner" / "by admin USER")
+-- ARGV[11] = reason (for "auto", the reason used when it turns out to be a revoke is ARGV[12])
+-- ARGV[13] = reason of a withdrawal ("" or absent: "withdrawn by its owner" / "by admin USER")
 -- returns {OK, ended JSON} | {ENDED, ended JSON} | {REMOVED, position it had, waiter JSON}
 --       | {NO_SUCH} | {NOT_OWNER} | {STALE}
-local id, token, user, admin, state, reason = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local id, token, user, admin, state, reason = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
   local ended = redis.call('HGET', K_ENDED, id)
@@ -27,7 +27,7 @@ if not raw then
   if not wraw then return {NO_SUCH} end
   local w = cjson.decode(wraw)
   if w.user ~= user and admin ~= '1' then return {NOT_OWNER} end
-  local why = ARGV[12] or ''
+  local why = ARGV[13] or ''
   if why == '' then
     if w.user == user then why = 'withdrawn by its owner' else why = 'withdrawn by admin ' .. user end
   end
@@ -48,7 +48,7 @@ local lease = cjson.decode(raw)
 if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
 if token ~= '' and tostring(lease.token) ~= token then return {STALE} end
 if state == 'auto' then
-  if lease.user ~= user then state, reason = 'revoked', ARGV[11] else state = 'released' end
+  if lease.user ~= user then state, reason = 'revoked', ARGV[12] else state = 'released' end
 end
 local _, ended_json = end_lease(lease, state, reason, user, raw)
 dispatch(lease.pool)

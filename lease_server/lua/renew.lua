@@ -3,11 +3,11 @@
 -- A lease already past its deadline but not yet swept is expired here, not renewed: its GPUs
 -- were free to be taken from the moment the deadline passed.
 -- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched
--- ARGV[5] = lease id   ARGV[6] = token   ARGV[7] = user   ARGV[8] = "1" if admin
--- ARGV[9] = new ttl ms, or 0 to keep the lease's own ttl
--- ARGV[10] = the holder's activity as JSON ({"executing": true, ...}) or "" (an idle-score signal)
+-- ARGV[6] = lease id   ARGV[7] = token   ARGV[8] = user   ARGV[9] = "1" if admin
+-- ARGV[10] = new ttl ms, or 0 to keep the lease's own ttl
+-- ARGV[11] = the holder's activity as JSON ({"executing": true, ...}) or "" (an idle-score signal)
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE} | {EXPIRED, JSON}
-local id, token, user, admin, ttl_ms = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
+local id, token, user, admin, ttl_ms = ARGV[6], ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10])
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
   local ended = redis.call('HGET', K_ENDED, id)
@@ -36,8 +36,8 @@ lease.expires_at = NOW + ttl_ms
 lease.ttl_ms = ttl_ms
 lease.renewed_at = NOW
 lease.renewals = lease.renewals + 1
-if ARGV[10] and ARGV[10] ~= '' then
-  lease.activity = cjson.decode(ARGV[10])
+if ARGV[11] and ARGV[11] ~= '' then
+  lease.activity = cjson.decode(ARGV[11])
   lease.activity_at = NOW
 end
 redis.call('HSET', K_LEASES, id, cjson.encode(lease))

@@ -2,24 +2,24 @@
 -- occurrences the pool (or, for an all-on-one-node booking, its node) would be over-booked.
 -- Capacity is the pool's GPUs minus the on-demand floor kept for people without a booking.
 -- KEYS: nodes alive free fit sizes holders leases deadlines queue waiters usage fence events grants resv resv_idx resv_due recall held_by sched
--- ARGV[5] = "create" | "edit" | "check"
--- ARGV[6] = the whole booking as JSON, validated by reservations.py: {id, owner, pool, gpus, start,
+-- ARGV[6] = "create" | "edit" | "check"
+-- ARGV[7] = the whole booking as JSON, validated by reservations.py: {id, owner, pool, gpus, start,
 --           end, repeat, occurrences, colocate, note, created_by, created_at, notice_ms,
 --           no_show_ms, keep_ms}; for "edit" the changed record, whose run-time fields (held,
 --           used, released) are taken from the stored one
--- ARGV[7] = on-demand floor (GPUs of the pool that are never booked)
--- ARGV[8] = for "edit": the revision the change was made against (refused if it moved on)
+-- ARGV[8] = on-demand floor (GPUs of the pool that are never booked)
+-- ARGV[9] = for "edit": the revision the change was made against (refused if it moved on)
 -- returns {OK, booking JSON} | {CLASH, report JSON} | {UNKNOWN_POOL} |
 --         {UNSATISFIABLE, bookable GPUs of the pool, largest node} | {DUPLICATE} | {NO_SUCH} |
 --         {STALE} (changed meanwhile) | {ENDED} (cancelled)
-local mode, rec, floor = ARGV[5], cjson.decode(ARGV[6]), tonumber(ARGV[7])
+local mode, rec, floor = ARGV[6], cjson.decode(ARGV[7]), tonumber(ARGV[8])
 
 local old
 if mode == 'edit' then
   local raw = redis.call('HGET', K_RESV, rec.id)
   if not raw then return {NO_SUCH} end
   old = cjson.decode(raw)
-  if tostring(old.rev) ~= ARGV[8] then return {STALE} end
+  if tostring(old.rev) ~= ARGV[9] then return {STALE} end
   if old.state ~= 'active' then return {ENDED} end
 elseif mode == 'create' and redis.call('HEXISTS', K_RESV, rec.id) == 1 then
   return {DUPLICATE}

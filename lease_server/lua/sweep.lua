@@ -2,13 +2,13 @@
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
 -- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx resv_due recall lease_util ledger held_by sched
--- ARGV[5] = most items of each kind handled in this call
--- ARGV[6] = grace ms after a waiter's own deadline before the sweeper removes it
+-- ARGV[6] = most items of each kind handled in this call
+-- ARGV[7] = grace ms after a waiter's own deadline before the sweeper removes it
 -- It also revokes borrowed leases whose recall notice ran out, and releases bookings nobody used
 -- within their first no_show_ms (the owner is told through the event log).
 -- returns {OK, expired, nodes marked down, stale waiters removed, ended records trimmed,
 --          borrowed leases revoked, booking checks done}
-local limit, grace = tonumber(ARGV[5]), tonumber(ARGV[6])
+local limit, grace = tonumber(ARGV[6]), tonumber(ARGV[7])
 local pools, expired, down, stale, trimmed, recalled, checked = {}, 0, 0, 0, 0, 0, 0
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 0, limit)) do

@@ -2,16 +2,16 @@
 -- GPUs back to the pool at once. Only its owner (for a team booking: a member), the person who
 -- made it, or an admin may.
 -- KEYS: nodes alive free fit holders leases deadlines queue waiters usage fence events grants resv resv_idx resv_due recall held_by sched
--- ARGV[5] = booking id   ARGV[6] = "cancel" | "end"   ARGV[7] = user   ARGV[8] = "1" if admin
--- ARGV[9] = the user's teams, comma-separated
--- ARGV[10] = ms a cancelled booking stays readable
+-- ARGV[6] = booking id   ARGV[7] = "cancel" | "end"   ARGV[8] = user   ARGV[9] = "1" if admin
+-- ARGV[10] = the user's teams, comma-separated
+-- ARGV[11] = ms a cancelled booking stays readable
 -- returns {OK, booking JSON} | {NO_SUCH} | {NOT_OWNER} | {ENDED} (already cancelled) |
 --         {NOT_DUE} ("end" with no occurrence in force)
-local id, mode, user, admin = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local id, mode, user, admin = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local raw = redis.call('HGET', K_RESV, id)
 if not raw then return {NO_SUCH} end
 local r = cjson.decode(raw)
-if admin ~= '1' and r.created_by ~= user and not holds_booking(r, user, team_set(ARGV[9])) then
+if admin ~= '1' and r.created_by ~= user and not holds_booking(r, user, team_set(ARGV[10])) then
   return {NOT_OWNER}
 end
 if r.state ~= 'active' then return {ENDED, raw} end
@@ -20,7 +20,7 @@ if mode == 'cancel' then
   r.state = 'cancelled'
   r.cancelled_at, r.cancelled_by = NOW, user
   redis.call('ZREM', K_RESV_IDX, r.pool .. '|' .. id)
-  redis.call('ZADD', K_RESV_DUE, NOW + tonumber(ARGV[10]), id)
+  redis.call('ZADD', K_RESV_DUE, NOW + tonumber(ARGV[11]), id)
   emit('reservation_cancelled', {id = id, owner = r.owner, pool = r.pool, gpus = r.gpus, by = user})
 else
   local k = occ_at(r, NOW)

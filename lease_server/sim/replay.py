@@ -33,7 +33,7 @@ from ..config import Settings
 from ..inventory import Gpu, NodeInventory
 from ..keys import Keys
 from ..lease import WAITER_GRACE_MS
-from ..scripts import Acquire, Code, Release, ScriptCall, Sweep, declared_keys, source
+from ..scripts import Acquire, Code, Common, Release, ScriptCall, Sweep, declared_keys, source
 from . import resv
 from .result import Result, intervals
 from .workload import Workload
@@ -249,11 +249,11 @@ class _Replay:
         def keys_of(script: str) -> list[str]:
             return [getattr(keys, k) for k in declared_keys(script)]
 
-        common_tail: list[object] = [
-            settings.event_log_max,
-            settings.fair_share_half_life,
-            int(settings.ended_retention * 1000),
-        ]
+        # Common(...).argv() after the virtual now: the same arguments the server sends (epoch 0:
+        # the replay's private prefix has its own fencing counter).
+        common_tail: list[object] = Common(
+            0, settings.event_log_max, settings.fair_share_half_life, int(settings.ended_retention * 1000)
+        ).argv()[1:]
         sha = {
             name: wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode()
             for name in ("acquire", "release", "sweep")
