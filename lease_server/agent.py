@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import threading
 from types import ModuleType
 from typing import Any
 
 from . import errors, protocol
+from .enforce import Enforcer, uses_gpu_device
 from .engine import Engine
 from .inventory import Gpu, NodeInventory, default_node_name, register
 
@@ -109,17 +111,30 @@ class NvmlSampler:
             out.append({"index": index, "util": int(util), "mem_mb": int(mem), "procs": procs})
         return out
 
+    def has_process(self, index: int, pid: int) -> bool:
+        """Whether ``pid`` runs on GPU ``index`` now, and is the process of that number that this
+        agent sees (it has an NVIDIA device open): checked again just before it is killed."""
+        nvml = self.nvml
+        try:
+            running = nvml.nvmlDeviceGetComputeRunningProcesses(self.handles[index])
+        except (IndexError, nvml.NVMLError):
+            return False
+        return any(p.pid == pid for p in running) and uses_gpu_device(pid)
+
     def close(self) -> None:
         self.nvml.nvmlShutdown()
 
 
 async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
-    """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the engine."""
-    from .reclaim import policies, record_samples, simulated_sample
+    """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the engine;
+    with ``unleased_action = "kill"`` it terminates unleased processes (lease_server/enforce.py)."""
+    from .reclaim import agent_samples, policies, record_kills, simulated_sample
 
     interval = engine.settings.heartbeat_interval
     sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
+    enforcer = Enforcer()
+    pool_of = {inv.node: inv.pool for inv in inventories}
     for inv in inventories:
         await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
@@ -145,20 +160,31 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
                     log.warning("reading the reclaim policies failed: %s", exc)
                     pols = {}
                 for inv in inventories:
-                    threshold = pols[inv.pool].idle_threshold if inv.pool in pols else engine.settings.idle_threshold
                     try:
+                        verify = None
                         if inv.source == "nvml" and nvml is not None:
-                            gpus = nvml.sample()
+                            gpus, verify = nvml.sample(), nvml.has_process
                         else:
                             gpus = await simulated_sample(engine, inv.node, [g.index for g in inv.gpus])
-                        await record_samples(engine, inv.node, inv.pool, gpus, threshold)
+                        answer = await agent_samples(engine, inv.node, inv.pool, gpus, pols=pols)
+                        killed = enforcer.act(inv.node, gpus, answer, verify)
+                        if killed:
+                            await record_kills(engine, inv.node, inv.pool, killed)
                     except Exception as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
+            for node, report in enforcer.tick():
+                try:
+                    await record_kills(engine, node, pool_of[node], [report])
+                except Exception as exc:
+                    log.warning("recording a kill on %s failed: %s", node, exc)
+            kill_due = enforcer.next_due()
+            due = min(next_beat, next_sample, math.inf if kill_due is None else kill_due)
             try:
-                await asyncio.wait_for(stop.wait(), timeout=max(0.01, min(next_beat, next_sample) - loop.time()))
+                await asyncio.wait_for(stop.wait(), timeout=max(0.01, due - loop.time()))
             except TimeoutError:
                 pass
     finally:
+        enforcer.close()
         if nvml is not None:
             nvml.close()
 
@@ -175,6 +201,8 @@ def run_remote(
         client.request("PUT", protocol.node(inv.node), json=json.loads(inv.to_json()))
 
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
+    enforcer = Enforcer()
+    unsent: dict[str, list[dict[str, Any]]] = {}  # node -> kill reports the next sample carries
     for inv in inventories:
         declare(inv)
         log.info("node %s declared: %d GPU(s) in pool %s", inv.node, len(inv.gpus), inv.pool)
@@ -195,14 +223,26 @@ def run_remote(
                 next_sample = now + sample_interval
                 for inv in inventories:
                     try:
+                        verify = None
                         if inv.source == "nvml" and nvml is not None:
-                            gpus = nvml.sample()
+                            gpus, verify = nvml.sample(), nvml.has_process
                         else:
                             gpus = client.request("GET", protocol.simulate(inv.node))["gpus"]
-                        client.request("POST", protocol.node_samples(inv.node), json={"gpus": gpus})
+                        body: dict[str, Any] = {"gpus": gpus}
+                        killed = unsent.get(inv.node, [])[:1000]
+                        if killed:
+                            body["killed"] = killed
+                        answer = client.request("POST", protocol.node_samples(inv.node), json=body)
+                        del unsent.setdefault(inv.node, [])[: len(killed)]
+                        unsent[inv.node] += enforcer.act(inv.node, gpus, answer, verify)
                     except errors.GpuLeaseError as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
-            stop.wait(max(0.01, min(next_beat, next_sample) - time.monotonic()))
+            for node, report in enforcer.tick():
+                unsent.setdefault(node, []).append(report)
+            kill_due = enforcer.next_due()
+            due = min(next_beat, next_sample, math.inf if kill_due is None else kill_due)
+            stop.wait(max(0.01, due - time.monotonic()))
     finally:
+        enforcer.close()
         if nvml is not None:
             nvml.close()

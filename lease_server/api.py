@@ -158,6 +158,9 @@ class BaseHandler(tornado.web.RequestHandler):
         if isinstance(value, REDIS_AWAY):
             log.warning("%s %s: Redis is unreachable (%s)", self.request.method, self.request.path, value)
             return
+        if isinstance(value, errors.ServerUnavailable):  # e.g. the replicas did not acknowledge: retried
+            log.warning("%s %s: %s", self.request.method, self.request.path, value)
+            return
         super().log_exception(typ, value, tb)
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
@@ -454,12 +457,14 @@ class SamplesHandler(AgentHandler):
     async def post(self, node: str) -> None:
         self._check_role()
         check_name("node", node)
-        gpus = reclaim.check_samples_body(self.body(self.bodies.samples))
+        body = self.body(self.bodies.samples)
+        gpus = reclaim.check_samples_body(body)
         raw = await self.ctx.redis.hget(self.store.keys.nodes, node)
         if raw is None:
             raise errors.UnknownNode(f"node {node!r} is not registered: PUT {API}/nodes/{node} first")
-        recorded, unleased = await reclaim.record_samples(self.engine, node, json.loads(raw)["pool"], gpus)
-        self.reply({"node": node, "recorded": recorded, "unleased": unleased})
+        pool = json.loads(raw)["pool"]
+        answer = await reclaim.agent_samples(self.engine, node, pool, gpus, body.get("killed"))
+        self.reply({"node": node, **answer})
 
 
 class SimulateHandler(AgentHandler):
@@ -516,6 +521,8 @@ class TokensHandler(BaseHandler):
 
 class InfoHandler(BaseHandler):
     async def get(self) -> None:
+        from .rayauth import info_token
+
         s = self.ctx.settings
         try:
             default_pool: str | None = await self.store.default_pool()
@@ -526,6 +533,7 @@ class InfoHandler(BaseHandler):
             {
                 "version": __version__,
                 "ray_address": s.ray_address,
+                **info_token(s, self.identity.role),
                 "default_pool": default_pool,
                 "default_ttl": s.default_ttl,
                 "max_ttl": s.max_ttl,

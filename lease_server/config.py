@@ -12,6 +12,7 @@ from .errors import ConfigurationError
 
 SCHEDULERS = ("fifo", "fair_share", "priority")
 PRIORITIES = {"low": 0, "normal": 1, "high": 2}
+UNLEASED_ACTIONS = ("flag", "kill")  # what node agents do about a process on a GPU no lease covers
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Settings:
     event_log_max: int = 100_000  # approximate stream length kept
     max_body_bytes: int = 64 * 1024
     ray_address: str = ""  # the Ray cluster that clients (the magic) should use
+    # A file with that cluster's token (RAY_AUTH_MODE=token): GET /info hands it to users and admins
+    # so that %%gpu_train can join (gpulease up sets it; empty: kernels bring their own).
+    ray_auth_token_file: str = ""
     sample_interval: float = 5.0  # seconds between GPU samples (node agents)
     # Idle-GPU reclaim defaults for every pool; a [policy.POOL] table in the config file or an
     # admin's PUT /api/v1/policy/POOL overrides them per pool.
@@ -48,6 +52,10 @@ class Settings:
     grace: float = 120.0  # seconds between the warning and the reclaim
     min_age: float = 120.0  # a lease younger than this is never reclaimed (data loading)
     max_extensions: int = 3  # "I'm still using it" per lease
+    # A process on a GPU that no live lease covers: "flag" it (event, board) or "kill" it (its node
+    # agent sends SIGTERM, then SIGKILL after unleased_kill_grace_s). Per pool like the above.
+    unleased_action: str = "flag"
+    unleased_kill_grace_s: float = 10.0
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
     # Reservations (bookings of GPUs for a time window)
     borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
@@ -105,6 +113,11 @@ class Settings:
             raise ConfigurationError(
                 f"sample_interval ({self.sample_interval}s) must be positive and at most half of "
                 f"idle_timeout ({self.idle_timeout}s), or an idle window holds too few samples"
+            )
+        if self.unleased_action not in UNLEASED_ACTIONS or not 0 <= self.unleased_kill_grace_s <= 3600:
+            raise ConfigurationError(
+                f"unleased_action must be one of {', '.join(UNLEASED_ACTIONS)} (got {self.unleased_action!r}) "
+                f"and unleased_kill_grace_s between 0 and 3600 seconds (got {self.unleased_kill_grace_s})"
             )
         if self.borrow_notice < 0 or self.no_show_after <= 0 or self.on_demand_floor < 0:
             raise ConfigurationError(

@@ -116,7 +116,8 @@ class EventType(enum.StrEnum):
     """Every ``type`` of entry the server adds to its event log (``GET /events``, ``/events/log``).
 
     Most come from the Lua scripts' ``emit()`` (``lua/*.lua``); ``unleased_use*`` from
-    ``samples.lua``'s own XADD; ``policy_changed`` from Python (``reclaim.set_policy``).
+    ``samples.lua``'s own XADD; ``policy_changed`` and ``unleased_killed`` from Python
+    (``reclaim.set_policy``, ``reclaim.record_kills``).
     ``tests/test_protocol.py`` finds every type the sources publish and fails on one missing here.
     """
 
@@ -145,6 +146,9 @@ class EventType(enum.StrEnum):
     NODE_DOWN = "node_down"  # a node missed its heartbeats: its GPUs are down (_lib.lua)
     UNLEASED_USE = "unleased_use"  # processes on a GPU that no lease holds (samples.lua)
     UNLEASED_USE_ENDED = "unleased_use_ended"  # that GPU is clear again (samples.lua)
+    # its node agent sent SIGTERM (or, after the grace, SIGKILL) to such a process: the pool's
+    # unleased_action is "kill" (reclaim.record_kills)
+    UNLEASED_KILLED = "unleased_killed"
     # bookings
     RESERVATION_CREATED = "reservation_created"  # a booking was made (reserve.lua)
     RESERVATION_CHANGED = "reservation_changed"  # a booking was changed (reserve.lua)
@@ -199,7 +203,9 @@ RESERVATION_EVENTS = frozenset(
 )
 
 # In the log only: nothing any view shows changes with them.
-LOG_ONLY_EVENTS = frozenset(e.value for e in (EventType.RENEW_MISS, EventType.POLICY_CHANGED))
+LOG_ONLY_EVENTS = frozenset(
+    e.value for e in (EventType.RENEW_MISS, EventType.POLICY_CHANGED, EventType.UNLEASED_KILLED)
+)
 
 # A lease's own stream ends with one of these: the type is the lease's new state.
 ENDED_EVENTS = frozenset(e.value for e in (EventType.RELEASED, EventType.EXPIRED, EventType.REVOKED))

@@ -22,13 +22,15 @@ import asyncio
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from . import errors
+from .config import UNLEASED_ACTIONS
 from .engine import Engine
 from .inventory import pool_sizes
 from .lease import live_leases, read_lease
+from .protocol import EventType
 from .scripts import GpuSample, IdleWarn, Keep, Reclaim, Samples
 
 log = logging.getLogger(__name__)
@@ -45,11 +47,22 @@ class Policy:
     max_extensions: int = 3
     exempt_users: list[str] = field(default_factory=list)
     exempt_labels: list[str] = field(default_factory=list)
+    unleased_action: str = "flag"  # or "kill": the node agent terminates unleased processes
+    unleased_kill_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
 
     @classmethod
     def from_settings(cls, engine: Engine) -> Policy:
         s = engine.settings
-        return cls(s.reclaim_enabled, s.idle_threshold, s.idle_timeout, s.grace, s.min_age, s.max_extensions)
+        return cls(
+            s.reclaim_enabled,
+            s.idle_threshold,
+            s.idle_timeout,
+            s.grace,
+            s.min_age,
+            s.max_extensions,
+            unleased_action=s.unleased_action,
+            unleased_kill_grace_s=s.unleased_kill_grace_s,
+        )
 
     def updated(self, changes: object) -> Policy:
         """A copy with ``changes`` applied, every field checked (BadRequest says which is wrong)."""
@@ -71,6 +84,9 @@ class Policy:
                 if kind == "int" and value != int(value):
                     raise errors.BadRequest(f"{key} must be a whole number, got {value!r}")
                 value = int(value) if kind == "int" else float(value)
+            elif kind == "str":
+                if not isinstance(value, str):
+                    raise errors.BadRequest(f"{key} must be a string, got {value!r}")
             else:
                 if not isinstance(value, list) or not all(isinstance(v, str) and len(v) <= 200 for v in value):
                     raise errors.BadRequest(f"{key} must be a list of names, got {value!r}")
@@ -84,6 +100,10 @@ class Policy:
             raise errors.BadRequest("idle_timeout must be positive")
         if not 0 <= out.max_extensions <= 1000:
             raise errors.BadRequest("max_extensions must be between 0 and 1000")
+        if out.unleased_action not in UNLEASED_ACTIONS:
+            raise errors.BadRequest(f"unleased_action must be one of {', '.join(UNLEASED_ACTIONS)}")
+        if not 0 <= out.unleased_kill_grace_s <= 3600:
+            raise errors.BadRequest("unleased_kill_grace_s must be between 0 and 3600 seconds")
         return out
 
 
@@ -201,6 +221,96 @@ def check_gpu_sample(g: dict[str, Any], index: object = None) -> dict[str, Any]:
     ):
         raise errors.BadRequest(f"procs must be a list of process ids, got {procs!r}")
     return {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
+
+
+# ---- unleased use: what the node agent does about it --------------------------------------------
+
+
+async def agent_samples(
+    engine: Engine,
+    node: str,
+    pool: str,
+    gpus: list[dict[str, Any]],
+    killed: list[dict[str, Any]] | None = None,
+    pols: dict[str, Policy] | None = None,
+) -> dict[str, Any]:
+    """A node agent's sample of ``node``'s GPUs, and the unleased processes it signalled since its
+    last one (``killed``: events ``unleased_killed``). The answer says what the agent must do now:
+    ``{"recorded", "unleased", "unleased_action", "unleased_kill_grace_s", "kill": [{"index", "pids"}]}``;
+    ``kill`` names processes only when the pool's ``unleased_action`` is "kill"."""
+    if pols is None:
+        pols = await policies(engine)
+    pol = pols.get(pool)
+    if pol is None:  # its policy could not be read (or the pool is brand new): flag, never kill blind
+        pol = replace(Policy.from_settings(engine), unleased_action="flag")
+    recorded, unleased = await record_samples(engine, node, pool, gpus, pol.idle_threshold)
+    if killed:
+        await record_kills(engine, node, pool, killed)
+    kill = await unleased_to_kill(engine, node, gpus) if unleased and pol.unleased_action == "kill" else []
+    return {
+        "recorded": recorded,
+        "unleased": unleased,
+        "unleased_action": pol.unleased_action,
+        "unleased_kill_grace_s": pol.unleased_kill_grace_s,
+        "kill": kill,
+    }
+
+
+async def unleased_to_kill(engine: Engine, node: str, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The processes of this sample that run on a GPU no live lease covers: [{"index", "pids"}].
+
+    Read after samples.lua flagged them, in one transaction: a GPU counts only while it is still
+    flagged and still has no holder (a lease granted since covers it), and a process that also
+    runs on a GPU a live lease holds is never named: it is covered, wherever else it runs."""
+    slots = [f"{node}/{int(g['index'])}" for g in gpus]
+    async with engine.redis.pipeline(transaction=True) as p:
+        p.hmget(engine.keys.unleased, slots)
+        p.hmget(engine.keys.holders, slots)
+        flagged, holders = await p.execute()
+    covered = {int(pid) for g, holder in zip(gpus, holders, strict=True) if holder for pid in g.get("procs", [])}
+    out = []
+    for g, flag, holder in zip(gpus, flagged, holders, strict=True):
+        pids = [int(pid) for pid in g.get("procs", []) if int(pid) not in covered]
+        if flag and not holder and pids:
+            out.append({"index": int(g["index"]), "pids": pids})
+    return out
+
+
+async def record_kills(engine: Engine, node: str, pool: str, killed: list[dict[str, Any]]) -> None:
+    """One ``unleased_killed`` event per signal a node agent sent (or failed to send)."""
+    t = await engine.redis.time()
+    ts = t[0] * 1000 + t[1] // 1000
+    async with engine.redis.pipeline(transaction=False) as p:
+        for k in killed[:1000]:
+            data = {
+                "node": node,
+                "pool": pool,
+                "gpu": int(k["index"]),
+                "pid": int(k["pid"]),
+                "user": str(k.get("user") or ""),
+                "signal": str(k["signal"]),
+                "ts": ts,
+            }
+            if "grace_s" in k:
+                data["grace_s"] = float(k["grace_s"])
+            if k.get("error"):
+                data["error"] = str(k["error"])[:200]
+            log.warning(
+                "unleased process %s: node=%s gpu=%s pid=%s user=%s%s",
+                data["signal"],
+                node,
+                data["gpu"],
+                data["pid"],
+                data["user"],
+                f" failed: {data['error']}" if "error" in data else "",
+            )
+            p.xadd(
+                engine.keys.events,
+                {"type": EventType.UNLEASED_KILLED, "data": json.dumps(data)},
+                maxlen=engine.settings.event_log_max,
+                approximate=True,
+            )
+        await p.execute()
 
 
 async def simulated_sample(engine: Engine, node: str, indexes: list[int]) -> list[dict[str, Any]]:

@@ -383,6 +383,20 @@ GPU_SAMPLE = {
     "properties": {"index": GPU_INDEX, **SAMPLE_PROPS},
 }
 SIMULATED_SAMPLE = {"type": "object", "additionalProperties": False, "properties": SAMPLE_PROPS}
+# A process on a GPU no live lease covers that the node agent signalled (unleased_action "kill").
+KILLED_PROCESS = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["index", "pid", "signal"],
+    "properties": {
+        "index": GPU_INDEX,
+        "pid": {"type": "integer", "minimum": 2, "maximum": MAX_PID},
+        "user": {**_text("the process's owner"), "maxLength": 64},
+        "signal": {"enum": ["SIGTERM", "SIGKILL"]},
+        "grace_s": {"type": "number", "minimum": 0, "maximum": 3600, "description": "SIGTERM: SIGKILL after this"},
+        "error": _text("why the signal could not be sent (e.g. permission denied)"),
+    },
+}
 INVENTORY_GPU = {
     "type": "object",
     "additionalProperties": False,
@@ -695,6 +709,22 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                 Field("max_extensions", {"type": "integer", "minimum": 0, "maximum": 1000}),
                 Field("exempt_users", {"type": "array", "items": _text()}, check=_names("exempt_users")),
                 Field("exempt_labels", {"type": "array", "items": _text()}, check=_names("exempt_labels")),
+                Field(
+                    "unleased_action",
+                    {
+                        "enum": ["flag", "kill"],
+                        "description": "a process on a GPU no live lease covers: flag it, or its node agent kills it",
+                    },
+                ),
+                Field(
+                    "unleased_kill_grace_s",
+                    {
+                        "type": "number",
+                        "minimum": 0,
+                        "maximum": 3600,
+                        "description": "seconds from SIGTERM to SIGKILL (unleased_action kill)",
+                    },
+                ),
             ),
             description="Fields not given stay",
             what="policy field",
@@ -725,6 +755,15 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     "gpus",
                     {"type": "array", "minItems": 1, "maxItems": MAX_GPUS_PER_NODE, "items": GPU_SAMPLE},
                     required=True,
+                ),
+                Field(
+                    "killed",
+                    {
+                        "type": "array",
+                        "maxItems": 1000,
+                        "items": KILLED_PROCESS,
+                        "description": "unleased processes the agent signalled since its last sample",
+                    },
                 ),
             ),
         ),

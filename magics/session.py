@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from lease_server import errors, protocol
+from lease_server import errors, protocol, rayauth
 from lease_server.client import Client, HeldLease
 
 from .calls import Where, this_machine
@@ -99,15 +99,18 @@ class Session:
             if self._actor_cls is not None and ray.is_initialized():
                 return
             if not ray.is_initialized():
-                address = self.client().request("GET", protocol.INFO).get("ray_address") or os.environ.get(
-                    "RAY_ADDRESS"
-                )
+                info = self.client().request("GET", protocol.INFO)
+                address = info.get("ray_address") or os.environ.get("RAY_ADDRESS")
                 if not address:
                     raise errors.ConfigurationError(
                         "the lease server names no Ray cluster: start it with 'gpulease up' (which starts "
                         "a Ray head) or 'gpulease server --ray-address HOST:PORT'"
                     )
                 _probe_ray(address)
+                if info.get("ray_address") and info.get("ray_auth_token"):
+                    # The cluster the lease server names runs with token authentication: join
+                    # with the token it hands out with the address (lease_server/rayauth.py).
+                    rayauth.use_token(info["ray_auth_token"])
                 ray.init(
                     address=address,
                     namespace="gpulease",

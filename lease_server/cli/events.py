@@ -266,6 +266,9 @@ def describe(ev: dict[str, Any]) -> str:
         return f"{ev.get('node')} GPU {ev.get('gpu')}: pids {pids}, no lease holds it"
     if t == "unleased_use_ended":
         return f"{ev.get('node')} GPU {ev.get('gpu')} is clear again"
+    if t == "unleased_killed":
+        sent = f"{ev.get('signal')} failed: {ev['error']}" if ev.get("error") else f"sent {ev.get('signal')}"
+        return f"{ev.get('node')} GPU {ev.get('gpu')}: pid {ev.get('pid')} of {ev.get('user') or '?'}, no lease: {sent}"
     if t.startswith("reservation_"):
         text = f"{ev.get('gpus')}x {ev.get('pool', '')}"
         if ev.get("start") and t != "reservation_cancelled":
@@ -311,6 +314,7 @@ class Lines:
         "reclaimed": "red",
         "node_down": "bold red",
         "unleased_use": "bold red",
+        "unleased_killed": "bold red",
         "idle_warning": "magenta",
         "preempt_notice": "magenta",
         "borrow_recalled": "magenta",

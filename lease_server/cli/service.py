@@ -88,7 +88,9 @@ def _tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or str(here))
 
 
-def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes] | None, str]:
+def _start_ray(
+    data_dir: Path, nodes: list[Any], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes] | None, str]:
     ray = _tool("ray")
     if not Path(ray).exists():
         err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
@@ -114,12 +116,13 @@ def _start_ray(data_dir: Path, nodes: list[Any]) -> tuple[subprocess.Popen[bytes
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        env=env,
         start_new_session=True,
     )
     return proc, f"127.0.0.1:{port}"
 
 
-def _wait_for_ray(address: str, timeout: float = 180.0) -> None:
+def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
     """Connect one throw-away driver, so that "gpulease is up" means a notebook's first
     %%gpu_train finds a Ray head that accepts drivers (its first connection can take ~10 s)."""
     code = (
@@ -129,7 +132,9 @@ def _wait_for_ray(address: str, timeout: float = 180.0) -> None:
     )
     with console.status("waiting for the Ray head…"):
         try:
-            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
+            )
         except subprocess.TimeoutExpired:
             err_console.print(f"[yellow]the Ray head at {address} did not accept a driver within {timeout:g}s[/]")
             return
@@ -222,6 +227,7 @@ def up(
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
     import secrets
 
+    from .. import rayauth
     from ..config import Settings
     from ..redis_proc import RedisProcess
     from ..server import serve
@@ -237,11 +243,17 @@ def up(
         token = asyncio.run(_ensure_token(settings.redis_url, settings.prefix, data_dir / "token", _local_user()))
         url = f"http://127.0.0.1:{port}"
         (data_dir / "url").write_text(url + "\n")
+        ray_token: Path | None = None
         if ray:
-            ray_proc, settings.ray_address = _start_ray(data_dir, nodes)
+            # Token authentication: the head, its workers, JupyterLab's kernels and the lease
+            # server's /info share the token in data_dir, through the environment (lease_server/rayauth.py).
+            ray_token = rayauth.ensure_token(data_dir)
+            ray_env = rayauth.clean_env(dict(os.environ), ray_token)
+            ray_proc, settings.ray_address = _start_ray(data_dir, nodes, ray_env)
             (data_dir / "ray_address").write_text(settings.ray_address + "\n")
             if ray_proc is not None:
-                _wait_for_ray(settings.ray_address)
+                settings.ray_auth_token_file = str(ray_token)
+                _wait_for_ray(settings.ray_address, env=ray_env)
         lab_url = ""
         if lab:
             env = {
@@ -252,6 +264,8 @@ def up(
             }
             if settings.ray_address:
                 env["RAY_ADDRESS"] = settings.ray_address
+            if settings.ray_auth_token_file and ray_token is not None:
+                env = rayauth.clean_env(env, ray_token)
             lab_proc = _start_lab(data_dir, lab_port, env)
             if lab_proc is not None:
                 lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['GPULEASE_LAB_TOKEN']}"
@@ -265,7 +279,8 @@ def up(
             console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)")
             console.print(f"  redis         {redis_proc.url}   (AOF in {data_dir / 'redis'})")
             if settings.ray_address:
-                console.print(f"  ray head      {settings.ray_address}")
+                auth = f"   (token auth: {ray_token}, mode 0600)" if settings.ray_auth_token_file else ""
+                console.print(f"  ray head      {settings.ray_address}{auth}", soft_wrap=True)
             if lab_url:
                 console.print(f"  jupyterlab    {lab_url}")
             console.print("Ctrl-C stops everything.")
@@ -281,15 +296,27 @@ def up(
 
 
 @click.command()
-@click.option("--redis-url", envvar="GPULEASE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8470, show_default=True)
+@click.option(
+    "--redis-url",
+    envvar="GPULEASE_REDIS_URL",
+    default=None,
+    help="redis://HOST:PORT/DB, or redis+sentinel://H1:26379,H2:26379/SERVICE/DB for a primary that Sentinel "
+    "fails over (default: the config file's redis_url, else redis://127.0.0.1:6379/0)",
+)
+@click.option("--host", default=None, help="Address to listen on (default: the config file's, else 127.0.0.1)")
+@click.option("--port", type=int, default=None, help="Port (default: the config file's, else 8470)")
 @click.option("--workers", default=1, show_default=True, help="Processes sharing the port")
 @click.option("--config", type=click.Path(exists=True), help="TOML settings file")
 @click.option("--ray-address", default=None, help="Ray cluster the clients should use")
 @click.option("-v", "--verbose", is_flag=True)
 def server(
-    redis_url: str, host: str, port: int, workers: int, config: str | None, ray_address: str | None, verbose: bool
+    redis_url: str | None,
+    host: str | None,
+    port: int | None,
+    workers: int,
+    config: str | None,
+    ray_address: str | None,
+    verbose: bool,
 ) -> None:
     """Run the HTTP lease server against an existing Redis (any number of replicas)."""
     from ..config import Settings
@@ -308,6 +335,12 @@ def server(
 @click.option("--token", envvar="GPULEASE_TOKEN", help="An agent or admin token")
 @click.option("--interval", default=2.0, show_default=True, help="Heartbeat period, seconds")
 @click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
+@click.option(
+    "--print-ray-resources",
+    is_flag=True,
+    help="Print the --resources JSON that this host's `ray start` needs (its gpulease_node_<node> "
+    "resources) and exit, without contacting the lease server",
+)
 @click.option("-v", "--verbose", is_flag=True)
 def agent(
     simulate: str | None,
@@ -317,13 +350,19 @@ def agent(
     url: str | None,
     token: str | None,
     interval: float,
+    print_ray_resources: bool,
     verbose: bool,
 ) -> None:
     """Declare this node's GPUs to the lease server and keep it alive."""
     from ..agent import run_remote
 
-    _setup_logging(verbose)
     invs = _inventories(simulate, node, pool, cpu_slots)
+    if print_ray_resources:
+        # A call is placed on the Ray node that carries its lease's node resource
+        # (magics.session.node_resource); the same 1000 units that `gpulease up` gives its head.
+        click.echo(json.dumps({f"gpulease_node_{inv.node}": 1000 for inv in invs}))
+        return
+    _setup_logging(verbose)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Client(url, token) as client:

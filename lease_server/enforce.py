@@ -1,0 +1,209 @@
+"""The node agent's side of ``unleased_action = "kill"``: terminating processes that run on a GPU
+no live lease covers.
+
+The lease server decides (``reclaim.agent_samples``): it answers each sample with the pool's
+``unleased_action`` and, for "kill", the processes of that sample on GPUs that no live lease holds
+(never one that also runs on a GPU a live lease holds). The agent then, for each such process:
+
+1. checks that it reported that pid for that GPU itself, in the sample just sent (so a simulated
+   node kills only the pids its own simulated GPUs report, and a server cannot name any other
+   process of the machine), that the pid is not 0, 1 or the agent itself, and, with NVML, that
+   the process still runs on that GPU and, seen from the agent, has an NVIDIA device open;
+2. sends SIGTERM, through a pidfd where Linux has them (a pid reused meanwhile cannot be hit);
+3. sends SIGKILL if it is still alive ``unleased_kill_grace_s`` later.
+
+Each signal sent (or refused by the OS) becomes a report ``{index, pid, user, signal, grace_s |
+error}`` that the server records as an ``unleased_killed`` event; ``user`` is the process's
+owner, read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pwd
+import select
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def process_user(pid: int) -> str:
+    """The user name of the process's owner ("" if it is gone), its uid if it has no name."""
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return ""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def uses_gpu_device(pid: int) -> bool:
+    """Whether process ``pid`` of this agent's pid namespace has an NVIDIA device open. NVML names
+    processes by their pid in the host's namespace: an agent in a container that does not share it
+    would find another process under the same number, and must not kill that one."""
+    try:
+        fds = list(os.scandir(f"/proc/{pid}/fd"))
+    except OSError:  # gone, or not ours to look into: not known to use a GPU
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd.path).startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass
+class _Signalled:
+    """A process sent SIGTERM: SIGKILL at ``due`` unless it is gone by then."""
+
+    node: str
+    index: int
+    pid: int
+    user: str
+    pidfd: int | None
+    due: float
+
+    def gone(self) -> bool:
+        if self.pidfd is not None:
+            # A pidfd turns readable once its process has exited (a zombie counts as exited).
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.pidfd is not None:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        else:
+            os.kill(self.pid, sig)
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+
+
+class Enforcer:
+    """Acts on the server's answers to one agent's samples; holds the processes waiting for SIGKILL.
+
+    ``act`` and ``tick`` return reports for the server (the next sample carries them, or the
+    in-process agent records them at once)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.pending: dict[tuple[str, int], _Signalled] = {}
+        # Simulated GPUs report what an admin wrote, which outlives the process: a pid already
+        # signalled there is never signalled again (its number may belong to another process by then).
+        self.done: dict[tuple[str, int], None] = {}
+
+    def act(
+        self,
+        node: str,
+        sample: list[dict[str, Any]],
+        answer: dict[str, Any],
+        still_on_gpu: Callable[[int, int], bool] | None = None,
+    ) -> list[dict[str, Any]]:
+        """SIGTERM what ``answer`` names, within what ``sample`` (this agent's own, of ``node``)
+        reported. ``still_on_gpu(index, pid)``: a fresh look (NVML) just before the signal."""
+        if answer.get("unleased_action") != "kill":
+            return []
+        grace = float(answer.get("unleased_kill_grace_s", 10.0))
+        mine = {int(g["index"]): {int(p) for p in g.get("procs", [])} for g in sample}
+        reports = []
+        for order in answer.get("kill") or []:
+            index = int(order["index"])
+            for pid in order.get("pids", []):
+                pid = int(pid)
+                if pid not in mine.get(index, ()):
+                    log.warning("refusing to kill pid %s: this agent did not report it on %s GPU %s", pid, node, index)
+                    continue
+                if pid <= 1 or pid == os.getpid() or (node, pid) in self.pending:
+                    continue
+                if still_on_gpu is None:
+                    if (node, pid) in self.done:
+                        continue
+                    self.done[(node, pid)] = None
+                    while len(self.done) > 10_000:
+                        del self.done[next(iter(self.done))]
+                elif not still_on_gpu(index, pid):
+                    continue
+                report = self._terminate(node, index, pid, grace)
+                if report is not None:
+                    reports.append(report)
+        return reports
+
+    def _terminate(self, node: str, index: int, pid: int, grace: float) -> dict[str, Any] | None:
+        user = process_user(pid)
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None  # gone already
+        except (AttributeError, OSError):  # no pidfd on this kernel: plain kill
+            pidfd = None
+        proc = _Signalled(node, index, pid, user, pidfd, self.clock() + grace)
+        if proc.gone():  # exited, not yet reaped by its parent
+            proc.close()
+            return None
+        report: dict[str, Any] = {"index": index, "pid": pid, "user": user, "signal": "SIGTERM", "grace_s": grace}
+        try:
+            proc.send(signal.SIGTERM)
+        except ProcessLookupError:
+            proc.close()
+            return None
+        except OSError as exc:  # e.g. an agent that is not root, and another user's process
+            proc.close()
+            log.warning("cannot SIGTERM unleased pid %s on %s GPU %s: %s", pid, node, index, exc)
+            return {**report, "error": exc.strerror or str(exc)}
+        log.warning("SIGTERM to pid %s (user %s) on %s GPU %s: no live lease covers it", pid, user, node, index)
+        self.pending[(node, pid)] = proc
+        return report
+
+    def tick(self) -> list[tuple[str, dict[str, Any]]]:
+        """SIGKILL the processes still alive past their grace; forget those that are gone.
+        Returns (node, report) per SIGKILL sent."""
+        now, out = self.clock(), []
+        for key, proc in list(self.pending.items()):
+            if proc.gone():
+                proc.close()
+                del self.pending[key]
+                continue
+            if now < proc.due:
+                continue
+            report: dict[str, Any] = {"index": proc.index, "pid": proc.pid, "user": proc.user, "signal": "SIGKILL"}
+            try:
+                proc.send(signal.SIGKILL)
+                log.warning(
+                    "SIGKILL to pid %s on %s GPU %s: still alive after its grace", proc.pid, proc.node, proc.index
+                )
+                out.append((proc.node, report))
+            except ProcessLookupError:
+                pass
+            except OSError as exc:
+                out.append((proc.node, {**report, "error": exc.strerror or str(exc)}))
+            proc.close()
+            del self.pending[key]
+        return out
+
+    def next_due(self) -> float | None:
+        """When :meth:`tick` next has something to do (clock time), None if nothing is pending.
+        Gone processes are noticed at the next tick, which is at most this late."""
+        return min((p.due for p in self.pending.values()), default=None)
+
+    def close(self) -> None:
+        for proc in self.pending.values():
+            proc.close()
+        self.pending.clear()

@@ -1,0 +1,237 @@
+"""``unleased_action`` per pool: "flag" (the default) leaves a process on a GPU no live lease
+covers alone and flags it; "kill" has its node agent SIGTERM it, then SIGKILL it after the grace.
+
+Real processes started by the test, reported through simulated GPUs (``PUT /simulate/NODE``), a
+real server and Redis; the in-process agent (``gpulease up``'s) and the HTTP agent
+(``gpulease agent``) both act."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lease_server import errors
+from lease_server.agent import run_remote
+from lease_server.config import Settings
+from lease_server.enforce import Enforcer
+from lease_server.inventory import parse_simulate
+from tests.api_helpers import EventWatcher
+
+GRACE = 1.0
+SETTINGS: dict[str, Any] = dict(
+    sample_interval=0.1,
+    # A100 pools kill after a 1 s grace; T4 keeps the default, "flag".
+    policy_overrides={
+        "A100-80GB": {"unleased_action": "kill", "unleased_kill_grace_s": GRACE},
+        "H100-80GB": {"unleased_action": "kill", "unleased_kill_grace_s": GRACE},
+    },
+)
+ME = pwd.getpwuid(os.getuid()).pw_name
+# Exits with 3 from its SIGTERM handler: an exit code that only the graceful path gives.
+GRACEFUL = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
+STUBBORN = (
+    "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)\n"
+)
+
+
+@pytest.fixture
+def procs() -> Iterator[Any]:
+    """Start test processes (``sleep 600``, or Python code that says ready); all killed at the end."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(code: str | None = None) -> subprocess.Popen[str]:
+        if code is None:
+            p = subprocess.Popen(["sleep", "600"], text=True)
+        else:
+            p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+@pytest.fixture
+def srv(server_factory: Any) -> Any:
+    return server_factory(simulate="n1=2xA100-80GB,t1=1xT4-16GB", **SETTINGS)
+
+
+def report(srv: Any, node: str, **gpus: list[int]) -> None:
+    """What the simulated GPUs of ``node`` report: GPU index -> pids on it."""
+    sampled = {i: {"util": 50 if pids else 0, "mem_mb": 1000 if pids else 0, "procs": pids} for i, pids in gpus.items()}
+    body = {"gpus": sampled}
+    srv.client("root", "admin").request("PUT", f"/api/v1/simulate/{node}", json=body)
+
+
+def kills(watcher: EventWatcher, pid: int) -> list[dict[str, Any]]:
+    return [e for e in watcher.events if e["type"] == "unleased_killed" and e["pid"] == pid]
+
+
+def test_flag_pool_flags_and_leaves_the_process_alone(srv, procs):
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    sleeper = procs()
+    report(srv, "t1", **{"0": [sleeper.pid]})
+    ev = watcher.wait_for(lambda e: e["type"] == "unleased_use" and e["node"] == "t1", 10, "unleased_use")
+    assert ev["pids"] == [sleeper.pid]
+    time.sleep(10 * SETTINGS["sample_interval"] + GRACE)  # ten samples and a grace: nothing may happen
+    assert sleeper.poll() is None and not kills(watcher, sleeper.pid)
+    pol = srv.client("bob").request("GET", "/api/v1/policy/T4-16GB")
+    assert pol["unleased_action"] == "flag" and pol["unleased_kill_grace_s"] == 10.0
+
+
+def test_kill_pool_sigterms_and_a_graceful_process_exits(srv, procs):
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    graceful = procs(GRACEFUL)
+    report(srv, "n1", **{"1": [graceful.pid]})
+    ev = watcher.wait_for(lambda e: e["type"] == "unleased_killed" and e["pid"] == graceful.pid, 10, "SIGTERM")
+    assert (ev["node"], ev["gpu"], ev["user"], ev["signal"], ev["grace_s"]) == ("n1", 1, ME, "SIGTERM", GRACE)
+    assert ev["pool"] == "A100-80GB" and "error" not in ev
+    assert graceful.wait(10) == 3  # its SIGTERM handler ran
+    time.sleep(GRACE + 0.5)
+    assert [e["signal"] for e in kills(watcher, graceful.pid)] == ["SIGTERM"]  # no SIGKILL, no second SIGTERM
+
+
+def test_kill_pool_sigkills_a_process_that_ignores_sigterm(srv, procs):
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    stubborn = procs(STUBBORN)
+    report(srv, "n1", **{"0": [stubborn.pid]})
+    term = watcher.wait_for(lambda e: e["type"] == "unleased_killed" and e["pid"] == stubborn.pid, 10, "SIGTERM")
+    assert term["signal"] == "SIGTERM" and stubborn.poll() is None
+    killed = watcher.wait_for(
+        lambda e: e["type"] == "unleased_killed" and e["pid"] == stubborn.pid and e["signal"] == "SIGKILL",
+        10,
+        "SIGKILL",
+    )
+    assert (killed["node"], killed["gpu"], killed["user"]) == ("n1", 0, ME)
+    assert killed["ts"] - term["ts"] >= GRACE - 0.05
+    assert stubborn.wait(10) == -signal.SIGKILL
+
+
+def test_a_process_a_live_lease_covers_is_never_killed(srv, procs):
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice = srv.client("alice")
+    lease = alice.acquire(1, pool="A100-80GB")
+    held = lease.gpus[0]["index"]
+    other = 1 - held
+    mine, both = procs(), procs()
+    # ``mine`` runs on the leased GPU; ``both`` also on the other GPU, which no lease holds: the
+    # other GPU is flagged, but ``both`` is covered by the lease and is left alone too.
+    report(srv, "n1", **{str(held): [mine.pid, both.pid], str(other): [both.pid]})
+    ev = watcher.wait_for(lambda e: e["type"] == "unleased_use" and e["node"] == "n1", 10, "unleased_use")
+    assert ev["gpu"] == other
+    time.sleep(10 * SETTINGS["sample_interval"] + GRACE)
+    assert mine.poll() is None and both.poll() is None
+    assert not [e for e in watcher.events if e["type"] == "unleased_killed"]
+    # The lease was what protected them: once it ends, both are unleased and killed.
+    alice.release(lease)
+    for p in (mine, both):
+        ev = watcher.wait_for(lambda e, p=p: e["type"] == "unleased_killed" and e["pid"] == p.pid, 10, "SIGTERM")
+        assert ev["signal"] == "SIGTERM" and p.wait(10) == -signal.SIGTERM
+
+
+def test_the_server_names_only_uncovered_processes_of_kill_pools(server_factory):
+    """The samples answer, straight from the API, for a node that no agent of the server samples."""
+    srv = server_factory(simulate="t1=1xT4-16GB", **SETTINGS)
+    agent = srv.client("agent-h1", "agent")
+    agent.request("PUT", "/api/v1/nodes/h1", json={"pool": "H100-80GB", "gpus": [{"index": 0}, {"index": 1}]})
+    lease = srv.client("alice").acquire(1, pool="H100-80GB")
+    held = lease.gpus[0]["index"]
+    other = 1 - held
+    gpus = [{"index": held, "procs": [4001, 4002]}, {"index": other, "procs": [4002, 4003]}]
+    answer = agent.request("POST", "/api/v1/nodes/h1/samples", json={"gpus": gpus})
+    assert answer["unleased"] == 1 and answer["unleased_action"] == "kill" and answer["unleased_kill_grace_s"] == GRACE
+    assert answer["kill"] == [{"index": other, "pids": [4003]}]  # 4002 also runs on the leased GPU
+    flagged = agent.request("POST", "/api/v1/nodes/t1/samples", json={"gpus": [{"index": 0, "procs": [4004]}]})
+    assert flagged["unleased"] == 1 and flagged["unleased_action"] == "flag" and flagged["kill"] == []
+    for bad in (
+        {"index": 0, "pid": 1, "signal": "SIGTERM"},
+        {"index": 0, "pid": 4003, "signal": "SIGHUP"},
+        {"index": 0, "pid": 4003},
+    ):
+        with pytest.raises(errors.BadRequest):
+            agent.request("POST", "/api/v1/nodes/h1/samples", json={"gpus": gpus, "killed": [bad]})
+
+
+def test_the_http_agent_kills_and_reports(server_factory, procs):
+    srv = server_factory(simulate="", **SETTINGS)  # no agent in the server: gpulease agent's loop below
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    stop = threading.Event()
+    client = srv.client("agent-r1", "agent")
+    agent = threading.Thread(
+        target=run_remote, args=(client, parse_simulate("r1=1xA100-80GB"), 0.5, stop, 0.1), daemon=True
+    )
+    agent.start()
+    try:
+        watcher.wait_for(lambda e: e["type"] == "node_registered" and e["node"] == "r1", 10, "r1 declared")
+        stubborn = procs(STUBBORN)
+        report(srv, "r1", **{"0": [stubborn.pid]})
+        term = watcher.wait_for(lambda e: e["type"] == "unleased_killed" and e["pid"] == stubborn.pid, 10, "SIGTERM")
+        assert (term["node"], term["gpu"], term["user"], term["signal"]) == ("r1", 0, ME, "SIGTERM")
+        killed = watcher.wait_for(
+            lambda e: e["type"] == "unleased_killed" and e["pid"] == stubborn.pid and e["signal"] == "SIGKILL",
+            10,
+            "SIGKILL",
+        )
+        assert killed["gpu"] == 0 and killed["user"] == ME
+        assert stubborn.wait(10) == -signal.SIGKILL
+    finally:
+        stop.set()
+        agent.join(10)
+        client.close()
+
+
+def test_the_agent_acts_only_on_what_it_reported_itself(procs):
+    sleeper = procs()
+    enforcer = Enforcer()
+    order = {"unleased_action": "kill", "unleased_kill_grace_s": 0.0}
+    # Not in its own sample of that GPU (a server, or another node's report, naming it): refused.
+    sample = [{"index": 0, "procs": []}, {"index": 1, "procs": [sleeper.pid]}]
+    assert enforcer.act("n", sample, {**order, "kill": [{"index": 0, "pids": [sleeper.pid]}]}) == []
+    # pid 1 and the agent itself: never.
+    own = [{"index": 0, "procs": [1, os.getpid()]}]
+    assert enforcer.act("n", own, {**order, "kill": [{"index": 0, "pids": [1, os.getpid()]}]}) == []
+    # A flag pool: nothing. NVML says it left the GPU meanwhile: nothing.
+    named = {"kill": [{"index": 1, "pids": [sleeper.pid]}]}
+    assert enforcer.act("n", sample, {"unleased_action": "flag", **named}) == []
+    assert enforcer.act("n", sample, {**order, **named}, still_on_gpu=lambda i, p: False) == []
+    assert sleeper.poll() is None
+    # What it did report, on a kill pool: SIGTERM (sleep dies of it; grace 0: tick finds it gone).
+    done = enforcer.act("n", sample, {**order, **named})
+    assert done == [{"index": 1, "pid": sleeper.pid, "user": ME, "signal": "SIGTERM", "grace_s": 0.0}]
+    assert sleeper.wait(10) == -signal.SIGTERM
+    assert enforcer.tick() == [] and enforcer.pending == {}
+    enforcer.close()
+
+
+def test_unleased_action_is_checked(server_factory):
+    with pytest.raises(errors.ConfigurationError, match="unleased_action"):
+        Settings.load(None, unleased_action="nuke")
+    with pytest.raises(errors.ConfigurationError, match="unleased_kill_grace_s"):
+        Settings.load(None, unleased_kill_grace_s=-1)
+    srv = server_factory(simulate="t1=1xT4-16GB", sample_interval=0.1)
+    admin = srv.client("root", "admin")
+    for bad in ({"unleased_action": "nuke"}, {"unleased_action": 1}, {"unleased_kill_grace_s": -1}):
+        with pytest.raises(errors.BadRequest):
+            admin.request("PUT", "/api/v1/policy/T4-16GB", json=bad)
+    out = admin.request("PUT", "/api/v1/policy/T4-16GB", json={"unleased_action": "kill", "unleased_kill_grace_s": 3})
+    assert out["unleased_action"] == "kill" and out["unleased_kill_grace_s"] == 3
+    answer = srv.client("a", "agent").request("POST", "/api/v1/nodes/t1/samples", json={"gpus": [{"index": 0}]})
+    assert answer["unleased_action"] == "kill" and answer["unleased_kill_grace_s"] == 3
