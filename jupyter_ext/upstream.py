@@ -73,15 +73,22 @@ class LeaseApi:
             self._http.headers[protocol.USER_HEADER] = act_as
 
     async def _resolve(self) -> None:
-        """Under JupyterHub with a shared proxy token: act for the Hub user of this server."""
+        """Under JupyterHub with a shared proxy token: act for the Hub user of this server.
+
+        Asks whoami as the Hub user: a proxy token may (and must) name it; a user's own token is
+        refused that (403 forbidden) and then acts as itself."""
         if self._resolved:
             return
         self._resolved = True
         try:
-            resp = await self._http.get(protocol.WHOAMI)
-            if resp.status_code == 200 and resp.json().get("role") == "proxy":
+            resp = await self._http.get(protocol.WHOAMI, headers={protocol.USER_HEADER: self._hub_user})
+            if resp.status_code == 200:
                 self._http.headers[protocol.USER_HEADER] = self._hub_user
                 log.info("gpulease: acting for JupyterHub user %s with a proxy token", self._hub_user)
+            elif resp.status_code == 400:  # not a lease user name
+                log.warning("gpulease: %s; set c.GpuLease.act_as_user", resp.json().get("message", resp.text))
+            elif resp.status_code >= 500:
+                self._resolved = False  # the lease server's trouble, not the token's: ask again next call
         except (httpx.HTTPError, ValueError):
             self._resolved = False  # try again with the next call
 

@@ -58,8 +58,16 @@ async def create_token(redis: Redis, keys: Keys, user: str, role: str = "user") 
 
 
 def act_as(ident: Identity, user: str | None) -> Identity:
-    """The identity a request acts with: a proxy token may name the user it acts for."""
+    """The identity a request acts with: a proxy token may name the user it acts for, and must.
+
+    A proxy token never acts as itself: a kernel under JupyterHub that lacks GPULEASE_USER would
+    otherwise lease GPUs as the proxy, which no Hub user could see as theirs or release."""
     if user is None:
+        if ident.role == "proxy":
+            raise errors.Forbidden(
+                f"a proxy token acts only for the user it names in {ACT_AS_HEADER}: set GPULEASE_USER "
+                "(or c.GpuLease.act_as_user) to the user it acts for"
+            )
         return ident
     if ident.role != "proxy":
         raise errors.Forbidden(

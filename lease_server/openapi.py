@@ -27,7 +27,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 ERRORS = {
     400: "Bad input: the message says what to fix",
     401: "No or unknown API token",
-    403: "Not allowed for this user (or an X-Gpulease-User header sent without a proxy token)",
+    403: "Not allowed for this user (or X-Gpulease-User sent without a proxy token, or a proxy token without it)",
     404: "No such lease, booking, pool or node (or a path parameter of another shape)",
     409: "Conflict: stale token, lease ended, booking clash, or no capacity in time",
     410: "Withdrawn: the queued request was withdrawn (DELETE) before a grant; it will never be granted",
@@ -36,7 +36,7 @@ ERRORS = {
     503: "Redis unreachable (retry in a few seconds)",
 }
 # What any request may get: a malformed X-Gpulease-User (400), no token (401), X-Gpulease-User without
-# a proxy token (403), a body over the limit (413), Redis away (503).
+# a proxy token or a proxy token without it (403), a body over the limit (413), Redis away (503).
 AUTHENTICATED = (400, 401, 403, 413, 503)
 PUBLIC = (413, 503)
 

@@ -230,3 +230,6 @@ def test_proxy_token_acts_for_the_user_it_names(server: Any, redis_sync: Any) ->
                 "bad_request",
                 "X-Gpulease-User",
             )
+            # A proxy token never acts as itself: it leases for a user it names, or not at all.
+            assert_error(hub.post(f"{API}/leases", json={"gpus": 1}), 403, "forbidden", "GPULEASE_USER")
+            assert_error(hub.get(f"{API}/whoami"), 403, "forbidden", "acts only for the user it names")

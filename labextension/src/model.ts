@@ -366,10 +366,19 @@ export class GpuLeaseModel {
     }
     this._disconnect();
     const settings = this._settings;
-    let url = apiUrl(settings, 'events');
+    const query = new URLSearchParams();
     if (settings.appendToken && settings.token) {
-      url += `?token=${encodeURIComponent(settings.token)}`;
+      query.set('token', settings.token);
     }
+    // An EventSource cannot send the X-XSRFToken header that every other request carries, and a
+    // JupyterHub single-user server accepts its login cookie on a script's GET only with the XSRF
+    // token: pass it as _xsrf, as a form would (a plain Jupyter server ignores it on a GET).
+    const xsrf = xsrfCookie();
+    if (xsrf) {
+      query.set('_xsrf', xsrf);
+    }
+    const search = query.toString();
+    const url = apiUrl(settings, 'events') + (search ? `?${search}` : '');
     this.live = this.live === 'stopped' ? 'connecting' : this.live;
     const source = new EventSource(url, { withCredentials: true });
     this._source = source;
@@ -440,6 +449,18 @@ export class GpuLeaseModel {
   private _retryDelay = RETRY_MIN;
   private _clockOffset = 0;
   private _stopped = false;
+}
+
+/** The _xsrf cookie's value, read as JupyterLab's ServerConnection reads it (the last one). */
+function xsrfCookie(): string | undefined {
+  let value: string | undefined;
+  for (const part of document.cookie.split(';')) {
+    const trimmed = part.trim();
+    if (trimmed.startsWith('_xsrf=')) {
+      value = trimmed.substring('_xsrf='.length);
+    }
+  }
+  return value;
 }
 
 function jsonBody(method: string, body: unknown): RequestInit {
