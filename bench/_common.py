@@ -226,12 +226,11 @@ def settings_for(redis_url: str, prefix: str, **kw: Any) -> Settings:
 
 async def make_tokens(redis_url: str, prefix: str, users: Mapping[str, str]) -> dict[str, str]:
     """{user: role} -> {user: API token}."""
-    from redis.asyncio import Redis
-
     from lease_server.auth import create_token
+    from lease_server.engine import connect
     from lease_server.keys import Keys
 
-    r = Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url)  # redis:// or redis+sentinel://
     try:
         return {u: await create_token(r, Keys(prefix), u, role) for u, role in users.items()}
     finally:

@@ -44,8 +44,52 @@ class HiredisPackConnection(_HiredisPack, AsyncConnection):
     pass
 
 
+# The fencing hash {e, n} (lua/_lib.lua next_token): a higher epoch starts its own count.
+RAISE_EPOCH = """
+local e = tonumber(redis.call('HGET', KEYS[1], 'e') or '0')
+if tonumber(ARGV[1]) > e then redis.call('HSET', KEYS[1], 'e', ARGV[1], 'n', 0) end
+return e
+"""
+
+
 class HiredisSentinelConnection(_HiredisPack, SentinelManagedConnection):
-    pass
+    """A connection to the primary the sentinels name, that checks it is one. Right after a
+    failover a sentinel that has not caught up can still name the old primary's address, where a
+    restarted instance may already run as an empty replica: its reads would answer from stale or no
+    data (an API token "unknown"). ``ROLE`` on connect refuses it, and the retry asks again."""
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        # redis-py 8's commands reconnect through here, to the address the connection had: after a
+        # failover that is the old primary. Ask the sentinels first, as connect() does.
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+    async def on_connect_check_health(self, check_health: bool = True) -> None:
+        await super().on_connect_check_health(check_health)
+        if self.connection_pool.is_master:
+            await self.send_command("ROLE", check_health=False)
+            role = await self.read_response()
+            if not role or str(role[0]) != "master":
+                await self.disconnect()
+                what = role[0] if role else "?"
+                raise RedisConnectionError(f"{self.host}:{self.port} is a {what} now, not the primary")
+            await self._raise_fencing_epoch()
+
+    async def _raise_fencing_epoch(self) -> None:
+        """Before this connection carries anything, move the primary's fencing epoch up to the one
+        the sentinels gave with its address. A request whose arguments were built before the
+        failover (and are resent as they are) then still gets a token of the new epoch."""
+        pool = self.connection_pool
+        fence = getattr(pool, "fence_key", None)
+        epoch = (
+            pool.sentinel_manager.epochs.get(pool.service_name, 0)
+            if isinstance(pool.sentinel_manager, FencingSentinel)
+            else 0
+        )
+        if fence and epoch:
+            await self.send_command("EVAL", RAISE_EPOCH, 1, fence, epoch, check_health=False)
+            await self.read_response()
 
 
 class FencingSentinel(Sentinel):
@@ -128,6 +172,8 @@ def connect(url: str, **kw: Any) -> Redis:
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
         "connection_class": HiredisPackConnection,
     }
+    if url.startswith("redis+cluster://"):
+        return _cluster(url, **kw)
     if not url.startswith("redis+sentinel://"):
         return Redis.from_url(url, **{**options, **kw})
     u = SentinelUrl.parse(url)
@@ -146,6 +192,29 @@ def connect(url: str, **kw: Any) -> Redis:
     options.update(kw)
     sentinel = FencingSentinel(list(u.sentinels), sentinel_kwargs=sentinel_kwargs)
     return sentinel.master_for(u.service, redis_class=Redis, **options)  # type: ignore[no-any-return]
+
+
+def _cluster(url: str, **kw: Any) -> Redis:
+    """``redis+cluster://[[user]:password@]host:port[,host:port...]``: a Redis Cluster. Every key of
+    a deployment carries one hash tag, so all of them (and every script) live in one slot."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    nodes = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        if not name or not port.isdigit():
+            raise ConfigurationError(f"{url!r}: each cluster node is host:port, e.g. redis+cluster://h1:7000,h2:7000")
+        nodes.append(ClusterNode(name.strip("[]"), int(port)))
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "username": unquote(user) or None,
+        "password": unquote(password) or None,
+        "max_connections": 256,
+    }
+    return RedisCluster(startup_nodes=nodes, **{**options, **kw})  # type: ignore[return-value]
 
 
 def resolve_primary(url: str) -> str:
@@ -167,7 +236,7 @@ def resolve_primary(url: str) -> str:
 def fencing_epoch(redis: Redis) -> int:
     """The fencing epoch for the primary ``redis`` talks to: Sentinel's config epoch (0 without
     Sentinel: one Redis has no failover, and its fencing counter survives restarts with AOF)."""
-    pool = redis.connection_pool
+    pool = getattr(redis, "connection_pool", None)
     if isinstance(pool, SentinelConnectionPool) and isinstance(pool.sentinel_manager, FencingSentinel):
         return pool.sentinel_manager.epochs.get(pool.service_name, 0)
     return 0
@@ -201,6 +270,9 @@ class Engine:
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self.scripts = Scripts(redis, self.keys, settings.replicas_ack, settings.replicas_ack_timeout)
+        pool = getattr(redis, "connection_pool", None)  # a RedisCluster has one per node
+        if isinstance(pool, SentinelConnectionPool):
+            pool.fence_key = self.keys.fence  # type: ignore[attr-defined]
 
     def common(self, now_ms: int | None = None) -> Common:
         s = self.settings

@@ -148,10 +148,10 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         p.hgetall(k.holders)
         p.hgetall(k.leases)
         p.zrange(k.fit, 0, -1)
-        p.time()
         p.hgetall(k.last)
         p.hgetall(k.unleased)
-        nodes_raw, alive, free_raw, holders, leases_raw, fit, now, newest, unleased = await p.execute()
+        nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased = await p.execute()
+    now = await r.time()  # Redis's clock; not in the MULTI: a Redis Cluster pipeline takes only keyed commands
     now_s = now[0] + now[1] / 1e6
     alive_at = dict(alive)
     up = {m.split("|", 2)[2] for m in fit}

@@ -341,7 +341,7 @@ class LeaseStore:
         """
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hget(self.keys.leases, lid)
-            pipe.hexists(self.keys.waiters, lid)
+            pipe.hget(self.keys.waiters, lid)  # not HEXISTS: redis-py's cluster MULTI cannot decode it
             pipe.hget(self.keys.ended, lid)
             raw, queued, ended = await pipe.execute()
         if raw:

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import ConfigurationError
@@ -45,10 +46,17 @@ class RedisProcess:
     can lose at most the last second. Pass ``fsync="always"`` to close that window too.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str], port: int | None = None, fsync: str = "everysec") -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        port: int | None = None,
+        fsync: str = "everysec",
+        extra: Sequence[str] = (),
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.fsync = fsync
+        self.extra = list(extra)  # more redis-server options, e.g. ("--replicaof", "127.0.0.1", "6379")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -77,6 +85,7 @@ class RedisProcess:
             "no",
             "--logfile",
             str(self.data_dir / "redis.log"),
+            *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from . import errors
 from .keys import Keys
@@ -700,6 +700,12 @@ class Scripts:
                     raise
                 await self._redis.script_load(script.script)
                 continue
+            except ResponseError as exc:
+                if "replica" not in str(exc):
+                    raise
+                # The primary this connection reached was demoted (a failover): nothing is acknowledged.
+                why = "Redis is failing over to a new primary; retry in a few seconds"
+                raise errors.ServerUnavailable(why) from exc
             if int(acked) < self.replicas_ack:
                 raise errors.ServerUnavailable(
                     f"the change reached {acked} of the {self.replicas_ack} Redis replica(s) it must reach "

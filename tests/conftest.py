@@ -70,9 +70,9 @@ def make_settings(redis_url: str, prefix: str, **kw: object) -> Settings:
 
 def token_for(redis_url: str, prefix: str, user: str, role: str = "user") -> str:
     async def make() -> str:
-        from redis.asyncio import Redis as ARedis
+        from lease_server.engine import connect
 
-        r = ARedis.from_url(redis_url, decode_responses=True)
+        r = connect(redis_url)  # redis:// or redis+sentinel://
         try:
             return await create_token(r, Keys(prefix), user, role)
         finally:

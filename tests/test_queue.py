@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from redis.asyncio import Redis
 
 from lease_server import errors
-from lease_server.engine import Engine
+from lease_server.engine import Engine, connect
 from lease_server.inventory import cluster_view, parse_simulate, register
 from lease_server.lease import LeaseStore
 from tests.conftest import make_settings
@@ -20,7 +19,7 @@ from tests.conftest import make_settings
 
 @asynccontextmanager
 async def store_for(redis_url: str, prefix: str, simulate: str, **kw: object) -> AsyncIterator[LeaseStore]:
-    r = Redis.from_url(redis_url, decode_responses=True)
+    r = connect(redis_url)  # redis:// or, from tests/test_cluster.py, redis+cluster://
     store = LeaseStore(Engine(r, make_settings(redis_url, prefix, **kw)))
     await store.start()
     for inv in parse_simulate(simulate):

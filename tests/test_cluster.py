@@ -1,0 +1,89 @@
+"""The lease test suite's core against a real Redis Cluster of three primaries on loopback
+(tests/redis_cluster.py): acquire, the queue, release, the sweep and reservations, through the
+store and through the HTTP server, on ``redis+cluster://``. Every key carries the hash tag
+``{prefix}``, so each test's keys, and every script, live in one slot of one primary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import test_queue as queue_tests
+from tests import test_reservations as resv_tests
+from tests.conftest import ServerHandle, make_settings
+from tests.redis_cluster import RedisCluster3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]:
+    c = RedisCluster3(Path(tmp_path_factory.mktemp("cluster")))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def cluster_servers(cluster: RedisCluster3, prefix: str) -> Iterator[Callable[..., ServerHandle]]:
+    started: list[ServerHandle] = []
+
+    def make(simulate: str = "n1=4xA100-80GB,n2=2xA100-80GB,t1=2xT4-16GB", **kw: object) -> ServerHandle:
+        handle = ServerHandle(make_settings(cluster.url, f"{prefix}c{len(started)}", **kw), simulate).start()
+        started.append(handle)
+        return handle
+
+    yield make
+    for h in started:
+        h.stop()
+
+
+@pytest.fixture
+def cluster_sync(cluster: RedisCluster3) -> Iterator[Any]:
+    from redis.cluster import RedisCluster
+
+    r = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port, decode_responses=True)
+    yield r
+    r.close()
+
+
+def test_keys_of_a_deployment_share_one_slot(cluster: RedisCluster3) -> None:
+    from redis.crc import key_slot
+
+    from lease_server.keys import Keys
+
+    keys = Keys("gpulease")
+    assert len({key_slot(k.encode()) for k in [*keys.all(), keys.samples("n1/0")]}) == 1
+
+
+QUEUE = [
+    queue_tests.test_waiter_is_granted_when_gpus_are_released,
+    queue_tests.test_wait_times_out_with_position_and_leaves_queue,
+    queue_tests.test_fair_share_serves_the_lighter_user_first,
+    queue_tests.test_large_request_is_not_starved_by_small_ones,
+    queue_tests.test_unsatisfiable_and_unknown_pool_fail_at_once,
+    queue_tests.test_dead_node_is_never_granted_and_comes_back,
+]
+
+
+@pytest.mark.parametrize("case", QUEUE, ids=lambda f: f.__name__.removeprefix("test_"))
+def test_queue_on_a_redis_cluster(case: Callable[..., None], cluster: RedisCluster3, prefix: str) -> None:
+    case(cluster, prefix)
+
+
+SERVER = [
+    resv_tests.test_clash_names_bookings_and_suggests_nearest_windows,
+    resv_tests.test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice,
+    resv_tests.test_board_shows_reserved_and_borrowed_gpus,
+    resv_tests.test_end_early_gives_gpus_back,
+]
+
+
+@pytest.mark.parametrize("case", SERVER, ids=lambda f: f.__name__.removeprefix("test_"))
+def test_server_on_a_redis_cluster(case: Callable[..., None], cluster_servers: Any) -> None:
+    case(cluster_servers)
+
+
+def test_reservations_and_bad_input_on_a_redis_cluster(cluster_servers: Any, cluster_sync: Any) -> None:
+    resv_tests.test_create_list_get_edit_cancel(cluster_servers, cluster_sync)
+    resv_tests.test_bad_input_is_refused_and_changes_nothing(cluster_servers, cluster_sync)
