@@ -163,7 +163,10 @@ class Grant:
         if self.lease is None:
             return {}
         client = self.sess.client()
-        return {"url": client.url, "token": client.token, "id": self.lease.id}
+        # The user a proxy token acts for (JupyterHub: GPULEASE_USER): without it every request of
+        # the watchdog is refused (403) and it never sees its lease end.
+        user = {k.lower(): v for k, v in client.headers.items()}.get(protocol.USER_HEADER.lower(), "")
+        return {"url": client.url, "token": client.token, "id": self.lease.id, "user": user}
 
     def follow(self) -> None:
         """Follow this lease's own events (``GET /api/v1/events?lease=ID``) while the call runs:

@@ -298,7 +298,10 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
     # A backstop (the driver follows the lease too): a call that ends within this never pays for it.
     if worker is not None and worker._done_event.wait(WATCHDOG_DELAY_S):
         return
-    http = event_client(url, protocol.bearer(watch["token"]))
+    headers = protocol.bearer(watch["token"])
+    if watch.get("user"):
+        headers[protocol.USER_HEADER] = watch["user"]
+    http = event_client(url, headers)
 
     def ended() -> str | None:
         try:

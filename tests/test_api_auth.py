@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from lease_server.keys import Keys
 from tests.api_helpers import API, Cases, assert_error, http, unchanged
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _acquire(client: httpx.Client, gpus: int = 1, **kw: Any) -> dict[str, Any]:
@@ -233,3 +239,24 @@ def test_proxy_token_acts_for_the_user_it_names(server: Any, redis_sync: Any) ->
             # A proxy token never acts as itself: it leases for a user it names, or not at all.
             assert_error(hub.post(f"{API}/leases", json={"gpus": 1}), 403, "forbidden", "GPULEASE_USER")
             assert_error(hub.get(f"{API}/whoami"), 403, "forbidden", "acts only for the user it names")
+
+
+def test_a_workers_watchdog_acting_through_a_proxy_token_sees_its_lease_end(server: Any, tmp_path: Path) -> None:
+    """Under JupyterHub a kernel's token is the hub's proxy token, acting for GPULEASE_USER: the
+    worker's watchdog must name that user too, or the server refuses it (403) and it never sees its
+    lease end. The watchdog runs as in a worker (its own process) and exits once the lease is released."""
+    from lease_server.client import Client
+
+    with Client(server.url, server.token("hub", "proxy"), act_as="ann") as ann:
+        lease = ann.acquire(1, ttl=60)
+        watch = {"url": server.url, "token": server.token("hub", "proxy"), "id": lease.id, "user": "ann"}
+        code = "import json, sys; from magics.worker import _watchdog; _watchdog(json.loads(sys.argv[1]))"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(watch)], stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+        try:
+            ann.release(lease)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert f"lease {lease.id} is released; stopping this worker" in err, err
