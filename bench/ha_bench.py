@@ -18,8 +18,9 @@ replicas_ack_cost_ratio acquire+release p50 with replicas_ack = 1 over replicas_
 ping_p50_ms, lock_p50_ms  the baselines of the same run: a Redis PING, and a bare Redis lock (SET NX PX,
                         then DEL) through the same sentinel-managed client
 ack0_lost_grants, ack0_double_grants, ack0_token_reuse
-                        the same load with replicas_ack = 0 and one failover, its replica cut off for
-                        0.3 s first: what asynchronous replication alone loses (no target: the trade-off)
+                        the same load with replicas_ack = 0 and min-replicas-to-write 0, one failover,
+                        its replica cut off for 0.3 s first: what asynchronous replication alone
+                        loses (no target: the trade-off)
 
 Nothing here asserts: a bench prints.
 """
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 failovers in 30 s instead of 3 in 60 s")
     args = ap.parse_args()
     from lease_server.keys import Keys
-    from tests.ha import SENTINEL_SETTINGS, SentinelGroup, run_load
+    from tests.ha import REDIS_SETTINGS, SENTINEL_SETTINGS, SentinelGroup, run_load
 
     out: dict[str, Any] = {"sentinel": SENTINEL_SETTINGS}
     duration, every = (30.0, 12.0) if args.quick else (60.0, 15.0)
@@ -151,7 +152,7 @@ def main() -> None:
                     say(f"{name} {out[name]} {verdict(name, out[name])}")
         finally:
             group.stop()
-        group = SentinelGroup(Path(tmp) / "b")
+        group = SentinelGroup(Path(tmp) / "b", [*REDIS_SETTINGS, "--min-replicas-to-write", "0"])
         try:
             with _common.section(out, "ack0"):
                 srv = server(group, "haload0", 0)

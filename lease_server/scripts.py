@@ -674,10 +674,17 @@ class Scripts:
     async def raw(self, call: ScriptCall, common: Common) -> tuple[Code, list[Any]]:
         """Run ``call`` and return its code and the rest of the reply, undecoded (tests, benches)."""
         keys, args = self._keys[call.script], common.argv() + call.argv()
-        if self.replicas_ack and common.now_ms is None:
-            reply = await self._acked(self._scripts[call.script], keys, args)
-        else:
-            reply = await self._scripts[call.script](keys=keys, args=args)
+        try:
+            if self.replicas_ack and common.now_ms is None:
+                reply = await self._acked(self._scripts[call.script], keys, args)
+            else:
+                reply = await self._scripts[call.script](keys=keys, args=args)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOREPLICAS"):
+                raise
+            # min-replicas-to-write: the primary has too few replicas in sync to take a change (just
+            # after a failover, until a replica is back). Nothing was written: the client resends.
+            raise errors.ServerUnavailable(f"Redis refuses writes for now ({exc}); retry in a few seconds") from exc
         try:
             code = Code(int(reply[0]))
         except (ValueError, IndexError, TypeError) as exc:
@@ -701,7 +708,7 @@ class Scripts:
                 await self._redis.script_load(script.script)
                 continue
             except ResponseError as exc:
-                if "replica" not in str(exc):
+                if "replica" not in str(exc) or str(exc).startswith("NOREPLICAS"):
                     raise
                 # The primary this connection reached was demoted (a failover): nothing is acknowledged.
                 why = "Redis is failing over to a new primary; retry in a few seconds"

@@ -22,9 +22,36 @@ from lease_server.client import Client
 from lease_server.redis_proc import RedisProcess, free_port, redis_server_binary
 
 SERVICE = "mymaster"
-# Sentinel settings of the tests and of docs/deploy.md: a primary unreachable for 1 s is down, and
-# the failover itself is bounded by 5 s.
-SENTINEL_SETTINGS = {"down-after-milliseconds": 1000, "failover-timeout": 5000, "parallel-syncs": 1}
+DEPLOY_DOC = Path(__file__).resolve().parent.parent / "docs" / "deploy.md"
+
+
+def doc_block(name: str) -> list[str]:
+    """The lines of the fenced block after ``<!-- test_failover: NAME -->`` in docs/deploy.md: the
+    tests run the settings the deployment guide gives, so the two cannot drift apart."""
+    import re
+
+    m = re.search(
+        rf"<!-- test_failover: {re.escape(name)} -->\n```[a-z]*\n(.*?)^```", DEPLOY_DOC.read_text(), re.S | re.M
+    )
+    assert m, f"docs/deploy.md has no fenced block after <!-- test_failover: {name} -->"
+    return [line.strip() for line in m.group(1).splitlines() if line.strip()]
+
+
+def _sentinel_settings() -> dict[str, str]:
+    """{"down-after-milliseconds": "1000", ...}: the guide's sentinel.conf, but its monitor line."""
+    out = {}
+    for line in doc_block("sentinel"):
+        words = line.split()
+        if words[:2] != ["sentinel", "monitor"]:
+            assert words[0] == "sentinel" and words[2] == SERVICE, line
+            out[words[1]] = words[3]
+    return out
+
+
+# Sentinel settings of docs/deploy.md: a primary unreachable for 1 s is down, and the failover
+# itself is bounded by 5 s. The guide's redis.conf lines go to every node.
+SENTINEL_SETTINGS = _sentinel_settings()
+REDIS_SETTINGS = [arg for line in doc_block("redis") for arg in (f"--{line.split()[0]}", *line.split()[1:])]
 
 
 class SentinelGroup:
@@ -34,11 +61,12 @@ class SentinelGroup:
     name another primary and restarts the killed instance as its replica, so the next kill has a
     replica to promote again."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, redis_settings: list[str] | None = None) -> None:
         import subprocess
 
         self._subprocess = subprocess
         self.tmp = tmp
+        self.redis_settings = REDIS_SETTINGS if redis_settings is None else redis_settings
         self.nodes: dict[int, RedisProcess] = {}
         first = self._start_node(free_port(), replica_of=None)
         self._start_node(free_port(), replica_of=first)
@@ -68,8 +96,7 @@ class SentinelGroup:
         self.wait_ready()
 
     def _start_node(self, port: int, replica_of: int | None) -> int:
-        # No diskless-sync delay: a restarted replica is in sync (and can acknowledge) at once.
-        extra = ["--appendonly", "no", "--repl-diskless-sync-delay", "0"]
+        extra = ["--appendonly", "no", *self.redis_settings]
         if replica_of is not None:
             extra += ["--replicaof", "127.0.0.1", str(replica_of)]
         self.nodes[port] = RedisProcess(self.tmp / f"redis-{port}", port=port, extra=extra).start()
