@@ -100,3 +100,27 @@ def test_failover_with_replicas_ack_0_reports_what_it_lost(bare_group, prefix, c
     # What the fencing epoch guarantees without replica acknowledgements: tokens stay unique and
     # rise along each GPU's holders, even when the new primary lost the last increments.
     assert not report.token_reuse, report.token_reuse[:5]
+
+
+def test_the_sentinel_url_works_for_token_create_and_the_simulator_and_bad_ones_say_what_to_fix(group, prefix):
+    import subprocess
+    import sys
+
+    from lease_server.engine import SentinelUrl, resolve_primary
+    from lease_server.errors import ConfigurationError
+
+    assert resolve_primary(group.url) == f"redis://127.0.0.1:{group.primary()}/0"  # the simulator's replay
+    made = subprocess.run(
+        [sys.executable, "-m", "lease_server.cli", "token", "create", "ann", "--redis-url", group.url]
+        + ["--prefix", prefix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0 and len(made.stdout.strip()) > 20, made.stderr
+    for bad, hint in [
+        ("redis+sentinel://h1:26379/", "name the Sentinel service"),
+        ("redis+sentinel://h1:x/mymaster/0", "each sentinel is host:port"),
+    ]:
+        with pytest.raises(ConfigurationError, match=hint):
+            SentinelUrl.parse(bad)
