@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -140,12 +141,13 @@ class ServerHandle:
         return Client(self.url, self.token(user, role))
 
 
-@pytest.fixture
-def server_factory(redis_server: RedisProcess, prefix: str) -> Iterator[object]:
+def servers_on(redis_url: str, prefix: str) -> Iterator[Any]:
+    """A factory of lease servers in this process on ``redis_url`` (any URL ``connect`` takes), each
+    under its own prefix; stopped when the generator is closed (as a fixture's teardown)."""
     started: list[ServerHandle] = []
 
     def make(simulate: str = "n1=4xA100-80GB,n2=2xA100-80GB,t1=2xT4-16GB", **kw: object) -> ServerHandle:
-        settings = make_settings(redis_server.url, f"{prefix}s{len(started)}", **kw)
+        settings = make_settings(redis_url, f"{prefix}s{len(started)}", **kw)
         handle = ServerHandle(settings, simulate).start()
         started.append(handle)
         return handle
@@ -153,6 +155,11 @@ def server_factory(redis_server: RedisProcess, prefix: str) -> Iterator[object]:
     yield make
     for h in started:
         h.stop()
+
+
+@pytest.fixture
+def server_factory(redis_server: RedisProcess, prefix: str) -> Iterator[object]:
+    yield from servers_on(redis_server.url, prefix)
 
 
 @pytest.fixture

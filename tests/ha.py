@@ -316,14 +316,9 @@ def run_load(
                         _retry(lambda h=held: c.release(h.lease, h.token), stop)
                 except errors.NoCapacity:
                     pause.wait(0.05)
-                except errors.NotFound as exc:  # an acknowledged lease the server no longer knows
-                    with lock:
-                        if mine is not None:
-                            report.lost_grants.append(f"{mine.lease} (token {mine.token}): {exc}")
-                            mine.end = min(time.time(), mine.expires_at)
-                            live.pop(mine.lease, None)
-                    mine = None
-                except errors.LeaseEnded as exc:  # ended while we held it and renewed it: lost too
+                except (errors.NotFound, errors.LeaseEnded) as exc:
+                    # An acknowledged lease the server no longer knows, or that ended while we held
+                    # it and renewed it: lost.
                     with lock:
                         if mine is not None:
                             report.lost_grants.append(f"{mine.lease} (token {mine.token}): {exc}")

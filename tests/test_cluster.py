@@ -13,7 +13,7 @@ import pytest
 
 from tests import test_queue as queue_tests
 from tests import test_reservations as resv_tests
-from tests.conftest import ServerHandle, make_settings
+from tests.conftest import ServerHandle, servers_on
 from tests.redis_cluster import RedisCluster3
 
 
@@ -26,16 +26,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]
 
 @pytest.fixture
 def cluster_servers(cluster: RedisCluster3, prefix: str) -> Iterator[Callable[..., ServerHandle]]:
-    started: list[ServerHandle] = []
-
-    def make(simulate: str = "n1=4xA100-80GB,n2=2xA100-80GB,t1=2xT4-16GB", **kw: object) -> ServerHandle:
-        handle = ServerHandle(make_settings(cluster.url, f"{prefix}c{len(started)}", **kw), simulate).start()
-        started.append(handle)
-        return handle
-
-    yield make
-    for h in started:
-        h.stop()
+    yield from servers_on(cluster.url, prefix)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import pytest
 
 from lease_server.keys import Keys
 from tests.conftest import make_settings
-from tests.ha import REDIS_SETTINGS, SentinelGroup, run_load
+from tests.ha import REDIS_SETTINGS, Report, SentinelGroup, run_load
 
 pytestmark = pytest.mark.slow
 
@@ -61,18 +61,25 @@ def _server(group: SentinelGroup, prefix: str, replicas_ack: int) -> Any:
     return ServerHandle(settings, "n1=8xA100-80GB,n2=8xA100-80GB,n3=8xA100-80GB").start()
 
 
-@pytest.mark.timeout(240)
-def test_failover_with_replicas_ack_1_loses_no_grant_and_never_reuses_a_token(group, prefix, capsys):
-    srv = _server(group, prefix, replicas_ack=1)
+def _load(group: SentinelGroup, prefix: str, replicas_ack: int, duration_s: float, kill_every_s: float) -> Report:
+    """32 clients against a lease server on ``group`` for ``duration_s``, the primary killed every
+    ``kill_every_s``; the figures and the first problems are printed."""
+    srv = _server(group, prefix, replicas_ack=replicas_ack)
     try:
         tokens = [srv.token(f"u{i}") for i in range(32)]
-        report = run_load(group, srv.url, tokens, 60.0, 15.0, 1, Keys(prefix))
+        report = run_load(group, srv.url, tokens, duration_s, kill_every_s, replicas_ack, Keys(prefix))
     finally:
         srv.stop()
+    print(f"\nfailover, replicas_ack={replicas_ack}:", json.dumps(report.figures()))
+    for line in (report.lost_grants + report.errors + report.double_grants + report.token_reuse)[:10]:
+        print("  ", line)
+    return report
+
+
+@pytest.mark.timeout(240)
+def test_failover_with_replicas_ack_1_loses_no_grant_and_never_reuses_a_token(group, prefix, capsys):
     with capsys.disabled():
-        print("\nfailover, replicas_ack=1:", json.dumps(report.figures()))
-        for line in (report.lost_grants + report.errors + report.double_grants + report.token_reuse)[:10]:
-            print("  ", line)
+        report = _load(group, prefix, 1, 60.0, 15.0)
     assert report.failovers >= 3, report.figures()
     assert report.grants > 100, report.figures()
     assert not report.double_grants, report.double_grants[:5]
@@ -84,16 +91,8 @@ def test_failover_with_replicas_ack_1_loses_no_grant_and_never_reuses_a_token(gr
 
 @pytest.mark.timeout(120)
 def test_failover_with_replicas_ack_0_reports_what_it_lost(bare_group, prefix, capsys):
-    srv = _server(bare_group, prefix, replicas_ack=0)
-    try:
-        tokens = [srv.token(f"u{i}") for i in range(32)]
-        report = run_load(bare_group, srv.url, tokens, 20.0, 10.0, 0, Keys(prefix))
-    finally:
-        srv.stop()
-    with capsys.disabled():
-        print("\nfailover, replicas_ack=0 (the trade-off):", json.dumps(report.figures()))
-        for lost in report.lost_grants[:5]:
-            print("  lost:", lost)
+    with capsys.disabled():  # the trade-off, printed
+        report = _load(bare_group, prefix, 0, 20.0, 10.0)
     assert report.failovers >= 1 and report.grants > 20, report.figures()
     # The trade-off, shown: grants acknowledged while the replica lagged are gone after the failover.
     assert report.lost_grants, "the replica missed 0.3 s of writes, yet nothing acknowledged was lost?"
