@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Performance figures of the scheduler (issue 6, Bench section).
+"""Performance figures of the scheduler (issue 6, Bench section; issue 13, section 3: fairness per window).
 
     .venv/bin/python bench/sched_bench.py [--quick] [--seed N]
 
@@ -12,11 +12,26 @@ decision_p99_ms      1,000 requests of 100 users queued for a full 128-GPU pool 
                      decision and the grant, in one script), over 500 releases. Baselines measured in
                      the same run: PING, and the same release with nobody queued. (target <= 5 ms)
 fairness_deviation   a generated day of notebook work (seeded: 24 users, cells arriving as a Poisson
-                     process with log-normal durations, median 10 min, 1 or 2 GPUs) on 16 GPUs,
-                     1.6x over-subscribed, replayed through the fair_share scheduler under a virtual
-                     clock. Each user's GPU-time against the max-min fair share of the GPU-time
-                     delivered given each user's demand (water-filling): the largest relative
-                     deviation among users. Printed with the seed; the same for fifo, for reference.
+                     process with log-normal durations, median 10 min, 1 or 2 GPUs) on 16 GPUs (two
+                     nodes of 8), 1.6x over-subscribed, replayed through the fair_share scheduler
+                     under a virtual clock, and measured per window (lease_server/sim/fairness.py):
+                     in each 10-minute window, the max-min fair division of the GPU-time delivered
+                     in it among the users with demand in it (GPUs running or queued, a user's share
+                     capped by that demand); the deviation is sum |received - fair| / sum fair over
+                     users and windows, the GPU-time-weighted mean of |received - fair| / fair.
+                     (target <= 0.10)
+fairness_deviation_fifo       the same day under fifo, for reference.
+fairness_deviation_sweep_day  a day of 12 interactive users (as above, 1.0x) and one more who
+                     submits a sweep of 64 one-GPU trials at once an hour in (median 15 min each),
+                     under fair_share (target <= 0.10); ..._sweep_day_fifo: under fifo.
+fairness_locked*     the part of each deviation locked in by grants that ran through a whole window
+                     with more than their user's fair share of it: no decision taken during that
+                     window could have undone it (without preemption a grant keeps its GPUs).
+fairness_whole_day*  the figure reported as fairness_deviation before: each user's GPU-time over
+                     the whole day against a whole-day max-min share of it, the largest relative
+                     deviation among users; it ignores when demand arrives.
+
+Run time: about 15 s (the replays of the two days under two schedulers, about 2 s each).
 
 Nothing here asserts: a bench prints.
 """
@@ -39,7 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import _common  # noqa: E402
 from bench._common import announce, json_line, pct, private_redis, say, section, settings_for  # noqa: E402
 
-TARGETS = {"decision_p99_ms": ("<=", 5.0)}
+TARGETS = {
+    "decision_p99_ms": ("<=", 5.0),
+    "fairness_deviation": ("<=", 0.10),
+    "fairness_deviation_sweep_day": ("<=", 0.10),
+}
 POOL = "A100-80GB"
 
 
@@ -145,10 +164,16 @@ async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
         await s.redis.aclose()
 
 
-def generate_day(seed: int, users: int = 24, gpus: int = 16, load: float = 1.6) -> list[tuple[int, str, int, int]]:
+Cell = tuple[int, str, int, int]  # (arrival ms from the day's start, user, GPUs, duration ms)
+Run = tuple[str, int, int, int | None, int]  # (user, GPUs, asked ms, granted ms or None, ended ms)
+DAY_MS = 8 * 3_600_000
+WINDOW_MS = 600_000
+
+
+def generate_day(seed: int, users: int = 24, gpus: int = 16, load: float = 1.6) -> list[Cell]:
     """(arrival ms, user, gpus, duration ms) of one 8-hour working day, sorted by arrival."""
     rng = random.Random(seed)
-    horizon = 8 * 3_600_000
+    horizon = DAY_MS
     median_s, sigma = 600.0, 0.8
     mean_s = median_s * math.exp(sigma**2 / 2)
     weights = [1.0 / (i + 1) ** 0.6 for i in range(users)]  # some people train much more than others
@@ -168,90 +193,144 @@ def generate_day(seed: int, users: int = 24, gpus: int = 16, load: float = 1.6) 
     return cells
 
 
-def max_min_fair(demand: dict[str, float], capacity: float) -> dict[str, float]:
-    """Water-filling: every user gets min(demand, level), the level set so the shares sum to capacity."""
-    share: dict[str, float] = {}
-    left, users = capacity, sorted(demand, key=lambda u: demand[u])
-    while users:
-        level = left / len(users)
-        u = users[0]
-        if demand[u] <= level:
-            share[u] = demand[u]
-            left -= demand[u]
-            users.pop(0)
-        else:
-            for v in users:
-                share[v] = level
-            break
-    return share
+def generate_sweep_day(seed: int, trials: int = 64, at_h: float = 1.0) -> list[Cell]:
+    """A day of 12 interactive users (as :func:`generate_day`, 1.0x the GPU-time of 16 GPUs) and one
+    more, ``sweep``, who submits ``trials`` one-GPU trials at once ``at_h`` hours into the day
+    (log-normal durations, median 15 min, sigma 0.5, at most 2 h: about 1.1 h of the whole pool)."""
+    cells = generate_day(seed, users=12, load=1.0)
+    rng = random.Random(seed + 1)
+    for _ in range(trials):
+        dur = min(2 * 3600.0, rng.lognormvariate(math.log(900.0), 0.5))
+        cells.append((int(at_h * 3_600_000), "sweep", 1, int(dur * 1000)))
+    cells.sort()
+    return cells
 
 
-async def replay_day(url: str, prefix: str, cells: list[tuple[int, str, int, int]], scheduler: str) -> dict[str, float]:
-    """Replay through the real scripts under a virtual clock; GPU-seconds per user within the day."""
+async def replay_day(url: str, prefix: str, cells: list[Cell], scheduler: str) -> list[Run]:
+    """Replay through the real scripts under a virtual clock; one run per cell, times in ms from the
+    day's start and cut at its end (a cell never granted: granted None, ended at the day's end)."""
     from lease_server.scripts import Code
 
     st = await _store(url, prefix, "a=8xA100-80GB,b=8xA100-80GB", scheduling={POOL: {"scheduler": scheduler}})
     t0 = int(time.time() * 1000)
-    horizon = t0 + 8 * 3_600_000
-    dur = {f"l-c-{i:05d}": d for i, (_a, _u, _g, d) in enumerate(cells)}
-    user_of = {f"l-c-{i:05d}": u for i, (_a, u, _g, _d) in enumerate(cells)}
+    horizon = t0 + DAY_MS
+    lids = [f"l-c-{i:05d}" for i in range(len(cells))]
+    index = {lid: i for i, lid in enumerate(lids)}
     ends: dict[str, int] = {}
     started: dict[str, int] = {}
     i, now = 0, t0
     while True:
-        nxt = min([t0 + cells[i][0]] if i < len(cells) else [] + [], default=horizon)
-        nxt = min([nxt, *ends.values(), horizon])
-        now = nxt
+        now = min([t0 + cells[i][0]] if i < len(cells) else [horizon])
+        now = min([now, *ends.values(), horizon])
         if now >= horizon:
             break
         for lid in [lid for lid, e in ends.items() if e <= now]:
             del ends[lid]
-            await st.engine.raw(_release(lid, user_of[lid]), now_ms=now)
+            await st.engine.raw(_release(lid, cells[index[lid]][1]), now_ms=now)
         while i < len(cells) and t0 + cells[i][0] <= now:
             _a, user, g, _d = cells[i]
-            code, _ = await st.engine.raw(_acquire(f"l-c-{i:05d}", user, g, 86_400_000), now_ms=now)
+            code, _ = await st.engine.raw(_acquire(lids[i], user, g, 86_400_000), now_ms=now)
             assert code in (Code.OK, Code.QUEUED), code
             i += 1
         for lid in await st.redis.hkeys(st.keys.leases):
             if lid not in ends:
-                ends[lid] = now + dur[lid]
+                ends[lid] = now + cells[index[lid]][3]
                 started[lid] = now
-    got: dict[str, float] = defaultdict(float)
-    for lid, s in started.items():
-        end = min(s + dur[lid], horizon)
-        gpus = cells[int(lid.rsplit("-", 1)[1])][2]
-        got[user_of[lid]] += (end - s) / 1000 * gpus
     await st.redis.aclose()
-    return got
+    runs: list[Run] = []
+    for lid, (arrival, user, g, d) in zip(lids, cells, strict=True):
+        s = started.get(lid)
+        end = DAY_MS if s is None else min(s - t0 + d, DAY_MS)
+        runs.append((user, g, arrival, None if s is None else s - t0, end))
+    return runs
+
+
+def windowed(runs: list[Run]) -> Any:
+    """The per-window fairness (lease_server/sim/fairness.py) of a replayed day: demand from each
+    cell's arrival to its end, GPU-time received from its grant to its end, 10-minute windows."""
+    from lease_server.sim.fairness import windowed_fairness
+
+    demand = [(u, a, e, g) for u, g, a, _s, e in runs]
+    received = [(u, s, e, g) for u, g, _a, s, e in runs if s is not None]
+    return windowed_fairness(demand, received, 0, DAY_MS, WINDOW_MS)
+
+
+def whole_day(cells: list[Cell], runs: list[Run]) -> tuple[float, str]:
+    """The figure this bench used to report as fairness_deviation: each user's GPU-time within the
+    day against the max-min fair share of the GPU-time delivered given each user's whole-day demand
+    (all the GPU-time of their cells); the largest relative deviation among users, and that user."""
+    from lease_server.sim.fairness import max_min_fair
+
+    demand: dict[str, float] = defaultdict(float)
+    got: dict[str, float] = defaultdict(float)
+    for (_a, user, g, d), (_u, _g, _asked, s, e) in zip(cells, runs, strict=True):
+        demand[user] += g * d / 1000
+        if s is not None:
+            got[user] += g * (e - s) / 1000
+    fair = max_min_fair(demand, sum(got.values()))
+    devs = {u: abs(got.get(u, 0.0) - fair[u]) / fair[u] for u in fair if fair[u] > 0}
+    worst = max(devs, key=lambda u: devs[u])
+    return devs[worst], worst
+
+
+def wait_p95_min(runs: list[Run], user: str | None = None, not_user: str | None = None) -> float:
+    """p95 time to GPU (minutes) of the cells of ``user`` (or of everyone but ``not_user``); a cell
+    never granted waited until the day's end."""
+    waits = [
+        ((s if s is not None else DAY_MS) - a) / 60_000
+        for u, _g, a, s, _e in runs
+        if (user is None or u == user) and u != not_user
+    ]
+    return pct(waits, 95)
 
 
 async def fairness(url: str, out: dict[str, Any], seed: int) -> None:
-    cells = generate_day(seed)
-    demand: dict[str, float] = defaultdict(float)
-    for _a, user, g, d in cells:
-        demand[user] += g * d / 1000
-    capacity = 16 * 8 * 3600.0
-    say(
-        f"[fairness] generated day (seed {seed}): {len(cells)} cells of {len(demand)} users, "
-        f"{sum(demand.values()) / capacity:.2f}x the GPU-time of 16 GPUs over 8 h"
-    )
-    for scheduler in ("fair_share", "fifo"):
-        t = time.perf_counter()
-        got = await replay_day(url, f"sb:f:{scheduler}", cells, scheduler)
-        delivered = sum(got.values())
-        fair = max_min_fair({u: demand[u] for u in demand}, delivered)
-        devs = {u: abs(got.get(u, 0.0) - fair[u]) / fair[u] for u in fair if fair[u] > 0}
-        worst = max(devs, key=lambda u: devs[u])
-        mean_dev = sum(devs.values()) / len(devs)
-        say(
-            f"           {scheduler:10s}: largest deviation from the max-min fair share {devs[worst]:.1%} ({worst}: "
-            f"{got.get(worst, 0) / 3600:.1f} GPU-h for a fair {fair[worst] / 3600:.1f}), mean {mean_dev:.1%}; "
-            f"GPU-time delivered {delivered / capacity:.0%} of capacity; replayed in {time.perf_counter() - t:.1f} s"
+    capacity = 16 * DAY_MS / 1000
+    days = {"": generate_day(seed), "_sweep_day": generate_sweep_day(seed)}
+    for day, cells in days.items():
+        asked = sum(g * d / 1000 for _a, _u, g, d in cells)
+        users = len({u for _a, u, _g, _d in cells})
+        what = (
+            f"generated day (seed {seed}): {len(cells)} cells of {users} users"
+            if not day
+            else f"sweep day (seed {seed}): {len(cells) - 64} cells of {users - 1} interactive users and one "
+            "sweep of 64 one-GPU trials at 1 h"
         )
-        if scheduler == "fair_share":
-            out.update(fairness_deviation=round(devs[worst], 4), fairness_mean_deviation=round(mean_dev, 4))
-        else:
-            out.update(fifo_fairness_deviation=round(devs[worst], 4), fifo_mean_deviation=round(mean_dev, 4))
+        say(
+            f"[fairness{day.replace('_', ' ')}] {what}, {asked / capacity:.2f}x the GPU-time of 16 GPUs over 8 h; "
+            f"{WINDOW_MS // 60_000}-minute windows"
+        )
+        for scheduler in ("fair_share", "fifo"):
+            t = time.perf_counter()
+            runs = await replay_day(url, f"sb:f{day}:{scheduler}", cells, scheduler)
+            wf = windowed(runs)
+            suffix = day + ("_fifo" if scheduler == "fifo" else "")
+            key = "fairness_deviation" + suffix
+            dev, locked = wf.deviation, wf.locked_deviation
+            worst = max(wf.windows, key=lambda w: w.misallocated)
+            by_user = wf.by_user()
+            short = min(by_user, key=lambda u: by_user[u][0] - by_user[u][1])
+            got, fair = by_user[short]
+            old, old_user = whole_day(cells, runs)
+            delivered = sum(w.delivered for w in wf.windows) / 1000
+            waits = (
+                f"wait p95: sweep {wait_p95_min(runs, user='sweep'):.0f} min, others "
+                f"{wait_p95_min(runs, not_user='sweep'):.0f} min"
+                if day
+                else f"wait p95 {wait_p95_min(runs):.0f} min"
+            )
+            say(
+                f"           {scheduler:10s}: per-window deviation {dev:.3f}"
+                + (f" {verdict(key, dev)}" if key in TARGETS else "")
+                + f", of which {locked:.3f} locked in by grants spanning a whole window; worst window at "
+                f"{worst.start / 3_600_000:.1f} h ({worst.deviation:.2f}); most short-changed {short} "
+                f"({got / 3_600_000:.1f} GPU-h of a fair {fair / 3_600_000:.1f}); old whole-day figure {old:.3f} "
+                f"({old_user}); {waits}; delivered {delivered / capacity:.0%} of capacity; "
+                f"replayed in {time.perf_counter() - t:.1f} s"
+            )
+            out[key] = round(dev, 4)
+            out["fairness_locked" + suffix] = round(locked, 4)
+            out["fairness_whole_day" + suffix] = round(old, 4)
     out["fairness_seed"] = seed
 
 
@@ -269,7 +348,7 @@ async def main() -> None:
         with section(out, "fairness"):
             await fairness(redis.url, out, args.seed)
     out["elapsed_s"] = round(time.monotonic() - t0, 1)
-    say(json_line(out, first=("decision_p99_ms", "fairness_deviation")))
+    say(json_line(out, first=("decision_p99_ms", "fairness_deviation", "fairness_deviation_sweep_day")))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,53 @@ def test_heavy_past_user_waits_behind_a_new_one(sim_factory):
     asyncio.run(main())
 
 
+def test_gpus_held_now_count_from_the_grant(sim_factory):
+    """Bob used 1,000 GPU-seconds a while ago; alice was granted a GPU a second ago. Under fair
+    share a GPU held now counts as the GPU-time it would add if held on (half-life / ln 2, 5,193
+    GPU-s at one hour), so alice's second request waits behind bob's, though her lease has barely
+    run yet."""
+
+    async def main() -> None:
+        sim = await sim_factory("a=2xA100-80GB")
+        t = sim.now
+        await sim.st.redis.hset(sim.st.keys.usage, "A100-80GB|bob", json.dumps({"v": 1000, "t": t, "r": 0}))
+        _c, _l, other = await sim.acquire("carol", 1)
+        await sim.acquire("alice", 1)
+        sim.now += 1000
+        await sim.acquire("alice", 1, wait_s=600)
+        await sim.acquire("bob", 1, wait_s=600)
+        await sim.release(other)
+        users = sorted(lease["user"] for lease in (await sim.leases()).values())
+        assert users == ["alice", "bob"]
+
+    asyncio.run(main())
+
+
+def test_a_sweeps_queued_trials_do_not_hide_later_requests(sim_factory):
+    """A sweep of 70 one-GPU trials queued ahead of bob's request: dispatch ranks at most 4 waiters
+    per user, so bob's request is seen (not only the 64 oldest waiters, all the sweep's) and, the
+    sweep already holding a GPU, served first; when a whole node frees, the sweep's further trials
+    take what is left over, oldest first."""
+
+    async def main() -> None:
+        sim = await sim_factory("a=3xA100-80GB,b=8xA100-80GB")
+        await sim.acquire("sweep", 1)
+        held = [(await sim.acquire("carol", 1))[2] for _ in range(2)]
+        big = (await sim.acquire("carol", 8))[2]
+        trials = [(await sim.acquire("sweep", 1, wait_s=3600))[2] for _ in range(70)]
+        sim.now += 1000
+        code, _pos, bob = await sim.acquire("bob", 1, wait_s=3600)
+        assert code is Code.QUEUED
+        await sim.release(held[0])
+        assert bob in await sim.leases()
+        # Eight GPUs free at once: the sweep's 4 ranked trials and 4 more of the overflow, oldest first.
+        await sim.release(big)
+        leases = await sim.leases()
+        assert [lid for lid in trials if lid in leases] == trials[:8]
+
+    asyncio.run(main())
+
+
 def test_fifo_scheduler_serves_in_arrival_order(sim_factory):
     async def main() -> None:
         sim = await sim_factory("a=1xA100-80GB", scheduling={"A100-80GB": {"scheduler": "fifo"}})

@@ -134,8 +134,12 @@ local function decayed_of(raw)
   return v * math.pow(0.5, (NOW - t) / HALF_LIFE_MS) + r * (NOW - t) / 1000, r
 end
 
+-- The standing dispatch orders by also counts each GPU held now as the GPU-time it would add if
+-- held on (half-life / ln 2): a user stands behind one who holds nothing from the grant on, not
+-- only once their lease has run a while.
 local function decayed_usage(pool, user)
-  return (decayed_of(redis.call('HGET', K_USAGE, pool .. '|' .. user)))
+  local v, r = decayed_of(redis.call('HGET', K_USAGE, pool .. '|' .. user))
+  return v + r * HALF_LIFE_MS / 1000 / math.log(2)
 end
 
 -- Fold the time since the last change into the usage, add `extra` GPU-seconds, change the GPUs
@@ -576,16 +580,28 @@ end
 -- filling), and only smaller requests that fit elsewhere are backfilled around it. Others may
 -- take GPUs that bookings still owe only as *borrowed* leases, recalled on demand; a request
 -- within its quota may recall *preemptible* leases (run above quota) of no higher priority.
+-- Up to 64 waiters are ordered at once, oldest first. Under fair share with no booking in force,
+-- at most 4 of them per user: the queue is read up to 256 deep, and a user's further waiters (a
+-- sweep's trials) are tried after the ordered ones, oldest first, while they fit, so that they
+-- cannot hide later requests of other users from the scheduler.
 local function dispatch(pool)
   local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 64)
   if #members == 0 then return 0 end
   local acts, owed = active_bookings(pool)
   local sched = sched_of(pool)
-  local order = {}
-  for _, m in ipairs(members) do
+  local cap = sched.scheduler == 'fair_share' and #acts == 0
+  local order, later, per_user = {}, {}, {}
+  local i = 0
+  while i < #members and #order < 64 do
+    i = i + 1
+    local m = members[i]
     local id = string.match(m, '|([^|]+)$')
     local raw = redis.call('HGET', K_WAITERS, id)
-    if raw then
+    local user = cap and raw and string.match(raw, '"user":"([^"\\]*)"')
+    if user and (per_user[user] or 0) >= 4 then
+      later[#later + 1] = {member = m, later_raw = raw}
+    elseif raw then
+      if user then per_user[user] = (per_user[user] or 0) + 1 end
       local w = cjson.decode(raw)
       w.member = m
       if sched.scheduler == 'fifo' then
@@ -600,15 +616,29 @@ local function dispatch(pool)
     else
       redis.call('ZREM', K_QUEUE, m)
     end
+    if cap and i == #members and #order < 64 and i < 256 and i % 64 == 0 then  -- read on, 64 at a time
+      for _, more in ipairs(redis.call('ZRANGEBYLEX', K_QUEUE, '(' .. m, '(' .. pool .. '|~', 'LIMIT', 0, 64)) do
+        members[#members + 1] = more
+      end
+    end
   end
   -- Equal keys (same user standing, same millisecond) go in arrival order: the older waiter first.
   table.sort(order, function(a, b)
     if a.key ~= b.key then return a.key < b.key end
     return a.seq < b.seq
   end)
+  for _, l in ipairs(later) do order[#order + 1] = l end
   local reserved = nil
   local granted = 0
   for _, w in ipairs(order) do
+    local overflow = w.later_raw ~= nil  -- a user's waiter beyond the 4 ordered
+    if overflow then
+      local top = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
+      if not top or tonumber(string.match(top, '^[^|]+|(%d+)|')) == 0 then break end
+      local m = w.member
+      w = cjson.decode(w.later_raw)
+      w.member = m
+    end
     -- (asked again: grants to holders before this one may have used up what the booking owes)
     local a = w.holder and booking_for(acts, w) or nil
     local parts, count = nil, 0
@@ -638,6 +668,8 @@ local function dispatch(pool)
       redis.call('HDEL', K_WAITERS, w.id)
       redis.call('PUBLISH', K_GRANTS, w.id)
       granted = granted + 1
+    elseif overflow then
+      break  -- the overflow is served oldest first while it fits, and recalls nothing
     else
       local hold
       if (w.nodes or 1) > 1 then
