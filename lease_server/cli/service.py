@@ -122,9 +122,10 @@ def _start_ray(
     return proc, f"127.0.0.1:{port}"
 
 
-def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
+def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | None = None, last: bool = True) -> bool:
     """Connect one throw-away driver, so that "gpulease is up" means a notebook's first
-    %%gpu_train finds a Ray head that accepts drivers (its first connection can take ~10 s)."""
+    %%gpu_train finds a Ray head that accepts drivers (its first connection can take ~10 s).
+    False if it did not; ``last``: say so (else the caller starts the head again)."""
     code = (
         "import logging, ray; "
         f"ray.init(address={address!r}, log_to_driver=False, logging_level=logging.ERROR, configure_logging=False); "
@@ -136,11 +137,15 @@ def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | No
                 [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
             )
         except subprocess.TimeoutExpired:
-            err_console.print(f"[yellow]the Ray head at {address} did not accept a driver within {timeout:g}s[/]")
-            return
+            if last:
+                err_console.print(f"[yellow]the Ray head at {address} did not accept a driver within {timeout:g}s[/]")
+            return False
     if done.returncode != 0:
         tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        err_console.print(f"[yellow]the Ray head at {address} refused a driver: {tail[0]}[/]")
+        if last:
+            err_console.print(f"[yellow]the Ray head at {address} refused a driver: {tail[0]}[/]")
+        return False
+    return True
 
 
 def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
@@ -249,11 +254,17 @@ def up(
             # server's /info share the token in data_dir, through the environment (lease_server/rayauth.py).
             ray_token = rayauth.ensure_token(data_dir)
             ray_env = rayauth.clean_env(dict(os.environ), ray_token)
-            ray_proc, settings.ray_address = _start_ray(data_dir, nodes, ray_env)
+            for attempt in (1, 2, 3):
+                ray_proc, settings.ray_address = _start_ray(data_dir, nodes, ray_env)
+                if ray_proc is None or _wait_for_ray(settings.ray_address, env=ray_env, last=attempt == 3):
+                    break
+                # A Ray head on a busy machine can give up on its own agents while starting (they
+                # have a fixed time to come up): start it again, as a service manager would.
+                err_console.print(f"[yellow]the Ray head did not come up (try {attempt} of 3); starting it again[/]")
+                _stop(ray_proc, "ray")
             (data_dir / "ray_address").write_text(settings.ray_address + "\n")
             if ray_proc is not None:
                 settings.ray_auth_token_file = str(ray_token)
-                _wait_for_ray(settings.ray_address, env=ray_env)
         lab_url = ""
         if lab:
             env = {
