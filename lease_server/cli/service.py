@@ -311,8 +311,9 @@ def up(
     "--redis-url",
     envvar="GPULEASE_REDIS_URL",
     default=None,
-    help="redis://HOST:PORT/DB, or redis+sentinel://H1:26379,H2:26379/SERVICE/DB for a primary that Sentinel "
-    "fails over (default: the config file's redis_url, else redis://127.0.0.1:6379/0)",
+    help="redis://HOST:PORT/DB; redis+sentinel://H1:26379,H2:26379/SERVICE/DB for a primary that Sentinel "
+    "fails over; redis+cluster://H1:P1,H2:P2 for a Redis Cluster (default: the config file's redis_url, "
+    "else redis://127.0.0.1:6379/0)",
 )
 @click.option("--host", default=None, help="Address to listen on (default: the config file's, else 127.0.0.1)")
 @click.option("--port", type=int, default=None, help="Port (default: the config file's, else 8470)")
