@@ -1,9 +1,11 @@
 """IPython extension of gpulease: ``%load_ext magics``.
 
 ``%%gpu_train`` runs a cell on leased GPUs through Ray and brings its results back; ``%gpu_train
-fn(...)`` does the same for one call; ``%gpu_lease`` shows and releases leases; ``%gpu_config``
-sets session defaults. :func:`run_on_gpus` is the same thing for scripts. Inside a call,
-:func:`on_preempt` registers a checkpoint hook and :func:`preempted` says the GPUs are recalled.
+fn(...)`` does the same for one call; ``%%gpu_sweep`` runs a cell once per configuration, each
+trial its own lease request; ``%gpu_lease`` shows and releases leases; ``%gpu_config`` sets
+session defaults. :func:`run_on_gpus` and :func:`gpu_map` are the same things for scripts. Inside
+a call, :func:`report` streams metrics, :func:`on_preempt` registers a checkpoint hook and
+:func:`preempted` says the GPUs are recalled.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from .runner import (
     run_on_gpus,
     session,
 )
-from .worker import on_preempt, preempted
+from .space import grid, sample
+from .sweep import SweepResults, Trial, gpu_map
+from .worker import on_preempt, preempted, report
 
 __all__ = [
     "Call",
@@ -41,6 +45,12 @@ __all__ = [
     "parse_duration",
     "run_on_gpus",
     "session",
+    "gpu_map",
+    "grid",
+    "sample",
+    "SweepResults",
+    "Trial",
+    "report",
     "on_preempt",
     "preempted",
     "load_ipython_extension",

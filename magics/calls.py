@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 CHECKPOINT_STREAM = "checkpoint"  # an output chunk that carries a checkpoint hook's state
+METRICS_STREAM = "metrics"  # an output chunk that carries one magics.report(...) as JSON
 
 
 @dataclass

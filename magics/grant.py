@@ -11,11 +11,12 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lease_server import errors, protocol
-from lease_server.client import HeldLease, Lease
+from lease_server.client import Client, HeldLease, Lease
 
 from .calls import Where, event_client
 from .outcomes import UI, GpuTrainError, Running, Waiting, _first_line, _join, describe_end
@@ -29,6 +30,33 @@ log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
 READY_WAIT_S = 5.0  # how long the release waits to learn a starting worker's pid
 FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
+WITHDRAW_AGAIN_S = 0.25  # a cancelled request whose POST had not reached the server: withdrawn again
+
+
+class Cancel:
+    """Ends a call from another thread as Stop would: a sweep ending one trial early, or stopping.
+
+    A call run with one (``run_call(..., cancel=c)``) waits in the queue without polling it; once
+    ``request()`` is called, the call's own thread withdraws its request if it still waits (so a
+    grant that raced ahead is released before any worker starts), or, if it runs, the pump raises
+    KeyboardInterrupt and the call ends its workers and releases its lease as on Stop."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.requested = False
+
+    def request(self) -> None:
+        with self._cond:
+            self.requested = True
+            self._cond.notify_all()
+
+    def _poke(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.requested or done())
 
 
 @dataclass
@@ -65,8 +93,12 @@ class Grant:
             sess.held.add(self.held)
 
     @classmethod
-    def take(cls, sess: Session, opts: Options, ui: UI, cpu_pool: str | None, rid: str) -> Grant:
-        """Acquire, showing the queue; Stop or any error while queued withdraws the request."""
+    def take(
+        cls, sess: Session, opts: Options, ui: UI, cpu_pool: str | None, rid: str, cancel: Cancel | None = None
+    ) -> Grant:
+        """Acquire, showing the queue; Stop or any error while queued withdraws the request.
+        With ``cancel`` (a sweep's trial), the queue is not polled: ``ui`` hears one Waiting
+        (position None) as the request is sent, and a cancel withdraws it (KeyboardInterrupt)."""
         assert opts.gpus is not None and opts.wait is not None
         if opts.gpus == 0 and not cpu_pool:
             return cls(sess, None, cpu=True)
@@ -94,22 +126,26 @@ class Grant:
 
         sess.waiting.add(rid)
         t0 = time.monotonic()
+        ask: dict[str, Any] = dict(
+            gpus=gpus,
+            pool=pool,
+            ttl=sess.defaults.ttl,
+            wait=opts.wait,
+            label=opts.label[:200],
+            session=opts.session[:200],
+            gpus_min=gpus_min,
+            priority=opts.priority,
+            nodes=opts.nodes,
+            notebook=opts.notebook,
+            cell=opts.cell,
+            request_id=rid,
+        )
         try:
-            lease = client.acquire(
-                gpus,
-                pool,
-                sess.defaults.ttl,
-                opts.wait,
-                opts.label[:200],
-                opts.session[:200],
-                progress=progress,
-                gpus_min=gpus_min,
-                priority=opts.priority,
-                nodes=opts.nodes,
-                notebook=opts.notebook,
-                cell=opts.cell,
-                request_id=rid,
-            )
+            if cancel is None:
+                lease = client.acquire(progress=progress, **ask)
+            else:
+                ui.waiting(Waiting(rid, asked, pool or "", None, 0.0))
+                lease = _acquire_cancellable(client, cancel, rid, ask)
         finally:
             sess.waiting.discard(rid)
         waited = lease.raw.get("waited_ms")
@@ -300,6 +336,40 @@ class Grant:
         except Exception as exc:  # noqa: BLE001 - say so in the closing line; the lease is still released
             log.warning("could not verify that worker %s on %s exited: %s", where.pid, node, exc)
             return {"gone": False, "nvml": False}
+
+
+def _acquire_cancellable(client: Client, cancel: Cancel, rid: str, ask: dict[str, Any]) -> Lease:
+    """``client.acquire(**ask)`` that ``cancel`` withdraws. The long poll runs in a helper thread;
+    this thread sleeps until it returns or the cancel comes. A withdrawal that reached the server
+    before the request did finds nothing (and the request would then wait), so it is sent again
+    until the long poll has returned; a grant that raced ahead is released by the withdrawal."""
+    if cancel.requested:  # cancelled before it was sent: nothing to withdraw
+        raise KeyboardInterrupt
+    box: dict[str, Any] = {}
+
+    def post() -> None:
+        try:
+            box["lease"] = client.acquire(**ask)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        finally:
+            box["done"] = True
+            cancel._poke()
+
+    poller = threading.Thread(target=post, name=f"gpulease-acquire-{rid}", daemon=True)
+    poller.start()
+    cancel._wait(lambda: "done" in box)
+    if cancel.requested:
+        while True:
+            client.withdraw(rid, reason="withdrawn: its sweep stopped it")
+            poller.join(WITHDRAW_AGAIN_S)
+            if not poller.is_alive():
+                break
+        raise KeyboardInterrupt
+    poller.join()
+    if "error" in box:
+        raise box["error"]
+    return box["lease"]  # type: ignore[no-any-return]
 
 
 # ---- starting the world of workers ---------------------------------------------------------------

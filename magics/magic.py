@@ -10,11 +10,13 @@ import weakref
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from lease_server import errors
 
+from . import cellcode, space
+from .outcomes import GpuTrainStopped
 from .runner import (
     Ending,
     Options,
@@ -23,9 +25,11 @@ from .runner import (
     check_gang,
     parse_duration,
     parse_gpus,
+    plan_call,
     run_cell,
     session,
 )
+from .sweep import run_sweep, stop_live_sweeps
 
 # The cells running or queued right now, so that a kernel shutdown can close their lines.
 _LIVE: weakref.WeakSet[CellDisplay] = weakref.WeakSet()
@@ -107,6 +111,7 @@ def close_live_cells() -> None:
     cell's line, so that no cell keeps claiming to wait for a kernel that is gone."""
     for cell in list(_LIVE):  # first: the withdrawal below also wakes the cell's own thread
         cell.kernel_shutdown()
+    stop_live_sweeps()  # no sweep sends another trial once its queued ones are withdrawn below
     session().release_all()
 
 
@@ -221,6 +226,83 @@ class GpuMagics(Magics):
             raise UsageError(exc.message) from None
 
     @magic_arguments()
+    @argument(
+        "--over",
+        required=True,
+        help='The trials\' parameters: "lr=[1e-3, 3e-3]; batch=[32, 64]" (every combination), Python '
+        "values with the notebook's names; with --samples also uniform(a, b), loguniform(a, b), randint(a, b)",
+    )
+    @argument("--samples", type=int, default=None, help="Draw this many random configurations instead of the grid")
+    @argument("--seed", type=int, default=None, help="Seed of --samples' draws")
+    @argument("--gpus", default=None, help="GPUs per trial (default: %%gpu_config's, 1)")
+    @argument(
+        "--max-parallel", type=int, default=None, help="Trials queued or running at once (default: all, up to 32)"
+    )
+    @argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)")
+    @argument("--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)")
+    @argument("--timeout", default=None, help="Stop a trial after this long, e.g. 30m (default: none)")
+    @argument("--wait", default=None, help="How long a trial may wait in the queue, e.g. 10m (default: 1h)")
+    @argument("--stop", default=None, choices=["median"], help="Early stopping: the median stopping rule")
+    @argument("--metric", default=None, help="The metric --stop compares (a name given to magics.report)")
+    @argument("--mode", default="min", choices=["min", "max"], help="Whether --metric is better low or high")
+    @argument("--out", default=None, help="Comma-separated names each trial brings back (results[i].names)")
+    @argument("--as", dest="name", default="results", help="Name of the results in the notebook (default: results)")
+    @cell_magic
+    def gpu_sweep(self, line: str, cell: str) -> None:
+        """Run this cell once per configuration of --over, each trial on its own leased GPUs.
+
+        The cell reads the trial's parameters as names; its last expression is the trial's value.
+        Each trial waits in the pool's queue like any cell and frees its GPUs the moment it ends.
+        One table shows every trial; the records land in `results` (--as): results[i].value,
+        .metrics (what magics.report sent), .output, .error; results.to_pandas().
+        """
+        args = parse_argstring(self.gpu_sweep, line)
+        assert self.shell is not None
+        user_ns = self.shell.user_ns
+        if not args.name.isidentifier():
+            raise UsageError(f"--as takes a name, not {args.name!r}")
+        try:
+            axes = space.parse_over(_unquote(args.over), user_ns)
+            configs = space.draw(args.samples, axes, args.seed) if args.samples is not None else space.grid(**axes)
+            gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
+            plan = cellcode.plan_cell(cell)
+        except SyntaxError as exc:
+            raise UsageError(f"the cell does not parse: {exc}") from None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        unread = [name for name in axes if name not in plan.reads]
+        if unread:
+            raise UsageError(f"--over names {', '.join(unread)}, which the cell never reads")
+        outputs = [n.strip() for n in args.out.split(",") if n.strip()] if args.out is not None else []
+        label = cell.strip().splitlines()[0][:60] if cell.strip() else "sweep"
+        opts = Options(
+            gpus=gpus,
+            gpus_min=gpus_min,
+            pool=args.pool,
+            priority=args.priority,
+            timeout=_duration(args.timeout, "--timeout"),
+            wait=_duration(args.wait, "--wait"),
+            label=label,
+            session=_kernel_session(),
+            notebook=os.environ.get("JPY_SESSION_NAME", ""),
+            cell=self._cell_number(),
+            outputs=outputs,
+        )
+        try:
+            calls = [(c, plan_call(cell, {**user_ns, **c}, opts)) for c in configs]
+            user_ns[args.name] = run_sweep(
+                calls, opts, args.max_parallel, args.stop, args.metric, args.mode, display=None
+            )
+        except GpuTrainStopped as exc:
+            if hasattr(exc, "results"):
+                user_ns[args.name] = exc.results
+            raise
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        except _PARSE_ERRORS as exc:
+            raise UsageError(exc.message) from None
+
+    @magic_arguments()
     @argument("action", nargs="?", default="show", choices=["show", "release", "keep"])
     @argument("lease_id", nargs="?", default=None, help="With release/keep: one lease id (default: all of mine)")
     @line_magic
@@ -316,8 +398,16 @@ class GpuMagics(Magics):
 
 
 # A typo such as --gpu is an error, not a silent --gpus (argparse's prefix matching).
-for _magic in (GpuMagics.gpu_train, GpuMagics.gpu_config, GpuMagics.gpu_lease):
+for _magic in (GpuMagics.gpu_train, GpuMagics.gpu_sweep, GpuMagics.gpu_config, GpuMagics.gpu_lease):
     _magic.parser.allow_abbrev = False  # type: ignore[attr-defined]
+
+
+def _unquote(text: str) -> str:
+    """IPython's argument splitting keeps the quotes around a quoted argument."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def _kernel_session() -> str:

@@ -3,12 +3,13 @@ collect their results. A world of one writes output as is; a gang's lines are ``
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .calls import CHECKPOINT_STREAM, Call, Result
-from .grant import Grant
+from .calls import CHECKPOINT_STREAM, METRICS_STREAM, Call, Result
+from .grant import Cancel, Grant
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError, GpuTrainTimeout, _first_line
 
 POLL_S = 0.5  # a worker's output long poll
@@ -18,13 +19,16 @@ WAKE_S = 0.05  # the pump wakes this often: Ray's wait does not give way to Stop
 class Pump:
     """Starts the call on every rank and streams their output until all have returned. A world
     of one writes output as is; a gang's lines are prefixed ``[rank N]``. The first rank to fail
-    raises; the caller then ends every rank."""
+    raises; the caller then ends every rank. ``cancel``, once requested, raises KeyboardInterrupt
+    here as Stop would (a sweep ending a trial early, or stopping)."""
 
-    def __init__(self, grant: Grant, ui: UI) -> None:
+    def __init__(self, grant: Grant, ui: UI, cancel: Cancel | None = None) -> None:
         self.grant = grant
         self.ui = ui
+        self.cancel = cancel
         self.checkpoint: Any = None
         self.has_checkpoint = False
+        self.metrics: list[dict[str, Any]] = []  # rank 0's magics.report(...) records, in order
         self._warned_at: Any = None
 
     def run(self, call: Call, timeout: float | None) -> list[Result]:
@@ -46,6 +50,8 @@ class Pump:
                     every = "; every rank was stopped" if multi else ""
                     raise GpuTrainTimeout(f"stopped after --timeout {timeout:g}s{every}", node=self._nodes())
                 self._check_lease()
+                if self.cancel is not None and self.cancel.requested:
+                    raise KeyboardInterrupt
                 for ref in ready:
                     if ref in out_refs:
                         i = out_refs.pop(ref)
@@ -126,7 +132,13 @@ class Pump:
                 if i == 0:  # rank 0's state, as for one node
                     self.checkpoint = cloudpickle.loads(base64.b64decode(text))
                     self.has_checkpoint = True
-        plain = [c for c in chunks if c[0] != CHECKPOINT_STREAM]
+            elif stream == METRICS_STREAM and i == 0:  # rank 0's metrics, as for its value
+                record = json.loads(text)
+                self.metrics.append(record)
+                on_metrics = getattr(self.ui, "metrics", None)  # a UI that shows them (a sweep's trial)
+                if on_metrics is not None:
+                    on_metrics(record)
+        plain = [c for c in chunks if c[0] not in (CHECKPOINT_STREAM, METRICS_STREAM)]
         if writer is not None:
             for stream, text in plain:
                 writer.write(i, stream, text)

@@ -31,7 +31,7 @@ from lease_server.client import Client, Lease
 
 from . import cellcode
 from .calls import Call, CellValue, Result
-from .grant import Grant, start_world
+from .grant import Cancel, Grant, start_world
 from .outcomes import (
     UI,
     Ending,
@@ -65,6 +65,7 @@ __all__ = [
     "SPARES_PER_NODE",
     "UI",
     "CallResult",
+    "Cancel",
     "CellResult",
     "Defaults",
     "Ending",
@@ -188,6 +189,7 @@ class CallResult:
     gpus: list[int] = field(default_factory=list)
     checkpoint: Any = None
     has_checkpoint: bool = False
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # what magics.report(...) sent, in order
 
     @property
     def held_s(self) -> float:
@@ -207,7 +209,11 @@ class CellResult:
 
 
 def run_call(
-    call: Call, options: Options | None = None, ui: UI | None = None, sess: Session | None = None
+    call: Call,
+    options: Options | None = None,
+    ui: UI | None = None,
+    sess: Session | None = None,
+    cancel: Cancel | None = None,
 ) -> CallResult:
     """Lease, run ``call`` on single-use workers of the lease's node(s), stream their output,
     then end them, see their processes gone, and release the lease, whatever happened.
@@ -216,7 +222,9 @@ def run_call(
     ``gpus_min < gpus`` is an elastic request; ``nodes=k`` (k > 1) a multi-node gang whose value
     is rank 0's (``all_ranks``: every rank's, in rank order). ``ui`` sees queued -> running ->
     ended and the output. Raises :class:`GpuTrainError` (the call failed), its subclasses
-    :class:`GpuTrainTimeout` and :class:`GpuLeaseEnded`, or :class:`GpuTrainStopped` (Stop)."""
+    :class:`GpuTrainTimeout` and :class:`GpuLeaseEnded`, or :class:`GpuTrainStopped` (Stop).
+    ``cancel`` lets another thread end the call as Stop would (:class:`magics.grant.Cancel`);
+    with it the call can run in any thread, once :meth:`Session.connect_ray` ran in the main one."""
     sess = sess or session()
     ui = ui or StreamUI()
     opts = (options or Options()).resolved(sess.defaults)
@@ -226,8 +234,8 @@ def run_call(
     cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
     rid = Client.new_request_id()
     try:
-        grant = Grant.take(sess, opts, ui, cpu_pool, rid)
-        pump = Pump(grant, ui)
+        grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel)
+        pump = Pump(grant, ui, cancel)
         ending = Ending("failed", cpu=grant.cpu or grant.lease is None)
     except KeyboardInterrupt:
         # Stop may land after the grant arrived and before the call owns it: withdrawing the
@@ -284,6 +292,7 @@ def run_call(
         lease.indexes if lease else [],
         pump.checkpoint,
         pump.has_checkpoint,
+        pump.metrics,
     )
 
 

@@ -68,6 +68,7 @@ class Session:
         self._lock = threading.RLock()
         self._pinned: bool | None = None
         self._spares: dict[str, deque[_Worker]] = {}
+        self._spare_count: dict[str, int] = {}  # spares kept per node, where not SPARES_PER_NODE
         self._actor_cls: Any = None
         self._resources: set[str] = set()
         self.machine = this_machine()
@@ -154,8 +155,30 @@ class Session:
         with self._lock:
             for node in nodes:
                 spares = self._spares.setdefault(node, deque())
-                while len(spares) < SPARES_PER_NODE:
+                while len(spares) < self.spares_for(node):
                     spares.append(self.new_worker(node))
+
+    def spares_for(self, node: str) -> int:
+        """How many pre-started workers this session keeps on ``node``."""
+        return self._spare_count.get(node, SPARES_PER_NODE)
+
+    def set_spares(self, node: str, count: int) -> int:
+        """Keep ``count`` pre-started workers on ``node`` from now on, starting the missing ones
+        now and ending any beyond it; returns the count it replaces. A sweep raises it while its
+        trials start side by side (each needs a fresh process), then puts it back."""
+        import ray
+
+        self.connect_ray()
+        with self._lock:
+            old = self.spares_for(node)
+            self._spare_count[node] = count
+            spares = self._spares.setdefault(node, deque())
+            while len(spares) > count:
+                with contextlib.suppress(Exception):
+                    ray.kill(spares.pop().handle, no_restart=True)
+            while len(spares) < count:
+                spares.append(self.new_worker(node))
+        return old
 
     def take_worker(self, node: str) -> _Worker:
         """A pre-started worker on ``node`` (or a new one if none is left); a replacement starts
@@ -181,9 +204,13 @@ class Session:
         def start() -> None:
             try:
                 with self._lock:
-                    spares = self._spares.setdefault(node, deque())
-                    if len(spares) < SPARES_PER_NODE:
-                        spares.append(self.new_worker(node))
+                    if len(self._spares.setdefault(node, deque())) >= self.spares_for(node):
+                        return
+                # Asking Ray for the actor takes a round trip to its control plane: not under the
+                # lock, which the next call's take_worker needs (a sweep takes several at once).
+                worker = self.new_worker(node)
+                with self._lock:
+                    self._spares.setdefault(node, deque()).append(worker)
             except Exception as exc:  # noqa: BLE001 - the next call starts one itself
                 log.warning("could not start a spare worker on %s: %s", node, exc)
 

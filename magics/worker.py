@@ -11,6 +11,7 @@ process exits, so a revoked lease or an orphaned call (its kernel died) stops us
 from __future__ import annotations
 
 import contextlib
+import json
 import linecache
 import os
 import sys
@@ -22,7 +23,17 @@ from typing import Any
 
 from lease_server import protocol
 
-from .calls import CHECKPOINT_STREAM, Call, CellValue, Result, Where, _tls, event_client, this_machine
+from .calls import (
+    CHECKPOINT_STREAM,
+    METRICS_STREAM,
+    Call,
+    CellValue,
+    Result,
+    Where,
+    _tls,
+    event_client,
+    this_machine,
+)
 
 WATCHDOG_EXIT_CODE = 75
 WATCHDOG_DELAY_S = 0.5  # the watchdog starts following the lease this long into a call
@@ -54,6 +65,41 @@ def on_preempt(hook: Callable[[], Any]) -> Callable[[], Any]:
 def preempted() -> bool:
     """True once this call's GPUs are recalled: a training loop may check it and stop early."""
     return _NOTICE.is_set()
+
+
+# The worker running this process's call (one call per process): where report() sends to.
+_ACTIVE: list[GpuWorker] = []
+_STEPS: list[int] = []  # how many reports this call made: the step of a report that names none
+
+
+def report(step: int | None = None, **metrics: Any) -> None:
+    """Stream ``metrics`` (numbers, by name) of ``step`` from a call on leased GPUs to the notebook:
+    a sweep's table shows each trial's last ones, its record keeps the history, and ``--stop
+    median`` compares trials by them. ``step`` defaults to the number of reports before this one.
+    A 0-d tensor or a numpy scalar is read with ``.item()``. Outside such a call it does nothing,
+    so the same training function also runs on the CPU kernel."""
+    if not _ACTIVE:
+        return
+    if step is None:
+        step = len(_STEPS)
+    _STEPS.append(step)
+    record = {"step": step, "metrics": {str(k): _scalar(v) for k, v in metrics.items()}}
+    _ACTIVE[0].push(METRICS_STREAM, json.dumps(record))
+
+
+def _scalar(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except Exception:  # noqa: BLE001 - not a one-element array: shown as text below
+            pass
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 class _Capture:
@@ -139,6 +185,7 @@ class GpuWorker:
         if self._used:
             return Result(False, error_type="RuntimeError", message="internal: a single-use worker ran twice")
         self._used = True
+        _ACTIVE[:] = [self]
         os.environ.update(env)
         if watch.get("url"):
             threading.Thread(target=_watchdog, args=(watch, self), name="gpulease-watchdog", daemon=True).start()
