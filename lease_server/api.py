@@ -281,6 +281,18 @@ class RenewHandler(BaseHandler):
         self.reply(public_lease(rec, with_token=rec["user"] == me.user))
 
 
+class HandoffHandler(BaseHandler):
+    """The owner ends a lease and its GPUs go, in the same step, to the owner's next queued request."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.body(self.bodies.handoff)
+        me = self.identity
+        got = await self.store.handoff(lease_id, me.user, body.get("token"), body["to"])
+        self.reply(
+            {"ended": public_lease(got.ended, with_token=True), "lease": public_lease(got.lease, with_token=True)}
+        )
+
+
 class RevokeHandler(BaseHandler):
     async def post(self, lease_id: str) -> None:
         me = self.identity
@@ -658,6 +670,7 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}", LeaseHandler),
         (rf"{API}/leases/{lease_id}/renew", RenewHandler),
         (rf"{API}/leases/{lease_id}/revoke", RevokeHandler),
+        (rf"{API}/leases/{lease_id}/handoff", HandoffHandler),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),

@@ -288,6 +288,14 @@ class Client:
             body["activity"] = activity
         return Lease.from_json(self.request("POST", protocol.lease_renew(lid), json=body))
 
+    def handoff(self, lease: Lease, to: str) -> Lease:
+        """End ``lease`` and grant its GPUs to your queued request ``to`` in one step (its blocked
+        acquire returns the new lease). :class:`errors.Conflict` (nothing changed) unless releasing
+        could not have given them to anyone else."""
+        body = {"token": lease.token, "to": to}
+        reply = self.request("POST", protocol.lease_handoff(lease.id), json=body)
+        return Lease.from_json(reply["lease"])
+
     def keep(self, lease_id: str) -> dict[str, Any]:
         """ "I'm still using it": reset the idle clock of a warned lease."""
         return self.request("POST", protocol.lease_keep(lease_id))  # type: ignore[no-any-return]
@@ -453,6 +461,14 @@ class HeldLease:
             self.lost = exc
             self._stop.set()
             log.warning("lease %s lost: %s", self.lease.id, exc)
+
+    def hand_off(self, to: str) -> Lease:
+        """Stop renewing, then hand this lease's GPUs to the queued request ``to`` in one step
+        (:meth:`Client.handoff`). On :class:`errors.Conflict` the lease is still held: release it."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        return self.client.handoff(self.lease, to)
 
     def release(self) -> None:
         self._stop.set()

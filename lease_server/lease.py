@@ -29,6 +29,8 @@ from .scripts import (
     Duplicate,
     Ended,
     Granted,
+    Handed,
+    Handoff,
     Queued,
     Release,
     Removed,
@@ -448,6 +450,16 @@ class LeaseStore:
         w = got.waiter
         log.info("withdrawn %s user=%s by=%s position=%s", lease_id, w["user"], user, got.position)
         return {**w, "state": WITHDRAWN, "position": got.position}, True
+
+    async def handoff(self, lease_id: str, user: str, token: object, to: str) -> Handed:
+        """End the owner's lease ``lease_id`` and grant its GPUs to the owner's queued request
+        ``to`` in one step, so that the process on them can serve that request too (a sweep's next
+        trial). Refused with 409, changing nothing, unless releasing could not have given the GPUs
+        to anyone else (see ``lua/handoff.lua``). The request's blocked POST gets the new lease."""
+        tok = self._token(token, required=True)
+        got: Handed = await self.engine.run(Handoff(lease_id, tok, user, to))
+        log.info("handed %s -> %s user=%s", lease_id, to, user)
+        return got
 
     _token = staticmethod(check_token)
 

@@ -380,6 +380,24 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 params=[LEASE_ID],
             ),
         },
+        "/api/v1/leases/{lease_id}/handoff": {
+            "post": _op(
+                "Hand your lease's GPUs to your own next queued request in one step (a sweep's next "
+                "trial); refused (409, nothing changes) unless releasing could not have given them to "
+                "anyone else: every waiter of the pool is yours and the request is its oldest",
+                _json(
+                    {
+                        "type": "object",
+                        "properties": {"ended": _ref("EndedLease"), "lease": _ref("Lease")},
+                        "required": ["ended", "lease"],
+                    },
+                    "Handed over: the ended lease and the request's new lease",
+                ),
+                409,
+                body=bodies.handoff,
+                params=[LEASE_ID],
+            ),
+        },
         "/api/v1/leases/{lease_id}/keep": {
             "post": _op(
                 "I'm still using it: reset the idle clock of a warned lease (owner; limited per lease)",

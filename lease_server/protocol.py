@@ -60,6 +60,10 @@ def lease_revoke(lease_id: str) -> str:
     return f"{lease(lease_id)}/revoke"
 
 
+def lease_handoff(lease_id: str) -> str:
+    return f"{lease(lease_id)}/handoff"
+
+
 def lease_keep(lease_id: str) -> str:
     return f"{lease(lease_id)}/keep"
 

@@ -408,6 +408,42 @@ class Release(ScriptCall):
         raise self.unexpected(code)
 
 
+@dataclass(frozen=True)
+class Handed:
+    """A handoff's answer: the lease it ended and the lease it granted in the same step."""
+
+    ended: dict[str, Any]
+    lease: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Handoff(ScriptCall):
+    """End lease ``id`` and grant its GPUs to its owner's queued request ``to`` in one step, when
+    releasing could not have given them to anyone else (``lua/handoff.lua``); else change nothing
+    and raise :class:`errors.Conflict` saying why."""
+
+    script: ClassVar[str] = "handoff"
+    id: str
+    token: str
+    user: str
+    to: str
+
+    def reply(self, code: Code, rest: list[Any]) -> Handed:
+        if code is Code.OK:
+            return Handed(_json(rest[0]), _json(rest[1]))
+        if code is Code.BUSY:
+            raise errors.Conflict(f"lease {self.id} was not handed to {self.to}: {rest[0]}; release it instead")
+        if code is Code.ENDED:
+            raise _ended(self.id, rest[0])
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        if code is Code.STALE:
+            raise _stale(self.id)
+        raise self.unexpected(code)
+
+
 class SweepCounts(NamedTuple):
     """What a sweep did (summed over the batches of one pass)."""
 
@@ -640,6 +676,7 @@ CALLS: tuple[type[ScriptCall], ...] = (
     CancelWait,
     Renew,
     Release,
+    Handoff,
     Sweep,
     Register,
     IdleWarn,

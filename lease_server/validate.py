@@ -464,6 +464,7 @@ class Bodies:
     release: Body
     renew: Body
     revoke: Body
+    handoff: Body
     reservation: Body
     reservation_change: Body
     policy: Body
@@ -658,6 +659,29 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
             ),
         ),
         revoke=Body("RevokeRequest", (reason,)),
+        handoff=Body(
+            "HandoffRequest",
+            (
+                Field(
+                    "token",
+                    TOKEN,
+                    required=True,
+                    check=lambda v: check_token(v, required=True),
+                    missing="token is required: pass the fencing token of the lease you hand over",
+                ),
+                Field(
+                    "to",
+                    {
+                        "type": "string",
+                        "pattern": REQUEST_ID_PATTERN,
+                        "description": "The id of your queued request that gets the lease's GPUs",
+                    },
+                    required=True,
+                    check=check_request_id,
+                    missing="to is required: the id of your queued request that should get these GPUs",
+                ),
+            ),
+        ),
         reservation=Body(
             "ReservationRequest",
             booking_fields,

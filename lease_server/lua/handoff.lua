@@ -1,0 +1,65 @@
+-- handoff.lua: end a lease and, in the same step, grant its GPUs to its owner's next queued request
+-- (a sweep's next trial), so that the worker process already on those GPUs can run that request
+-- too instead of a fresh one starting. Only when releasing could not have given the GPUs to anyone
+-- else: every waiter of the pool (read up to 1,000 deep) is this user's, the request is the pool's
+-- oldest, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
+-- lease is neither a booking's nor recalled, and its node is up. Otherwise nothing changes: the
+-- caller ends its process and releases as usual, and the scheduler decides.
+-- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched
+-- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = the request to hand to
+-- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}
+--       | {NOT_OWNER} | {STALE}
+local id, token, user, to = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local raw = redis.call('HGET', K_LEASES, id)
+if not raw then
+  local ended = redis.call('HGET', K_ENDED, id)
+  if ended then return {ENDED, ended} end
+  return {NO_SUCH}
+end
+local lease = cjson.decode(raw)
+if lease.user ~= user then return {NOT_OWNER} end
+if tostring(lease.token) ~= token then return {STALE} end
+local wraw = redis.call('HGET', K_WAITERS, to)
+if not wraw then return {BUSY, 'request ' .. to .. ' is not queued'} end
+local w = cjson.decode(wraw)
+if w.user ~= user or w.pool ~= lease.pool then return {BUSY, 'request ' .. to .. ' is not yours in this pool'} end
+local n = #lease.gpus
+if lease.nodes or (w.nodes or 1) > 1 or n > w.gpus or n < (w.gpus_min or w.gpus) then
+  return {BUSY, 'the request does not fit in exactly these GPUs'}
+end
+if lease.resv or lease.borrowed or lease.recall_at or redis.call('ZSCORE', K_RECALL, id) then
+  return {BUSY, 'the lease is a booking\'s, borrowed or recalled'}
+end
+if tonumber(redis.call('ZSCORE', K_ALIVE, lease.node) or '-1') < NOW then return {BUSY, 'the node is down'} end
+local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. lease.pool .. '|', '(' .. lease.pool .. '|~', 'LIMIT', 0, 1001)
+if #members > 1000 then return {BUSY, 'the queue is too long to read'} end
+if members[1] ~= w.member then return {BUSY, 'an older request waits in the pool'} end
+for _, m in ipairs(members) do
+  local other = redis.call('HGET', K_WAITERS, string.match(m, '|([^|]+)$'))
+  if other and string.match(other, '"user":"([^"\\]*)"') ~= user then
+    return {BUSY, 'another user waits in the pool'}
+  end
+end
+if #active_bookings(lease.pool) > 0 then return {BUSY, 'a booking is in force in the pool'} end
+local indexes = {}
+for _, g in ipairs(lease.gpus) do indexes[#indexes + 1] = g.index end
+local inv = redis.call('HGET', K_NODES, lease.node)
+if not inv then return {BUSY, 'the node left'} end
+local present = inv_present(inv, indexes)
+for _, idx in ipairs(indexes) do
+  if not present[idx] then return {BUSY, 'a GPU of the lease left the inventory'} end
+end
+
+local _, ended_json = end_lease(lease, 'released', 'handed to ' .. to .. ', its owner\'s next request', user, raw)
+local free = decode_list(redis.call('HGET', K_FREE, lease.node))
+local mine, taken, rest = {}, {}, {}
+for _, idx in ipairs(indexes) do mine[idx] = true end
+for _, idx in ipairs(free) do
+  if mine[idx] then taken[#taken + 1] = idx else rest[#rest + 1] = idx end
+end
+local _, lease_json = grant(w, lease.node, taken, rest, #free)
+redis.call('ZREM', K_QUEUE, w.member)
+redis.call('HDEL', K_WAITERS, w.id)
+redis.call('PUBLISH', K_GRANTS, w.id)
+dispatch(lease.pool)
+return {OK, ended_json, lease_json}
