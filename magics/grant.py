@@ -59,6 +59,100 @@ class Cancel:
             self._cond.wait_for(lambda: self.requested or done())
 
 
+class Relay:
+    """Keeps a finished call's worker process for its owner's next request on the same GPUs: a
+    sweep's next trial then starts at once instead of on a fresh process (Ray Tune's
+    ``reuse_actors``, with the lease server deciding). Only when the lease server grants that
+    request exactly those GPUs in the same step as it ends the finished call's lease
+    (``lua/handoff.lua``: nobody else waits in the pool), so no other holder ever meets the process.
+
+    ``next_request(lease_id)`` names the request to offer the GPUs to (the sweep's oldest queued
+    trial), or None. A request that will never run here is :meth:`drop`-ped first, which ends a
+    process kept for it (seen gone) before its lease can be released; after that no process is
+    handed to it."""
+
+    def __init__(self, sess: Session, next_request: Callable[[str], str | None]) -> None:
+        self.sess = sess
+        self.next_request = next_request
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[_Worker, str, list[int]]] = {}
+        self._closed: set[str] = set()
+        self.handed = 0
+
+    def pass_on(self, grant: Grant) -> str | None:
+        """Hand ``grant``'s lease and its one worker to the next request; its id, or None (then the
+        caller ends the worker and releases the lease as usual)."""
+        import ray
+
+        held, rank = grant.held, grant.ranks[0]
+        if held is None:
+            return None
+        rid = self.next_request(held.lease.id)
+        if not rid:
+            return None
+        try:
+            if not ray.get(rank.worker.handle.recycle.remote(), timeout=READY_WAIT_S):
+                return None
+        except Exception:  # noqa: BLE001 - the process is not fit for another call: end it
+            return None
+        indexes = [g["index"] for g in held.lease.gpus]
+        with self._lock:  # a drop() of rid waits for this, so it sees the worker kept for rid
+            if rid in self._closed:
+                return None
+            try:
+                held.hand_off(rid)
+            except errors.GpuLeaseError as exc:
+                log.debug("no handoff of %s to %s: %s", held.lease.id, rid, exc)
+                return None
+            self._kept[rid] = (rank.worker, held.lease.node, indexes)
+            self.handed += 1
+        return rid
+
+    def claim(self, lease: Lease) -> _Worker | None:
+        """The worker kept for ``lease`` (its request's id), if its GPUs are exactly the lease's."""
+        with self._lock:
+            self._closed.add(lease.id)
+            kept = self._kept.pop(lease.id, None)
+        if kept is None:
+            return None
+        worker, node, indexes = kept
+        if node == lease.node and indexes == [g["index"] for g in lease.gpus]:
+            return worker
+        self._end(worker, node, indexes)
+        return None
+
+    def drop(self, rid: str) -> None:
+        """``rid`` will not run here (withdrawn, stopped): end any worker kept for it and see its
+        process gone, before anyone releases the lease it may have been handed."""
+        with self._lock:
+            self._closed.add(rid)
+            kept = self._kept.pop(rid, None)
+        if kept is not None:
+            self._end(*kept)
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for k in kept:
+            self._end(*k)
+
+    def _end(self, worker: _Worker, node: str, indexes: list[int]) -> None:
+        import ray
+
+        try:
+            where = worker.where(timeout=READY_WAIT_S)
+        except Exception:  # noqa: BLE001
+            where = None
+        with contextlib.suppress(Exception):
+            ray.kill(worker.handle, no_restart=True)
+        if where is not None:
+            if where.machine == self.sess.machine:
+                verify_gone(where.pid, [], indexes)
+            else:
+                with contextlib.suppress(Exception):
+                    ray.get(self.sess.spare(node).handle.reap.remote(where.pid, [], indexes), timeout=30)
+
+
 @dataclass
 class _Rank:
     node: str
@@ -87,6 +181,9 @@ class Grant:
         self._releasing = threading.Event()
         self.ended_elsewhere = threading.Event()
         self._follower: Any = None
+        self.relay: Relay | None = None  # a sweep's: the worker may go on to its next trial
+        self.clean = False  # the call returned normally (only then may its worker go on)
+        self.handed_to = ""  # the request this lease and its worker were handed to
         if lease is not None:
             self.held = HeldLease(sess.client(), lease)
             self.held.activity = {"executing": True, "source": "gpu_train"}
@@ -94,7 +191,14 @@ class Grant:
 
     @classmethod
     def take(
-        cls, sess: Session, opts: Options, ui: UI, cpu_pool: str | None, rid: str, cancel: Cancel | None = None
+        cls,
+        sess: Session,
+        opts: Options,
+        ui: UI,
+        cpu_pool: str | None,
+        rid: str,
+        cancel: Cancel | None = None,
+        relay: Relay | None = None,
     ) -> Grant:
         """Acquire, showing the queue; Stop or any error while queued withdraws the request.
         With ``cancel`` (a sweep's trial), the queue is not polled: ``ui`` hears one Waiting
@@ -145,7 +249,7 @@ class Grant:
                 lease = client.acquire(progress=progress, **ask)
             else:
                 ui.waiting(Waiting(rid, asked, pool or "", None, 0.0))
-                lease = _acquire_cancellable(client, cancel, rid, ask)
+                lease = _acquire_cancellable(client, cancel, rid, ask, relay)
         finally:
             sess.waiting.discard(rid)
         waited = lease.raw.get("waited_ms")
@@ -287,6 +391,20 @@ class Grant:
                 self._follower.close()
             self._follower = None
 
+        if (
+            self.relay is not None
+            and self.clean
+            and len(self.ranks) == 1
+            and self.pg is None
+            and not self.cpu
+            and not self.ended_elsewhere.is_set()
+        ):
+            handed = self.relay.pass_on(self)
+            if handed:
+                self.handed_to, self.verified, self.ranks = handed, True, []
+                if self.held is not None:
+                    self.sess.held.discard(self.held)
+                return
         wheres: list[tuple[_Rank, Where | None]] = []
         for rank in self.ranks:
             try:
@@ -338,7 +456,9 @@ class Grant:
             return {"gone": False, "nvml": False}
 
 
-def _acquire_cancellable(client: Client, cancel: Cancel, rid: str, ask: dict[str, Any]) -> Lease:
+def _acquire_cancellable(
+    client: Client, cancel: Cancel, rid: str, ask: dict[str, Any], relay: Relay | None = None
+) -> Lease:
     """``client.acquire(**ask)`` that ``cancel`` withdraws. The long poll runs in a helper thread;
     this thread sleeps until it returns or the cancel comes. A withdrawal that reached the server
     before the request did finds nothing (and the request would then wait), so it is sent again
@@ -360,6 +480,8 @@ def _acquire_cancellable(client: Client, cancel: Cancel, rid: str, ask: dict[str
     poller.start()
     cancel._wait(lambda: "done" in box)
     if cancel.requested:
+        if relay is not None:
+            relay.drop(rid)  # a worker handed to this request ends before its lease is released
         while True:
             client.withdraw(rid, reason="withdrawn: its sweep stopped it")
             poller.join(WITHDRAW_AGAIN_S)
@@ -382,7 +504,9 @@ def start_world(sess: Session, grant: Grant, opts: Options) -> None:
         grant.ranks = [_Rank("cpu", 0, grant.env("cpu"), sess.new_worker(None, num_cpus=1))]
         return
     if not (opts.nodes and opts.nodes > 1):
-        grant.ranks = [_Rank(lease.node, 0, grant.env(lease.node), sess.take_worker(lease.node))]
+        kept = grant.relay.claim(lease) if grant.relay is not None and not grant.cpu else None
+        worker = kept or sess.take_worker(lease.node)
+        grant.ranks = [_Rank(lease.node, 0, grant.env(lease.node), worker)]
         return
     _start_gang(sess, grant)
 

@@ -91,6 +91,7 @@ class Ending:
     hint: str = ""  # right-sizing advice for next time
     checkpoint: bool = False
     cpu: bool = False
+    handed_to: str = ""  # a sweep's: the lease and its worker went on to this next trial
 
     def line(self) -> str:
         """One line for the notebook, at most 80 columns where the names allow."""
@@ -103,6 +104,8 @@ class Ending:
         else:
             what = f"held {self.where} for {self.held_s:.1f}s"
         freed = "GPU memory freed" if self.verified else "worker not seen to exit"
+        if self.handed_to:
+            freed = "its worker went on to the next trial"
         released = "released" if self.cpu else f"released; {freed}"
         head = {
             "released": f"gpu_train: {what}",

@@ -31,7 +31,7 @@ from lease_server.client import Client, Lease
 
 from . import cellcode
 from .calls import Call, CellValue, Result
-from .grant import Cancel, Grant, start_world
+from .grant import Cancel, Grant, Relay, start_world
 from .outcomes import (
     UI,
     Ending,
@@ -214,6 +214,7 @@ def run_call(
     ui: UI | None = None,
     sess: Session | None = None,
     cancel: Cancel | None = None,
+    relay: Relay | None = None,
 ) -> CallResult:
     """Lease, run ``call`` on single-use workers of the lease's node(s), stream their output,
     then end them, see their processes gone, and release the lease, whatever happened.
@@ -224,7 +225,9 @@ def run_call(
     ended and the output. Raises :class:`GpuTrainError` (the call failed), its subclasses
     :class:`GpuTrainTimeout` and :class:`GpuLeaseEnded`, or :class:`GpuTrainStopped` (Stop).
     ``cancel`` lets another thread end the call as Stop would (:class:`magics.grant.Cancel`);
-    with it the call can run in any thread, once :meth:`Session.connect_ray` ran in the main one."""
+    with it the call can run in any thread, once :meth:`Session.connect_ray` ran in the main one.
+    ``relay`` (a sweep's :class:`magics.grant.Relay`) lets the call start on the worker of the
+    same user's call that just ended on the same GPUs, and hand its own worker on when it ends."""
     sess = sess or session()
     ui = ui or StreamUI()
     opts = (options or Options()).resolved(sess.defaults)
@@ -234,12 +237,15 @@ def run_call(
     cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
     rid = Client.new_request_id()
     try:
-        grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel)
+        grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel, relay)
+        grant.relay = relay
         pump = Pump(grant, ui, cancel)
         ending = Ending("failed", cpu=grant.cpu or grant.lease is None)
     except KeyboardInterrupt:
         # Stop may land after the grant arrived and before the call owns it: withdrawing the
         # request id releases such a grant too, so it is never left to expire.
+        if relay is not None:
+            relay.drop(rid)  # a worker handed to this request ends before its lease is released
         sess.client().withdraw(rid, reason="withdrawn: Stop pressed")
         ui.ended(Ending("withdrawn"))
         raise GpuTrainStopped("gpu_train stopped while queued; the request was withdrawn") from None
@@ -255,6 +261,7 @@ def run_call(
             start_world(sess, grant, opts)
             grant.follow()
             results = pump.run(call, opts.timeout)
+            grant.clean = True
             ending.state = "released"
             ending.peak_memory = _sum_memory(results)
         except KeyboardInterrupt:
@@ -273,6 +280,7 @@ def run_call(
             ending.gpus = len(grant.lease.gpus) if grant.lease else 0
             ending.held_s = time.monotonic() - grant.t0
             ending.verified, ending.nvml = grant.verified, grant.nvml
+            ending.handed_to = grant.handed_to
             ending.checkpoint = pump.has_checkpoint
             if ending.state == "released" and grant.lease is not None and not grant.cpu:
                 ending.hint = _right_size(sess, grant.lease, ending.peak_memory)

@@ -46,7 +46,7 @@ from lease_server import errors
 
 from . import cellcode
 from .calls import Call, CellValue
-from .grant import Cancel
+from .grant import Cancel, Relay
 from .outcomes import Ending, GpuLeaseEnded, GpuTrainError, GpuTrainStopped, Running, Waiting, _first_line
 from .runner import Options, parse_duration, parse_gpus, run_call
 from .session import Session, session
@@ -485,6 +485,9 @@ class Sweep:
         self._series: dict[int, _Series] = {}
         self._finished: set[int] = set()
         self._t0 = time.monotonic()
+        # A trial that ends hands its GPUs and its worker to the oldest queued trial when nobody
+        # else waits for them (magics.grant.Relay): that trial starts at once, on a warm process.
+        self._relay = Relay(self.sess, self._next_request)
 
     # -- the main loop, in the calling thread ----------------------------------------------------
 
@@ -511,6 +514,7 @@ class Sweep:
                 raise exc from None
         finally:
             _LIVE.discard(self)
+            self._relay.close()
             for node, count in restore.items():
                 with contextlib.suppress(Exception):
                     self.sess.set_spares(node, count)
@@ -632,7 +636,7 @@ class Sweep:
         state, value, names = "failed", None, {}
         error: BaseException | None = None
         try:
-            out = run_call(call, opts, ui, self.sess, cancel=t._cancel)
+            out = run_call(call, opts, ui, self.sess, cancel=t._cancel, relay=self._relay)
             if isinstance(out.value, CellValue):
                 value = out.value.result
                 names = {k: v for k, v in out.value.names.items() if not cellcode.is_module(v)}
@@ -660,6 +664,16 @@ class Sweep:
             self._dirty = True
             self._cond.notify_all()
         self.display.trial_ended(t)
+
+    def _next_request(self, lease_id: str) -> str | None:
+        """The request a trial's ending lease may go to: the oldest trial still queued."""
+        with self._cond:
+            if self._stopping:
+                return None
+            queued = [
+                (t.index, rid) for rid, t in self._rids.items() if t.state == "queued" and not t._cancel.requested
+            ]
+            return min(queued)[1] if queued else None
 
     def _report(self, t: Trial, record: dict[str, Any]) -> None:
         """A trial's magics.report(): keep it, and apply the stopping rule."""

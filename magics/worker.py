@@ -2,7 +2,9 @@
 
 A :class:`GpuWorker` actor is started ahead of time (imports done, no CUDA context), used for
 exactly one call with ``CUDA_VISIBLE_DEVICES`` set to the leased indexes, and then killed by the
-caller, so every byte of GPU memory the function took is freed with its process. While the call
+caller, so every byte of GPU memory the function took is freed with its process. The one exception
+is a sweep's next trial on the same GPUs, granted to the same user in the same step as the last
+one's lease ended (``lua/handoff.lua``): :meth:`GpuWorker.recycle` readies the process for it. While the call
 runs, the actor captures stdout/stderr for the notebook to stream, and a watchdog thread follows
 the lease on the lease server's event stream: once the lease is released, expired or revoked, the
 process exits, so a revoked lease or an orphaned call (its kernel died) stops using the GPU.
@@ -135,6 +137,7 @@ class GpuWorker:
         self._done = False
         self._done_event = threading.Event()
         self._used = False
+        self._gen = 0  # which call this is: a watchdog of an earlier call stops following its lease
         # Imports done while the spare waits, not on the call's clock (pynvml: ~15 ms).
         import httpx  # noqa: F401
 
@@ -171,6 +174,36 @@ class GpuWorker:
             self._chunks.append((stream, text))
             self._cond.notify_all()
 
+    def recycle(self) -> bool:
+        """Ready this process for one more call of the same user on the same GPUs (a sweep's next
+        trial, handed the GPUs in the same step as this call's lease ended): forget this call's
+        output, hooks and watchdog, free what Python and torch's caching allocator still hold, and
+        reset torch's peak-memory counters so the next call's peak is its own. False while a call
+        still runs (then the caller ends the process as usual)."""
+        with self._cond:
+            if not self._done:
+                return False
+            self._used = self._done = False
+            self._chunks = []
+            self._gen += 1
+        self._done_event = threading.Event()
+        _ACTIVE.clear()
+        _STEPS.clear()
+        _HOOKS.clear()
+        _RECALL.clear()
+        _RECALL_SEEN.clear()
+        _NOTICE.clear()
+        import gc
+
+        gc.collect()
+        torch = sys.modules.get("torch")
+        with contextlib.suppress(Exception):
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+                for i in range(torch.cuda.device_count()):
+                    torch.cuda.reset_peak_memory_stats(i)
+        return True
+
     def read_output(self, wait_s: float = 0.5) -> tuple[list[tuple[str, str]], bool]:
         """Output written since the last call, waiting up to ``wait_s`` for some (a long poll)."""
         with self._cond:
@@ -187,8 +220,11 @@ class GpuWorker:
         self._used = True
         _ACTIVE[:] = [self]
         os.environ.update(env)
+        _STEPS.clear()
         if watch.get("url"):
-            threading.Thread(target=_watchdog, args=(watch, self), name="gpulease-watchdog", daemon=True).start()
+            threading.Thread(
+                target=_watchdog, args=(watch, self, self._gen), name="gpulease-watchdog", daemon=True
+            ).start()
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Capture(self, "stdout"), _Capture(self, "stderr")  # type: ignore[assignment]
         t0 = time.monotonic()
@@ -333,13 +369,17 @@ def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
             worker.push("stderr", f"gpu_train: the checkpoint hook failed: {type(exc).__name__}: {exc}\n")
 
 
-def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
+def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int = 0) -> None:
     """Exit this process as soon as its lease has ended (released from elsewhere, expired or
     revoked): follow the lease's own events (``GET /api/v1/events?lease=ID``, filtered on the
     server), and check the lease itself whenever the stream (re)connects so that nothing between
     is missed. Our own driver kills this worker before it releases the lease, so a release seen
-    here always came from somewhere else (the GPU board, another terminal)."""
+    here always came from somewhere else (the GPU board, another terminal). Once the worker is
+    recycled for a next call (``gen`` is behind), this lease is no longer the process's: it stops."""
     import httpx
+
+    def moved_on() -> bool:
+        return worker is not None and worker._gen != gen
 
     url, lease_id = watch["url"], watch["id"]
     # A backstop (the driver follows the lease too): a call that ends within this never pays for it.
@@ -367,24 +407,37 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None) -> None:
         return state if state in protocol.ENDED_STATES else None
 
     def check() -> None:
+        if moved_on():
+            raise _MovedOn
         why = ended()
+        if moved_on():  # handed to the next call while we asked
+            raise _MovedOn
         if why is not None:
             # The driver follows the lease too and ends this worker through Ray at once (quietly);
             # exiting here is the backstop for a driver that cannot (its kernel hangs or is gone).
             time.sleep(DRIVER_GRACE_S)
+            if moved_on():
+                raise _MovedOn
             _die(lease_id, why)
 
-    while True:
-        try:
-            with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
-                check()
-                for line in s.iter_lines():
-                    if line.startswith("data:"):
-                        check()
-        except httpx.HTTPError:
-            pass
-        check()
-        time.sleep(1.0)  # lease server unreachable: the TTL still bounds how long we may run
+    try:
+        while True:
+            try:
+                with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
+                    check()
+                    for line in s.iter_lines():
+                        if line.startswith("data:"):
+                            check()
+            except httpx.HTTPError:
+                pass
+            check()
+            time.sleep(1.0)  # lease server unreachable: the TTL still bounds how long we may run
+    except _MovedOn:
+        http.close()
+
+
+class _MovedOn(Exception):
+    """The worker was recycled for its next call: this watchdog's lease is not the process's now."""
 
 
 def _die(lease_id: str, why: str) -> None:

@@ -25,6 +25,7 @@ from magics.runner import Options, run_cell
 from magics.session import Session
 from magics.space import grid, loguniform, parse_over, randint, sample, uniform
 from magics.sweep import MedianStopping, SweepDisplay, SweepResults, Trial, _Series, gpu_map, render_table
+from magics.worker import _alive
 from tests.api_helpers import EventWatcher
 from tests.conftest import Up
 
@@ -51,7 +52,8 @@ def square(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"bad config {i}")
     time.sleep(0.2)  # the trial's work
     report(step=1, loss=0.5 / (i + 1))
-    return {"sq": i * i, "start": t0, "end": time.time(), "gpus": os.environ["CUDA_VISIBLE_DEVICES"]}
+    gpus = os.environ["CUDA_VISIBLE_DEVICES"]
+    return {"sq": i * i, "start": t0, "end": time.time(), "gpus": gpus, "pid": os.getpid()}
 
 
 def hold(config: dict[str, Any]) -> int:
@@ -181,6 +183,25 @@ def test_twelve_trials_on_four_gpus_come_back_in_order(sess, admin):
     for start, _ in spans:
         assert sum(1 for s, e in spans if s <= start < e) <= 4
     assert all(t.value["gpus"] in {"0", "1", "2", "3"} for t in results if t.ok)
+
+    # A trial that returned hands its GPU and its worker to the oldest queued trial (nobody else
+    # waits): the server ended its lease and granted the next one in one step, and the next trial
+    # ran in the same process on the same GPU. The failed trial's worker was not handed on.
+    by_id = {t.lease_id: t for t in results}
+    handed = [
+        (by_id[e["lease"]], by_id[e["reason"].split()[2].rstrip(",")])
+        for e in log
+        if e["type"] == "released" and e.get("lease") in ids and e.get("reason", "").startswith("handed to ")
+    ]
+    assert handed, "no trial was handed the GPU and worker of the trial before it"
+    for before, after in handed:
+        assert before.ok and after.ok and before.index < after.index
+        assert after.value["pid"] == before.value["pid"] and after.value["gpus"] == before.value["gpus"]
+    assert all(b.index != 5 for b, _ in handed)
+    pids = {t.value["pid"] for t in results if t.ok}
+    assert len(pids) < 11
+    # Once the sweep returns, no trial's process is left running.
+    assert not [p for p in pids if _alive(p)]
     assert_all_free(admin)
 
 
