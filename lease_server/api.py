@@ -293,6 +293,24 @@ class HandoffHandler(BaseHandler):
         )
 
 
+class GrowHandler(BaseHandler):
+    """The owner adds GPUs to an elastic lease, on its node, when that delays no one."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.body(self.bodies.grow)
+        rec = await self.store.grow(lease_id, self.identity.user, body["token"], body["gpus"])
+        self.reply(public_lease(rec, with_token=True))
+
+
+class ShrinkHandler(BaseHandler):
+    """The owner gives back some GPUs of a lease; the queue is served at once."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.body(self.bodies.shrink)
+        rec = await self.store.shrink(lease_id, self.identity.user, body["token"], body["gpus"])
+        self.reply(public_lease(rec, with_token=True))
+
+
 class RevokeHandler(BaseHandler):
     async def post(self, lease_id: str) -> None:
         me = self.identity
@@ -671,6 +689,8 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/renew", RenewHandler),
         (rf"{API}/leases/{lease_id}/revoke", RevokeHandler),
         (rf"{API}/leases/{lease_id}/handoff", HandoffHandler),
+        (rf"{API}/leases/{lease_id}/grow", GrowHandler),
+        (rf"{API}/leases/{lease_id}/shrink", ShrinkHandler),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),

@@ -288,13 +288,27 @@ class Client:
             body["activity"] = activity
         return Lease.from_json(self.request("POST", protocol.lease_renew(lid), json=body))
 
-    def handoff(self, lease: Lease, to: str) -> Lease:
-        """End ``lease`` and grant its GPUs to your queued request ``to`` in one step (its blocked
-        acquire returns the new lease). :class:`errors.Conflict` (nothing changed) unless releasing
-        could not have given them to anyone else."""
+    def handoff(self, lease: Lease, to: list[str]) -> Lease:
+        """End ``lease`` and grant its GPUs in one step to the pool's oldest waiter, which must be
+        one of your queued requests ``to`` (its blocked acquire returns the new lease).
+        :class:`errors.Conflict` (nothing changed) unless releasing could not have given them to
+        anyone else."""
         body = {"token": lease.token, "to": to}
         reply = self.request("POST", protocol.lease_handoff(lease.id), json=body)
         return Lease.from_json(reply["lease"])
+
+    def grow(self, lease: Lease, gpus: int) -> Lease:
+        """Add ``gpus`` GPUs to your elastic lease, on its node, all or none; returns the lease with
+        its new GPUs (same token). :class:`errors.Conflict` (nothing changed) says why not: someone
+        waits in the pool, the node lacks them, the elastic maximum, ..."""
+        body = {"token": lease.token, "gpus": gpus}
+        return Lease.from_json(self.request("POST", protocol.lease_grow(lease.id), json=body))
+
+    def shrink(self, lease: Lease, gpus: int) -> Lease:
+        """Give back ``gpus`` GPUs of your lease (its highest-indexed ones; at least one stays);
+        returns the lease with the GPUs it kept (same token)."""
+        body = {"token": lease.token, "gpus": gpus}
+        return Lease.from_json(self.request("POST", protocol.lease_shrink(lease.id), json=body))
 
     def keep(self, lease_id: str) -> dict[str, Any]:
         """ "I'm still using it": reset the idle clock of a warned lease."""
@@ -462,9 +476,19 @@ class HeldLease:
             self._stop.set()
             log.warning("lease %s lost: %s", self.lease.id, exc)
 
-    def hand_off(self, to: str) -> Lease:
-        """Stop renewing, then hand this lease's GPUs to the queued request ``to`` in one step
-        (:meth:`Client.handoff`). On :class:`errors.Conflict` the lease is still held: release it."""
+    def grow(self, gpus: int) -> Lease:
+        """Add GPUs to this elastic lease (:meth:`Client.grow`); the renewals go on."""
+        self.lease = self.client.grow(self.lease, gpus)
+        return self.lease
+
+    def shrink(self, gpus: int) -> Lease:
+        """Give back some of this lease's GPUs (:meth:`Client.shrink`); the renewals go on."""
+        self.lease = self.client.shrink(self.lease, gpus)
+        return self.lease
+
+    def hand_off(self, to: list[str]) -> Lease:
+        """Stop renewing, then hand this lease's GPUs in one step to the oldest of the queued
+        requests ``to`` (:meth:`Client.handoff`). On :class:`errors.Conflict` the lease is still held: release it."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

@@ -209,6 +209,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                     entry["lease"]["borrowed"] = True
                 if lease.get("recall_at"):
                     entry["lease"]["recall_at"] = lease["recall_at"] / 1000
+                if lease.get("shrink_to"):  # asked to give GPUs back for a waiting request
+                    entry["lease"]["shrink_to"] = int(lease["shrink_to"])
+                    entry["lease"]["shrink_by"] = lease["shrink_by"] / 1000
             gpus.append(entry)
         last = alive_at.get(name, -1)
         nodes.append(

@@ -42,6 +42,10 @@ Scheduling:
 ``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas); "pool|~preemptible" ->
                       preemptible leases live (a blocked request looks for victims only if any)
 ``sched``      hash   pool -> JSON {scheduler, quotas, preempt_notice_ms, idle_weight} from the config
+``elastic``    zset   lexicographic "pool|lease id" for every live elastic lease (gpus_min < gpus), so a
+                      blocked request finds the pool's leases it may ask to shrink without reading them all
+``shrink_due`` zset   elastic lease id -> ms when the server shrinks it to its shrink_to (its owner was
+                      asked to give GPUs back for a waiting request and has not yet)
 
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
@@ -180,6 +184,14 @@ class Keys:
         return self._k("sched")
 
     @property
+    def elastic(self) -> str:
+        return self._k("elastic")
+
+    @property
+    def shrink_due(self) -> str:
+        return self._k("shrink_due")
+
+    @property
     def tokens(self) -> str:
         return self._k("tokens")
 
@@ -239,6 +251,8 @@ class Keys:
             self.ledger,
             self.held_by,
             self.sched,
+            self.elastic,
+            self.shrink_due,
         ]
 
     def all(self) -> list[str]:

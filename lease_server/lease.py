@@ -29,12 +29,14 @@ from .scripts import (
     Duplicate,
     Ended,
     Granted,
+    Grow,
     Handed,
     Handoff,
     Queued,
     Release,
     Removed,
     Renew,
+    Shrink,
     Sweep,
     SweepCounts,
     no_such_lease,
@@ -108,6 +110,11 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
     if rec.get("recall_at"):
         out["recall_at"] = rec["recall_at"] / 1000
         out["recall_reason"] = rec.get("recall_reason", "")
+    if rec.get("shrink_to") and "ended_at" not in rec:
+        # asked to give GPUs back for a waiting request: the server shrinks it to shrink_to at shrink_by
+        out["shrink_to"] = int(rec["shrink_to"])
+        out["shrink_by"] = rec["shrink_by"] / 1000
+        out["shrink_reason"] = rec.get("shrink_reason", "")
     if "ended_at" in rec:
         out["ended_at"] = rec["ended_at"] / 1000
         out["end_reason"] = rec.get("end_reason", "")
@@ -451,15 +458,36 @@ class LeaseStore:
         log.info("withdrawn %s user=%s by=%s position=%s", lease_id, w["user"], user, got.position)
         return {**w, "state": WITHDRAWN, "position": got.position}, True
 
-    async def handoff(self, lease_id: str, user: str, token: object, to: str) -> Handed:
-        """End the owner's lease ``lease_id`` and grant its GPUs to the owner's queued request
-        ``to`` in one step, so that the process on them can serve that request too (a sweep's next
-        trial). Refused with 409, changing nothing, unless releasing could not have given the GPUs
-        to anyone else (see ``lua/handoff.lua``). The request's blocked POST gets the new lease."""
+    async def handoff(self, lease_id: str, user: str, token: object, to: list[str]) -> Handed:
+        """End the owner's lease ``lease_id`` and grant its GPUs, in the same step, to the pool's
+        oldest waiter, which must be one of the owner's requests ``to``, so that the process on them
+        can serve that request too (a sweep's next trial). Refused with 409, changing nothing,
+        unless releasing could not have given the GPUs to anyone else (see ``lua/handoff.lua``).
+        The request's blocked POST gets the new lease."""
         tok = self._token(token, required=True)
-        got: Handed = await self.engine.run(Handoff(lease_id, tok, user, to))
-        log.info("handed %s -> %s user=%s", lease_id, to, user)
+        got: Handed = await self.engine.run(Handoff(lease_id, tok, user, ",".join(to)))
+        log.info("handed %s -> %s user=%s", lease_id, got.lease["id"], user)
         return got
+
+    async def grow(self, lease_id: str, user: str, token: object, gpus: object) -> dict[str, Any]:
+        """Add ``gpus`` GPUs to the owner's elastic lease, on its node (the lowest free indexes),
+        all or none, up to the elastic maximum it asked for. Refused with 409, changing nothing,
+        when that would delay anyone (someone waits in the pool, a booking is in force) or the node
+        lacks them (see ``lua/grow.lua``). Returns the lease; its token stays."""
+        tok = self._token(token, required=True)
+        n = check_gpus(gpus)
+        rec: dict[str, Any] = await self.engine.run(Grow(lease_id, tok, user, n))
+        log.info("grown %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
+        return rec
+
+    async def shrink(self, lease_id: str, user: str, token: object, gpus: object) -> dict[str, Any]:
+        """Give back the ``gpus`` highest-indexed GPUs of the owner's lease (at least one stays:
+        to give back all, release). The queue is served at once. Returns the lease; its token stays."""
+        tok = self._token(token, required=True)
+        n = check_gpus(gpus)
+        rec: dict[str, Any] = await self.engine.run(Shrink(lease_id, tok, user, n))
+        log.info("shrunk %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
+        return rec
 
     _token = staticmethod(check_token)
 

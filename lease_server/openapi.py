@@ -120,6 +120,18 @@ def _response_schemas() -> dict[str, Any]:
                 "expires_at": num,
                 "renewals": {"type": "integer"},
                 "waited": num,
+                "elastic": {
+                    "type": "object",
+                    "properties": {"min": {"type": "integer"}, "max": {"type": "integer"}},
+                    "description": "An elastic lease: the fewest and most GPUs it accepts (grow / shrink)",
+                },
+                "shrink_to": {
+                    "type": "integer",
+                    "description": "Asked to give GPUs back for a waiting request: the size the server "
+                    "shrinks it to at shrink_by (its highest-indexed GPUs go) unless its owner shrinks first",
+                },
+                "shrink_by": num,
+                "shrink_reason": {"type": "string"},
                 "ended_at": num,
                 "end_reason": {"type": "string"},
                 "ended_by": {"type": "string"},
@@ -384,7 +396,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
             "post": _op(
                 "Hand your lease's GPUs to your own next queued request in one step (a sweep's next "
                 "trial); refused (409, nothing changes) unless releasing could not have given them to "
-                "anyone else: every waiter of the pool is yours and the request is its oldest",
+                "anyone else: every waiter of the pool is yours and its oldest is one of those named",
                 _json(
                     {
                         "type": "object",
@@ -395,6 +407,30 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 ),
                 409,
                 body=bodies.handoff,
+                params=[LEASE_ID],
+            ),
+        },
+        "/api/v1/leases/{lease_id}/grow": {
+            "post": _op(
+                "Add GPUs to your elastic lease (acquired with gpus_min below gpus), on its node, all or none, "
+                "up to the gpus it asked for; the token stays. Refused (409 `conflict` with the reason, nothing "
+                "changes) when anyone waits in the pool, a booking is in force there, the node lacks the free "
+                "GPUs, the lease is a booking's, borrowed, preemptible, recalled or asked to shrink, or it would "
+                "take you above your quota",
+                _json(_ref("Lease"), "Grown: the lease with its new GPUs (the lowest free indexes of its node)"),
+                409,
+                body=bodies.grow,
+                params=[LEASE_ID],
+            ),
+        },
+        "/api/v1/leases/{lease_id}/shrink": {
+            "post": _op(
+                "Give back some GPUs of your lease (its highest-indexed ones); at least one stays: to give back "
+                "all, release. The queue is served at once; the token stays. A lease asked to shrink "
+                "(shrink_to, shrink_by) for a waiting request is shrunk by the server at shrink_by otherwise",
+                _json(_ref("Lease"), "Shrunk: the lease with the GPUs it kept"),
+                409,
+                body=bodies.shrink,
                 params=[LEASE_ID],
             ),
         },

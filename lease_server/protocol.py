@@ -64,6 +64,14 @@ def lease_handoff(lease_id: str) -> str:
     return f"{lease(lease_id)}/handoff"
 
 
+def lease_grow(lease_id: str) -> str:
+    return f"{lease(lease_id)}/grow"
+
+
+def lease_shrink(lease_id: str) -> str:
+    return f"{lease(lease_id)}/shrink"
+
+
 def lease_keep(lease_id: str) -> str:
     return f"{lease(lease_id)}/keep"
 
@@ -132,6 +140,12 @@ class EventType(enum.StrEnum):
     EXPIRED = "expired"  # a lease not renewed within its ttl (end_lease: sweep, a late renew)
     REVOKED = "revoked"  # a lease ended by an admin, idle reclaim, a recall or a preemption (end_lease)
     RENEW_MISS = "renew_miss"  # a renewal came after the lease's deadline: it expired (renew.lua)
+    # elastic leases change size; the token stays
+    GROWN = "grown"  # the owner added GPUs to an elastic lease on its node (grow.lua)
+    SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (shrink.lua), or the server when a shrink notice ran out
+    # an elastic lease above its minimum is asked to give GPUs back for a waiting request by shrink_by,
+    # else the server shrinks it to shrink_to (_lib.lua ask_to_shrink; sweep.lua)
+    SHRINK_NOTICE = "shrink_notice"
     # queued requests that leave the queue without a grant (cancel_wait.lua: 'wait_' .. reason)
     WAIT_TIMEOUT = "wait_timeout"  # its wait ran out (LeaseStore.acquire)
     WAIT_CANCELLED = "wait_cancelled"  # its client went away, or it was withdrawn (DELETE; release.lua)
@@ -190,6 +204,9 @@ BOARD_EVENTS = frozenset(
         EventType.UNLEASED_USE_ENDED,
         EventType.PREEMPT_NOTICE,
         EventType.BORROW_RECALLED,
+        EventType.GROWN,
+        EventType.SHRUNK,
+        EventType.SHRINK_NOTICE,
     )
 )
 
@@ -216,3 +233,6 @@ ENDED_EVENTS = frozenset(e.value for e in (EventType.RELEASED, EventType.EXPIRED
 
 # A lease was recalled: it keeps its GPUs until its recall_at, then it is revoked.
 RECALL_EVENTS = frozenset(e.value for e in (EventType.PREEMPT_NOTICE, EventType.BORROW_RECALLED))
+
+# A live lease's GPUs changed, its token did not: whoever runs on it reads its GPUs again (GET).
+RESIZE_EVENTS = frozenset(e.value for e in (EventType.GROWN, EventType.SHRUNK))

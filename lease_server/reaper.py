@@ -46,7 +46,14 @@ class Reaper:
         newest: Any = await redis.xrevrange(key, "+", "-", count=1)
         mark = newest[0][0] if newest else "-"
         done = await self.store.sweep()
-        if done.expired or done.nodes_down or done.waiters_dropped or done.recalled or done.booking_checks:
+        if (
+            done.expired
+            or done.nodes_down
+            or done.waiters_dropped
+            or done.recalled
+            or done.booking_checks
+            or done.shrunk
+        ):
             written = await read_log(redis, key, since=mark, limit=LOG_READBACK)
             for ev in written:
                 log_sweep_event(ev)
@@ -83,6 +90,16 @@ def log_sweep_event(ev: dict[str, Any]) -> None:
         why = "not renewed in time" if kind == EventType.EXPIRED else "its recall notice ran out"
         lease, user, pool, node = (ev.get(k) for k in ("lease", "user", "pool", "node"))
         log.info("%s %s user=%s pool=%s node=%s by=server (%s)", kind, lease, user, pool, node, why)
+    elif kind == EventType.SHRUNK and by == "server":
+        log.info(
+            "shrunk %s user=%s pool=%s node=%s by=server to %s GPU(s), gave back %s (its shrink notice ran out)",
+            ev.get("lease"),
+            ev.get("user"),
+            ev.get("pool"),
+            ev.get("node"),
+            ev.get("size"),
+            ev.get("gpus"),
+        )
     elif kind == EventType.NODE_DOWN:
         log.info("node %s down (pool %s): %s", ev.get("node"), ev.get("pool"), ev.get("reason"))
     elif kind == EventType.WAIT_ABANDONED:

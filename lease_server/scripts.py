@@ -25,7 +25,7 @@ import operator
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, NoReturn
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -426,13 +426,13 @@ class Handoff(ScriptCall):
     id: str
     token: str
     user: str
-    to: str
+    to: str  # the requests it may go to, comma-separated
 
     def reply(self, code: Code, rest: list[Any]) -> Handed:
         if code is Code.OK:
             return Handed(_json(rest[0]), _json(rest[1]))
         if code is Code.BUSY:
-            raise errors.Conflict(f"lease {self.id} was not handed to {self.to}: {rest[0]}; release it instead")
+            raise errors.Conflict(f"lease {self.id} was not handed on: {rest[0]}; release it instead")
         if code is Code.ENDED:
             raise _ended(self.id, rest[0])
         if code is Code.NO_SUCH:
@@ -444,6 +444,60 @@ class Handoff(ScriptCall):
         raise self.unexpected(code)
 
 
+@dataclass(frozen=True)
+class Grow(ScriptCall):
+    """Add ``gpus`` GPUs to the owner's live elastic lease ``id`` on its own node, all or none
+    (``lua/grow.lua``), when that delays no one; else change nothing and raise
+    :class:`errors.Conflict` saying why. The reply is the lease, its token unchanged. Unlike the
+    other scripts, a grow or shrink resent after a lost answer changes the size again."""
+
+    script: ClassVar[str] = "grow"
+    id: str
+    token: str
+    user: str
+    gpus: int
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.BUSY:
+            raise errors.Conflict(f"lease {self.id} did not grow by {self.gpus} GPU(s): {rest[0]}; nothing changed")
+        _resize_refusal(self, code, rest)
+
+
+@dataclass(frozen=True)
+class Shrink(ScriptCall):
+    """Give back the ``gpus`` highest-indexed GPUs of the owner's live lease ``id``
+    (``lua/shrink.lua``); at least one stays (to give back all, release). The freed GPUs go to the
+    queue at once. The reply is the lease, its token unchanged."""
+
+    script: ClassVar[str] = "shrink"
+    id: str
+    token: str
+    user: str
+    gpus: int
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.BUSY:
+            raise errors.Conflict(f"lease {self.id} did not shrink by {self.gpus} GPU(s): {rest[0]}; nothing changed")
+        _resize_refusal(self, code, rest)
+
+
+def _resize_refusal(call: Grow | Shrink, code: Code, rest: list[Any]) -> NoReturn:
+    """Raise the refusal grow and shrink share for ``code``."""
+    if code in (Code.ENDED, Code.EXPIRED):
+        raise _ended(call.id, rest[0])
+    if code is Code.NO_SUCH:
+        raise no_such_lease(call.id)
+    if code is Code.NOT_OWNER:
+        raise _not_owner(call.id)
+    if code is Code.STALE:
+        raise _stale(call.id)
+    raise call.unexpected(code)
+
+
 class SweepCounts(NamedTuple):
     """What a sweep did (summed over the batches of one pass)."""
 
@@ -453,6 +507,7 @@ class SweepCounts(NamedTuple):
     trimmed: int = 0  # ended records past their retention
     recalled: int = 0  # borrowed leases revoked when their recall notice ran out
     booking_checks: int = 0  # no-show checks of bookings
+    shrunk: int = 0  # elastic leases shrunk when their shrink notice ran out
 
     def plus(self, other: SweepCounts) -> SweepCounts:
         return SweepCounts(*(a + b for a, b in zip(self, other, strict=True)))
@@ -677,6 +732,8 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Renew,
     Release,
     Handoff,
+    Grow,
+    Shrink,
     Sweep,
     Register,
     IdleWarn,

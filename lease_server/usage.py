@@ -1,7 +1,8 @@
 """The usage ledger and the time-to-GPU estimate.
 
 Every lease that ends writes one ledger entry (``end_lease`` in ``_lib.lua``): user, teams,
-notebook (the lease's session), cell (its label), pool, GPUs, seconds held and waited, mean
+notebook (the lease's session), cell (its label), pool, GPUs (its final count), seconds held and
+waited, GPU-seconds held (``gpu_s``: at each size, for an elastic lease that grew or shrank), mean
 utilization and peak memory from the agent's samples, and the GPU-seconds fair share charged.
 :func:`report` sums it per user, team or pool over a period; :func:`estimate` uses it, with the
 queue, the running leases and the bookings in force, to say how long a request would wait.
@@ -28,6 +29,12 @@ async def ledger(engine: Engine, lo_ms: int, hi_ms: int, limit: int = 200_000) -
     return [json.loads(fields["data"]) for _id, fields in rows]
 
 
+def _gpu_s(entry: dict[str, Any]) -> float:
+    """GPU-seconds an entry held: at each size it had (an elastic lease grows and shrinks; ``gpus``
+    is its final count), or, in entries written before leases could change size, held x GPUs."""
+    return float(entry.get("gpu_s", entry["held_s"] * entry["gpus"]))
+
+
 def summarize(entries: list[dict[str, Any]], by: str = "user") -> list[dict[str, Any]]:
     """Per ``by`` (user, team, pool or notebook): calls, GPU-hours held and charged, utilization
     (GPU-time weighted, over the leases the agent sampled), median wait, revoked/preempted calls."""
@@ -42,12 +49,12 @@ def summarize(entries: list[dict[str, Any]], by: str = "user") -> list[dict[str,
             groups[e[by]].append(e)
     out = []
     for key, rows in groups.items():
-        gpu_s = sum(r["held_s"] * r["gpus"] for r in rows)
+        gpu_s = sum(_gpu_s(r) for r in rows)
         sampled = [r for r in rows if r.get("util_mean") is not None]
-        sampled_gpu_s = sum(r["held_s"] * r["gpus"] for r in sampled)
+        sampled_gpu_s = sum(_gpu_s(r) for r in sampled)
         util = None
         if sampled_gpu_s:
-            util = sum(r["util_mean"] * r["held_s"] * r["gpus"] for r in sampled) / sampled_gpu_s
+            util = sum(r["util_mean"] * _gpu_s(r) for r in sampled) / sampled_gpu_s
         peaks = [r["mem_peak_mb"] for r in rows if r.get("mem_peak_mb") is not None]
         out.append(
             {

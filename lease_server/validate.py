@@ -160,6 +160,14 @@ def check_request_id(value: object) -> str | None:
     return value
 
 
+def _request_ids(value: object) -> list[str]:
+    if not isinstance(value, list) or not 1 <= len(value) <= 64:
+        raise errors.BadRequest("to must be a list of 1 to 64 request ids")
+    for v in value:
+        check_request_id(v)
+    return value
+
+
 def check_lease_id(kind: str, value: str | None) -> str | None:
     """A lease or request id named in a query string (``?lease=``, ``?id=``)."""
     if value is not None and not LEASE_ID_RE.search(value):
@@ -456,6 +464,29 @@ def _owner(value: object) -> object:
     return check_owner(value)
 
 
+def _resize_body(name: str, verb: str, what: str) -> Body:
+    """A grow or shrink request: the lease's token and how many GPUs to ``verb``."""
+    return Body(
+        name,
+        (
+            Field(
+                "token",
+                TOKEN,
+                required=True,
+                check=lambda v: check_token(v, required=True),
+                missing="token is required: pass the fencing token of the lease",
+            ),
+            Field(
+                "gpus",
+                {**GPUS, "description": f"How many GPUs to {verb} {what}"},
+                required=True,
+                check=check_gpus,
+                missing=f'gpus is required: how many GPUs to {verb}, e.g. {{"token": 7, "gpus": 1}}',
+            ),
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class Bodies:
     """Every JSON request body of the API, for one server's settings (its TTL and wait limits)."""
@@ -465,6 +496,8 @@ class Bodies:
     renew: Body
     revoke: Body
     handoff: Body
+    grow: Body
+    shrink: Body
     reservation: Body
     reservation_change: Body
     policy: Body
@@ -672,16 +705,21 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                 Field(
                     "to",
                     {
-                        "type": "string",
-                        "pattern": REQUEST_ID_PATTERN,
-                        "description": "The id of your queued request that gets the lease's GPUs",
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 64,
+                        "items": {"type": "string", "pattern": REQUEST_ID_PATTERN},
+                        "description": "Ids of your queued requests that may get the lease's GPUs: the pool's "
+                        "oldest waiter must be one of them",
                     },
                     required=True,
-                    check=check_request_id,
-                    missing="to is required: the id of your queued request that should get these GPUs",
+                    check=_request_ids,
+                    missing="to is required: the ids of your queued requests that may get these GPUs",
                 ),
             ),
         ),
+        grow=_resize_body("GrowRequest", "add", "to your elastic lease, up to the gpus it asked for at most"),
+        shrink=_resize_body("ShrinkRequest", "give back", "(at least one stays: to give back all, release)"),
         reservation=Body(
             "ReservationRequest",
             booking_fields,

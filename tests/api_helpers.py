@@ -34,6 +34,9 @@ LEASE_EVENTS = frozenset(
         "reservation_ended",
         "reservation_no_show",
         "borrow_recalled",
+        "grown",
+        "shrunk",
+        "shrink_notice",
     }
 )
 

@@ -27,10 +27,12 @@ def _gpus(ev: dict[str, Any]) -> set[tuple[str, int]]:
 
 
 def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
-    """Replay grants and ends in stream order: no GPU granted while held, tokens strictly rising,
-    every end returns exactly the GPUs its lease held. Returns counts per event type."""
+    """Replay grants, resizes and ends in stream order: no GPU granted (or grown into) while held,
+    tokens strictly rising and kept by a resize, a shrink gives back only GPUs its lease held, every
+    end returns exactly the GPUs its lease held then. Returns counts per event type."""
     held: dict[tuple[str, int], str] = {}
     lease_gpus: dict[str, set[tuple[str, int]]] = {}
+    lease_token: dict[str, int] = {}
     last_token = 0
     counts: dict[str, int] = {}
     for ev in events:
@@ -44,6 +46,22 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
                 held[g] = ev["lease"]
             assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
             lease_gpus[ev["lease"]] = gpus
+            lease_token[ev["lease"]] = ev["token"]
+        elif ev["type"] == "grown":
+            assert ev["token"] == lease_token.get(ev["lease"]), f"grown {ev['lease']} with token {ev['token']}"
+            assert lease_gpus.get(ev["lease"]), f"grown {ev['lease']}, which holds nothing"
+            for g in _gpus(ev):
+                assert g not in held, f"double grant: {g} grown into {ev['lease']} while held by {held[g]}"
+                held[g] = ev["lease"]
+                lease_gpus[ev["lease"]].add(g)
+            assert len(lease_gpus[ev["lease"]]) == ev["size"], f"grown {ev['lease']}: size {ev['size']}"
+        elif ev["type"] == "shrunk":
+            assert ev["token"] == lease_token.get(ev["lease"]), f"shrunk {ev['lease']} with token {ev['token']}"
+            for g in _gpus(ev):
+                assert held.get(g) == ev["lease"], f"shrunk {ev['lease']} gave back {g}, held by {held.get(g)}"
+                del held[g]
+                lease_gpus[ev["lease"]].discard(g)
+            assert len(lease_gpus[ev["lease"]]) == ev["size"] >= 1, f"shrunk {ev['lease']}: size {ev['size']}"
         elif ev["type"] in END_TYPES:
             gpus = _gpus(ev)
             assert gpus == lease_gpus.get(ev["lease"]), f"{ev['type']} of {ev['lease']} returned {gpus}"
@@ -54,7 +72,9 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
-    """One consistent snapshot (MULTI): holders, leases, free lists and the fit index agree."""
+    """One consistent snapshot (MULTI): holders, leases, free lists and the fit index agree; the
+    quota counts (held_by) are the GPUs the live leases hold; the elastic index lists exactly the
+    live elastic leases, and the shrink deadlines exactly those asked to shrink."""
     with r.pipeline(transaction=True) as p:
         p.hgetall(keys.nodes)
         p.hgetall(keys.free)
@@ -62,9 +82,26 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.hgetall(keys.leases)
         p.zrange(keys.fit, 0, -1)
         p.zrange(keys.deadlines, 0, -1)
-        nodes, free, holders, leases, fit, deadlines = p.execute()
+        p.hgetall(keys.held_by)
+        p.zrange(keys.elastic, 0, -1)
+        p.zrange(keys.shrink_due, 0, -1)
+        nodes, free, holders, leases, fit, deadlines, held_by, elastic, shrink_due = p.execute()
     leases = {k: json.loads(v) for k, v in leases.items()}
     assert set(deadlines) == set(leases), "deadline index and live leases differ"
+    assert set(elastic) == {f"{v['pool']}|{k}" for k, v in leases.items() if v.get("elastic")}, "elastic index"
+    assert set(shrink_due) == {k for k, v in leases.items() if v.get("shrink_to")}, "shrink deadlines"
+    for lease in leases.values():
+        if lease.get("shrink_to"):
+            assert lease["elastic"]["min"] <= lease["shrink_to"] < len(lease["gpus"]), lease
+    counted: dict[str, int] = {}
+    for lease in leases.values():
+        if lease.get("preemptible"):
+            counted[f"{lease['pool']}|~preemptible"] = counted.get(f"{lease['pool']}|~preemptible", 0) + 1
+        elif not lease.get("resv"):
+            for who in [lease["user"], *(f"team:{t}" for t in (lease.get("teams") or "").split(",") if t)]:
+                counted[f"{lease['pool']}|{who}"] = counted.get(f"{lease['pool']}|{who}", 0) + len(lease["gpus"])
+    nonzero = {k: int(v) for k, v in held_by.items() if int(v) != 0}
+    assert nonzero == counted, f"quota counts {nonzero} but the live leases hold {counted}"
     for slot, lid in holders.items():
         node, idx = slot.split("/")
         assert lid in leases, f"{slot} held by {lid}, which is not live"

@@ -144,30 +144,55 @@ def test_fifty_clients_never_double_grant(server_factory, redis_sync):
     assert snapshots > 3
 
 
-def churn_scheduled(url: str, token: str, seed: int, ops: int) -> dict[str, int]:
-    """A random walk that also uses what scheduling added: elastic requests, gangs, priorities."""
+def churn_scheduled(
+    url: str, token: str, seed: int, ops: int, elastic: float = 0.2, waits: tuple[float, ...] = (0, 0.3, 1)
+) -> dict[str, int]:
+    """A random walk that also uses what scheduling added: elastic requests (``elastic``: their share
+    of the requests), gangs, priorities, and elastic leases growing and shrinking (or being asked to
+    shrink for others' requests). ``waits``: the seconds a request may wait, one drawn per request."""
     rng = random.Random(seed)
-    stats = {"ops": 0, "granted": 0, "busy": 0, "released": 0, "lost": 0, "gang": 0}
+    stats = {"ops": 0, "granted": 0, "busy": 0, "released": 0, "lost": 0, "gang": 0, "grown": 0, "shrunk": 0}
+    stats["refused"] = 0
     held = []
     with Client(url, token, timeout=30) as c:
         for _ in range(ops):
             stats["ops"] += 1
-            if rng.random() < 0.55 or not held:
+            roll = rng.random()
+            if roll < 0.5 or not held:
                 kind = rng.random()
                 kw: dict = {"priority": rng.choice(["low", "normal", "high"])}
                 if kind < 0.2:
                     gpus, kw["nodes"] = 4, 2
-                elif kind < 0.4:
+                elif kind < 0.2 + elastic:
                     gpus, kw["gpus_min"] = rng.choice([2, 4]), 1
                 else:
                     gpus = rng.choice([1, 1, 2])
                 try:
-                    lease = c.acquire(gpus, ttl=rng.choice([1, 2]), wait=rng.choice([0, 0.3, 1]), **kw)
+                    lease = c.acquire(gpus, ttl=rng.choice([1, 2]), wait=rng.choice(waits), **kw)
                     held.append(lease)
                     stats["granted"] += 1
                     stats["gang"] += bool(lease.nodes)
                 except errors.NoCapacity:
                     stats["busy"] += 1
+            elif roll < 0.7:
+                # Resize, an elastic lease by preference (the others are refused: not elastic).
+                resizable = [i for i, held_lease in enumerate(held) if held_lease.raw.get("elastic")]
+                i = rng.choice(resizable or range(len(held)))
+                lease = held[i]
+                at_max = len(lease.gpus) >= lease.raw.get("elastic", {}).get("max", 0)
+                try:
+                    # Give one back (always at the maximum), then try to take one: a GPU given back
+                    # goes to a waiter if there is one, else the lease may grow into it again.
+                    if len(lease.gpus) > 1 and (at_max or rng.random() < 0.3):
+                        held[i] = lease = c.shrink(lease, 1)
+                        stats["shrunk"] += 1
+                    held[i] = c.grow(lease, 1)
+                    stats["grown"] += 1
+                except (errors.LeaseEnded, errors.NoSuchLease):  # expired, preempted or recalled meanwhile
+                    held.pop(i)
+                    stats["lost"] += 1
+                except errors.Conflict:  # refused: nothing changed (someone waits, no free GPU, ...)
+                    stats["refused"] += 1
             else:
                 lease = held.pop(rng.randrange(len(held)))
                 try:
@@ -183,7 +208,8 @@ def churn_scheduled(url: str, token: str, seed: int, ops: int) -> dict[str, int]
 @pytest.mark.slow
 def test_bookings_quotas_preemption_and_gangs_never_double_grant(server_factory, redis_sync):
     """24 clients under bookings in force (recalling borrowed leases), quotas (preempting), elastic
-    requests and 2-node gangs: the same invariants hold, and everything is free at the end."""
+    requests that grow and shrink and 2-node gangs: the same invariants hold, and everything is free
+    at the end."""
     import time as _time
 
     srv = server_factory(
@@ -215,8 +241,52 @@ def test_bookings_quotas_preemption_and_gangs_never_double_grant(server_factory,
     snapshots = snapshot_while_running(threads, redis_sync, keys)
     total = totals(results)
     assert total["granted"] > 100 and total["gang"] > 0
+    # (no lease grows here: a booking is in force all along, and growing would take GPUs it may need)
+    assert total["shrunk"] > 0 and total["refused"] > 0 and total["grown"] == 0, total
     counts = drain_and_check_all_free(redis_sync, keys)
     assert counts.get("borrow_recalled", 0) + counts.get("preempt_notice", 0) > 0, counts
+    assert counts.get("shrunk", 0) >= total["shrunk"], counts
     assert redis_sync.hget(keys.held_by, "A100-80GB|~preemptible") in (None, "0")
     assert all(int(v) == 0 for v in redis_sync.hvals(keys.held_by)), redis_sync.hgetall(keys.held_by)
+    assert snapshots > 3
+
+
+@pytest.mark.slow
+def test_elastic_leases_grow_shrink_and_are_asked_to_shrink_without_double_grants(server_factory, redis_sync):
+    """Clients whose elastic leases grow, shrink and are asked to shrink for others' requests (the
+    sweep shrinks them when a short notice runs out), beside gangs and fixed-size requests, with no
+    booking in force: no GPU is ever held twice, the quota counts, the elastic index and the shrink
+    deadlines stay exact (checked on snapshots while they run), and everything is free at the end.
+    First 12 clients that queue (so leases are asked to shrink, and growing is mostly refused: someone
+    waits), then 4 that never queue (so leases grow into what is free)."""
+    srv = server_factory(
+        simulate="n1=4xA100-80GB,n2=4xA100-80GB,n3=2xA100-80GB",
+        sweep_interval=0.05,
+        scheduling={"A100-80GB": {"preempt_notice": 0.3}},
+    )
+    keys = Keys(srv.settings.prefix)
+    results: list[dict[str, int] | str] = []
+    lock = threading.Lock()
+
+    def thread_main(i: int, waits: tuple[float, ...]) -> None:
+        try:  # (i: 0.. in the first phase, 100.. in the second: every client its own random walk)
+            r = churn_scheduled(srv.url, srv.token(f"e{i % 6}"), 9000 + i, 30, elastic=0.6, waits=waits)
+        except BaseException as exc:
+            r = repr(exc)
+        with lock:
+            results.append(r)
+
+    snapshots = 0
+    for first, clients, waits in ((0, 12, (0, 0.3, 1)), (100, 4, (0,))):
+        threads = [threading.Thread(target=thread_main, args=(first + i, waits)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        snapshots += snapshot_while_running(threads, redis_sync, keys)
+    total = totals(results)
+    assert total["granted"] > 50 and total["grown"] > 0 and total["shrunk"] > 0 and total["refused"] > 0, total
+    counts = drain_and_check_all_free(redis_sync, keys)
+    assert counts.get("shrink_notice", 0) > 0, counts
+    assert counts.get("grown", 0) == total["grown"] and counts.get("shrunk", 0) >= total["shrunk"], counts
+    assert all(int(v) == 0 for v in redis_sync.hvals(keys.held_by)), redis_sync.hgetall(keys.held_by)
+    assert redis_sync.zcard(keys.elastic) == 0 and redis_sync.zcard(keys.shrink_due) == 0
     assert snapshots > 3

@@ -30,7 +30,7 @@ def test_a_lease_goes_to_the_owners_next_request_on_the_same_gpu(server_factory:
         other = alice.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
         nxt = "alice-trial-0002"
         with queued(server, "alice", nxt) as post:
-            resp = alice.post(f"{API}/leases/{first['id']}/handoff", json={"token": first["token"], "to": nxt})
+            resp = alice.post(f"{API}/leases/{first['id']}/handoff", json={"token": first["token"], "to": [nxt]})
             assert resp.status_code == 200, resp.text
             out = resp.json()
             assert out["ended"]["id"] == first["id"] and out["ended"]["state"] == "released"
@@ -47,7 +47,7 @@ def test_a_lease_goes_to_the_owners_next_request_on_the_same_gpu(server_factory:
         types = [(e["type"], e.get("lease")) for e in _log(alice) if e.get("lease") in (first["id"], nxt)]
         assert types[-2:] == [("released", first["id"]), ("grant", nxt)], types
         # The old token is spent: handing the ended lease again says it ended.
-        again = alice.post(f"{API}/leases/{first['id']}/handoff", json={"token": first["token"], "to": nxt})
+        again = alice.post(f"{API}/leases/{first['id']}/handoff", json={"token": first["token"], "to": [nxt]})
         assert_error(again, 409, "lease_ended")
         alice.delete(f"{API}/leases/{nxt}")
         alice.delete(f"{API}/leases/{other['id']}")
@@ -61,7 +61,9 @@ def test_no_handoff_while_another_user_waits_and_nothing_changes(server_factory:
         a2 = alice.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
         with queued(server, "alice", "alice-trial-0003") as mine, queued(server, "bob", "bob-cell-00001") as his:
             before = _cluster(alice)
-            resp = alice.post(f"{API}/leases/{a1['id']}/handoff", json={"token": a1["token"], "to": "alice-trial-0003"})
+            resp = alice.post(
+                f"{API}/leases/{a1['id']}/handoff", json={"token": a1["token"], "to": ["alice-trial-0003"]}
+            )
             assert_error(resp, 409, "conflict", "another user waits", "release it instead")
             assert _cluster(alice) == before
             assert alice.get(f"{API}/leases/{a1['id']}").json()["state"] == "active"
@@ -83,20 +85,20 @@ def test_handoff_refuses_what_is_not_the_owners_to_give(server_factory: Any) -> 
             before = _cluster(alice)
             url = f"{API}/leases/{a1['id']}/handoff"
             # Bad input: a clear 400 naming the field.
-            assert_error(alice.post(url, json={"to": "alice-next-0001"}), 400, "bad_request", "token is required")
+            nxt, big = ["alice-next-0001"], ["alice-big-00001"]
+            assert_error(alice.post(url, json={"to": nxt}), 400, "bad_request", "token is required")
             assert_error(alice.post(url, json={"token": a1["token"]}), 400, "bad_request", "to is required")
-            assert_error(alice.post(url, json={"token": a1["token"], "to": "x"}), 400, "bad_request", "8 to 64")
+            assert_error(alice.post(url, json={"token": a1["token"], "to": ["x"]}), 400, "bad_request", "8 to 64")
+            assert_error(alice.post(url, json={"token": a1["token"], "to": []}), 400, "bad_request", "to")
             # Someone else's lease, a stale token, a request that is not queued.
-            assert_error(bob.post(url, json={"token": a1["token"], "to": "alice-next-0001"}), 403, "not_owner")
-            assert_error(alice.post(url, json={"token": a1["token"] + 99, "to": "alice-next-0001"}), 409, "stale_token")
-            assert_error(
-                alice.post(url, json={"token": a1["token"], "to": "nobody-queued-1"}), 409, "conflict", "not queued"
-            )
-            # A request that needs more GPUs than the lease has; one that is not the pool's oldest.
-            assert_error(alice.post(url, json={"token": a1["token"], "to": "alice-big-00001"}), 409, "conflict", "fit")
-            assert_error(
-                alice.post(url, json={"token": a1["token"], "to": "alice-next-0001"}), 409, "conflict", "older"
-            )
+            assert_error(bob.post(url, json={"token": a1["token"], "to": nxt}), 403, "not_owner")
+            stale = {"token": a1["token"] + 99, "to": nxt}
+            assert_error(alice.post(url, json=stale), 409, "stale_token")
+            nobody = {"token": a1["token"], "to": ["nobody-queued-1"]}
+            assert_error(alice.post(url, json=nobody), 409, "conflict", "oldest request", "not one of those")
+            # The pool's oldest waiter needs more GPUs than the lease has; or it is not named.
+            assert_error(alice.post(url, json={"token": a1["token"], "to": big + nxt}), 409, "conflict", "fit")
+            assert_error(alice.post(url, json={"token": a1["token"], "to": nxt}), 409, "conflict", "not one of")
             assert _cluster(alice) == before
             assert alice.get(f"{API}/leases/{a1['id']}").json()["state"] == "active"
             alice.delete(f"{API}/leases/{a2['id']}")

@@ -54,7 +54,10 @@ export const BOARD_EVENTS = [
   'unleased_use',
   'unleased_use_ended',
   'preempt_notice',
-  'borrow_recalled'
+  'borrow_recalled',
+  'grown',
+  'shrunk',
+  'shrink_notice'
 ];
 
 /**

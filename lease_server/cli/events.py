@@ -250,6 +250,13 @@ def describe(ev: dict[str, Any]) -> str:
     if t in ("preempt_notice", "borrow_recalled"):
         back = time.strftime("%H:%M:%S", time.localtime((ev.get("recall_at") or 0) / 1000))
         return f"on {ev.get('node', '')} for {ev.get('requested_by', '?')}: GPUs back at {back}"
+    if t in ("grown", "shrunk"):
+        verb = "added" if t == "grown" else "gave back"
+        by = f" by {ev['by']}" if ev.get("by") and ev.get("by") != ev.get("user") else ""
+        return f"{verb} {_gpus(ev)}{by}: now {ev.get('size')} GPU(s)" + (reason if by else "")
+    if t == "shrink_notice":
+        back = time.strftime("%H:%M:%S", time.localtime((ev.get("shrink_by") or 0) / 1000))
+        return f"on {ev.get('node', '')} for {ev.get('for', '?')}: shrink to {ev.get('shrink_to')} GPU(s) by {back}"
     if t == "idle_warning":
         at = time.strftime("%H:%M:%S", time.localtime(ev.get("reclaim_at") or 0))
         return f"on {ev.get('node', '')} idle: reclaimed at {at} unless kept" + _quoted(ev.get("label"))
@@ -318,6 +325,7 @@ class Lines:
         "idle_warning": "magenta",
         "preempt_notice": "magenta",
         "borrow_recalled": "magenta",
+        "shrink_notice": "magenta",
     }
 
     def __init__(self, sample: list[dict[str, Any]]) -> None:
@@ -403,6 +411,9 @@ def _types(given: tuple[str, ...]) -> set[str]:
     out = {t.strip() for g in given for t in g.split(",") if t.strip()}
     for name in sorted(out - set(TYPES)):
         close = difflib.get_close_matches(name, TYPES, n=3)
+        # Only those about as close as the best: "grnat" is grant, not grant or grown.
+        score = {t: difflib.SequenceMatcher(None, name, t).ratio() for t in close}
+        close = [t for t in close if score[t] >= score[close[0]] - 0.1]
         hint = f"did you mean {' or '.join(close)}?" if close else "gpulease events --help lists them"
         raise click.BadParameter(f"no event type {name!r}; {hint}", param_hint="--type")
     return out

@@ -426,12 +426,16 @@ local function within_quota(w, pool, k)
   return true
 end
 
-local function count_held(lease, sign)
-  local k = sign * #lease.gpus
+-- k more (or, negative, fewer) GPUs held against the quotas of the lease's user and its teams.
+local function count_held_k(lease, k)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|' .. lease.user, k)
   for t in string.gmatch(lease.teams or '', '[^,]+') do
     redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|team:' .. t, k)
   end
+end
+
+local function count_held(lease, sign)
+  count_held_k(lease, sign * #lease.gpus)
 end
 
 -- An elastic request (gpus_min < gpus) takes as many as one up node has free now, between its
@@ -531,6 +535,8 @@ local function grant_parts(w, parts)
   local lease_json = cjson.encode(lease)
   redis.call('HSET', K_LEASES, w.id, lease_json)
   redis.call('ZADD', K_DEADLINES, lease.expires_at, w.id)
+  -- An elastic lease may be asked to shrink for a blocked request (ask_to_shrink): index it by pool.
+  if lease.elastic then redis.call('ZADD', K_ELASTIC, 0, w.pool .. '|' .. w.id) end
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
                  token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
                  reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
@@ -570,6 +576,69 @@ local function allocate_gang(pool, per, k, exclude)
     parts[#parts + 1] = {node = node, taken = taken, rest = rest, old_count = #free}
   end
   return parts
+end
+
+-- Waiter w (wanting n GPUs on one node) found none free: ask elastic leases of other users, of no
+-- higher priority, that hold more than their minimum to give GPUs back -- on the node where the
+-- fewest have to be asked -- by shrink_by, NOW + notice_ms; after that the sweep takes them
+-- (sweep.lua, shrink_lease). GPUs already asked for count as coming free, so the same shortfall
+-- is never asked for twice, and a lease with a request pending is not asked again. Reads only the
+-- pool's elastic leases (the elastic index, at most 256 of them). Returns the node the GPUs come
+-- free on, or nil when no node can be freed that way.
+local function ask_to_shrink(w, pool, n, notice_ms)
+  if w.deadline <= NOW then return nil end  -- a request that does not wait asks nobody
+  local members = redis.call('ZRANGEBYLEX', K_ELASTIC, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 256)
+  if #members == 0 then return nil end
+  local per = {}
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
+    per[node] = {have = tonumber(cnt), spare = 0, victims = {}}
+  end
+  local mine = w.priority or 1
+  for _, m in ipairs(members) do
+    local raw = redis.call('HGET', K_LEASES, string.match(m, '^[^|]+|(.+)$'))
+    local l = raw and cjson.decode(raw)
+    local p = l and l.elastic and not l.nodes and per[l.node]
+    if p then
+      local size = #l.gpus
+      if l.shrink_to then
+        p.have = p.have + math.max(0, size - l.shrink_to)
+      elseif l.user ~= w.user and not l.recall_at and (l.priority or 1) <= mine and size > l.elastic.min then
+        p.victims[#p.victims + 1] = {l = l, spare = size - l.elastic.min}
+        p.spare = p.spare + size - l.elastic.min
+      end
+    end
+  end
+  local best, best_need = nil, nil
+  for node, p in pairs(per) do
+    local need = math.max(0, n - p.have)
+    if p.spare >= need and (best_need == nil or need < best_need or (need == best_need and node < best)) then
+      best, best_need = node, need
+    end
+  end
+  if not best or best_need == 0 then return best end
+  -- The fewest leases: those with the most to spare first.
+  local victims = per[best].victims
+  table.sort(victims, function(x, y)
+    if x.spare ~= y.spare then return x.spare > y.spare end
+    return x.l.id < y.l.id
+  end)
+  local need, due = best_need, NOW + notice_ms
+  for _, v in ipairs(victims) do
+    local l, ask = v.l, math.min(v.spare, need)
+    l.shrink_to = #l.gpus - ask
+    l.shrink_by = due
+    l.shrink_reason = w.user .. "'s request for " .. n .. ' GPU(s) waits: give back ' .. ask .. ' GPU(s) (shrink to '
+        .. l.shrink_to .. ') within ' .. string.format('%g', notice_ms / 1000)
+        .. ' s, or the server takes back the highest-indexed ones'
+    redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
+    redis.call('ZADD', K_SHRINK_DUE, due, l.id)
+    emit('shrink_notice', {lease = l.id, user = l.user, pool = pool, node = l.node, size = #l.gpus,
+                           shrink_to = l.shrink_to, shrink_by = due, ['for'] = w.user, reason = l.shrink_reason})
+    need = need - ask
+    if need <= 0 then break end
+  end
+  return best
 end
 
 -- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
@@ -686,6 +755,12 @@ local function dispatch(pool)
         hold = recall(w, pool, w.gpus_min or w.gpus, nil, rank, sched.preempt_notice_ms, 'preempt_notice',
                       'preempted for ' .. w.user .. "'s request within quota (this lease ran above quota)", {})
       end
+      -- Nothing recalled for the first blocked request: elastic leases above their minimum may give
+      -- some GPUs back for it (a request above its quota asks nobody, as for preemption).
+      if not hold and reserved == nil and not a and (w.nodes or 1) <= 1
+          and within_quota(w, pool, w.gpus_min or w.gpus) then
+        hold = ask_to_shrink(w, pool, w.gpus_min or w.gpus, sched.preempt_notice_ms)
+      end
       if reserved == nil then reserved = hold or fullest_node(pool) end
     end
   end
@@ -730,6 +805,10 @@ local function end_lease(lease, state, reason, by, raw)
   redis.call('HDEL', K_LEASES, lease.id)
   redis.call('ZREM', K_DEADLINES, lease.id)
   redis.call('ZREM', K_RECALL, lease.id)
+  if lease.elastic then
+    redis.call('ZREM', K_ELASTIC, lease.pool .. '|' .. lease.id)
+    redis.call('ZREM', K_SHRINK_DUE, lease.id)
+  end
   if lease.resv then
     local rraw = redis.call('HGET', K_RESV, lease.resv)
     if rraw then
@@ -744,7 +823,8 @@ local function end_lease(lease, state, reason, by, raw)
     count_held(lease, -1)
   end
   local held_s = (NOW - lease.created_at) / 1000
-  local gpu_s = held_s * #lease.gpus
+  -- GPU-seconds at each size it had (grown or shrunk: gpu_ms holds the time before sized_at)
+  local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus) / 1000
   -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
   -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
   local u = redis.call('HMGET', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum',
@@ -764,8 +844,8 @@ local function end_lease(lease, state, reason, by, raw)
     notebook = lease.notebook or '', cell = lease.cell or '',
     pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
     held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
-    busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, charged_gpu_s = charged,
-    preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
+    busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, gpu_s = gpu_s,
+    charged_gpu_s = charged, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
     priority = lease.priority}))
   lease.state = state
   lease.ended_at = NOW
@@ -787,4 +867,64 @@ local function end_lease(lease, state, reason, by, raw)
                gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
                parts = #order > 1 and returned_parts or nil})
   return lease, ended_json
+end
+
+-- ---- resizing an elastic lease ------------------------------------------------------------
+-- GPU-time across sizes: before the size changes, the time held at the old size goes into gpu_ms
+-- (end_lease charges gpu_ms plus the time since sized_at at the final size).
+local function mark_resize(lease)
+  lease.gpu_ms = (lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus
+  lease.sized_at = NOW
+end
+
+-- Give back the k highest-indexed GPUs of a live single-node lease (1 <= k < its size), with the
+-- bookkeeping end_lease does for all of them: holders, free list and fit entry (only GPUs the
+-- inventory still lists go back to the free list), booking, quota count, fair share. A request to
+-- shrink is done with once the lease is down to its shrink_to. The token stays. The caller serves
+-- the pool's queue (dispatch). Returns the lease and its JSON.
+local function shrink_lease(lease, k, why, by)
+  mark_resize(lease)
+  local desc = {}
+  for _, g in ipairs(lease.gpus) do desc[#desc + 1] = g.index end
+  table.sort(desc, function(x, y) return x > y end)
+  local gone = {}
+  for i = 1, k do gone[desc[i]] = true end
+  local kept, freed = {}, {}
+  for _, g in ipairs(lease.gpus) do
+    if gone[g.index] then freed[#freed + 1] = g.index else kept[#kept + 1] = g end
+  end
+  table.sort(freed)
+  local node = lease.node
+  local inv_raw = redis.call('HGET', K_NODES, node)
+  local free = decode_list(redis.call('HGET', K_FREE, node))
+  local old_count = #free
+  local present = inv_raw and inv_present(inv_raw, freed) or {}
+  for _, idx in ipairs(freed) do
+    local slot = node .. '/' .. idx
+    if redis.call('HGET', K_HOLDERS, slot) == lease.id then
+      redis.call('HDEL', K_HOLDERS, slot)
+      if present[idx] then free[#free + 1] = idx end
+    end
+  end
+  if inv_raw then set_free(node, lease.pool, free, old_count) end
+  lease.gpus = kept
+  if lease.resv then
+    local rraw = redis.call('HGET', K_RESV, lease.resv)
+    if rraw then
+      local r = cjson.decode(rraw)
+      r.held = math.max(0, (r.held or 0) - k)
+      save_booking(r)
+    end
+  end
+  if not lease.preemptible and not lease.resv then count_held_k(lease, -k) end
+  touch_usage(lease.pool, lease.user, -k, 0)
+  if lease.shrink_to and #kept <= lease.shrink_to then
+    lease.shrink_to, lease.shrink_by, lease.shrink_reason = nil, nil, nil
+    redis.call('ZREM', K_SHRINK_DUE, lease.id)
+  end
+  local lease_json = cjson.encode(lease)
+  redis.call('HSET', K_LEASES, lease.id, lease_json)
+  emit('shrunk', {lease = lease.id, user = lease.user, pool = lease.pool, node = node, gpus = freed, size = #kept,
+                  token = lease.token, reason = why, by = by})
+  return lease, lease_json
 end

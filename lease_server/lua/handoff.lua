@@ -1,15 +1,16 @@
 -- handoff.lua: end a lease and, in the same step, grant its GPUs to its owner's next queued request
 -- (a sweep's next trial), so that the worker process already on those GPUs can run that request
 -- too instead of a fresh one starting. Only when releasing could not have given the GPUs to anyone
--- else: every waiter of the pool (read up to 1,000 deep) is this user's, the request is the pool's
--- oldest, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
+-- else: every waiter of the pool (read up to 1,000 deep) is this user's, the pool's oldest waiter
+-- is one of the requests named, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
 -- lease is neither a booking's nor recalled, and its node is up. Otherwise nothing changes: the
 -- caller ends its process and releases as usual, and the scheduler decides.
--- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched
--- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = the request to hand to
+-- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
+-- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user
+-- ARGV[9] = the requests it may go to, comma-separated (the pool's oldest waiter must be one of them)
 -- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}
 --       | {NOT_OWNER} | {STALE}
-local id, token, user, to = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local id, token, user, named = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
   local ended = redis.call('HGET', K_ENDED, id)
@@ -19,6 +20,15 @@ end
 local lease = cjson.decode(raw)
 if lease.user ~= user then return {NOT_OWNER} end
 if tostring(lease.token) ~= token then return {STALE} end
+local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. lease.pool .. '|', '(' .. lease.pool .. '|~', 'LIMIT', 0, 1001)
+if #members == 0 then return {BUSY, 'no request of yours is queued'} end
+if #members > 1000 then return {BUSY, 'the queue is too long to read'} end
+local to = string.match(members[1], '|([^|]+)$')
+local listed = false
+for r in string.gmatch(named, '[^,]+') do
+  if r == to then listed = true end
+end
+if not listed then return {BUSY, 'the oldest request waiting in the pool is not one of those named'} end
 local wraw = redis.call('HGET', K_WAITERS, to)
 if not wraw then return {BUSY, 'request ' .. to .. ' is not queued'} end
 local w = cjson.decode(wraw)
@@ -31,9 +41,6 @@ if lease.resv or lease.borrowed or lease.recall_at or redis.call('ZSCORE', K_REC
   return {BUSY, 'the lease is a booking\'s, borrowed or recalled'}
 end
 if tonumber(redis.call('ZSCORE', K_ALIVE, lease.node) or '-1') < NOW then return {BUSY, 'the node is down'} end
-local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. lease.pool .. '|', '(' .. lease.pool .. '|~', 'LIMIT', 0, 1001)
-if #members > 1000 then return {BUSY, 'the queue is too long to read'} end
-if members[1] ~= w.member then return {BUSY, 'an older request waits in the pool'} end
 for _, m in ipairs(members) do
   local other = redis.call('HGET', K_WAITERS, string.match(m, '|([^|]+)$'))
   if other and string.match(other, '"user":"([^"\\]*)"') ~= user then

@@ -1,15 +1,16 @@
 -- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
--- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx resv_due recall lease_util ledger held_by sched
+-- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx resv_due recall lease_util ledger held_by sched elastic shrink_due
 -- ARGV[6] = most items of each kind handled in this call
 -- ARGV[7] = grace ms after a waiter's own deadline before the sweeper removes it
--- It also revokes borrowed leases whose recall notice ran out, and releases bookings nobody used
--- within their first no_show_ms (the owner is told through the event log).
+-- It also revokes borrowed leases whose recall notice ran out, releases bookings nobody used
+-- within their first no_show_ms (the owner is told through the event log), and shrinks elastic
+-- leases asked to give GPUs back for a waiting request (shrink_notice) that did not by shrink_by.
 -- returns {OK, expired, nodes marked down, stale waiters removed, ended records trimmed,
---          borrowed leases revoked, booking checks done}
+--          borrowed leases revoked, booking checks done, elastic leases shrunk}
 local limit, grace = tonumber(ARGV[6]), tonumber(ARGV[7])
-local pools, expired, down, stale, trimmed, recalled, checked = {}, 0, 0, 0, 0, 0, 0
+local pools, expired, down, stale, trimmed, recalled, checked, shrunk = {}, 0, 0, 0, 0, 0, 0, 0
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 0, limit)) do
   local raw = redis.call('HGET', K_LEASES, id)
@@ -64,6 +65,19 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'L
   expired = expired + 1
 end
 
+-- After the expiries: a lease that ended needs no shrinking (end_lease took it off shrink_due).
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_SHRINK_DUE, '-inf', NOW, 'LIMIT', 0, limit)) do
+  local raw = redis.call('HGET', K_LEASES, id)
+  local lease = raw and cjson.decode(raw)
+  if lease and lease.shrink_to and #lease.gpus > lease.shrink_to then
+    shrink_lease(lease, #lease.gpus - lease.shrink_to, 'shrink notice ran out', 'server')
+    pools[lease.pool] = true
+  else
+    redis.call('ZREM', K_SHRINK_DUE, id)
+  end
+  shrunk = shrunk + 1
+end
+
 for _, node in ipairs(redis.call('ZRANGEBYSCORE', K_ALIVE, 0, NOW - 1, 'LIMIT', 0, limit)) do
   mark_down(node, 'no heartbeat')
   down = down + 1
@@ -91,4 +105,4 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ENDED_AT, '-inf', NOW - RETENT
 end
 
 for pool, _ in pairs(pools) do dispatch(pool) end
-return {OK, expired, down, stale, trimmed, recalled, checked}
+return {OK, expired, down, stale, trimmed, recalled, checked, shrunk}

@@ -1,0 +1,33 @@
+-- shrink.lua: the owner gives back k GPUs of a live lease (1 <= k < its size; to give back all of
+-- them, release it): its k highest-indexed GPUs, freed at once and offered to the pool's queue. A
+-- request to shrink (ask_to_shrink in _lib.lua) is done with once the lease is down to its
+-- shrink_to. The fencing token stays. A multi-node lease cannot shrink (its nodes hold equal shares).
+-- A lease past its deadline but not yet swept is expired here (as renew.lua does), not shrunk.
+-- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
+-- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = GPUs to give back (int >= 1)
+-- returns {OK, lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON} | {EXPIRED, ended JSON}
+--       | {NOT_OWNER} | {STALE}
+local id, token, user, k = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
+local raw = redis.call('HGET', K_LEASES, id)
+if not raw then
+  local ended = redis.call('HGET', K_ENDED, id)
+  if ended then return {ENDED, ended} end
+  return {NO_SUCH}
+end
+local lease = cjson.decode(raw)
+if lease.user ~= user then return {NOT_OWNER} end
+if tostring(lease.token) ~= token then return {STALE} end
+if lease.expires_at < NOW then
+  local why = 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
+  local _, ended_json = end_lease(lease, 'expired', why, 'server', raw)
+  dispatch(lease.pool)
+  return {EXPIRED, ended_json}
+end
+if lease.nodes then return {BUSY, 'a multi-node lease cannot shrink; release it instead'} end
+if k >= #lease.gpus then
+  return {BUSY, 'the lease has ' .. #lease.gpus .. ' GPU(s), and one must stay: to give back all of them, release it'}
+end
+shrink_lease(lease, k, 'given back by its owner', user)
+-- The freed GPUs go to the queue now. (The record is read again: dispatch may ask it to shrink more.)
+dispatch(lease.pool)
+return {OK, redis.call('HGET', K_LEASES, id)}
