@@ -34,6 +34,8 @@ Section "sweep" (issue 13: gpu_map / %%gpu_sweep):
                          each trial needs one, so a node's cores bound how fast trials can start)
                                                                                    (information)
 
+Section "elastic" (issue 13: --elastic): see bench_elastic below.
+
 Nothing here asserts: a bench prints.
 """
 
@@ -72,7 +74,11 @@ TARGETS: dict[str, tuple[str, float]] = {
     # section "sweep"
     "sweep_makespan_ratio": ("<=", 1.05),
     "trial_dispatch_p50_ms": ("<=", 50.0),
+    # section "elastic"
+    "elastic_gpu_s_ratio": ("<=", 1.15),
 }
+KNEE = 4  # the synthetic scaling curve: throughput linear in the ranks up to KNEE, flat after
+STEP_S = 0.05  # one step of one rank below the knee
 verdict = functools.partial(_common.verdict, TARGETS)
 
 
@@ -268,11 +274,18 @@ def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:
     out["sweep_ideal_makespan_s"] = ideal
     out["sweep_max_live"] = most
     out["sweep_dispatched_from_queue"] = len(dispatch)
+    handed = [
+        e for e in log if e["type"] == "released" and e.get("lease") in ids and "handed to" in e.get("reason", "")
+    ]
+    out["sweep_handed_on"] = len(handed)
     out["trial_overhead_p50_ms"] = pct(overhead, 50)
     out["trial_dispatch_split_p50_ms"] = {k: pct(v, 50) for k, v in split.items()}
     out["trial_dispatch_split_p90_ms"] = {k: pct(v, 90) for k, v in split.items()}
     out["worker_start_cpu_s"] = start_cpu
-    say(f"sweep: {n} trials, {sum(durations):.0f} GPU-s of work on {GPUS} GPUs; at most {most} leases live")
+    say(
+        f"sweep: {n} trials, {sum(durations):.0f} GPU-s of work on {GPUS} GPUs; at most {most} leases live; "
+        f"{len(handed)} trials started on the worker of the trial before them"
+    )
     say(f"sweep_makespan_s     {took:.2f}  ideal list schedule {ideal:.2f}  (information)")
     if from_trace:
         ratio = took / ideal
@@ -294,9 +307,73 @@ def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:
     )
 
 
+def curve_job(work: int, resume_state: Any = None) -> dict[str, Any]:
+    """An elastic loop on the synthetic curve: each rank's step sleeps for its share of a step whose
+    throughput is linear in the ranks up to KNEE and flat after; ``work`` samples in all (a rank's
+    step is one sample)."""
+    import magics
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    state = dict(resume_state) if resume_state else {"samples": 0, "steps": 0}
+    magics.on_preempt(lambda: dict(state))
+    while state["samples"] < work:
+        time.sleep(STEP_S * world / min(world, KNEE))
+        state["samples"] += world
+        state["steps"] += 1
+        magics.elastic.step(samples=1)
+    return state if rank == 0 else {}
+
+
+def bench_elastic(ctx: Ctx, out: dict[str, Any]) -> None:
+    """Section "elastic": an elastic job on the synthetic curve, from an idle pool of 8 GPUs.
+
+    elastic_gpu_s_ratio   the GPU-seconds the lease server charged the job (its size x time, from
+                          the grant to the release, every resize's restart included), against the
+                          best fixed size chosen in hindsight: the curve's own work / throughput at
+                          that size, with no start-up at all                     (target <= 1.15)
+    elastic_time_vs_worst the job's wall time against the slowest fixed size's (information)
+    elastic_sizes         the sizes it took, in order                            (information)
+    """
+    from magics.calls import Call
+    from magics.runner import Options, run_call
+
+    work = 2000 if ctx.quick else 6000
+    rate = {n: min(n, KNEE) / STEP_S for n in range(1, GPUS + 1)}  # samples/s at each fixed size
+    gpu_s_fixed = {n: n * work / rate[n] for n in rate}
+    best = min(gpu_s_fixed.values())
+    worst_time = max(work / rate[n] for n in rate)
+    t0 = time.monotonic()
+    res = run_call(Call.function(curve_job, work), Options(gpus=GPUS, gpus_min=1, elastic=True), sess=ctx.sess)
+    took = time.monotonic() - t0
+    log = all_events(ctx.sess.client())
+    size, since, gpu_s = 0, 0.0, 0.0
+    for e in log:
+        if e.get("lease") != res.lease_id:
+            continue
+        if e["type"] == "grant":
+            size, since = len(e["gpus"]), e["ts"]
+        elif e["type"] in ("grown", "shrunk", "released"):
+            gpu_s += size * (e["ts"] - since)
+            size, since = e.get("size", 0), e["ts"]
+    ratio = gpu_s / best
+    out["elastic_gpu_s"] = gpu_s
+    out["elastic_gpu_s_best_fixed"] = best
+    out["elastic_gpu_s_ratio"] = ratio
+    out["elastic_time_s"] = took
+    out["elastic_time_vs_worst"] = took / worst_time
+    out["elastic_sizes"] = [p["size"] for p in res.elastic]
+    out["elastic_phases"] = [
+        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in p.items() if k != "why"} for p in res.elastic
+    ]
+    say(f"elastic: {work} samples on a curve linear to {KNEE} GPUs, flat after; sizes {out['elastic_sizes']}")
+    say(f"elastic_gpu_s_ratio  {ratio:.3f}  {verdict('elastic_gpu_s_ratio', ratio)}  ({gpu_s:.0f} vs {best:.0f} GPU-s)")
+    say(f"elastic_time_vs_worst {took / worst_time:.3f}  (information: {took:.1f}s vs {worst_time:.1f}s at 1 GPU)")
+
+
 # Sections in the order they run; each fills its own figures (TARGETS says which have targets).
 SECTIONS: dict[str, Callable[[Ctx, dict[str, Any]], None]] = {
     "sweep": bench_sweep,
+    "elastic": bench_elastic,
 }
 
 

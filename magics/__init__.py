@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import elastic
 from .calls import Call
 from .runner import (
     CellResult,
@@ -53,6 +54,7 @@ __all__ = [
     "report",
     "on_preempt",
     "preempted",
+    "elastic",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]

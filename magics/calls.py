@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 CHECKPOINT_STREAM = "checkpoint"  # an output chunk that carries a checkpoint hook's state
 METRICS_STREAM = "metrics"  # an output chunk that carries one magics.report(...) as JSON
+ELASTIC_STREAM = "elastic"  # an output chunk that carries one magics.elastic.step(...) of rank 0 as JSON
+RESIZED = "__gpulease_resized__"  # the value of a rank that stopped for an elastic resize
 
 
 @dataclass

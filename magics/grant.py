@@ -7,6 +7,7 @@ happened, kills the workers, sees their processes gone and only then releases it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -66,18 +67,19 @@ class Relay:
     request exactly those GPUs in the same step as it ends the finished call's lease
     (``lua/handoff.lua``: nobody else waits in the pool), so no other holder ever meets the process.
 
-    ``next_request(lease_id)`` names the request to offer the GPUs to (the sweep's oldest queued
-    trial), or None. A request that will never run here is :meth:`drop`-ped first, which ends a
-    process kept for it (seen gone) before its lease can be released; after that no process is
-    handed to it."""
+    ``next_requests(lease_id)`` names the requests that may get the GPUs (the sweep's queued
+    trials; the server gives them to the pool's oldest waiter, which must be one of them). A
+    request that will never run here is :meth:`drop`-ped first, which ends a process kept for it
+    (seen gone) before its lease can be released; after that no process is handed to it."""
 
-    def __init__(self, sess: Session, next_request: Callable[[str], str | None]) -> None:
+    def __init__(self, sess: Session, next_requests: Callable[[str], list[str]]) -> None:
         self.sess = sess
-        self.next_request = next_request
+        self.next_requests = next_requests
         self._lock = threading.Lock()
         self._kept: dict[str, tuple[_Worker, str, list[int]]] = {}
         self._closed: set[str] = set()
         self.handed = 0
+        self.refused: collections.Counter[str] = collections.Counter()  # why not, by reason
 
     def pass_on(self, grant: Grant) -> str | None:
         """Hand ``grant``'s lease and its one worker to the next request; its id, or None (then the
@@ -87,8 +89,8 @@ class Relay:
         held, rank = grant.held, grant.ranks[0]
         if held is None:
             return None
-        rid = self.next_request(held.lease.id)
-        if not rid:
+        rids = self.next_requests(held.lease.id)
+        if not rids:
             return None
         try:
             if not ray.get(rank.worker.handle.recycle.remote(), timeout=READY_WAIT_S):
@@ -96,17 +98,19 @@ class Relay:
         except Exception:  # noqa: BLE001 - the process is not fit for another call: end it
             return None
         indexes = [g["index"] for g in held.lease.gpus]
-        with self._lock:  # a drop() of rid waits for this, so it sees the worker kept for rid
-            if rid in self._closed:
+        with self._lock:  # a drop() of a request waits for this, so it sees the worker kept for it
+            rids = [r for r in rids if r not in self._closed][:64]
+            if not rids:
                 return None
             try:
-                held.hand_off(rid)
+                new = held.hand_off(rids)
             except errors.GpuLeaseError as exc:
-                log.debug("no handoff of %s to %s: %s", held.lease.id, rid, exc)
+                self.refused[str(exc.message).split(": ", 1)[-1].split(";")[0]] += 1
+                log.debug("no handoff of %s: %s", held.lease.id, exc)
                 return None
-            self._kept[rid] = (rank.worker, held.lease.node, indexes)
+            self._kept[new.id] = (rank.worker, held.lease.node, indexes)
             self.handed += 1
-        return rid
+        return new.id
 
     def claim(self, lease: Lease) -> _Worker | None:
         """The worker kept for ``lease`` (its request's id), if its GPUs are exactly the lease's."""
@@ -383,8 +387,6 @@ class Grant:
         self._finished = True
 
     def _finish(self) -> None:
-        import ray
-
         self._releasing.set()
         if self._follower is not None:
             with contextlib.suppress(Exception):
@@ -405,6 +407,17 @@ class Grant:
                 if self.held is not None:
                     self.sess.held.discard(self.held)
                 return
+        self.end_ranks()
+        if self.held is not None:
+            self.held.release()
+            self.sess.held.discard(self.held)
+
+    def end_ranks(self) -> None:
+        """Kill every worker and wait until each process is gone (and, where NVML sees the GPUs,
+        off them); remove the placement group. The lease stays held: an elastic resize restarts
+        the ranks on it; :meth:`finish` releases it after this."""
+        import ray
+
         wheres: list[tuple[_Rank, Where | None]] = []
         for rank in self.ranks:
             try:
@@ -437,9 +450,6 @@ class Grant:
             except Exception as exc:  # noqa: BLE001 - Ray removes it with this driver anyway
                 log.warning("could not remove a placement group: %s", exc)
             self.pg = None
-        if self.held is not None:
-            self.held.release()
-            self.sess.held.discard(self.held)
 
     def _verify(self, node: str, where: Where, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
         """Is the process gone (and off its GPUs)? Watched from here when it shares our process

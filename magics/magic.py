@@ -16,12 +16,14 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from lease_server import errors
 
 from . import cellcode, space
+from .elastic import DEFAULT_MIN_EFFICIENCY
 from .outcomes import GpuTrainStopped
 from .runner import (
     Ending,
     Options,
     Running,
     Waiting,
+    check_elastic,
     check_gang,
     parse_duration,
     parse_gpus,
@@ -154,6 +156,14 @@ class GpuMagics(Magics):
         try:
             gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
             check_gang(gpus_min, gpus, args.nodes)
+            elastic = bool(getattr(args, "elastic", False))
+            min_eff = getattr(args, "min_efficiency", None)
+            if min_eff is not None and not elastic:
+                raise ValueError("--min-efficiency goes with --elastic")
+            if elastic:
+                check_elastic(
+                    Options(gpus=gpus, gpus_min=gpus_min, nodes=args.nodes, min_efficiency=min_eff or 0.5, elastic=True)
+                )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         outputs = [n.strip() for n in args.out.split(",") if n.strip()] if args.out is not None else None
@@ -171,6 +181,8 @@ class GpuMagics(Magics):
             cell=self._cell_number(),
             outputs=outputs,
             resume=args.resume,
+            elastic=elastic,
+            min_efficiency=min_eff if min_eff is not None else DEFAULT_MIN_EFFICIENCY,
         )
 
     @magic_arguments()
@@ -187,6 +199,20 @@ class GpuMagics(Magics):
         help="Spread --gpus over this many nodes, all or nothing (a multi-node gang for torch.distributed): "
         "one process per GPU with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set; output is "
         "prefixed [rank N]; names come back from rank 0",
+    )
+    @argument(
+        "--elastic",
+        action="store_true",
+        help="With --gpus MIN-MAX: one rank per GPU, grown while growth pays (--min-efficiency) and "
+        "shrunk when others wait; the loop calls magics.elastic.step(samples=n) and checkpoints with "
+        "magics.on_preempt",
+    )
+    @argument(
+        "--min-efficiency",
+        type=float,
+        default=None,
+        help="--elastic grows again only while the last GPU added gave at least this fraction of a "
+        "GPU's throughput (default: 0.5)",
     )
     @argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)")
     @argument("--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .calls import CHECKPOINT_STREAM, METRICS_STREAM, Call, Result
+from .calls import CHECKPOINT_STREAM, ELASTIC_STREAM, METRICS_STREAM, Call, Result
 from .grant import Cancel, Grant
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError, GpuTrainTimeout, _first_line
 
@@ -30,6 +30,7 @@ class Pump:
         self.has_checkpoint = False
         self.metrics: list[dict[str, Any]] = []  # rank 0's magics.report(...) records, in order
         self._warned_at: Any = None
+        self.on_elastic: Callable[[dict[str, Any]], None] | None = None  # rank 0's elastic steps
 
     def run(self, call: Call, timeout: float | None) -> list[Result]:
         import ray
@@ -138,7 +139,10 @@ class Pump:
                 on_metrics = getattr(self.ui, "metrics", None)  # a UI that shows them (a sweep's trial)
                 if on_metrics is not None:
                     on_metrics(record)
-        plain = [c for c in chunks if c[0] not in (CHECKPOINT_STREAM, METRICS_STREAM)]
+            elif stream == ELASTIC_STREAM and i == 0:  # rank 0's steps: the elastic runner's throughput
+                if self.on_elastic is not None:
+                    self.on_elastic(json.loads(text))
+        plain = [c for c in chunks if c[0] not in (CHECKPOINT_STREAM, METRICS_STREAM, ELASTIC_STREAM)]
         if writer is not None:
             for stream, text in plain:
                 writer.write(i, stream, text)

@@ -31,6 +31,7 @@ from lease_server.client import Client, Lease
 
 from . import cellcode
 from .calls import Call, CellValue, Result
+from .elastic import ElasticRun
 from .grant import Cancel, Grant, Relay, start_world
 from .outcomes import (
     UI,
@@ -129,6 +130,21 @@ def check_gang(gpus_min: int | None, gpus: int | None, nodes: int | None) -> Non
         raise ValueError(f"--gpus {gpus} is not a multiple of --nodes {nodes}: each node gets the same share")
 
 
+def check_elastic(opts: Options) -> None:
+    """An elastic call needs a range of GPUs on one node and an efficiency threshold in 0..1."""
+    lo, hi = opts.gpus_min, opts.gpus
+    if lo is None or hi is None or hi <= lo or lo < 1:
+        raise ValueError("--elastic needs a range of GPUs to move in, such as --gpus 1-4")
+    if opts.nodes and opts.nodes > 1:
+        raise ValueError("--elastic runs on one node; leave out --nodes")
+    if not 0 <= opts.min_efficiency <= 1:
+        raise ValueError(f"--min-efficiency is a fraction from 0 to 1, got {opts.min_efficiency!r}")
+    if opts.sizes is not None and (
+        not opts.sizes or any(not lo <= s <= hi for s in opts.sizes) or lo not in opts.sizes
+    ):
+        raise ValueError(f"--sizes must lie in {lo}-{hi} and include the minimum {lo}, got {opts.sizes!r}")
+
+
 def parse_duration(text: str | float | int | None) -> float | None:
     """'90', '90s', '10m', '1h30m' -> seconds. None stays None."""
     if text is None:
@@ -167,6 +183,9 @@ class Options:
     all_ranks: bool = False  # a gang's value: every rank's (else rank 0's)
     outputs: list[str] | None = None  # a cell's names to bring back (None: all it assigns)
     resume: bool = False  # a cell reads gpu_checkpoint as resume_state
+    elastic: bool = False  # grow and shrink between gpus_min and gpus while it runs (magics.elastic)
+    min_efficiency: float = 0.5  # an elastic call grows again only while growth pays this much
+    sizes: tuple[int, ...] | None = None  # the sizes an elastic call may take (None: every one)
 
     def resolved(self, d: Defaults) -> Options:
         gpus = d.gpus if self.gpus is None else self.gpus
@@ -190,6 +209,7 @@ class CallResult:
     checkpoint: Any = None
     has_checkpoint: bool = False
     metrics: list[dict[str, Any]] = field(default_factory=list)  # what magics.report(...) sent, in order
+    elastic: list[dict[str, Any]] = field(default_factory=list)  # an elastic call's phases (magics.elastic)
 
     @property
     def held_s(self) -> float:
@@ -232,10 +252,13 @@ def run_call(
     ui = ui or StreamUI()
     opts = (options or Options()).resolved(sess.defaults)
     assert opts.gpus is not None
+    if opts.elastic:
+        check_elastic(opts)
     check_gang(opts.gpus_min, opts.gpus, opts.nodes)
     sess.connect_ray()
     cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
     rid = Client.new_request_id()
+    elastic: ElasticRun | None = None
     try:
         grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel, relay)
         grant.relay = relay
@@ -258,9 +281,14 @@ def run_call(
     try:
         try:
             ui.running(grant.running(opts))
-            start_world(sess, grant, opts)
-            grant.follow()
-            results = pump.run(call, opts.timeout)
+            if opts.elastic:
+                elastic = ElasticRun(grant, opts, ui, pump)
+                grant.follow()
+                results = elastic.run(call)
+            else:
+                start_world(sess, grant, opts)
+                grant.follow()
+                results = pump.run(call, opts.timeout)
             grant.clean = True
             ending.state = "released"
             ending.peak_memory = _sum_memory(results)
@@ -301,6 +329,7 @@ def run_call(
         pump.checkpoint,
         pump.has_checkpoint,
         pump.metrics,
+        elastic.summary() if elastic is not None else [],
     )
 
 
@@ -426,6 +455,9 @@ def run_on_gpus(
     priority: str | None = None,
     nodes: int | None = None,
     all_ranks: bool = False,
+    elastic: bool = False,
+    min_efficiency: float = 0.5,
+    sizes: tuple[int, ...] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` on a worker holding ``gpus`` leased GPUs and return its value.
@@ -438,6 +470,12 @@ def run_on_gpus(
     ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Every rank calls ``fn``; the value
     returned is rank 0's (``all_ranks=True``: the list of every rank's value, in rank order).
     If any rank fails, every rank is stopped and the error names the rank and its node.
+
+    ``elastic=True`` with ``gpus="MIN-MAX"`` runs one rank per GPU on one node and grows or shrinks
+    the gang while it runs (:mod:`magics.elastic`): ``fn`` calls ``magics.elastic.step(samples=n)``
+    each step, checkpoints with :func:`magics.on_preempt` and takes ``resume_state=None``, which
+    holds the checkpoint when the ranks restart on a new size. ``sizes`` (e.g. ``(1, 2, 4)``) are
+    the only gang sizes it may take.
     """
     lo, hi = parse_gpus(gpus) if gpus is not None else (None, None)
     check_gang(lo, hi, nodes)
@@ -451,5 +489,8 @@ def run_on_gpus(
         wait=parse_duration(wait),
         label=label or getattr(fn, "__name__", "call"),
         all_ranks=all_ranks,
+        elastic=elastic,
+        min_efficiency=min_efficiency,
+        sizes=tuple(sorted(set(sizes))) if sizes else None,
     )
     return run_call(Call.function(fn, *args, **kwargs), opts).value

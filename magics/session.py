@@ -180,13 +180,15 @@ class Session:
                 spares.append(self.new_worker(node))
         return old
 
-    def take_worker(self, node: str) -> _Worker:
+    def take_worker(self, node: str, replenish: bool = True) -> _Worker:
         """A pre-started worker on ``node`` (or a new one if none is left); a replacement starts
-        in the background."""
+        in the background unless ``replenish`` is False (an elastic gang, whose processes live on
+        through its resizes: starting replacements would only take CPU from it)."""
         with self._lock:
             spares = self._spares.setdefault(node, deque())
             worker = spares.popleft() if spares else self.new_worker(node)
-        self._replenish(node)
+        if replenish:
+            self._replenish(node)
         return worker
 
     def spare(self, node: str) -> _Worker:

@@ -487,7 +487,7 @@ class Sweep:
         self._t0 = time.monotonic()
         # A trial that ends hands its GPUs and its worker to the oldest queued trial when nobody
         # else waits for them (magics.grant.Relay): that trial starts at once, on a warm process.
-        self._relay = Relay(self.sess, self._next_request)
+        self._relay = Relay(self.sess, self._next_requests)
 
     # -- the main loop, in the calling thread ----------------------------------------------------
 
@@ -665,15 +665,15 @@ class Sweep:
             self._cond.notify_all()
         self.display.trial_ended(t)
 
-    def _next_request(self, lease_id: str) -> str | None:
-        """The request a trial's ending lease may go to: the oldest trial still queued."""
+    def _next_requests(self, lease_id: str) -> list[str]:
+        """The requests a trial's ending lease may go to: the trials still queued, oldest first."""
         with self._cond:
             if self._stopping:
-                return None
-            queued = [
+                return []
+            queued = sorted(
                 (t.index, rid) for rid, t in self._rids.items() if t.state == "queued" and not t._cancel.requested
-            ]
-            return min(queued)[1] if queued else None
+            )
+            return [rid for _, rid in queued]
 
     def _report(self, t: Trial, record: dict[str, Any]) -> None:
         """A trial's magics.report(): keep it, and apply the stopping rule."""

@@ -27,7 +27,9 @@ from lease_server import protocol
 
 from .calls import (
     CHECKPOINT_STREAM,
+    ELASTIC_STREAM,
     METRICS_STREAM,
+    RESIZED,
     Call,
     CellValue,
     Result,
@@ -87,6 +89,67 @@ def report(step: int | None = None, **metrics: Any) -> None:
     _STEPS.append(step)
     record = {"step": step, "metrics": {str(k): _scalar(v) for k, v in metrics.items()}}
     _ACTIVE[0].push(METRICS_STREAM, json.dumps(record))
+
+
+# Elastic training: set when the driver resizes the job; every rank then stops at the same step.
+_RESIZE = threading.Event()
+
+
+class Resize(BaseException):  # noqa: N818 - not an error: the runner's signal, like KeyboardInterrupt
+    """Raised by :func:`elastic_step` in every rank once the runner resizes the job, after rank 0's
+    checkpoint hooks ran. A BaseException, so that ``except Exception`` in a training loop lets it
+    through; the worker turns it into a normal return, and the runner restarts the ranks on the new
+    size with the checkpoint as ``resume_state``."""
+
+
+def elastic_step(samples: int = 1) -> None:
+    """One training step of an elastic job is done (``samples``: what this rank processed in it).
+    Rank 0's steps tell the runner the job's throughput; when the runner resizes the job, every
+    rank stops here at the same step (agreed with an all-reduce when ``torch.distributed`` is
+    initialized), rank 0's :func:`on_preempt` hooks take the checkpoint, and :class:`Resize` unwinds
+    the loop. Outside an elastic call it does nothing."""
+    if not _ACTIVE or os.environ.get("GPULEASE_ELASTIC") != "1":
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        _ACTIVE[0].push(ELASTIC_STREAM, json.dumps({"samples": samples, "t": time.time()}))
+    stop = _RESIZE.is_set()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        stop = _agree(stop)
+    if not stop:
+        return
+    if rank == 0:
+        _checkpoint(_ACTIVE[0])
+    raise Resize
+
+
+def _agree(flag: bool) -> bool:
+    """Any rank's flag, on every rank: a MAX all-reduce of one number, when the loop runs under
+    ``torch.distributed`` (else this rank's own flag: a loop without collectives has no lockstep)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return flag
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _checkpoint(worker: GpuWorker) -> None:
+    import base64
+
+    from ray import cloudpickle
+
+    for hook in list(_HOOKS):
+        try:
+            state = hook()
+            worker.push(CHECKPOINT_STREAM, base64.b64encode(cloudpickle.dumps(state)).decode())
+        except Exception as exc:  # noqa: BLE001 - the resize goes on from the last checkpoint
+            worker.push("stderr", f"gpu_train: the checkpoint hook failed: {type(exc).__name__}: {exc}\n")
 
 
 def _scalar(value: Any) -> Any:
@@ -193,16 +256,24 @@ class GpuWorker:
         _RECALL.clear()
         _RECALL_SEEN.clear()
         _NOTICE.clear()
+        _RESIZE.clear()
         import gc
 
         gc.collect()
         torch = sys.modules.get("torch")
+        with contextlib.suppress(Exception):  # an elastic rank's next phase sets up its own group
+            if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         with contextlib.suppress(Exception):
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
                 for i in range(torch.cuda.device_count()):
                     torch.cuda.reset_peak_memory_stats(i)
         return True
+
+    def ask_resize(self) -> None:
+        """The runner resizes the job: stop at the next :func:`elastic_step`."""
+        _RESIZE.set()
 
     def read_output(self, wait_s: float = 0.5) -> tuple[list[tuple[str, str]], bool]:
         """Output written since the last call, waiting up to ``wait_s`` for some (a long poll)."""
@@ -231,6 +302,8 @@ class GpuWorker:
         try:
             value = _execute(call)
             return Result(True, value, seconds=time.monotonic() - t0, peak_memory=_peak_memory(), pid=os.getpid())
+        except Resize:
+            return Result(True, RESIZED, seconds=time.monotonic() - t0, peak_memory=_peak_memory(), pid=os.getpid())
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
             return Result(
                 False,
@@ -357,16 +430,7 @@ def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
         f"gpu_train: these GPUs are recalled ({rec.get('recall_reason', '')}); {left:.0f}s left"
         + (", running the checkpoint hook\n" if _HOOKS else "; register magics.on_preempt(fn) to checkpoint\n"),
     )
-    import base64
-
-    from ray import cloudpickle
-
-    for hook in list(_HOOKS):
-        try:
-            state = hook()
-            worker.push(CHECKPOINT_STREAM, base64.b64encode(cloudpickle.dumps(state)).decode())
-        except Exception as exc:  # noqa: BLE001 - the notebook says the hook failed, training goes on
-            worker.push("stderr", f"gpu_train: the checkpoint hook failed: {type(exc).__name__}: {exc}\n")
+    _checkpoint(worker)
 
 
 def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int = 0) -> None:
