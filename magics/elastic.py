@@ -154,7 +154,7 @@ class _Controller:
                 continue
             to = rec.get("shrink_to")
             if to and int(to) < self.size:
-                self._ask(self.run.fit(int(to)), "someone waits for the pool: shrunk on the lease server's notice")
+                self._ask(self.run.fit(int(to)), "someone waits: the server asked")
                 by = float(rec.get("shrink_by") or 0)
                 if by and time.time() > by + STOP_GRACE_S and not self._done.is_set():
                     self._force()
@@ -212,11 +212,11 @@ class ElasticRun:
         s = self.phases[-1].efficiency
         if s is not None and s < self.min_efficiency and self._grew_from is not None:
             self.ceiling = self._grew_from
-            return self._grew_from, f"s = {s:.2f} < {self.min_efficiency:g}: the last GPU did not pay"
+            return self._grew_from, f"s = {s:.2f} < {self.min_efficiency:g}: did not pay"
         bigger = [n for n in self.sizes if size < n <= min(self.ceiling, self.hi)]
         if bigger and self._room(size, bigger[0] - size):
             first = self._grew_from is None and len(self.phases) == 1
-            return bigger[0], "GPUs are free and nobody waits" + ("; a probe" if first else "")
+            return bigger[0], "free, nobody waits" + ("; a probe" if first else "")
         return None, ""
 
     def _probe_down(self, size: int) -> tuple[int, str] | None:
@@ -227,11 +227,11 @@ class ElasticRun:
         if down_from is not None:
             s = efficiency(size, self.throughput[size], down_from, self.throughput[down_from])
             if s >= self.min_efficiency:
-                return down_from, f"s = {s:.2f} from {size} to {down_from}: those GPUs pay; back up"
+                return down_from, f"s = {s:.2f} from {size} to {down_from}: back up"
             self.ceiling = min(self.ceiling, down_from - 1)
             why = f"s = {s:.2f} from {size} to {down_from}"
         elif len(self.phases) == 1 and size > self.lo:
-            why = "started on what was free: a probe down"
+            why = "a probe down from the start"
         else:
             return None
         half = self.fit(max(self.lo, size // 2))
@@ -288,6 +288,8 @@ class ElasticRun:
                 ctl.stop()
                 self.phases[-1].seconds = time.monotonic() - t0
             if results and not any(r.value == RESIZED for r in results):
+                if len(self.phases) > 1:
+                    self.ui.notice(self.summary_line())
                 return results
             if self.pump.has_checkpoint:
                 self.state, self.has_state = self.pump.checkpoint, True
@@ -399,9 +401,16 @@ class ElasticRun:
         if self.grant.held is not None:
             self.grant.held.lease = self.lease
         s = self.phases[-1].efficiency if self.phases else None
-        eff = f"; s = {s:.2f}" if s is not None else ""
+        eff = f"; s = {s:.2f}" if s is not None and "s =" not in why else ""
         if len(self.lease.gpus) != size:
             self.ui.notice(f"elastic: {size} -> {len(self.lease.gpus)} GPUs ({why}{eff})")
+
+    def summary_line(self) -> str:
+        """One line: the sizes it took, and the efficiency measured at each growth."""
+        sizes = " -> ".join(str(p.size) for p in self.phases)
+        effs = ", ".join(f"{p.efficiency:.2f}" for p in self.phases if p.efficiency is not None)
+        line = f"elastic: sizes {sizes}" + (f"; s {effs}" if effs else "")
+        return line if len(line) <= 70 else line[:67] + "..."
 
     def summary(self) -> list[dict[str, Any]]:
         return [
