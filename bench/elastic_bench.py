@@ -159,7 +159,7 @@ def connect(up: Any) -> Any:
     if not s._pinned:  # connected before the resources showed up: look again
         s._actor_cls = None
         s.connect_ray()
-    s.set_spares(NODE, GPUS)
+    s.prewarm_to(NODE, GPUS)
     spares_ready(s)
     return s
 
@@ -177,7 +177,7 @@ def spares_ready(s: Any, timeout: float = 180) -> None:
     import ray
 
     deadline = time.monotonic() + timeout
-    while len(s._spares.get(NODE, ())) < s.spares_for(NODE) and time.monotonic() < deadline:
+    while len(s._spares.get(NODE, ())) < min(s.spares_for(NODE), GPUS) and time.monotonic() < deadline:
         time.sleep(0.05)  # _replenish runs in threads of its own: nothing to wait on but their result
     with s._lock:
         spares = list(s._spares.get(NODE, ()))
@@ -235,6 +235,7 @@ def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:
 
     # Warm-up: the same code paths once, then every spare started and answering again.
     gpu_map(sleep_trial, [0.05] * GPUS, sess=ctx.sess, display=quiet)
+    ctx.sess.prewarm_to(NODE, GPUS)
     spares_ready(ctx.sess)
     start_cpu = worker_start_cpu_s(ctx.sess)
 
@@ -338,6 +339,8 @@ def bench_elastic(ctx: Ctx, out: dict[str, Any]) -> None:
     from magics.runner import Options, run_call
 
     work = 2000 if ctx.quick else 6000
+    ctx.sess.prewarm_to(NODE, GPUS)  # measured warm, as the sweep: a process per rank ready
+    spares_ready(ctx.sess)
     rate = {n: min(n, KNEE) / STEP_S for n in range(1, GPUS + 1)}  # samples/s at each fixed size
     gpu_s_fixed = {n: n * work / rate[n] for n in rate}
     best = min(gpu_s_fixed.values())

@@ -158,6 +158,15 @@ class Session:
                 while len(spares) < self.spares_for(node):
                     spares.append(self.new_worker(node))
 
+    def prewarm_to(self, node: str, count: int) -> None:
+        """Have at least ``count`` pre-started workers on ``node`` now, without raising how many
+        the session keeps replacing (:meth:`set_spares`): for a burst, such as a sweep's first trials."""
+        self.connect_ray()
+        with self._lock:
+            spares = self._spares.setdefault(node, deque())
+            while len(spares) < count:
+                spares.append(self.new_worker(node))
+
     def spares_for(self, node: str) -> int:
         """How many pre-started workers this session keeps on ``node``."""
         return self._spare_count.get(node, SPARES_PER_NODE)

@@ -28,7 +28,6 @@ the median of the others' at the same step (the median stopping rule), which fre
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
 import logging
 import math
@@ -56,7 +55,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MedianStopping", "SweepDisplay", "SweepResults", "Trial", "gpu_map", "render_table", "run_sweep"]
 
 MAX_IN_FLIGHT = 32  # trials queued or running at once when max_parallel is not given
-MAX_SPARES = 8  # spare workers per node a sweep keeps while it runs (each trial needs a fresh process)
+MAX_SPARES = 8  # spare workers per node a sweep has ready for its first trials, which start side by side
 TICK_S = 0.25  # the table is redrawn at most this often (and each second, for the elapsed times)
 SEND_WAIT_S = 1.0  # at most this long for one trial's request to go out before the next one's
 POSITIONS_EVERY_S = 1.0  # how often the queue positions of waiting trials are asked for (one request)
@@ -497,12 +496,11 @@ class Sweep:
         self.options = opts
         view = self.sess.client().cluster()
         self.pool = opts.pool or view.get("default_pool") or ""
-        restore: dict[str, int] = {}
         _LIVE.add(self)
         self._t0 = time.monotonic()
         try:
             try:
-                self._more_spares(view, opts.gpus or 0, restore)
+                self._more_spares(view, opts.gpus or 0)
                 self._loop()
             except KeyboardInterrupt:
                 self._stop()
@@ -515,9 +513,6 @@ class Sweep:
         finally:
             _LIVE.discard(self)
             self._relay.close()
-            for node, count in restore.items():
-                with contextlib.suppress(Exception):
-                    self.sess.set_spares(node, count)
         if self._fatal is not None:
             self.display.show(self._table(_final_line(self.trials, time.monotonic() - self._t0, False)), final=True)
             raise self._fatal
@@ -602,20 +597,20 @@ class Sweep:
                 if t.state == "queued":
                     t.position = where.get(rid)
 
-    def _more_spares(self, view: dict[str, Any], gpus: int, restore: dict[str, int]) -> None:
-        """Trials start side by side, each on a fresh worker process: keep as many spares on each
-        node of the pool as trials can run there at once (at most MAX_SPARES) while the sweep runs.
-        What to put back afterwards goes into ``restore``."""
+    def _more_spares(self, view: dict[str, Any], gpus: int) -> None:
+        """The first trials start side by side: have as many spares on each node of the pool as
+        trials can run there at once (at most MAX_SPARES) when the sweep starts. Later trials run on
+        the workers handed on by the trials before them, so the session does not keep replacing
+        spares beyond its usual count (that would only take CPU from the node)."""
         if gpus <= 0:
             return
         nodes = [n for n in view.get("nodes", []) if n.get("pool") == self.pool and n.get("state") == "up"][:8]
         for n in nodes:
             want = min(len(n.get("gpus", [])) // gpus, self.max_parallel, MAX_SPARES)
-            if want > self.sess.spares_for(n["name"]):
-                try:
-                    restore[n["name"]] = self.sess.set_spares(n["name"], want)
-                except Exception as exc:  # noqa: BLE001 - trials then start their own workers
-                    log.warning("could not start spare workers on %s: %s", n["name"], exc)
+            try:
+                self.sess.prewarm_to(n["name"], want)
+            except Exception as exc:  # noqa: BLE001 - trials then start their own workers
+                log.warning("could not start spare workers on %s: %s", n["name"], exc)
 
     # -- one trial, in its own thread ------------------------------------------------------------
 
