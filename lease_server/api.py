@@ -298,7 +298,7 @@ class GrowHandler(BaseHandler):
 
     async def post(self, lease_id: str) -> None:
         body = self.body(self.bodies.grow)
-        rec = await self.store.grow(lease_id, self.identity.user, body["token"], body["gpus"])
+        rec = await self.store.grow(lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"))
         self.reply(public_lease(rec, with_token=True))
 
 
@@ -307,7 +307,7 @@ class ShrinkHandler(BaseHandler):
 
     async def post(self, lease_id: str) -> None:
         body = self.body(self.bodies.shrink)
-        rec = await self.store.shrink(lease_id, self.identity.user, body["token"], body["gpus"])
+        rec = await self.store.shrink(lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"))
         self.reply(public_lease(rec, with_token=True))
 
 

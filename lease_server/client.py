@@ -301,13 +301,13 @@ class Client:
         """Add ``gpus`` GPUs to your elastic lease, on its node, all or none; returns the lease with
         its new GPUs (same token). :class:`errors.Conflict` (nothing changed) says why not: someone
         waits in the pool, the node lacks them, the elastic maximum, ..."""
-        body = {"token": lease.token, "gpus": gpus}
+        body = {"token": lease.token, "gpus": gpus, "size": len(lease.gpus)}  # a resend is then harmless
         return Lease.from_json(self.request("POST", protocol.lease_grow(lease.id), json=body))
 
     def shrink(self, lease: Lease, gpus: int) -> Lease:
         """Give back ``gpus`` GPUs of your lease (its highest-indexed ones; at least one stays);
         returns the lease with the GPUs it kept (same token)."""
-        body = {"token": lease.token, "gpus": gpus}
+        body = {"token": lease.token, "gpus": gpus, "size": len(lease.gpus)}  # a resend is then harmless
         return Lease.from_json(self.request("POST", protocol.lease_shrink(lease.id), json=body))
 
     def keep(self, lease_id: str) -> dict[str, Any]:

@@ -469,23 +469,27 @@ class LeaseStore:
         log.info("handed %s -> %s user=%s", lease_id, got.lease["id"], user)
         return got
 
-    async def grow(self, lease_id: str, user: str, token: object, gpus: object) -> dict[str, Any]:
+    async def grow(self, lease_id: str, user: str, token: object, gpus: object, size: object = None) -> dict[str, Any]:
         """Add ``gpus`` GPUs to the owner's elastic lease, on its node (the lowest free indexes),
         all or none, up to the elastic maximum it asked for. Refused with 409, changing nothing,
         when that would delay anyone (someone waits in the pool, a booking is in force) or the node
         lacks them (see ``lua/grow.lua``). Returns the lease; its token stays."""
         tok = self._token(token, required=True)
         n = check_gpus(gpus)
-        rec: dict[str, Any] = await self.engine.run(Grow(lease_id, tok, user, n))
+        seen = None if size is None else check_gpus(size, "size")
+        rec: dict[str, Any] = await self.engine.run(Grow(lease_id, tok, user, n, seen))
         log.info("grown %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
         return rec
 
-    async def shrink(self, lease_id: str, user: str, token: object, gpus: object) -> dict[str, Any]:
+    async def shrink(
+        self, lease_id: str, user: str, token: object, gpus: object, size: object = None
+    ) -> dict[str, Any]:
         """Give back the ``gpus`` highest-indexed GPUs of the owner's lease (at least one stays:
         to give back all, release). The queue is served at once. Returns the lease; its token stays."""
         tok = self._token(token, required=True)
         n = check_gpus(gpus)
-        rec: dict[str, Any] = await self.engine.run(Shrink(lease_id, tok, user, n))
+        seen = None if size is None else check_gpus(size, "size")
+        rec: dict[str, Any] = await self.engine.run(Shrink(lease_id, tok, user, n, seen))
         log.info("shrunk %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
         return rec
 

@@ -449,13 +449,15 @@ class Grow(ScriptCall):
     """Add ``gpus`` GPUs to the owner's live elastic lease ``id`` on its own node, all or none
     (``lua/grow.lua``), when that delays no one; else change nothing and raise
     :class:`errors.Conflict` saying why. The reply is the lease, its token unchanged. Unlike the
-    other scripts, a grow or shrink resent after a lost answer changes the size again."""
+    other scripts, a grow or shrink resent after a lost answer changes the size again, unless it
+    names the ``size`` it saw (the client always does): then a resend answers as done."""
 
     script: ClassVar[str] = "grow"
     id: str
     token: str
     user: str
     gpus: int
+    size: int | None = None  # the GPUs the caller saw it hold: a resend is then harmless
 
     def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
         if code is Code.OK:
@@ -476,6 +478,7 @@ class Shrink(ScriptCall):
     token: str
     user: str
     gpus: int
+    size: int | None = None  # the GPUs the caller saw it hold: a resend is then harmless
 
     def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
         if code is Code.OK:

@@ -483,6 +483,17 @@ def _resize_body(name: str, verb: str, what: str) -> Body:
                 check=check_gpus,
                 missing=f'gpus is required: how many GPUs to {verb}, e.g. {{"token": 7, "gpus": 1}}',
             ),
+            Field(
+                "size",
+                nullable(
+                    {
+                        **GPUS,
+                        "description": "Optional: the GPUs you saw the lease hold. Given, a resent request is "
+                        "harmless (a lease already changed answers as done; another size is refused)",
+                    }
+                ),
+                check=lambda v: None if v is None else check_gpus(v, "size"),
+            ),
         ),
     )
 

@@ -280,3 +280,25 @@ def test_the_server_shrinks_a_lease_whose_notice_ran_out(server_factory: Any) ->
         alice.delete(f"{API}/leases/{a['id']}")
         bob.delete(f"{API}/leases/bob-needs-0003")
         assert {state for state, _ in _board(alice).values()} == {"free"}
+
+
+def test_a_resize_that_names_the_size_it_saw_can_be_resent(server_factory: Any, redis_sync: Redis) -> None:
+    """A client that lost the answer (a 503 after a failover) sends the same grow or shrink again:
+    with ``size`` (what the client always sends) the resend answers as done and changes nothing."""
+    server = server_factory(FOUR)
+    with http(server, "alice") as alice:
+        a = _acquire(alice, gpus=4, gpus_min=1)
+        alice.post(f"{API}/leases/{a['id']}/shrink", json={"token": a["token"], "gpus": 3})
+        first = _resize(alice, "grow", a, 2, size=1)
+        assert first.status_code == 200, first.text
+        assert len(first.json()["gpus"]) == 3
+        again = _resize(alice, "grow", a, 2, size=1)
+        assert again.status_code == 200 and again.json()["gpus"] == first.json()["gpus"]
+        with unchanged(redis_sync, server.settings.prefix):
+            assert_error(_resize(alice, "grow", a, 1, size=1), 409, "conflict", "holds 3", "not the 1")
+            assert_error(_resize(alice, "grow", a, 1, size=0), 400, "bad_request", "size")
+        shrunk = _resize(alice, "shrink", a, 2, size=3)
+        assert shrunk.status_code == 200 and len(shrunk.json()["gpus"]) == 1
+        resent = _resize(alice, "shrink", a, 2, size=3)
+        assert resent.status_code == 200 and resent.json()["gpus"] == shrunk.json()["gpus"]
+        assert [e["size"] for e in _log(alice, a["id"]) if e["type"] in ("grown", "shrunk")] == [1, 3, 1]

@@ -7,9 +7,12 @@
 -- A lease past its deadline but not yet swept is expired here (as renew.lua does), not grown.
 -- KEYS: nodes alive free fit holders leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = GPUs to add (int >= 1)
+-- ARGV[10] = the GPUs the caller saw the lease hold ("" = not given). Given, a resent grow is
+--            harmless: a lease already at that size + k answers as done, any other size is refused
 -- returns {OK, lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON} | {EXPIRED, ended JSON}
 --       | {NOT_OWNER} | {STALE}
 local id, token, user, k = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
+local seen = tonumber(ARGV[10] or '')
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then
   local ended = redis.call('HGET', K_ENDED, id)
@@ -24,6 +27,10 @@ if lease.expires_at < NOW then
   local _, ended_json = end_lease(lease, 'expired', why, 'server', raw)
   dispatch(lease.pool)
   return {EXPIRED, ended_json}
+end
+if seen and #lease.gpus == seen + k then return {OK, raw} end  -- done already (a resend)
+if seen and #lease.gpus ~= seen then
+  return {BUSY, 'the lease holds ' .. #lease.gpus .. ' GPU(s), not the ' .. seen .. ' the request saw'}
 end
 local n, pool, node = #lease.gpus, lease.pool, lease.node
 if not lease.elastic then
