@@ -34,7 +34,9 @@ GPU-seconds.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -123,8 +125,12 @@ class _Controller:
             if span < MEASURE_MIN_S:
                 return
             self._measured = True
-            # Rank 0's samples per second, times the ranks (each processes as much per step).
-            throughput = sum(s for _, s in window[1:]) / span * self.size
+            # Rank 0's samples per second, times the ranks (each processes as much per step): the
+            # median step, so that one step slowed by something else on the node (a process
+            # starting, a collection) does not read as the size not paying.
+            steps = sorted(b[0] - a[0] for a, b in itertools.pairwise(window))
+            per_step = statistics.fmean(s for _, s in window[1:])
+            throughput = per_step / max(statistics.median(steps), 1e-9) * self.size
         self.run.measured(self.size, throughput)
         self._maybe_grow()
 

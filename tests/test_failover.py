@@ -1,6 +1,6 @@
 """Redis failover under load: a primary, a replica and three sentinels on loopback; the lease
 server connects through ``redis+sentinel://``; 32 clients acquire, renew and release while the
-primary is killed with SIGKILL every 12 s. An invariant checker over what the clients observed
+primary is killed with SIGKILL every 10 s. An invariant checker over what the clients observed
 (a client holds a GPU from the grant it received to the release it sent) and every token seen:
 
 * ``replicas_ack = 1``: no double grant, no token reused or going backwards, and every grant
@@ -79,7 +79,7 @@ def _load(group: SentinelGroup, prefix: str, replicas_ack: int, duration_s: floa
 @pytest.mark.timeout(240)
 def test_failover_with_replicas_ack_1_loses_no_grant_and_never_reuses_a_token(group, prefix, capsys):
     with capsys.disabled():
-        report = _load(group, prefix, 1, 42.0, 12.0)
+        report = _load(group, prefix, 1, 44.0, 10.0)
     assert report.failovers >= 3, report.figures()
     assert report.grants > 100, report.figures()
     assert not report.double_grants, report.double_grants[:5]

@@ -189,13 +189,13 @@ def test_adobe_template_figures_as_its_source_states(redis_server):
     assert lease["saved_gpu_hours"] == pytest.approx(1493 - 319, abs=1.5)
 
 
-SPEED = 60  # the live replay runs 60x faster than the trace: one simulated minute is one second
+SPEED = 120  # the live replay runs 120x faster than the trace: one simulated minute is half a second
 
 
 @pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
-@pytest.mark.timeout(600)  # two hours of trace at 60x, and a stack to start
+@pytest.mark.timeout(600)  # two hours of trace at 120x, and a stack to start
 def test_simulator_and_a_live_stack_agree_on_the_first_two_hours(tmp_path_factory, redis_server):
-    """The template's first 2 hours, 60x faster, played live through ``run_call`` (what
+    """The template's first 2 hours, 120x faster, played live through ``run_call`` (what
     ``run_on_gpus`` and ``%%gpu_train`` run) against ``gpulease up --simulate`` with one 8-GPU node:
     real lease server, real Ray workers, cells that sleep, one user per notebook, each notebook a
     thread. The simulation of the same slice grants in the same order. Its waits differ from the live
