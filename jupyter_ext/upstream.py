@@ -8,7 +8,9 @@ with the lease server's status and ``{"code", "message"}``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,12 +19,14 @@ from urllib.parse import urlsplit
 import httpx
 
 from lease_server import errors, protocol
+from lease_server.client import retry_after
 
 log = logging.getLogger(__name__)
 
 CONFIG_HINT = "set c.GpuLease.lease_server_url / lease_server_token, or GPULEASE_URL / GPULEASE_TOKEN"
 # An SSE stream carries a keep-alive comment every 15 s; a silence 4x longer means a hung upstream.
 STREAM_READ_TIMEOUT = 60.0
+RESEND_503_S = 10.0  # how long a request answered 503 (the lease server's Redis away) is sent again
 
 
 class LeaseServerAuth(errors.GpuLeaseError):
@@ -127,10 +131,18 @@ class LeaseApi:
         """
         self._check()
         await self._resolve()
-        try:
-            resp = await self._http.request(method, _api_path(path), params=params, json=json)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from exc
+        give_up = time.monotonic() + RESEND_503_S
+        while True:
+            try:
+                resp = await self._http.request(method, _api_path(path), params=params, json=json)
+            except httpx.TransportError as exc:
+                raise self._unreachable(exc) from exc
+            # 503 with Retry-After: the lease server's Redis fails over or restarts; nothing
+            # changed, and every request is safe to send again.
+            wait = retry_after(resp)
+            if wait is None or time.monotonic() + wait > give_up:
+                break
+            await asyncio.sleep(wait)
         try:
             body = resp.json()
         except ValueError:

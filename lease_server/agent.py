@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from . import errors, protocol
+from .drain import Drainer, Draining, drained, draining_of
 from .enforce import Enforcer, uses_gpu_device
 from .engine import Engine
 from .inventory import Gpu, NodeInventory, default_node_name, register
@@ -111,6 +112,17 @@ class NvmlSampler:
             out.append({"index": index, "util": int(util), "mem_mb": int(mem), "procs": procs})
         return out
 
+    def procs_on(self, index: int) -> list[int]:
+        """The pids NVML lists on GPU ``index`` now (compute and graphics); [] where it cannot say."""
+        nvml = self.nvml
+        pids: list[int] = []
+        for get in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
+            try:
+                pids += [int(p.pid) for p in get(self.handles[index]) if int(p.pid) not in pids]
+            except (IndexError, nvml.NVMLError):
+                continue
+        return pids
+
     def has_process(self, index: int, pid: int) -> bool:
         """Whether ``pid`` runs on GPU ``index`` now, and is the process of that number that this
         agent sees (it has an NVIDIA device open): checked again just before it is killed."""
@@ -134,15 +146,26 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
     sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     enforcer = Enforcer()
+    drainer = Drainer(enforcer, engine.settings.drain_kill_grace_s)
+    drain_every = engine.settings.drain_interval
     pool_of = {inv.node: inv.pool for inv in inventories}
     for inv in inventories:
         await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
     loop = asyncio.get_running_loop()
-    next_beat = next_sample = loop.time()
+    next_beat = next_sample = next_drain = loop.time()
     try:
         while not stop.is_set():
             now = loop.time()
+            if now >= next_drain:
+                next_drain = now + drain_every
+                for inv in inventories:
+                    try:
+                        entries = await draining_of(engine, inv.node, [g.index for g in inv.gpus])
+                        for lease, clean, ended in _drain_step(drainer, inv, entries, nvml):
+                            await drained(engine, inv.node, lease, clean, ended)
+                    except Exception as exc:  # Redis away: the next pass retries; the GPUs stay draining
+                        log.warning("draining %s failed: %s", inv.node, exc)
             if now >= next_beat:
                 next_beat = now + interval
                 for inv in inventories:
@@ -173,12 +196,14 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
                     except Exception as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
             for node, report in enforcer.tick():
+                if report.get("drain"):
+                    continue  # a drain's SIGKILL: its `drained` event counts it
                 try:
                     await record_kills(engine, node, pool_of[node], [report])
                 except Exception as exc:
                     log.warning("recording a kill on %s failed: %s", node, exc)
             kill_due = enforcer.next_due()
-            due = min(next_beat, next_sample, math.inf if kill_due is None else kill_due)
+            due = min(next_beat, next_sample, next_drain, math.inf if kill_due is None else kill_due)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=max(0.01, due - loop.time()))
             except TimeoutError:
@@ -189,8 +214,26 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
             nvml.close()
 
 
+def _drain_step(
+    drainer: Drainer, inv: NodeInventory, entries: list[Draining], nvml: NvmlSampler | None
+) -> list[tuple[str, list[int], int]]:
+    """One pass over a node's draining GPUs: on an NVML node the processes NVML lists on them, on a
+    simulated one the processes the lease registered, must be gone."""
+    if not entries:
+        return []
+    if inv.source == "nvml" and nvml is not None:
+        return drainer.step(inv.node, entries, nvml.procs_on, nvml.has_process)
+    return drainer.step(inv.node, entries)
+
+
 def run_remote(
-    client: Any, inventories: list[NodeInventory], interval: float, stop: threading.Event, sample_interval: float = 5.0
+    client: Any,
+    inventories: list[NodeInventory],
+    interval: float,
+    stop: threading.Event,
+    sample_interval: float = 5.0,
+    drain_interval: float = 0.5,
+    drain_grace_s: float = 2.0,
 ) -> None:
     """``gpulease agent``: declare the inventory over HTTP, then heartbeat and send GPU samples
     until ``stop``."""
@@ -202,14 +245,26 @@ def run_remote(
 
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     enforcer = Enforcer()
+    drainer = Drainer(enforcer, drain_grace_s)
     unsent: dict[str, list[dict[str, Any]]] = {}  # node -> kill reports the next sample carries
     for inv in inventories:
         declare(inv)
         log.info("node %s declared: %d GPU(s) in pool %s", inv.node, len(inv.gpus), inv.pool)
-    next_beat = next_sample = time.monotonic()
+    next_beat = next_sample = next_drain = time.monotonic()
     try:
         while not stop.is_set():
             now = time.monotonic()
+            if now >= next_drain:
+                next_drain = now + drain_interval
+                for inv in inventories:
+                    try:
+                        got = client.request("GET", protocol.node_draining(inv.node))["draining"]
+                        entries = [Draining.from_json(d) for d in got]
+                        for lease, clean, ended in _drain_step(drainer, inv, entries, nvml):
+                            report = {"lease": lease, "gpus": clean, "killed": ended}
+                            client.request("POST", protocol.node_drained(inv.node), json=report)
+                    except errors.GpuLeaseError as exc:
+                        log.warning("draining %s failed: %s", inv.node, exc)
             if now >= next_beat:
                 next_beat = now + interval
                 for inv in inventories:
@@ -238,9 +293,10 @@ def run_remote(
                     except errors.GpuLeaseError as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
             for node, report in enforcer.tick():
-                unsent.setdefault(node, []).append(report)
+                if not report.get("drain"):
+                    unsent.setdefault(node, []).append(report)
             kill_due = enforcer.next_due()
-            due = min(next_beat, next_sample, math.inf if kill_due is None else kill_due)
+            due = min(next_beat, next_sample, next_drain, math.inf if kill_due is None else kill_due)
             stop.wait(max(0.01, due - time.monotonic()))
     finally:
         enforcer.close()

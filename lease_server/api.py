@@ -18,14 +18,12 @@ from typing import Any
 import tornado.iostream
 import tornado.web
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError as RedisResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import __version__, errors, events, inventory, metrics, reclaim, usage, validate
+from . import __version__, drain, errors, events, inventory, metrics, reclaim, usage, validate
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
-from .engine import Engine, connect, migrate_untagged
+from .engine import Engine, connect, migrate_untagged, not_now
 from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
@@ -36,16 +34,12 @@ from .validate import check_name
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
-# Redis down, restarting or still loading its AOF: the request may be retried, so 503, not 500.
-REDIS_AWAY = (RedisConnectionError, RedisTimeoutError)
+RETRY_AFTER_S = 1  # a 503's Retry-After: a failover or a restart takes a second or a few
 
 
 def as_lease_error(exc: BaseException | None) -> BaseException | None:
-    if isinstance(exc, REDIS_AWAY):
-        return errors.ServerUnavailable(
-            f"the lease server cannot reach Redis right now ({type(exc).__name__}); retry in a few seconds"
-        )
-    return exc
+    """Redis down, restarting, loading its AOF or failing over (engine.not_now): 503, never 500."""
+    return not_now(exc) or exc
 
 
 class Context:
@@ -155,8 +149,8 @@ class BaseHandler(tornado.web.RequestHandler):
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
         if isinstance(value, errors.GpuLeaseError) and value.status < 500:
             return
-        if isinstance(value, REDIS_AWAY):
-            log.warning("%s %s: Redis is unreachable (%s)", self.request.method, self.request.path, value)
+        if not_now(value) is not None:
+            log.warning("%s %s: Redis cannot answer now (%s)", self.request.method, self.request.path, value)
             return
         if isinstance(value, errors.ServerUnavailable):  # e.g. the replicas did not acknowledge: retried
             log.warning("%s %s: %s", self.request.method, self.request.path, value)
@@ -168,6 +162,8 @@ class BaseHandler(tornado.web.RequestHandler):
         if isinstance(exc, errors.GpuLeaseError):
             self.set_status(exc.status)
             body = exc.to_json()
+            if exc.status == 503:
+                self.set_header("Retry-After", str(RETRY_AFTER_S))
         elif isinstance(exc, tornado.web.HTTPError) and exc.status_code == 405:
             allowed = self.allowed_methods()
             # RFC 9110: a 405 names the methods the resource supports.
@@ -308,6 +304,17 @@ class ShrinkHandler(BaseHandler):
     async def post(self, lease_id: str) -> None:
         body = self.body(self.bodies.shrink)
         rec = await self.store.shrink(lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"))
+        self.reply(public_lease(rec, with_token=True))
+
+
+class ProcsHandler(BaseHandler):
+    """The owner names the processes on its lease's GPUs: if the server ends the lease, the node
+    agent sees them gone (or ends them) before the GPUs are granted again."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.body(self.bodies.procs)
+        me = self.identity
+        rec = await drain.register_procs(self.engine, lease_id, str(body["token"]), me.user, body["procs"])
         self.reply(public_lease(rec, with_token=True))
 
 
@@ -497,6 +504,30 @@ class SamplesHandler(AgentHandler):
         self.reply({"node": node, **answer})
 
 
+class DrainingHandler(AgentHandler):
+    """A node's draining GPUs: the server ended their lease; its agent ends what remains of it."""
+
+    async def get(self, node: str) -> None:
+        self._check_role()
+        raw = await self.ctx.redis.hget(self.store.keys.nodes, check_name("node", node))
+        if raw is None:
+            raise errors.UnknownNode(f"node {node!r} is not registered: PUT {API}/nodes/{node} first")
+        indexes = [int(g["index"]) for g in json.loads(raw)["gpus"]]
+        entries = await drain.draining_of(self.engine, node, indexes)
+        self.reply({"node": node, "draining": [e.to_json() for e in entries]})
+
+
+class DrainedHandler(AgentHandler):
+    """The node agent reports GPUs clean of a lease's processes: they turn free."""
+
+    async def post(self, node: str) -> None:
+        self._check_role()
+        check_name("node", node)
+        body = self.body(self.bodies.drained)
+        freed = await drain.drained(self.engine, node, body["lease"], body["gpus"], body.get("killed") or 0)
+        self.reply({"node": node, "freed": freed})
+
+
 class SimulateHandler(AgentHandler):
     """What a simulated node's GPUs report: set by an admin, read by its agent."""
 
@@ -587,6 +618,8 @@ class EventLogHandler(BaseHandler):
         try:
             entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit, lease)
         except RedisResponseError as exc:  # a well-formed id Redis still rejects
+            if not_now(exc) is not None:
+                raise
             raise errors.BadRequest(f"since {since!r} is not a usable event id: {exc}") from exc
         self.reply({"events": entries})
 
@@ -692,6 +725,7 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/grow", GrowHandler),
         (rf"{API}/leases/{lease_id}/shrink", ShrinkHandler),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
+        (rf"{API}/leases/{lease_id}/procs", ProcsHandler),
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),
         (rf"{API}/reservations/{lease_id}/end", ReservationEndHandler),
@@ -707,6 +741,8 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/events/log", EventLogHandler),
         (rf"{API}/nodes/{lease_id}", NodeHandler),
         (rf"{API}/nodes/{lease_id}/heartbeat", HeartbeatHandler),
+        (rf"{API}/nodes/{lease_id}/draining", DrainingHandler),
+        (rf"{API}/nodes/{lease_id}/drained", DrainedHandler),
         (rf"{API}/tokens", TokensHandler),
         (rf"{API}/whoami", WhoAmIHandler),
         (rf"{API}/info", InfoHandler),

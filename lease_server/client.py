@@ -50,6 +50,17 @@ def discover(url: str | None = None, token: str | None = None) -> tuple[str, str
     return url.rstrip("/"), token or ""
 
 
+def retry_after(resp: httpx.Response) -> float | None:
+    """How long to wait before sending again a request answered 503 with Retry-After (capped at
+    5 s); None for any other answer."""
+    if resp.status_code != 503:
+        return None
+    try:
+        return min(5.0, max(0.05, float(resp.headers.get("Retry-After", ""))))
+    except ValueError:
+        return None
+
+
 @dataclass
 class Lease:
     """A granted lease as the client sees it."""
@@ -112,11 +123,19 @@ class Client:
     """A thin, thread-safe HTTP client of the lease API that raises the typed errors of errors.py."""
 
     def __init__(
-        self, url: str | None = None, token: str | None = None, timeout: float = 10.0, act_as: str | None = None
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+        act_as: str | None = None,
+        resend_503_s: float = 15.0,
     ) -> None:
-        """``act_as`` (default: GPULEASE_USER): the user a proxy token acts for (JupyterHub)."""
+        """``act_as`` (default: GPULEASE_USER): the user a proxy token acts for (JupyterHub).
+        ``resend_503_s``: how long a request answered 503 (Redis failing over, restarting,
+        loading) is sent again before :class:`errors.ServerUnavailable` is raised (0: never)."""
         self.url, self.token = discover(url, token)
         self.timeout = timeout
+        self.resend_503_s = resend_503_s
         headers = protocol.bearer(self.token) if self.token else {}
         act_as = act_as if act_as is not None else os.environ.get("GPULEASE_USER", "")
         if act_as:
@@ -146,19 +165,27 @@ class Client:
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> Any:
-        try:
-            resp = self._http.request(
-                method,
-                path,
-                json=json,
-                params=params,
-                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-            )
-        except httpx.TransportError as exc:
-            raise errors.ServerUnavailable(
-                f"cannot reach the lease server at {self.url} ({exc.__class__.__name__}: {exc}); "
-                "is it running? (gpulease up, or check GPULEASE_URL)"
-            ) from exc
+        give_up = time.monotonic() + self.resend_503_s
+        while True:
+            try:
+                resp = self._http.request(
+                    method,
+                    path,
+                    json=json,
+                    params=params,
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except httpx.TransportError as exc:
+                raise errors.ServerUnavailable(
+                    f"cannot reach the lease server at {self.url} ({exc.__class__.__name__}: {exc}); "
+                    "is it running? (gpulease up, or check GPULEASE_URL)"
+                ) from exc
+            # 503: Redis fails over, restarts or loads; nothing changed and every request is safe to
+            # send again (a resent acquire finds its own id): resend after Retry-After while it lasts.
+            wait = retry_after(resp)
+            if wait is None or time.monotonic() + wait > give_up:
+                break
+            time.sleep(wait)
         if resp.status_code >= 400:
             try:
                 body = resp.json()
@@ -309,6 +336,12 @@ class Client:
         returns the lease with the GPUs it kept (same token)."""
         body = {"token": lease.token, "gpus": gpus, "size": len(lease.gpus)}  # a resend is then harmless
         return Lease.from_json(self.request("POST", protocol.lease_shrink(lease.id), json=body))
+
+    def procs(self, lease: Lease, procs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Name the processes on the lease's GPUs (``[{node, pid, start, gpus}]``): if the server
+        ends the lease, its GPUs are granted again only once the node agent sees these gone."""
+        body = {"token": lease.token, "procs": procs}
+        return self.request("POST", protocol.lease_procs(lease.id), json=body)  # type: ignore[no-any-return]
 
     def keep(self, lease_id: str) -> dict[str, Any]:
         """ "I'm still using it": reset the idle clock of a warned lease."""

@@ -56,6 +56,11 @@ class Settings:
     # agent sends SIGTERM, then SIGKILL after unleased_kill_grace_s). Per pool like the above.
     unleased_action: str = "flag"
     unleased_kill_grace_s: float = 10.0
+    # Draining (lease_server/drain.py): a GPU whose lease the server ended is free once its node
+    # agent sees no process of that lease on it; the agent looks this often and ends what
+    # remains, SIGTERM then SIGKILL after drain_kill_grace_s.
+    drain_interval: float = 0.2
+    drain_kill_grace_s: float = 2.0
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
     # Reservations (bookings of GPUs for a time window)
     borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
@@ -118,6 +123,11 @@ class Settings:
             raise ConfigurationError(
                 f"unleased_action must be one of {', '.join(UNLEASED_ACTIONS)} (got {self.unleased_action!r}) "
                 f"and unleased_kill_grace_s between 0 and 3600 seconds (got {self.unleased_kill_grace_s})"
+            )
+        if not 0 < self.drain_interval <= 10 or not 0 <= self.drain_kill_grace_s <= 600:
+            raise ConfigurationError(
+                f"drain_interval must be in (0, 10] seconds (got {self.drain_interval}) and "
+                f"drain_kill_grace_s between 0 and 600 seconds (got {self.drain_kill_grace_s})"
             )
         if self.borrow_notice < 0 or self.no_show_after <= 0 or self.on_demand_floor < 0:
             raise ConfigurationError(

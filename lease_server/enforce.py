@@ -72,6 +72,7 @@ class _Signalled:
     user: str
     pidfd: int | None
     due: float
+    why: str = "unleased"  # or "drain": the GPU's lease was ended by the server (lease_server/drain.py)
 
     def gone(self) -> bool:
         if self.pidfd is not None:
@@ -140,12 +141,14 @@ class Enforcer:
                         del self.done[next(iter(self.done))]
                 elif not still_on_gpu(index, pid):
                     continue
-                report = self._terminate(node, index, pid, grace)
+                report = self.terminate(node, index, pid, grace)
                 if report is not None:
                     reports.append(report)
         return reports
 
-    def _terminate(self, node: str, index: int, pid: int, grace: float) -> dict[str, Any] | None:
+    def terminate(self, node: str, index: int, pid: int, grace: float, why: str = "unleased") -> dict[str, Any] | None:
+        """SIGTERM ``pid`` (SIGKILL at the :meth:`tick` after ``grace``); the report, None if it is
+        already gone."""
         user = process_user(pid)
         pidfd: int | None = None
         try:
@@ -154,7 +157,7 @@ class Enforcer:
             return None  # gone already
         except (AttributeError, OSError):  # no pidfd on this kernel: plain kill
             pidfd = None
-        proc = _Signalled(node, index, pid, user, pidfd, self.clock() + grace)
+        proc = _Signalled(node, index, pid, user, pidfd, self.clock() + grace, why)
         if proc.gone():  # exited, not yet reaped by its parent
             proc.close()
             return None
@@ -168,7 +171,10 @@ class Enforcer:
             proc.close()
             log.warning("cannot SIGTERM unleased pid %s on %s GPU %s: %s", pid, node, index, exc)
             return {**report, "error": exc.strerror or str(exc)}
-        log.warning("SIGTERM to pid %s (user %s) on %s GPU %s: no live lease covers it", pid, user, node, index)
+        if why == "unleased":
+            log.warning("SIGTERM to pid %s (user %s) on %s GPU %s: no live lease covers it", pid, user, node, index)
+        else:
+            report["drain"] = True
         self.pending[(node, pid)] = proc
         return report
 
@@ -184,6 +190,8 @@ class Enforcer:
             if now < proc.due:
                 continue
             report: dict[str, Any] = {"index": proc.index, "pid": proc.pid, "user": proc.user, "signal": "SIGKILL"}
+            if proc.why != "unleased":
+                report["drain"] = True
             try:
                 proc.send(signal.SIGKILL)
                 log.warning(

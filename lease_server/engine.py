@@ -7,6 +7,7 @@ scripts and the settings, and :meth:`Engine.run` to call a script through its ty
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -17,13 +18,56 @@ from redis.asyncio.connection import Connection as AsyncConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import Settings
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ServerUnavailable
 from .keys import Keys
 from .scripts import Code, Common, Samples, ScriptCall, Scripts
+
+# Redis's answers that mean "not now": a failover (READONLY from a demoted primary, MASTERDOWN from a
+# replica that lost it, NOREPLICAS while min-replicas-to-write is unmet), an AOF still loading, a
+# cluster resharding or missing a slot. Found anywhere in the message: Redis 6 wraps an error raised
+# inside a script ("ERR Error running script ... -NOREPLICAS ..."), redis-py a pipeline's.
+_NOT_NOW = re.compile(r"\b(NOREPLICAS|READONLY|LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN)\b")
+
+
+_NOT_NOW_CLASSES = (
+    (MasterDownError, "MASTERDOWN"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (ReadOnlyError, "READONLY"),
+    (TryAgainError, "TRYAGAIN"),
+    (RedisClusterException, "CLUSTERDOWN"),  # redis-py's, when the slots it found do not cover all
+)
+
+
+def not_now(exc: BaseException | None) -> ServerUnavailable | None:
+    """The 503 (retry in a few seconds) that a Redis error means, or None for any other error."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):  # also LOADING (BusyLoadingError)
+        what = "still loading its data" if "LOADING" in str(exc) else f"cannot be reached ({type(exc).__name__})"
+        return ServerUnavailable(f"the lease server's Redis {what} right now; retry in a few seconds")
+    if isinstance(exc, (ResponseError, ClusterError, RedisClusterException)):  # the last: slots not covered
+        # redis-py drops the code from the message of the errors it has a class for
+        m = _NOT_NOW.search(str(exc))
+        known = next((code for cls, code in _NOT_NOW_CLASSES if isinstance(exc, cls)), None)
+        if m is None and known is None and isinstance(exc, ResponseError):
+            return None
+        why = m.group(1) if m else known or type(exc).__name__
+        return ServerUnavailable(
+            f"the lease server's Redis is not taking this request now ({why}: a failover, a restart or "
+            "a cluster change); nothing was changed, retry in a few seconds"
+        )
+    return None
 
 
 class _HiredisPack:

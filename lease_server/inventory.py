@@ -150,7 +150,8 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         p.zrange(k.fit, 0, -1)
         p.hgetall(k.last)
         p.hgetall(k.unleased)
-        nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased = await p.execute()
+        p.hgetall(k.draining)
+        nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased, draining = await p.execute()
     now = await r.time()  # Redis's clock; not in the MULTI: a Redis Cluster pipeline takes only keyed commands
     now_s = now[0] + now[1] / 1e6
     alive_at = dict(alive)
@@ -163,15 +164,19 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         is_up = name in up and alive_at.get(name, -1) / 1000 >= now_s
         free = set(json.loads(free_raw.get(name, "[]")) or [])
         counts = pools.setdefault(
-            inv["pool"], {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0, "reserved": 0, "borrowed": 0}
+            inv["pool"],
+            {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0, "reserved": 0, "borrowed": 0, "draining": 0},
         )
         counts["nodes"] += 1
         gpus = []
         for g in inv["gpus"]:
             holder = holders.get(f"{name}/{g['index']}")
             lease = leases.get(holder) if holder else None
+            drain = draining.get(f"{name}/{g['index']}")
             if lease is not None:
                 state = "borrowed" if lease.get("borrowed") else "leased"
+            elif drain is not None:
+                state = "draining"  # not free until its agent sees the old processes gone, up or down
             elif not is_up:
                 state = "down"
             elif g["index"] in free:
@@ -185,6 +190,10 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
             if slot in newest:
                 ts, util, mem = newest[slot].split(",")
                 entry["sample"] = {"at": int(ts) / 1000, "util": float(util), "mem_used_mb": int(mem)}
+            if drain is not None:
+                d = json.loads(drain)
+                entry["draining"] = {"lease": d["lease"], "user": d.get("user", ""), "state": d.get("state", "")}
+                entry["draining"]["since"] = d.get("since", 0) / 1000
             if slot in unleased:
                 # Processes on a GPU that no live lease covers: someone bypasses the service.
                 entry["unleased_use"] = json.loads(unleased[slot])

@@ -13,7 +13,10 @@ state lives in a handful of global structures:
 ``fit``        zset   lexicographic "pool|FFFFF|node" (FFFFF = zero-padded free count) for every
                       *alive* node: ZRANGEBYLEX from "[pool|00002|" finds the best fit in O(log N)
 ``sizes``      zset   lexicographic "pool|TTTTT|node" (total GPUs): the largest node of a pool
-``holders``    hash   "node/index" -> lease id
+``holders``    hash   "node/index" -> lease id, or "~" while the GPU drains (below)
+``draining``   hash   "node/index" -> JSON {lease, user, pool, since, state, pids:[{pid, start}]}: a GPU
+                      whose lease the server ended (expiry, revoke, reclaim, preemption, shrink) and
+                      that is not free until its node agent reports no process of that lease on it
 ``leases``     hash   lease id -> JSON lease record (live leases only)
 ``deadlines``  zset   lease id -> expires_at (ms)
 ``ended``      hash   lease id -> JSON record of a released / expired / revoked lease (kept a while)
@@ -106,6 +109,10 @@ class Keys:
     @property
     def holders(self) -> str:
         return self._k("holders")
+
+    @property
+    def draining(self) -> str:
+        return self._k("draining")
 
     @property
     def leases(self) -> str:
@@ -253,6 +260,7 @@ class Keys:
             self.sched,
             self.elastic,
             self.shrink_due,
+            self.draining,
         ]
 
     def all(self) -> list[str]:

@@ -164,7 +164,10 @@ def _response_schemas() -> dict[str, Any]:
                                     "type": "object",
                                     "properties": {
                                         **GPU_PROPS,
-                                        "state": {"type": "string", "enum": ["free", "leased", "down"]},
+                                        "state": {
+                                            "type": "string",
+                                            "enum": ["free", "leased", "reserved", "borrowed", "draining", "down"],
+                                        },
                                         "lease": {"type": "object"},
                                     },
                                 },
@@ -434,6 +437,17 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 params=[LEASE_ID],
             ),
         },
+        "/api/v1/leases/{lease_id}/procs": {
+            "post": _op(
+                "Name the processes on your lease's GPUs (the magic does, before the call runs): if the server "
+                "ends the lease (expiry, revoke, reclaim, preemption, a shrink past its deadline), its GPUs drain: "
+                "they are free once the node agent sees these processes gone, ending them if it must",
+                _json(_ref("Lease"), "Recorded"),
+                409,
+                body=bodies.procs,
+                params=[LEASE_ID],
+            ),
+        },
         "/api/v1/leases/{lease_id}/keep": {
             "post": _op(
                 "I'm still using it: reset the idle clock of a warned lease (owner; limited per lease)",
@@ -508,6 +522,21 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         },
         "/api/v1/nodes/{node}/heartbeat": {
             "post": _op("Agent heartbeat", _json({"type": "object"}, "Alive"), params=[NODE])
+        },
+        "/api/v1/nodes/{node}/draining": {
+            "get": _op(
+                "Agent: the node's draining GPUs, each with the lease the server ended and its processes",
+                _json({"type": "object"}, "Draining GPUs"),
+                params=[NODE],
+            )
+        },
+        "/api/v1/nodes/{node}/drained": {
+            "post": _op(
+                "Agent: these GPUs are clean of the lease's processes; they turn free and the queue is served",
+                _json({"type": "object"}, "Freed"),
+                params=[NODE],
+                body=bodies.drained,
+            )
         },
         "/api/v1/tokens": {
             "post": _op(

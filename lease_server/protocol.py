@@ -76,6 +76,10 @@ def lease_keep(lease_id: str) -> str:
     return f"{lease(lease_id)}/keep"
 
 
+def lease_procs(lease_id: str) -> str:
+    return f"{lease(lease_id)}/procs"
+
+
 def reservation(booking_id: str) -> str:
     return f"{RESERVATIONS}/{_seg(booking_id)}"
 
@@ -98,6 +102,14 @@ def node_heartbeat(name: str) -> str:
 
 def node_samples(name: str) -> str:
     return f"{node(name)}/samples"
+
+
+def node_draining(name: str) -> str:
+    return f"{node(name)}/draining"
+
+
+def node_drained(name: str) -> str:
+    return f"{node(name)}/drained"
 
 
 def simulate(name: str) -> str:
@@ -142,6 +154,7 @@ class EventType(enum.StrEnum):
     RENEW_MISS = "renew_miss"  # a renewal came after the lease's deadline: it expired (renew.lua)
     # elastic leases change size; the token stays
     GROWN = "grown"  # the owner added GPUs to an elastic lease on its node (grow.lua)
+    DRAINED = "drained"  # GPUs the server took back are clean: no process of their lease is on them (drained.lua)
     SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (shrink.lua), or the server when a shrink notice ran out
     # an elastic lease above its minimum is asked to give GPUs back for a waiting request by shrink_by,
     # else the server shrinks it to shrink_to (_lib.lua ask_to_shrink; sweep.lua)
@@ -207,6 +220,7 @@ BOARD_EVENTS = frozenset(
         EventType.GROWN,
         EventType.SHRUNK,
         EventType.SHRINK_NOTICE,
+        EventType.DRAINED,
     )
 )
 

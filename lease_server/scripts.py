@@ -55,6 +55,7 @@ class Code(enum.IntEnum):
     NOT_DUE = 14
     CLASH = 15
     WARNED = 16
+    INVALID = 17  # the request names something the lease does not have
 
 
 # ---- assembling a script from its body and the helpers it calls -----------------------------------
@@ -613,6 +614,56 @@ class Keep(ScriptCall):
         raise self.unexpected(code)
 
 
+# ---- draining: the processes of a lease, and GPUs reported clean -------------------------------------
+
+
+@dataclass(frozen=True)
+class Procs(ScriptCall):
+    """The holder names the processes on its lease's GPUs (``procs``: JSON list of
+    ``{node, pid, start, gpus}``): what the node agent must see gone if the server ends the lease."""
+
+    script: ClassVar[str] = "procs"
+    id: str
+    token: str
+    user: str
+    procs: str
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.ENDED:
+            raise _ended(self.id, rest[0])
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        if code is Code.STALE:
+            raise _stale(self.id)
+        if code is Code.INVALID:
+            where = f"GPU {rest[1]} of node {rest[0]}" if len(rest) > 1 else f"node {rest[0]}"
+            raise errors.BadRequest(
+                f"lease {self.id} holds no {where}: name only the nodes and GPUs of the lease (GET it to see them)"
+            )
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class Drained(ScriptCall):
+    """A node agent reports ``gpus`` (JSON list of indexes) of ``node`` clean of ``lease``'s
+    processes (``lease`` "": of any): they turn free and the queue is served. Reply: GPUs freed."""
+
+    script: ClassVar[str] = "drained"
+    node: str
+    lease: str
+    gpus: str
+    killed: int = 0
+
+    def reply(self, code: Code, rest: list[Any]) -> int:
+        if code is Code.OK:
+            return int(rest[0])
+        raise self.unexpected(code)
+
+
 # ---- bookings --------------------------------------------------------------------------------------
 
 
@@ -744,6 +795,8 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Reclaim,
     Reserve,
     Unreserve,
+    Procs,
+    Drained,
 )
 SCRIPT_NAMES = tuple(c.script for c in CALLS) + (Samples.script,)
 STANDALONE = (Samples.script,)  # no prologue, no common ARGV: see its header

@@ -416,6 +416,29 @@ INVENTORY_GPU = {
         "memory_mb": {"type": "integer", "minimum": 0, "maximum": MAX_MB},
     },
 }
+# A process that uses a lease's GPUs, named by its holder (POST /leases/{id}/procs).
+LEASE_PROC = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["node", "pid"],
+    "properties": {
+        "node": {"type": "string", "pattern": NAME_PATTERN, "description": "The lease's node it runs on"},
+        "pid": {"type": "integer", "minimum": 2, "maximum": MAX_PID, "description": "Its id on that node"},
+        "start": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 2**53 - 1,
+            "description": "Its start time (/proc/PID/stat field 22, clock ticks since boot): another process "
+            "that later gets the same pid is never touched. 0: unknown",
+        },
+        "gpus": {
+            "type": "array",
+            "maxItems": MAX_GPUS_PER_NODE,
+            "items": GPU_INDEX,
+            "description": "The lease's GPUs of that node it uses (default: all of them)",
+        },
+    },
+}
 SECONDS_IN_A_WEEK = 7 * 86400
 
 
@@ -516,6 +539,8 @@ class Bodies:
     samples: Body
     simulate: Body
     token: Body
+    procs: Body
+    drained: Body
 
     def all(self) -> list[Body]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
@@ -870,6 +895,48 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     missing="user must be a name of letters, digits, '.', '_' or '-': whom the token is for",
                 ),
                 Field("role", {"enum": list(ROLES), "description": "Default: user"}),
+            ),
+        ),
+        procs=Body(
+            "ProcsRequest",
+            (
+                Field(
+                    "token",
+                    TOKEN,
+                    required=True,
+                    check=lambda v: check_token(v, required=True),
+                    missing="token is required: pass the fencing token of the lease",
+                ),
+                Field(
+                    "procs",
+                    {
+                        "type": "array",
+                        "maxItems": 256,
+                        "items": LEASE_PROC,
+                        "description": "The processes on the lease's GPUs; replaces what was named for their nodes",
+                    },
+                    required=True,
+                    missing='procs is required, e.g. {"token": 7, "procs": [{"node": "box", "pid": 4242}]}',
+                ),
+            ),
+            rules=("a node the lease does not hold GPUs on", "a GPU of that node the lease does not hold"),
+        ),
+        drained=Body(
+            "DrainedRequest",
+            (
+                Field(
+                    "lease",
+                    LEASE_ID,
+                    required=True,
+                    missing="lease is required: the lease whose processes are gone from these GPUs",
+                ),
+                Field(
+                    "gpus",
+                    {"type": "array", "minItems": 1, "maxItems": MAX_GPUS_PER_NODE, "items": GPU_INDEX},
+                    required=True,
+                    missing='gpus is required: the indexes now clean, e.g. {"lease": "l-1", "gpus": [0]}',
+                ),
+                Field("killed", {"type": "integer", "minimum": 0, "maximum": 10000, "description": "Processes ended"}),
             ),
         ),
     )

@@ -302,6 +302,29 @@ class Grant:
             "GPULEASE_NODE": node,
         }
 
+    def name_procs(self) -> None:
+        """Name every rank's process (pid, start time, its GPUs) to the lease server before the call
+        runs: if the server ends the lease (expiry, revoke, reclaim, preemption, a shrink past its
+        deadline), its GPUs are granted again only once the node agent sees these gone."""
+        if self.lease is None or self.cpu or not self.ranks:
+            return
+        procs = []
+        for rank in self.ranks:
+            try:
+                where = rank.worker.where()
+            except Exception:  # noqa: BLE001 - it never started: the call fails on it, nothing to name
+                continue
+            gpus = [int(i) for i in rank.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
+            procs.append({"node": rank.node, "pid": where.pid, "start": where.start, "gpus": gpus})
+        if not procs:
+            return
+        try:
+            self.sess.client().procs(self.lease, procs)
+        except errors.LeaseEnded:
+            self.ended_elsewhere.set()  # ended already: the pump stops before the call runs
+        except errors.GpuLeaseError as exc:
+            log.warning("could not name the workers of lease %s to the lease server: %s", self.lease.id, exc)
+
     def watch(self) -> dict[str, Any]:
         """What a worker's watchdog follows: this lease, on the lease server."""
         if self.lease is None:

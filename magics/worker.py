@@ -36,6 +36,7 @@ from .calls import (
     Where,
     _tls,
     event_client,
+    start_ticks,
     this_machine,
 )
 
@@ -212,7 +213,7 @@ class GpuWorker:
         """Where this process lives (the driver watches its pid to know when it is gone)."""
         import ray
 
-        return Where(os.getpid(), this_machine(), ray.get_runtime_context().get_node_id())
+        return Where(os.getpid(), this_machine(), ray.get_runtime_context().get_node_id(), start_ticks())
 
     def reap(self, pid: int, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
         """Run by a spare worker on the node of a finished call: wait until the call's process

@@ -29,8 +29,11 @@ def _gpus(ev: dict[str, Any]) -> set[tuple[str, int]]:
 def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
     """Replay grants, resizes and ends in stream order: no GPU granted (or grown into) while held,
     tokens strictly rising and kept by a resize, a shrink gives back only GPUs its lease held, every
-    end returns exactly the GPUs its lease held then. Returns counts per event type."""
+    end returns exactly the GPUs its lease held then. A GPU that the server took back (an end or a
+    shrink naming it ``draining``) is granted again only after its ``drained`` event. Returns counts
+    per event type."""
     held: dict[tuple[str, int], str] = {}
+    draining: dict[tuple[str, int], str] = {}  # GPU -> the lease whose processes must be gone first
     lease_gpus: dict[str, set[tuple[str, int]]] = {}
     lease_token: dict[str, int] = {}
     last_token = 0
@@ -43,6 +46,7 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
             gpus = _gpus(ev)
             for g in gpus:
                 assert g not in held, f"double grant: {g} granted to {ev['lease']} while held by {held[g]}"
+                assert g not in draining, f"{g} granted to {ev['lease']} before {draining.get(g)} drained from it"
                 held[g] = ev["lease"]
             assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
             lease_gpus[ev["lease"]] = gpus
@@ -52,6 +56,7 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
             assert lease_gpus.get(ev["lease"]), f"grown {ev['lease']}, which holds nothing"
             for g in _gpus(ev):
                 assert g not in held, f"double grant: {g} grown into {ev['lease']} while held by {held[g]}"
+                assert g not in draining, f"{g} grown into {ev['lease']} before {draining.get(g)} drained from it"
                 held[g] = ev["lease"]
                 lease_gpus[ev["lease"]].add(g)
             assert len(lease_gpus[ev["lease"]]) == ev["size"], f"grown {ev['lease']}: size {ev['size']}"
@@ -61,12 +66,23 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
                 assert held.get(g) == ev["lease"], f"shrunk {ev['lease']} gave back {g}, held by {held.get(g)}"
                 del held[g]
                 lease_gpus[ev["lease"]].discard(g)
+            for i in ev.get("draining") or []:
+                draining[(ev["node"], int(i))] = ev["lease"]
             assert len(lease_gpus[ev["lease"]]) == ev["size"] >= 1, f"shrunk {ev['lease']}: size {ev['size']}"
+        elif ev["type"] == "drained":
+            for i in ev["gpus"]:
+                g = (ev["node"], int(i))
+                assert draining.pop(g, None) == ev["lease"], f"drained {g} of {ev['lease']}, which was not draining"
         elif ev["type"] in END_TYPES:
             gpus = _gpus(ev)
             assert gpus == lease_gpus.get(ev["lease"]), f"{ev['type']} of {ev['lease']} returned {gpus}"
             for g in gpus:
                 assert held.pop(g) == ev["lease"]
+            assert ev["type"] != "released" or not ev.get("draining"), f"{ev['lease']}: its owner's release drains"
+            parts = ev.get("parts") or [{"node": ev["node"], "draining": ev.get("draining")}]
+            for part in parts:  # a multi-node gang's draining GPUs come per node
+                for i in part.get("draining") or []:
+                    draining[(part["node"], int(i))] = ev["lease"]
             lease_gpus[ev["lease"]] = set()
     return counts
 
@@ -85,7 +101,8 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.hgetall(keys.held_by)
         p.zrange(keys.elastic, 0, -1)
         p.zrange(keys.shrink_due, 0, -1)
-        nodes, free, holders, leases, fit, deadlines, held_by, elastic, shrink_due = p.execute()
+        p.hgetall(keys.draining)
+        nodes, free, holders, leases, fit, deadlines, held_by, elastic, shrink_due, draining = p.execute()
     leases = {k: json.loads(v) for k, v in leases.items()}
     assert set(deadlines) == set(leases), "deadline index and live leases differ"
     assert set(elastic) == {f"{v['pool']}|{k}" for k, v in leases.items() if v.get("elastic")}, "elastic index"
@@ -102,8 +119,12 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
                 counted[f"{lease['pool']}|{who}"] = counted.get(f"{lease['pool']}|{who}", 0) + len(lease["gpus"])
     nonzero = {k: int(v) for k, v in held_by.items() if int(v) != 0}
     assert nonzero == counted, f"quota counts {nonzero} but the live leases hold {counted}"
+    drain_marks = {slot for slot, lid in holders.items() if lid == "~"}
+    assert drain_marks == set(draining), f"draining GPUs {sorted(draining)} but drain marks {sorted(drain_marks)}"
     for slot, lid in holders.items():
         node, idx = slot.split("/")
+        if lid == "~":
+            continue  # draining: held by no lease, not free
         assert lid in leases, f"{slot} held by {lid}, which is not live"
         mine = [(g.get("node", leases[lid]["node"]), g["index"]) for g in leases[lid]["gpus"]]
         assert (node, int(idx)) in mine, f"{slot} held by {lid}, which does not list it"
@@ -124,4 +145,4 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         if expect_all_free:
             assert set(free_idx) == all_idx, f"{node}: GPUs still held at the end"
     if expect_all_free:
-        assert not leases and not holders
+        assert not leases and not holders and not draining

@@ -31,13 +31,15 @@ export interface IGpu {
   uuid?: string;
   model?: string;
   memory_mb?: number;
-  /** free | leased | reserved (free, held back for a booking now) | borrowed | down. */
+  /** free | leased | reserved (free, held back for a booking now) | borrowed | draining | down. */
   state: string;
   lease?: IHolder;
   /** The booking a reserved GPU is held back for. */
   reservation?: { id: string; owner: string };
   /** The node agent's newest utilization sample. */
   sample?: { at: number; util: number; mem_used_mb: number };
+  /** The server ended this GPU's lease: free once its node agent sees that lease's processes gone. */
+  draining?: { lease: string; user: string; state: string; since: number };
   /** Processes on a GPU that no lease covers. */
   unleased_use?: Record<string, unknown>;
 }

@@ -57,7 +57,8 @@ export const BOARD_EVENTS = [
   'borrow_recalled',
   'grown',
   'shrunk',
-  'shrink_notice'
+  'shrink_notice',
+  'drained'
 ];
 
 /**

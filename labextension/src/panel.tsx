@@ -16,7 +16,8 @@ import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
 /**
  * How each GPU state looks: free, leased, reserved (free but held back for a booking now), borrowed
  * (leased from a booking's capacity: revoked with a notice when the booking's holder asks), idle
- * (a leased GPU that idle reclaim warned), down.
+ * (a leased GPU that idle reclaim warned), draining (the server ended its lease: free once its node
+ * agent sees the old processes gone), down.
  */
 export const STATES: Record<string, { label: string; legend: boolean }> = {
   free: { label: 'free', legend: true },
@@ -24,6 +25,7 @@ export const STATES: Record<string, { label: string; legend: boolean }> = {
   reserved: { label: 'reserved', legend: true },
   borrowed: { label: 'borrowed', legend: true },
   idle: { label: 'idle', legend: false },
+  draining: { label: 'draining', legend: true },
   down: { label: 'down', legend: true }
 };
 
@@ -132,6 +134,9 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
     if (lease.recall_at) {
       parts.push(recallCountdown(lease.recall_at, now, !!lease.borrowed));
     }
+  }
+  if (gpu.draining) {
+    parts.push(`${gpu.draining.user}'s lease ${gpu.draining.state}: free once its processes are gone`);
   }
   if (gpu.unleased_use) {
     parts.push('in use without a lease');

@@ -16,7 +16,7 @@
 -- Return codes: lease_server/scripts.py's Code enum (tests/test_scripts.py checks the two agree).
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
-local LIMIT, NOT_DUE, CLASH, WARNED = 13, 14, 15, 16
+local LIMIT, NOT_DUE, CLASH, WARNED, INVALID = 13, 14, 15, 16, 17
 local WEEK_MS = 7 * 24 * 3600 * 1000
 
 local NOW
@@ -30,6 +30,8 @@ local EVENT_MAX = ARGV[2]
 local HALF_LIFE_MS = tonumber(ARGV[3]) * 1000
 local RETENTION_MS = tonumber(ARGV[4])
 local FENCE_EPOCH = tonumber(ARGV[5]) or 0
+-- The simulator's virtual clock runs no processes: its forced ends have nothing to drain.
+local VIRTUAL = ARGV[1] ~= ''
 
 local function emit(kind, body)
   body.ts = NOW
@@ -767,18 +769,50 @@ local function dispatch(pool)
   return granted
 end
 
+-- ---- draining: a GPU the server took back is free only once its node is clean --------------
+-- Whether GPU idx of `node` (inventory `inv_raw`) must drain before it is free again when the
+-- server ends `lease` there: always on a node whose agent sees processes (NVML); on a simulated
+-- node when the lease registered a process on that GPU (POST /leases/{id}/procs). The pids the
+-- agent must see gone: {{pid, start}, ...}, or nil when the GPU is free at once.
+local function drain_pids(lease, node, idx, inv_raw)
+  if VIRTUAL then return nil end
+  local pids = {}
+  for _, p in ipairs(lease.procs or {}) do
+    if (p.node or lease.node) == node then
+      local on = p.gpus == nil
+      for _, g in ipairs(p.gpus or {}) do if g == idx then on = true end end
+      if on then pids[#pids + 1] = {pid = p.pid, start = p.start or 0} end
+    end
+  end
+  local simulated = inv_raw ~= nil and string.find(inv_raw, '"source":"simulated"', 1, true) ~= nil
+  if simulated and #pids == 0 then return nil end
+  return pids
+end
+
+-- Put GPU idx of `node`, which `lease` held, into draining: held by no lease ("~" in holders,
+-- so nothing grants it, registers it free or counts its samples), listed in draining for the
+-- node agent, which ends what remains and reports it clean (drained.lua).
+local function start_drain(lease, node, idx, pids, state)
+  local slot = node .. '/' .. idx
+  redis.call('HSET', K_HOLDERS, slot, '~')
+  local entry = cjson.encode({lease = lease.id, user = lease.user, pool = lease.pool, state = state,
+                              since = NOW, pids = pids})
+  redis.call('HSET', K_DRAINING, slot, (string.gsub(entry, '"pids":{}', '"pids":[]')))
+end
+
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
 -- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
 -- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
 -- instead of the whole record encoded again.
 local function end_lease(lease, state, reason, by, raw)
+  local forced = state ~= 'released'  -- the server (or an admin) ended it: its GPUs drain
   local by_node, order = {}, {}
   for _, g in ipairs(lease.gpus) do
     local node = g.node or lease.node
     if not by_node[node] then by_node[node] = {}; order[#order + 1] = node end
     table.insert(by_node[node], g)
   end
-  local returned, returned_parts = {}, {}
+  local returned, returned_parts, draining = {}, {}, {}
   for _, node in ipairs(order) do
     local part = {node = node, gpus = {}}
     returned_parts[#returned_parts + 1] = part
@@ -794,8 +828,16 @@ local function end_lease(lease, state, reason, by, raw)
     for _, g in ipairs(by_node[node]) do
       local slot = node .. '/' .. g.index
       if redis.call('HGET', K_HOLDERS, slot) == lease.id then
-        redis.call('HDEL', K_HOLDERS, slot)
-        if present[g.index] then free[#free + 1] = g.index end
+        local pids = forced and present[g.index] and drain_pids(lease, node, g.index, inv_raw)
+        if pids then
+          start_drain(lease, node, g.index, pids, state)
+          draining[#draining + 1] = g.index
+          part.draining = part.draining or {}
+          part.draining[#part.draining + 1] = g.index
+        else
+          redis.call('HDEL', K_HOLDERS, slot)
+          if present[g.index] then free[#free + 1] = g.index end
+        end
         returned[#returned + 1] = g.index
         part.gpus[#part.gpus + 1] = g.index
       end
@@ -865,7 +907,7 @@ local function end_lease(lease, state, reason, by, raw)
   redis.call('ZADD', K_ENDED_AT, NOW, lease.id)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
                gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
-               parts = #order > 1 and returned_parts or nil})
+               parts = #order > 1 and returned_parts or nil, draining = #draining > 0 and draining or nil})
   return lease, ended_json
 end
 
@@ -883,6 +925,7 @@ end
 -- shrink is done with once the lease is down to its shrink_to. The token stays. The caller serves
 -- the pool's queue (dispatch). Returns the lease and its JSON.
 local function shrink_lease(lease, k, why, by)
+  local forced = by == 'server'  -- the shrink notice ran out: the GPUs taken back drain
   mark_resize(lease)
   local desc = {}
   for _, g in ipairs(lease.gpus) do desc[#desc + 1] = g.index end
@@ -899,11 +942,18 @@ local function shrink_lease(lease, k, why, by)
   local free = decode_list(redis.call('HGET', K_FREE, node))
   local old_count = #free
   local present = inv_raw and inv_present(inv_raw, freed) or {}
+  local draining = {}
   for _, idx in ipairs(freed) do
     local slot = node .. '/' .. idx
     if redis.call('HGET', K_HOLDERS, slot) == lease.id then
-      redis.call('HDEL', K_HOLDERS, slot)
-      if present[idx] then free[#free + 1] = idx end
+      local pids = forced and present[idx] and drain_pids(lease, node, idx, inv_raw)
+      if pids then
+        start_drain(lease, node, idx, pids, 'shrunk')
+        draining[#draining + 1] = idx
+      else
+        redis.call('HDEL', K_HOLDERS, slot)
+        if present[idx] then free[#free + 1] = idx end
+      end
     end
   end
   if inv_raw then set_free(node, lease.pool, free, old_count) end
@@ -925,6 +975,6 @@ local function shrink_lease(lease, k, why, by)
   local lease_json = cjson.encode(lease)
   redis.call('HSET', K_LEASES, lease.id, lease_json)
   emit('shrunk', {lease = lease.id, user = lease.user, pool = lease.pool, node = node, gpus = freed, size = #kept,
-                  token = lease.token, reason = why, by = by})
+                  token = lease.token, reason = why, by = by, draining = #draining > 0 and draining or nil})
   return lease, lease_json
 end

@@ -3,7 +3,7 @@
 -- changes who holds a GPU.
 -- KEYS[1] = last       hash node/index -> "ts_ms,util,mem_mb"
 -- KEYS[2] = busy_at    hash node/index -> ms of the newest sample at or above the threshold
--- KEYS[3] = holders    hash node/index -> lease id
+-- KEYS[3] = holders    hash node/index -> lease id ("~" while draining)
 -- KEYS[4] = unleased   hash node/index -> JSON {pids, since}
 -- KEYS[5] = events     stream
 -- KEYS[6] = covered_since hash node/index -> ms since when samples came without a gap
@@ -41,8 +41,8 @@ while ARGV[i] do
   redis.call('HSET', KEYS[1], slot, NOW .. ',' .. util .. ',' .. mem)
   if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end
   local has_procs = pids ~= '[]' and pids ~= ''
-  local holder = redis.call('HGET', KEYS[3], slot)
-  if holder then
+  local holder = redis.call('HGET', KEYS[3], slot)  -- "~": draining, held by no lease
+  if holder and holder ~= '~' then
     redis.call('HINCRBY', KEYS[7], holder .. '|n', 1)
     if util >= threshold then redis.call('HINCRBY', KEYS[7], holder .. '|busy', 1) end
     redis.call('HINCRBYFLOAT', KEYS[7], holder .. '|sum', util)

@@ -1,0 +1,293 @@
+"""Draining: whoever ends a lease, its GPUs are granted again only after its processes are gone.
+
+Real lease server and Redis, simulated GPUs, real processes: each lease names its process (as the
+magic does for its worker, POST /leases/{id}/procs); the server ends the lease in each of the ways
+it can (admin revoke, expiry of a frozen holder, idle reclaim, preemption, a booking's recall, an
+elastic shrink past its deadline); a waiter is granted the GPUs. The node agent ends the old
+process, and the waiter's grant is later than the old process's exit, as the event log (grant
+time) and the process table (exit time, from a pidfd) show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from lease_server import errors
+from lease_server.drain import start_ticks
+from tests.api_helpers import EventWatcher
+from tests.invariants import check_event_log, check_state, read_events
+
+# A process that ignores SIGTERM, so only the agent's SIGKILL (after drain_kill_grace_s) ends it:
+# the GPUs are then draining for at least that long, whatever the machine's speed.
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+)
+GRACE = 1.0
+
+
+class Watched:
+    """A child process whose exit time (epoch ms) a thread takes from a pidfd the moment it exits."""
+
+    def __init__(self, code: str = STUBBORN) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "up"
+        self.pid = self.proc.pid
+        self.start = start_ticks(self.pid) or 0
+        self.exited_ms: float | None = None
+        self._fd = os.pidfd_open(self.pid)
+        self._done = threading.Event()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        select.select([self._fd], [], [])
+        self.exited_ms = time.time() * 1000
+        os.close(self._fd)
+        self._done.set()
+
+    def wait(self, timeout: float) -> float:
+        assert self._done.wait(timeout), f"process {self.pid} still runs after {timeout} s"
+        self.proc.wait()
+        assert self.exited_ms is not None
+        return self.exited_ms
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def procs() -> Any:
+    made: list[Watched] = []
+
+    def make(code: str = STUBBORN) -> Watched:
+        made.append(Watched(code))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.kill()
+
+
+def name(client: Any, lease: Any, proc: Watched, gpus: list[int] | None = None) -> None:
+    entry: dict[str, Any] = {"node": lease.node, "pid": proc.pid, "start": proc.start}
+    if gpus is not None:
+        entry["gpus"] = gpus
+    client.procs(lease, [entry])
+
+
+def board_states(client: Any, node: str) -> dict[int, str]:
+    return {g["index"]: g["state"] for n in client.cluster()["nodes"] if n["name"] == node for g in n["gpus"]}
+
+
+def assert_drained_then_granted(
+    srv: Any, watcher: EventWatcher, old: Any, proc: Watched, waiter: str, how: str
+) -> dict[str, Any]:
+    """The old lease ended as ``how``, its GPUs drained (the agent had to SIGKILL the process), and
+    the waiter's grant came after the process exited."""
+    drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == old.id, 20, "drained")
+    exited = proc.wait(5)
+    grant = watcher.wait_for(lambda e: e["type"] == "grant" and e["lease"] == waiter, 20, "the waiter's grant")
+    assert drained["ended"] == how and drained["killed"] >= 1 and drained["took_ms"] >= GRACE * 1000 * 0.9
+    assert grant["ts"] * 1000 >= exited, f"granted at {grant['ts'] * 1000:.0f}, old process exited at {exited:.0f}"
+    ev_ids = [e["id"] for e in watcher.events]
+    assert ev_ids.index(drained["id"]) < ev_ids.index(grant["id"])
+    return drained
+
+
+def check_invariants(srv: Any, redis_sync: Any) -> None:
+    from lease_server.keys import Keys
+
+    keys = Keys(srv.settings.prefix)
+    check_event_log(read_events(redis_sync, keys))
+    check_state(redis_sync, keys)
+
+
+@pytest.fixture
+def srv(server_factory: Any) -> Any:
+    return server_factory(simulate="n1=2xA100-80GB", drain_kill_grace_s=GRACE, drain_interval=0.1)
+
+
+def test_admin_revoke_drains_before_the_waiter_is_granted(srv: Any, procs: Any, redis_sync: Any) -> None:
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, bob, admin = srv.client("alice"), srv.client("bob"), srv.client("root", "admin")
+    lease = alice.acquire(2)
+    proc = procs()
+    name(alice, lease, proc)
+    rid = bob.new_request_id()
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(bob.acquire(2, wait=30, request_id=rid)), daemon=True)
+    t.start()
+    watcher.wait_for(lambda e: e["type"] == "queued" and e["lease"] == rid, 10, "bob queued")
+    admin.revoke(lease.id, "maintenance")
+    # Until the agent's SIGKILL (GRACE after its SIGTERM, which the process ignores): draining.
+    assert board_states(admin, "n1") == {0: "draining", 1: "draining"}
+    gpu = next(g for n in admin.cluster()["nodes"] for g in n["gpus"] if g["index"] == 0)
+    assert gpu["draining"]["lease"] == lease.id and gpu["draining"]["user"] == "alice"
+    assert admin.cluster()["pools"]["A100-80GB"]["draining"] == 2
+    assert_drained_then_granted(srv, watcher, lease, proc, rid, "revoked")
+    t.join(10)
+    assert got and got[0].node == "n1"
+    assert alice.get(lease.id)["state"] == "revoked"  # the owner's line: who and why, as before
+    check_invariants(srv, redis_sync)
+
+
+def test_a_frozen_holder_that_stops_renewing_expires_and_drains(srv: Any, procs: Any, redis_sync: Any) -> None:
+    """The holder (a kernel) is frozen with SIGSTOP: it cannot renew, nor end its worker."""
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, bob = srv.client("alice"), srv.client("bob")
+    holder = procs(
+        "import os, sys, time\n"
+        "from lease_server.client import Client\n"
+        f"c = Client({srv.url!r}, {srv.token('alice')!r})\n"
+        "lease = c.acquire(1, ttl=2)\n"
+        "from lease_server.drain import start_ticks\n"
+        "c.procs(lease, [{'node': lease.node, 'pid': os.getpid(), 'start': start_ticks(os.getpid())}])\n"
+        "print('up', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.5); c.renew(lease)\n"
+    )
+    lease_id = holder_lease(watcher, "alice")
+    os.kill(holder.pid, signal.SIGSTOP)
+    rid = bob.new_request_id()
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(bob.acquire(2, wait=30, request_id=rid)), daemon=True)
+    t.start()
+    drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease_id, 30, "drained")
+    exited = holder.wait(5)
+    grant = watcher.wait_for(lambda e: e["type"] == "grant" and e["lease"] == rid, 20, "bob's grant")
+    assert drained["ended"] == "expired" and drained["killed"] == 1
+    assert grant["ts"] * 1000 >= exited
+    t.join(10)
+    assert alice.get(lease_id)["state"] == "expired"
+    check_invariants(srv, redis_sync)
+
+
+def holder_lease(watcher: EventWatcher, user: str) -> str:
+    ev = watcher.wait_for(lambda e: e["type"] == "grant" and e.get("user") == user, 20, f"{user}'s grant")
+    return str(ev["lease"])
+
+
+def test_idle_reclaim_drains(server_factory: Any, procs: Any, redis_sync: Any) -> None:
+    fast = dict(sample_interval=0.1, idle_timeout=0.6, grace=0.3, min_age=0.0, idle_threshold=5.0)
+    srv = server_factory(simulate="n1=1xA100-80GB", drain_kill_grace_s=GRACE, drain_interval=0.1, **fast)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, bob = srv.client("alice"), srv.client("bob")
+    lease = alice.acquire(1)
+    proc = procs()
+    name(alice, lease, proc)
+    rid = bob.new_request_id()
+    t = threading.Thread(target=lambda: bob.acquire(1, wait=30, request_id=rid), daemon=True)
+    t.start()
+    assert_drained_then_granted(srv, watcher, lease, proc, rid, "revoked")
+    assert alice.get(lease.id)["end_reason"].startswith("reclaimed")
+    t.join(10)
+    check_invariants(srv, redis_sync)
+
+
+def test_preemption_drains(server_factory: Any, procs: Any, redis_sync: Any) -> None:
+    srv = server_factory(
+        simulate="n1=2xA100-80GB",
+        drain_kill_grace_s=GRACE,
+        drain_interval=0.1,
+        scheduling={"A100-80GB": {"quota": {"*": 1}, "preempt_notice": 0.3}},
+    )
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, bob = srv.client("alice"), srv.client("bob")
+    alice.acquire(1)  # within quota
+    above = alice.acquire(1)  # above quota: preemptible
+    assert above.raw.get("preemptible")
+    proc = procs()
+    name(alice, above, proc)
+    rid = bob.new_request_id()
+    t = threading.Thread(target=lambda: bob.acquire(1, wait=30, request_id=rid), daemon=True)
+    t.start()
+    assert_drained_then_granted(srv, watcher, above, proc, rid, "revoked")
+    t.join(10)
+    check_invariants(srv, redis_sync)
+
+
+def test_elastic_shrink_past_its_deadline_drains_only_the_gpus_taken(
+    server_factory: Any, procs: Any, redis_sync: Any
+) -> None:
+    """An elastic lease asked to shrink never does (its rank on GPU 1 never reaches step()): the
+    server takes GPU 1 at the deadline; only the process on GPU 1 is ended, GPU 0's keeps running."""
+    srv = server_factory(
+        simulate="n1=2xA100-80GB",
+        drain_kill_grace_s=GRACE,
+        drain_interval=0.1,
+        scheduling={"A100-80GB": {"preempt_notice": 0.3}},
+    )
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, bob = srv.client("alice"), srv.client("bob")
+    lease = alice.acquire(2, gpus_min=1)
+    rank0, rank1 = procs(), procs()
+    alice.procs(
+        lease,
+        [
+            {"node": "n1", "pid": rank0.pid, "start": rank0.start, "gpus": [0]},
+            {"node": "n1", "pid": rank1.pid, "start": rank1.start, "gpus": [1]},
+        ],
+    )
+    rid = bob.new_request_id()
+    t = threading.Thread(target=lambda: bob.acquire(1, wait=30, request_id=rid), daemon=True)
+    t.start()
+    shrunk = watcher.wait_for(lambda e: e["type"] == "shrunk" and e["lease"] == lease.id, 20, "shrunk")
+    assert shrunk["by"] == "server" and shrunk["draining"] == [1]
+    assert_drained_then_granted(srv, watcher, lease, rank1, rid, "shrunk")
+    assert rank0.proc.poll() is None  # the rank on the GPU that stays was not touched
+    assert alice.get(lease.id)["state"] == "active"
+    t.join(10)
+    check_invariants(srv, redis_sync)
+
+
+def test_a_simulated_lease_without_processes_frees_at_once_and_owners_never_drain(
+    srv: Any, procs: Any, redis_sync: Any
+) -> None:
+    alice, admin = srv.client("alice"), srv.client("root", "admin")
+    plain = alice.acquire(1)
+    admin.revoke(plain.id)
+    assert board_states(admin, "n1")[plain.gpus[0]["index"]] == "free"  # nothing named: nothing to drain
+    lease = alice.acquire(2)
+    proc = procs()
+    name(alice, lease, proc)
+    alice.release(lease)  # the owner ends it: the magic verified its worker gone first
+    assert board_states(admin, "n1") == {0: "free", 1: "free"}
+    check_invariants(srv, redis_sync)
+
+
+def test_procs_refuse_bad_input_and_change_nothing(srv: Any, redis_sync: Any) -> None:
+    from lease_server.keys import Keys
+
+    alice, bob = srv.client("alice"), srv.client("bob")
+    lease = alice.acquire(1)
+    idx = lease.gpus[0]["index"]
+    cases = [
+        ({"token": lease.token, "procs": [{"node": "n9", "pid": 42}]}, "holds no node n9"),
+        ({"token": lease.token, "procs": [{"node": "n1", "pid": 42, "gpus": [1 - idx]}]}, f"GPU {1 - idx}"),
+        ({"token": lease.token, "procs": [{"node": "n1", "pid": 1}]}, "pid"),
+        ({"token": lease.token, "procs": [{"node": "n1"}]}, "pid"),
+        ({"procs": []}, "token is required"),
+    ]
+    for body, says in cases:
+        with pytest.raises(errors.BadRequest, match=says):
+            alice.request("POST", f"/api/v1/leases/{lease.id}/procs", json=body)
+    with pytest.raises(errors.StaleToken):
+        alice.request("POST", f"/api/v1/leases/{lease.id}/procs", json={"token": lease.token + 1, "procs": []})
+    with pytest.raises(errors.NotOwner):
+        bob.request("POST", f"/api/v1/leases/{lease.id}/procs", json={"token": lease.token, "procs": []})
+    assert "procs" not in json.loads(redis_sync.hget(Keys(srv.settings.prefix).leases, lease.id))
+    with pytest.raises(errors.Forbidden):
+        alice.request("GET", "/api/v1/nodes/n1/draining")
+    with pytest.raises(errors.Forbidden):
+        alice.request("POST", "/api/v1/nodes/n1/drained", json={"lease": lease.id, "gpus": [idx]})
