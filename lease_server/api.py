@@ -8,6 +8,7 @@ nodes); sweeps are atomic scripts, so replicas sweeping at once do no harm.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -52,6 +53,7 @@ class Context:
         # release finds the lease ended.
         self.redis = redis or connect(settings.redis_url)
         self.engine = Engine(self.redis, settings)
+        self.streams: collections.Counter[str] = collections.Counter()  # user -> event streams open here
         self.store = LeaseStore(self.engine)
         self.bookings = Bookings(self.engine)
         self.auth = Authenticator(self.redis, self.store.keys)
@@ -635,11 +637,38 @@ class EventStreamHandler(BaseHandler):
 
     async def get(self) -> None:
         hub = self.ctx.hub
+        user, cap = self.identity.user, self.ctx.settings.max_streams_per_user
+        if self.ctx.streams[user] >= cap:
+            raise errors.TooMany(
+                f"{user} has {self.ctx.streams[user]} event streams open on this server, the most one user "
+                f"may ({cap}); close some (browser tabs with the GPU board, notebooks whose kernels are "
+                "gone: restart them) and connect again",
+                streams=self.ctx.streams[user],
+                limit=cap,
+            )
+        self.ctx.streams[user] += 1
+        try:
+            await self._stream(hub)
+        finally:
+            self.ctx.streams[user] -= 1
+            if self.ctx.streams[user] <= 0:
+                del self.ctx.streams[user]
+
+    _queue: asyncio.Queue[dict[str, Any] | None] | None = None
+
+    def on_connection_close(self) -> None:
+        """The client went away: end the stream now (and free its place under the user's limit),
+        not at its next write."""
+        if self._queue is not None:
+            with contextlib.suppress(asyncio.QueueFull):
+                self._queue.put_nowait(None)
+
+    async def _stream(self, hub: Any) -> None:
         # Read before the stream starts, so a bad id is a plain 400.
         resume_after, since = self.query(validate.LAST_EVENT_ID), self.query(validate.SINCE)
         since = resume_after or since
         lease = self.query(validate.LEASE)
-        queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
+        queue = self._queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
         sent_up_to = ""
         ev: dict[str, Any] | None
         try:

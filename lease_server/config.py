@@ -60,6 +60,10 @@ class Settings:
     # agent sees no process of that lease on it; the agent looks this often and ends what
     # remains, SIGTERM then SIGKILL after drain_kill_grace_s.
     drain_interval: float = 0.2
+    # Per user: requests waiting in the queue at once, and event streams open on one server replica
+    # (a running call follows its lease with two: the driver's and its worker's watchdog).
+    max_queued_per_user: int = 256
+    max_streams_per_user: int = 128
     drain_kill_grace_s: float = 2.0
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
     # Reservations (bookings of GPUs for a time window)
@@ -123,6 +127,11 @@ class Settings:
             raise ConfigurationError(
                 f"unleased_action must be one of {', '.join(UNLEASED_ACTIONS)} (got {self.unleased_action!r}) "
                 f"and unleased_kill_grace_s between 0 and 3600 seconds (got {self.unleased_kill_grace_s})"
+            )
+        if self.max_queued_per_user < 1 or self.max_streams_per_user < 1:
+            raise ConfigurationError(
+                f"max_queued_per_user ({self.max_queued_per_user}) and max_streams_per_user "
+                f"({self.max_streams_per_user}) must be at least 1"
             )
         if not 0 < self.drain_interval <= 10 or not 0 <= self.drain_kill_grace_s <= 600:
             raise ConfigurationError(

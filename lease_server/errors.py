@@ -106,6 +106,13 @@ class NoCapacity(Conflict):
     code = "no_capacity"
 
 
+class TooMany(GpuLeaseError):
+    """A per-user limit is reached: queued requests, open event streams."""
+
+    code = "too_many"
+    status = 429
+
+
 class Withdrawn(GpuLeaseError):
     """The queued request was withdrawn (``DELETE /leases/{id}`` while it waited): it is out of the
     queue and will never be granted. Answers the ``POST /leases`` that was waiting for it."""

@@ -24,6 +24,7 @@ state lives in a handful of global structures:
 ``queue``      zset   lexicographic "pool|SEQUENCE|waiter id" (FIFO per pool)
 ``queue_seq``  string counter giving every waiter its place in arrival order
 ``waiters``    hash   waiter id -> JSON request
+``waiting_by`` hash   user -> requests of the user in the queue now (capped: max_queued_per_user)
 ``usage``      hash   "pool|user" -> JSON {"v":decayed GPU-seconds,"t":ms,"r":GPUs running now}, written in
                       that one layout so the scripts read it with patterns (other layouts: decoded)
 ``fence``      hash   {e: fencing epoch, n: tokens issued in it}: token = e * 10**9 + n (lua/_lib.lua)
@@ -137,6 +138,10 @@ class Keys:
     @property
     def waiters(self) -> str:
         return self._k("waiters")
+
+    @property
+    def waiting_by(self) -> str:
+        return self._k("waiting_by")
 
     @property
     def usage(self) -> str:
@@ -261,6 +266,7 @@ class Keys:
             self.elastic,
             self.shrink_due,
             self.draining,
+            self.waiting_by,
         ]
 
     def all(self) -> list[str]:

@@ -267,6 +267,7 @@ class LeaseStore:
                 priority=prio,
                 gpus_min=n_min,
                 nodes=k,
+                max_queued=s.max_queued_per_user,
                 **texts,  # type: ignore[arg-type]
             )
             try:

@@ -33,7 +33,8 @@ ERRORS = {
     410: "Withdrawn: the queued request was withdrawn (DELETE) before a grant; it will never be granted",
     413: "Body too large",
     422: "No node of the pool could ever serve this request",
-    503: "Redis unreachable (retry in a few seconds)",
+    429: "A per-user limit is reached (queued requests, event streams): the message gives the count and what to do",
+    503: "Redis unreachable, failing over, loading or short of replicas: resend after Retry-After (nothing changed)",
 }
 # What any request may get: a malformed X-Gpulease-User (400), no token (401), X-Gpulease-User without
 # a proxy token or a proxy token without it (403), a body over the limit (413), Redis away (503).
@@ -346,6 +347,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 409,
                 410,
                 422,
+                429,
                 body=bodies.acquire,
                 ok_code=201,
             ),
@@ -500,6 +502,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                     "the Event as JSON",
                     "content": {"text/event-stream": {"schema": _ref("ServerSentEvent")}},
                 },
+                429,
                 params=(v.SINCE, v.LAST_EVENT_ID, v.LEASE),
             )
         },

@@ -272,6 +272,7 @@ class Acquire(ScriptCall):
     nodes: int = 1
     notebook: str = ""
     cell: str = ""
+    max_queued: int = 256  # the most requests one user may have waiting in the queue
 
     def argv(self) -> list[Any]:
         out = super().argv()
@@ -299,6 +300,14 @@ class Acquire(ScriptCall):
                 pool=self.pool,
                 most_free_on_a_node=int(rest[0]),
                 position=0,
+            )
+        if code is Code.LIMIT:
+            raise errors.TooMany(
+                f"{self.user} already has {rest[0]} requests waiting in the queue, the most one user may "
+                f"({self.max_queued}); wait for some to be granted, or withdraw some (gpulease status "
+                "lists them; gpulease release ID withdraws one)",
+                queued=int(rest[0]),
+                limit=self.max_queued,
             )
         if code is Code.UNKNOWN_POOL:
             raise errors.UnknownPool(f"unknown pool {self.pool!r}", pool=self.pool)

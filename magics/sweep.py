@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 __all__ = ["MedianStopping", "SweepDisplay", "SweepResults", "Trial", "gpu_map", "render_table", "run_sweep"]
 
 MAX_IN_FLIGHT = 32  # trials queued or running at once when max_parallel is not given
+# The most a sweep ever has queued or running, whatever max_parallel says: below the lease server's
+# max_queued_per_user (256 by default), so a sweep never meets that limit and the user keeps room
+# for other notebooks' requests.
+MAX_PARALLEL_CAP = 128
 MAX_SPARES = 8  # spare workers per node a sweep has ready for its first trials, which start side by side
 TICK_S = 0.25  # the table is redrawn at most this often (and each second, for the elapsed times)
 SEND_WAIT_S = 1.0  # at most this long for one trial's request to go out before the next one's
@@ -471,7 +475,7 @@ class Sweep:
         self.calls = [c for _, c in calls]
         self.trials = SweepResults(Trial(i, p) for i, (p, _) in enumerate(calls))
         self.options = options
-        self.max_parallel = max_parallel or min(len(calls), MAX_IN_FLIGHT)
+        self.max_parallel = min(max_parallel or min(len(calls), MAX_IN_FLIGHT), MAX_PARALLEL_CAP)
         self.stopping = stopping
         self.sess = sess or session()
         self.display = display or SweepDisplay()

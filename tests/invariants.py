@@ -102,7 +102,16 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.zrange(keys.elastic, 0, -1)
         p.zrange(keys.shrink_due, 0, -1)
         p.hgetall(keys.draining)
-        nodes, free, holders, leases, fit, deadlines, held_by, elastic, shrink_due, draining = p.execute()
+        p.hgetall(keys.waiters)
+        p.hgetall(keys.waiting_by)
+        nodes, free, holders, leases, fit, deadlines, held_by, elastic, shrink_due, draining, waiters, waiting_by = (
+            p.execute()
+        )
+    per_user: dict[str, int] = {}
+    for raw in waiters.values():
+        u = json.loads(raw)["user"]
+        per_user[u] = per_user.get(u, 0) + 1
+    assert {u: int(n) for u, n in waiting_by.items()} == per_user, f"queued per user {waiting_by} != {per_user}"
     leases = {k: json.loads(v) for k, v in leases.items()}
     assert set(deadlines) == set(leases), "deadline index and live leases differ"
     assert set(elastic) == {f"{v['pool']}|{k}" for k, v in leases.items() if v.get("elastic")}, "elastic index"

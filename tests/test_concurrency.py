@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import subprocess
 import threading
 
 import pytest
 
 from lease_server import errors
 from lease_server.client import Client
+from lease_server.drain import start_ticks
 from lease_server.keys import Keys
 from tests.invariants import check_event_log, check_state, read_events
 
@@ -21,8 +23,21 @@ OPS_PER_CLIENT = 60
 def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = None) -> dict[str, int]:
     """One client's random walk over the API. Returns counts of what happened."""
     rng = random.Random(seed)
-    stats = {"ops": 0, "granted": 0, "busy": 0, "renewed": 0, "released": 0, "lost": 0, "abandoned": 0, "revoked": 0}
+    stats = {
+        "ops": 0,
+        "granted": 0,
+        "busy": 0,
+        "renewed": 0,
+        "released": 0,
+        "lost": 0,
+        "abandoned": 0,
+        "revoked": 0,
+        "workers": 0,
+    }
     held = []
+    # Some leases name a real process, as the magic names its worker: one the server ends (expiry,
+    # revoke) then drains, and the checker sees no GPU granted again before its `drained`.
+    workers: dict[str, subprocess.Popen[bytes]] = {}
     with Client(url, token, timeout=30) as c, Client(url, admin_token) if admin_token else Client(url, token) as admin:
         for _ in range(ops):
             stats["ops"] += 1
@@ -34,6 +49,13 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
                     lease = c.acquire(gpus, pool=pool, ttl=rng.choice([1, 2, 4]), wait=rng.choice([0, 0.2, 1]))
                     held.append(lease)
                     stats["granted"] += 1
+                    if rng.random() < 0.2:
+                        w = workers[lease.id] = subprocess.Popen(["sleep", "60"])
+                        proc = {"node": lease.node, "pid": w.pid, "start": start_ticks(w.pid) or 0}
+                        try:
+                            c.procs(lease, [proc])
+                        except errors.LeaseEnded:  # a 1 s lease may have expired already: nothing names it
+                            end_worker(workers, lease.id)
                 except errors.NoCapacity:
                     stats["busy"] += 1
             elif roll < 0.65:
@@ -46,6 +68,7 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
                     stats["lost"] += 1
             elif roll < 0.92:
                 lease = held.pop(rng.randrange(len(held)))
+                end_worker(workers, lease.id)  # the owner's release is verified: its worker is gone first
                 c.release(lease)
                 stats["released"] += 1
             elif roll < 0.97:
@@ -56,8 +79,19 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
                 admin.revoke(lease.id, "test revoke")
                 stats["revoked"] += 1
         for lease in held:
+            end_worker(workers, lease.id)
             c.release(lease)
+    for w in workers.values():  # the others were ended by the node agent: reap them
+        w.wait(60)
+    stats["workers"] = len(workers)
     return stats
+
+
+def end_worker(workers: dict[str, subprocess.Popen[bytes]], lease_id: str) -> None:
+    w = workers.pop(lease_id, None)
+    if w is not None:
+        w.kill()
+        w.wait()
 
 
 def snapshot_while_running(threads: list[threading.Thread], redis_sync, keys: Keys) -> int:
@@ -83,7 +117,11 @@ def drain_and_check_all_free(redis_sync, keys: Keys) -> dict[str, int]:
     drain, then check that every GPU is free and replay the event log."""
     wait = threading.Event()
     for _ in range(400):
-        if redis_sync.zcard(keys.deadlines) == 0 and redis_sync.zcard(keys.queue) == 0:
+        if (
+            redis_sync.zcard(keys.deadlines) == 0
+            and redis_sync.zcard(keys.queue) == 0
+            and not redis_sync.hlen(keys.draining)
+        ):
             break
         wait.wait(0.05)
     check_state(redis_sync, keys, expect_all_free=True)
@@ -141,6 +179,7 @@ def test_fifty_clients_never_double_grant(server_factory, redis_sync):
     assert total["granted"] > 400 and total["busy"] > 0 and total["abandoned"] > 0
     counts = drain_and_check_all_free(redis_sync, keys)
     assert counts.get("expired", 0) > 0 and counts.get("queued", 0) > 0
+    assert total["workers"] > 0 and counts.get("drained", 0) > 0  # forced ends of leases with a process drained
     assert snapshots > 3
 
 

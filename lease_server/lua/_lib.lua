@@ -153,6 +153,12 @@ local function touch_usage(pool, user, dr, extra)
              string.format('{"v":%.17g,"t":%d,"r":%d}', v + extra, NOW, math.max(0, r + dr)))
 end
 
+-- The user's count of requests in the queue now (acquire.lua caps it): +1 as a request joins the
+-- queue, -1 whenever one leaves it (granted, withdrawn, timed out, abandoned).
+local function count_waiting(user, d)
+  if redis.call('HINCRBY', K_WAITING_BY, user, d) <= 0 then redis.call('HDEL', K_WAITING_BY, user) end
+end
+
 -- Best fit: the up node of the pool with the fewest free GPUs that still has n, skipping `exclude`
 -- (the node held back for a blocked head of the queue). O(log N): one ZRANGEBYLEX per candidate.
 -- A node whose heartbeat ran out is marked down here, so a dead agent's GPUs are never granted
@@ -737,6 +743,7 @@ local function dispatch(pool)
       grant_parts(w, parts)
       redis.call('ZREM', K_QUEUE, w.member)
       redis.call('HDEL', K_WAITERS, w.id)
+      count_waiting(w.user, -1)
       redis.call('PUBLISH', K_GRANTS, w.id)
       granted = granted + 1
     elseif overflow then

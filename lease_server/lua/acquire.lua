@@ -1,5 +1,5 @@
 -- acquire.lua: ask for GPUs; granted at once, queued, or refused.
--- KEYS: nodes alive free fit sizes holders leases deadlines ended queue waiters usage fence events grants queue_seq resv resv_idx recall held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit sizes holders leases deadlines ended queue waiters waiting_by usage fence events grants queue_seq resv resv_idx recall held_by sched elastic shrink_due
 -- ARGV[6] = lease id (chosen by the caller; it is also the waiter id while queued)
 -- ARGV[7] = user      ARGV[8] = pool      ARGV[9] = gpus (int >= 1)     ARGV[10] = ttl ms
 -- ARGV[11] = wait ms (0: do not queue)   ARGV[12] = label    ARGV[13] = session
@@ -8,15 +8,18 @@
 -- ARGV[16] = the fewest GPUs the request accepts (= gpus unless elastic: granted min..gpus)
 -- ARGV[17] = nodes: 1, or k > 1 for a gang of gpus / k GPUs on each of k nodes, all or nothing
 -- ARGV[18] = the notebook the request comes from ("" if unknown)   ARGV[19] = the cell: its number, or a hash ("")
+-- ARGV[20] = the most requests one user may have in the queue at once (a request that waits
+--            beyond it is refused: {LIMIT, requests the user has queued})
 -- {UNSATISFIABLE, largest node size, nodes that could hold a gang's share} when no node (or too
 -- few nodes, for a gang) could ever serve the request
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
---         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE}
+--         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE} | {LIMIT, queued}
 local id, user, pool = ARGV[6], ARGV[7], ARGV[8]
 local n, ttl_ms, wait_ms = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local priority, n_min = tonumber(ARGV[15] or '1') or 1, tonumber(ARGV[16] or '') or tonumber(ARGV[9])
 local n_nodes = tonumber(ARGV[17] or '1') or 1
+local max_queued = tonumber(ARGV[20] or '') or 256
 
 if redis.call('HEXISTS', K_LEASES, id) == 1 or redis.call('HEXISTS', K_WAITERS, id) == 1
     or redis.call('HEXISTS', K_ENDED, id) == 1 then
@@ -77,8 +80,13 @@ end
 local seq = tonumber(redis.call('GET', K_QUEUE_SEQ) or '0') + 1
 local member = pool .. '|' .. string.format('%015d', seq) .. '|' .. id
 w.member, w.seq = member, seq
+if wait_ms > 0 then  -- a request that would stay in the queue: within the user's cap
+  local waiting = tonumber(redis.call('HGET', K_WAITING_BY, user) or '0')
+  if waiting >= max_queued then return {LIMIT, waiting} end
+end
 redis.call('ZADD', K_QUEUE, 0, member)
 redis.call('HSET', K_WAITERS, id, cjson.encode(w))
+count_waiting(user, 1)
 dispatch(pool)
 
 local lease = redis.call('HGET', K_LEASES, id)
@@ -86,6 +94,7 @@ if lease then return {OK, lease} end
 if wait_ms <= 0 then
   redis.call('ZREM', K_QUEUE, member)
   redis.call('HDEL', K_WAITERS, id)
+  count_waiting(user, -1)
   -- The most free GPUs on one up node of the pool: one lookup, however large the pool.
   local best = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
   local acts = active_bookings(pool)

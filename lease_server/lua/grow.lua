@@ -5,7 +5,7 @@
 -- GPUs, it stays within the elastic maximum it asked for and its user within quota. Otherwise
 -- nothing changes and the reason is returned. The fencing token stays: the same holder now has more.
 -- A lease past its deadline but not yet swept is expired here (as renew.lua does), not grown.
--- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = GPUs to add (int >= 1)
 -- ARGV[10] = the GPUs the caller saw the lease hold ("" = not given). Given, a resent grow is
 --            harmless: a lease already at that size + k answers as done, any other size is refused

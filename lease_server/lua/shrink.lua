@@ -3,7 +3,7 @@
 -- request to shrink (ask_to_shrink in _lib.lua) is done with once the lease is down to its
 -- shrink_to. The fencing token stays. A multi-node lease cannot shrink (its nodes hold equal shares).
 -- A lease past its deadline but not yet swept is expired here (as renew.lua does), not shrunk.
--- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = GPUs to give back (int >= 1)
 -- ARGV[10] = the GPUs the caller saw the lease hold ("" = not given). Given, a resent shrink is
 --            harmless: a lease already at that size - k answers as done, any other size is refused

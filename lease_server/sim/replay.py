@@ -337,6 +337,7 @@ class _Replay:
             label=label,
             session=f"s{self.session[c]}",
             teams=self.teams[u],
+            max_queued=2**31 - 1,  # a replay models scheduling, not the server's guard against floods
         )
         return _pack(call.argv())
 
