@@ -243,6 +243,14 @@ def run_remote(
     def declare(inv: NodeInventory) -> None:
         client.request("PUT", protocol.node(inv.node), json=json.loads(inv.to_json()))
 
+    from .layout import LAYOUT
+
+    theirs = client.request("GET", protocol.INFO).get("layout", 0)
+    if theirs != LAYOUT:
+        raise errors.ConfigurationError(
+            f"the lease server at {client.url} runs data layout {theirs}, this agent layout {LAYOUT}: "
+            "install the same gpulease release on both (pip install -U gpulease), then start the agent again"
+        )
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     enforcer = Enforcer()
     drainer = Drainer(enforcer, drain_grace_s)

@@ -21,10 +21,10 @@ import tornado.web
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError as RedisResponseError
 
-from . import __version__, drain, errors, events, inventory, metrics, reclaim, usage, validate
+from . import __version__, drain, errors, events, inventory, layout, metrics, reclaim, usage, validate
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
-from .engine import Engine, connect, migrate_untagged, not_now
+from .engine import Engine, connect, not_now
 from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
@@ -62,7 +62,7 @@ class Context:
         self.reaper = Reaper(self.store)
 
     async def start(self) -> None:
-        await migrate_untagged(self.redis, self.engine.keys)
+        await layout.check(self.redis, self.engine.keys, " --redis-url URL")  # refuses a layout it does not know
         await self.store.start()
         self.reaper.start()
 
@@ -595,6 +595,7 @@ class InfoHandler(BaseHandler):
         self.reply(
             {
                 "version": __version__,
+                "layout": layout.LAYOUT,  # of the data in Redis: a remote agent checks it is its own
                 "ray_address": s.ray_address,
                 **info_token(s, self.identity.role),
                 "default_pool": default_pool,

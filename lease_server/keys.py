@@ -31,6 +31,7 @@ state lives in a handful of global structures:
 ``events``     stream the audit log / live feed
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}
+``layout``     string the version of this data layout (lease_server/layout.py); absent before versions
 
 Reservations (reservations.py, reserve.lua; dispatch enforces them, so most scripts take them):
 
@@ -142,6 +143,10 @@ class Keys:
     @property
     def waiting_by(self) -> str:
         return self._k("waiting_by")
+
+    @property
+    def layout(self) -> str:
+        return self._k("layout")
 
     @property
     def usage(self) -> str:
@@ -272,6 +277,7 @@ class Keys:
     def all(self) -> list[str]:
         return self.core() + [
             self.tokens,
+            self.layout,
             self.last,
             self.busy_at,
             self.covered_since,

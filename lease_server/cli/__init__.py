@@ -50,6 +50,7 @@ for _command in (
     admin.policy,
     admin.kernel,
     admin.token,
+    admin.migrate,
     simulate.simulate,
 ):
     main.add_command(_command)

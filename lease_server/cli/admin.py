@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -180,3 +181,53 @@ def token_create(
         return
     with Client(url, admin_token) as c:
         click.echo(c.request("POST", protocol.TOKENS, json={"user": name, "role": role})["token"])
+
+
+@click.command()
+@click.option(
+    "--redis-url",
+    envvar="GPULEASE_REDIS_URL",
+    default=None,
+    help="The Redis of a deployment (as gpulease server takes it); default: the config file's",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Or the data directory of gpulease up (its Redis is started for the migration), e.g. ~/.gpulease",
+)
+@click.option("--config", type=click.Path(exists=True), help="TOML settings file (for redis_url and prefix)")
+@click.option("--dry-run", is_flag=True, help="Only list what would change")
+def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dry_run: bool) -> None:
+    """Move the data in Redis to this release's layout (stop every lease server first)."""
+    from .. import layout
+    from ..config import Settings
+    from ..engine import connect
+    from ..keys import Keys
+    from ..redis_proc import RedisProcess
+
+    if redis_url and data_dir:
+        raise click.UsageError("--redis-url and --data-dir clash: name one Redis")
+    proc = None
+    if data_dir is not None:
+        aof = data_dir.expanduser() / "redis"
+        if not aof.is_dir():
+            raise click.UsageError(f"{data_dir} holds no Redis data (no {aof}); pass the --data-dir gpulease up used")
+        proc = RedisProcess(aof).start()
+        redis_url = proc.url
+    try:
+        settings = Settings.load(config, redis_url=redis_url)
+
+        async def run() -> tuple[int | None, list[str]]:
+            r = connect(settings.redis_url)
+            try:
+                return await layout.migrate(r, Keys(settings.prefix), dry_run)
+            finally:
+                await r.aclose()
+
+        found, changes = asyncio.run(run())
+    finally:
+        if proc is not None:
+            proc.stop()
+    for line in layout.describe(found, changes, dry_run):
+        click.echo(line)

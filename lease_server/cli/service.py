@@ -61,6 +61,19 @@ def _write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
+async def _check_layout(redis_url: str, prefix: str, hint: str) -> None:
+    """Refuse (ConfigurationError, one line naming gpulease migrate) data of another layout."""
+    from ..engine import connect
+    from ..keys import Keys
+    from ..layout import check
+
+    r = connect(redis_url)
+    try:
+        await check(r, Keys(prefix), hint)
+    finally:
+        await r.aclose()
+
+
 async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
     """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
     from ..auth import create_token, hash_token
@@ -245,6 +258,7 @@ def up(
     ray_proc = lab_proc = None
     try:
         settings = Settings.load(config, redis_url=redis_proc.url, port=port, host="127.0.0.1")
+        asyncio.run(_check_layout(settings.redis_url, settings.prefix, f" --data-dir {data_dir}"))
         token = asyncio.run(_ensure_token(settings.redis_url, settings.prefix, data_dir / "token", _local_user()))
         url = f"http://127.0.0.1:{port}"
         (data_dir / "url").write_text(url + "\n")
