@@ -135,6 +135,9 @@ class Drainer:
         self.enforcer = enforcer
         self.grace_s = grace_s
         self.killed: dict[tuple[str, str], int] = {}  # (node, lease) -> processes signalled
+        # Signalled already: an exiting process stays in NVML's list a moment after SIGKILL, with
+        # its device files closed; it is waited for without a warning.
+        self.signalled: dict[tuple[str, int], None] = {}
 
     def step(
         self,
@@ -159,8 +162,12 @@ class Drainer:
                 if pid <= 1 or pid == os.getpid() or (node, pid) in self.enforcer.pending:
                     continue
                 if verify is not None and not verify(e.index, pid):
-                    log.warning("not ending pid %s on %s GPU %s: this agent cannot see it", pid, node, e.index)
+                    if (node, pid) not in self.signalled:  # (one we ended, still listed while it exits: quiet)
+                        log.warning("not ending pid %s on %s GPU %s: this agent cannot see it", pid, node, e.index)
                     continue
+                self.signalled[(node, pid)] = None
+                while len(self.signalled) > 10_000:
+                    del self.signalled[next(iter(self.signalled))]
                 if self.enforcer.terminate(node, e.index, pid, self.grace_s, why="drain") is not None:
                     self.killed[(node, e.lease)] = self.killed.get((node, e.lease), 0) + 1
                     log.warning(
