@@ -9,6 +9,12 @@ stops every process it started, and prints one line per figure followed, as the 
 of stdout, by one JSON object with every figure. Everything is measured warm: after warm-up calls,
 with the spare workers of both nodes started and answering before each timed call.
 
+import_ray_s          CPU seconds of `import ray` in a fresh interpreter with magics/fastimport.py's
+                      deferral (as the kernel and its workers start); import_ray_s_before without it
+                      (the baseline, same run)                                  (information)
+worker_start_cpu_s    CPU seconds a fresh GpuWorker process spends until its ready() answers, started
+                      through the session (magics/_boot first on its PYTHONPATH); ..._before: the same
+                      with the kernel's own PYTHONPATH, same run                (target <= 0.8)
 local_call_ms         a trivial function called in this process (reference)
 bare_ray_ms           p50 of ray.get(f.remote()) of that function, @ray.remote(num_cpus=0), same
                       Ray cluster, same driver (reference)
@@ -69,6 +75,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -93,6 +100,7 @@ TARGETS = {
     "handoff_verified_p50_ms": ("<=", 50.0),
     "handoff_pid_gone_at_grant": (">=", 1.0),
     "stop_to_free_p50_ms": ("<=", 200.0),
+    "worker_start_cpu_s": ("<=", 0.8),
 }
 verdict = functools.partial(_common.verdict, TARGETS)
 
@@ -280,6 +288,63 @@ def bench_local(n: int = 200_000) -> float:
     return (time.perf_counter() - t0) / n * 1000
 
 
+IMPORT_RAY = (
+    "import importlib.util, sys, time\n"
+    "if sys.argv[1] == 'deferred':\n"
+    "    spec = importlib.util.spec_from_file_location('fi', sys.argv[2])\n"
+    "    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); mod.defer_slow_imports()\n"
+    "import ray\n"
+    "print(time.process_time())\n"
+)
+
+
+def bench_import_ray(rounds: int = 3) -> tuple[float, float]:
+    """CPU seconds of ``import ray`` in a fresh interpreter: as it comes, and with
+    magics/fastimport.py's deferral (what a worker and the kernel now do). Medians."""
+    import magics.fastimport
+
+    def once(mode: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", IMPORT_RAY, mode, magics.fastimport.__file__],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return float(out.stdout.strip().splitlines()[-1])
+
+    plain = sorted(once("plain") for _ in range(rounds))
+    deferred = sorted(once("deferred") for _ in range(rounds))
+    return plain[rounds // 2], deferred[rounds // 2]
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_worker_start(s: Any, rounds: int = 3) -> tuple[float, float]:
+    """CPU seconds a fresh GpuWorker process spends until it can run a call (started through the
+    session, ready answered): with the session's runtime env (magics/_boot first on PYTHONPATH)
+    and, as the baseline in the same run, with the kernel's own PYTHONPATH. Medians."""
+    import ray
+
+    from magics.session import worker_pythonpath
+
+    base = os.environ.get("PYTHONPATH", "")
+
+    def once(env: dict[str, Any] | None) -> float:
+        w = s.new_worker(None, **({"runtime_env": env} if env else {}))
+        where = w.where(timeout=120)
+        cpu = _cpu_s(where.pid)
+        ray.kill(w.handle, no_restart=True)
+        return cpu
+
+    plain = sorted(once({"env_vars": {"PYTHONPATH": base or os.pathsep}}) for _ in range(rounds))
+    boot = sorted(once({"env_vars": {"PYTHONPATH": worker_pythonpath(base)}}) for _ in range(rounds))
+    return plain[rounds // 2], boot[rounds // 2]
+
+
 def bench_bare_ray(n: int, warmup: int) -> list[float]:
     import ray
 
@@ -326,6 +391,8 @@ class Phases:
         # the module whose verify_gone it calls: the wait for the killed worker's process to exit.
         grant_cls = getattr(runner, "Grant", None) or runner._Grant
         self._wrap(sys.modules[grant_cls.__module__], "verify_gone", "verify_gone")
+        if hasattr(grant_cls, "name_procs"):  # names the worker's pid to the lease server (draining)
+            self._wrap(grant_cls, "name_procs", "name_procs", method=True)
         if hasattr(grant_cls, "follow"):  # subscribes to the lease's events for the call
             self._wrap(grant_cls, "follow", "follow", method=True)
         orig_remote = ray.actor.ActorMethod.remote
@@ -808,6 +875,14 @@ def main() -> None:
             results["bare_ray_ms"] = pct(xs, 50)
             results["bare_ray_p99_ms"] = pct(xs, 99)
             say(f"bare_ray_ms          {pct(xs, 50):.2f}  p99 {pct(xs, 99):.2f}  (reference)")
+
+        with section(results, "worker_start", timed=True):
+            before, after = bench_import_ray()
+            results["import_ray_s_before"], results["import_ray_s"] = before, after
+            say(f"import_ray_s         {after:.2f}  (was {before:.2f} without the deferral; CPU seconds)")
+            before, after = bench_worker_start(s)
+            results["worker_start_cpu_s_before"], results["worker_start_cpu_s"] = before, after
+            say(f"worker_start_cpu_s   {after:.2f}  (was {before:.2f}; {verdict('worker_start_cpu_s', after)})")
 
         with section(results, "run_on_gpus", timed=True):
             first, xs, phases = bench_run_on_gpus(s, n, warmup)

@@ -10,6 +10,10 @@ a call, :func:`report` streams metrics, :func:`on_preempt` registers a checkpoin
 
 from __future__ import annotations
 
+from .fastimport import defer_slow_imports
+
+defer_slow_imports()  # before anything imports ray (and with it jsonschema): see magics/fastimport.py
+
 from typing import Any
 
 from . import elastic

@@ -58,6 +58,17 @@ class _Worker:
         return ray.get(self.ready_ref, timeout=timeout)  # type: ignore[no-any-return]
 
 
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
+
+
+def worker_pythonpath(base: str | None = None) -> str:
+    """The PYTHONPATH of this kernel's Ray workers: ``magics/_boot`` first, whose sitecustomize
+    defers at the worker's start what ``import ray`` need not pay (``magics/fastimport.py``: 1.6 of
+    its 2.2 CPU-seconds), then what the kernel has."""
+    rest = os.environ.get("PYTHONPATH", "") if base is None else base
+    return os.pathsep.join(p for p in (BOOT_DIR, rest) if p)
+
+
 class Session:
     """Per-process connections: the lease client, the Ray connection, the spare workers. Leases
     held right now are tracked only so that a kernel shutdown can give them back."""
@@ -118,6 +129,7 @@ class Session:
                     log_to_driver=False,
                     logging_level=logging.WARNING,
                     configure_logging=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
                 )
             self._actor_cls = ray.remote(GpuWorker)
             self._pinned = any(k.startswith(RESOURCE_PREFIX) for k in self._refresh_resources())
