@@ -4,7 +4,9 @@ someone else while the cell runs, typos in the options, and the verified release
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -300,3 +302,34 @@ def test_the_watchdog_follows_its_own_lease_only(stack):
                     got.append(line)
                     break
         assert got and mine.id in got[0] and other.id not in got[0]
+
+
+def test_a_frozen_kernels_worker_is_ended_before_its_gpus_are_granted_again(stack, kernel, watcher):
+    """The kernel is frozen (SIGSTOP) while its cell trains, and an admin revokes the lease: the
+    kernel can neither end its worker nor release. The GPUs drain: the node agent ends the worker
+    whose pid the kernel named before the call ran, and the waiter is granted only after it is gone."""
+    msg = kernel.start(
+        "%%gpu_train --gpus 2\nimport os, time\nprint('training pid', os.getpid(), flush=True)\ntime.sleep(120)"
+    )
+    first, _ = kernel.outputs(msg, until="training")
+    pid = int(text(first).split("pid")[1].split()[0])
+    kernel_pid = kernel.km.provisioner.pid
+    with client(stack) as c:
+        other = c.acquire(2, ttl=60)  # the other node, so that the waiter needs the cell's
+        (cell,) = [
+            x for x in c.request("GET", "/api/v1/leases", params={"all": "true"})["leases"] if x["id"] != other.id
+        ]
+        os.kill(kernel_pid, signal.SIGSTOP)
+        try:
+            c.revoke(cell["id"], "maintenance")
+            lease = c.acquire(2, wait=60, ttl=30)  # granted once the GPUs drained
+            gone_at_grant = not _alive(pid)
+            c.release(lease)
+        finally:
+            os.kill(kernel_pid, signal.SIGCONT)
+            c.release(other)
+    drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == cell["id"], 30, "drained")
+    assert gone_at_grant, "the next holder was granted while the frozen kernel's worker still ran"
+    assert drained["ended"] == "revoked" and sorted(drained["gpus"]) == sorted(g["index"] for g in cell["gpus"])
+    out, finished = kernel.outputs(msg, timeout=30)
+    assert finished and status(first + out).startswith("gpu_train: revoked by"), status(first + out)
