@@ -255,9 +255,10 @@ class LeaseHandler(BaseHandler):
         body = self.body(self.bodies.release)
         token = body.get("token", self.query(validate.TOKEN_ARG))
         reason = body.get("reason", self.query(validate.REASON_ARG, ""))  # e.g. "kernel shut down"
+        verified = bool(body.get("verified", self.query(validate.VERIFIED_ARG, False)))
         me = self.identity
         ended, changed = await self.store.release(
-            lease_id, me.user, admin=me.admin, token=token, revoke=None, reason=reason
+            lease_id, me.user, admin=me.admin, token=token, revoke=None, reason=reason, verified=verified
         )
         self.reply(_ended_view(ended, changed, with_token=ended["user"] == me.user))
 

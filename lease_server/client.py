@@ -347,10 +347,14 @@ class Client:
         """ "I'm still using it": reset the idle clock of a warned lease."""
         return self.request("POST", protocol.lease_keep(lease_id))  # type: ignore[no-any-return]
 
-    def release(self, lease: Lease | str, token: int | None = None) -> dict[str, Any]:
+    def release(self, lease: Lease | str, token: int | None = None, verified: bool = False) -> dict[str, Any]:
+        """Release (idempotent). ``verified``: you saw every process the lease named gone
+        (:meth:`procs`); without it the GPUs on which it named one drain before they are free."""
         lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
-        params = {"token": tok} if tok else None
-        return self.request("DELETE", protocol.lease(lid), params=params)  # type: ignore[no-any-return]
+        params: dict[str, Any] = {"token": tok} if tok else {}
+        if verified:
+            params["verified"] = "true"
+        return self.request("DELETE", protocol.lease(lid), params=params or None)  # type: ignore[no-any-return]
 
     def revoke(self, lease_id: str, reason: str = "") -> dict[str, Any]:
         return self.request("POST", protocol.lease_revoke(lease_id), json={"reason": reason})  # type: ignore[no-any-return]
@@ -527,12 +531,12 @@ class HeldLease:
             self._thread.join(timeout=5)
         return self.client.handoff(self.lease, to)
 
-    def release(self) -> None:
+    def release(self, verified: bool = False) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         try:
-            self.client.release(self.lease)
+            self.client.release(self.lease, verified=verified)
         except errors.GpuLeaseError as exc:
             # Released, expired or revoked already: the GPUs are back, nothing to do.
             log.info("release of %s: %s", self.lease.id, exc)

@@ -429,6 +429,7 @@ class LeaseStore:
         token: object = None,
         revoke: bool | None = False,
         reason: str = "",
+        verified: bool = False,
     ) -> tuple[dict[str, Any], bool]:
         """End a lease. Returns (record, changed): releasing an ended lease changes nothing.
 
@@ -438,6 +439,9 @@ class LeaseStore:
         A request still queued under ``lease_id`` is withdrawn instead (owner or admin): it leaves
         the queue, its blocked POST is woken with :class:`errors.Withdrawn`, and the record
         returned is the waiter's, with state ``"withdrawn"`` (see :func:`public_withdrawal`).
+
+        ``verified``: the caller saw every process the lease named gone; without it the GPUs on
+        which it named one drain (lease_server/drain.py) before they are free.
         """
         tok = self._token(token, required=False)
         if revoke and not admin:
@@ -449,7 +453,7 @@ class LeaseStore:
             state, because, if_revoked = LeaseState.REVOKED.value, why or f"revoked by admin {user}", ""
         else:
             state, because, if_revoked = LeaseState.RELEASED.value, why or "released by its owner", ""
-        got = await self.engine.run(Release(lease_id, tok, user, admin, state, because, if_revoked, why))
+        got = await self.engine.run(Release(lease_id, tok, user, admin, state, because, if_revoked, why, verified))
         if isinstance(got, Ended):
             if got.changed:
                 log.info("%s %s user=%s by=%s", got.record["state"], lease_id, got.record["user"], user)

@@ -377,7 +377,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 ),
                 409,
                 body=bodies.release,
-                params=[LEASE_ID, v.TOKEN_ARG.openapi(), v.REASON_ARG.openapi()],
+                params=[LEASE_ID, v.TOKEN_ARG.openapi(), v.REASON_ARG.openapi(), v.VERIFIED_ARG.openapi()],
             ),
         },
         "/api/v1/leases/{lease_id}/renew": {

@@ -403,6 +403,7 @@ class Release(ScriptCall):
     reason: str
     revoke_reason: str = ""  # for "auto": the reason if it turns out to be a revoke
     withdraw_reason: str = ""  # for a queued request ("": "withdrawn by its owner" / "by admin USER")
+    verified: bool = False  # the caller saw the lease's named processes gone: no draining
 
     def reply(self, code: Code, rest: list[Any]) -> Ended | Removed:
         if code in (Code.OK, Code.ENDED):

@@ -697,6 +697,7 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     check=lambda v: check_token(v, required=False),
                 ),
                 reason,
+                Field("verified", {"type": "boolean", "description": VERIFIED_TEXT}),
             ),
             description="Optional; the same fields may be given in the query string (the body wins)",
         ),
@@ -1009,6 +1010,11 @@ def _token_arg(raw: str) -> int:
 TOKEN_ARG = Param(
     "token", {"type": "integer", "minimum": 0}, "The fencing token (as the body's `token`)", parse=_token_arg
 )
+VERIFIED_TEXT = (
+    "You saw every process the lease named (POST /leases/{id}/procs) gone: its GPUs are free at once. "
+    "Without it, the GPUs on which it named a process drain first (the node agent ends what remains)"
+)
+VERIFIED_ARG = Param("verified", {"type": "boolean"}, VERIFIED_TEXT + BOOL_NOTE)
 REASON_ARG = Param(
     "reason",
     _text(),

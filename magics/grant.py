@@ -432,7 +432,8 @@ class Grant:
                 return
         self.end_ranks()
         if self.held is not None:
-            self.held.release()
+            # Verified: the workers it named are gone, free at once; else the node agent makes sure.
+            self.held.release(verified=self.verified)
             self.sess.held.discard(self.held)
 
     def end_ranks(self) -> None:

@@ -251,17 +251,26 @@ def test_elastic_shrink_past_its_deadline_drains_only_the_gpus_taken(
     check_invariants(srv, redis_sync)
 
 
-def test_a_simulated_lease_without_processes_frees_at_once_and_owners_never_drain(
-    srv: Any, procs: Any, redis_sync: Any
-) -> None:
+def test_an_owners_release_drains_only_what_it_did_not_see_gone(srv: Any, procs: Any, redis_sync: Any) -> None:
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
     alice, admin = srv.client("alice"), srv.client("root", "admin")
     plain = alice.acquire(1)
     admin.revoke(plain.id)
     assert board_states(admin, "n1")[plain.gpus[0]["index"]] == "free"  # nothing named: nothing to drain
     lease = alice.acquire(2)
+    name(alice, lease, procs())
+    alice.release(lease, verified=True)  # the magic saw its worker gone first: free at once
+    assert board_states(admin, "n1") == {0: "free", 1: "free"}
+    # Released without having seen it gone (the board's Release while the cell runs, a kernel shut
+    # down): the GPU the named process uses drains, the other is free at once.
+    lease = alice.acquire(2)
     proc = procs()
-    name(alice, lease, proc)
-    alice.release(lease)  # the owner ends it: the magic verified its worker gone first
+    name(alice, lease, proc, gpus=[0])
+    alice.release(lease)
+    assert board_states(admin, "n1") == {0: "draining", 1: "free"}
+    drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 20, "drained")
+    assert drained["ended"] == "released" and drained["gpus"] == [0] and drained["killed"] == 1
+    proc.wait(5)
     assert board_states(admin, "n1") == {0: "free", 1: "free"}
     check_invariants(srv, redis_sync)
 

@@ -777,12 +777,14 @@ local function dispatch(pool)
 end
 
 -- ---- draining: a GPU the server took back is free only once its node is clean --------------
--- Whether GPU idx of `node` (inventory `inv_raw`) must drain before it is free again when the
--- server ends `lease` there: always on a node whose agent sees processes (NVML); on a simulated
--- node when the lease registered a process on that GPU (POST /leases/{id}/procs). The pids the
--- agent must see gone: {{pid, start}, ...}, or nil when the GPU is free at once.
-local function drain_pids(lease, node, idx, inv_raw)
-  if VIRTUAL then return nil end
+-- Whether GPU idx of `node` (inventory `inv_raw`) must drain before it is free again when `lease`
+-- ends there, and the pids the agent must see gone: {{pid, start}, ...}, or nil when the GPU is
+-- free at once. `mode` "all" (the server ended it): always on a node whose agent sees processes
+-- (NVML), on a simulated node when the lease named a process on that GPU (POST
+-- /leases/{id}/procs); "named" (its owner ended it without having seen its processes gone: the
+-- board's Release, a kernel shut down): only when it named one.
+local function drain_pids(lease, node, idx, inv_raw, mode)
+  if VIRTUAL or not mode then return nil end
   local pids = {}
   for _, p in ipairs(lease.procs or {}) do
     if (p.node or lease.node) == node then
@@ -792,7 +794,7 @@ local function drain_pids(lease, node, idx, inv_raw)
     end
   end
   local simulated = inv_raw ~= nil and string.find(inv_raw, '"source":"simulated"', 1, true) ~= nil
-  if simulated and #pids == 0 then return nil end
+  if (simulated or mode == 'named') and #pids == 0 then return nil end
   return pids
 end
 
@@ -811,8 +813,9 @@ end
 -- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
 -- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
 -- instead of the whole record encoded again.
-local function end_lease(lease, state, reason, by, raw)
-  local forced = state ~= 'released'  -- the server (or an admin) ended it: its GPUs drain
+local function end_lease(lease, state, reason, by, raw, drain)
+  -- the server (or an admin) ended it: its GPUs drain ("all"); see drain_pids for "named"
+  if drain == nil and state ~= 'released' then drain = 'all' end
   local by_node, order = {}, {}
   for _, g in ipairs(lease.gpus) do
     local node = g.node or lease.node
@@ -835,7 +838,7 @@ local function end_lease(lease, state, reason, by, raw)
     for _, g in ipairs(by_node[node]) do
       local slot = node .. '/' .. g.index
       if redis.call('HGET', K_HOLDERS, slot) == lease.id then
-        local pids = forced and present[g.index] and drain_pids(lease, node, g.index, inv_raw)
+        local pids = present[g.index] and drain_pids(lease, node, g.index, inv_raw, drain)
         if pids then
           start_drain(lease, node, g.index, pids, state)
           draining[#draining + 1] = g.index
@@ -932,7 +935,7 @@ end
 -- shrink is done with once the lease is down to its shrink_to. The token stays. The caller serves
 -- the pool's queue (dispatch). Returns the lease and its JSON.
 local function shrink_lease(lease, k, why, by)
-  local forced = by == 'server'  -- the shrink notice ran out: the GPUs taken back drain
+  local drain = by == 'server' and 'all' or nil  -- the shrink notice ran out: the GPUs taken back drain
   mark_resize(lease)
   local desc = {}
   for _, g in ipairs(lease.gpus) do desc[#desc + 1] = g.index end
@@ -953,7 +956,7 @@ local function shrink_lease(lease, k, why, by)
   for _, idx in ipairs(freed) do
     local slot = node .. '/' .. idx
     if redis.call('HGET', K_HOLDERS, slot) == lease.id then
-      local pids = forced and present[idx] and drain_pids(lease, node, idx, inv_raw)
+      local pids = present[idx] and drain_pids(lease, node, idx, inv_raw, drain)
       if pids then
         start_drain(lease, node, idx, pids, 'shrunk')
         draining[#draining + 1] = idx

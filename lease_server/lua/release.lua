@@ -7,6 +7,9 @@
 --           user's lease, released otherwise)
 -- ARGV[11] = reason (for "auto", the reason used when it turns out to be a revoke is ARGV[12])
 -- ARGV[13] = reason of a withdrawal ("" or absent: "withdrawn by its owner" / "by admin USER")
+-- ARGV[14] = "1" if the caller saw every process the lease named gone (the magic's verified
+--            release): its GPUs are free at once; otherwise an owner's release drains the GPUs
+--            on which the lease named a process (a revoke drains them all)
 -- returns {OK, ended JSON} | {ENDED, ended JSON} | {REMOVED, position it had, waiter JSON}
 --       | {NO_SUCH} | {NOT_OWNER} | {STALE}
 local id, token, user, admin, state, reason = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
@@ -51,6 +54,7 @@ if token ~= '' and tostring(lease.token) ~= token then return {STALE} end
 if state == 'auto' then
   if lease.user ~= user then state, reason = 'revoked', ARGV[12] else state = 'released' end
 end
-local _, ended_json = end_lease(lease, state, reason, user, raw)
+local drain = state ~= 'released' and 'all' or (ARGV[14] ~= '1' and 'named' or false)
+local _, ended_json = end_lease(lease, state, reason, user, raw, drain)
 dispatch(lease.pool)
 return {OK, ended_json}
