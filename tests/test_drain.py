@@ -21,8 +21,10 @@ import time
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from lease_server import errors
+from lease_server.cli import main
 from lease_server.drain import start_ticks
 from tests.api_helpers import EventWatcher
 from tests.invariants import check_event_log, check_state, read_events
@@ -135,6 +137,10 @@ def test_admin_revoke_drains_before_the_waiter_is_granted(srv: Any, procs: Any, 
     gpu = next(g for n in admin.cluster()["nodes"] for g in n["gpus"] if g["index"] == 0)
     assert gpu["draining"]["lease"] == lease.id and gpu["draining"]["user"] == "alice"
     assert admin.cluster()["pools"]["A100-80GB"]["draining"] == 2
+    shown = CliRunner().invoke(main, ["status", "--url", srv.url, "--token", srv.token("root", "admin")])
+    lines = [ln for ln in shown.output.splitlines() if ln.startswith("draining: ")]
+    assert len(lines) == 1 and lines[0].startswith("draining: n1 GPU 0,1: alice's lease revoked "), shown.output
+    assert lines[0].endswith(" ago, free once clean") and len(lines[0]) <= 80
     assert_drained_then_granted(srv, watcher, lease, proc, rid, "revoked")
     t.join(10)
     assert got and got[0].node == "n1"

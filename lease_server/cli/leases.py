@@ -57,9 +57,12 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         default = " (default)" if name == view.get("default_pool") else ""
         pools.add_row(name + default, *(str(p[k]) for k in ("nodes", "gpus", "free", "leased", "down")), str(waiting))
     out.print(pools)
-    unleased = []
+    unleased: list[str] = []
+    draining: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (node, lease) -> its draining GPUs
     for n in view["nodes"]:
         for g in n["gpus"]:
+            if g.get("draining"):
+                draining.setdefault((n["name"], g["draining"]["lease"]), []).append(g)
             if g.get("unleased_use"):
                 pids = ", ".join(str(pid) for pid in g["unleased_use"].get("pids", []))
                 unleased.append(f"{n['name']} GPU {g['index']}, pids {pids} (no lease holds this GPU)")
@@ -67,6 +70,10 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         _gpu_table(view, out)
     else:
         _lease_table(view)
+    for (node, _), gs in draining.items():
+        d, which = gs[0]["draining"], ",".join(str(g["index"]) for g in gs)
+        line = f"{node} GPU {which}: {d['user']}'s lease {d['state']} {ago(d['since'], now)} ago, free once clean"
+        out.print(Text.assemble(("draining", "cyan"), f": {line}"), soft_wrap=True)
     for line in unleased:
         err_console.print(Text.assemble(("unleased use", "bold red"), f": {line}"), soft_wrap=True)
     if view["queue"]:
@@ -146,7 +153,7 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
     gpus = Table(title="GPUs")
     for col in ("node", "gpu", "model", "memory", "state", "util", "mem used", "holder", "label", "held", "lease"):
         gpus.add_column(col, no_wrap=True)
-    colors = {"free": "green", "leased": "yellow", "down": "red"}
+    colors = {"free": "green", "leased": "yellow", "draining": "cyan", "down": "red"}
     for n in view["nodes"]:
         for g in n["gpus"]:
             lease = g.get("lease") or {}
