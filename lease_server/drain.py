@@ -135,9 +135,11 @@ class Drainer:
         self.enforcer = enforcer
         self.grace_s = grace_s
         self.killed: dict[tuple[str, str], int] = {}  # (node, lease) -> processes signalled
-        # Signalled already: an exiting process stays in NVML's list a moment after SIGKILL, with
-        # its device files closed; it is waited for without a warning.
-        self.signalled: dict[tuple[str, int], None] = {}
+        # Ended already, by (node, pid, start time): waited for, never signalled twice (a process
+        # that ignored SIGTERM gets its SIGKILL from the Enforcer). One that NVML still lists as it
+        # exits, its device files closed, is waited for without a warning (warned: said once).
+        self.signalled: dict[tuple[str, int, int], None] = {}
+        self.warned: dict[tuple[str, int], None] = {}
 
     def step(
         self,
@@ -161,13 +163,20 @@ class Drainer:
             for pid, _ in remaining:
                 if pid <= 1 or pid == os.getpid() or (node, pid) in self.enforcer.pending:
                     continue
-                if verify is not None and not verify(e.index, pid):
-                    if (node, pid) not in self.signalled:  # (one we ended, still listed while it exits: quiet)
-                        log.warning("not ending pid %s on %s GPU %s: this agent cannot see it", pid, node, e.index)
+                start = start_ticks(pid)
+                if start is not None and (node, pid, start) in self.signalled:
+                    continue  # ended already (its SIGKILL came after the grace): it is on its way out
+                if start is None or (verify is not None and not verify(e.index, pid)):
+                    if (node, pid) not in self.warned:  # exiting (a zombie NVML still lists) or not ours to see
+                        self.warned[(node, pid)] = None
+                        if not any(k[:2] == (node, pid) for k in self.signalled):
+                            log.warning("not ending pid %s on %s GPU %s: this agent cannot see it", pid, node, e.index)
                     continue
-                self.signalled[(node, pid)] = None
+                self.signalled[(node, pid, start)] = None
                 while len(self.signalled) > 10_000:
                     del self.signalled[next(iter(self.signalled))]
+                while len(self.warned) > 10_000:
+                    del self.warned[next(iter(self.warned))]
                 if self.enforcer.terminate(node, e.index, pid, self.grace_s, why="drain") is not None:
                     self.killed[(node, e.lease)] = self.killed.get((node, e.lease), 0) + 1
                     log.warning(
