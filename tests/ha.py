@@ -279,7 +279,7 @@ def run_load(
         rng = random.Random(i)
         pause = threading.Event()
         mine: Holding | None = None
-        with Client(url, tokens[i], timeout=20) as c:
+        with Client(url, tokens[i], timeout=20, resend_503_s=0) as c:  # _retry resends, and counts
             while not stop.is_set():
                 try:
                     if mine is None:

@@ -143,7 +143,7 @@ class Heartbeater:
     """A test-controlled node agent: declares ``node`` over HTTP, then heartbeats until stopped."""
 
     def __init__(self, url: str, token: str, node: str, inventory: dict[str, Any], interval: float) -> None:
-        self.client = Client(url, token, timeout=5)
+        self.client = Client(url, token, timeout=5, resend_503_s=0)
         self.node, self.inventory, self.interval = node, inventory, interval
         self.statuses: list[str] = []
         self.error: BaseException | None = None
@@ -226,7 +226,8 @@ def servers(redis_server: RedisProcess, prefix: str) -> Iterator[Callable[..., S
 
 
 def client_of(srv: ServerHandle, user: str, role: str = "user") -> Client:
-    return Client(srv.url, srv.token(user, role), timeout=5)
+    # resend_503_s=0: these tests see each 503 themselves (tests/test_unavailable.py the resending)
+    return Client(srv.url, srv.token(user, role), timeout=5, resend_503_s=0)
 
 
 # ---- 1. kill -9 of the HTTP server under load ----------------------------------------------------
@@ -261,7 +262,7 @@ def test_kill_9_of_the_http_server_under_load_keeps_leases_and_clients_carry_on(
 
         def churn(i: int, token: str) -> None:
             rng = random.Random(i)
-            with Client(srv.url, token, timeout=5) as c:
+            with Client(srv.url, token, timeout=5, resend_503_s=0) as c:
                 try:
                     while not stop_load.is_set():
                         try:
@@ -386,7 +387,7 @@ def test_redis_kill_and_restart_under_load_loses_no_acknowledged_lease(tmp_path,
         def client_main(i: int) -> None:
             rng = random.Random(100 + i)
             mine: list[Lease] = []
-            with Client(srv.url, tokens[i], timeout=5) as c:
+            with Client(srv.url, tokens[i], timeout=5, resend_503_s=0) as c:
                 try:
                     while not stop_load.is_set():
                         with lock:
