@@ -68,7 +68,9 @@ def test_a_user_may_open_only_so_many_event_streams(server_factory: Any) -> None
     with httpx.Client(base_url=srv.url, headers=headers, timeout=10) as h:
         with h.stream("GET", f"{API}/events") as one, h.stream("GET", f"{API}/events") as two:
             assert one.status_code == two.status_code == 200
-            next(one.iter_lines()), next(two.iter_lines())  # both open on the server
+            # Both open on the server (the line iterators are kept: one dropped closes its stream).
+            lines = [one.iter_lines(), two.iter_lines()]
+            assert [next(it) for it in lines] == [": gpulease event stream"] * 2
             third = h.get(f"{API}/events")
             assert third.status_code == 429, third.text
             body = third.json()
@@ -76,6 +78,7 @@ def test_a_user_may_open_only_so_many_event_streams(server_factory: Any) -> None
             assert body["details"] == {"streams": 2, "limit": 2}
             bob = httpx.get(f"{srv.url}{API}/events/log", headers={"Authorization": f"Bearer {srv.token('bob')}"})
             assert bob.status_code == 200
+            del lines
         # Both closed: the server ends them as the connections close, and a stream opens again. (It
         # learns of a close from its event loop: the first try may still find them open.)
         for _ in range(100):
