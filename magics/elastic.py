@@ -287,8 +287,9 @@ class ElasticRun:
             try:
                 results = self.pump.run(self._with_state(call), self.opts.timeout)
             except GpuTrainError:
-                if not ctl.forced:
+                if not (ctl.forced or self._taken_back(size)):
                     raise
+                ctl.forced = True
                 results = []
             finally:
                 ctl.stop()
@@ -305,6 +306,16 @@ class ElasticRun:
             self._resize(size, target, ctl.why)
             if ctl.asked_at is not None:
                 self.phases[-1].stop_s = time.monotonic() - ctl.asked_at
+
+    def _taken_back(self, size: int) -> bool:
+        """Whether the server took GPUs of this phase back (a shrink notice ran out): the node agent
+        then ends the ranks on them (draining), and the phase ends as a forced resize, not as a
+        crash of the job."""
+        try:
+            rec = self.grant.sess.client().get(self.lease.id)
+        except errors.GpuLeaseError:
+            return False
+        return rec.get("state") == "active" and len(rec.get("gpus", [])) < size
 
     def _start_ranks(self) -> None:
         """One rank per leased GPU, in index order: the process that stayed on that GPU through the
