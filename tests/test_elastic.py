@@ -81,7 +81,13 @@ def ddp_loop(steps: int, go: str, resume_state: Any = None) -> Any:
         return {"step": state["step"], "done": list(state["done"]), "sizes": list(state["sizes"]), "model": model_state}
 
     magics.on_preempt(checkpoint)
-    while state["step"] < steps or not os.path.exists(go):
+    while True:
+        # Every rank stops at the same step: each sees the go file at its own moment, and a rank that
+        # left the group while another still all-reduces would hang it or fail it ("closed by peer").
+        done = torch.tensor([1.0 if state["step"] >= steps and os.path.exists(go) else 0.0])
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            break
         x = torch.randn(16, 8)
         loss = ddp(x).pow(2).mean()
         opt.zero_grad()
