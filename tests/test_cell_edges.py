@@ -199,7 +199,7 @@ def run_until_training(kernel: Kernel, code: str) -> str:
 SLEEPER = "%%gpu_train\nimport time\nprint('training', flush=True)\ntime.sleep(120)"
 
 
-def test_released_from_the_board_while_running_says_so(stack, kernel):
+def test_released_from_the_board_while_running_says_so(stack, kernel, watcher):
     msg = run_until_training(kernel, SLEEPER)
     with client(stack) as c:
         (lease,) = c.leases()
@@ -211,6 +211,8 @@ def test_released_from_the_board_while_running_says_so(stack, kernel):
     assert err["ename"] == "GpuLeaseEnded" and err["evalue"] == "released from the board by you", err
     assert status(out).startswith("gpu_train: released from the board by you; released; GPU memory freed")
     assert not any(w in text(out) + str(err) for w in ("worker died", "Ray", "OOM", "SIGSEGV"))
+    # Released without the worker seen gone: its GPUs drained, free once the agent saw it gone.
+    watcher.wait_for(lambda e: e["type"] == "drained" and e.get("lease") == lease["id"], 30, "drained")
     assert free(stack) == 4
 
 

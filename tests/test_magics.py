@@ -17,6 +17,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 from magics.kernel import install
+from tests.api_helpers import EventWatcher
 from tests.conftest import Up
 
 TTL = "3"  # seconds: short, so that a dead kernel's lease runs out quickly
@@ -260,22 +261,24 @@ def test_killed_kernel_frees_its_gpus_and_its_worker_stops(stack):
         for line in lines:
             if line.startswith("data:") and lease["id"] in line and '"expired"' in line:
                 break
-    ended = api(stack, "GET", f"/api/v1/leases/{lease['id']}")
-    # Back within TTL + 1 s of the last renewal: the final deadline plus at most one sweep.
-    assert ended["state"] == "expired" and ended["ended_at"] <= ended["expires_at"] + 1.0
+        ended = api(stack, "GET", f"/api/v1/leases/{lease['id']}")
+        # Ended within TTL + 1 s of the last renewal: the final deadline plus at most one sweep.
+        assert ended["state"] == "expired" and ended["ended_at"] <= ended["expires_at"] + 1.0
+        # Its GPU drains: free once the node agent sees the worker the kernel named gone (Ray ends
+        # the actors of a dead driver, the watchdog backs it up, the agent ends what remains).
+        for line in lines:
+            if line.startswith("data:") and lease["id"] in line and '"drained"' in line:
+                break
+        gone_when_free = not _alive(worker_pid)
+    assert gone_when_free, "the GPU was free again while the orphaned worker still ran"
     assert free_gpus(stack) == 2
-    # The orphaned worker is gone too (Ray kills actors of a dead driver; the watchdog backs it up).
-    for _ in range(100):
-        if not _alive(worker_pid):
-            break
-        time.sleep(0.1)  # process exit has no event we can wait on from here
-    assert not _alive(worker_pid)
 
 
 def test_revoke_stops_the_worker_and_the_cell_says_why(stack, kernel):
     msg_id = kernel.start("%%gpu_train\nimport time\nprint('training', flush=True)\ntime.sleep(120)")
     kernel.outputs(msg_id, until="training")
     lease = api(stack, "GET", "/api/v1/leases?all=true")["leases"][0]
+    watcher = EventWatcher(stack.url, (stack.data / "token").read_text().strip()).start()
     revoked_at = time.monotonic()
     api(stack, "POST", f"/api/v1/leases/{lease['id']}/revoke", json={"reason": "maintenance"})
     out, finished = kernel.outputs(msg_id, timeout=30)
@@ -285,6 +288,8 @@ def test_revoke_stops_the_worker_and_the_cell_says_why(stack, kernel):
     assert err["evalue"].startswith("revoked by ") and err["evalue"].endswith(": maintenance"), err
     assert status(out).startswith("gpu_train: revoked by ") and "maintenance" in status(out)
     assert not any(w in text(out) + status(out) for w in ("worker died", "Ray", "SIGSEGV")), out
+    # A revoke drains: the GPU is free once the node agent saw the worker gone.
+    watcher.wait_for(lambda e: e["type"] == "drained" and e.get("lease") == lease["id"], 30, "drained")
     assert free_gpus(stack) == 2
 
 
