@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from lease_server.client import Client
-from lease_server.errors import ConfigurationError
 from magics.calls import Call
 from magics.runner import Options, run_call
 from magics.session import Session
 from tests.api_helpers import EventWatcher
 from tests.conftest import Up
+from tests.test_elastic import sess  # noqa: F401 - the fixture, on this module's own stack
 from tests.test_magics import _alive
 
 ray = pytest.importorskip("ray")
@@ -63,25 +63,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     stack.interrupt()
 
 
-@pytest.fixture(scope="module")
-def sess(up: Up) -> Iterator[Session]:
-    s = Session()
-    s.defaults.url, s.defaults.token = up.url, (up.data / "token").read_text().strip()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            s.connect_ray()
-            break
-        except ConfigurationError:
-            assert time.monotonic() < deadline, "the Ray head of gpulease up did not answer"
-            time.sleep(0.5)  # the Ray head is still starting: there is no event to wait on
-    s.set_spares("box", 3)
-    yield s
-    s.release_all()
-    s.reset_client()
-
-
-def test_ranks_that_never_step_are_ended_before_their_gpus_go_to_the_waiter(up: Up, sess: Session, tmp_path: Path):
+def test_ranks_that_never_step_are_ended_before_their_gpus_go_to_the_waiter(up: Up, sess: Session, tmp_path: Path):  # noqa: F811
     admin = Client(up.url, sess.defaults.token)
     bob = Client(up.url, admin.request("POST", "/api/v1/tokens", json={"user": "bob"})["token"])
     watcher = EventWatcher(up.url, sess.defaults.token).start()

@@ -200,6 +200,8 @@ def token_create(
 @click.option("--dry-run", is_flag=True, help="Only list what would change")
 def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dry_run: bool) -> None:
     """Move the data in Redis to this release's layout (stop every lease server first)."""
+    from redis.exceptions import RedisError
+
     from .. import layout
     from ..config import Settings
     from ..engine import connect
@@ -225,7 +227,13 @@ def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dr
             finally:
                 await r.aclose()
 
-        found, changes = asyncio.run(run())
+        try:
+            found, changes = asyncio.run(run())
+        except RedisError as exc:
+            raise click.ClickException(
+                f"cannot reach Redis at {settings.redis_url} ({exc}); pass --redis-url, or --data-dir for the "
+                "data of gpulease up (stop gpulease up first)"
+            ) from None
     finally:
         if proc is not None:
             proc.stop()

@@ -649,6 +649,21 @@ local function ask_to_shrink(w, pool, n, notice_ms)
   return best
 end
 
+-- The live lease `id` if `user` owns it and `token` is its fencing token: (lease, its JSON), or
+-- (nil, the reply to give: {ENDED, ended JSON} | {NO_SUCH} | {NOT_OWNER} | {STALE}).
+local function owned_lease(id, token, user)
+  local raw = redis.call('HGET', K_LEASES, id)
+  if not raw then
+    local ended = redis.call('HGET', K_ENDED, id)
+    if ended then return nil, {ENDED, ended} end
+    return nil, {NO_SUCH}
+  end
+  local lease = cjson.decode(raw)
+  if lease.user ~= user then return nil, {NOT_OWNER} end
+  if tostring(lease.token) ~= token then return nil, {STALE} end
+  return lease, raw
+end
+
 -- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
 -- them); then the pool's scheduler: "fair_share" (least decayed GPU-time first, aged by waiting
 -- time x size so large requests cannot starve), "priority" (priority class first, fair share

@@ -13,15 +13,8 @@
 --       | {NOT_OWNER} | {STALE}
 local id, token, user, k = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local seen = tonumber(ARGV[10] or '')
-local raw = redis.call('HGET', K_LEASES, id)
-if not raw then
-  local ended = redis.call('HGET', K_ENDED, id)
-  if ended then return {ENDED, ended} end
-  return {NO_SUCH}
-end
-local lease = cjson.decode(raw)
-if lease.user ~= user then return {NOT_OWNER} end
-if tostring(lease.token) ~= token then return {STALE} end
+local lease, raw = owned_lease(id, token, user)
+if not lease then return raw end
 if lease.expires_at < NOW then
   local why = 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
   local _, ended_json = end_lease(lease, 'expired', why, 'server', raw)

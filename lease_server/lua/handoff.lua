@@ -11,15 +11,8 @@
 -- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}
 --       | {NOT_OWNER} | {STALE}
 local id, token, user, named = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local raw = redis.call('HGET', K_LEASES, id)
-if not raw then
-  local ended = redis.call('HGET', K_ENDED, id)
-  if ended then return {ENDED, ended} end
-  return {NO_SUCH}
-end
-local lease = cjson.decode(raw)
-if lease.user ~= user then return {NOT_OWNER} end
-if tostring(lease.token) ~= token then return {STALE} end
+local lease, raw = owned_lease(id, token, user)
+if not lease then return raw end
 local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. lease.pool .. '|', '(' .. lease.pool .. '|~', 'LIMIT', 0, 1001)
 if #members == 0 then return {BUSY, 'no request of yours is queued'} end
 if #members > 1000 then return {BUSY, 'the queue is too long to read'} end

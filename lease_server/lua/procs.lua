@@ -7,15 +7,8 @@
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE}
 --       | {INVALID, node[, index]}: a node or GPU the lease does not hold
 local id, token, user = ARGV[6], ARGV[7], ARGV[8]
-local raw = redis.call('HGET', K_LEASES, id)
-if not raw then
-  local ended = redis.call('HGET', K_ENDED, id)
-  if ended then return {ENDED, ended} end
-  return {NO_SUCH}
-end
-local lease = cjson.decode(raw)
-if lease.user ~= user then return {NOT_OWNER} end
-if tostring(lease.token) ~= token then return {STALE} end
+local lease, raw = owned_lease(id, token, user)
+if not lease then return raw end
 local procs = cjson.decode(ARGV[9])
 local held = {}
 for _, g in ipairs(lease.gpus) do held[(g.node or lease.node) .. '/' .. g.index] = true end
