@@ -321,6 +321,16 @@ class ProcsHandler(BaseHandler):
         self.reply(public_lease(rec, with_token=True))
 
 
+class WarmHandler(BaseHandler):
+    """The owner keeps a finished cell's lease warm (its worker stays for the next cell; its GPUs
+    are lent to whoever would otherwise wait), or runs a cell on it again."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.body(self.bodies.warm)
+        rec = await self.store.warm(lease_id, self.identity.user, body["token"], body["warm"])
+        self.reply(public_lease(rec, with_token=True))
+
+
 class RevokeHandler(BaseHandler):
     async def post(self, lease_id: str) -> None:
         me = self.identity
@@ -757,6 +767,7 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/shrink", ShrinkHandler),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
         (rf"{API}/leases/{lease_id}/procs", ProcsHandler),
+        (rf"{API}/leases/{lease_id}/warm", WarmHandler),
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),
         (rf"{API}/reservations/{lease_id}/end", ReservationEndHandler),

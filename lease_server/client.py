@@ -343,6 +343,13 @@ class Client:
         body = {"token": lease.token, "procs": procs}
         return self.request("POST", protocol.lease_procs(lease.id), json=body)  # type: ignore[no-any-return]
 
+    def warm(self, lease: Lease, on: bool = True) -> dict[str, Any]:
+        """Keep your one-node lease warm between cells (``on``): your worker stays, its GPUs are lent
+        to whoever would otherwise wait (event ``evicting``, then revoked after the pool's notice);
+        or run a cell on it again (not ``on``): :class:`errors.Conflict` once it is being evicted."""
+        body = {"token": lease.token, "warm": on}
+        return self.request("POST", protocol.lease_warm(lease.id), json=body)  # type: ignore[no-any-return]
+
     def keep(self, lease_id: str) -> dict[str, Any]:
         """ "I'm still using it": reset the idle clock of a warned lease."""
         return self.request("POST", protocol.lease_keep(lease_id))  # type: ignore[no-any-return]

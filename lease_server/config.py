@@ -11,6 +11,7 @@ from typing import Any
 from .errors import ConfigurationError
 
 SCHEDULERS = ("fifo", "fair_share", "priority")
+SCHED_SETTINGS = ("scheduler", "preempt_notice", "idle_weight", "quota", "aging", "warm_max", "warm_evict_notice")
 PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 UNLEASED_ACTIONS = ("flag", "kill")  # what node agents do about a process on a GPU no lease covers
 
@@ -78,6 +79,11 @@ class Settings:
     scheduler: str = "fair_share"  # fifo | fair_share | priority
     preempt_notice: float = 30.0  # seconds a preemptible lease keeps its GPUs after being preempted
     idle_weight: float = 1.5  # a held-but-idle GPU-second counts this much in fair share (busy: 1)
+    # Warm cells: a finished %%gpu_train cell's worker stays on its GPUs for the notebook's next
+    # cell, lent out when someone waits: its kernel gets warm_evict_notice seconds to end it, and
+    # it ends by itself warm_max seconds after its last cell.
+    warm_max: float = 1800.0
+    warm_evict_notice: float = 2.0
     quota_per_user: int = 0  # GPUs at once per user and pool within quota (0: no quota)
     # GPU-seconds of fair-share credit per second waited, per GPU asked for: large requests are
     # not starved, yet a long backlog does not turn fair share into first-come-first-served
@@ -91,6 +97,8 @@ class Settings:
             "preempt_notice": self.preempt_notice,
             "idle_weight": self.idle_weight,
             "aging": self.aging,
+            "warm_max": self.warm_max,
+            "warm_evict_notice": self.warm_evict_notice,
             "quota": {"*": self.quota_per_user} if self.quota_per_user else {},
         }
         base.update(self.scheduling.get(pool, {}))
@@ -99,6 +107,8 @@ class Settings:
             "preempt_notice_ms": int(float(base["preempt_notice"]) * 1000),  # type: ignore[arg-type]
             "idle_weight": float(base["idle_weight"]),  # type: ignore[arg-type]
             "aging": float(base["aging"]),  # type: ignore[arg-type]
+            "warm_max_ms": int(float(base["warm_max"]) * 1000),  # type: ignore[arg-type]
+            "warm_evict_notice_ms": int(float(base["warm_evict_notice"]) * 1000),  # type: ignore[arg-type]
             "quota": dict(base["quota"]),  # type: ignore[call-overload]
         }
 
@@ -144,12 +154,18 @@ class Settings:
             )
         checks: dict[str, dict[str, Any]] = {"*": {"scheduler": self.scheduler}, **self.scheduling}
         for pool, table in checks.items():
-            unknown = set(table) - {"scheduler", "preempt_notice", "idle_weight", "quota", "aging"}
+            unknown = set(table) - set(SCHED_SETTINGS)
             if unknown:
                 raise ConfigurationError(
                     f"unknown scheduling setting(s) {sorted(unknown)} for pool {pool}; "
-                    "allowed: scheduler, preempt_notice, idle_weight, quota, aging"
+                    f"allowed: {', '.join(SCHED_SETTINGS)}"
                 )
+            for key in ("warm_max", "warm_evict_notice"):
+                value = table.get(key, getattr(self, key))
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 7 * 86400:
+                    raise ConfigurationError(
+                        f"{key} of pool {pool} must be a number of seconds in (0, 604800], got {value!r}"
+                    )
             if table.get("scheduler", "fair_share") not in SCHEDULERS:
                 raise ConfigurationError(
                     f"scheduler of pool {pool} must be one of {', '.join(SCHEDULERS)}, got {table.get('scheduler')!r}"

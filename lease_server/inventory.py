@@ -165,7 +165,17 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         free = set(json.loads(free_raw.get(name, "[]")) or [])
         counts = pools.setdefault(
             inv["pool"],
-            {"gpus": 0, "free": 0, "leased": 0, "down": 0, "nodes": 0, "reserved": 0, "borrowed": 0, "draining": 0},
+            {
+                "gpus": 0,
+                "free": 0,
+                "leased": 0,
+                "down": 0,
+                "nodes": 0,
+                "reserved": 0,
+                "borrowed": 0,
+                "draining": 0,
+                "warm": 0,
+            },
         )
         counts["nodes"] += 1
         gpus = []
@@ -173,7 +183,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
             holder = holders.get(f"{name}/{g['index']}")
             lease = leases.get(holder) if holder else None
             drain = draining.get(f"{name}/{g['index']}")
-            if lease is not None:
+            if lease is not None and lease.get("warm_since"):
+                state = "warm"  # a finished cell's worker kept for its next cell: lent out if someone waits
+            elif lease is not None:
                 state = "borrowed" if lease.get("borrowed") else "leased"
             elif drain is not None:
                 state = "draining"  # not free until its agent sees the old processes gone, up or down
@@ -218,6 +230,8 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                     entry["lease"]["borrowed"] = True
                 if lease.get("recall_at"):
                     entry["lease"]["recall_at"] = lease["recall_at"] / 1000
+                if lease.get("warm_since"):
+                    entry["lease"]["warm_since"] = lease["warm_since"] / 1000
                 if lease.get("shrink_to"):  # asked to give GPUs back for a waiting request
                     entry["lease"]["shrink_to"] = int(lease["shrink_to"])
                     entry["lease"]["shrink_by"] = lease["shrink_by"] / 1000

@@ -39,6 +39,7 @@ from .scripts import (
     Shrink,
     Sweep,
     SweepCounts,
+    Warm,
     no_such_lease,
 )
 from .validate import (  # the input validators live in validate.py; imported from here too
@@ -110,6 +111,12 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
     if rec.get("recall_at"):
         out["recall_at"] = rec["recall_at"] / 1000
         out["recall_reason"] = rec.get("recall_reason", "")
+    if rec.get("warm_since"):
+        # kept for its notebook's next cell: lent out if someone waits, ended at warm_until
+        out["warm_since"] = rec["warm_since"] / 1000
+        out["warm_until"] = rec["warm_until"] / 1000
+    if rec.get("warm_ms"):
+        out["warm_gpu_s"] = rec["warm_ms"] / 1000
     if rec.get("shrink_to") and "ended_at" not in rec:
         # asked to give GPUs back for a waiting request: the server shrinks it to shrink_to at shrink_by
         out["shrink_to"] = int(rec["shrink_to"])
@@ -496,6 +503,15 @@ class LeaseStore:
         seen = None if size is None else check_gpus(size, "size")
         rec: dict[str, Any] = await self.engine.run(Shrink(lease_id, tok, user, n, seen))
         log.info("shrunk %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
+        return rec
+
+    async def warm(self, lease_id: str, user: str, token: object, on: bool) -> dict[str, Any]:
+        """Keep the owner's one-node lease warm between cells (``on``): lendable, evicted for
+        anyone who would otherwise wait, ended warm_max after; or run a cell on it again (not
+        ``on``), refused with 409 once it is being evicted. See ``lua/warm.lua``."""
+        tok = self._token(token, required=True)
+        rec: dict[str, Any] = await self.engine.run(Warm(lease_id, tok, user, bool(on)))
+        log.info("%s %s user=%s", "warm" if on else "resumed", lease_id, user)
         return rec
 
     _token = staticmethod(check_token)

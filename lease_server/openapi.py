@@ -133,6 +133,13 @@ def _response_schemas() -> dict[str, Any]:
                 },
                 "shrink_by": num,
                 "shrink_reason": {"type": "string"},
+                "warm_since": {
+                    **num,
+                    "description": "Kept warm for its notebook's next cell since then (POST .../warm): lent out "
+                    "if someone waits",
+                },
+                "warm_until": {**num, "description": "A warm lease ends then (the pool's warm_max)"},
+                "warm_gpu_s": {**num, "description": "GPU-seconds it was kept warm, charged apart from use"},
                 "ended_at": num,
                 "end_reason": {"type": "string"},
                 "ended_by": {"type": "string"},
@@ -167,7 +174,7 @@ def _response_schemas() -> dict[str, Any]:
                                         **GPU_PROPS,
                                         "state": {
                                             "type": "string",
-                                            "enum": ["free", "leased", "reserved", "borrowed", "draining", "down"],
+                                            "enum": ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"],
                                         },
                                         "lease": {"type": "object"},
                                     },
@@ -447,6 +454,18 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 _json(_ref("Lease"), "Recorded"),
                 409,
                 body=bodies.procs,
+                params=[LEASE_ID],
+            ),
+        },
+        "/api/v1/leases/{lease_id}/warm": {
+            "post": _op(
+                "Keep your one-node lease warm between cells (warm: true): its worker stays, its GPUs are lent to "
+                "whoever would otherwise wait (the lease is evicted: event evicting, revoked after the pool's "
+                "warm_evict_notice), and it ends warm_max after it went warm. warm: false runs a cell on it "
+                "again; refused (409) once it is being evicted",
+                _json(_ref("Lease"), "The lease, warm or running again"),
+                409,
+                body=bodies.warm,
                 params=[LEASE_ID],
             ),
         },

@@ -80,6 +80,10 @@ def lease_procs(lease_id: str) -> str:
     return f"{lease(lease_id)}/procs"
 
 
+def lease_warm(lease_id: str) -> str:
+    return f"{lease(lease_id)}/warm"
+
+
 def reservation(booking_id: str) -> str:
     return f"{RESERVATIONS}/{_seg(booking_id)}"
 
@@ -166,6 +170,10 @@ class EventType(enum.StrEnum):
     # recalls: the lease keeps its GPUs until recall_at, then it is revoked (_lib.lua recall)
     PREEMPT_NOTICE = "preempt_notice"  # a preemptible lease above quota is preempted for a request within it
     BORROW_RECALLED = "borrow_recalled"  # a lease borrowed from a booking's GPUs is recalled for the booking
+    # warm leases: a finished cell's worker kept for the notebook's next cell (warm.lua); lendable
+    WARM = "warm"  # a lease was kept warm: it runs nothing, and whoever would otherwise wait evicts it
+    RESUMED = "resumed"  # a warm lease runs a cell again
+    EVICTING = "evicting"  # a warm lease is evicted for a waiting request: revoked at recall_at (_lib.lua recall)
     # idle reclaim
     IDLE_WARNING = "idle_warning"  # a lease's GPUs have been idle: reclaimed at reclaim_at (idle_warn.lua)
     IDLE_CLEARED = "idle_cleared"  # a warned lease's GPUs got busy again (keep.lua)
@@ -221,6 +229,9 @@ BOARD_EVENTS = frozenset(
         EventType.SHRUNK,
         EventType.SHRINK_NOTICE,
         EventType.DRAINED,
+        EventType.WARM,
+        EventType.RESUMED,
+        EventType.EVICTING,
     )
 )
 
@@ -246,7 +257,9 @@ LOG_ONLY_EVENTS = frozenset(
 ENDED_EVENTS = frozenset(e.value for e in (EventType.RELEASED, EventType.EXPIRED, EventType.REVOKED))
 
 # A lease was recalled: it keeps its GPUs until its recall_at, then it is revoked.
-RECALL_EVENTS = frozenset(e.value for e in (EventType.PREEMPT_NOTICE, EventType.BORROW_RECALLED))
+RECALL_EVENTS = frozenset(
+    e.value for e in (EventType.PREEMPT_NOTICE, EventType.BORROW_RECALLED, EventType.EVICTING)
+)
 
 # A live lease's GPUs changed, its token did not: whoever runs on it reads its GPUs again (GET).
 RESIZE_EVENTS = frozenset(e.value for e in (EventType.GROWN, EventType.SHRUNK))

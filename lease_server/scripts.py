@@ -628,6 +628,37 @@ class Keep(ScriptCall):
 
 
 @dataclass(frozen=True)
+class Warm(ScriptCall):
+    """The owner keeps a finished cell's lease warm (``on``: its worker stays for the next cell,
+    its GPUs lent to whoever would otherwise wait), or runs a cell on it again (not ``on``)."""
+
+    script: ClassVar[str] = "warm"
+    id: str
+    token: str
+    user: str
+    on: bool
+
+    def argv(self) -> list[Any]:
+        return [self.id, self.token, self.user, _wire(self.on)]
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.BUSY:
+            what = "kept warm" if self.on else "run again"
+            raise errors.Conflict(f"lease {self.id} cannot be {what}: {rest[0]}; release it and acquire again")
+        if code is Code.ENDED:
+            raise _ended(self.id, rest[0])
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        if code is Code.STALE:
+            raise _stale(self.id)
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
 class Procs(ScriptCall):
     """The holder names the processes on its lease's GPUs (``procs``: JSON list of
     ``{node, pid, start, gpus}``): what the node agent must see gone if the server ends the lease."""
@@ -806,6 +837,7 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Reserve,
     Unreserve,
     Procs,
+    Warm,
     Drained,
 )
 SCRIPT_NAMES = tuple(c.script for c in CALLS) + (Samples.script,)

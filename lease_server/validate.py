@@ -487,18 +487,22 @@ def _owner(value: object) -> object:
     return check_owner(value)
 
 
+# The fencing token of the caller's own lease, in every body that acts on it.
+LEASE_TOKEN = Field(
+    "token",
+    TOKEN,
+    required=True,
+    check=lambda v: check_token(v, required=True),
+    missing="token is required: pass the fencing token of the lease",
+)
+
+
 def _resize_body(name: str, verb: str, what: str) -> Body:
     """A grow or shrink request: the lease's token and how many GPUs to ``verb``."""
     return Body(
         name,
         (
-            Field(
-                "token",
-                TOKEN,
-                required=True,
-                check=lambda v: check_token(v, required=True),
-                missing="token is required: pass the fencing token of the lease",
-            ),
+            LEASE_TOKEN,
             Field(
                 "gpus",
                 {**GPUS, "description": f"How many GPUs to {verb} {what}"},
@@ -541,6 +545,7 @@ class Bodies:
     token: Body
     procs: Body
     drained: Body
+    warm: Body
 
     def all(self) -> list[Body]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
@@ -755,6 +760,23 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                 ),
             ),
         ),
+        warm=Body(
+            "WarmRequest",
+            (
+                LEASE_TOKEN,
+                Field(
+                    "warm",
+                    {
+                        "type": "boolean",
+                        "description": "true: keep the lease warm (its worker stays; its GPUs are lent to "
+                        "whoever would otherwise wait); false: run a cell on it again",
+                    },
+                    required=True,
+                    missing='warm is required: true to keep the lease warm, false to use it again, e.g. '
+                    '{"token": 7, "warm": true}',
+                ),
+            ),
+        ),
         grow=_resize_body("GrowRequest", "add", "to your elastic lease, up to the gpus it asked for at most"),
         shrink=_resize_body("ShrinkRequest", "give back", "(at least one stays: to give back all, release)"),
         reservation=Body(
@@ -901,13 +923,7 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
         procs=Body(
             "ProcsRequest",
             (
-                Field(
-                    "token",
-                    TOKEN,
-                    required=True,
-                    check=lambda v: check_token(v, required=True),
-                    missing="token is required: pass the fencing token of the lease",
-                ),
+                LEASE_TOKEN,
                 Field(
                     "procs",
                     {

@@ -202,7 +202,7 @@ def published_by_python() -> set[str]:
 
 def test_the_resolvers_find_the_dynamic_event_types() -> None:
     lua = lua_files()
-    assert recall_kinds(lua) == {"preempt_notice", "borrow_recalled"}
+    assert recall_kinds(lua) == {"preempt_notice", "borrow_recalled", "evicting"}
     assert end_states(lua) == ENDED
     assert wait_reasons() == {"timeout", "cancelled"}
 

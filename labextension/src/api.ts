@@ -19,6 +19,8 @@ export interface IHolder {
   reclaim_at?: number;
   /** Leased from capacity a booking holds back: revoked (at recall_at) once the booking's holder asks. */
   borrowed?: boolean;
+  /** Kept warm since (epoch s): its worker stays for the notebook's next cell; lent out if someone waits. */
+  warm_since?: number;
   /** Recalled (borrowed and its booking's holder asked, or preempted for quota): revoked at recall_at. */
   recall_at?: number;
   /** Where the lease comes from, when the client said (%%gpu_train sends them): a notebook's path, its cell. */
@@ -31,7 +33,7 @@ export interface IGpu {
   uuid?: string;
   model?: string;
   memory_mb?: number;
-  /** free | leased | reserved (free, held back for a booking now) | borrowed | draining | down. */
+  /** free | leased | warm (kept for its notebook's next cell; lendable) | reserved (free, held back for a booking now) | borrowed | draining | down. */
   state: string;
   lease?: IHolder;
   /** The booking a reserved GPU is held back for. */

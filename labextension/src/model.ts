@@ -58,7 +58,10 @@ export const BOARD_EVENTS = [
   'grown',
   'shrunk',
   'shrink_notice',
-  'drained'
+  'drained',
+  'warm',
+  'resumed',
+  'evicting'
 ];
 
 /**

@@ -17,11 +17,13 @@ import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
  * How each GPU state looks: free, leased, reserved (free but held back for a booking now), borrowed
  * (leased from a booking's capacity: revoked with a notice when the booking's holder asks), idle
  * (a leased GPU that idle reclaim warned), draining (the server ended its lease: free once its node
- * agent sees the old processes gone), down.
+ * agent sees the old processes gone), warm (a finished cell's worker kept for its notebook's next
+ * cell: lent out the moment someone waits), down.
  */
 export const STATES: Record<string, { label: string; legend: boolean }> = {
   free: { label: 'free', legend: true },
   leased: { label: 'leased', legend: true },
+  warm: { label: 'warm · lendable', legend: true },
   reserved: { label: 'reserved', legend: true },
   borrowed: { label: 'borrowed', legend: true },
   idle: { label: 'idle', legend: false },
@@ -131,8 +133,15 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
     if (idle && lease.reclaim_at) {
       parts.push(reclaimCountdown(lease.reclaim_at, now));
     }
+    if (lease.warm_since && !lease.recall_at) {
+      parts.push(`kept warm ${duration(now - lease.warm_since)}, lent out if someone waits`);
+    }
     if (lease.recall_at) {
-      parts.push(recallCountdown(lease.recall_at, now, !!lease.borrowed));
+      parts.push(
+        lease.warm_since
+          ? `evicted for a waiting request — free in ${Math.max(0, Math.floor(lease.recall_at - now))} s`
+          : recallCountdown(lease.recall_at, now, !!lease.borrowed)
+      );
     }
   }
   if (gpu.draining) {

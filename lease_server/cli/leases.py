@@ -153,7 +153,7 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
     gpus = Table(title="GPUs")
     for col in ("node", "gpu", "model", "memory", "state", "util", "mem used", "holder", "label", "held", "lease"):
         gpus.add_column(col, no_wrap=True)
-    colors = {"free": "green", "leased": "yellow", "draining": "cyan", "down": "red"}
+    colors = {"free": "green", "leased": "yellow", "warm": "blue", "draining": "cyan", "down": "red"}
     for n in view["nodes"]:
         for g in n["gpus"]:
             lease = g.get("lease") or {}

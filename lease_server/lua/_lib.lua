@@ -372,7 +372,10 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
   for _, l in ipairs(best_list) do
     if kind == 'borrow_recalled' then l.borrowed = true end
     l.recall_at = due
-    l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
+    l.recall_reason = why
+    if kind ~= 'evicting' then  -- a warm lease runs nothing: its kernel ends or suspends the worker
+      l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
+    end
     redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
     redis.call('ZADD', K_RECALL, due, l.id)
     local ev = {lease = l.id, user = l.user, pool = pool, node = l.node, requested_by = w.user, recall_at = due,
@@ -395,7 +398,8 @@ local function recall_for_booking(w, a, pool)
   local r = a.r
   local function rank(l)
     if l.resv then return nil end
-    return l.borrowed and 0 or 1
+    if l.warm_since then return 0 end  -- lendable: its holder runs nothing now
+    return l.borrowed and 1 or 2
   end
   local why = 'recalled for ' .. r.owner .. "'s booking " .. r.id .. ' (' .. r.gpus .. ' GPU(s) of ' .. pool .. ')'
   return recall(w, pool, w.gpus, r.colocate and r.node or nil, rank, r.notice_ms or 30000, 'borrow_recalled', why,
@@ -415,6 +419,8 @@ local function sched_of(pool)
   c.scheduler = c.scheduler or 'fair_share'
   c.quota = c.quota or {}
   c.preempt_notice_ms = c.preempt_notice_ms or 30000
+  c.warm_evict_notice_ms = c.warm_evict_notice_ms or 2000
+  c.warm_max_ms = c.warm_max_ms or 1800000
   c.idle_weight = c.idle_weight or 1
   c.aging = c.aging or 0.1
   SCHED_CACHE[pool] = c
@@ -664,6 +670,12 @@ local function owned_lease(id, token, user)
   return lease, raw
 end
 
+-- A warm lease (warm.lua) may be evicted for any waiter; nothing else is, by that rule.
+local function warm_rank(l)
+  if l.warm_since then return 0 end
+  return nil
+end
+
 -- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
 -- them); then the pool's scheduler: "fair_share" (least decayed GPU-time first, aged by waiting
 -- time x size so large requests cannot starve), "priority" (priority class first, fair share
@@ -769,7 +781,14 @@ local function dispatch(pool)
         hold = nil  -- a blocked gang recalls nothing (recalls free GPUs one node at a time)
       elseif a then
         hold = recall_for_booking(w, a, pool)
-      elseif tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0
+      elseif tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0') > 0 then
+        -- Warm leases are lendable: anyone who would otherwise wait evicts them, with a short notice
+        -- in which the holder's kernel ends (or suspends) the worker and releases.
+        hold = recall(w, pool, w.gpus_min or w.gpus, nil, warm_rank, sched.warm_evict_notice_ms, 'evicting',
+                      'evicted for ' .. w.user .. "'s request (a warm lease is lent out when someone waits)", {})
+      end
+      if not hold and not a and (w.nodes or 1) <= 1
+          and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0
           and within_quota(w, pool, w.gpus_min or w.gpus) then
         local mine = w.priority or 1
         local function rank(l)
@@ -824,6 +843,33 @@ local function start_drain(lease, node, idx, pids, state)
   redis.call('HSET', K_DRAINING, slot, (string.gsub(entry, '"pids":{}', '"pids":[]')))
 end
 
+-- ---- warm leases: a finished cell's worker kept for the notebook's next cell -----------------
+-- A warm lease (warm.lua) runs nothing: its GPUs are lent to whoever would otherwise wait
+-- (dispatch evicts it), and its time is charged as warm, not as use: fair share stops counting
+-- its GPUs while it is warm, and the ledger records warm_gpu_s apart from gpu_s.
+local function warm_lease(lease)
+  lease.warm_since = NOW
+  lease.warm_until = NOW + sched_of(lease.pool).warm_max_ms
+  lease.warned_at, lease.reclaim_at = nil, nil  -- lendable, not idle: the reclaimer leaves it alone
+  if lease.expires_at > lease.warm_until then
+    lease.expires_at = lease.warm_until
+    redis.call('ZADD', K_DEADLINES, lease.expires_at, lease.id)
+  end
+  touch_usage(lease.pool, lease.user, -#lease.gpus, 0)
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', 1)
+end
+
+-- A warm lease runs a cell again (or ends): its warm time is booked, fair share counts it again.
+local function cool_lease(lease)
+  if not lease.warm_since then return end
+  lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * #lease.gpus
+  lease.warm_since, lease.warm_until = nil, nil
+  touch_usage(lease.pool, lease.user, #lease.gpus, 0)
+  if redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', -1) <= 0 then
+    redis.call('HDEL', K_HELD_BY, lease.pool .. '|~warm')
+  end
+end
+
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
 -- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
 -- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
@@ -831,6 +877,11 @@ end
 local function end_lease(lease, state, reason, by, raw, drain)
   -- the server (or an admin) ended it: its GPUs drain ("all"); see drain_pids for "named"
   if drain == nil and state ~= 'released' then drain = 'all' end
+  local was_warm = lease.warm_since ~= nil
+  if was_warm then
+    cool_lease(lease)
+    raw = nil  -- changed: encoded again below
+  end
   local by_node, order = {}, {}
   for _, g in ipairs(lease.gpus) do
     local node = g.node or lease.node
@@ -891,7 +942,9 @@ local function end_lease(lease, state, reason, by, raw, drain)
   end
   local held_s = (NOW - lease.created_at) / 1000
   -- GPU-seconds at each size it had (grown or shrunk: gpu_ms holds the time before sized_at)
-  local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus) / 1000
+  -- (time kept warm is not use: it is charged apart, as warm_gpu_s)
+  local warm_s = (lease.warm_ms or 0) / 1000
+  local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus) / 1000 - warm_s
   -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
   -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
   local u = redis.call('HMGET', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum',
@@ -912,7 +965,7 @@ local function end_lease(lease, state, reason, by, raw, drain)
     pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
     held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
     busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, gpu_s = gpu_s,
-    charged_gpu_s = charged, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
+    charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
     priority = lease.priority}))
   lease.state = state
   lease.ended_at = NOW
@@ -932,7 +985,8 @@ local function end_lease(lease, state, reason, by, raw, drain)
   redis.call('ZADD', K_ENDED_AT, NOW, lease.id)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
                gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
-               parts = #order > 1 and returned_parts or nil, draining = #draining > 0 and draining or nil})
+               parts = #order > 1 and returned_parts or nil, draining = #draining > 0 and draining or nil,
+               warm = was_warm or nil})
   return lease, ended_json
 end
 

@@ -3,13 +3,13 @@
 -- KEYS: leases events
 -- ARGV[6] = lease id   ARGV[7] = token (the lease judged idle; a newer grant is not warned)
 -- ARGV[8] = grace ms   ARGV[9] = evidence JSON (policy and samples behind the verdict)
--- returns {OK, lease JSON} | {NO_SUCH} | {STALE} | {WARNED} (already warned: nothing done)
+-- returns {OK, lease JSON} | {NO_SUCH} | {STALE} | {WARNED} (already warned, or warm: nothing done)
 local id, token, grace_ms = ARGV[6], ARGV[7], tonumber(ARGV[8])
 local raw = redis.call('HGET', K_LEASES, id)
 if not raw then return {NO_SUCH} end
 local lease = cjson.decode(raw)
 if tostring(lease.token) ~= token then return {STALE} end
-if lease.reclaim_at then return {WARNED} end
+if lease.reclaim_at or lease.warm_since then return {WARNED} end  -- (a warm lease is lendable, not idle)
 local evidence = cjson.decode(ARGV[9])
 lease.warned_at = NOW
 lease.reclaim_at = NOW + grace_ms

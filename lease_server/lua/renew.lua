@@ -33,6 +33,9 @@ if lease.expires_at < NOW then
 end
 if ttl_ms == 0 then ttl_ms = lease.ttl_ms end
 lease.expires_at = NOW + ttl_ms
+if lease.warm_until and lease.expires_at > lease.warm_until then  -- warm_max: kept warm no longer
+  lease.expires_at = lease.warm_until
+end
 lease.ttl_ms = ttl_ms
 lease.renewed_at = NOW
 lease.renewals = lease.renewals + 1

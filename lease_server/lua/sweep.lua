@@ -57,7 +57,11 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'L
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
     local lease = cjson.decode(raw)
-    end_lease(lease, 'expired', 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms', 'server', raw)
+    local why = 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
+    if lease.warm_until and lease.warm_until <= NOW then
+      why = 'kept warm for ' .. math.floor((NOW - lease.warm_since) / 60000 + 0.5) .. ' min with no cell (warm_max)'
+    end
+    end_lease(lease, 'expired', why, 'server', raw)
     pools[lease.pool] = true
   else
     redis.call('ZREM', K_DEADLINES, id)
