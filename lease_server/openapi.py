@@ -15,6 +15,9 @@ from . import __version__, validate
 from .config import Settings
 from .protocol import ENDED_STATES, LeaseState
 
+# What the board says of a GPU (lease_server/inventory.py).
+GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
+
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
@@ -174,7 +177,15 @@ def _response_schemas() -> dict[str, Any]:
                                         **GPU_PROPS,
                                         "state": {
                                             "type": "string",
-                                            "enum": ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"],
+                                            "enum": [
+                                                "free",
+                                                "leased",
+                                                "warm",
+                                                "reserved",
+                                                "borrowed",
+                                                "draining",
+                                                "down",
+                                            ],
                                         },
                                         "lease": {"type": "object"},
                                     },

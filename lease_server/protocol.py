@@ -257,9 +257,7 @@ LOG_ONLY_EVENTS = frozenset(
 ENDED_EVENTS = frozenset(e.value for e in (EventType.RELEASED, EventType.EXPIRED, EventType.REVOKED))
 
 # A lease was recalled: it keeps its GPUs until its recall_at, then it is revoked.
-RECALL_EVENTS = frozenset(
-    e.value for e in (EventType.PREEMPT_NOTICE, EventType.BORROW_RECALLED, EventType.EVICTING)
-)
+RECALL_EVENTS = frozenset(e.value for e in (EventType.PREEMPT_NOTICE, EventType.BORROW_RECALLED, EventType.EVICTING))
 
 # A live lease's GPUs changed, its token did not: whoever runs on it reads its GPUs again (GET).
 RESIZE_EVENTS = frozenset(e.value for e in (EventType.GROWN, EventType.SHRUNK))

@@ -772,7 +772,7 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                         "whoever would otherwise wait); false: run a cell on it again",
                     },
                     required=True,
-                    missing='warm is required: true to keep the lease warm, false to use it again, e.g. '
+                    missing="warm is required: true to keep the lease warm, false to use it again, e.g. "
                     '{"token": 7, "warm": true}',
                 ),
             ),

@@ -33,6 +33,9 @@ class Call:
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)
     explicit_outputs: bool = False
+    # A warm cell: run in the worker's own namespace, which the worker keeps for the notebook's next
+    # cell (``inputs`` then holds only the names that changed in the kernel since they last crossed).
+    keep_ns: bool = False
     # kind == "function"
     fn: Callable[..., Any] | None = None
     args: tuple[Any, ...] = ()
@@ -64,6 +67,7 @@ class Result:
     seconds: float = 0.0
     peak_memory: int | None = None  # bytes on the leased GPUs, where NVML could tell
     pid: int = 0
+    imported: list[str] = field(default_factory=list)  # installed packages the call imported (a spare preloads them)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
 READY_WAIT_S = 5.0  # how long the release waits to learn a starting worker's pid
 FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
+PRELOAD_WAIT_S = 120.0  # a spare still importing what earlier cells imported: the cell waits for it
 WITHDRAW_AGAIN_S = 0.25  # a cancelled request whose POST had not reached the server: withdrawn again
 
 
@@ -188,6 +189,7 @@ class Grant:
         self.relay: Relay | None = None  # a sweep's: the worker may go on to its next trial
         self.clean = False  # the call returned normally (only then may its worker go on)
         self.handed_to = ""  # the request this lease and its worker were handed to
+        self._named: list[dict[str, Any]] = []  # the processes last named to the lease server
         if lease is not None:
             self.held = HeldLease(sess.client(), lease)
             self.held.activity = {"executing": True, "source": "gpu_train"}
@@ -316,10 +318,11 @@ class Grant:
                 continue
             gpus = [int(i) for i in rank.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
             procs.append({"node": rank.node, "pid": where.pid, "start": where.start, "gpus": gpus})
-        if not procs:
+        if not procs or procs == self._named:  # (a warm cell: its worker is named already)
             return
         try:
             self.sess.client().procs(self.lease, procs)
+            self._named = procs
         except errors.LeaseEnded:
             self.ended_elsewhere.set()  # ended already: the pump stops before the call runs
         except errors.GpuLeaseError as exc:
@@ -409,12 +412,28 @@ class Grant:
                 continue
         self._finished = True
 
-    def _finish(self) -> None:
+    def stop_following(self) -> None:
+        """The call is over: stop following its lease (:meth:`follow`)."""
         self._releasing.set()
         if self._follower is not None:
             with contextlib.suppress(Exception):
                 self._follower.close()
             self._follower = None
+
+    def reopen(self) -> None:
+        """A warm lease runs the notebook's next cell on the same worker: a new call on this grant."""
+        self._finished = False
+        self._releasing = threading.Event()
+        self.ended_elsewhere = threading.Event()
+        self.clean = False
+        self.verified = False
+        self.waited_s = 0.0
+        self.t0 = time.monotonic()
+        if self.held is not None:
+            self.held.activity = {"executing": True, "source": "gpu_train"}
+
+    def _finish(self) -> None:
+        self.stop_following()
 
         if (
             self.relay is not None
@@ -540,6 +559,10 @@ def start_world(sess: Session, grant: Grant, opts: Options) -> None:
     if not (opts.nodes and opts.nodes > 1):
         kept = grant.relay.claim(lease) if grant.relay is not None and not grant.cpu else None
         worker = kept or sess.take_worker(lease.node)
+        if worker.preloaded is not None:  # it is importing what earlier cells imported: the cell would too
+            import ray
+
+            ray.wait([worker.preloaded], timeout=PRELOAD_WAIT_S)
         grant.ranks = [_Rank(lease.node, 0, grant.env(lease.node), worker)]
         return
     _start_gang(sess, grant)

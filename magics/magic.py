@@ -183,6 +183,8 @@ class GpuMagics(Magics):
             resume=args.resume,
             elastic=elastic,
             min_efficiency=min_eff if min_eff is not None else DEFAULT_MIN_EFFICIENCY,
+            warm=session().defaults.warm and not getattr(args, "cold", False),
+            fresh=bool(getattr(args, "fresh", False)),
         )
 
     @magic_arguments()
@@ -224,13 +226,26 @@ class GpuMagics(Magics):
     @argument("--timeout", default=None, help="Stop the call after this long, e.g. 30m (default: none)")
     @argument("--wait", default=None, help="Wait this long in the queue for GPUs, e.g. 10m (default: 1h)")
     @argument("--out", default=None, help="Comma-separated names to bring back (default: all the cell assigns)")
+    @argument(
+        "--fresh",
+        action="store_true",
+        help="Start on a new worker with every name sent again, not on the last cell's warm worker "
+        "(e.g. after changing an object in place in a CPU cell)",
+    )
+    @argument(
+        "--cold",
+        action="store_true",
+        help="Do not keep this cell's worker warm: its GPUs are released the moment it ends",
+    )
     @argument("code", nargs="*", help="Line form: an expression such as fn(x, y) to evaluate on the GPUs")
     @line_cell_magic
     def gpu_train(self, line: str, cell: str | None = None) -> Any:
         """Run this cell (or, as a line magic, one expression) on leased GPUs through Ray.
 
         Names the cell reads travel to the worker; names it assigns come back (or --out NAMES).
-        The GPUs are released the moment the cell ends: return, error, timeout or Stop.
+        A one-node cell's worker stays warm for the next cell (its namespace and GPU state kept,
+        its GPUs lent out the moment anyone waits; --cold releases them at once). Timeout, Stop
+        or a lost lease end the worker and release the GPUs.
         """
         args = parse_argstring(self.gpu_train, line)
         if cell is not None and args.code:
@@ -349,11 +364,18 @@ class GpuMagics(Magics):
                     print("no lease of yours has an idle warning")
                 return
             if args.action == "release":
+                warm = session().warm
+                ended_warm = warm is not None and args.lease_id in (None, warm.lease.id)
+                if warm is not None and ended_warm:
+                    session().end_warm("released with %gpu_lease release")
+                    print(f"{warm.lease.id}: released; its warm worker ended")
+                    if args.lease_id:
+                        return
                 ids = [args.lease_id] if args.lease_id else [lease["id"] for lease in c.leases()]
                 for lid in ids:
                     out = c.release(lid)
                     print(f"{lid}: {out['state']}")
-                if not ids:
+                if not ids and not ended_warm:
                     print("you hold no lease")
                 return
             view = c.cluster()
@@ -394,6 +416,12 @@ class GpuMagics(Magics):
     @argument("--ttl", default=None, help="Lease TTL, e.g. 30s (renewed in the background)")
     @argument("--url", default=None, help="Lease server URL (default: GPULEASE_URL or gpulease up's)")
     @argument("--token", default=None, help="API token (default: GPULEASE_TOKEN or gpulease up's)")
+    @argument(
+        "--warm",
+        default=None,
+        choices=["on", "off"],
+        help="Keep a finished cell's worker warm for the next cell (default: on)",
+    )
     @line_magic
     def gpu_config(self, line: str) -> None:
         """Show or set this session's defaults for %%gpu_train."""
@@ -411,6 +439,10 @@ class GpuMagics(Magics):
             d.wait = _duration(args.wait, "--wait") or d.wait
         if args.ttl is not None:
             d.ttl = _duration(args.ttl, "--ttl")
+        if args.warm is not None:
+            d.warm = args.warm == "on"
+            if not d.warm:
+                session().end_warm("%gpu_config --warm off")
         if args.url is not None or args.token is not None:
             d.url = args.url or d.url
             d.token = args.token or d.token
@@ -418,7 +450,7 @@ class GpuMagics(Magics):
         timeout = "none" if d.timeout is None else f"{d.timeout:g}s"
         print(
             f"gpus={d.gpus} pool={d.pool or '(server default)'} timeout={timeout} wait={d.wait:g}s "
-            f"ttl={'(server default)' if d.ttl is None else f'{d.ttl:g}s'} "
+            f"ttl={'(server default)' if d.ttl is None else f'{d.ttl:g}s'} warm={'on' if d.warm else 'off'} "
             f"url={d.url or os.environ.get('GPULEASE_URL') or '(gpulease up)'}"
         )
 

@@ -4,7 +4,7 @@ them, and the errors a call can end with. Each is one line for a person; none sh
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -92,6 +92,8 @@ class Ending:
     checkpoint: bool = False
     cpu: bool = False
     handed_to: str = ""  # a sweep's: the lease and its worker went on to this next trial
+    warm: bool = False  # the worker and its lease were kept warm for the notebook's next cell
+    crossed: list[str] = field(default_factory=list)  # names over 100 MB that came back: "m (1.2 GB, 0.9s)"
 
     def line(self) -> str:
         """One line for the notebook, at most 80 columns where the names allow."""
@@ -99,6 +101,13 @@ class Ending:
             return "gpu_train: stopped while queued; the request was withdrawn"
         if self.state == "refused":
             return f"gpu_train: {self.why}"
+        big = f"; brought back {', '.join(self.crossed)}" if self.crossed else ""
+        if self.warm:
+            lendable = "(lent out if someone waits)"
+            mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory else ""
+            if self.state == "failed":
+                return f"gpu_train: failed after {self.held_s:.1f}s; its worker kept warm on {self.where} {lendable}"
+            return f"gpu_train: ran {self.held_s:.1f}s; kept warm on {self.where} {lendable}{mem}{big}"
         if self.cpu:
             what = f"ran on {self.where} for {self.held_s:.1f}s"
         else:
@@ -118,7 +127,7 @@ class Ending:
         mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory and not self.hint else ""
         saved = " (checkpoint saved: %%gpu_train --resume)" if self.checkpoint else ""
         hint = f"\n  {self.hint}" if self.hint else ""
-        return f"{head}{tail}{mem}{saved}{hint}"
+        return f"{head}{tail}{mem}{big}{saved}{hint}"
 
 
 class UI(Protocol):

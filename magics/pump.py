@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import hostcopy
 from .calls import CHECKPOINT_STREAM, ELASTIC_STREAM, METRICS_STREAM, Call, Result
 from .grant import Cancel, Grant
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError, GpuTrainTimeout, _first_line
@@ -31,6 +32,8 @@ class Pump:
         self.metrics: list[dict[str, Any]] = []  # rank 0's magics.report(...) records, in order
         self._warned_at: Any = None
         self.on_elastic: Callable[[dict[str, Any]], None] | None = None  # rank 0's elastic steps
+        self.crossed: list[hostcopy.Crossed] = []  # rank 0's names that came back over hostcopy.BIG
+        self.imported: list[str] = []  # installed packages rank 0's call imported
 
     def run(self, call: Call, timeout: float | None) -> list[Result]:
         import ray
@@ -110,7 +113,7 @@ class Pump:
 
         node = self.grant.ranks[i].node
         try:
-            return ray.get(ref)  # type: ignore[no-any-return]
+            result: Result = ray.get(ref)
         except ray.exceptions.RayActorError:
             why = self.grant.ended_by()
             if why:
@@ -124,6 +127,13 @@ class Pump:
             ) from None
         except ray.exceptions.RayError as exc:
             raise GpuTrainError(f"Ray could not run the call: {_first_line(exc)}", node=node) from None
+        if isinstance(result.value, hostcopy.Packed):  # GPU tensors in it arrive as CPU ones
+            result.value, big = hostcopy.unpack(result.value)
+            if i == 0:
+                self.crossed += big
+        if i == 0:
+            self.imported = result.imported
+        return result
 
     def _emit(self, i: int, chunks: list[tuple[str, str]], writer: _RankWriter | None) -> None:
         import base64

@@ -58,6 +58,7 @@ from .session import (
     node_resource,
     session,
 )
+from .warm import keep_warm, take_warm, warmable
 
 __all__ = [
     "GANG_BUNDLE_SHARE",
@@ -186,6 +187,10 @@ class Options:
     elastic: bool = False  # grow and shrink between gpus_min and gpus while it runs (magics.elastic)
     min_efficiency: float = 0.5  # an elastic call grows again only while growth pays this much
     sizes: tuple[int, ...] | None = None  # the sizes an elastic call may take (None: every one)
+    # A one-node cell's worker stays warm on its lease for the notebook's next cell (magics.warm);
+    # fresh: this cell starts on a new worker (and, with warm, leaves that one warm).
+    warm: bool = False
+    fresh: bool = False
 
     def resolved(self, d: Defaults) -> Options:
         gpus = d.gpus if self.gpus is None else self.gpus
@@ -259,8 +264,16 @@ def run_call(
     cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
     rid = Client.new_request_id()
     elastic: ElasticRun | None = None
+    warm_ok = relay is None and cancel is None and warmable(opts, call)
+    call.keep_ns = warm_ok
+    warm, gone = take_warm(sess, opts, warm_ok) if call.kind == "cell" and opts.gpus else (None, "")
     try:
-        grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel, relay)
+        if warm is not None:
+            grant = warm.grant
+            grant.reopen()
+            call = warm.strip(call)  # the names the worker holds already stay there
+        else:
+            grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel, relay)
         grant.relay = relay
         pump = Pump(grant, ui, cancel)
         ending = Ending("failed", cpu=grant.cpu or grant.lease is None)
@@ -278,33 +291,54 @@ def run_call(
     except errors.Withdrawn as exc:  # withdrawn from elsewhere: a kernel shutdown, another terminal
         ui.ended(Ending("withdrawn"))
         raise GpuLeaseEnded(exc.message) from None
+    user_error = False  # the cell raised: its worker is fine, and may stay warm
     try:
         try:
-            ui.running(grant.running(opts))
+            running = grant.running(opts)
+            if warm is not None:
+                running.where += f" (warm worker, {time.monotonic() - warm.since:.0f}s since the last cell)"
+            ui.running(running)
+            if gone:
+                ui.notice(gone)
             if opts.elastic:
                 elastic = ElasticRun(grant, opts, ui, pump)
                 grant.follow()
                 results = elastic.run(call)
             else:
-                start_world(sess, grant, opts)
+                if warm is None:
+                    start_world(sess, grant, opts)
                 grant.follow()
                 results = pump.run(call, opts.timeout)
             grant.clean = True
             ending.state = "released"
             ending.peak_memory = _sum_memory(results)
+            ending.crossed = [c.text() for c in pump.crossed]
+        except GpuTrainError as exc:
+            user_error = bool(exc.remote_traceback) and not isinstance(exc, (GpuTrainTimeout, GpuLeaseEnded))
+            if isinstance(exc, GpuLeaseEnded):
+                ending.state, ending.why = "ended", exc.summary
+            elif isinstance(exc, GpuTrainTimeout):
+                ending.state = "timeout"
+            raise
         except KeyboardInterrupt:
             ending.state = "stopped"
             freed = "its GPUs are free" if grant.lease is not None and not grant.cpu else "its worker is gone"
             raise GpuTrainStopped(f"gpu_train stopped; {freed}") from None
-        except GpuLeaseEnded as exc:
-            ending.state, ending.why = "ended", exc.summary
-            raise
-        except GpuTrainTimeout:
-            ending.state = "timeout"
-            raise
         finally:
-            grant.finish()
+            sess.note_imports(pump.imported)  # a spare preloads them for the next cold cell
+            kept = None
+            if warm_ok and (ending.state == "released" or user_error):
+                kept = keep_warm(sess, grant, warm)
+            if kept is None:
+                grant.finish()
+            else:
+                ending.warm = True
+                sent = {k: v for k, v in call.inputs.items()}
+                back = results[0].value.names if ending.state == "released" else {}
+                kept.crossed(sent, back)
             ending.where = grant.where
+            if ending.warm and grant.lease is not None:
+                ending.where = f"{grant.lease.node} GPU {','.join(str(i) for i in grant.lease.indexes)}"
             ending.gpus = len(grant.lease.gpus) if grant.lease else 0
             ending.held_s = time.monotonic() - grant.t0
             ending.verified, ending.nvml = grant.verified, grant.nvml

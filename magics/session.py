@@ -11,8 +11,8 @@ import logging
 import os
 import threading
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from lease_server import errors, protocol, rayauth
 from lease_server.client import Client, HeldLease
@@ -20,10 +20,14 @@ from lease_server.client import Client, HeldLease
 from .calls import Where, this_machine
 from .worker import GpuWorker
 
+if TYPE_CHECKING:
+    from .warm import WarmWorker
+
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
 SPARES_PER_NODE = 2  # one for the next call, one for the call after it while the first is replaced
 GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
+WARM_OFF = ("0", "off", "false", "no")
 GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
 
 
@@ -43,6 +47,9 @@ class Defaults:
     url: str | None = None
     token: str | None = None
     ttl: float | None = None
+    # %%gpu_train cells keep their worker warm for the next cell (%gpu_config --warm off; an admin
+    # may turn it off for a kernelspec with GPULEASE_WARM=off in its env)
+    warm: bool = field(default_factory=lambda: os.environ.get("GPULEASE_WARM", "on").lower() not in WARM_OFF)
 
 
 @dataclass
@@ -51,6 +58,8 @@ class _Worker:
 
     handle: Any
     ready_ref: Any
+
+    preloaded: Any = None  # resolves once it imported what earlier GPU cells imported
 
     def where(self, timeout: float = 60.0) -> Where:
         import ray
@@ -85,6 +94,9 @@ class Session:
         self.machine = this_machine()
         self.held: set[HeldLease] = set()
         self.waiting: set[str] = set()  # request ids queued right now
+        self.warm: WarmWorker | None = None  # the last cell's worker, kept warm (magics.warm)
+        self.warm_gone: WarmWorker | None = None  # one evicted or ended while warm: the next cell says so
+        self.preload: set[str] = set()  # installed packages earlier GPU cells imported: spares import them
         # A multi-node gang: how long Ray may take to place every rank and start its process.
         self.gang_start_timeout = GANG_START_TIMEOUT_S
         atexit.register(self.release_all)
@@ -159,7 +171,31 @@ class Session:
             if share:
                 merged["resources"] = share
         handle = self._actor_cls.options(**merged).remote()
-        return _Worker(handle, handle.ready.remote())
+        worker = _Worker(handle, handle.ready.remote())
+        if self.preload:
+            worker.preloaded = handle.preload.remote(sorted(self.preload))
+        return worker
+
+    def note_imports(self, names: list[str]) -> None:
+        """A GPU cell imported these installed packages: every spare imports them now, and every
+        spare started later at its start, so the next cold cell pays only for its own work."""
+        new = set(names) - self.preload
+        if not new:
+            return
+        with self._lock:
+            self.preload |= new
+            for spares in self._spares.values():
+                for worker in spares:
+                    worker.preloaded = worker.handle.preload.remote(sorted(self.preload))
+
+    def end_warm(self, why: str) -> bool:
+        """End the warm worker, if any, and release its lease; whether there was one."""
+        w = self.warm
+        if w is None:
+            return False
+        w.end(why)
+        self.warm = None
+        return True
 
     def prewarm(self, nodes: list[str]) -> None:
         """Start spare workers on ``nodes`` now, so that a call later costs no process start."""
@@ -241,6 +277,8 @@ class Session:
 
     def release_all(self, reason: str = "kernel shut down") -> None:
         """Kernel shutdown: withdraw every queued request and give back every lease held."""
+        with contextlib.suppress(Exception):
+            self.end_warm(reason)
         client = self._client
         for rid in list(self.waiting):
             with contextlib.suppress(Exception):

@@ -25,6 +25,7 @@ from typing import Any
 
 from lease_server import protocol
 
+from . import hostcopy
 from .calls import (
     CHECKPOINT_STREAM,
     ELASTIC_STREAM,
@@ -202,6 +203,8 @@ class GpuWorker:
         self._done_event = threading.Event()
         self._used = False
         self._gen = 0  # which call this is: a watchdog of an earlier call stops following its lease
+        self._ns: dict[str, Any] | None = None  # a warm cell's namespace, kept for the notebook's next cell
+        self._boot_modules = {name.partition(".")[0] for name in sys.modules}
         # Imports done while the spare waits, not on the call's clock (pynvml: ~15 ms).
         import httpx  # noqa: F401
 
@@ -272,6 +275,30 @@ class GpuWorker:
                     torch.cuda.reset_peak_memory_stats(i)
         return True
 
+    def preload(self, names: list[str]) -> list[str]:
+        """Import what this notebook's earlier GPU cells imported (torch, say), while this spare
+        waits: a cold cell on it then pays only for its own work. Returns what imported."""
+        import importlib
+
+        done = []
+        for name in names:
+            try:
+                importlib.import_module(name)
+                done.append(name)
+            except Exception:  # noqa: BLE001 - the cell imports it itself, and says why if it fails
+                pass
+        return done
+
+    def imported(self) -> list[str]:
+        """The installed packages (top-level names) imported since this process started."""
+        out = []
+        for name in {n.partition(".")[0] for n in list(sys.modules)} - self._boot_modules:
+            path = getattr(sys.modules.get(name), "__file__", None) or ""
+            installed = "site-packages" in path or "dist-packages" in path
+            if installed and name.isidentifier() and not name.startswith("_"):
+                out.append(name)
+        return sorted(out)
+
     def ask_resize(self) -> None:
         """The runner resizes the job: stop at the next :func:`elastic_step`."""
         _RESIZE.set()
@@ -301,8 +328,17 @@ class GpuWorker:
         sys.stdout, sys.stderr = _Capture(self, "stdout"), _Capture(self, "stderr")  # type: ignore[assignment]
         t0 = time.monotonic()
         try:
-            value = _execute(call)
-            return Result(True, value, seconds=time.monotonic() - t0, peak_memory=_peak_memory(), pid=os.getpid())
+            if call.keep_ns and self._ns is None:
+                self._ns = _namespace()
+            value = hostcopy.pack(_execute(call, self._ns if call.keep_ns else None))
+            return Result(
+                True,
+                value,
+                seconds=time.monotonic() - t0,
+                peak_memory=_peak_memory(),
+                pid=os.getpid(),
+                imported=self.imported(),
+            )
         except Resize:
             return Result(True, RESIZED, seconds=time.monotonic() - t0, peak_memory=_peak_memory(), pid=os.getpid())
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
@@ -337,14 +373,20 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _execute(call: Call) -> Any:
+def _namespace() -> dict[str, Any]:
+    return {"__name__": "__main__", "__builtins__": __builtins__}
+
+
+def _execute(call: Call, ns: dict[str, Any] | None = None) -> Any:
+    """Run the call; a cell in ``ns`` (a warm worker's namespace, kept) or a fresh one."""
     if call.kind == "function":
         assert call.fn is not None
         return call.fn(*call.args, **call.kwargs)
     source = call.source
     # Register the source so that tracebacks show the cell's lines.
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
-    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    if ns is None:
+        ns = _namespace()
     ns.update(call.inputs)
     exec(compile(call.body, CELL_FILENAME, "exec"), ns)  # noqa: S102 - the user's own cell
     result = eval(compile(call.last_expr, CELL_FILENAME, "eval"), ns) if call.last_expr else None  # noqa: S307

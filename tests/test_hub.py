@@ -153,7 +153,7 @@ class Hub:
             )
             + f"load_subconfig({str(RECIPE)!r})  # noqa\n"
         )
-        env = {**os.environ, "GPULEASE_URL": self.lease_url, "GPULEASE_TOKEN": self.proxy_token}
+        env = {**os.environ, "GPULEASE_URL": self.lease_url, "GPULEASE_TOKEN": self.proxy_token, "GPULEASE_WARM": "off"}
         env.pop("GPULEASE_USER", None)
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(

@@ -28,6 +28,9 @@ def stack_with_kernels(tmp_path_factory: pytest.TempPathFactory, simulate: str, 
     home = tmp_path_factory.mktemp("gpulease-home")
     prefix = tmp_path_factory.mktemp("kernels")
     install(prefix=str(prefix))
+    # Warm cells (a finished cell's worker kept for the next) are tested in tests/test_warm_cells.py;
+    # these tests are of the cold path, where every cell releases its GPUs as it ends.
+    env = {"GPULEASE_WARM": "off", **env}
     up = Up(home, simulate=simulate, GPULEASE_DEFAULT_TTL=TTL, GPULEASE_SWEEP_INTERVAL="0.2", **env)
     up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
     return up

@@ -47,7 +47,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     install(prefix=str(kernels))
     for attempt in (1, 2):
         home = tmp_path_factory.mktemp("gpulease-home")
-        up = Up(home, simulate=f"box=2x{POOL}", GPULEASE_SWEEP_INTERVAL="0.2")
+        up = Up(home, simulate=f"box=2x{POOL}", GPULEASE_SWEEP_INTERVAL="0.2", GPULEASE_WARM="off")
         # `gpulease up` says so, and goes on, when its Ray head did not come up (a loaded machine can
         # time out Ray's own startup): a kernel would then hang joining it. Once more, else fail here.
         said = up.log.read_text()

@@ -88,7 +88,9 @@ def test_a_waiter_evicts_a_warm_lease_and_is_granted_when_its_holder_releases(sr
 
 
 def test_a_holder_that_misses_the_eviction_notice_loses_the_lease_and_its_worker(
-    srv: Any, procs: Any, redis_sync: Any  # noqa: F811
+    srv: Any,
+    procs: Any,  # noqa: F811 - test_drain's fixture
+    redis_sync: Any,
 ) -> None:
     """The warm worker's kernel is gone quiet: at the deadline the lease is revoked, the node agent
     ends the worker, and only then is the waiter granted."""

@@ -1,0 +1,238 @@
+"""Warm cells: a finished ``%%gpu_train`` cell's worker stays on its GPUs for the notebook's next cell.
+
+When a one-node cell ends normally, its worker process and its namespace stay alive and its lease
+turns *warm* (``POST /leases/{id}/warm``): lendable. The next cell of the same kernel asking for the
+same GPUs (count, and pool if it names one) runs in that worker at once: no queue, no new process,
+whatever the last cell left on the GPU still there, and only the names that changed in the kernel
+since they last crossed are sent (:meth:`WarmWorker.strip`).
+
+Whoever would otherwise wait evicts a warm lease: the lease server says ``evicting`` on the lease's
+event stream, and :class:`WarmWorker` (following it while the notebook does other things) ends the
+worker, sees its process gone and releases at once, well inside the pool's notice (2 s). A kernel
+that misses the notice (paused, cut off) loses the lease and the node agent ends the worker before
+anyone is granted the GPUs. Without GPU-state suspend (simulated GPUs; see docs/gpu_train.md),
+eviction ends the worker and the notebook's next cell starts cold; its line says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from lease_server import errors, protocol
+
+from .calls import Call, event_client
+from .outcomes import describe_end
+
+if TYPE_CHECKING:
+    from .grant import Grant
+    from .runner import Options
+    from .session import Session
+
+log = logging.getLogger(__name__)
+_MISSING = object()
+
+
+def warmable(opts: Options, call: Call) -> bool:
+    """Whether this call may run on (and leave behind) a warm worker: a one-node GPU cell of a
+    fixed size, not elastic, that did not ask for ``--cold``."""
+    return (
+        opts.warm
+        and call.kind == "cell"
+        and bool(opts.gpus)
+        and opts.gpus_min == opts.gpus
+        and not (opts.nodes and opts.nodes > 1)
+        and not opts.elastic
+    )
+
+
+class WarmWorker:
+    """A finished cell's worker kept on its lease, and what of the notebook it already holds."""
+
+    def __init__(self, sess: Session, grant: Grant) -> None:
+        assert grant.lease is not None
+        self.sess = sess
+        self.grant = grant
+        self.lease = grant.lease
+        self.since = time.monotonic()  # the last cell's end
+        self.sent: dict[str, Any] = {}  # name -> the kernel's object the worker holds a copy of
+        self.gone: str = ""  # why it ended while warm ("evicted for bob's request"), once it did
+        self.gone_at = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._http: Any = None
+
+    # ---- the notebook's side ----------------------------------------------------------------------
+
+    def fits(self, opts: Options) -> bool:
+        """The next cell asks for what this lease holds."""
+        return opts.gpus == len(self.lease.gpus) and opts.pool in (None, self.lease.pool)
+
+    def where(self) -> str:
+        return f"{self.lease.node} GPU {','.join(str(g['index']) for g in self.lease.gpus)}"
+
+    def take(self) -> bool:
+        """Run the next cell here: the lease runs again (``warm: false``). False once it was
+        evicted or ended (the worker is then gone; :attr:`gone` says why)."""
+        with self._lock:
+            if self.gone:
+                return False
+            self._unfollow()
+            try:
+                self.sess.client().warm(self.lease, on=False)
+            except errors.GpuLeaseError as exc:
+                self._end_locked(_why(exc, self))
+                return False
+            return True
+
+    def strip(self, call: Call) -> Call:
+        """The call with only the names whose objects changed in the kernel since they last
+        crossed (by identity); the rest are in the worker's namespace already."""
+        call.inputs = {k: v for k, v in call.inputs.items() if self.sent.get(k, _MISSING) is not v}
+        return call
+
+    def crossed(self, sent: dict[str, Any], back: dict[str, Any]) -> None:
+        """``sent`` went to the worker, ``back`` came back (the kernel's copies): the worker holds both."""
+        self.sent.update(sent)
+        self.sent.update(back)
+
+    def ended_line(self) -> str:
+        """What the notebook's next cell says of a warm worker that was ended while warm."""
+        ago = time.monotonic() - self.gone_at
+        return (
+            f"the warm worker on {self.where()} ended {ago:.0f}s ago ({self.gone}; its GPU state was not "
+            "suspended: no CUDA checkpoint on these GPUs): this cell starts cold"
+        )
+
+    def end(self, why: str) -> None:
+        """End the worker now (seen gone) and release the lease: %gpu_lease release, a kernel
+        shutdown, the notebook's next cell asking for other GPUs, or --cold."""
+        with self._lock:
+            self._end_locked(why)
+
+    # ---- while the notebook does other things ------------------------------------------------------
+
+    def follow(self) -> None:
+        """Follow the lease's events until the next cell takes it: evicted (or ended by anyone),
+        end the worker and release at once, so the waiter is granted within its notice."""
+        client = self.sess.client()
+        lease_id = self.lease.id
+
+        def run() -> None:
+            while not self._stop.is_set():
+                http = event_client(client.url, client.headers)
+                self._http = http
+                try:
+                    with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
+                        if self._stop.is_set():
+                            return
+                        kind = ""
+                        for line in s.iter_lines():
+                            if self._stop.is_set():
+                                return
+                            if line.startswith("event:"):
+                                kind = line.split(":", 1)[1].strip()
+                            elif line.startswith("data:") and kind in protocol.RECALL_EVENTS | protocol.ENDED_EVENTS:
+                                self._evicted(kind, line[5:])
+                                return
+                except Exception as exc:  # noqa: BLE001 - closed by take()/end(), or the server is away
+                    if self._stop.wait(1.0):
+                        return
+                    log.debug("warm lease %s: event stream lost (%s); following again", lease_id, exc)
+
+        threading.Thread(target=run, name=f"gpulease-warm-{lease_id}", daemon=True).start()
+
+    def _evicted(self, kind: str, data: str) -> None:
+        import json
+
+        body: dict[str, Any] = {}
+        with contextlib.suppress(ValueError):
+            body = json.loads(data)
+        reason = str(body.get("reason", "") or "")
+        if kind in protocol.RECALL_EVENTS:
+            why = reason.split(" (a warm lease")[0] or "evicted for another request"
+        else:
+            why = describe_end({"state": kind, "end_reason": reason, "ended_by": ""}, self.lease.user) or kind
+        with self._lock:
+            if not self._stop.is_set():
+                self._end_locked(why)
+                self.sess.warm_gone = self  # the notebook's next cell says what became of it
+
+    # ---- ending ----------------------------------------------------------------------------------
+
+    def _unfollow(self) -> None:
+        self._stop.set()
+        if self._http is not None:
+            with contextlib.suppress(Exception):
+                self._http.close()
+            self._http = None
+
+    def _end_locked(self, why: str) -> None:
+        if self.gone:
+            return
+        self.gone, self.gone_at = why, time.monotonic()
+        self._unfollow()
+        try:
+            self.grant.finish()  # the worker seen gone, then a verified release: free at once
+        except Exception as exc:  # noqa: BLE001 - the TTL and the node agent are the backstop
+            log.warning("could not end the warm worker of lease %s: %s", self.lease.id, exc)
+        if self.sess.warm is self:
+            self.sess.warm = None
+
+
+def _why(exc: errors.GpuLeaseError, w: WarmWorker) -> str:
+    """Why the next cell could not take the warm lease: evicted, or ended by someone."""
+    rec: dict[str, Any] = {}
+    with contextlib.suppress(errors.GpuLeaseError):
+        rec = w.sess.client().get(w.lease.id)
+    if rec.get("recall_reason"):
+        return str(rec["recall_reason"]).split(" (a warm lease")[0]
+    return describe_end(rec, w.lease.user) or exc.message
+
+
+def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str]:
+    """The kernel's warm worker for this GPU cell, if the cell may use it (``usable``), it fits
+    and it is still there; else None, with a line saying what became of it ("" when there was
+    none, or the notebook moved on: the warm worker is ended and its lease released first)."""
+    w = sess.warm
+    if w is None:
+        gone, sess.warm_gone = sess.warm_gone, None
+        if gone is not None and usable and not opts.fresh and gone.fits(opts):
+            return None, gone.ended_line()
+        return None, ""
+    sess.warm = None
+    if not usable or opts.fresh or not w.fits(opts):
+        w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
+        return None, ""
+    if w.take():
+        return w, ""
+    return None, w.ended_line()
+
+
+def keep_warm(sess: Session, grant: Grant, last: WarmWorker | None) -> WarmWorker | None:
+    """After a clean cell: keep its worker and lease for the notebook's next cell. None when the
+    server will not (the lease is being recalled, ...) or the worker is not fit: the caller then
+    ends the worker and releases as usual."""
+    import ray
+
+    if grant.lease is None or len(grant.ranks) != 1 or grant.ended_elsewhere.is_set():
+        return None
+    grant.stop_following()
+    try:
+        if not ray.get(grant.ranks[0].worker.handle.recycle.remote(), timeout=5):
+            return None
+        sess.client().warm(grant.lease, on=True)
+    except Exception as exc:  # noqa: BLE001 - not kept warm: ended and released as any cell
+        log.debug("lease %s not kept warm: %s", grant.lease.id, exc)
+        return None
+    if grant.held is not None:
+        grant.held.activity = {"executing": False, "source": "gpu_train warm"}
+    w = WarmWorker(sess, grant)
+    if last is not None:
+        w.sent = last.sent
+    sess.warm = w
+    w.follow()
+    return w

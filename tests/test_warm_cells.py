@@ -1,0 +1,171 @@
+"""Warm cells through a real kernel, `gpulease up` (Redis, lease server, node agent), a real Ray
+head and simulated GPUs: a finished %%gpu_train cell's worker stays warm on its lease for the
+notebook's next cell, and is lent out the moment someone else waits."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lease_server.client import Client
+from tests.api_helpers import EventWatcher
+from tests.conftest import Up
+from tests.test_magics import Kernel, _alive, api, displays, errors_of, stack_with_kernels, status, text
+
+WARM_MAX = "8"  # seconds: long enough for a test's cells, short enough to watch it run out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    up = stack_with_kernels(tmp_path_factory, "box=2xA100-80GB", GPULEASE_WARM="on", GPULEASE_WARM_MAX=WARM_MAX)
+    yield up
+    up.interrupt()
+
+
+@pytest.fixture
+def kernel(stack: Up) -> Iterator[Kernel]:
+    k = Kernel(stack)
+    yield k
+    k.shutdown()
+
+
+def admin_token(up: Up) -> str:
+    return (up.data / "token").read_text().strip()
+
+
+def other_user(up: Up, name: str = "bob") -> Client:
+    token = api(up, "POST", "/api/v1/tokens", json={"user": name})["token"]
+    return Client(up.url, token)
+
+
+def board(up: Up) -> dict[int, str]:
+    (node,) = api(up, "GET", "/api/v1/cluster")["nodes"]
+    return {g["index"]: g["state"] for g in node["gpus"]}
+
+
+def warm_cell(kernel: Kernel, body: str, flags: str = "--gpus 1") -> list[dict[str, Any]]:
+    out = kernel.run(f"%%gpu_train {flags}\n{body}")
+    assert not errors_of(out), out
+    return out
+
+
+def worker_pid(kernel: Kernel) -> int:
+    return int(text(warm_cell(kernel, "import os\npid = os.getpid()\nprint(pid)")).split()[-1])
+
+
+def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_names_stay(stack, kernel):
+    kernel.run("big = list(range(100000))")
+    out = warm_cell(kernel, "import os\nmodel = {'w': [1.0, 2.0]}\nwid, bid, pid = id(model), id(big), os.getpid()")
+    line = status(out)
+    assert line.startswith("gpu_train: ran ") and line.endswith("; kept warm on box GPU 0 (lent out if someone waits)")
+    assert len(line) <= 80, line
+    assert board(stack)[0] == "warm"
+    lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
+    out = warm_cell(kernel, "import os\nsame = (id(model) == wid, id(big) == bid, os.getpid() == pid)\nsame")
+    assert text(out, "execute_result") == "(True, True, True)", out
+    running = [d for d in displays(out) if d.startswith("gpu_train: running")]
+    assert running and "(warm worker, " in running[0] and "s since the last cell)" in running[0], running
+    assert api(stack, "GET", "/api/v1/leases")["leases"][0]["id"] == lease_id  # no new lease, no queue
+    # The kernel rebinds a name: it crosses again; the object the worker made stays the worker's.
+    kernel.run("big = [0]")
+    out = warm_cell(kernel, "n = len(big), id(big) == bid, model['w']\nn")
+    assert text(out, "execute_result") == "(1, False, [1.0, 2.0])", out
+    # --fresh: a new worker, every name sent again; the old one ended, its lease released.
+    out = warm_cell(kernel, "import os\nfresh_pid = os.getpid()", flags="--gpus 1 --fresh")
+    assert text(kernel.run("print(fresh_pid != pid)")).strip() == "True"
+    assert api(stack, "GET", f"/api/v1/leases/{lease_id}")["state"] == "released"
+    assert not _alive(int(text(kernel.run("print(pid)")).strip()))
+    # Another GPU count: the warm worker ends first and the cell starts cold on its own lease.
+    warm_cell(kernel, "x = 1", flags="--gpus 2")
+    assert board(stack) == {0: "warm", 1: "warm"}
+    out = kernel.run("%gpu_lease release")
+    assert "released; its warm worker ended" in text(out), out
+    assert board(stack) == {0: "free", 1: "free"}
+
+
+def test_another_users_request_evicts_the_warm_worker_and_is_granted_once_it_is_gone(stack, kernel):
+    pid = worker_pid(kernel)
+    warm_cell(kernel, "state = [1, 2, 3]")
+    bob = other_user(stack)
+    watcher = EventWatcher(stack.url, admin_token(stack)).start()
+    lease = bob.acquire(2, wait=30)  # one GPU is free, the other is the warm one
+    alive_at_grant = _alive(pid)
+    assert not alive_at_grant, "bob was granted the GPU while the warm worker still ran"
+    ev = watcher.wait_for(lambda e: e["type"] == "evicting", 10, "evicting")
+    (old,) = [e for e in watcher.events if e["type"] in ("released", "revoked") and e["lease"] == ev["lease"]]
+    assert old["type"] == "released"  # the kernel ended it within the notice: no revoke, no drain
+    grant = next(e for e in watcher.events if e["type"] == "grant" and e["lease"] == lease.id)
+    assert grant["ts"] - ev["ts"] < 2.0  # within the notice
+    bob.release(lease)
+    out = kernel.run("%%gpu_train --gpus 1\nimport os\nos.getpid(), len(state)")
+    assert not errors_of(out), out
+    new_pid, n = text(out, "execute_result").strip("()").split(", ")
+    assert int(new_pid) != pid and n == "3"  # a new worker, sent every name the cell reads
+    notice = "\n".join(displays(out))
+    assert "the warm worker on box GPU 0 ended " in notice and "evicted for bob's request" in notice, notice
+    assert "this cell starts cold" in notice
+
+
+def test_a_frozen_kernel_misses_the_notice_and_its_warm_worker_is_ended_before_the_grant(stack):
+    k = Kernel(stack)
+    try:
+        pid = worker_pid(k)
+        os.kill(k.km.provisioner.process.pid, signal.SIGSTOP)  # it can neither end the worker nor release
+        bob = other_user(stack, "carol")
+        watcher = EventWatcher(stack.url, admin_token(stack)).start()
+        lease = bob.acquire(2, wait=60)
+        assert not _alive(pid), "granted while the frozen kernel's warm worker still ran"
+        revoked = watcher.wait_for(lambda e: e["type"] == "revoked", 10, "revoked")
+        assert revoked["reason"].startswith("evicted for carol's request")
+        watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == revoked["lease"], 10, "drained")
+        bob.release(lease)
+        os.kill(k.km.provisioner.process.pid, signal.SIGCONT)
+        out = k.run("%%gpu_train --gpus 1\n1 + 1")
+        assert text(out, "execute_result") == "2" and not errors_of(out), out
+        assert "this cell starts cold" in "\n".join(displays(out))
+    finally:
+        os.kill(k.km.provisioner.process.pid, signal.SIGCONT)
+        k.shutdown()
+
+
+def test_warm_max_ends_the_warm_worker(stack, kernel):
+    watcher = EventWatcher(stack.url, admin_token(stack)).start()
+    pid = worker_pid(kernel)
+    lease_id = max(api(stack, "GET", "/api/v1/leases")["leases"], key=lambda x: x.get("warm_since", 0))["id"]
+    ev = watcher.wait_for(
+        lambda e: e["type"] == "expired" and e["lease"] == lease_id, float(WARM_MAX) + 10, "expired at warm_max"
+    )
+    assert ev["warm"] is True and "warm_max" in ev["reason"]
+    watcher.wait_for(lambda e: e["type"] in ("drained", "released") and e["lease"] == ev["lease"], 10, "clean")
+    assert not _alive(pid)
+    assert board(stack)[0] == "free"
+
+
+def test_kernel_restart_ends_the_warm_worker(stack):
+    k = Kernel(stack)
+    try:
+        pid = worker_pid(k)
+        lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
+        k.km.restart_kernel(now=False)  # the old kernel's shutdown ends its warm worker and releases
+        rec = api(stack, "GET", f"/api/v1/leases/{lease_id}")
+        assert rec["state"] == "released", rec
+        assert not _alive(pid)
+    finally:
+        k.shutdown()
+
+
+def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
+    for line, expect in [("%gpu_config --warm maybe", "--warm"), ("%%gpu_train --fresh=1\nx = 1", "--fresh")]:
+        out = kernel.run(line)
+        assert "UsageError: " in text(out) and expect in text(out), (line, out)
+        assert len(text(out).strip().splitlines()) == 1, out
+    assert api(stack, "GET", "/api/v1/leases")["leases"] == []
+    out = kernel.run("%gpu_config --warm off")
+    assert "warm=off" in text(out)
+    out = warm_cell(kernel, "x = 1")
+    assert "released; GPU memory freed" in status(out) and board(stack) == {0: "free", 1: "free"}
+    assert api(stack, "GET", "/api/v1/leases")["leases"] == []
