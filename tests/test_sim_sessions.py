@@ -273,3 +273,37 @@ def test_simulator_and_a_live_stack_agree_on_the_first_two_hours(tmp_path_factor
     for c in range(fed.n_cells):
         assert abs(int(again.wait_ms[c]) - live_wait[fed.label[c]]) <= 1000, fed.label[c]
     assert [fed.label[c] for c in again.order] == [g["label"] for g in grants]
+
+
+@pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
+def test_lease_warm_keeps_most_cells_warm_and_lends_the_rest(redis_server):
+    """lease-warm through the real warm.lua on the Adobe template at 64 GPUs: most GPU cells start on
+    their notebook's warm lease, warm leases are evicted for whoever waits, use is charged as under
+    lease (warm time apart), and the event log holds no GPU granted twice."""
+    import dataclasses
+
+    from redis import Redis
+
+    from lease_server.config import Settings
+    from lease_server.keys import Keys
+    from lease_server.sim import replay
+    from tests.invariants import check_event_log, read_events
+
+    w = workload.load_sessions(ADOBE)
+    rows = [report.figures(w, r) for r in simulate(w, cluster(64), ["lease"], redis_url=redis_server.url)]
+    settings = dataclasses.replace(Settings(), redis_url=redis_server.url, prefix="warmsim", event_log_max=10**7)
+    warm = replay.lease(
+        w, cluster(64), replay.ReplaySetup(redis_server.url, "warmsim", settings, keep=True), policy="lease-warm"
+    )
+    r = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        counts = check_event_log(read_events(r, Keys("warmsim")))
+    finally:
+        r.delete(*Keys("warmsim").all())
+        r.close()
+    lease, fig = rows[0], report.figures(w, warm)
+    assert counts["warm"] >= fig["warm_starts"] > 0 and counts["evicting"] == fig["evictions"] > 0
+    assert fig["warm_start_share"] >= 0.7
+    assert fig["gpu_hours_allocated"] == pytest.approx(lease["gpu_hours_allocated"])  # charged: the cells' own time
+    assert fig["warm_gpu_hours"] > 0
+    assert (warm.start >= warm.ready).all()

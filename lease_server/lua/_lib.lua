@@ -161,17 +161,25 @@ end
 
 -- Best fit: the up node of the pool with the fewest free GPUs that still has n, skipping `exclude`
 -- (the node held back for a blocked head of the queue). O(log N): one ZRANGEBYLEX per candidate.
+-- While the pool has warm leases, their GPUs count as free for the fit (they are lendable: a hole
+-- a large request can have), among the 16 best candidates: small requests then do not settle
+-- beside warm leases and leave no node whole for a large one.
 -- A node whose heartbeat ran out is marked down here, so a dead agent's GPUs are never granted
 -- even between two sweeps.
 local function allocate(pool, n, exclude)
   local lo = '[' .. pool .. '|' .. string.format('%05d', n) .. '|'
   local hi = '(' .. pool .. '|~'
+  local warm = tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0') > 0
   for _ = 1, 64 do
-    local members = redis.call('ZRANGEBYLEX', K_FIT, lo, hi, 'LIMIT', 0, 2)
-    local node
+    local members = redis.call('ZRANGEBYLEX', K_FIT, lo, hi, 'LIMIT', 0, warm and 16 or 2)
+    local node, best
     for _, m in ipairs(members) do
-      local cand = string.match(m, '^[^|]+|%d+|(.+)$')
-      if cand ~= exclude then node = cand; break end
+      local cnt, cand = string.match(m, '^[^|]+|(%d+)|(.+)$')
+      if cand ~= exclude then
+        if not warm then node = cand; break end
+        local k = tonumber(cnt) + tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm@' .. cand) or '0')
+        if not best or k < best then node, best = cand, k end
+      end
     end
     if not node then return nil end
     local deadline = tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1')
@@ -343,17 +351,21 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
           if l.recall_at then
             p.have = p.have + count
           elseif r then
-            p.victims[#p.victims + 1] = {l = l, count = count, rank = r, lost = (NOW - l.created_at) * #l.gpus}
+            -- a warm lease loses no work, only its warm state: each one evicted costs the same
+            -- (and of equal cost the larger go first: fewer evicted)
+            local lost = l.warm_since and 1 or (NOW - l.created_at) * #l.gpus
+            p.victims[#p.victims + 1] = {l = l, count = count, rank = r, lost = lost}
           end
         end
       end
     end
   end
-  local best, best_cost, best_list = nil, nil, nil
+  local best, best_cost, best_list, best_over = nil, nil, nil, nil
   for node, p in pairs(per) do
     table.sort(p.victims, function(x, y)
       if x.rank ~= y.rank then return x.rank < y.rank end
       if x.lost ~= y.lost then return x.lost < y.lost end
+      if x.count ~= y.count then return x.count > y.count end
       return x.l.id < y.l.id
     end)
     local have, cost, list = p.have, 0, {}
@@ -363,8 +375,11 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
       have = have + v.count
       cost = cost + v.lost
     end
-    if have >= n and (best_cost == nil or cost < best_cost or (cost == best_cost and node < best)) then
-      best, best_cost, best_list = node, cost, list
+    -- the least lost, then best fit (the fewest GPUs left over on the node), then by name
+    local over = have - n
+    if have >= n and (best_cost == nil or cost < best_cost
+        or (cost == best_cost and (over < best_over or (over == best_over and node < best)))) then
+      best, best_cost, best_list, best_over = node, cost, list, over
     end
   end
   if not best then return nil end
@@ -656,7 +671,8 @@ local function ask_to_shrink(w, pool, n, notice_ms)
 end
 
 -- The live lease `id` if `user` owns it and `token` is its fencing token: (lease, its JSON), or
--- (nil, the reply to give: {ENDED, ended JSON} | {NO_SUCH} | {NOT_OWNER} | {STALE}).
+-- (nil, the reply to give: {ENDED, ended JSON} | {NO_SUCH} | {NOT_OWNER} | {STALE}). `token` nil:
+-- ownership alone suffices (as release.lua's "" token; the API always sends one).
 local function owned_lease(id, token, user)
   local raw = redis.call('HGET', K_LEASES, id)
   if not raw then
@@ -666,7 +682,7 @@ local function owned_lease(id, token, user)
   end
   local lease = cjson.decode(raw)
   if lease.user ~= user then return nil, {NOT_OWNER} end
-  if tostring(lease.token) ~= token then return nil, {STALE} end
+  if token and tostring(lease.token) ~= token then return nil, {STALE} end
   return lease, raw
 end
 
@@ -857,6 +873,7 @@ local function warm_lease(lease)
   end
   touch_usage(lease.pool, lease.user, -#lease.gpus, 0)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', 1)
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)  -- (allocate's fit)
 end
 
 -- A warm lease runs a cell again (or ends): its warm time is booked, fair share counts it again.
@@ -865,8 +882,10 @@ local function cool_lease(lease)
   lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * #lease.gpus
   lease.warm_since, lease.warm_until = nil, nil
   touch_usage(lease.pool, lease.user, #lease.gpus, 0)
-  if redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', -1) <= 0 then
-    redis.call('HDEL', K_HELD_BY, lease.pool .. '|~warm')
+  for field, k in pairs({['|~warm'] = 1, ['|~warm@' .. lease.node] = #lease.gpus}) do
+    if redis.call('HINCRBY', K_HELD_BY, lease.pool .. field, -k) <= 0 then
+      redis.call('HDEL', K_HELD_BY, lease.pool .. field)
+    end
   end
 end
 

@@ -33,7 +33,7 @@ from ..config import Settings
 from ..inventory import Gpu, NodeInventory
 from ..keys import Keys
 from ..lease import WAITER_GRACE_MS
-from ..scripts import Acquire, Code, Common, Release, ScriptCall, Sweep, declared_keys, source
+from ..scripts import Acquire, Code, Common, Release, ScriptCall, Sweep, Warm, declared_keys, source
 from . import resv
 from .result import Result, intervals
 from .workload import Workload
@@ -222,7 +222,13 @@ def lease(
 
 
 # Kinds of the items of one round trip (what each reply answers).
-_REL, _ACQ, _PREDICTED, _MARK, _READ, _SWEEP, _DUE = range(7)
+_REL, _ACQ, _PREDICTED, _MARK, _READ, _SWEEP, _DUE, _WARM, _RESUME, _RESUMED = range(10)
+# Kinds of the replay's own timeline, in the order they run within one virtual instant: a cell's
+# GPUs are done, a warm lease is given up (evicted, or warm_max), a cell asks for GPUs.
+_END, _DROP, _READY = range(3)
+# lease-warm: how long a kernel takes from its warm lease's `evicting` to its release (it ends the
+# worker and sees it gone; bench/warm_bench.py measures the whole eviction at a few hundred ms).
+EVICT_MS = 300
 SWEEP_LIMIT = 500
 WINDOW = 4096  # most commands in one round trip
 
@@ -256,13 +262,24 @@ class _Replay:
         ).argv()[1:]
         sha = {
             name: wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode()
-            for name in ("acquire", "release", "sweep")
+            for name in ("acquire", "release", "sweep", "warm")
         }
         # Every call's ARGV comes from the script's wrapper (lease_server.scripts): what the server
         # sends, the replay sends, argument for argument.
         self.acq = _Script(sha["acquire"], keys_of("acquire"), common_tail, Acquire)
         self.rel = _Script(sha["release"], keys_of("release"), common_tail, Release)
         self.sweep = _Script(sha["sweep"], keys_of("sweep"), common_tail, Sweep)
+        self.warm = _Script(sha["warm"], keys_of("warm"), common_tail, Warm)
+        # lease-warm: a finished cell's lease stays warm for its session's next cell (warm.lua)
+        self.keep_warm = policy == "lease-warm"
+        self.warm_max_ms = int(settings.warm_max * 1000)
+        self.lease_of: list[str] = [""] * w.n_cells  # the lease a cell runs under (a warm one: an earlier cell's)
+        self.warm_of: dict[int, tuple[str, int, int]] = {}  # session -> (its warm lease, the cell it ran, since)
+        self.warm_session: dict[str, int] = {}  # warm lease -> its session
+        self.evicting: set[int] = set()  # sessions whose warm lease is being evicted
+        self.warm_starts = self.evictions = 0
+        self.warm_ms = 0  # GPU-ms kept warm (lendable, not charged as use)
+        self.warm_on: dict[str, int] = {}  # node -> its GPUs held by warm leases (allocate's fit counts them)
         self.sweep_args = _pack(Sweep(SWEEP_LIMIT, WAITER_GRACE_MS).argv())
         n = w.n_cells
         self.users = list(w.users)
@@ -282,7 +299,9 @@ class _Replay:
         self.end_at = [-1] * n  # when the running lease of a cell is released (-1: none running)
         self.node_of = [""] * n
         self.attempt = [0] * n
-        self.heap: list[tuple[int, int, int]] = [(int(t), 1, int(c)) for t, c in zip(w.start, w.first, strict=True)]
+        self.heap: list[tuple[int, int, int]] = [
+            (int(t), _READY, int(c)) for t, c in zip(w.start, w.first, strict=True)
+        ]
         heapq.heapify(self.heap)
         self.waiting: set[int] = set()
         self.last_id = b"0-0"
@@ -313,10 +332,20 @@ class _Replay:
 
     def _best_fit(self, g: int) -> str | None:
         by_free = self.by_free
+        if not self.warm_of:
+            for k in range(g, len(by_free)):
+                if by_free[k]:
+                    return min(by_free[k])
+            return None
+        # allocate() with warm leases in the pool: of the 16 best fits, the fewest free + warm GPUs
+        cands: list[tuple[int, str]] = []
         for k in range(g, len(by_free)):
-            if by_free[k]:
-                return min(by_free[k])
-        return None
+            cands += [(k, name) for name in sorted(by_free[k])[: 16 - len(cands)]]
+            if len(cands) == 16:
+                break
+        if not cands:
+            return None
+        return min(cands, key=lambda kn: kn[0] + self.warm_on.get(kn[1], 0))[1]
 
     # ---- commands -------------------------------------------------------------------------
 
@@ -341,16 +370,29 @@ class _Replay:
         )
         return _pack(call.argv())
 
-    def _release_args(self, c: int) -> bytes:
+    def _release_args(self, c: int, lease_id: str = "") -> bytes:
         user = self.users[self.cell_user[c]]
-        return _pack(Release(self._lease_id(c), "", user, False, "released", "cell returned").argv())
+        return _pack(Release(lease_id or self._lease_id(c), "", user, False, "released", "cell returned").argv())
 
-    def _granted(self, c: int, at: int, node: str, token: int) -> None:
+    def _warm_args(self, c: int, lease_id: str, on: bool) -> bytes:
+        return _pack(Warm(lease_id, "", self.users[self.cell_user[c]], on).argv())
+
+    def _drop_warm(self, s: int, t: int) -> tuple[str, int]:
+        """Session ``s`` gives up its warm lease at ``t``: (the lease, the cell it ran)."""
+        lease_id, c0, since = self.warm_of.pop(s)
+        del self.warm_session[lease_id]
+        self.warm_on[self.node_of[c0]] -= self.cell_gpus[c0]
+        self.evicting.discard(s)
+        self.warm_ms += (t - since) * self.cell_gpus[c0]
+        return lease_id, c0
+
+    def _granted(self, c: int, at: int, node: str, token: int, lease_id: str = "") -> None:
+        self.lease_of[c] = lease_id or self._lease_id(c)
         self.start[c] = at
         self.token[c] = token
         self.node_of[c] = node
         self.end_at[c] = at + self.dur[c]
-        heapq.heappush(self.heap, (at + self.dur[c], 0, c))
+        heapq.heappush(self.heap, (at + self.dur[c], _END, c))
 
     def _take_events(self, entries: list[Any], t: int) -> None:
         for entry_id, fields in entries:
@@ -376,9 +418,17 @@ class _Replay:
                 self._give(self.node_of[c], g)
                 self.end_at[c] = -1
                 self.attempt[c] += 1
-                heapq.heappush(self.heap, (at, 1, c))  # the person runs the cell again at once
+                heapq.heappush(self.heap, (at, _READY, c))  # the person runs the cell again at once
             elif kind == b"reservation_no_show":
                 self.no_shows += 1
+            elif kind == b"evicting":
+                d = json.loads(fields[3])
+                s = self.warm_session.get(d["lease"])
+                if s is not None and s not in self.evicting:
+                    self.evicting.add(s)
+                    self.evictions += 1
+                    at = int(d["ts"]) - EPOCH_MS
+                    heapq.heappush(self.heap, (at + EVICT_MS, _DROP, self.warm_of[s][1]))
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -416,25 +466,44 @@ class _Replay:
                 else:
                     break
                 releases: list[int] = []
+                drops: list[int] = []
                 acquires: list[int] = []
                 while heap and heap[0][0] == t:
                     _, kind, c = heapq.heappop(heap)
-                    if kind == 1:
+                    if kind == _READY:
                         acquires.append(c)
+                    elif kind == _DROP:
+                        drops.append(c)
                     elif end_at[c] == t:  # else: revoked meanwhile (a re-run has its own release)
                         releases.append(c)
                 now = t + EPOCH_MS
                 for c in releases:
-                    cmds.append(rel.pack(now, self._release_args(c)))
-                    plan.append((_REL, c, t))
+                    if self.keep_warm:  # the lease stays, warm, for the session's next cell
+                        s, lease_id = self.session[c], self.lease_of[c]
+                        cmds.append(self.warm.pack(now, self._warm_args(c, lease_id, True)))
+                        plan.append((_WARM, c, t))
+                        self.warm_of[s] = (lease_id, c, t)
+                        self.warm_session[lease_id] = s
+                        self.warm_on[node_of[c]] = self.warm_on.get(node_of[c], 0) + cell_gpus[c]
+                        heapq.heappush(heap, (t + self.warm_max_ms - 1, _DROP, c))
+                    else:
+                        cmds.append(rel.pack(now, self._release_args(c, self.lease_of[c])))
+                        plan.append((_REL, c, t))
+                        self._give(node_of[c], cell_gpus[c])
                     end_at[c] = -1
-                    self._give(node_of[c], cell_gpus[c])
                     if not last[c]:
                         # the next cell of the session: ready after its think time (now, if it has none)
                         if gap[c + 1] == 0:
                             acquires.append(c + 1)
                         else:
-                            heapq.heappush(heap, (t + gap[c + 1], 1, c + 1))
+                            heapq.heappush(heap, (t + gap[c + 1], _READY, c + 1))
+                for c in drops:  # evicted (the kernel ended the worker), or warm_max ran out
+                    s = self.session[c]
+                    if s in self.warm_of and self.warm_of[s][1] == c:
+                        lease_id, _ = self._drop_warm(s, t)
+                        cmds.append(rel.pack(now, self._release_args(c, lease_id)))
+                        plan.append((_REL, c, t))
+                        self._give(node_of[c], cell_gpus[c])
                 if self.next_sweep is not None and self.next_sweep <= t:
                     if not marked:
                         cmds.append(_command("XREVRANGE", events_key, "+", "-", "COUNT", "1"))
@@ -447,6 +516,25 @@ class _Replay:
                 for c in acquires:
                     if self.attempt[c] == 0:
                         self.ready[c] = t
+                    s = self.session[c]
+                    if s in self.warm_of:
+                        lease_id, c0, _ = self.warm_of[s]
+                        if cell_gpus[c] == cell_gpus[c0] and s not in self.evicting:
+                            # The warm lease runs this cell at once (the kernel's warm worker).
+                            cmds.append(self.warm.pack(now, self._warm_args(c, lease_id, False)))
+                            if speculate:  # nobody waits: nothing can be evicting it
+                                self._drop_warm(s, t)
+                                self._granted(c, t, node_of[c0], 0, lease_id)
+                                self.warm_starts += 1
+                                plan.append((_RESUMED, c, t))
+                            else:
+                                plan.append((_RESUME, c, t))
+                            continue
+                        # Other GPUs, or being evicted: the kernel ends its warm worker, then asks.
+                        lease_id, c0 = self._drop_warm(s, t)
+                        cmds.append(rel.pack(now, self._release_args(c0, lease_id)))
+                        plan.append((_REL, c0, t))
+                        self._give(node_of[c0], cell_gpus[c0])
                     node = self._best_fit(cell_gpus[c]) if speculate else None
                     if node is not None:
                         self._take(node, cell_gpus[c])
@@ -511,6 +599,22 @@ class _Replay:
                     self.waiting.add(c)
                 else:
                     raise RuntimeError(f"acquire of cell {c} ({self.cell_gpus[c]} GPUs) at {t} ms answered {reply!r}")
+            elif kind in (_WARM, _RESUMED):
+                self.calls += 1
+                if reply[0] != Code.OK:
+                    raise RuntimeError(f"warm ({kind == _WARM}) of cell {c}'s lease at {t} ms answered {reply!r}")
+            elif kind == _RESUME:
+                self.calls += 1
+                s = self.session[c]
+                if reply[0] == Code.OK:
+                    lease_id, c0 = self._drop_warm(s, t)
+                    self._granted(c, t, self.node_of[c0], _int_field(reply[1], b"token"), lease_id)
+                    self.warm_starts += 1
+                elif reply[0] == Code.BUSY:  # evicted in this same instant: end it and ask again
+                    self.evicting.add(s)
+                    heapq.heappush(self.heap, (t, _READY, c))
+                else:
+                    raise RuntimeError(f"resuming cell {c}'s warm lease at {t} ms answered {reply!r}")
             elif kind == _MARK:
                 if reply:
                     self.last_id = reply[0][0]
@@ -544,6 +648,13 @@ class _Replay:
             users.append(u)
         lost_gpu_h = sum((e - s) * g for s, e, g, _ in self.lost) / 3_600_000
         extra: dict[str, Any] = {"script_calls": self.calls, "round_trips": self.round_trips, "sim_hours": span_h}
+        if self.keep_warm:
+            extra.update(
+                warm_starts=self.warm_starts,
+                warm_start_share=self.warm_starts / n if n else float("nan"),
+                evictions=self.evictions,
+                warm_gpu_hours=self.warm_ms / 3_600_000,
+            )
         if self.resv:
             extra.update(
                 reruns=len(self.lost),

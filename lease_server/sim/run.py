@@ -15,8 +15,8 @@ from . import policies, replay, resv
 from .result import Result
 from .workload import Workload
 
-POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+resv")
-LUA_POLICIES = ("lease", "lease+resv")
+POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+resv", "lease-warm")
+LUA_POLICIES = ("lease", "lease+resv", "lease-warm")
 
 
 def parse_policies(text: str) -> list[str]:
