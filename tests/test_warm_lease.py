@@ -153,3 +153,18 @@ def test_an_elastic_lease_cannot_go_warm(srv: Any) -> None:
     with pytest.raises(errors.Conflict, match="elastic"):
         alice.warm(lease)
     assert "warm_since" not in alice.get(lease.id)
+
+
+def test_the_idle_reclaimer_leaves_a_warm_lease_alone(server_factory: Any, redis_sync: Any) -> None:
+    """Both GPUs report idle: the reclaimer warns (and reclaims) the plain lease; the warm one is
+    lendable, not idle, and keeps its GPU."""
+    fast = dict(sample_interval=0.1, idle_timeout=0.6, grace=0.3, min_age=0.0, idle_threshold=5.0)
+    srv = server_factory(simulate="n1=2xA100-80GB", **fast)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice = srv.client("alice")
+    warm, plain = alice.acquire(1), alice.acquire(1)
+    alice.warm(warm)
+    watcher.wait_for(lambda e: e["type"] == "revoked" and e["lease"] == plain.id, 30, "the plain lease reclaimed")
+    assert not [e for e in watcher.events if e.get("lease") == warm.id and e["type"] in ("idle_warning", "revoked")]
+    assert alice.get(warm.id)["state"] == "active"
+    check_invariants(srv, redis_sync)
