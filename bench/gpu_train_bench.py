@@ -571,10 +571,10 @@ def handoff_round(s: Any, stack: Stack, watcher: Any, work: Path, i: int) -> Han
     release_at: list[float] = []
     orig_release = HeldLease.release
 
-    def timed_release(self: Any) -> None:
+    def timed_release(self: Any, verified: bool = False) -> None:
         if self.lease.pool == HANDOFF_POOL:
             release_at.append(time.time())
-        orig_release(self)
+        orig_release(self, verified=verified)
 
     HeldLease.release = timed_release  # type: ignore[method-assign]
     try:

@@ -191,6 +191,10 @@ class Options:
     # fresh: this cell starts on a new worker (and, with warm, leaves that one warm).
     warm: bool = False
     fresh: bool = False
+    # The value goes back the moment the function returns; the verified release (workers ended,
+    # seen gone, then the lease released) runs in the background, and the GPUs are granted again
+    # only after it. run_on_gpus does; a cell's line waits for it.
+    background_release: bool = False
 
     def resolved(self, d: Defaults) -> Options:
         gpus = d.gpus if self.gpus is None else self.gpus
@@ -329,24 +333,26 @@ def run_call(
             kept = None
             if warm_ok and (ending.state == "released" or user_error):
                 kept = keep_warm(sess, grant, warm)
-            if kept is None:
-                grant.finish()
-            else:
+            later = opts.background_release and ending.state == "released" and kept is None
+            if kept is not None:
                 ending.warm = True
                 sent = {k: v for k, v in call.inputs.items()}
                 back = results[0].value.names if ending.state == "released" else {}
                 kept.crossed(sent, back)
+            elif not later:
+                grant.finish()
             ending.where = grant.where
             if ending.warm and grant.lease is not None:
                 ending.where = f"{grant.lease.node} GPU {','.join(str(i) for i in grant.lease.indexes)}"
             ending.gpus = len(grant.lease.gpus) if grant.lease else 0
             ending.held_s = time.monotonic() - grant.t0
-            ending.verified, ending.nvml = grant.verified, grant.nvml
-            ending.handed_to = grant.handed_to
             ending.checkpoint = pump.has_checkpoint
-            if ending.state == "released" and grant.lease is not None and not grant.cpu:
-                ending.hint = _right_size(sess, grant.lease, ending.peak_memory)
-            ui.ended(ending)
+            if later:
+                # The value goes back now; the workers are ended, seen gone and the lease released
+                # in the background (its GPUs are granted again only after that), then the line.
+                sess.in_background(lambda: _close(sess, grant, ending, ui))
+            else:
+                _close(sess, grant, ending, ui, finished=True)
     except BaseException as exc:
         # The checkpoint hook's state travels with the error (the magic keeps it as gpu_checkpoint).
         if pump.has_checkpoint:
@@ -365,6 +371,22 @@ def run_call(
         pump.metrics,
         elastic.summary() if elastic is not None else [],
     )
+
+
+def _close(sess: Session, grant: Grant, ending: Ending, ui: UI, finished: bool = False) -> None:
+    """The call's workers are gone and its lease released (``finish`` it unless ``finished``): say how it ended."""
+    if not finished:
+        try:
+            grant.finish()
+        except Exception:
+            if grant.held is not None:  # not seen gone: an unverified release, the node agent makes sure
+                grant.held.release()
+            raise
+    ending.verified, ending.nvml = grant.verified, grant.nvml
+    ending.handed_to = grant.handed_to
+    if ending.state == "released" and grant.lease is not None and not grant.cpu:
+        ending.hint = _right_size(sess, grant.lease, ending.peak_memory)
+    ui.ended(ending)
 
 
 def _right_size(sess: Session, lease: Lease, peak: int | None) -> str:
@@ -497,7 +519,10 @@ def run_on_gpus(
     """Call ``fn(*args, **kwargs)`` on a worker holding ``gpus`` leased GPUs and return its value.
 
     The worker sees only those GPUs (``CUDA_VISIBLE_DEVICES``); the lease is released when the
-    call ends, however it ends. Raises :class:`GpuTrainError` with the remote traceback on failure.
+    call ends, however it ends. The value comes back the moment ``fn`` returns: the verified
+    release (the worker ended and seen gone, then the lease released) follows in the background,
+    and the GPUs are granted again only after it (``session().wait_background()`` waits for it).
+    Raises :class:`GpuTrainError` with the remote traceback on failure.
 
     ``nodes=k`` runs a multi-node gang for ``torch.distributed``: ``gpus/k`` GPUs on each of k
     nodes, granted all or nothing, and one process per GPU, each with ``RANK``, ``WORLD_SIZE``,
@@ -526,5 +551,6 @@ def run_on_gpus(
         elastic=elastic,
         min_efficiency=min_efficiency,
         sizes=tuple(sorted(set(sizes))) if sizes else None,
+        background_release=True,
     )
     return run_call(Call.function(fn, *args, **kwargs), opts).value

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,7 @@ class Session:
         self.warm: WarmWorker | None = None  # the last cell's worker, kept warm (magics.warm)
         self.warm_gone: WarmWorker | None = None  # one evicted or ended while warm: the next cell says so
         self.preload: set[str] = set()  # installed packages earlier GPU cells imported: spares import them
+        self._background: set[threading.Thread] = set()  # releases running after their call returned
         # A multi-node gang: how long Ray may take to place every rank and start its process.
         self.gang_start_timeout = GANG_START_TIMEOUT_S
         atexit.register(self.release_all)
@@ -175,6 +177,31 @@ class Session:
         if self.preload:
             worker.preloaded = handle.preload.remote(sorted(self.preload))
         return worker
+
+    def in_background(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a call's verified release) in a thread of its own; :meth:`wait_background`
+        and a kernel shutdown wait for it."""
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - the TTL and the node agent are the backstop
+                log.warning("a release in the background failed: %s", exc)
+            finally:
+                with self._lock:
+                    self._background.discard(threading.current_thread())
+
+        t = threading.Thread(target=run, name="gpulease-release", daemon=True)
+        with self._lock:
+            self._background.add(t)
+        t.start()
+
+    def wait_background(self, timeout: float = 30.0) -> None:
+        """Until every release started in the background is done."""
+        with self._lock:
+            threads = list(self._background)
+        for t in threads:
+            t.join(timeout)
 
     def note_imports(self, names: list[str]) -> None:
         """A GPU cell imported these installed packages: every spare imports them now, and every
@@ -279,6 +306,7 @@ class Session:
         """Kernel shutdown: withdraw every queued request and give back every lease held."""
         with contextlib.suppress(Exception):
             self.end_warm(reason)
+        self.wait_background()
         client = self._client
         for rid in list(self.waiting):
             with contextlib.suppress(Exception):

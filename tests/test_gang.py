@@ -225,6 +225,7 @@ def test_run_on_gpus_returns_rank_0s_value(srv, sess, monkeypatch):
     for bad in ({"gpus": 0}, {"gpus": "2-4"}, {"gpus": 3}, {}):
         with pytest.raises(ValueError):
             runner.run_on_gpus(report_env, nodes=2, **bad)
+    sess.wait_background()  # run_on_gpus returns the value first; its verified release follows
     assert free_gpus(srv) == 4
 
 
