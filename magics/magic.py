@@ -393,6 +393,12 @@ class GpuMagics(Magics):
                         f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s "
                         "unless used (%gpu_lease keep)"
                     )
+                if lease.get("warm_since"):
+                    print(
+                        f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']}), kept warm "
+                        f"{now - lease['warm_since']:.0f}s for your next cell (lent out if someone waits)"
+                    )
+                    continue
                 print(
                     f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']}), held "
                     f"{now - lease['created_at']:.0f}s, label {lease['label']!r}"

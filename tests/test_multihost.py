@@ -470,7 +470,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "svc",
             "kernel",
             [sys.executable, "-u", str(ROOT / "tests" / "multihost_driver.py")],
-            hosts.env(GPULEASE_URL=url, GPULEASE_TOKEN=cl.token("hub"), GPULEASE_USER="alice"),
+            # (warm cells off: these cells are about placement, each on a lease of its own)
+            hosts.env(GPULEASE_URL=url, GPULEASE_TOKEN=cl.token("hub"), GPULEASE_USER="alice", GPULEASE_WARM="off"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=str(ROOT),

@@ -82,6 +82,8 @@ def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_na
     # Another GPU count: the warm worker ends first and the cell starts cold on its own lease.
     warm_cell(kernel, "x = 1", flags="--gpus 2")
     assert board(stack) == {0: "warm", 1: "warm"}
+    shown = text(kernel.run("%gpu_lease"))
+    assert "kept warm " in shown and "s for your next cell (lent out if someone waits)" in shown, shown
     out = kernel.run("%gpu_lease release")
     assert "released; its warm worker ended" in text(out), out
     assert board(stack) == {0: "free", 1: "free"}

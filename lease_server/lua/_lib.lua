@@ -876,6 +876,15 @@ local function warm_lease(lease)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)  -- (allocate's fit)
 end
 
+-- Why a lease past its deadline expires: warm_max ran out for a warm lease, else its ttl.
+local function expiry_reason(lease, late_ms)
+  if lease.warm_until and lease.warm_until <= NOW then
+    return 'kept warm for ' .. math.floor((NOW - lease.warm_since) / 60000 + 0.5) .. ' min with no cell (warm_max)'
+  end
+  if late_ms then return 'renewed ' .. late_ms .. ' ms after its deadline' end
+  return 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
+end
+
 -- A warm lease runs a cell again (or ends): its warm time is booked, fair share counts it again.
 local function cool_lease(lease)
   if not lease.warm_since then return end

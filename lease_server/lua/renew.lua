@@ -15,7 +15,7 @@ if not raw then
     local e = cjson.decode(ended)
     if e.user ~= user and admin ~= '1' then return {NOT_OWNER} end
     if tostring(e.token) ~= token then return {STALE} end
-    if e.state == 'expired' then
+    if e.state == 'expired' and not string.find(e.end_reason or '', '(warm_max)', 1, true) then
       emit('renew_miss', {lease = id, user = e.user, late_ms = NOW - e.expires_at})
     end
     return {ENDED, ended}
@@ -26,8 +26,10 @@ local lease = cjson.decode(raw)
 if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
 if tostring(lease.token) ~= token then return {STALE} end
 if lease.expires_at < NOW then
-  emit('renew_miss', {lease = id, user = lease.user, late_ms = NOW - lease.expires_at})
-  local _, ended_json = end_lease(lease, 'expired', 'renewed ' .. (NOW - lease.expires_at) .. ' ms after its deadline', 'server', raw)
+  if not lease.warm_until or lease.warm_until > NOW then  -- (a warm lease's end at warm_max is no miss)
+    emit('renew_miss', {lease = id, user = lease.user, late_ms = NOW - lease.expires_at})
+  end
+  local _, ended_json = end_lease(lease, 'expired', expiry_reason(lease, NOW - lease.expires_at), 'server', raw)
   dispatch(lease.pool)
   return {EXPIRED, ended_json}
 end

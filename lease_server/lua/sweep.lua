@@ -57,11 +57,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'L
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
     local lease = cjson.decode(raw)
-    local why = 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
-    if lease.warm_until and lease.warm_until <= NOW then
-      why = 'kept warm for ' .. math.floor((NOW - lease.warm_since) / 60000 + 0.5) .. ' min with no cell (warm_max)'
-    end
-    end_lease(lease, 'expired', why, 'server', raw)
+    end_lease(lease, 'expired', expiry_reason(lease), 'server', raw)
     pools[lease.pool] = true
   else
     redis.call('ZREM', K_DEADLINES, id)
