@@ -423,10 +423,11 @@ def _sum_memory(results: list[Result]) -> int | None:
 # ---- a cell --------------------------------------------------------------------------------------
 
 
-def plan_call(source: str, user_ns: dict[str, Any], options: Options) -> Call:
+def plan_call(source: str, user_ns: dict[str, Any], options: Options, crossed: dict[str, Any] | None = None) -> Call:
     """The cell as a :class:`Call`: the names it reads from ``user_ns`` travel with it, the names
     it assigns (or ``options.outputs``) come back. Raises SyntaxError or ValueError (a name that
-    cannot travel, nothing to run, no checkpoint to resume)."""
+    cannot travel, nothing to run, no checkpoint to resume). ``crossed``: the objects a warm worker
+    holds already, by name: they crossed once, so they are not pickled again to check them."""
     if not source.strip():
         raise ValueError("nothing to run: %gpu_train fn(args) or a %%gpu_train cell")
     plan = cellcode.plan_cell(source)
@@ -439,7 +440,8 @@ def plan_call(source: str, user_ns: dict[str, Any], options: Options) -> Call:
         )
     extra = {"resume_state": user_ns["gpu_checkpoint"] if options.resume else user_ns.get("resume_state")}
     inputs = cellcode.pick_inputs(plan.reads, {**user_ns, **extra})
-    check_picklable(inputs)
+    held = crossed or {}
+    check_picklable({k: v for k, v in inputs.items() if k not in held or held[k] is not v})
     return Call(
         "cell",
         source=source,
@@ -462,7 +464,9 @@ def run_cell(
     travel, the names it assigns come back into ``user_ns``, and the value of its last expression
     is returned. A checkpoint hook's state lands in ``user_ns["gpu_checkpoint"]``."""
     options = options or Options()
-    call = plan_call(source, user_ns, options)
+    sess = sess or session()
+    warm = sess.warm
+    call = plan_call(source, user_ns, options, warm.sent if warm is not None and options.warm else None)
     if not options.label:
         options = replace(options, label=source.strip().splitlines()[0][:120])
     if not options.cell:

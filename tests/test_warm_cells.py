@@ -57,16 +57,32 @@ def worker_pid(kernel: Kernel) -> int:
     return int(text(warm_cell(kernel, "import os\npid = os.getpid()\nprint(pid)")).split()[-1])
 
 
+COUNTED = """
+class Counted:
+    pickled = 0  # in the kernel: how often an instance was pickled (to check it, or to send it)
+    def __reduce__(self):
+        Counted.pickled += 1
+        return (Counted, ())
+counted = Counted()
+"""
+
+
 def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_names_stay(stack, kernel):
     kernel.run("big = list(range(100000))")
+    kernel.run(COUNTED)
     out = warm_cell(kernel, "import os\nmodel = {'w': [1.0, 2.0]}\nwid, bid, pid = id(model), id(big), os.getpid()")
     line = status(out)
     assert line.startswith("gpu_train: ran ") and line.endswith("; kept warm on box GPU 0 (lent out if someone waits)")
     assert len(line) <= 80, line
     assert board(stack)[0] == "warm"
     lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
-    out = warm_cell(kernel, "import os\nsame = (id(model) == wid, id(big) == bid, os.getpid() == pid)\nsame")
-    assert text(out, "execute_result") == "(True, True, True)", out
+    warm_cell(kernel, "c = counted")
+    before = text(kernel.run("print(Counted.pickled)")).strip()
+    out = warm_cell(
+        kernel, "import os\nsame = (id(model) == wid, id(big) == bid, os.getpid() == pid, c is counted)\nsame"
+    )
+    assert text(out, "execute_result") == "(True, True, True, True)", out
+    assert text(kernel.run("print(Counted.pickled)")).strip() == before  # neither sent nor checked again
     running = [d for d in displays(out) if d.startswith("gpu_train: running")]
     assert running and "(warm worker, " in running[0] and "s since the last cell)" in running[0], running
     assert api(stack, "GET", "/api/v1/leases")["leases"][0]["id"] == lease_id  # no new lease, no queue
