@@ -750,3 +750,40 @@ def test_the_first_day_palette_commands_tile_origin_kernel_logo_a_narrow_board_a
     expect(section.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
     assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "cancelled"
     print(f"screenshots: {shots}")
+
+
+@pytest.mark.parametrize("lease_server_settings", [{"warm_evict_notice": 30.0}])
+def test_the_board_shows_a_warm_gpu_as_lendable_and_its_eviction(
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
+) -> None:
+    """A finished cell's lease kept warm for its notebook's next cell: warm · lendable, with its
+    holder and how long; another user's request evicts it (a countdown) and gets the GPU."""
+    from playwright.sync_api import expect
+
+    alice, bob = clients["alice"], clients["bob"]
+    open_panel(page, lab)
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+    board = page.get_by_role("region", name="GPU board")
+    legend = page.get_by_role("list", name="legend")
+    expect(legend.get_by_role("listitem").filter(has_text=re.compile(r"^warm · lendable$"))).to_be_visible()
+
+    lease = bob.acquire(gpus=2, pool="T4-16GB", ttl=120, label="train")
+    bob.warm(lease)
+    cells = [board.locator(f'td[role="cell"][aria-label^="t1 GPU {i}: "]') for i in lease.indexes]
+    for cell in cells:
+        expect(cell).to_have_attribute("data-state", "warm")
+        expect(cell).to_have_accessible_name(
+            re.compile(r": warm · lendable, by bob, held \d+s, label train, kept warm \d+s, lent out if someone waits$")
+        )
+        expect(cell).to_contain_text("warm")
+    page.screenshot(path=str(shots / "1-warm.png"), full_page=True)
+
+    # Alice asks for one: bob's warm lease is evicted (a countdown) until his kernel releases it.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        granted = pool.submit(alice.acquire, gpus=1, pool="T4-16GB", ttl=120, wait=60)
+        expect(cells[0]).to_have_accessible_name(re.compile(r"evicted for a waiting request — free in \d+ s$"))
+        page.screenshot(path=str(shots / "2-evicting.png"), full_page=True)
+        bob.release(lease, verified=True)  # what his kernel does: the worker ended and seen gone
+        mine = granted.result(timeout=60)
+    expect(board.get_by_role("cell", name=re.compile(rf"^t1 GPU {mine.indexes[0]}: leased, by alice"))).to_be_visible()
+    alice.release(mine)

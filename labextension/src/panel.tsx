@@ -165,6 +165,7 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
       <div className="jp-GpuLease-cellIndex">
         GPU {gpu.index}
         {lease?.borrowed ? ' · borrowed' : ''}
+        {lease?.warm_since ? ' · warm' : ''}
       </div>
       <div className="jp-GpuLease-cellState">{lease ? lease.user : stateLabel(gpu.state)}</div>
       {booking && !lease && (
