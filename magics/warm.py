@@ -80,6 +80,9 @@ class WarmWorker:
         with self._lock:
             if self.gone:
                 return False
+            if not self._worker_alive():
+                self._end_locked("its worker process exited")
+                return False
             self._unfollow()
             try:
                 self.sess.client().warm(self.lease, on=False)
@@ -87,6 +90,17 @@ class WarmWorker:
                 self._end_locked(_why(exc, self))
                 return False
             return True
+
+    def _worker_alive(self) -> bool:
+        """False when the worker's process is known gone (crashed, OOM-killed while warm); where
+        the driver cannot see its process table, the call finds out."""
+        from .worker import _alive
+
+        try:
+            where = self.grant.ranks[0].worker.where(timeout=1)
+        except Exception:  # noqa: BLE001 - it never answered: not fit for a cell
+            return False
+        return where.machine != self.sess.machine or _alive(where.pid)
 
     def strip(self, call: Call) -> Call:
         """The call with only the names whose objects changed in the kernel since they last
@@ -129,6 +143,8 @@ class WarmWorker:
                     with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
                         if self._stop.is_set():
                             return
+                        if self._missed(client):  # evicted (or ended) before we subscribed
+                            return
                         kind = ""
                         for line in s.iter_lines():
                             if self._stop.is_set():
@@ -145,6 +161,24 @@ class WarmWorker:
 
         threading.Thread(target=run, name=f"gpulease-warm-{lease_id}", daemon=True).start()
 
+    def _missed(self, client: Any) -> bool:
+        """Whether the lease was evicted or ended before its events were followed (going warm
+        serves the queue at once: a request already waiting evicts it in that same step)."""
+        import json
+
+        try:
+            rec = client.get(self.lease.id)
+        except errors.GpuLeaseError:
+            return False
+        if rec.get("state") in protocol.ENDED_STATES:
+            ended = {"reason": rec.get("end_reason", ""), "by": rec.get("ended_by", "")}
+            self._evicted(rec["state"], json.dumps(ended))
+            return True
+        if rec.get("recall_at"):
+            self._evicted(protocol.EventType.EVICTING.value, json.dumps({"reason": rec.get("recall_reason", "")}))
+            return True
+        return False
+
     def _evicted(self, kind: str, data: str) -> None:
         import json
 
@@ -155,7 +189,8 @@ class WarmWorker:
         if kind in protocol.RECALL_EVENTS:
             why = reason.split(" (a warm lease")[0] or "evicted for another request"
         else:
-            why = describe_end({"state": kind, "end_reason": reason, "ended_by": ""}, self.lease.user) or kind
+            rec = {"state": kind, "end_reason": reason, "ended_by": body.get("by", "")}
+            why = describe_end(rec, self.lease.user) or kind
         with self._lock:
             if not self._stop.is_set():
                 self._end_locked(why)

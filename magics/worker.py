@@ -204,13 +204,13 @@ class GpuWorker:
         self._used = False
         self._gen = 0  # which call this is: a watchdog of an earlier call stops following its lease
         self._ns: dict[str, Any] | None = None  # a warm cell's namespace, kept for the notebook's next cell
-        self._boot_modules = {name.partition(".")[0] for name in sys.modules}
         # Imports done while the spare waits, not on the call's clock (pynvml: ~15 ms).
         import httpx  # noqa: F401
 
         _tls()  # the watchdog's TLS context, made while the spare waits
 
         _nvml_here()  # pynvml imported and NVML probed now, not on the call's clock
+        self._boot_modules = {name.partition(".")[0] for name in sys.modules}  # (what calls import is the rest)
 
     def ready(self) -> Where:
         """Where this process lives (the driver watches its pid to know when it is gone)."""

@@ -187,3 +187,21 @@ def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
     out = warm_cell(kernel, "x = 1")
     assert "released; GPU memory freed" in status(out) and board(stack) == {0: "free", 1: "free"}
     assert api(stack, "GET", "/api/v1/leases")["leases"] == []
+
+
+def test_a_cold_cell_finds_what_earlier_cells_imported_already_imported(stack, kernel):
+    """The spares import the installed packages earlier GPU cells imported (torch, say): a cold
+    cell then pays only for its own work."""
+    warm_cell(kernel, "import sys\nbefore = 'jinja2' in sys.modules\nimport jinja2", flags="--gpus 1 --cold")
+    assert text(kernel.run("print(before)")).strip() == "False"  # a fresh worker had not imported it
+    warm_cell(kernel, "import sys\nhad = 'jinja2' in sys.modules", flags="--gpus 1 --cold")
+    assert text(kernel.run("print(had)")).strip() == "True"
+
+
+def test_a_warm_worker_that_died_while_warm_is_replaced_with_one_line(stack, kernel):
+    pid = worker_pid(kernel)
+    os.kill(pid, signal.SIGKILL)  # the OOM killer, say, while the notebook plotted
+    out = kernel.run("%%gpu_train --gpus 1\n2 * 21")
+    assert not errors_of(out) and text(out, "execute_result") == "42", out
+    shown = "\n".join(displays(out))
+    assert "ended 0s ago (its worker process exited" in shown and "this cell starts cold" in shown, shown
