@@ -329,7 +329,10 @@ def run_call(
             freed = "its GPUs are free" if grant.lease is not None and not grant.cpu else "its worker is gone"
             raise GpuTrainStopped(f"gpu_train stopped; {freed}") from None
         finally:
-            sess.note_imports(pump.imported)  # a spare preloads them for the next cold cell
+            if call.kind == "cell" and relay is None and not opts.elastic and not (opts.nodes and opts.nodes > 1):
+                # A spare preloads them for the notebook's next cold cell (not while a sweep's
+                # trials or an elastic job's ranks run: the imports would take CPU from them).
+                sess.note_imports(pump.imported)
             kept = None
             if warm_ok and (ending.state == "released" or user_error):
                 kept = keep_warm(sess, grant, warm)
