@@ -5,6 +5,7 @@ notebook's next cell, and is lent out the moment someone else waits."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -200,7 +201,10 @@ def test_a_cold_cell_finds_what_earlier_cells_imported_already_imported(stack, k
 
 def test_a_warm_worker_that_died_while_warm_is_replaced_with_one_line(stack, kernel):
     pid = worker_pid(kernel)
+    fd = os.pidfd_open(pid)
     os.kill(pid, signal.SIGKILL)  # the OOM killer, say, while the notebook plotted
+    select.select([fd], [], [], 30)  # it has exited (the signal is asynchronous)
+    os.close(fd)
     out = kernel.run("%%gpu_train --gpus 1\n2 * 21")
     assert not errors_of(out) and text(out, "execute_result") == "42", out
     shown = "\n".join(displays(out))
