@@ -241,8 +241,21 @@ async def register_all(store: LeaseStore, spec: str, alive_s: float = LONG) -> l
     """Declare the simulated nodes of ``spec`` (``NAME=8xA100-80GB,...``) straight into Redis, alive
     for ``alive_s`` (no agent needed); returns their inventories."""
     from lease_server.inventory import parse_simulate, register
+    from lease_server.layout import check
 
+    await check(store.engine.redis, store.engine.keys)  # what a server's first start writes: it starts on this data
     nodes = parse_simulate(spec)
     for inv in nodes:
         await register(store.engine, inv, alive_s=alive_s)
     return nodes
+
+
+SCRIPT_COMMANDS = ("cmdstat_fcall", "cmdstat_evalsha")  # the scripts as functions, or with EVALSHA (Redis 6)
+
+
+def script_stats(stats: dict[str, Any]) -> dict[str, float]:
+    """Redis's time in the lease scripts, from ``INFO commandstats``: {calls, usec, usec_per_call},
+    FCALL and EVALSHA together (the server uses whichever the Redis has)."""
+    calls = sum(float(stats.get(k, {}).get("calls", 0)) for k in SCRIPT_COMMANDS)
+    usec = sum(float(stats.get(k, {}).get("usec", 0)) for k in SCRIPT_COMMANDS)
+    return {"calls": calls, "usec": usec, "usec_per_call": usec / calls if calls else float("nan")}

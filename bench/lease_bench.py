@@ -24,7 +24,7 @@ http_share_of_redis_limit
                    The limit: Redis runs commands one at a time, and a grant cycle costs it one
                    acquire script (the POST) and one release script (the DELETE), so
                        limit_grants_per_s = 1e6 / (2 * script_us_per_call)
-                   with script_us_per_call = EVALSHA usec / calls from INFO commandstats, the stats
+                   with script_us_per_call = FCALL (or EVALSHA) usec / calls from INFO commandstats, the stats
                    reset (CONFIG RESETSTAT) just before the load and read just after it. commandstats
                    time a command's execution only, not Redis's reading and writing of sockets, so
                    the limit is an upper bound on what Redis could serve, and the share errs low.
@@ -221,7 +221,7 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
             for _ in range(block):
                 locks.append(await one_lock())
         stats: Any = await r.info("commandstats")
-        script_us = float(stats.get("cmdstat_evalsha", {}).get("usec_per_call", "nan"))
+        script_us = _common.script_stats(stats)["usec_per_call"]
     finally:
         await store.close()
         await r.aclose()
@@ -617,8 +617,8 @@ def run_loadgen(server: ServerProcess, redis_url: str, redis_pid: int, cfg: dict
     for name, seconds in (("server", server_cpu), ("redis", redis_cpu), ("loadgen", res["loadgen_cpu_s"])):
         res[f"{name}_cpu_us_per_grant"] = seconds / grants * 1e6
     # Redis's side, from commandstats over the same window (warm-up included, as above).
-    evalsha = stats.get("cmdstat_evalsha", {})
-    calls, usec = float(evalsha.get("calls", 0)), float(evalsha.get("usec", 0))
+    scripts = _common.script_stats(stats)
+    calls, usec = scripts["calls"], scripts["usec"]
     res["script_calls"] = int(calls)
     res["script_us_per_call"] = usec / calls if calls else float("nan")
     res["script_calls_per_grant"] = calls / grants

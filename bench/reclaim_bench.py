@@ -533,9 +533,9 @@ async def bench_record(redis_url: str, redis_pid: int, n: int, warmup: int) -> d
                     if cmd in ("info", "config|resetstat"):
                         continue
                     a["calls"][cmd] = a["calls"].get(cmd, 0) + int(v["calls"])
-                    if cmd == "evalsha":
+                    if cmd in ("evalsha", "fcall"):
                         a["script_us"] += float(v["usec"])
-                    if cmd not in SCRIPT_INNER:  # sent by the client (the script's own calls are in evalsha)
+                    if cmd not in SCRIPT_INNER:  # sent by the client (the script's own calls are in fcall/evalsha)
                         a["sent_us"] += float(v["usec"])
         for mode, a in acc.items():
             m = a["n"]
@@ -616,7 +616,7 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
             for j in range(script_n):
                 await record_samples(store.engine, "f000", POOL8, samples[j % 16], 5.0)
             stats: Any = await r.info("commandstats")
-            return float(stats["cmdstat_evalsha"]["usec_per_call"])
+            return _common.script_stats(stats)["usec_per_call"]
 
         shares: dict[int, dict[str, Any]] = {}
         for gpus in (8, 512, 1024):
@@ -764,7 +764,7 @@ def main() -> None:
             say(
                 f"[2b] record_samples(), 8 GPUs, as the agent calls it, n={rec['n']}: client CPU "
                 f"{ag['client_cpu_ms']:.4f} ms, wall {ag['wall_ms']:.3f} ms; Redis: samples.lua "
-                f"{ag['script_us']:.1f} us per call (INFO commandstats evalsha), every command the client sent "
+                f"{ag['script_us']:.1f} us per call (INFO commandstats fcall/evalsha), every command the client sent "
                 f"{ag['redis_cmd_us']:.1f} us, redis-server CPU {ag['redis_cpu_us']:.0f} us per sample; "
                 f"commands per sample {ag['commands_per_sample']}"
             )

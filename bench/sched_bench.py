@@ -139,7 +139,7 @@ async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
         t0 = time.perf_counter()
         await empty.engine.raw(_release(lid, "u000"))
         base.append(time.perf_counter() - t0)
-    ev0, ev1 = info0.get("cmdstat_evalsha", {}), info1.get("cmdstat_evalsha", {})
+    ev0, ev1 = _common.script_stats(info0), _common.script_stats(info1)
     calls = ev1.get("calls", 0) - ev0.get("calls", 0)
     redis_us = (ev1.get("usec", 0) - ev0.get("usec", 0)) / calls if calls else float("nan")
     p50, p99 = pct(rels, 50) * 1000, pct(rels, 99) * 1000

@@ -122,9 +122,9 @@ def main() -> None:
             setup = replay.ReplaySetup(redis.url, "simbench", Settings(redis_url=redis.url, prefix="simbench"))
             res = replay.lease(w, nodes, setup)
             rows["lease"] = report.figures(w, res)
-            stats = r.info("commandstats").get("cmdstat_evalsha", {})
-            out["redis_evalsha_us_per_call"] = stats.get("usec_per_call")
-            out["redis_evalsha_s"] = round(stats.get("usec", 0) / 1e6, 2)
+            stats = _common.script_stats(r.info("commandstats"))
+            out["redis_script_us_per_call"] = stats["usec_per_call"]
+            out["redis_script_s"] = round(stats["usec"] / 1e6, 2)
             out["script_calls"] = res.extra["script_calls"]
             out["round_trips"] = res.extra["round_trips"]
             out["lease_wall_s"] = round(res.wall_s, 2)
@@ -138,9 +138,9 @@ def main() -> None:
                 books = resv.bookings(w, args.gpus, rp)
                 res = replay.lease(w, nodes, setup, policy="lease+resv", bookings=books)
                 rows["lease+resv"] = report.figures(w, res)
-                stats = r.info("commandstats").get("cmdstat_evalsha", {})
+                stats = _common.script_stats(r.info("commandstats"))
                 out["resv_booked_gpus"] = sum(b.gpus for b in books)
-                out["resv_redis_evalsha_us_per_call"] = stats.get("usec_per_call")
+                out["resv_redis_script_us_per_call"] = stats["usec_per_call"]
                 out["resv_round_trips"] = res.extra["round_trips"]
                 out["resv_lease_wall_s"] = round(res.wall_s, 2)
                 out["sim_hours_per_wall_s_resv"] = res.extra["sim_hours"] / res.wall_s
@@ -164,8 +164,8 @@ def main() -> None:
     if "sim_hours_per_wall_s" in out:
         say(
             f"sim_hours_per_wall_s {out['sim_hours_per_wall_s']:.0f} ({out['script_calls']} script calls in "
-            f"{out['round_trips']} round trips, {out['lease_wall_s']} s; Redis EVALSHA {out['redis_evalsha_s']} s, "
-            f"{out['redis_evalsha_us_per_call']} us per call) "
+            f"{out['round_trips']} round trips, {out['lease_wall_s']} s; Redis scripts {out['redis_script_s']} s, "
+            f"{out['redis_script_us_per_call']} us per call) "
             + verdict("sim_hours_per_wall_s", out["sim_hours_per_wall_s"])
         )
     if "sim_hours_per_wall_s_resv" in out:
@@ -175,7 +175,7 @@ def main() -> None:
             f"again ({out['resv_lost_gpu_hours']:.0f} GPU-h lost), {out['resv_no_shows']} booking occurrences "
             f"released unused (no-show); replay {out['sim_hours_per_wall_s_resv']:.0f} "
             f"sim h/s ({out['resv_round_trips']} round trips, {out['resv_lease_wall_s']} s, Redis "
-            f"{out['resv_redis_evalsha_us_per_call']} us per EVALSHA)"
+            f"{out['resv_redis_script_us_per_call']} us per script)"
         )
     ul = out.get("util_lease", nan)
     for other in ("calendar", "culler_60m"):

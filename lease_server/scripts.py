@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
 import json
 import operator
 import re
@@ -139,7 +140,42 @@ def source(name: str) -> str:
     binding = "local " + ", ".join(f"K_{k.upper()}" for k in keys) + " = "
     binding += ", ".join(f"KEYS[{i}]" for i in range(1, len(keys) + 1)) + "\n"
     helpers = dict(chunks)
-    return binding + preamble + "".join(helpers[h] for h in _helpers_for(body)) + "\n" + body
+    return binding + preamble + "".join(helpers[h] for h in _helpers_for(_BEGIN + body)) + _BEGIN + body
+
+
+_BEGIN = "\nbegin()\n"  # the call's common arguments (lua/_lib.lua begin), before the body
+
+
+@functools.cache
+def library() -> tuple[str, str]:
+    """The Redis Functions library of every script: (its name, its code for ``FUNCTION LOAD``).
+
+    The helpers of ``lua/_lib.lua`` are defined once, when the library loads, and each script is a
+    function ``<library>_<script>`` called with ``FCALL``. The library's name carries a hash of
+    its code, so servers of two releases on one Redis (a rolling upgrade) each call their own.
+
+    The helpers read the call's keys and common arguments as the library's locals (``K_<NAME>``,
+    ``KEYS``, ``ARGV``, ``NOW``...): each function sets all of them before its body runs, the
+    keys a script does not declare to nil."""
+    preamble, chunks = _library()
+    names = [n for n in SCRIPT_NAMES if n not in STANDALONE]
+    all_keys = sorted({k for n in names for k in declared_keys(n)})
+    out = ["local KEYS, ARGV\n", "local " + ", ".join(f"K_{k.upper()}" for k in all_keys) + "\n"]
+    out += [preamble, *(text for _, text in chunks)]
+    for name in SCRIPT_NAMES:
+        out.append(f"\nlocal function script_{name}()\n{_lua(name)}\nend\n")
+    digest = hashlib.sha1("".join(out).encode()).hexdigest()[:12]
+    lib = f"gpulease_{digest}"
+    for name in SCRIPT_NAMES:
+        keys = () if name in STANDALONE else declared_keys(name)
+        bind = [f"K_{k.upper()} = keys[{i}]" for i, k in enumerate(keys, 1)]
+        bind += [f"K_{k.upper()} = nil" for k in all_keys if k not in keys]
+        begin = "" if name in STANDALONE else "  begin()\n"
+        out.append(
+            f"redis.register_function('{lib}_{name}', function(keys, args)\n  KEYS, ARGV = keys, args\n"
+            f"  {'; '.join(bind) if bind else ''}\n{begin}  return script_{name}()\nend)\n"
+        )
+    return lib, f"#!lua name={lib}\n" + "".join(out)
 
 
 def used_keys(name: str) -> set[str]:
@@ -845,8 +881,17 @@ STANDALONE = (Samples.script,)  # no prologue, no common ARGV: see its header
 
 
 class Scripts:
-    """The registered scripts of one Redis connection (EVALSHA, re-loaded on NOSCRIPT), each with
-    the keys it declares."""
+    """The scripts of one Redis connection, called as Redis Functions where the server has them.
+
+    On Redis >= 7 or Valkey, the first call loads :func:`library` (``FUNCTION LOAD``) and every
+    call is one ``FCALL`` of the script's function: the helpers are compiled once, not with each
+    script. A server without functions (managed Redis 6) answers the load with "unknown command",
+    and this connection then uses ``EVALSHA`` of each script's :func:`source` (re-loaded on
+    NOSCRIPT) from then on. So does a Redis Cluster: redis-py routes an ``FCALL`` there only after
+    asking the cluster for its keys (``COMMAND GETKEYS``), a round trip more per call.
+
+    A function that has gone (``FUNCTION FLUSH``, a fresh server behind the same address) is
+    loaded again and the call resent, once."""
 
     def __init__(self, redis: Redis, keys: Keys, replicas_ack: int = 0, ack_timeout_s: float = 1.0) -> None:
         self._redis = redis
@@ -854,6 +899,9 @@ class Scripts:
         self._keys = {c.script: [getattr(keys, k) for k in declared_keys(c.script)] for c in CALLS}
         self.keys = keys
         self.replicas_ack, self._ack_timeout_ms = replicas_ack, max(1, int(ack_timeout_s * 1000))
+        # True: FCALL; False: EVALSHA; None: not known until the first call
+        self.functions: bool | None = False if not hasattr(redis, "fcall") or _is_cluster(redis) else None
+        self._lib = library()[0]
 
     def keys_of(self, script: str) -> list[str]:
         return self._keys[script]
@@ -867,10 +915,7 @@ class Scripts:
         """Run ``call`` and return its code and the rest of the reply, undecoded (tests, benches)."""
         keys, args = self._keys[call.script], common.argv() + call.argv()
         try:
-            if self.replicas_ack and common.now_ms is None:
-                reply = await self._acked(self._scripts[call.script], keys, args)
-            else:
-                reply = await self._scripts[call.script](keys=keys, args=args)
+            reply = await self._run(call.script, keys, args, acked=bool(self.replicas_ack and common.now_ms is None))
         except ResponseError as exc:
             if not str(exc).startswith("NOREPLICAS"):
                 raise
@@ -883,21 +928,59 @@ class Scripts:
             raise errors.GpuLeaseError(f"script {call.script} returned an unknown reply {reply!r}") from exc
         return code, list(reply[1:])
 
-    async def _acked(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
-        """EVALSHA then WAIT on the same connection (one round trip): the reply counts only once
+    async def samples(self, call: Samples) -> tuple[int, int]:
+        return call.reply(list(await self._run(Samples.script, call.keys(self.keys), call.argv())))
+
+    async def load(self) -> bool:
+        """Load the library unless the server has it; returns whether this server has functions."""
+        try:
+            await self._redis.function_load(library()[1])
+        except ResponseError as exc:
+            text = str(exc).lower()
+            if "already exists" in text:
+                self.functions = True
+            elif "unknown command" in text or "unknown subcommand" in text:
+                self.functions = False  # Redis < 7: EVALSHA from now on
+            else:
+                raise
+        else:
+            self.functions = True
+        return self.functions
+
+    async def _run(self, script: str, keys: list[str], args: list[Any], acked: bool = False) -> Any:
+        if self.functions is None:
+            await self.load()
+        for attempt in (1, 2):
+            try:
+                if acked:
+                    return await self._acked(script, keys, args)
+                if not self.functions:
+                    return await self._scripts[script](keys=keys, args=args)
+                return await self._redis.fcall(f"{self._lib}_{script}", len(keys), *keys, *args)  # type: ignore[misc]
+            except ResponseError as exc:
+                if attempt == 2 or not self.functions or "function not found" not in str(exc).lower():
+                    raise
+                await self.load()  # flushed, or a new server at this address
+        raise AssertionError("unreachable")
+
+    async def _acked(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """The script then WAIT on the same connection (one round trip): the reply counts only once
         ``replicas_ack`` replicas have the change. If they do not within the timeout, the change
         is on the primary alone and a failover could lose it: 503, and the client resends (every
         script is safe to resend)."""
         for attempt in (1, 2):
             pipe = self._redis.pipeline(transaction=False)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            if self.functions:
+                pipe.execute_command("FCALL", f"{self._lib}_{script}", len(keys), *keys, *args)
+            else:
+                pipe.evalsha(self._scripts[script].sha, len(keys), *keys, *args)
             pipe.execute_command("WAIT", self.replicas_ack, self._ack_timeout_ms)
             try:
                 reply, acked = await pipe.execute()
             except NoScriptError:
                 if attempt == 2:
                     raise
-                await self._redis.script_load(script.script)
+                await self._redis.script_load(self._scripts[script].script)
                 continue
             except ResponseError as exc:
                 if "replica" not in str(exc) or str(exc).startswith("NOREPLICAS"):
@@ -913,5 +996,6 @@ class Scripts:
             return reply
         raise AssertionError("unreachable")
 
-    async def samples(self, call: Samples) -> tuple[int, int]:
-        return call.reply(list(await self._scripts[Samples.script](keys=call.keys(self.keys), args=call.argv())))
+
+def _is_cluster(redis: Any) -> bool:
+    return hasattr(redis, "get_nodes")  # redis.asyncio.cluster.RedisCluster

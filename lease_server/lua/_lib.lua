@@ -19,19 +19,27 @@ local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 
 local LIMIT, NOT_DUE, CLASH, WARNED, INVALID = 13, 14, 15, 16, 17
 local WEEK_MS = 7 * 24 * 3600 * 1000
 
-local NOW
-if ARGV[1] ~= '' then
-  NOW = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local EVENT_MAX = ARGV[2]
-local HALF_LIFE_MS = tonumber(ARGV[3]) * 1000
-local RETENTION_MS = tonumber(ARGV[4])
-local FENCE_EPOCH = tonumber(ARGV[5]) or 0
+-- A call's own state, set by begin() before the script's body runs. Scripts sent with EVAL run
+-- begin() once; in the Functions library (scripts.py library()) these locals outlive a call, so
+-- begin() sets every one of them afresh (SCHED_CACHE included) and nothing leaks between calls.
+local NOW, EVENT_MAX, HALF_LIFE_MS, RETENTION_MS, FENCE_EPOCH
 -- The simulator's virtual clock runs no processes: its forced ends have nothing to drain.
-local VIRTUAL = ARGV[1] ~= ''
+local VIRTUAL
+local SCHED_CACHE
+local function begin()
+  if ARGV[1] ~= '' then
+    NOW = tonumber(ARGV[1])
+  else
+    local t = redis.call('TIME')
+    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  EVENT_MAX = ARGV[2]
+  HALF_LIFE_MS = tonumber(ARGV[3]) * 1000
+  RETENTION_MS = tonumber(ARGV[4])
+  FENCE_EPOCH = tonumber(ARGV[5]) or 0
+  VIRTUAL = ARGV[1] ~= ''
+  SCHED_CACHE = {}
+end
 
 local function emit(kind, body)
   body.ts = NOW
@@ -425,7 +433,6 @@ end
 -- A pool's scheduling, written by the server from its config: {scheduler = "fifo" | "fair_share"
 -- | "priority", quota = {user = GPUs, ["*"] = per-user default, ["team:NAME"] = GPUs},
 -- preempt_notice_ms, idle_weight (how much a held-but-idle GPU-second counts in fair share)}.
-local SCHED_CACHE = {}
 local function sched_of(pool)
   local c = SCHED_CACHE[pool]
   if c then return c end
