@@ -626,15 +626,23 @@ class WhoAmIHandler(BaseHandler):
 
 class EventLogHandler(BaseHandler):
     async def get(self) -> None:
-        since = self.query(validate.SINCE, "-")
-        lease = self.query(validate.LEASE)  # only the events whose `lease` field is this id
-        limit = self.query(validate.LIMIT, 100)
+        q = events.LogQuery(
+            since=self.query(validate.SINCE, "-"),
+            limit=self.query(validate.LIMIT, 100),
+            lease=self.query(validate.LEASE),  # only the events whose `lease` field is this id
+            before=self.query(validate.BEFORE),
+            desc=self.query(validate.ORDER, "asc") == "desc",
+            types=self.query(validate.EVENT_TYPES, frozenset()),
+            user=self.query(validate.EVENT_USER),
+        )
         try:
-            entries = await events.read_log(self.ctx.redis, self.store.keys.events, since, limit, lease)
+            entries = await events.read_log(self.ctx.redis, self.store.keys.events, q)
         except RedisResponseError as exc:  # a well-formed id Redis still rejects
             if not_now(exc) is not None:
                 raise
-            raise errors.BadRequest(f"since {since!r} is not a usable event id: {exc}") from exc
+            raise errors.BadRequest(
+                f"since {q.since!r} or before {q.before!r} is not a usable event id: {exc}"
+            ) from exc
         self.reply({"events": entries})
 
 
@@ -687,7 +695,8 @@ class EventStreamHandler(BaseHandler):
             self.write(": gpulease event stream\nretry: 2000\n\n")
             await self.flush()
             if since:
-                for ev in await events.read_log(self.ctx.redis, self.store.keys.events, since, 1000, lease):
+                backlog = events.LogQuery(since=since, limit=1000, lease=lease)
+                for ev in await events.read_log(self.ctx.redis, self.store.keys.events, backlog):
                     self._send(ev)
                     sent_up_to = ev["id"]
                 await self.flush()

@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,12 +378,31 @@ class Client:
     def queue(self, pool: str | None = None) -> list[dict[str, Any]]:
         return self.request("GET", protocol.QUEUE, params={"pool": pool} if pool else None)["waiting"]  # type: ignore[no-any-return]
 
-    def events(self, since: str = "-", limit: int = 100, *, lease: str | None = None) -> list[dict[str, Any]]:
-        """Up to ``limit`` entries of the event log after ``since``, oldest first (``lease``: only
-        that lease's)."""
+    def events(
+        self,
+        since: str = "-",
+        limit: int = 100,
+        *,
+        lease: str | None = None,
+        before: str | None = None,
+        newest_first: bool = False,
+        types: Iterable[str] = (),
+        user: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Up to ``limit`` entries of the event log after ``since``, oldest first; ``newest_first``:
+        the newest ones (before ``before``, if given) first. The server keeps only ``lease``'s,
+        those of ``types`` and those of ``user``."""
         params: dict[str, Any] = {"since": since, "limit": limit}
         if lease:
             params["lease"] = lease
+        if before:
+            params["before"] = before
+        if newest_first:
+            params["order"] = "desc"
+        if types:
+            params["type"] = ",".join(sorted(types))
+        if user:
+            params["user"] = user
         return self.request("GET", protocol.EVENT_LOG, params=params)["events"]  # type: ignore[no-any-return]
 
     @contextmanager

@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
 from .aio import cancel_and_wait
+from .protocol import event_of_user
 
 log = logging.getLogger(__name__)
 
@@ -26,35 +28,62 @@ def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
     return {**data, "id": entry_id, "type": fields.get("type", ""), "ts": ts / 1000 if ts else None}
 
 
-# Entries read per XRANGE when filtering by lease: the stream is capped (event_log_max), so a
+# Entries read per XRANGE when filtering: the stream is capped (event_log_max), so a
 # filtered read scans at most the whole of it, a page at a time.
 FILTER_PAGE = 1000
 
 
-async def read_log(
-    redis: Redis, key: str, since: str = "-", limit: int = 100, lease: str | None = None
-) -> list[dict[str, Any]]:
-    """Entries after ``since`` (exclusive; "-" for the oldest kept), oldest first.
+@dataclass(frozen=True)
+class LogQuery:
+    """A read of the event log (``GET /api/v1/events/log``): oldest first after ``since``, or
+    newest first (``desc``) before ``before``, down to ``since``; only the entries that pass the
+    filters, up to ``limit`` of them."""
 
-    With ``lease``, only entries whose ``lease`` field is that id: up to ``limit`` of them, however
-    many other entries lie between (Redis cannot filter a stream, so pages are read and filtered).
-    """
-    lo = "-" if since in ("-", "", "0") else f"({since}"
-    if lease is None:
-        entries: Any = await redis.xrange(key, lo, "+", count=limit)
-        return [parse_entry(i, f) for i, f in entries]
+    since: str = "-"  # exclusive; "-": from the oldest kept
+    limit: int = 100
+    lease: str | None = None  # only entries whose ``lease`` field is this id
+    before: str | None = None  # exclusive; None: up to the newest
+    desc: bool = False
+    types: frozenset[str] = frozenset()  # only these types (empty: all)
+    user: str | None = None  # only entries of this user (protocol.event_of_user)
+
+    def keeps(self, ev: dict[str, Any]) -> bool:
+        if self.lease is not None and ev.get("lease") != self.lease:
+            return False
+        if self.types and ev.get("type") not in self.types:
+            return False
+        return self.user is None or event_of_user(ev, self.user)
+
+    @property
+    def filtered(self) -> bool:
+        return self.lease is not None or bool(self.types) or self.user is not None
+
+
+async def read_log(redis: Redis, key: str, q: LogQuery) -> list[dict[str, Any]]:
+    """The entries ``q`` asks for, in its order.
+
+    Redis cannot filter a stream, so a filtered read takes pages of ``FILTER_PAGE`` entries (in the
+    order asked) and keeps what passes, until ``limit`` entries passed or the range ends."""
+    lo = "-" if q.since in ("-", "", "0") else f"({q.since}"
+    hi = "+" if q.before is None else f"({q.before}"
     out: list[dict[str, Any]] = []
-    while len(out) < limit:
-        page: Any = await redis.xrange(key, lo, "+", count=FILTER_PAGE)
+    page_size = FILTER_PAGE if q.filtered else q.limit
+    while len(out) < q.limit:
+        page: Any = await (
+            redis.xrevrange(key, hi, lo, count=page_size) if q.desc else redis.xrange(key, lo, hi, count=page_size)
+        )
         for entry_id, fields in page:
             ev = parse_entry(entry_id, fields)
-            if ev.get("lease") == lease:
+            if q.keeps(ev):
                 out.append(ev)
-                if len(out) == limit:
+                if len(out) == q.limit:
                     break
-        if len(page) < FILTER_PAGE:
+        if len(page) < page_size or not q.filtered:
             break
-        lo = f"({page[-1][0]}"
+        if q.desc:
+            hi = f"({page[-1][0]}"
+        else:
+            lo = f"({page[-1][0]}"
     return out
 
 

@@ -538,11 +538,12 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         },
         "/api/v1/events/log": {
             "get": _op(
-                "Event log entries after `since` (?lease=ID: only that lease's, up to `limit` of them)",
+                "Event log entries: oldest first after `since`, or newest first (order=desc) before `before`; "
+                "filtered by the server (lease, type, user), up to `limit` that pass",
                 _json(
                     {"type": "object", "properties": {"events": {"type": "array", "items": _ref("Event")}}}, "Entries"
                 ),
-                params=(v.SINCE, v.LIMIT, v.LEASE),
+                params=(v.SINCE, v.LIMIT, v.LEASE, v.BEFORE, v.ORDER, v.EVENT_TYPES, v.EVENT_USER),
             )
         },
         "/api/v1/nodes/{node}": {

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from .aio import cancel_and_wait
-from .events import read_log
+from .events import LogQuery, read_log
 from .lease import LeaseStore
 from .protocol import EventType
 from .reclaim import Reclaimer
@@ -54,7 +54,7 @@ class Reaper:
             or done.booking_checks
             or done.shrunk
         ):
-            written = await read_log(redis, key, since=mark, limit=LOG_READBACK)
+            written = await read_log(redis, key, LogQuery(since=mark, limit=LOG_READBACK))
             for ev in written:
                 log_sweep_event(ev)
             if len(written) == LOG_READBACK:  # a big sweep: the rest in one line

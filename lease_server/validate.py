@@ -178,11 +178,35 @@ def check_lease_id(kind: str, value: str | None) -> str | None:
     return value
 
 
-def check_since(since: str) -> str:
-    """An event id Redis accepts as an exclusive start: digits, each part below 2**64 - 1 (or '-')."""
+def check_since(since: str, name: str = "since") -> str:
+    """An event id Redis accepts as an exclusive bound: digits, each part below 2**64 - 1 (or '-')."""
     if not matches(SINCE_PATTERN, since):
-        raise errors.BadRequest(f"since must be an event id like 1700000000000-0 (or '-'), got {since!r}")
+        raise errors.BadRequest(f"{name} must be an event id like 1700000000000-0 (or '-'), got {since!r}")
     return since
+
+
+def check_before(before: str) -> str | None:
+    """An event id as an exclusive end ('-' or absent: up to the newest)."""
+    check_since(before, "before")
+    return None if before == "-" else before
+
+
+def check_event_types(raw: str) -> frozenset[str]:
+    """Event types, comma-separated, each one of ``protocol.EventType``."""
+    from difflib import get_close_matches
+
+    from .protocol import EventType
+
+    names = [t.strip() for t in raw.split(",") if t.strip()]
+    known = [t.value for t in EventType]
+    for name in names:
+        if name not in known:
+            close = get_close_matches(name, known, n=2)
+            hint = f"did you mean {' or '.join(close)}?" if close else "the OpenAPI document lists them"
+            raise errors.BadRequest(f"type {name[:40]!r} is no event type; {hint}")
+    if not names:
+        raise errors.BadRequest("type must name event types, comma-separated, e.g. grant,released")
+    return frozenset(names)
 
 
 def parse_time(kind: str, value: object) -> int:
@@ -1004,6 +1028,30 @@ SINCE = Param(
     {"type": "string", "pattern": SINCE_PATTERN},
     "Entries after this event id ('-': from the start)",
     parse=check_since,
+)
+BEFORE = Param(
+    "before",
+    {"type": "string", "pattern": SINCE_PATTERN},
+    "Only entries before this event id (exclusive; '-': up to the newest)",
+    parse=check_before,
+)
+ORDER = Param(
+    "order",
+    {"enum": ["asc", "desc"]},
+    "asc (default): oldest first, from `since` on; desc: newest first, from `before` (or the newest) back to "
+    "`since`. `limit` counts from where the read starts",
+)
+EVENT_TYPES = Param(
+    "type",
+    {"type": "string", "maxLength": 1000},
+    "Only these event types, comma-separated (e.g. grant,released)",
+    parse=check_event_types,
+)
+EVENT_USER = Param(
+    "user",
+    NAME,
+    "Only this user's events: the lease's holder, the booking's owner, who acted or who asked",
+    parse=lambda raw: check_name("user", raw),
 )
 LAST_EVENT_ID = Param(
     "Last-Event-ID",

@@ -278,6 +278,11 @@ EVENT_LOG_CASES: list[tuple[str, dict[str, str], tuple[str, ...]]] = [
     ("since-three-parts", {"since": "1-2-3"}, ("since", "event id like")),
     ("since-plus", {"since": "+"}, ("since", "event id like")),
     ("since-negative", {"since": "-1"}, ("since", "event id like")),
+    ("before-garbage", {"before": "yesterday"}, ("before", "event id like", "yesterday")),
+    ("order-sideways", {"order": "sideways"}, ("order", "sideways")),
+    ("type-misspelt", {"type": "grant,relesed"}, ("type", "relesed", "did you mean released")),
+    ("type-empty", {"type": ","}, ("type", "comma-separated")),
+    ("user-not-a-name", {"user": "alice smith"}, ("user", "letters, digits")),
 ]
 
 
@@ -306,6 +311,35 @@ def test_good_event_log_query_is_200(server: Any, alice_lease: dict[str, Any]) -
         assert first == everything[:1]
         rest = c.get(f"{API}/events/log", params={"since": first[0]["id"], "limit": "10000"}).json()["events"]
         assert rest == everything[1:]
+
+
+def test_event_log_reads_newest_first_and_filters_on_the_server(server: Any) -> None:
+    """order=desc with before= pages back from the newest; type, user and lease filters pass only
+    matching entries, and limit counts those."""
+    alice, bob = server.client("alice"), server.client("bob")
+    for who in (alice, bob, alice):
+        who.release(who.acquire(1))
+    with http(server, "alice") as c:
+
+        def log(**params: Any) -> list[dict[str, Any]]:
+            resp = c.get(f"{API}/events/log", params={"limit": "10000", **params})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["events"]  # type: ignore[no-any-return]
+
+        everything = log()
+        assert log(order="desc") == everything[::-1]
+        assert log(order="desc", limit="2") == everything[:-3:-1]
+        assert log(order="desc", before=everything[-2]["id"], limit="2") == everything[-3:-5:-1]
+        assert log(order="desc", since=everything[-3]["id"]) == everything[:-3:-1]  # down to since
+        assert log(before=everything[2]["id"]) == everything[:2]
+        grants = [e for e in everything if e["type"] == "grant"]
+        assert [e["user"] for e in grants] == ["alice", "bob", "alice"]
+        assert log(type="grant") == grants
+        assert log(type="grant,released", user="bob") == [e for e in everything if e.get("user") == "bob"]
+        assert log(type="grant", order="desc", limit="1") == grants[-1:]
+        assert log(lease=grants[1]["lease"], order="desc") == [
+            e for e in everything[::-1] if e.get("lease") == grants[1]["lease"]
+        ]
 
 
 def _check_bad_since_refused(server: Any, ids: list[str]) -> None:

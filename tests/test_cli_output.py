@@ -7,7 +7,6 @@ of what it prints may be longer (a longer one would wrap in the terminal).
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import queue
@@ -19,11 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from lease_server.cli.events import PAGE, newest, parse_since
+from lease_server.cli.events import Wanted, newest, parse_since, position, read_forward
 from lease_server.client import Client
+from lease_server.keys import Keys
 from tests.conftest import CLI, Up
 
 WIDTH = 80
@@ -188,70 +189,58 @@ def test_events_follow_prints_what_happens(up: Up) -> None:
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
-def _log(stamps_ms: list[int]) -> list[dict]:
-    """Entries at these times: a node_down every 1000th, the rest grants; every 500th a booking's
-    (its booking's id in ``reservation``, as the log API returns it)."""
-    log: list[dict] = []
-    seq = 0
-    for i, ms in enumerate(stamps_ms):
-        seq = seq + 1 if i and ms == stamps_ms[i - 1] else 0
-        ev = {"id": f"{ms}-{seq}", "type": "grant" if i % 1000 else "node_down", "ts": ms / 1000}
-        if i % 500 == 250:
-            ev.update(reservation=f"r-{i:012x}", type="reservation_created")
-        log.append(ev)
-    return log
+class Counting(Client):
+    """A client that counts its reads of the log: requests, and entries they carried."""
 
+    calls = read = 0
 
-class FakeLog:
-    """The log API over a list of entries: those after ``since``, at most ``limit``; it counts what
-    it hands out."""
-
-    def __init__(self, log: list[dict]) -> None:
-        self.log = log
-        self.keys = [(int(entry["ts"] * 1000), 0) for entry in log]
-        for i in range(1, len(log)):  # the entry's own id, also where the log API hides it
-            if self.keys[i][0] == self.keys[i - 1][0]:
-                self.keys[i] = (self.keys[i][0], self.keys[i - 1][1] + 1)
-        self.read = self.calls = 0
-
-    def events(self, since: str, limit: int, lease: str | None = None) -> list[dict]:
-        lo = (-1, -1) if since == "-" else tuple(int(x) for x in since.split("-"))
-        i = bisect.bisect_right(self.keys, lo)
-        self.read += len(self.log[i : i + limit])
+    def events(self, *args: Any, **kw: Any) -> list[dict[str, Any]]:
+        page = super().events(*args, **kw)
         self.calls += 1
-        return self.log[i : i + limit]
+        self.read += len(page)
+        return page
 
 
-NOW = 1_800_000_000.0
-SHAPES = {
-    # 200 000 entries spread over the last day
-    "steady": [int((NOW - 86_400) * 1000) + i * 432 for i in range(200_000)],
-    # 100 000 over the day before, then 100 000 in 30 s, then five quiet minutes
-    "burst": [int((NOW - 2 * 86_400) * 1000) + i * 864 for i in range(100_000)]
-    + [int((NOW - 330) * 1000) + i * 3 // 10 for i in range(100_000)],
-}
+def test_newest_is_one_request_filtered_by_the_server(server_factory: Any, redis_sync: Any) -> None:
+    """The newest 50 of 25 000 entries are one request of 51 entries; so are the newest of a type
+    or of a user; a start of an id pages back newest first; --since bounds what is read."""
+    srv = server_factory()
+    key = Keys(srv.settings.prefix).events
+    pipe = redis_sync.pipeline(transaction=False)
+    for i in range(25_000):  # a node_down every 1000th, a booking's every 500th, the rest grants
+        data: dict[str, Any] = {"ts": 1_800_000_000_000 + i, "user": "bob" if i % 7 == 0 else "alice"}
+        kind = "grant" if i % 1000 else "node_down"
+        if i % 500 == 250:
+            kind, data["id"] = "reservation_created", f"r-{i:012x}"
+        pipe.xadd(key, {"type": kind, "data": json.dumps(data)})
+    pipe.execute()
+    c = Counting(srv.url, srv.token("alice"))
+    log = list(read_forward(c, None))
+    assert len(log) >= 25_000  # and the node the server registered
 
+    c.calls = c.read = 0
+    got, more, last = newest(c, 50, Wanted())
+    assert got == log[-50:] and more and last == position(log[-1])
+    assert (c.calls, c.read) == (1, 51)
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_newest_reads_back_from_now_not_from_the_start(shape: str) -> None:
-    """The newest 50 of 200 000 entries take a few small reads, not the whole log; a filter reads
-    back about as far as its matches lie; --since bounds what is read."""
-    log = _log(SHAPES[shape])
-    fake = FakeLog(log)
-    got, more, last = newest(fake, 50, None, now=NOW)  # type: ignore[arg-type]
-    assert got == log[-50:] and more and last == fake.keys[-1]
-    assert fake.read <= 40 * 100, (fake.read, fake.calls)  # probes of at most 2n entries
+    c.calls = 0
+    downs, more, _ = newest(c, 3, Wanted(types=frozenset({"node_down"})))
+    assert downs == [ev for ev in log if ev["type"] == "node_down"][-3:] and more and c.calls == 1
+    c.calls = 0
+    bobs, _, _ = newest(c, 5, Wanted(user="bob"))
+    assert bobs == [ev for ev in log if ev.get("user") == "bob"][-5:] and c.calls == 1
 
-    fake.read = 0
-    downs, more, _ = newest(fake, 3, lambda ev: ev["type"] == "node_down", now=NOW)  # type: ignore[arg-type]
-    assert downs == [ev for ev in log if ev["type"] == "node_down"][-3:] and more
-    assert fake.read < 4 * PAGE, (fake.read, fake.calls)  # the last 3 lie in the newest 3000
+    c.calls = 0
+    start = "r-000000005"  # 8 bookings' ids start so (i = 0x5000..0x5fff), the newest 2 at 20 000 and up
+    mine, more, _ = newest(c, 2, Wanted(prefix=start))
+    assert mine == [ev for ev in log if str(ev.get("reservation", "")).startswith(start)][-2:] and more
+    assert c.calls == 1  # within the newest page
 
-    fake.read = 0
-    tail, more, _ = newest(fake, 50, None, after=fake.keys[-10], now=NOW)  # type: ignore[arg-type]
-    assert tail == log[-9:] and not more and fake.read < 100
+    c.calls = c.read = 0
+    tail, more, _ = newest(c, 50, Wanted(), after=position(log[-10]))
+    assert tail == log[-9:] and not more and c.calls == 1
 
-    everything, more, _ = newest(fake, 10**6, None, now=NOW)  # type: ignore[arg-type]
+    everything, more, _ = newest(c, 10**6, Wanted())
     assert everything == log and not more
 
 

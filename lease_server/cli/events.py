@@ -1,20 +1,8 @@
 """``gpulease events``: the newest entries of the event log, a readable line each; ``--follow`` for
 the live stream; ``events export`` for all of it (the policy simulator's input).
 
-The log API (GET /api/v1/events/log) reads forward only: the entries after ``since`` (a stream id,
-whose first part is a time in ms), oldest first, at most 10 000 a call. The newest N are found
-from times instead of from the start:
-
-* unfiltered (or filtered by a whole lease id, which the server does): a time T with between N
-  and 2N entries after it, found with reads of at most 2N entries (back from now in growing
-  steps, then halving the gap): ~20 small reads, whatever the log's length;
-* filtered here (--type, --user, a start of an id): stretches of time back from now, each read
-  once, sized from the density seen to about half a page; past a quiet stretch a jump to the
-  newest entry before it. This reads about as far back as the N-th match lies (all of the log
-  when there are fewer than N).
-
-A server-side ``before=ID`` / newest-first read (XREVRANGE, with the type and user filters done
-there) would make each of these one request.
+The log API (GET /api/v1/events/log) reads newest first (``order=desc``, ``before=``) and filters
+by type, user and lease on the server, so the newest N are one request.
 """
 
 from __future__ import annotations
@@ -26,6 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -55,149 +44,69 @@ def _since(pos: Pos | None) -> str:
     return "-" if pos is None else f"{pos[0]}-{pos[1]}"
 
 
-def read_forward(
-    client: Client,
-    after: Pos | None,
-    lease: str | None = None,
-    until: Pos | None = None,
-    density: float | None = None,
-) -> Iterator[dict[str, Any]]:
-    """Every entry after ``after`` (None: from the oldest kept) up to ``until`` (inclusive; None:
-    to the end), oldest first, a page at a time. ``density`` (entries per ms, a guess) sizes the
-    pages to what is expected up to ``until``, as a page runs on past it to the end of the log."""
-    # A page read on from a position taken from a time (a booking's entry) may start with entries
-    # of that same ms again: those already seen are skipped.
-    seen: set[str] = set()
+@dataclass(frozen=True)
+class Wanted:
+    """What ``gpulease events`` shows: the server filters by type, user and a whole lease id; a
+    start of a lease or booking id is matched here."""
+
+    types: frozenset[str] = frozenset()
+    user: str | None = None
+    lease: str | None = None  # a whole lease id
+    prefix: str | None = None  # a start of a lease or booking id
+
+    def ask(self) -> dict[str, Any]:
+        return {"lease": self.lease, "types": self.types, "user": self.user}
+
+    def here(self, ev: dict[str, Any]) -> bool:
+        if not self.prefix:
+            return True
+        ids = [str(ev.get("lease") or ""), str(ev.get("reservation") or "")]
+        return any(i and (i.startswith(self.prefix) or i.partition("-")[2].startswith(self.prefix)) for i in ids)
+
+    def keeps(self, ev: dict[str, Any]) -> bool:
+        """All of it, for what the server did not filter (the live stream)."""
+        if self.types and ev.get("type") not in self.types:
+            return False
+        if self.user and not protocol.event_of_user(ev, self.user):
+            return False
+        if self.lease and ev.get("lease") != self.lease:
+            return False
+        return self.here(ev)
+
+
+def read_forward(client: Client, after: Pos | None, wanted: Wanted = Wanted()) -> Iterator[dict[str, Any]]:
+    """Every wanted entry after ``after`` (None: from the oldest kept), oldest first, a page at a
+    time."""
     while True:
-        limit = PAGE
-        if density is not None and until is not None:
-            # A little less than expected: a page that ran on past ``until`` would carry entries
-            # read already; one that stops short is followed by one for the rest.
-            span = until[0] - (after[0] if after else until[0] - 1000)
-            limit = max(20, min(PAGE, int(0.9 * density * max(1, span)) + 20))
-        page = client.events(_since(after), limit, lease=lease)
-        for ev in page:
-            pos = position(ev)
-            if until is not None and pos > until:
-                return
-            if seen and after and pos[0] == after[0] and json.dumps(ev, sort_keys=True) in seen:
-                continue
-            yield ev
-        if len(page) < limit:
+        page = client.events(_since(after), PAGE, **wanted.ask())
+        yield from (ev for ev in page if wanted.here(ev))
+        if len(page) < PAGE:
             return
-        start = after
         after = position(page[-1])
-        seen = {json.dumps(ev, sort_keys=True) for ev in page if position(ev)[0] == after[0]}
-        if density is not None and start is not None:
-            density = len(page) / max(1, after[0] - start[0])  # as seen in this page
 
 
 def newest(
-    client: Client,
-    n: int,
-    keep: Callable[[dict[str, Any]], bool] | None,
-    lease: str | None = None,
-    after: Pos | None = None,
-    now: float | None = None,
+    client: Client, n: int, wanted: Wanted = Wanted(), after: Pos | None = None
 ) -> tuple[list[dict[str, Any]], bool, Pos | None]:
-    """The newest ``n`` entries (after ``after``) that ``keep`` accepts, oldest first; whether
-    earlier ones may have been left out; and the position of the newest entry read (to follow on
-    from). Read back from now, never from the start of a long log."""
-    first = client.events(_since(after), 1, lease=lease)
-    if not first:
-        return [], False, after
-    floor = position(first[0])[0]
-    now_ms = int((now if now is not None else time.time()) * 1000)
-    if keep is None and 2 * n <= PAGE:
-        return _newest_unfiltered(client, n, lease, after, floor, now_ms)
-    return _newest_filtered(client, n, keep, lease, after, floor, now_ms)
+    """The newest ``n`` wanted entries (after ``after``), oldest first; whether there are earlier
+    ones; and the position of the newest entry read (to follow on from).
 
-
-def _newest_unfiltered(
-    client: Client, n: int, lease: str | None, after: Pos | None, floor: int, now_ms: int
-) -> tuple[list[dict[str, Any]], bool, Pos | None]:
-    """Every entry counts: look for a time T with between n and 2n entries after it, probing with
-    reads of at most 2n entries (back from now in growing steps, then halving the gap), and show
-    the last n of them."""
-    cap = 2 * n
-
-    def probe(t_ms: int) -> list[dict[str, Any]]:
-        return client.events(_since(after if t_ms <= floor else (t_ms, 0)), cap, lease=lease)
-
-    def done(page: list[dict[str, Any]], t_ms: int) -> tuple[list[dict[str, Any]], bool, Pos | None]:
-        return page[-n:], len(page) > n or t_ms > floor, position(page[-1]) if page else after
-
-    near, far, step = now_ms, None, 10_000  # fewer than n entries after near; at least 2n after far
-    while far is None:
-        t = max(floor, now_ms - step)
-        page = probe(t)
-        if len(page) < cap and (len(page) >= n or t <= floor):
-            return done(page, t)
-        if len(page) < n:
-            near, step = t, step * 4
-        else:
-            far = t
-    while near - far > 1:
-        mid = (near + far) // 2
-        page = probe(mid)
-        if n <= len(page) < cap:
-            return done(page, mid)
-        if len(page) < n:
-            near = mid
-        else:
-            far = mid
-    # More than 2n entries within a millisecond (or a clock far behind the server's): read on.
-    rest = list(read_forward(client, (far, 0), lease))
-    return rest[-n:], True, position(rest[-1]) if rest else after
-
-
-def _newest_filtered(
-    client: Client,
-    n: int,
-    keep: Callable[[dict[str, Any]], bool] | None,
-    lease: str | None,
-    after: Pos | None,
-    floor: int,
-    now_ms: int,
-) -> tuple[list[dict[str, Any]], bool, Pos | None]:
-    """Only some entries count: read back stretch by stretch (each read whole, never twice), each
-    sized from the density of the one before to hold about half a page, growing at most 4x; past a
-    quiet stretch, jump to the newest entry before it (found with one-entry reads)."""
+    One request, newest first, for n + 1 entries (the one more says whether there are earlier ones),
+    the server doing the filtering; pages newest first, each from where the last one ended, when
+    n is over a page or a start of an id is matched here."""
     found: list[dict[str, Any]] = []
-    until: Pos | None = None  # what lies after this is read already (None: nothing yet)
-    top, step = now_ms, 10_000
-    density = 0.1  # entries per ms, until one is seen
-    newest_pos: Pos | None = None
+    before: str | None = None
+    top: Pos | None = None
     while True:
-        lo = top - step
-        from_floor = lo <= floor
-        begin = after if from_floor else (lo, 0)
-        inside = list(read_forward(client, begin, lease, until, density if until else None))
-        if inside and (newest_pos is None or position(inside[-1]) > newest_pos):
-            newest_pos = position(inside[-1])
-        found = [ev for ev in inside if keep is None or keep(ev)] + found
-        if len(found) >= n or from_floor:
-            return found[-n:], len(found) > n or not from_floor, newest_pos or after
-        until = begin
-        if inside:
-            top, density = lo, len(inside) / step
-            step = min(4 * step, max(1, int(PAGE / 2 / density)))
-        else:
-            top, step = _newest_before(client, lease, floor, lo) + 1, 1_000
-
-
-def _newest_before(client: Client, lease: str | None, floor: int, before_ms: int) -> int:
-    """The time (ms) of the newest entry before ``before_ms``, halving the gap with reads of one
-    entry (the oldest entry, at ``floor``, is before it)."""
-    lo, hi = floor - 1, before_ms  # an entry lies in (lo, before_ms]; none in (hi, before_ms]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        page = client.events(_since((mid, 0)), 1, lease=lease)
-        if page and position(page[0]) <= (before_ms, 0):
-            lo = mid
-        else:
-            hi = mid
-    return hi
+        want = PAGE if wanted.prefix else min(PAGE, n + 1 - len(found))
+        page = client.events(_since(after), want, before=before, newest_first=True, **wanted.ask())
+        if page and top is None:
+            top = position(page[0])
+        found += [ev for ev in page if wanted.here(ev)]
+        if len(found) > n or len(page) < want:
+            break
+        before = page[-1]["id"]
+    return found[:n][::-1], len(found) > n, top or after
 
 
 # ---- one line per event -------------------------------------------------------------------------
@@ -390,23 +299,6 @@ def parse_since(text: str, now: float | None = None) -> Pos:
     return int(moment.timestamp() * 1000), 0
 
 
-def _filter(types: set[str], user: str | None, lease_prefix: str | None) -> Callable[[dict[str, Any]], bool] | None:
-    if not types and not user and not lease_prefix:
-        return None
-
-    def keep(ev: dict[str, Any]) -> bool:
-        if types and ev.get("type") not in types:
-            return False
-        if user and user not in (ev.get("user"), ev.get("owner"), ev.get("by"), ev.get("requested_by")):
-            return False
-        if lease_prefix:
-            ids = [str(ev.get("lease") or ""), str(ev.get("reservation") or "")]
-            return any(i and (i.startswith(lease_prefix) or i.partition("-")[2].startswith(lease_prefix)) for i in ids)
-        return True
-
-    return keep
-
-
 def _types(given: tuple[str, ...]) -> set[str]:
     out = {t.strip() for g in given for t in g.split(",") if t.strip()}
     for name in sorted(out - set(TYPES)):
@@ -450,17 +342,16 @@ def events(
     """
     if ctx.invoked_subcommand is not None:
         return
-    wanted = _types(types)
     after = parse_since(since) if since else None
     # A whole lease id is filtered by the server; a start of one (or a booking id) here.
     whole = lease_id if lease_id and re.fullmatch(r"l-[0-9a-f]{16}", lease_id) else None
-    keep = _filter(wanted, user, None if whole else lease_id)
+    wanted = Wanted(frozenset(_types(types)), user, whole, None if whole else lease_id)
     with Client(url, token) as c:
         if limit == 0:
-            shown = [ev for ev in read_forward(c, after, whole) if keep is None or keep(ev)]
+            shown = list(read_forward(c, after, wanted))
             more, last = False, max((position(ev) for ev in shown), default=after)
         else:
-            shown, more, last = newest(c, limit, keep, whole, after)
+            shown, more, last = newest(c, limit, wanted, after)
         lines = None if as_json else Lines(shown)
 
         def emit(ev: dict[str, Any]) -> None:
@@ -472,37 +363,30 @@ def events(
         for ev in shown:
             emit(ev)
         if not shown and not as_json and not follow:
-            console.print("no events" + (" match" if keep or since or whole else ""))
+            console.print("no events" + (" match" if wanted != Wanted() or since else ""))
         if more and len(shown) == limit and not as_json:
             err_console.print(Text(f"(the newest {limit}; -n N shows more, --since an earlier start)", style="dim"))
         if follow:
             try:
-                _follow(c, last, whole, keep, emit)
+                _follow(c, last, wanted, emit)
             except KeyboardInterrupt:
                 sys.exit(0)
 
 
-def _follow(
-    c: Client,
-    after: Pos | None,
-    lease: str | None,
-    keep: Callable[[dict[str, Any]], bool] | None,
-    emit: Callable[[dict[str, Any]], None],
-) -> None:
+def _follow(c: Client, after: Pos | None, wanted: Wanted, emit: Callable[[dict[str, Any]], None]) -> None:
     """Print events as they come, from the live stream; on a lost stream, reconnect and catch up
     from the log (subscribed first, then the gap read, so nothing falls in between)."""
     while True:
         try:
-            with c.event_stream(lease=lease) as stream:
-                for ev in read_forward(c, after, lease):
+            with c.event_stream(lease=wanted.lease) as stream:
+                for ev in read_forward(c, after, wanted):
                     after = position(ev)
-                    if keep is None or keep(ev):
-                        emit(ev)
+                    emit(ev)
                 for ev in stream:
                     if after is not None and position(ev) <= after:
                         continue  # read from the log already
                     after = position(ev)
-                    if keep is None or keep(ev):
+                    if wanted.keeps(ev):
                         emit(ev)
             reason = "the server closed the event stream"
         except errors.ServerUnavailable as exc:
