@@ -274,7 +274,7 @@ def settle(s: Any, full: bool = True) -> None:
         time.sleep(0.05)  # replenish() runs in a thread of its own: nothing to wait on but its result
     with s._lock:
         spares = [w for dq in s._spares.values() for w in dq]
-    ray.get([w.ready_ref for w in spares], timeout=120)  # each a runner._Worker
+    ray.get([w.ready_ref for w in spares], timeout=120)  # each a magics.session.Worker
     time.sleep(SETTLE_S)
 
 

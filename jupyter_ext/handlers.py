@@ -15,7 +15,7 @@ import logging
 import math
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import tornado.iostream
@@ -28,9 +28,6 @@ from lease_server import errors
 
 from . import __version__
 from .upstream import LeaseApi
-
-if TYPE_CHECKING:
-    from .app import GpuLease
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +59,15 @@ AUTH_ARGS = {"token", "_xsrf"}
 STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 
 
+class Extension(Protocol):
+    """What the handlers read of the extension (``app.GpuLease``, in the tornado settings as
+    "gpulease"): the lease server's client and the open event streams. Declared here, so that the
+    routes depend on no more than this and ``app.py`` alone imports ``handlers.py``."""
+
+    api: LeaseApi
+    streams: set[asyncio.Event]
+
+
 class GpuLeaseHandler(APIHandler):
     """Base of the /gpulease/ handlers: config through a property, errors as {code, message}."""
 
@@ -69,7 +75,7 @@ class GpuLeaseHandler(APIHandler):
     allowed_args: frozenset[str] = frozenset()
 
     @property
-    def ext(self) -> GpuLease:
+    def ext(self) -> Extension:
         return self.settings["gpulease"]  # type: ignore[no-any-return]
 
     @property

@@ -25,6 +25,8 @@ from .drain import Drainer, Draining, drained, draining_of
 from .enforce import Enforcer, uses_gpu_device
 from .engine import Engine
 from .inventory import Gpu, NodeInventory, default_node_name, register
+from .layout import LAYOUT
+from .reclaim import agent_samples, policies, record_kills, simulated_sample
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +142,6 @@ class NvmlSampler:
 async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
     """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the engine;
     with ``unleased_action = "kill"`` it terminates unleased processes (lease_server/enforce.py)."""
-    from .reclaim import agent_samples, policies, record_kills, simulated_sample
-
     interval = engine.settings.heartbeat_interval
     sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
@@ -242,8 +242,6 @@ def run_remote(
 
     def declare(inv: NodeInventory) -> None:
         client.request("PUT", protocol.node(inv.node), json=json.loads(inv.to_json()))
-
-    from .layout import LAYOUT
 
     theirs = client.request("GET", protocol.INFO).get("layout", 0)
     if theirs != LAYOUT:

@@ -21,13 +21,14 @@ import tornado.web
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError as RedisResponseError
 
-from . import __version__, drain, errors, events, inventory, layout, metrics, reclaim, usage, validate
+from . import __version__, board, drain, errors, events, inventory, layout, metrics, reclaim, usage, validate
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .config import Settings
 from .engine import Engine, connect, not_now
 from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
 from .queue import queue_view
+from .rayauth import info_token
 from .reaper import Reaper
 from .reservations import MAX_LIST_SPAN_S, Bookings, public_booking
 from .scripts import Acquire
@@ -559,7 +560,7 @@ class SimulateHandler(AgentHandler):
         gpus = self.body(self.bodies.simulate)["gpus"]
         parsed: dict[int, dict[str, Any]] = {}
         for key, value in gpus.items():
-            g = reclaim.check_gpu_sample(value, int(key))
+            g = validate.check_gpu_sample(value, int(key))
             parsed[int(key)] = {"util": g["util"], "mem_mb": g["mem_mb"], "procs": g["procs"]}
         await reclaim.set_simulated(self.engine, node, parsed)
         self.reply({"node": node, "gpus": {str(i): v for i, v in parsed.items()}})
@@ -567,7 +568,7 @@ class SimulateHandler(AgentHandler):
 
 class ClusterHandler(BaseHandler):
     async def get(self) -> None:
-        view = await inventory.cluster_view(self.engine)
+        view = await board.cluster_view(self.engine)
         view["default_pool"] = await self._default_pool()
         self.reply(view)
 
@@ -595,8 +596,6 @@ class TokensHandler(BaseHandler):
 
 class InfoHandler(BaseHandler):
     async def get(self) -> None:
-        from .rayauth import info_token
-
         s = self.ctx.settings
         try:
             default_pool: str | None = await self.store.default_pool()

@@ -286,28 +286,6 @@ def fencing_epoch(redis: Redis) -> int:
     return 0
 
 
-async def migrate_untagged(redis: Redis, keys: Keys) -> int:
-    """Rename the keys of a deployment made before keys carried the hash tag ("gpulease:leases" ->
-    "{gpulease}:leases"), and turn its string fencing counter into the {e, n} hash. Idempotent;
-    returns how many keys were renamed. A tagged key that already exists is left alone."""
-    renamed = 0
-    old_keys = [keys.untagged(k) for k in keys.all()]
-    async for key in redis.scan_iter(match=keys.untagged(keys.samples("*")), count=1000):
-        old_keys.append(key)
-    for old in old_keys:
-        new = "{" + keys.prefix + "}" + old[len(keys.prefix) :]
-        if await redis.exists(old) and not await redis.exists(new):
-            await redis.rename(old, new)
-            renamed += 1
-    if await redis.type(keys.fence) == "string":
-        n = int(await redis.get(keys.fence) or 0)
-        pipe = redis.pipeline(transaction=True)
-        pipe.delete(keys.fence)
-        pipe.hset(keys.fence, mapping={"e": 0, "n": n})
-        await pipe.execute()
-    return renamed
-
-
 class Engine:
     def __init__(self, redis: Redis, settings: Settings) -> None:
         self.redis = redis

@@ -13,7 +13,6 @@ from typing import Any
 from redis.asyncio import Redis
 
 from .aio import cancel_and_wait
-from .protocol import event_of_user
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,15 @@ def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
 # Entries read per XRANGE when filtering: the stream is capped (event_log_max), so a
 # filtered read scans at most the whole of it, a page at a time.
 FILTER_PAGE = 1000
+
+
+EVENT_PEOPLE = ("user", "owner", "by", "requested_by")  # the fields of an event that name a person
+
+
+def event_of_user(ev: dict[str, Any], user: str) -> bool:
+    """Whether an event is ``user``'s: the lease's holder, the booking's owner, who acted or who
+    asked (``GET /events/log?user=``, ``gpulease events --user``)."""
+    return any(ev.get(field) == user for field in EVENT_PEOPLE)
 
 
 @dataclass(frozen=True)

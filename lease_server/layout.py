@@ -68,14 +68,34 @@ async def check(redis: Redis, keys: Keys, url_hint: str = "") -> None:
     )
 
 
+async def migrate_untagged(redis: Redis, keys: Keys) -> int:
+    """Rename the keys of a deployment made before keys carried the hash tag ("gpulease:leases" ->
+    "{gpulease}:leases"), and turn its string fencing counter into the {e, n} hash. Idempotent;
+    returns how many keys were renamed. A tagged key that already exists is left alone."""
+    renamed = 0
+    old_keys = [keys.untagged(k) for k in keys.all()]
+    async for key in redis.scan_iter(match=keys.untagged(keys.samples("*")), count=1000):
+        old_keys.append(key)
+    for old in old_keys:
+        new = "{" + keys.prefix + "}" + old[len(keys.prefix) :]
+        if await redis.exists(old) and not await redis.exists(new):
+            await redis.rename(old, new)
+            renamed += 1
+    if await redis.type(keys.fence) == "string":
+        n = int(await redis.get(keys.fence) or 0)
+        pipe = redis.pipeline(transaction=True)
+        pipe.delete(keys.fence)
+        pipe.hset(keys.fence, mapping={"e": 0, "n": n})
+        await pipe.execute()
+    return renamed
+
+
 # ---- the steps ---------------------------------------------------------------------------------------
 
 
 async def _to_1(redis: Redis, keys: Keys, apply: bool) -> list[str]:
     """Layout 0 -> 1: keys carry the deployment's hash tag (and the fencing counter is a hash);
     the queued requests are counted per user (waiting_by); draining GPUs start empty."""
-    from .engine import migrate_untagged
-
     out: list[str] = []
     untagged = [keys.untagged(k) for k in keys.all()]
     old = [k for k in untagged if await redis.exists(k)]

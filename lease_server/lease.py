@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from . import errors
 from .config import PRIORITIES, Settings
 from .engine import Engine
+from .inventory import pool_sizes
 from .keys import Keys
 from .protocol import LeaseState  # the lease states: protocol owns them; importable from here too
 from .queue import GrantNotifier
@@ -193,8 +194,6 @@ class LeaseStore:
     # ---- pools -------------------------------------------------------------------------------
 
     async def pool_sizes(self) -> dict[str, dict[str, int]]:
-        from .inventory import pool_sizes
-
         return await pool_sizes(self.engine)
 
     async def default_pool(self) -> str:

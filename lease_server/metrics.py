@@ -7,8 +7,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .board import cluster_view
 from .engine import Engine
-from .inventory import cluster_view
 from .queue import queue_view
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -10,7 +10,6 @@ templates. The labextension's event and state lists are checked against this mod
 from __future__ import annotations
 
 import enum
-from typing import Any
 from urllib.parse import quote
 
 API = "/api/v1"
@@ -197,15 +196,6 @@ class EventType(enum.StrEnum):
     RESERVATION_NO_SHOW = "reservation_no_show"  # a booking's occurrence unused by its deadline: GPUs freed (sweep.lua)
     # policy
     POLICY_CHANGED = "policy_changed"  # an admin changed a pool's idle reclaim policy (reclaim.set_policy)
-
-
-EVENT_PEOPLE = ("user", "owner", "by", "requested_by")  # the fields of an event that name a person
-
-
-def event_of_user(ev: dict[str, Any], user: str) -> bool:
-    """Whether an event is ``user``'s: the lease's holder, the booking's owner, who acted or who
-    asked (``GET /events/log?user=``, ``gpulease events --user``)."""
-    return any(ev.get(field) == user for field in EVENT_PEOPLE)
 
 
 # The groups below are plain strings (a type read off the wire is a str): the labextension's lists

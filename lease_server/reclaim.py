@@ -32,6 +32,7 @@ from .inventory import pool_sizes
 from .lease import live_leases, read_lease
 from .protocol import EventType
 from .scripts import GpuSample, IdleWarn, Keep, Reclaim, Samples
+from .validate import check_gpu_sample
 
 log = logging.getLogger(__name__)
 MAX_WINDOW = 240  # samples kept per GPU, whatever the timeout (bounds Redis memory per GPU)
@@ -203,24 +204,6 @@ def check_samples_body(body: object) -> list[dict[str, Any]]:
             raise errors.BadRequest("each sample must be an object {index, util, mem_mb, procs}")
         out.append(check_gpu_sample(g))
     return out
-
-
-def check_gpu_sample(g: dict[str, Any], index: object = None) -> dict[str, Any]:
-    idx = g.get("index", index)
-    util, mem, procs = g.get("util", 0), g.get("mem_mb", 0), g.get("procs", [])
-    if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
-        raise errors.BadRequest(f"index must be a GPU index >= 0, got {idx!r}")
-    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100:
-        raise errors.BadRequest(f"util must be a utilization between 0 and 100 (%), got {util!r}")
-    if isinstance(mem, bool) or not isinstance(mem, int) or mem < 0:
-        raise errors.BadRequest(f"mem_mb must be an integer >= 0, got {mem!r}")
-    if (
-        not isinstance(procs, list)
-        or len(procs) > 1000
-        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in procs)
-    ):
-        raise errors.BadRequest(f"procs must be a list of process ids, got {procs!r}")
-    return {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
 
 
 # ---- unleased use: what the node agent does about it --------------------------------------------

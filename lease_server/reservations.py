@@ -18,14 +18,15 @@ import json
 import logging
 import secrets
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from . import errors
 from .engine import Engine
+from .inventory import pool_sizes
 from .keys import NAME_RE
 from .lease import check_gpus, check_name, check_text
-from .scripts import Code, Reserve, Unreserve
+from .scripts import Code, Reserve, Unreserve, fmt, span
+from .validate import check_owner, parse_time
 
 log = logging.getLogger(__name__)
 
@@ -33,57 +34,12 @@ WEEK_MS = 7 * 24 * 3600 * 1000
 MAX_OCCURRENCES = 52
 MIN_DURATION_S = 60
 MAX_LIST_SPAN_S = 366 * 86400
-# 2000-01-01 .. 2100-01-01: a number outside is a unit mistake (milliseconds, or a duration).
-EPOCH_LOW, EPOCH_HIGH = 946684800, 4102444800
 FIELDS = ("pool", "gpus", "start", "end", "owner", "note", "repeat", "occurrences", "colocate")
 REPEATS = ("none", "weekly")
 
 
 def new_booking_id() -> str:
     return "r-" + secrets.token_hex(6)
-
-
-def fmt(ms: float) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%a %Y-%m-%d %H:%M UTC")
-
-
-def span(start_ms: float, end_ms: float) -> str:
-    """ "Mon 2026-11-23 09:00-11:00 UTC", or both ends in full when they are on different days."""
-    a, b = (datetime.fromtimestamp(t / 1000, UTC) for t in (start_ms, end_ms))
-    if a.date() == b.date():
-        return f"{a:%a %Y-%m-%d %H:%M}-{b:%H:%M} UTC"
-    return f"{fmt(start_ms)} - {fmt(end_ms)}"
-
-
-def parse_time(kind: str, value: object) -> int:
-    """Epoch seconds (a number) or ISO 8601 with a UTC offset, to UTC milliseconds."""
-    if isinstance(value, bool) or value is None:
-        raise errors.BadRequest(f"{kind} must be epoch seconds or an ISO 8601 time such as 2026-11-23T09:00:00+01:00")
-    if isinstance(value, (int, float)):
-        if value != value or not EPOCH_LOW <= value <= EPOCH_HIGH:
-            raise errors.BadRequest(f"{kind} must be epoch seconds between 2000 and 2100, got {value!r}")
-        return int(round(value * 1000))
-    if isinstance(value, str):
-        try:
-            when = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise errors.BadRequest(
-                f"{kind} {value!r} is not an ISO 8601 time; write it like 2026-11-23T09:00:00+01:00"
-            ) from None
-        if when.tzinfo is None:
-            raise errors.BadRequest(
-                f"{kind} {value!r} has no UTC offset; add one (Z or +01:00): bookings are stored in UTC"
-            )
-        return parse_time(kind, when.timestamp())
-    raise errors.BadRequest(f"{kind} must be epoch seconds or an ISO 8601 string, got {type(value).__name__}")
-
-
-def check_owner(value: object) -> str:
-    if isinstance(value, str) and value.startswith("team:") and NAME_RE.match(value[5:]):
-        return value
-    if isinstance(value, str) and NAME_RE.match(value):
-        return value
-    raise errors.BadRequest(f'owner must be a user name or "team:NAME", got {value!r}')
 
 
 def occurrences(rec: dict[str, Any], lo_ms: int, hi_ms: int) -> list[tuple[int, int, int]]:
@@ -165,50 +121,6 @@ def public_booking(
         out["cancelled_at"] = rec.get("cancelled_at", 0) / 1000
         out["cancelled_by"] = rec.get("cancelled_by", "")
     return out
-
-
-def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.ReservationClash:
-    clashes = [
-        {
-            "id": c["id"],
-            "owner": c["owner"],
-            "gpus": c["gpus"],
-            "start": c["start"] / 1000,
-            "end": c["end"] / 1000,
-            "note": c.get("note") or "",
-        }
-        for c in report.get("clashes") or []
-    ]
-    suggestions = [{"start": s["start"] / 1000, "end": s["end"] / 1000} for s in report.get("suggestions") or []]
-    where = f"one node of pool {rec['pool']!r}" if report.get("colocate") else f"pool {rec['pool']!r}"
-    text = (
-        f"{rec['gpus']} GPU(s) of {where} {span(rec['start'], rec['end'])}"
-        + (f" (weekly, {rec['occurrences']} times)" if rec.get("repeat") == "weekly" else "")
-        + f" would over-book it ({report['capacity']} can be booked)"
-    )
-    if clashes:
-        seen: dict[str, dict[str, Any]] = {}
-        for c in clashes:
-            seen.setdefault(c["id"], c)
-        text += ": it clashes with " + "; ".join(
-            f"{c['owner']}'s {c['gpus']} GPU(s) {span(c['start'] * 1000, c['end'] * 1000)}"
-            for c in list(seen.values())[:5]
-        )
-    moves = " or ".join(span(s["start"] * 1000, s["end"] * 1000) for s in suggestions[:2])
-    if report.get("max_gpus", 0) > 0:
-        hint = f"Book at most {report['max_gpus']} GPU(s) then" + (f", or move it to {moves}" if moves else "")
-    elif moves:
-        hint = f"Move it to {moves}"
-    else:
-        hint = "Pick another time"
-    return errors.ReservationClash(
-        f"{text}. {hint}.",
-        clashes=clashes,
-        capacity=report["capacity"],
-        reserved=report.get("reserved", 0),
-        max_gpus=report.get("max_gpus", 0),
-        suggestions=suggestions,
-    )
 
 
 class Bookings:
@@ -356,8 +268,6 @@ class Bookings:
         try:
             out: dict[str, Any] = await self.engine.run(call, now_ms)
         except errors.UnknownPool:
-            from .inventory import pool_sizes  # inventory reads bookings: imported here, not at the top
-
             known = ", ".join(sorted(await pool_sizes(self.engine))) or "none registered"
             raise errors.UnknownPool(f"unknown pool {rec['pool']!r}; known pools: {known}", pool=rec["pool"]) from None
         return out

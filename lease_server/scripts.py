@@ -25,6 +25,7 @@ import json
 import operator
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any, ClassVar, NamedTuple, NoReturn
 
@@ -744,6 +745,62 @@ class Drained(ScriptCall):
 # ---- bookings --------------------------------------------------------------------------------------
 
 
+def fmt(ms: float) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%a %Y-%m-%d %H:%M UTC")
+
+
+def span(start_ms: float, end_ms: float) -> str:
+    """ "Mon 2026-11-23 09:00-11:00 UTC", or both ends in full when they are on different days."""
+    a, b = (datetime.fromtimestamp(t / 1000, UTC) for t in (start_ms, end_ms))
+    if a.date() == b.date():
+        return f"{a:%a %Y-%m-%d %H:%M}-{b:%H:%M} UTC"
+    return f"{fmt(start_ms)} - {fmt(end_ms)}"
+
+
+def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.ReservationClash:
+    clashes = [
+        {
+            "id": c["id"],
+            "owner": c["owner"],
+            "gpus": c["gpus"],
+            "start": c["start"] / 1000,
+            "end": c["end"] / 1000,
+            "note": c.get("note") or "",
+        }
+        for c in report.get("clashes") or []
+    ]
+    suggestions = [{"start": s["start"] / 1000, "end": s["end"] / 1000} for s in report.get("suggestions") or []]
+    where = f"one node of pool {rec['pool']!r}" if report.get("colocate") else f"pool {rec['pool']!r}"
+    text = (
+        f"{rec['gpus']} GPU(s) of {where} {span(rec['start'], rec['end'])}"
+        + (f" (weekly, {rec['occurrences']} times)" if rec.get("repeat") == "weekly" else "")
+        + f" would over-book it ({report['capacity']} can be booked)"
+    )
+    if clashes:
+        seen: dict[str, dict[str, Any]] = {}
+        for c in clashes:
+            seen.setdefault(c["id"], c)
+        text += ": it clashes with " + "; ".join(
+            f"{c['owner']}'s {c['gpus']} GPU(s) {span(c['start'] * 1000, c['end'] * 1000)}"
+            for c in list(seen.values())[:5]
+        )
+    moves = " or ".join(span(s["start"] * 1000, s["end"] * 1000) for s in suggestions[:2])
+    if report.get("max_gpus", 0) > 0:
+        hint = f"Book at most {report['max_gpus']} GPU(s) then" + (f", or move it to {moves}" if moves else "")
+    elif moves:
+        hint = f"Move it to {moves}"
+    else:
+        hint = "Pick another time"
+    return errors.ReservationClash(
+        f"{text}. {hint}.",
+        clashes=clashes,
+        capacity=report["capacity"],
+        reserved=report.get("reserved", 0),
+        max_gpus=report.get("max_gpus", 0),
+        suggestions=suggestions,
+    )
+
+
 @dataclass(frozen=True)
 class Reserve(ScriptCall):
     script: ClassVar[str] = "reserve"
@@ -757,8 +814,6 @@ class Reserve(ScriptCall):
         if code is Code.OK:
             return _json(rest[0])
         if code is Code.CLASH:
-            from .reservations import clash_error
-
             raise clash_error(rec, _json(rest[0]))
         if code is Code.UNKNOWN_POOL:
             raise errors.UnknownPool(f"unknown pool {rec['pool']!r}", pool=rec["pool"])

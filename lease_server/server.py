@@ -17,7 +17,7 @@ import tornado.process
 from .agent import heartbeat_local
 from .api import Context, make_app
 from .config import Settings
-from .inventory import NodeInventory
+from .inventory import NodeInventory, register
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,6 @@ async def serve(
     stop = stop or asyncio.Event()
     agent = None
     if local_nodes:
-        from .inventory import register
-
         for inv in local_nodes:  # before serving, so the first request finds the pools
             await register(ctx.engine, inv)
         agent = asyncio.create_task(heartbeat_local(ctx.engine, local_nodes, stop), name="gpulease-agent")

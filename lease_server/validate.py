@@ -23,16 +23,16 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
+from difflib import get_close_matches
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import errors
 from .auth import ROLES
-from .config import PRIORITIES
+from .config import PRIORITIES, Settings
 from .keys import NAME_RE
-
-if TYPE_CHECKING:
-    from .config import Settings
+from .protocol import EventType
 
 MAX_GPUS_PER_REQUEST = 1024
 MAX_TEXT = 200
@@ -193,10 +193,6 @@ def check_before(before: str) -> str | None:
 
 def check_event_types(raw: str) -> frozenset[str]:
     """Event types, comma-separated, each one of ``protocol.EventType``."""
-    from difflib import get_close_matches
-
-    from .protocol import EventType
-
     names = [t.strip() for t in raw.split(",") if t.strip()]
     known = [t.value for t in EventType]
     for name in names:
@@ -209,11 +205,39 @@ def check_event_types(raw: str) -> frozenset[str]:
     return frozenset(names)
 
 
+# 2000-01-01 .. 2100-01-01: a number outside is a unit mistake (milliseconds, or a duration).
+EPOCH_LOW, EPOCH_HIGH = 946684800, 4102444800
+
+
 def parse_time(kind: str, value: object) -> int:
     """Epoch seconds (a number) or ISO 8601 with a UTC offset, to UTC milliseconds (the bookings' rule)."""
-    from .reservations import parse_time as booking_time  # reservations imports this module
+    if isinstance(value, bool) or value is None:
+        raise errors.BadRequest(f"{kind} must be epoch seconds or an ISO 8601 time such as 2026-11-23T09:00:00+01:00")
+    if isinstance(value, (int, float)):
+        if value != value or not EPOCH_LOW <= value <= EPOCH_HIGH:
+            raise errors.BadRequest(f"{kind} must be epoch seconds between 2000 and 2100, got {value!r}")
+        return int(round(value * 1000))
+    if isinstance(value, str):
+        try:
+            when = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise errors.BadRequest(
+                f"{kind} {value!r} is not an ISO 8601 time; write it like 2026-11-23T09:00:00+01:00"
+            ) from None
+        if when.tzinfo is None:
+            raise errors.BadRequest(
+                f"{kind} {value!r} has no UTC offset; add one (Z or +01:00): bookings are stored in UTC"
+            )
+        return parse_time(kind, when.timestamp())
+    raise errors.BadRequest(f"{kind} must be epoch seconds or an ISO 8601 string, got {type(value).__name__}")
 
-    return booking_time(kind, value)
+
+def check_owner(value: object) -> str:
+    if isinstance(value, str) and value.startswith("team:") and NAME_RE.match(value[5:]):
+        return value
+    if isinstance(value, str) and NAME_RE.match(value):
+        return value
+    raise errors.BadRequest(f'owner must be a user name or "team:NAME", got {value!r}')
 
 
 def check_time(kind: str, value: object) -> int:
@@ -480,9 +504,26 @@ def _utilization(value: object) -> object:
     return value
 
 
+def check_gpu_sample(g: dict[str, Any], index: object = None) -> dict[str, Any]:
+    idx = g.get("index", index)
+    util, mem, procs = g.get("util", 0), g.get("mem_mb", 0), g.get("procs", [])
+    if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+        raise errors.BadRequest(f"index must be a GPU index >= 0, got {idx!r}")
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 <= util <= 100:
+        raise errors.BadRequest(f"util must be a utilization between 0 and 100 (%), got {util!r}")
+    if isinstance(mem, bool) or not isinstance(mem, int) or mem < 0:
+        raise errors.BadRequest(f"mem_mb must be an integer >= 0, got {mem!r}")
+    if (
+        not isinstance(procs, list)
+        or len(procs) > 1000
+        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in procs)
+    ):
+        raise errors.BadRequest(f"procs must be a list of process ids, got {procs!r}")
+    return {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
+
+
 def _simulated_gpus(value: object) -> object:
-    """What simulated GPUs report, with the messages of the sample checks (reclaim.check_gpu_sample)."""
-    from .reclaim import check_gpu_sample  # reclaim reads leases, which import this module
+    """What simulated GPUs report, with the messages of the sample checks (check_gpu_sample)."""
 
     if isinstance(value, dict):
         for key, sample in value.items():
@@ -506,8 +547,6 @@ def _optional(check: Callable[[Any], object]) -> Callable[[Any], object]:
 
 
 def _owner(value: object) -> object:
-    from .reservations import check_owner  # reservations imports this module
-
     return check_owner(value)
 
 
@@ -577,8 +616,6 @@ class Bodies:
 
 def bodies(settings: Settings | None = None) -> Bodies:
     if settings is None:
-        from .config import Settings
-
         settings = Settings()
     return _bodies(settings.max_ttl, settings.max_wait, settings.default_ttl)
 

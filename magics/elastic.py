@@ -46,15 +46,15 @@ from lease_server import errors
 from lease_server.client import Lease
 
 from .calls import RESIZED, Call
-from .grant import Grant, _Rank, _wait_ranks_started
+from .grant import Grant, Rank, wait_ranks_started
+from .options import Options
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError
-from .session import _Worker
+from .session import Worker
 from .worker import Resize, elastic_step
 
 if TYPE_CHECKING:
     from .calls import Result
     from .pump import Pump
-    from .runner import Options
 
 __all__ = ["DEFAULT_MIN_EFFICIENCY", "Phase", "Resize", "efficiency", "step"]
 
@@ -197,7 +197,7 @@ class ElasticRun:
         self.has_state = False
         self._grew_from: int | None = None
         self._down_from: int | None = None  # the size a probe down came from
-        self._kept: dict[int, _Worker] = {}  # GPU index -> the rank process that stays on it
+        self._kept: dict[int, Worker] = {}  # GPU index -> the rank process that stays on it
 
     # -- decisions -------------------------------------------------------------------------------
 
@@ -337,11 +337,11 @@ class ElasticRun:
                 "WORLD_SIZE": str(len(gpus)),
                 "LOCAL_WORLD_SIZE": str(len(gpus)),
             }
-            ranks.append(_Rank(lease.node, r, env, worker))
+            ranks.append(Rank(lease.node, r, env, worker))
         self._end(list(self._kept.values()))  # a kept process whose GPU the lease no longer has
         self._kept = {}
         self.grant.ranks = ranks
-        master = _wait_ranks_started(sess, ranks)
+        master = wait_ranks_started(sess, ranks)
         for rank in ranks:
             rank.env.update(MASTER_ADDR=str(master["ip"]), MASTER_PORT=str(master["port"]))
 
@@ -353,7 +353,7 @@ class ElasticRun:
 
         ranks, stay = self.grant.ranks, target
         self.grant.ranks = []
-        leave: list[_Rank] = []
+        leave: list[Rank] = []
         for rank in ranks:
             idx = int(rank.env["CUDA_VISIBLE_DEVICES"])
             ok = False
@@ -366,12 +366,12 @@ class ElasticRun:
                 leave.append(rank)
         self._end_ranks(leave)
         for _ in leave:  # a spare for a later growth, started while the job runs on fewer GPUs
-            self.grant.sess._replenish(self.lease.node)
+            self.grant.sess.replenish(self.lease.node)
 
-    def _end(self, workers: list[_Worker]) -> None:
-        self._end_ranks([_Rank(self.lease.node, 0, {}, w) for w in workers])
+    def _end(self, workers: list[Worker]) -> None:
+        self._end_ranks([Rank(self.lease.node, 0, {}, w) for w in workers])
 
-    def _end_ranks(self, ranks: list[_Rank]) -> None:
+    def _end_ranks(self, ranks: list[Rank]) -> None:
         if not ranks:
             return
         held, self.grant.ranks = self.grant.ranks, ranks

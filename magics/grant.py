@@ -14,18 +14,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease, Lease
 
 from .calls import Where, event_client
+from .options import Options
 from .outcomes import UI, GpuTrainError, Running, Waiting, _first_line, _join, describe_end
-from .session import GANG_BUNDLE_SHARE, Session, _Worker
+from .session import GANG_BUNDLE_SHARE, Session, Worker
 from .worker import verify_gone
-
-if TYPE_CHECKING:
-    from .runner import Options
 
 log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
@@ -77,7 +75,7 @@ class Relay:
         self.sess = sess
         self.next_requests = next_requests
         self._lock = threading.Lock()
-        self._kept: dict[str, tuple[_Worker, str, list[int]]] = {}
+        self._kept: dict[str, tuple[Worker, str, list[int]]] = {}
         self._closed: set[str] = set()
         self.handed = 0
         self.refused: collections.Counter[str] = collections.Counter()  # why not, by reason
@@ -113,7 +111,7 @@ class Relay:
             self.handed += 1
         return new.id
 
-    def claim(self, lease: Lease) -> _Worker | None:
+    def claim(self, lease: Lease) -> Worker | None:
         """The worker kept for ``lease`` (its request's id), if its GPUs are exactly the lease's."""
         with self._lock:
             self._closed.add(lease.id)
@@ -141,7 +139,7 @@ class Relay:
         for k in kept:
             self._end(*k)
 
-    def _end(self, worker: _Worker, node: str, indexes: list[int]) -> None:
+    def _end(self, worker: Worker, node: str, indexes: list[int]) -> None:
         import ray
 
         try:
@@ -159,11 +157,11 @@ class Relay:
 
 
 @dataclass
-class _Rank:
+class Rank:
     node: str
     local: int
     env: dict[str, str]
-    worker: _Worker
+    worker: Worker
 
 
 class Grant:
@@ -178,7 +176,7 @@ class Grant:
         self.waited_s = waited_s
         self.t0 = time.monotonic()
         self.held: HeldLease | None = None
-        self.ranks: list[_Rank] = []
+        self.ranks: list[Rank] = []
         self.pg: Any = None
         self.verified = False
         self.nvml = False
@@ -461,7 +459,7 @@ class Grant:
         the ranks on it; :meth:`finish` releases it after this."""
         import ray
 
-        wheres: list[tuple[_Rank, Where | None]] = []
+        wheres: list[tuple[Rank, Where | None]] = []
         for rank in self.ranks:
             try:
                 # Resolved long ago for a pre-started spare; a worker still starting is waited for,
@@ -554,7 +552,7 @@ def start_world(sess: Session, grant: Grant, opts: Options) -> None:
     """One worker for a one-node or CPU call; one per GPU in a placement group for a gang."""
     lease = grant.lease
     if lease is None:
-        grant.ranks = [_Rank("cpu", 0, grant.env("cpu"), sess.new_worker(None, num_cpus=1))]
+        grant.ranks = [Rank("cpu", 0, grant.env("cpu"), sess.new_worker(None, num_cpus=1))]
         return
     if not (opts.nodes and opts.nodes > 1):
         kept = grant.relay.claim(lease) if grant.relay is not None and not grant.cpu else None
@@ -563,7 +561,7 @@ def start_world(sess: Session, grant: Grant, opts: Options) -> None:
             import ray
 
             ray.wait([worker.preloaded], timeout=PRELOAD_WAIT_S)
-        grant.ranks = [_Rank(lease.node, 0, grant.env(lease.node), worker)]
+        grant.ranks = [Rank(lease.node, 0, grant.env(lease.node), worker)]
         return
     _start_gang(sess, grant)
 
@@ -594,8 +592,8 @@ def _start_gang(sess: Session, grant: Grant) -> None:
     for i, (node, local) in enumerate(places):
         strategy = PlacementGroupSchedulingStrategy(grant.pg, placement_group_bundle_index=i)
         worker = sess.new_worker(None, scheduling_strategy=strategy, **({"resources": shares[i]} if shares[i] else {}))
-        grant.ranks.append(_Rank(node, local, grant.env(node), worker))
-    master = _wait_ranks_started(sess, grant.ranks)
+        grant.ranks.append(Rank(node, local, grant.env(node), worker))
+    master = wait_ranks_started(sess, grant.ranks)
     world = len(places)
     for rank, r in enumerate(grant.ranks):
         r.env.update(
@@ -608,7 +606,7 @@ def _start_gang(sess: Session, grant: Grant) -> None:
         )
 
 
-def _wait_ranks_started(sess: Session, ranks: list[_Rank]) -> dict[str, Any]:
+def wait_ranks_started(sess: Session, ranks: list[Rank]) -> dict[str, Any]:
     """Wait until every rank's process is up (none runs the call before all are); return rank
     0's endpoint (its node IP and a free port) for MASTER_ADDR / MASTER_PORT."""
     import ray

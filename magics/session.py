@@ -54,7 +54,7 @@ class Defaults:
 
 
 @dataclass
-class _Worker:
+class Worker:
     """A started worker actor and the reference that resolves to where its process lives."""
 
     handle: Any
@@ -88,7 +88,7 @@ class Session:
         self._client: Client | None = None
         self._lock = threading.RLock()
         self._pinned: bool | None = None
-        self._spares: dict[str, deque[_Worker]] = {}
+        self._spares: dict[str, deque[Worker]] = {}
         self._spare_count: dict[str, int] = {}  # spares kept per node, where not SPARES_PER_NODE
         self._actor_cls: Any = None
         self._resources: set[str] = set()
@@ -165,7 +165,7 @@ class Session:
             )
         return {res: GANG_BUNDLE_SHARE}
 
-    def new_worker(self, node: str | None, **opts: Any) -> _Worker:
+    def new_worker(self, node: str | None, **opts: Any) -> Worker:
         """Start a worker: on ``node``'s Ray node, or (node None) anywhere with ``opts``."""
         merged: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 4, "max_restarts": 0, **opts}
         if node is not None and "resources" not in merged:
@@ -173,7 +173,7 @@ class Session:
             if share:
                 merged["resources"] = share
         handle = self._actor_cls.options(**merged).remote()
-        worker = _Worker(handle, handle.ready.remote())
+        worker = Worker(handle, handle.ready.remote())
         if self.preload:
             worker.preloaded = handle.preload.remote(sorted(self.preload))
         return worker
@@ -264,7 +264,7 @@ class Session:
                 spares.append(self.new_worker(node))
         return old
 
-    def take_worker(self, node: str, replenish: bool = True) -> _Worker:
+    def take_worker(self, node: str, replenish: bool = True) -> Worker:
         """A pre-started worker on ``node`` (or a new one if none is left); a replacement starts
         in the background unless ``replenish`` is False (an elastic gang, whose processes live on
         through its resizes: starting replacements would only take CPU from it)."""
@@ -272,10 +272,10 @@ class Session:
             spares = self._spares.setdefault(node, deque())
             worker = spares.popleft() if spares else self.new_worker(node)
         if replenish:
-            self._replenish(node)
+            self.replenish(node)
         return worker
 
-    def spare(self, node: str) -> _Worker:
+    def spare(self, node: str) -> Worker:
         """A live worker on ``node`` to run a short helper task on (it stays a spare)."""
         with self._lock:
             spares = self._spares.setdefault(node, deque())
@@ -283,7 +283,7 @@ class Session:
                 spares.append(self.new_worker(node))
             return spares[0]
 
-    def _replenish(self, node: str) -> None:
+    def replenish(self, node: str) -> None:
         """Start the spare that replaces the one just taken, in the background: starting a
         process costs a second or two of CPU, which must not compete with the call itself."""
 

@@ -46,8 +46,9 @@ from lease_server import errors
 from . import cellcode
 from .calls import Call, CellValue
 from .grant import Cancel, Relay
+from .options import Options
 from .outcomes import Ending, GpuLeaseEnded, GpuTrainError, GpuTrainStopped, Running, Waiting, _first_line
-from .runner import Options, parse_duration, parse_gpus, run_call
+from .runner import parse_duration, parse_gpus, run_call
 from .session import Session, session
 
 log = logging.getLogger(__name__)

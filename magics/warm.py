@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 from lease_server import errors, protocol
 
 from .calls import Call, event_client
+from .options import Options
 from .outcomes import describe_end
 
 if TYPE_CHECKING:
     from .grant import Grant
-    from .runner import Options
     from .session import Session
 
 log = logging.getLogger(__name__)

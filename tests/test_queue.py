@@ -11,8 +11,9 @@ from contextlib import asynccontextmanager
 import pytest
 
 from lease_server import errors
+from lease_server.board import cluster_view
 from lease_server.engine import Engine, connect
-from lease_server.inventory import cluster_view, parse_simulate, register
+from lease_server.inventory import parse_simulate, register
 from lease_server.lease import LeaseStore
 from tests.conftest import make_settings
 

@@ -166,8 +166,9 @@ def token_create(
     role = "admin" if admin else "agent" if agent_role else "proxy" if proxy_role else "user"
     if redis_url:
         from ..auth import create_token
-        from ..engine import connect, migrate_untagged
+        from ..engine import connect
         from ..keys import Keys
+        from ..layout import migrate_untagged
 
         async def make() -> str:
             r = connect(redis_url)

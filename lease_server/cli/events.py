@@ -22,6 +22,7 @@ from rich.text import Text
 
 from .. import errors, protocol
 from ..client import Client
+from ..events import event_of_user
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 
 PAGE = 10_000  # the most the log API answers in one call (validate.EVENT_LOG_MAX_LIMIT)
@@ -67,7 +68,7 @@ class Wanted:
         """All of it, for what the server did not filter (the live stream)."""
         if self.types and ev.get("type") not in self.types:
             return False
-        if self.user and not protocol.event_of_user(ev, self.user):
+        if self.user and not event_of_user(ev, self.user):
             return False
         if self.lease and ev.get("lease") != self.lease:
             return False

@@ -77,8 +77,9 @@ async def _check_layout(redis_url: str, prefix: str, hint: str) -> None:
 async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
     """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
     from ..auth import create_token, hash_token
-    from ..engine import connect, migrate_untagged
+    from ..engine import connect
     from ..keys import Keys
+    from ..layout import migrate_untagged
 
     r = connect(redis_url)
     try:

@@ -1,0 +1,50 @@
+"""One call's options (:class:`Options`): what ``%%gpu_train``, ``%%gpu_sweep``, ``run_on_gpus`` and
+``gpu_map`` ask of :func:`magics.runner.run_call`, below every module that reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .session import Defaults
+
+
+@dataclass
+class Options:
+    """One call's options; None takes the session default."""
+
+    gpus: int | None = None
+    gpus_min: int | None = None  # < gpus: elastic, granted gpus_min..gpus
+    nodes: int | None = None  # > 1: a multi-node gang
+    pool: str | None = None
+    priority: str | None = None
+    timeout: float | None = None
+    wait: float | None = None
+    label: str = ""
+    session: str = ""  # the kernel (its leases are released when it shuts down)
+    notebook: str = ""
+    cell: str = ""  # the cell's number in its notebook (the magic sends it), else a hash of its source
+    all_ranks: bool = False  # a gang's value: every rank's (else rank 0's)
+    outputs: list[str] | None = None  # a cell's names to bring back (None: all it assigns)
+    resume: bool = False  # a cell reads gpu_checkpoint as resume_state
+    elastic: bool = False  # grow and shrink between gpus_min and gpus while it runs (magics.elastic)
+    min_efficiency: float = 0.5  # an elastic call grows again only while growth pays this much
+    sizes: tuple[int, ...] | None = None  # the sizes an elastic call may take (None: every one)
+    # A one-node cell's worker stays warm on its lease for the notebook's next cell (magics.warm);
+    # fresh: this cell starts on a new worker (and, with warm, leaves that one warm).
+    warm: bool = False
+    fresh: bool = False
+    # The value goes back the moment the function returns; the verified release (workers ended,
+    # seen gone, then the lease released) runs in the background, and the GPUs are granted again
+    # only after it. run_on_gpus does; a cell's line waits for it.
+    background_release: bool = False
+
+    def resolved(self, d: Defaults) -> Options:
+        gpus = d.gpus if self.gpus is None else self.gpus
+        return replace(
+            self,
+            gpus=gpus,
+            gpus_min=gpus if self.gpus_min is None else self.gpus_min,
+            pool=self.pool or d.pool,
+            timeout=d.timeout if self.timeout is None else self.timeout,
+            wait=d.wait if self.wait is None else self.wait,
+        )
