@@ -3,7 +3,7 @@
 When the holder ends its own call, it verifies its worker gone before it releases (magics). When
 the **server** ends a lease (expiry, an admin's revoke, an idle reclaim, a preemption or recall
 whose notice ran out, an elastic shrink past its deadline), the old process may still run: the
-scripts then put the lease's GPUs in ``draining`` (``lua/_lib.lua``, ``start_drain``) instead of
+scripts then put the lease's GPUs in ``draining`` (``lua/_lib_drain.lua``, ``start_drain``) instead of
 the free list. The node agent of each node:
 
 1. reads its draining GPUs (:func:`draining_of`), each naming the lease and the processes that

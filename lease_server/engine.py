@@ -88,7 +88,7 @@ class HiredisPackConnection(_HiredisPack, AsyncConnection):
     pass
 
 
-# The fencing hash {e, n} (lua/_lib.lua next_token): a higher epoch starts its own count.
+# The fencing hash {e, n} (lua/_lib_schedule.lua next_token): a higher epoch starts its own count.
 RAISE_EPOCH = """
 local e = tonumber(redis.call('HGET', KEYS[1], 'e') or '0')
 if tonumber(ARGV[1]) > e then redis.call('HSET', KEYS[1], 'e', ARGV[1], 'n', 0) end
@@ -139,7 +139,7 @@ class HiredisSentinelConnection(_HiredisPack, SentinelManagedConnection):
 class FencingSentinel(Sentinel):
     """Sentinel that also keeps, per service, the highest config epoch the sentinels reported with
     the primary's address. Sentinel raises that epoch for every failover before it hands out the new
-    primary's address, so it is the fencing epoch (lua/_lib.lua next_token argues why it suffices)."""
+    primary's address, so it is the fencing epoch (lua/_lib_schedule.lua next_token argues why it suffices)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)

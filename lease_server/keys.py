@@ -27,7 +27,7 @@ state lives in a handful of global structures:
 ``waiting_by`` hash   user -> requests of the user in the queue now (capped: max_queued_per_user)
 ``usage``      hash   "pool|user" -> JSON {"v":decayed GPU-seconds,"t":ms,"r":GPUs running now}, written in
                       that one layout so the scripts read it with patterns (other layouts: decoded)
-``fence``      hash   {e: fencing epoch, n: tokens issued in it}: token = e * 10**9 + n (lua/_lib.lua)
+``fence``      hash   {e: fencing epoch, n: tokens issued in it}: token = e * 10**9 + n (lua/_lib_schedule.lua)
 ``events``     stream the audit log / live feed
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}

@@ -151,8 +151,8 @@ class EventType(enum.StrEnum):
 
     # leases
     QUEUED = "queued"  # a request joined the queue (acquire.lua)
-    GRANT = "grant"  # GPUs granted to a request, at once or from the queue (_lib.lua dispatch)
-    RELEASED = "released"  # a lease ended by its owner (_lib.lua end_lease, the lease's new state)
+    GRANT = "grant"  # GPUs granted to a request, at once or from the queue (_lib_schedule.lua dispatch)
+    RELEASED = "released"  # a lease ended by its owner (_lib_end.lua end_lease, the lease's new state)
     EXPIRED = "expired"  # a lease not renewed within its ttl (end_lease: sweep, a late renew)
     REVOKED = "revoked"  # a lease ended by an admin, idle reclaim, a recall or a preemption (end_lease)
     RENEW_MISS = "renew_miss"  # a renewal came after the lease's deadline: it expired (renew.lua)
@@ -161,19 +161,19 @@ class EventType(enum.StrEnum):
     DRAINED = "drained"  # GPUs the server took back are clean: no process of their lease is on them (drained.lua)
     SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (shrink.lua), or the server when a shrink notice ran out
     # an elastic lease above its minimum is asked to give GPUs back for a waiting request by shrink_by,
-    # else the server shrinks it to shrink_to (_lib.lua ask_to_shrink; sweep.lua)
+    # else the server shrinks it to shrink_to (_lib_schedule.lua ask_to_shrink; sweep.lua)
     SHRINK_NOTICE = "shrink_notice"
     # queued requests that leave the queue without a grant (cancel_wait.lua: 'wait_' .. reason)
     WAIT_TIMEOUT = "wait_timeout"  # its wait ran out (LeaseStore.acquire)
     WAIT_CANCELLED = "wait_cancelled"  # its client went away, or it was withdrawn (DELETE; release.lua)
     WAIT_ABANDONED = "wait_abandoned"  # past its deadline, its client gone: the sweep dropped it (sweep.lua)
-    # recalls: the lease keeps its GPUs until recall_at, then it is revoked (_lib.lua recall)
+    # recalls: the lease keeps its GPUs until recall_at, then it is revoked (_lib_recall.lua recall)
     PREEMPT_NOTICE = "preempt_notice"  # a preemptible lease above quota is preempted for a request within it
     BORROW_RECALLED = "borrow_recalled"  # a lease borrowed from a booking's GPUs is recalled for the booking
     # warm leases: a finished cell's worker kept for the notebook's next cell (warm.lua); lendable
     WARM = "warm"  # a lease was kept warm: it runs nothing, and whoever would otherwise wait evicts it
     RESUMED = "resumed"  # a warm lease runs a cell again
-    EVICTING = "evicting"  # a warm lease is evicted for a waiting request: revoked at recall_at (_lib.lua recall)
+    EVICTING = "evicting"  # a warm lease is evicted for a waiting request: revoked at recall_at (_lib_recall.lua recall)
     # idle reclaim
     IDLE_WARNING = "idle_warning"  # a lease's GPUs have been idle: reclaimed at reclaim_at (idle_warn.lua)
     IDLE_CLEARED = "idle_cleared"  # a warned lease's GPUs got busy again (keep.lua)

@@ -5,7 +5,7 @@ minus an on-demand floor. A clash is refused with the clashing bookings and the 
 that fit (``reserve.lua``, atomic with the write). During its window the holder (a user, or any
 member of a ``team:NAME`` owner) is served from it ahead of the queue; others may use the GPUs it
 does not use only as *borrowed* leases, which are recalled with notice when the holder asks
-(``dispatch`` in ``_lib.lua``). An occurrence nobody uses within ``no_show_after`` is released.
+(``dispatch`` in ``lua/_lib_schedule.lua``). An occurrence nobody uses within ``no_show_after`` is released.
 
 Times are stored in UTC milliseconds. A weekly booking repeats every 168 hours of UTC: it does not
 follow a local clock across a daylight-saving change (the calendar shows it at the shifted local

@@ -1,6 +1,6 @@
 """The Lua scripts and their calling convention, owned here: one typed wrapper per script.
 
-A script is its own ``lua/<name>.lua`` body after the helpers of ``lua/_lib.lua`` that it calls
+A script is its own ``lua/<name>.lua`` body after the helpers of ``lua/_lib*.lua`` that it calls
 (found by following calls, so ``keep`` carries a few lines and ``acquire`` the scheduler). Its
 header declares the keys it uses (``-- KEYS: leases deadlines ...``) and its arguments
 (``ARGV[6] = ...``); this module binds the keys as ``K_<NAME>`` locals, and each wrapper below
@@ -77,32 +77,58 @@ def _code_only(text: str) -> str:
     return "\n".join(line.split("--", 1)[0] for line in text.splitlines())
 
 
+# The helper files, in the order a script or the library defines them (lua/_lib.lua says which
+# subject each holds): a helper calls only helpers of its own file above it, or of earlier files.
+LIB_FILES = (
+    "_lib",
+    "_lib_bookings",
+    "_lib_recall",
+    "_lib_schedule",
+    "_lib_drain",
+    "_lib_warm",
+    "_lib_end",
+    "_lib_resize",
+)
+
+
 @functools.cache
 def _library() -> tuple[str, list[tuple[str, str]]]:
-    """``_lib.lua`` as (preamble always included, [(helper name, its text)] in file order). A
-    helper starts at a top-level ``local function NAME`` / ``local NAME =`` line, with the
-    comment lines just above it."""
-    lines = _lua(_LIB).splitlines(keepends=True)
-    starts: list[tuple[int, str]] = []
-    for i, line in enumerate(lines):
-        m = _CHUNK_START.match(line)
-        if m and line.startswith("local function"):
-            starts.append((i, m.group(1)))
-        elif m and not starts:
-            continue  # the preamble's own locals (codes, NOW, ...)
-        elif m:
-            starts.append((i, m.group(1)))
-    bounds: list[tuple[int, str]] = []
-    for i, name in starts:
-        j = i
-        while j > 0 and lines[j - 1].startswith("--"):
-            j -= 1
-        bounds.append((j, name))
-    preamble = "".join(lines[: bounds[0][0]])
-    chunks = [
-        (name, "".join(lines[j : bounds[k + 1][0] if k + 1 < len(bounds) else len(lines)]))
-        for k, (j, name) in enumerate(bounds)
-    ]
+    """The helper files as (``_lib.lua``'s preamble, always included; [(helper name, its text)] in
+    :data:`LIB_FILES` order, each file in its order). A helper starts at a top-level ``local
+    function NAME`` / ``local NAME =`` line, with the comment lines just above it; a file's own
+    header (the comments before its first helper, apart from it by a blank line) is left out."""
+    preamble = ""
+    chunks: list[tuple[str, str]] = []
+    for file in LIB_FILES:
+        lines = _lua(file).splitlines(keepends=True)
+        starts: list[tuple[int, str]] = []
+        for i, line in enumerate(lines):
+            m = _CHUNK_START.match(line)
+            if m and line.startswith("local function"):
+                starts.append((i, m.group(1)))
+            elif m and not starts:
+                if file != _LIB:
+                    raise ValueError(f"lua/{file}.lua: {line.strip()!r} before its first helper; locals go in _lib.lua")
+                continue  # the preamble's own locals (codes, NOW, ...)
+            elif m:
+                starts.append((i, m.group(1)))
+        bounds: list[tuple[int, str]] = []
+        for i, name in starts:
+            j = i
+            while j > 0 and lines[j - 1].startswith("--"):
+                j -= 1
+            bounds.append((j, name))
+        if file == _LIB:
+            preamble = "".join(lines[: bounds[0][0]])
+        chunks += [
+            (name, "".join(lines[j : bounds[k + 1][0] if k + 1 < len(bounds) else len(lines)]))
+            for k, (j, name) in enumerate(bounds)
+        ]
+    names = [name for name, _ in chunks]
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"a helper is defined twice in lua/_lib*.lua: {sorted({n for n in names if names.count(n) > 1})}"
+        )
     return preamble, chunks
 
 
@@ -151,7 +177,7 @@ _BEGIN = "\nbegin()\n"  # the call's common arguments (lua/_lib.lua begin), befo
 def library() -> tuple[str, str]:
     """The Redis Functions library of every script: (its name, its code for ``FUNCTION LOAD``).
 
-    The helpers of ``lua/_lib.lua`` are defined once, when the library loads, and each script is a
+    The helpers of ``lua/_lib*.lua`` are defined once, when the library loads, and each script is a
     function ``<library>_<script>`` called with ``FCALL``. The library's name carries a hash of
     its code, so servers of two releases on one Redis (a rolling upgrade) each call their own.
 

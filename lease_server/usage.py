@@ -1,6 +1,6 @@
 """The usage ledger and the time-to-GPU estimate.
 
-Every lease that ends writes one ledger entry (``end_lease`` in ``_lib.lua``): user, teams,
+Every lease that ends writes one ledger entry (``end_lease`` in ``lua/_lib_end.lua``): user, teams,
 notebook (the lease's session), cell (its label), pool, GPUs (its final count), seconds held and
 waited, GPU-seconds held (``gpu_s``: at each size, for an elastic lease that grew or shrank), mean
 utilization and peak memory from the agent's samples, and the GPU-seconds fair share charged.

@@ -454,7 +454,7 @@ def test_redis_kill_and_restart_under_load_loses_no_acknowledged_lease(tmp_path,
         r = Redis.from_url(rp.url, decode_responses=True)
         try:
             e, n = (int(v or 0) for v in r.hmget(keys.fence, "e", "n"))
-            fence = e * 10**9 + n  # the newest token issued (lua/_lib.lua next_token)
+            fence = e * 10**9 + n  # the newest token issued (lua/_lib_schedule.lua next_token)
             assert fence >= max_token_before, f"fencing counter went back: {fence} < {max_token_before}"
             for lid, lease in expected.items():
                 raw = r.hget(keys.leases, lid)

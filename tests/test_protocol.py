@@ -101,7 +101,8 @@ def lua_files() -> dict[str, str]:
 def recall_kinds(lua: dict[str, str]) -> set[str]:
     """``recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)`` emits ``kind``."""
     kinds = set()
-    for args in call_args(lua["_lib.lua"], "recall"):
+    helpers = "\n".join(code for name, code in lua.items() if name.startswith("_lib"))
+    for args in call_args(helpers, "recall"):
         kind = literal(args[6])
         assert kind, f"recall() called with a kind that is not a literal: {args[6]!r}"
         kinds.add(kind)
@@ -153,9 +154,9 @@ def emitted_by_lua() -> set[str]:
                 found.add(kind)
             elif (m := re.fullmatch(r"\w+ and '(\w+)' or '(\w+)'", expr)) is not None:
                 found |= {m.group(1), m.group(2)}
-            elif (name, expr) == ("_lib.lua", "kind"):
+            elif (name, expr) == ("_lib_recall.lua", "kind"):
                 found |= recall_kinds(lua)
-            elif (name, expr) == ("_lib.lua", "state"):
+            elif (name, expr) == ("_lib_end.lua", "state"):
                 found |= end_states(lua)
             elif (name, expr) == ("cancel_wait.lua", "'wait_' .. reason"):
                 found |= {f"wait_{r}" for r in wait_reasons()}

@@ -1,6 +1,6 @@
 -- shrink.lua: the owner gives back k GPUs of a live lease (1 <= k < its size; to give back all of
 -- them, release it): its k highest-indexed GPUs, freed at once and offered to the pool's queue. A
--- request to shrink (ask_to_shrink in _lib.lua) is done with once the lease is down to its
+-- request to shrink (ask_to_shrink in _lib_schedule.lua) is done with once the lease is down to its
 -- shrink_to. The fencing token stays. A multi-node lease cannot shrink (its nodes hold equal shares).
 -- A lease past its deadline but not yet swept is expired here (as renew.lua does), not shrunk.
 -- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants resv resv_idx recall lease_util ledger held_by sched elastic shrink_due

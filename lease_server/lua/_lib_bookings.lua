@@ -1,0 +1,116 @@
+-- _lib_bookings.lua: bookings as the scripts see them: occurrences, who holds one, what a pool's
+-- bookings in force still owe. Part of the library (lease_server/scripts.py): see _lib.lua.
+
+-- A booking r: {id, owner ("alice" | "team:ml"), pool, gpus, start, end (ms, UTC), repeat
+-- ("none" | "weekly": occurrence k is [start + k weeks, end + k weeks), exactly 168 h apart, so
+-- no daylight-saving shift), occurrences, colocate, node, held (GPUs its holders hold now), used
+-- {k: true}, released {k: ms} (no-show or ended early), notice_ms, no_show_ms, state}.
+
+local function resv_of_pool(pool)
+  local out = {}
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_RESV_IDX, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    local raw = redis.call('HGET', K_RESV, string.match(m, '^[^|]+|(.+)$'))
+    if raw then out[#out + 1] = cjson.decode(raw) end
+  end
+  return out
+end
+
+-- Occurrence k of r as [s, e), e cut short where it was released (no-show or ended early).
+local function occ_span(r, k)
+  local s, e = r.start + k * WEEK_MS, r['end'] + k * WEEK_MS
+  local rel = r.released and r.released[tostring(k)]
+  if rel and rel < e then e = math.max(s, rel) end
+  return s, e
+end
+
+-- The occurrences of r that overlap [lo, hi): a list of {k, s, e}.
+local function occs_between(r, lo, hi)
+  local out, first, last = {}, 0, 0
+  if r['repeat'] == 'weekly' then
+    first = math.max(0, math.floor((lo - r['end']) / WEEK_MS))
+    last = math.min(r.occurrences - 1, math.floor((hi - r.start) / WEEK_MS))
+  end
+  for k = first, last do
+    local s, e = occ_span(r, k)
+    if s < hi and lo < e and s < e then out[#out + 1] = {k = k, s = s, e = e} end
+  end
+  return out
+end
+
+-- The occurrence of an active booking r in force at time t, or nil.
+local function occ_at(r, t)
+  if r.state ~= 'active' then return nil end
+  local o = occs_between(r, t, t + 1)[1]
+  return o and o.k
+end
+
+local function team_set(csv)
+  local set = {}
+  for t in string.gmatch(csv or '', '[^,]+') do set[t] = true end
+  return set
+end
+
+local function holds_booking(r, user, teams)
+  if r.owner == user then return true end
+  local t = string.match(r.owner, '^team:(.+)$')
+  return t ~= nil and teams[t] == true
+end
+
+local function save_booking(r)
+  redis.call('HSET', K_RESV, r.id, cjson.encode(r))
+end
+
+-- Bookings of the pool in force now: {r, k, owed = GPUs booked that its holders do not hold}.
+local function active_bookings(pool)
+  local acts, owed = {}, 0
+  for _, r in ipairs(resv_of_pool(pool)) do
+    local k = occ_at(r, NOW)
+    if k then
+      local o = math.max(0, r.gpus - (r.held or 0))
+      acts[#acts + 1] = {r = r, k = k, owed = o}
+      owed = owed + o
+    end
+  end
+  return acts, owed
+end
+
+-- The booking in force that a request of w.gpus by w.user is served from: the user's own before
+-- a team's, and only one with that many GPUs still owed.
+local function booking_for(acts, w)
+  local teams, best = team_set(w.teams), nil
+  for _, a in ipairs(acts) do
+    if a.owed >= w.gpus and holds_booking(a.r, w.user, teams) then
+      if a.r.owner == w.user then return a end
+      best = best or a
+    end
+  end
+  return best
+end
+
+local function pool_free(pool)
+  local total = 0
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    total = total + tonumber(string.match(m, '^[^|]+|(%d+)|'))
+  end
+  return total
+end
+
+-- Put r's next no-show check on resv_due: the first occurrence not yet used or released whose
+-- no-show deadline (its start, or when the booking was made or changed if later, + no_show_ms)
+-- falls inside it. With none left, schedule its removal keep_ms after its last occurrence.
+local function schedule_booking(r)
+  local k = r.check_k or 0
+  local used, released = r.used or {}, r.released or {}
+  while k < r.occurrences do
+    local s, e = occ_span(r, k)
+    local deadline = math.max(s, r.base_at or s) + r.no_show_ms
+    if deadline < e and not used[tostring(k)] and not released[tostring(k)] then
+      r.check_k = k
+      redis.call('ZADD', K_RESV_DUE, deadline, r.id)
+      return
+    end
+    k = k + 1
+  end
+  r.check_k = k
+  redis.call('ZADD', K_RESV_DUE, r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms, r.id)
+end

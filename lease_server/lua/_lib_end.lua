@@ -1,0 +1,121 @@
+-- _lib_end.lua: the end of a lease, whoever ends it. Part of the library: see _lib.lua.
+
+-- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
+-- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
+-- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
+-- instead of the whole record encoded again.
+local function end_lease(lease, state, reason, by, raw, drain)
+  -- the server (or an admin) ended it: its GPUs drain ("all"); see drain_pids for "named"
+  if drain == nil and state ~= 'released' then drain = 'all' end
+  local was_warm = lease.warm_since ~= nil
+  if was_warm then
+    cool_lease(lease)
+    raw = nil  -- changed: encoded again below
+  end
+  local by_node, order = {}, {}
+  for _, g in ipairs(lease.gpus) do
+    local node = g.node or lease.node
+    if not by_node[node] then by_node[node] = {}; order[#order + 1] = node end
+    table.insert(by_node[node], g)
+  end
+  local returned, returned_parts, draining = {}, {}, {}
+  for _, node in ipairs(order) do
+    local part = {node = node, gpus = {}}
+    returned_parts[#returned_parts + 1] = part
+    local inv_raw = redis.call('HGET', K_NODES, node)
+    local free = decode_list(redis.call('HGET', K_FREE, node))
+    local present = {}
+    if inv_raw then
+      local idx = {}
+      for _, g in ipairs(by_node[node]) do idx[#idx + 1] = g.index end
+      present = inv_present(inv_raw, idx)
+    end
+    local old_count = #free
+    for _, g in ipairs(by_node[node]) do
+      local slot = node .. '/' .. g.index
+      if redis.call('HGET', K_HOLDERS, slot) == lease.id then
+        local pids = present[g.index] and drain_pids(lease, node, g.index, inv_raw, drain)
+        if pids then
+          start_drain(lease, node, g.index, pids, state)
+          draining[#draining + 1] = g.index
+          part.draining = part.draining or {}
+          part.draining[#part.draining + 1] = g.index
+        else
+          redis.call('HDEL', K_HOLDERS, slot)
+          if present[g.index] then free[#free + 1] = g.index end
+        end
+        returned[#returned + 1] = g.index
+        part.gpus[#part.gpus + 1] = g.index
+      end
+    end
+    if inv_raw then set_free(node, lease.pool, free, old_count) end
+  end
+  redis.call('HDEL', K_LEASES, lease.id)
+  redis.call('ZREM', K_DEADLINES, lease.id)
+  redis.call('ZREM', K_RECALL, lease.id)
+  if lease.elastic then
+    redis.call('ZREM', K_ELASTIC, lease.pool .. '|' .. lease.id)
+    redis.call('ZREM', K_SHRINK_DUE, lease.id)
+  end
+  if lease.resv then
+    local rraw = redis.call('HGET', K_RESV, lease.resv)
+    if rraw then
+      local r = cjson.decode(rraw)
+      r.held = math.max(0, (r.held or 0) - #lease.gpus)
+      save_booking(r)
+    end
+  end
+  if lease.preemptible then
+    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~preemptible', -1)
+  elseif not lease.resv then
+    count_held(lease, -1)
+  end
+  local held_s = (NOW - lease.created_at) / 1000
+  -- GPU-seconds at each size it had (grown or shrunk: gpu_ms holds the time before sized_at)
+  -- (time kept warm is not use: it is charged apart, as warm_gpu_s)
+  local warm_s = (lease.warm_ms or 0) / 1000
+  local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus) / 1000 - warm_s
+  -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
+  -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
+  local u = redis.call('HMGET', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum',
+                       lease.id .. '|peak')
+  redis.call('HDEL', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak')
+  local samples = tonumber(u[1] or '0')
+  local charged, busy_frac, util_mean = gpu_s, nil, nil
+  if samples > 0 then
+    busy_frac = tonumber(u[2] or '0') / samples
+    util_mean = tonumber(u[3] or '0') / samples
+    charged = gpu_s * (busy_frac + sched_of(lease.pool).idle_weight * (1 - busy_frac))
+  end
+  -- the held time itself was counted while the lease ran; add the idle surcharge
+  touch_usage(lease.pool, lease.user, -#lease.gpus, charged - gpu_s)
+  redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode({
+    lease = lease.id, user = lease.user, teams = lease.teams or '', session = lease.session, label = lease.label,
+    notebook = lease.notebook or '', cell = lease.cell or '',
+    pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
+    held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
+    busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, gpu_s = gpu_s,
+    charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
+    priority = lease.priority}))
+  lease.state = state
+  lease.ended_at = NOW
+  lease.end_reason = reason
+  lease.ended_by = by
+  local ended_json
+  local at = raw and string.find(raw, '"state":"active"', 1, true)
+  if at and string.sub(raw, -1) == '}' then
+    local tail = ',"ended_at":' .. string.format('%d', NOW)
+    if reason ~= nil then tail = tail .. ',"end_reason":' .. cjson.encode(reason) end
+    if by ~= nil then tail = tail .. ',"ended_by":' .. cjson.encode(by) end
+    ended_json = string.sub(raw, 1, at + 7) .. cjson.encode(state) .. string.sub(raw, at + 16, -2) .. tail .. '}'
+  else
+    ended_json = cjson.encode(lease)
+  end
+  redis.call('HSET', K_ENDED, lease.id, ended_json)
+  redis.call('ZADD', K_ENDED_AT, NOW, lease.id)
+  emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
+               gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
+               parts = #order > 1 and returned_parts or nil, draining = #draining > 0 and draining or nil,
+               warm = was_warm or nil})
+  return lease, ended_json
+end

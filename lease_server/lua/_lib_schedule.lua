@@ -1,0 +1,410 @@
+-- _lib_schedule.lua: scheduling: a pool's policy, quotas, granting, and dispatch (serving the
+-- queue). Part of the library: see _lib.lua.
+
+-- A pool's scheduling, written by the server from its config: {scheduler = "fifo" | "fair_share"
+-- | "priority", quota = {user = GPUs, ["*"] = per-user default, ["team:NAME"] = GPUs},
+-- preempt_notice_ms, idle_weight (how much a held-but-idle GPU-second counts in fair share)}.
+local function sched_of(pool)
+  local c = SCHED_CACHE[pool]
+  if c then return c end
+  local raw = redis.call('HGET', K_SCHED, pool) or redis.call('HGET', K_SCHED, '*')
+  c = raw and cjson.decode(raw) or {}
+  c.scheduler = c.scheduler or 'fair_share'
+  c.quota = c.quota or {}
+  c.preempt_notice_ms = c.preempt_notice_ms or 30000
+  c.warm_evict_notice_ms = c.warm_evict_notice_ms or 2000
+  c.warm_max_ms = c.warm_max_ms or 1800000
+  c.idle_weight = c.idle_weight or 1
+  c.aging = c.aging or 0.1
+  SCHED_CACHE[pool] = c
+  return c
+end
+
+-- Whether k more GPUs keep the request's user, and each of its teams, within their quota of the
+-- pool. Preemptible leases do not count against a quota.
+local function within_quota(w, pool, k)
+  local q = sched_of(pool).quota
+  local lim = q[w.user] or q['*']
+  if lim and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|' .. w.user) or '0') + k > lim then return false end
+  for t in string.gmatch(w.teams or '', '[^,]+') do
+    local tl = q['team:' .. t]
+    if tl and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|team:' .. t) or '0') + k > tl then return false end
+  end
+  return true
+end
+
+-- k more (or, negative, fewer) GPUs held against the quotas of the lease's user and its teams.
+local function count_held_k(lease, k)
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|' .. lease.user, k)
+  for t in string.gmatch(lease.teams or '', '[^,]+') do
+    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|team:' .. t, k)
+  end
+end
+
+local function count_held(lease, sign)
+  count_held_k(lease, sign * #lease.gpus)
+end
+
+-- An elastic request (gpus_min < gpus) takes as many as one up node has free now, between its
+-- minimum and maximum; any other request exactly its count.
+local function allocate_for(w, pool, exclude)
+  local lo = w.gpus_min or w.gpus
+  if lo >= w.gpus then return allocate(pool, w.gpus, exclude) end
+  for _, m in ipairs(redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 2)) do
+    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
+    cnt = tonumber(cnt)
+    if node ~= exclude and cnt >= lo then
+      return allocate(pool, math.min(cnt, w.gpus), exclude)
+    end
+  end
+  return nil
+end
+
+-- The next fencing token: FENCE_EPOCH * 10^9 + the count of tokens issued in that epoch. It never
+-- repeats and never goes backwards, across failovers too:
+-- * On one primary, the hash {e, n} only grows: (e, n) rises on every call, and an epoch older than
+--   the stored one (a server that has not yet seen a failover) does not lower it.
+-- * Redis replication is asynchronous, so a replica promoted by Sentinel may miss the old primary's
+--   last increments of n, and would hand out the same n again. But the server passes Sentinel's
+--   config epoch of the primary it found, and Sentinel raises that epoch for every failover before
+--   anyone can find the new primary: the first token on the new primary moves to an epoch no token
+--   of the old one carries, whatever n the new primary starts from.
+-- * A partitioned old primary that still takes writes has no replica to acknowledge them: with
+--   replicas_ack >= 1 its grants (and their tokens) are never acknowledged to a client (503).
+-- n stays below 10^9 per epoch (a billion grants between two failovers), and tokens below 2^53,
+-- so they are exact in Lua numbers, cjson (14 digits up to epoch 99,999) and JavaScript.
+local function next_token()
+  local e = tonumber(redis.call('HGET', K_FENCE, 'e') or '0')
+  if FENCE_EPOCH > e then
+    redis.call('HSET', K_FENCE, 'e', FENCE_EPOCH, 'n', 0)
+    e = FENCE_EPOCH
+  end
+  return e * 1000000000 + redis.call('HINCRBY', K_FENCE, 'n', 1)
+end
+
+-- Grant waiter w the GPUs of `parts`: {{node, taken, rest, old_count}, ...}, one part per node
+-- (several for a multi-node gang, whose GPUs then name their node). Returns the lease and its JSON.
+local function grant_parts(w, parts)
+  local gpus, taken, nodes, part_gpus = {}, {}, {}, {}
+  for _, part in ipairs(parts) do
+    local node = part.node
+    local uuid_of = inv_uuids(redis.call('HGET', K_NODES, node), part.taken)
+    -- Invariant guard, checked before any write: a free GPU never has a holder. If one does, the
+    -- state is corrupt, and granting it would be a double grant: fail the script loudly instead.
+    for _, idx in ipairs(part.taken) do
+      if redis.call('HEXISTS', K_HOLDERS, node .. '/' .. idx) == 1 then
+        error('invariant broken: free GPU ' .. node .. '/' .. idx .. ' has a holder')
+      end
+    end
+    for _, idx in ipairs(part.taken) do
+      redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id)
+      local g = {index = idx, uuid = uuid_of[idx] or ''}
+      if #parts > 1 then g.node = node end
+      gpus[#gpus + 1] = g
+      taken[#taken + 1] = idx
+    end
+    set_free(node, w.pool, part.rest, part.old_count)
+    nodes[#nodes + 1] = node
+    part_gpus[#part_gpus + 1] = {node = node, gpus = part.taken}
+  end
+  local node = parts[1].node
+  local lease = {
+    id = w.id, token = next_token(), user = w.user, pool = w.pool, node = node,
+    gpus = gpus, ttl_ms = w.ttl_ms, label = w.label, session = w.session, state = 'active',
+    created_at = NOW, renewed_at = NOW, expires_at = NOW + w.ttl_ms, renewals = 0,
+    waited_ms = NOW - w.enqueued_at,
+  }
+  if #parts > 1 then lease.nodes = nodes end
+  if w.notebook and w.notebook ~= '' then lease.notebook = w.notebook end
+  if w.cell and w.cell ~= '' then lease.cell = w.cell end
+  if w.booking then
+    local r = w.booking.r
+    lease.resv = r.id
+    r.held = (r.held or 0) + #taken
+    r.used = r.used or {}
+    r.used[tostring(w.booking.k)] = true
+    save_booking(r)
+    w.booking.owed = w.booking.owed - #taken
+  elseif w.borrowed then
+    lease.borrowed = true
+  end
+  lease.teams, lease.priority = w.teams, w.priority or 1
+  if (w.gpus_min or w.gpus) < w.gpus then lease.elastic = {min = w.gpus_min, max = w.gpus} end
+  touch_usage(w.pool, w.user, #taken, 0)
+  if w.booking then
+    -- served from a booking: booked GPUs do not count against a quota
+  elseif not within_quota(w, w.pool, #taken) then
+    lease.preemptible = true
+    redis.call('HINCRBY', K_HELD_BY, w.pool .. '|~preemptible', 1)
+  else
+    count_held(lease, 1)
+  end
+  local lease_json = cjson.encode(lease)
+  redis.call('HSET', K_LEASES, w.id, lease_json)
+  redis.call('ZADD', K_DEADLINES, lease.expires_at, w.id)
+  -- An elastic lease may be asked to shrink for a blocked request (ask_to_shrink): index it by pool.
+  if lease.elastic then redis.call('ZADD', K_ELASTIC, 0, w.pool .. '|' .. w.id) end
+  emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
+                 token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
+                 reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
+                 priority = lease.priority, nodes = lease.nodes, parts = #parts > 1 and part_gpus or nil})
+  return lease, lease_json
+end
+
+local function grant(w, node, taken, rest, old_count)
+  return grant_parts(w, {{node = node, taken = taken, rest = rest, old_count = old_count}})
+end
+
+-- A multi-node gang: `per` GPUs on each of k distinct up nodes, all or nothing; the nodes with the
+-- fewest free GPUs that still have `per` first (best fit), skipping `exclude`.
+local function allocate_gang(pool, per, k, exclude)
+  local chosen = {}
+  local members = redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|' .. string.format('%05d', per) .. '|',
+                             '(' .. pool .. '|~')
+  for _, m in ipairs(members) do
+    local node = string.match(m, '^[^|]+|%d+|(.+)$')
+    if node ~= exclude then
+      if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
+        chosen[#chosen + 1] = node
+        if #chosen == k then break end
+      else
+        mark_down(node, 'heartbeat missed')
+      end
+    end
+  end
+  if #chosen < k then return nil end
+  local parts = {}
+  for _, node in ipairs(chosen) do
+    local free = decode_list(redis.call('HGET', K_FREE, node))
+    local taken, rest = {}, {}
+    for i, idx in ipairs(free) do
+      if i <= per then taken[#taken + 1] = idx else rest[#rest + 1] = idx end
+    end
+    parts[#parts + 1] = {node = node, taken = taken, rest = rest, old_count = #free}
+  end
+  return parts
+end
+
+-- Waiter w (wanting n GPUs on one node) found none free: ask elastic leases of other users, of no
+-- higher priority, that hold more than their minimum to give GPUs back -- on the node where the
+-- fewest have to be asked -- by shrink_by, NOW + notice_ms; after that the sweep takes them
+-- (sweep.lua, shrink_lease). GPUs already asked for count as coming free, so the same shortfall
+-- is never asked for twice, and a lease with a request pending is not asked again. Reads only the
+-- pool's elastic leases (the elastic index, at most 256 of them). Returns the node the GPUs come
+-- free on, or nil when no node can be freed that way.
+local function ask_to_shrink(w, pool, n, notice_ms)
+  if w.deadline <= NOW then return nil end  -- a request that does not wait asks nobody
+  local members = redis.call('ZRANGEBYLEX', K_ELASTIC, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 256)
+  if #members == 0 then return nil end
+  local per = {}
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
+    per[node] = {have = tonumber(cnt), spare = 0, victims = {}}
+  end
+  local mine = w.priority or 1
+  for _, m in ipairs(members) do
+    local raw = redis.call('HGET', K_LEASES, string.match(m, '^[^|]+|(.+)$'))
+    local l = raw and cjson.decode(raw)
+    local p = l and l.elastic and not l.nodes and per[l.node]
+    if p then
+      local size = #l.gpus
+      if l.shrink_to then
+        p.have = p.have + math.max(0, size - l.shrink_to)
+      elseif l.user ~= w.user and not l.recall_at and (l.priority or 1) <= mine and size > l.elastic.min then
+        p.victims[#p.victims + 1] = {l = l, spare = size - l.elastic.min}
+        p.spare = p.spare + size - l.elastic.min
+      end
+    end
+  end
+  local best, best_need = nil, nil
+  for node, p in pairs(per) do
+    local need = math.max(0, n - p.have)
+    if p.spare >= need and (best_need == nil or need < best_need or (need == best_need and node < best)) then
+      best, best_need = node, need
+    end
+  end
+  if not best or best_need == 0 then return best end
+  -- The fewest leases: those with the most to spare first.
+  local victims = per[best].victims
+  table.sort(victims, function(x, y)
+    if x.spare ~= y.spare then return x.spare > y.spare end
+    return x.l.id < y.l.id
+  end)
+  local need, due = best_need, NOW + notice_ms
+  for _, v in ipairs(victims) do
+    local l, ask = v.l, math.min(v.spare, need)
+    l.shrink_to = #l.gpus - ask
+    l.shrink_by = due
+    l.shrink_reason = w.user .. "'s request for " .. n .. ' GPU(s) waits: give back ' .. ask .. ' GPU(s) (shrink to '
+        .. l.shrink_to .. ') within ' .. string.format('%g', notice_ms / 1000)
+        .. ' s, or the server takes back the highest-indexed ones'
+    redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
+    redis.call('ZADD', K_SHRINK_DUE, due, l.id)
+    emit('shrink_notice', {lease = l.id, user = l.user, pool = pool, node = l.node, size = #l.gpus,
+                           shrink_to = l.shrink_to, shrink_by = due, ['for'] = w.user, reason = l.shrink_reason})
+    need = need - ask
+    if need <= 0 then break end
+  end
+  return best
+end
+
+-- A warm lease (warm.lua) may be evicted for any waiter; nothing else is, by that rule.
+local function warm_rank(l)
+  if l.warm_since then return 0 end
+  return nil
+end
+
+-- Dispatch, step 1: the waiters of the pool's queue (``members``, its first entries) in the order
+-- they are served: booking holders first, then by the scheduler's key; a user's waiters beyond
+-- 4 (fair share, no booking in force) after all the others, oldest first.
+local function queue_order(pool, members, acts, sched)
+  local cap = sched.scheduler == 'fair_share' and #acts == 0
+  local order, later, per_user = {}, {}, {}
+  local i = 0
+  while i < #members and #order < 64 do
+    i = i + 1
+    local m = members[i]
+    local id = string.match(m, '|([^|]+)$')
+    local raw = redis.call('HGET', K_WAITERS, id)
+    local user = cap and raw and string.match(raw, '"user":"([^"\\]*)"')
+    if user and (per_user[user] or 0) >= 4 then
+      later[#later + 1] = {member = m, later_raw = raw}
+    elseif raw then
+      if user then per_user[user] = (per_user[user] or 0) + 1 end
+      local w = cjson.decode(raw)
+      w.member = m
+      if sched.scheduler == 'fifo' then
+        w.key = 0
+      else
+        w.key = decayed_usage(pool, w.user) - sched.aging * (NOW - w.enqueued_at) / 1000 * w.gpus
+        if sched.scheduler == 'priority' then w.key = w.key - (w.priority or 1) * 1e15 end
+      end
+      w.holder = #acts > 0 and booking_for(acts, w) ~= nil
+      if w.holder then w.key = -1e300 end
+      order[#order + 1] = w
+    else
+      redis.call('ZREM', K_QUEUE, m)
+    end
+    if cap and i == #members and #order < 64 and i < 256 and i % 64 == 0 then  -- read on, 64 at a time
+      for _, more in ipairs(redis.call('ZRANGEBYLEX', K_QUEUE, '(' .. m, '(' .. pool .. '|~', 'LIMIT', 0, 64)) do
+        members[#members + 1] = more
+      end
+    end
+  end
+  -- Equal keys (same user standing, same millisecond) go in arrival order: the older waiter first.
+  table.sort(order, function(a, b)
+    if a.key ~= b.key then return a.key < b.key end
+    return a.seq < b.seq
+  end)
+  for _, l in ipairs(later) do order[#order + 1] = l end
+  return order
+end
+
+-- Dispatch, for a waiter that cannot be served now: recall what may be recalled for it
+-- (a booking's borrowed GPUs, warm leases, preemptible leases within quota, elastic leases
+-- above their minimum). Returns the node held for it while they come back, or nil.
+local function make_room(w, a, pool, sched, reserved)
+  local hold
+  if (w.nodes or 1) > 1 then
+    hold = nil  -- a blocked gang recalls nothing (recalls free GPUs one node at a time)
+  elseif a then
+    hold = recall_for_booking(w, a, pool)
+  elseif tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0') > 0 then
+    -- Warm leases are lendable: anyone who would otherwise wait evicts them, with a short notice
+    -- in which the holder's kernel ends (or suspends) the worker and releases.
+    hold = recall(w, pool, w.gpus_min or w.gpus, nil, warm_rank, sched.warm_evict_notice_ms, 'evicting',
+                  'evicted for ' .. w.user .. "'s request (a warm lease is lent out when someone waits)", {})
+  end
+  if not hold and not a and (w.nodes or 1) <= 1
+      and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0
+      and within_quota(w, pool, w.gpus_min or w.gpus) then
+    local mine = w.priority or 1
+    local function rank(l)
+      if l.preemptible and (l.priority or 1) <= mine and l.user ~= w.user then return l.priority or 1 end
+      return nil
+    end
+    hold = recall(w, pool, w.gpus_min or w.gpus, nil, rank, sched.preempt_notice_ms, 'preempt_notice',
+                  'preempted for ' .. w.user .. "'s request within quota (this lease ran above quota)", {})
+  end
+  -- Nothing recalled for the first blocked request: elastic leases above their minimum may give
+  -- some GPUs back for it (a request above its quota asks nobody, as for preemption).
+  if not hold and reserved == nil and not a and (w.nodes or 1) <= 1
+      and within_quota(w, pool, w.gpus_min or w.gpus) then
+    hold = ask_to_shrink(w, pool, w.gpus_min or w.gpus, sched.preempt_notice_ms)
+  end
+  return hold
+end
+
+-- Dispatch, step 2: serve the waiters in ``order``; the first that cannot be served holds back a
+-- node (make_room's, else the fullest), and only smaller requests are backfilled around it.
+local function serve_in_order(pool, order, acts, owed, sched)
+  local reserved = nil
+  local granted = 0
+  for _, w in ipairs(order) do
+    local overflow = w.later_raw ~= nil  -- a user's waiter beyond the 4 ordered
+    if overflow then
+      local top = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
+      if not top or tonumber(string.match(top, '^[^|]+|(%d+)|')) == 0 then break end
+      local m = w.member
+      w = cjson.decode(w.later_raw)
+      w.member = m
+    end
+    -- (asked again: grants to holders before this one may have used up what the booking owes)
+    local a = w.holder and booking_for(acts, w) or nil
+    local parts, count = nil, 0
+    if (w.nodes or 1) > 1 then
+      parts = allocate_gang(pool, w.gpus / w.nodes, w.nodes, reserved)
+      count = w.gpus
+    else
+      local node, taken, rest, old_count
+      if a then
+        node, taken, rest, old_count = allocate(pool, w.gpus, reserved)
+      else
+        node, taken, rest, old_count = allocate_for(w, pool, reserved)
+      end
+      if node then
+        parts, count = {{node = node, taken = taken, rest = rest, old_count = old_count}}, #taken
+      end
+    end
+    if parts then
+      if a then
+        w.booking = a
+        owed = owed - w.gpus
+      elseif owed > 0 and pool_free(pool) - count < owed then
+        w.borrowed = true
+      end
+      grant_parts(w, parts)
+      redis.call('ZREM', K_QUEUE, w.member)
+      redis.call('HDEL', K_WAITERS, w.id)
+      count_waiting(w.user, -1)
+      redis.call('PUBLISH', K_GRANTS, w.id)
+      granted = granted + 1
+    elseif overflow then
+      break  -- the overflow is served oldest first while it fits, and recalls nothing
+    else
+      local hold = make_room(w, a, pool, sched, reserved)
+      if reserved == nil then reserved = hold or fullest_node(pool) end
+    end
+  end
+  return granted
+end
+
+-- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
+-- them); then the pool's scheduler: "fair_share" (least decayed GPU-time first, aged by waiting
+-- time x size so large requests cannot starve), "priority" (priority class first, fair share
+-- within a class) or "fifo" (arrival order). The first waiter that cannot be served holds back
+-- one node (the node where leases are being recalled for it, or the one it is closest to
+-- filling), and only smaller requests that fit elsewhere are backfilled around it. Others may
+-- take GPUs that bookings still owe only as *borrowed* leases, recalled on demand; a request
+-- within its quota may recall *preemptible* leases (run above quota) of no higher priority.
+-- Up to 64 waiters are ordered at once, oldest first. Under fair share with no booking in force,
+-- at most 4 of them per user: the queue is read up to 256 deep, and a user's further waiters (a
+-- sweep's trials) are tried after the ordered ones, oldest first, while they fit, so that they
+-- cannot hide later requests of other users from the scheduler.
+local function dispatch(pool)
+  local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 64)
+  if #members == 0 then return 0 end
+  local acts, owed = active_bookings(pool)
+  local sched = sched_of(pool)
+  return serve_in_order(pool, queue_order(pool, members, acts, sched), acts, owed, sched)
+end

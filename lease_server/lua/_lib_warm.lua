@@ -1,0 +1,40 @@
+-- _lib_warm.lua: warm leases: a finished cell's worker kept for the notebook's next cell, lent
+-- out when someone waits. Part of the library: see _lib.lua.
+
+-- A warm lease (warm.lua) runs nothing: its GPUs are lent to whoever would otherwise wait
+-- (dispatch evicts it), and its time is charged as warm, not as use: fair share stops counting
+-- its GPUs while it is warm, and the ledger records warm_gpu_s apart from gpu_s.
+local function warm_lease(lease)
+  lease.warm_since = NOW
+  lease.warm_until = NOW + sched_of(lease.pool).warm_max_ms
+  lease.warned_at, lease.reclaim_at = nil, nil  -- lendable, not idle: the reclaimer leaves it alone
+  if lease.expires_at > lease.warm_until then
+    lease.expires_at = lease.warm_until
+    redis.call('ZADD', K_DEADLINES, lease.expires_at, lease.id)
+  end
+  touch_usage(lease.pool, lease.user, -#lease.gpus, 0)
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', 1)
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)  -- (allocate's fit)
+end
+
+-- Why a lease past its deadline expires: warm_max ran out for a warm lease, else its ttl.
+local function expiry_reason(lease, late_ms)
+  if lease.warm_until and lease.warm_until <= NOW then
+    return 'kept warm for ' .. math.floor((NOW - lease.warm_since) / 60000 + 0.5) .. ' min with no cell (warm_max)'
+  end
+  if late_ms then return 'renewed ' .. late_ms .. ' ms after its deadline' end
+  return 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
+end
+
+-- A warm lease runs a cell again (or ends): its warm time is booked, fair share counts it again.
+local function cool_lease(lease)
+  if not lease.warm_since then return end
+  lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * #lease.gpus
+  lease.warm_since, lease.warm_until = nil, nil
+  touch_usage(lease.pool, lease.user, #lease.gpus, 0)
+  for field, k in pairs({['|~warm'] = 1, ['|~warm@' .. lease.node] = #lease.gpus}) do
+    if redis.call('HINCRBY', K_HELD_BY, lease.pool .. field, -k) <= 0 then
+      redis.call('HDEL', K_HELD_BY, lease.pool .. field)
+    end
+  end
+end
