@@ -279,3 +279,50 @@ class Up:
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(timeout=60)
         return self.proc.returncode, self.log.read_text()
+
+
+# ---- what the stack tests share: a kernel's session on `up`, an admin client, the whole log ---------
+
+
+def ray_session(up: Up, spares: int = 0, node: str = "box") -> Iterator[Any]:
+    """A kernel's :class:`magics.session.Session` on ``up``'s lease server and Ray head (waited for
+    while it starts), with ``spares`` workers kept started on ``node``; its leases released and its
+    client reset at the end. For a module's ``sess`` fixture: ``yield from ray_session(up, 4)``."""
+    from lease_server.errors import ConfigurationError
+    from magics.session import Session
+
+    s = Session()
+    s.defaults.url, s.defaults.token = up.url, (up.data / "token").read_text().strip()
+    if spares:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                s.connect_ray()
+                break
+            except ConfigurationError:
+                assert time.monotonic() < deadline, "the Ray head of gpulease up did not answer"
+                time.sleep(0.5)  # the Ray head is still starting: there is no event to wait on
+        s.set_spares(node, spares)
+    yield s
+    s.release_all()
+    s.reset_client()
+
+
+@pytest.fixture
+def admin(up: Up, sess: Any) -> Iterator[Client]:
+    """The stack's admin (the token ``gpulease up`` made), for the module's ``up`` and ``sess``."""
+    c = Client(up.url, sess.defaults.token)
+    yield c
+    c.close()
+
+
+def all_events(c: Client) -> list[dict[str, Any]]:
+    """The whole event log, oldest first, a page of 10 000 at a time."""
+    out: list[dict[str, Any]] = []
+    since = "-"
+    while True:
+        page = c.events(since=since, limit=10_000)
+        out += page
+        if len(page) < 10_000:
+            return out
+        since = page[-1]["id"]

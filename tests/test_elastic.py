@@ -15,13 +15,12 @@ from typing import Any
 import pytest
 
 from lease_server.client import Client
-from lease_server.errors import ConfigurationError
 from magics.calls import Call
 from magics.elastic import efficiency
 from magics.runner import Options, run_call, run_cell
 from magics.session import Session
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up
+from tests.conftest import Up, all_events, ray_session
 
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -36,7 +35,6 @@ def curve_loop(steps: int, knee: int, go: str = "", base: float = 0.03, resume_s
     """A loop whose throughput grows linearly with the ranks up to ``knee`` and is flat after: each
     step sleeps for this rank's share of it. Runs ``steps`` steps (and on until ``go`` exists)."""
     import os
-    import time
 
     import magics
 
@@ -56,7 +54,6 @@ def ddp_loop(steps: int, go: str, resume_state: Any = None) -> Any:
     """Data-parallel training of a small model with torch.distributed on gloo; the model and the
     step counter travel through the checkpoint. Compute is synthetic (linear to 4 ranks)."""
     import os
-    import time
 
     import torch
     import torch.distributed as dist
@@ -115,44 +112,13 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 @pytest.fixture(scope="module")
 def sess(up: Up) -> Iterator[Session]:
-    s = Session()
-    s.defaults.url, s.defaults.token = up.url, (up.data / "token").read_text().strip()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            s.connect_ray()
-            break
-        except ConfigurationError:
-            assert time.monotonic() < deadline, "the Ray head of gpulease up did not answer"
-            time.sleep(0.5)  # the Ray head is still starting: there is no event to wait on
-    s.set_spares("box", 5)  # a gang of up to 5 ranks starts on warm processes
-    yield s
-    s.release_all()
-    s.reset_client()
-
-
-@pytest.fixture
-def admin(up: Up, sess: Session) -> Iterator[Client]:
-    c = Client(up.url, sess.defaults.token)
-    yield c
-    c.close()
+    yield from ray_session(up, spares=5)  # a gang of up to 5 ranks starts on warm processes
 
 
 def assert_all_free(c: Client) -> None:
     assert c.queue() == []
     assert int(c.cluster()["pools"][POOL]["free"]) == 5
     assert c.leases() == []
-
-
-def all_events(c: Client) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    since = "-"
-    while True:
-        page = c.events(since=since, limit=1000)
-        out += page
-        if len(page) < 1000:
-            return out
-        since = page[-1]["id"]
 
 
 def start_small(admin: Client, up: Up, sess: Session, label: str) -> threading.Thread:

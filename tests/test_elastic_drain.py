@@ -23,8 +23,7 @@ from magics.calls import Call
 from magics.runner import Options, run_call
 from magics.session import Session
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up
-from tests.test_elastic import sess  # noqa: F401 - the fixture, on this module's own stack
+from tests.conftest import Up, ray_session
 from tests.test_magics import _alive
 
 ray = pytest.importorskip("ray")
@@ -63,7 +62,12 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     stack.interrupt()
 
 
-def test_ranks_that_never_step_are_ended_before_their_gpus_go_to_the_waiter(up: Up, sess: Session, tmp_path: Path):  # noqa: F811
+@pytest.fixture(scope="module")
+def sess(up: Up) -> Iterator[Session]:
+    yield from ray_session(up, spares=5)  # as test_elastic's stack: a gang of up to 5 ranks on warm processes
+
+
+def test_ranks_that_never_step_are_ended_before_their_gpus_go_to_the_waiter(up: Up, sess: Session, tmp_path: Path):
     admin = Client(up.url, sess.defaults.token)
     bob = Client(up.url, admin.request("POST", "/api/v1/tokens", json={"user": "bob"})["token"])
     watcher = EventWatcher(up.url, sess.defaults.token).start()

@@ -24,7 +24,7 @@ from magics.runner import (
     describe_end,
     run_cell,
 )
-from tests.conftest import Up
+from tests.conftest import Up, ray_session
 
 ray = pytest.importorskip("ray")
 
@@ -39,11 +39,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 @pytest.fixture
 def sess(up: Up) -> Iterator[Session]:
-    s = Session()
-    s.defaults.url, s.defaults.token = up.url, (up.data / "token").read_text().strip()
-    yield s
-    s.release_all()
-    s.reset_client()
+    yield from ray_session(up)
 
 
 def free(s: Session) -> int:

@@ -18,7 +18,6 @@ import pytest
 from IPython.core.error import UsageError
 
 from lease_server.client import Client
-from lease_server.errors import ConfigurationError
 from magics import report
 from magics.outcomes import GpuTrainError, GpuTrainStopped
 from magics.runner import Options, run_cell
@@ -27,7 +26,7 @@ from magics.space import grid, loguniform, parse_over, randint, sample, uniform
 from magics.sweep import MedianStopping, SweepDisplay, SweepResults, Trial, _Series, gpu_map, render_table
 from magics.worker import _alive
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up
+from tests.conftest import Up, all_events, ray_session
 
 ray = pytest.importorskip("ray")
 # The trial functions below travel to the workers by value (the workers cannot import tests/).
@@ -42,7 +41,6 @@ QUIET = SweepDisplay(quiet=True)
 
 def square(config: dict[str, Any]) -> dict[str, Any]:
     import os
-    import time
 
     t0 = time.time()
     i = config["i"]
@@ -59,7 +57,6 @@ def square(config: dict[str, Any]) -> dict[str, Any]:
 def hold(config: dict[str, Any]) -> int:
     """Write this worker's pid, then run until the test creates ``go`` (bounded)."""
     import os
-    import time
 
     Path(config["pid"]).write_text(str(os.getpid()))
     deadline = time.time() + 60
@@ -70,7 +67,6 @@ def hold(config: dict[str, Any]) -> int:
 
 def descend(config: dict[str, Any]) -> int:
     """Report a loss for ``steps`` steps; a slow trial takes ``pause`` seconds a step."""
-    import time
 
     for step in range(config["steps"]):
         report(step=step, loss=config["base"] / (step + 1))
@@ -91,38 +87,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 @pytest.fixture(scope="module")
 def sess(up: Up) -> Iterator[Session]:
-    s = Session()
-    s.defaults.url, s.defaults.token = up.url, (up.data / "token").read_text().strip()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            s.connect_ray()
-            break
-        except ConfigurationError:
-            assert time.monotonic() < deadline, "the Ray head of gpulease up did not answer"
-            time.sleep(0.5)  # the Ray head is still starting: there is no event to wait on
-    s.set_spares("box", 4)  # as many as trials run at once: no sweep here changes it
-    yield s
-    s.release_all()
-    s.reset_client()
-
-
-@pytest.fixture
-def admin(up: Up, sess: Session) -> Iterator[Client]:
-    c = Client(up.url, sess.defaults.token)
-    yield c
-    c.close()
-
-
-def all_events(c: Client) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    since = "-"
-    while True:
-        page = c.events(since=since, limit=1000)
-        out += page
-        if len(page) < 1000:
-            return out
-        since = page[-1]["id"]
+    yield from ray_session(up, spares=4)  # as many as trials run at once: no sweep here changes it
 
 
 def assert_all_free(c: Client) -> None:
