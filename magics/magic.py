@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -128,6 +129,29 @@ _PARSE_ERRORS = (
 )
 
 
+def _lease_arguments(each: str, gpus_help: str, out_help: str) -> Callable[[Any], Any]:
+    """The arguments of every magic that leases GPUs (%%gpu_train, %%gpu_sweep), in one place:
+    --gpus, --pool, --priority, --timeout, --wait and --out; ``each`` names what one lease runs
+    ("the call", "a trial")."""
+    group = [
+        argument("--gpus", default=None, help=gpus_help),
+        argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)"),
+        argument(
+            "--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)"
+        ),
+        argument("--timeout", default=None, help=f"Stop {each} after this long, e.g. 30m (default: none)"),
+        argument("--wait", default=None, help=f"How long {each} may wait in the queue, e.g. 10m (default: 1h)"),
+        argument("--out", default=None, help=out_help),
+    ]
+
+    def apply(fn: Any) -> Any:
+        for add in reversed(group):
+            fn = add(fn)
+        return fn
+
+    return apply
+
+
 @magics_class
 class GpuMagics(Magics):
     @staticmethod
@@ -152,17 +176,21 @@ class GpuMagics(Magics):
         count = getattr(self.shell, "execution_count", None)
         return str(count) if isinstance(count, int) and count > 0 else ""
 
-    def _options(self, args: Any, label: str) -> Options:
+    def _options(self, args: Any, label: str, *, warm: bool = True) -> Options:
+        """One call's options from a magic's arguments (the shared group of _lease_arguments, and
+        those only %%gpu_train takes, absent elsewhere): the one place a magic builds them.
+        ``warm``: the call may keep its worker warm (a %%gpu_train cell, not a sweep's trials)."""
+        nodes = getattr(args, "nodes", None)
         try:
             gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
-            check_gang(gpus_min, gpus, args.nodes)
+            check_gang(gpus_min, gpus, nodes)
             elastic = bool(getattr(args, "elastic", False))
             min_eff = getattr(args, "min_efficiency", None)
             if min_eff is not None and not elastic:
                 raise ValueError("--min-efficiency goes with --elastic")
             if elastic:
                 check_elastic(
-                    Options(gpus=gpus, gpus_min=gpus_min, nodes=args.nodes, min_efficiency=min_eff or 0.5, elastic=True)
+                    Options(gpus=gpus, gpus_min=gpus_min, nodes=nodes, min_efficiency=min_eff or 0.5, elastic=True)
                 )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -170,7 +198,7 @@ class GpuMagics(Magics):
         return Options(
             gpus=gpus,
             gpus_min=gpus_min,
-            nodes=args.nodes,
+            nodes=nodes,
             pool=args.pool,
             priority=args.priority,
             timeout=_duration(args.timeout, "--timeout"),
@@ -180,19 +208,19 @@ class GpuMagics(Magics):
             notebook=os.environ.get("JPY_SESSION_NAME", ""),
             cell=self._cell_number(),
             outputs=outputs,
-            resume=args.resume,
+            resume=bool(getattr(args, "resume", False)),
             elastic=elastic,
             min_efficiency=min_eff if min_eff is not None else DEFAULT_MIN_EFFICIENCY,
-            warm=session().defaults.warm and not getattr(args, "cold", False),
+            warm=warm and session().defaults.warm and not getattr(args, "cold", False),
             fresh=bool(getattr(args, "fresh", False)),
         )
 
     @magic_arguments()
-    @argument(
-        "--gpus",
-        default=None,
-        help="GPUs to lease: 2; or 1-4 for as many as are free now, at least 1; 0 for a CPU worker "
+    @_lease_arguments(
+        "the call",
+        "GPUs to lease: 2; or 1-4 for as many as are free now, at least 1; 0 for a CPU worker "
         "(default: %%gpu_config's, 1)",
+        "Comma-separated names to bring back (default: all the cell assigns)",
     )
     @argument(
         "--nodes",
@@ -216,16 +244,11 @@ class GpuMagics(Magics):
         help="--elastic grows again only while the last GPU added gave at least this fraction of a "
         "GPU's throughput (default: 0.5)",
     )
-    @argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)")
-    @argument("--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)")
     @argument(
         "--resume",
         action="store_true",
         help="Continue from gpu_checkpoint (what magics.on_preempt's hook saved): the cell reads it as resume_state",
     )
-    @argument("--timeout", default=None, help="Stop the call after this long, e.g. 30m (default: none)")
-    @argument("--wait", default=None, help="Wait this long in the queue for GPUs, e.g. 10m (default: 1h)")
-    @argument("--out", default=None, help="Comma-separated names to bring back (default: all the cell assigns)")
     @argument(
         "--fresh",
         action="store_true",
@@ -275,18 +298,17 @@ class GpuMagics(Magics):
     )
     @argument("--samples", type=int, default=None, help="Draw this many random configurations instead of the grid")
     @argument("--seed", type=int, default=None, help="Seed of --samples' draws")
-    @argument("--gpus", default=None, help="GPUs per trial (default: %%gpu_config's, 1)")
+    @_lease_arguments(
+        "a trial",
+        "GPUs per trial (default: %%gpu_config's, 1)",
+        "Comma-separated names each trial brings back (results[i].names)",
+    )
     @argument(
         "--max-parallel", type=int, default=None, help="Trials queued or running at once (default: all, up to 32)"
     )
-    @argument("--pool", default=None, help="Pool to lease from (default: the server's default GPU pool)")
-    @argument("--priority", default=None, choices=["low", "normal", "high"], help="Priority class (default: normal)")
-    @argument("--timeout", default=None, help="Stop a trial after this long, e.g. 30m (default: none)")
-    @argument("--wait", default=None, help="How long a trial may wait in the queue, e.g. 10m (default: 1h)")
     @argument("--stop", default=None, choices=["median"], help="Early stopping: the median stopping rule")
     @argument("--metric", default=None, help="The metric --stop compares (a name given to magics.report)")
     @argument("--mode", default="min", choices=["min", "max"], help="Whether --metric is better low or high")
-    @argument("--out", default=None, help="Comma-separated names each trial brings back (results[i].names)")
     @argument("--as", dest="name", default="results", help="Name of the results in the notebook (default: results)")
     @cell_magic
     def gpu_sweep(self, line: str, cell: str) -> None:
@@ -305,7 +327,6 @@ class GpuMagics(Magics):
         try:
             axes = space.parse_over(_unquote(args.over), user_ns)
             configs = space.draw(args.samples, axes, args.seed) if args.samples is not None else space.grid(**axes)
-            gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
             plan = cellcode.plan_cell(cell)
         except SyntaxError as exc:
             raise UsageError(f"the cell does not parse: {exc}") from None
@@ -314,21 +335,9 @@ class GpuMagics(Magics):
         unread = [name for name in axes if name not in plan.reads]
         if unread:
             raise UsageError(f"--over names {', '.join(unread)}, which the cell never reads")
-        outputs = [n.strip() for n in args.out.split(",") if n.strip()] if args.out is not None else []
         label = cell.strip().splitlines()[0][:60] if cell.strip() else "sweep"
-        opts = Options(
-            gpus=gpus,
-            gpus_min=gpus_min,
-            pool=args.pool,
-            priority=args.priority,
-            timeout=_duration(args.timeout, "--timeout"),
-            wait=_duration(args.wait, "--wait"),
-            label=label,
-            session=_kernel_session(),
-            notebook=os.environ.get("JPY_SESSION_NAME", ""),
-            cell=self._cell_number(),
-            outputs=outputs,
-        )
+        opts = self._options(args, label, warm=False)
+        opts.outputs = opts.outputs or []  # a trial brings back its value, and only the names asked for
         try:
             calls = [(c, plan_call(cell, {**user_ns, **c}, opts)) for c in configs]
             user_ns[args.name] = run_sweep(
