@@ -567,6 +567,23 @@ async def loadgen_open(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def settle_aof(redis_url: str, timeout: float = 120.0) -> None:
+    """BGREWRITEAOF, and wait until Redis has finished it."""
+    import redis as redis_sync
+
+    rc = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        rc.bgrewriteaof()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = rc.info("persistence")
+            if not int(info.get("aof_rewrite_in_progress", 0)) and not int(info.get("aof_rewrite_scheduled", 0)):
+                return
+            time.sleep(0.05)  # Redis announces no end of a rewrite: INFO is the way to see it
+    finally:
+        rc.close()
+
+
 def run_loadgen(server: ServerProcess, redis_url: str, redis_pid: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run the load generator (``cfg`` less the url) against ``server``, and add what the processes
     spent: CPU of the server, Redis and the load generator, and Redis's own command statistics
@@ -580,6 +597,11 @@ def run_loadgen(server: ServerProcess, redis_url: str, redis_pid: int, cfg: dict
     rc = redis_sync.Redis.from_url(redis_url, decode_responses=True)
     try:
         rc.config_resetstat()
+        # What Redis itself did meanwhile that can stall every request behind it: forks (an AOF
+        # rewrite; the closed loops before grow the AOF past its rewrite size) and slow events.
+        rc.config_set("latency-monitor-threshold", 5)
+        rc.execute_command("LATENCY", "RESET")
+        forks0 = int(rc.info("stats").get("total_forks", 0))
         cpu0 = {p: proc_cpu_seconds(p) for p in [*server_pids, redis_pid]}
         busy0, self0 = _common.machine_busy_seconds(), time.process_time()
         t0 = time.perf_counter()
@@ -601,11 +623,16 @@ def run_loadgen(server: ServerProcess, redis_url: str, redis_pid: int, cfg: dict
         server_cpu = sum(proc_cpu_seconds(p) - cpu0[p] for p in server_pids)
         redis_cpu = proc_cpu_seconds(redis_pid) - cpu0[redis_pid]
         stats: dict[str, Any] = rc.info("commandstats")
+        forks = int(rc.info("stats").get("total_forks", 0)) - forks0
+        slow = rc.execute_command("LATENCY", "LATEST") or []
     finally:
         rc.close()
     if proc.returncode != 0:
         raise RuntimeError(f"load generator failed ({proc.returncode}): {err.decode()[-2000:]}")
     res: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    res["redis_forks"] = forks
+    res["redis_slowest_event_ms"] = max((int(e[3]) for e in slow), default=0)  # [event, time, latest, max]
+    res["redis_slow_events"] = sorted({str(e[0]) for e in slow})
     res["server_cpu_pct"] = 100 * server_cpu / wall
     res["redis_cpu_pct"] = 100 * redis_cpu / wall
     # CPU that processes outside this bench took meanwhile: on a shared 2-core machine this is what
@@ -892,6 +919,12 @@ def main() -> None:
                 rate = best["grants_per_s"] / 2
                 if not rate > 0:
                     raise RuntimeError(f"no closed-loop rate to halve ({best['grants_per_s']} grants/s)")
+                # The closed loops grew the AOF past its rewrite size: left alone, the rewrite (a
+                # fork, and a child writing the file beside the load on 2 cores) lands in this
+                # window by the order of the sections, and its ~100 ms sets the p99. Rewrite it now,
+                # as Redis would a few seconds later. (A deployment rewrites at its own write rate:
+                # at one grant a second, about once a week.)
+                settle_aof(url)
                 server = ServerProcess(url, prefix, workers, tmpdir)
                 server.log_path = tmpdir / f"server-{prefix}-w{workers}-open.log"
                 stops.callback(server.stop)
@@ -931,6 +964,9 @@ def main() -> None:
                         "loadgen_cpu_pct": round(ol["loadgen_cpu_pct"]),
                         "other_cpu_pct": round(ol["other_cpu_pct"]),
                         "script_us_per_call": round(ol["script_us_per_call"], 2),
+                        "redis_forks": ol["redis_forks"],
+                        "redis_slowest_event_ms": ol["redis_slowest_event_ms"],
+                        "redis_slow_events": ol["redis_slow_events"],
                     },
                 )
                 say(
@@ -948,6 +984,10 @@ def main() -> None:
                     f"(cap {OPEN_LOOP_CAP}, reached {ol['cap_waits']} times); cpu (% of one core): server "
                     f"{ol['server_cpu_pct']:.0f}%, redis {ol['redis_cpu_pct']:.0f}%, loadgen "
                     f"{ol['loadgen_cpu_pct']:.0f}%, processes outside this bench {ol['other_cpu_pct']:.0f}%"
+                )
+                say(
+                    f"    Redis meanwhile: {ol['redis_forks']} fork(s) (an AOF rewrite), slowest event "
+                    f"{ol['redis_slowest_event_ms']} ms ({', '.join(ol['redis_slow_events']) or 'none over 5 ms'})"
                 )
     out["quick"] = q
     out["elapsed_s"] = round(time.monotonic() - t_start, 1)

@@ -173,7 +173,7 @@ class EventType(enum.StrEnum):
     # warm leases: a finished cell's worker kept for the notebook's next cell (warm.lua); lendable
     WARM = "warm"  # a lease was kept warm: it runs nothing, and whoever would otherwise wait evicts it
     RESUMED = "resumed"  # a warm lease runs a cell again
-    EVICTING = "evicting"  # a warm lease is evicted for a waiting request: revoked at recall_at (_lib_recall.lua recall)
+    EVICTING = "evicting"  # a warm lease evicted for a waiter: revoked at recall_at (_lib_recall.lua recall)
     # idle reclaim
     IDLE_WARNING = "idle_warning"  # a lease's GPUs have been idle: reclaimed at reclaim_at (idle_warn.lua)
     IDLE_CLEARED = "idle_cleared"  # a warned lease's GPUs got busy again (keep.lua)

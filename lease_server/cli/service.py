@@ -313,7 +313,7 @@ def up(
 
         from ..server import run_loop
 
-        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes))
+        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes, own_process=True))
     finally:
         _stop(lab_proc, "jupyterlab")
         _stop(ray_proc, "ray head")
