@@ -281,7 +281,8 @@ EVENT_LOG_CASES: list[tuple[str, dict[str, str], tuple[str, ...]]] = [
     ("before-garbage", {"before": "yesterday"}, ("before", "event id like", "yesterday")),
     ("order-sideways", {"order": "sideways"}, ("order", "sideways")),
     ("type-misspelt", {"type": "grant,relesed"}, ("type", "relesed", "did you mean released")),
-    ("type-empty", {"type": ","}, ("type", "comma-separated")),
+    ("type-empty", {"type": ","}, ("type", "an empty name", "comma-separated")),
+    ("type-spaced", {"type": "grant, released"}, ("type", "' released'", "did you mean released")),
     ("user-not-a-name", {"user": "alice smith"}, ("user", "letters, digits")),
 ]
 
