@@ -70,6 +70,7 @@ class RedisProcess:
         self.fsync = fsync
         self.extra = list(extra)  # more redis-server options, e.g. ("--replicaof", "127.0.0.1", "6379")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.name = "redis-server"  # the binary's name once started: valkey-server, redis-server
 
     @property
     def url(self) -> str:
@@ -77,8 +78,10 @@ class RedisProcess:
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        binary = redis_server_binary()
+        self.name = os.path.basename(binary)
         args = [
-            redis_server_binary(),
+            binary,
             "--port",
             str(self.port),
             "--bind",
@@ -106,12 +109,12 @@ class RedisProcess:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 logfile = self.data_dir / "redis.log"
                 tail = logfile.read_text()[-800:] if logfile.exists() else ""
-                raise ConfigurationError(f"redis-server exited at start: {err}{tail}")
+                raise ConfigurationError(f"{self.name} exited at start: {err}{tail}")
             if self._ping():
-                log.info("redis-server started pid=%d port=%d dir=%s", self.proc.pid, self.port, self.data_dir)
+                log.info("%s started pid=%d port=%d dir=%s", self.name, self.proc.pid, self.port, self.data_dir)
                 return self
             time.sleep(0.02)
-        raise ConfigurationError(f"redis-server did not answer on port {self.port} within {timeout}s")
+        raise ConfigurationError(f"{self.name} did not answer on port {self.port} within {timeout}s")
 
     def _ping(self) -> bool:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
@@ -125,7 +128,7 @@ class RedisProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-            log.info("redis-server killed pid=%d port=%d", self.proc.pid, self.port)
+            log.info("%s killed pid=%d port=%d", self.name, self.proc.pid, self.port)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -135,4 +138,4 @@ class RedisProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-            log.info("redis-server stopped pid=%d port=%d", self.proc.pid, self.port)
+            log.info("%s stopped pid=%d port=%d", self.name, self.proc.pid, self.port)
