@@ -15,6 +15,9 @@ import_ray_s          CPU seconds of `import ray` in a fresh interpreter with ma
 worker_start_cpu_s    CPU seconds a fresh GpuWorker process spends until its ready() answers, started
                       through the session (magics/_boot first on its PYTHONPATH); ..._before: the same
                       with the kernel's own PYTHONPATH, same run                (target <= 0.8)
+bare_actor_start_cpu_s
+                      the same for a plain Ray actor with an empty class (reference: what Ray's own
+                      worker start costs, under any GpuWorker)
 local_call_ms         a trivial function called in this process (reference)
 bare_ray_ms           p50 of ray.get(f.remote()) of that function, @ray.remote(num_cpus=0), same
                       Ray cluster, same driver (reference)
@@ -321,6 +324,30 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_bare_actor_start(rounds: int = 3) -> float:
+    """CPU seconds a fresh plain Ray actor process (no gpulease import, an empty class) spends until
+    a call to it answers, with the same boot path on PYTHONPATH: the floor a Ray worker sets under
+    worker_start_cpu_s. Median."""
+    import ray
+
+    from magics.session import worker_pythonpath
+
+    @ray.remote(num_cpus=0)
+    class Bare:
+        def pid(self) -> int:
+            return os.getpid()
+
+    env = {"env_vars": {"PYTHONPATH": worker_pythonpath(os.environ.get("PYTHONPATH", ""))}}
+
+    def once() -> float:
+        actor = Bare.options(runtime_env=env).remote()  # type: ignore[attr-defined]
+        cpu = _cpu_s(ray.get(actor.pid.remote(), timeout=120))
+        ray.kill(actor, no_restart=True)
+        return cpu
+
+    return sorted(once() for _ in range(rounds))[rounds // 2]
 
 
 def bench_worker_start(s: Any, rounds: int = 3) -> tuple[float, float]:
@@ -883,6 +910,9 @@ def main() -> None:
             before, after = bench_worker_start(s)
             results["worker_start_cpu_s_before"], results["worker_start_cpu_s"] = before, after
             say(f"worker_start_cpu_s   {after:.2f}  (was {before:.2f}; {verdict('worker_start_cpu_s', after)})")
+            bare = bench_bare_actor_start()
+            results["bare_actor_start_cpu_s"] = bare
+            say(f"bare_actor_start_cpu_s {bare:.2f}  (a plain Ray actor, same boot path: the floor under it)")
 
         with section(results, "run_on_gpus", timed=True):
             first, xs, phases = bench_run_on_gpus(s, n, warmup)
