@@ -211,14 +211,9 @@ def list_schedule(durations: list[float], machines: int) -> float:
 
 
 def all_events(client: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    since = "-"
-    while True:
-        page = client.events(since=since, limit=1000)
-        out += page
-        if len(page) < 1000:
-            return out
-        since = page[-1]["id"]
+    from lease_server.cli.events import read_forward
+
+    return list(read_forward(client, None))
 
 
 def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:

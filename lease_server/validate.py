@@ -203,8 +203,14 @@ def check_event_types(raw: str) -> frozenset[str]:
         if name not in known:
             close = get_close_matches(name.strip(), known, n=2)
             hint = f"did you mean {' or '.join(close)}?" if close else "the OpenAPI document lists them"
-            what = repr(name[:40]) if name else "an empty name"
-            raise errors.BadRequest(f"type {what} is no event type (comma-separated, e.g. grant,released); {hint}")
+            if not name:
+                raise errors.BadRequest(
+                    "type has an empty name (two commas, or one at an end): give event types "
+                    "comma-separated, e.g. grant,released"
+                )
+            raise errors.BadRequest(
+                f"type {name[:40]!r} is no event type (comma-separated, e.g. grant,released); {hint}"
+            )
     return frozenset(names)
 
 

@@ -317,12 +317,7 @@ def admin(up: Up, sess: Any) -> Iterator[Client]:
 
 
 def all_events(c: Client) -> list[dict[str, Any]]:
-    """The whole event log, oldest first, a page of 10 000 at a time."""
-    out: list[dict[str, Any]] = []
-    since = "-"
-    while True:
-        page = c.events(since=since, limit=10_000)
-        out += page
-        if len(page) < 10_000:
-            return out
-        since = page[-1]["id"]
+    """The whole event log, oldest first (what ``gpulease events export`` reads)."""
+    from lease_server.cli.events import read_forward
+
+    return list(read_forward(c, None))
