@@ -216,17 +216,21 @@ local function fullest_node(pool)
 end
 
 -- The live lease `id` if `user` owns it and `token` is its fencing token: (lease, its JSON), or
--- (nil, the reply to give: {ENDED, ended JSON} | {NO_SUCH} | {NOT_OWNER} | {STALE}). `token` nil:
--- ownership alone suffices (as release.lua's "" token; the API always sends one).
-local function owned_lease(id, token, user)
+-- (nil, the reply to give: {ENDED, ended JSON} | {NO_SUCH} | {NOT_OWNER} | {STALE}). `token` nil
+-- or '': ownership alone suffices (the API always sends one). `admin`: anyone's lease. `guarded`:
+-- an ended lease is told only to its owner (or an admin), holding its token, as a live one is.
+local function owned_lease(id, token, user, admin, guarded)
+  if token == '' then token = nil end
   local raw = redis.call('HGET', K_LEASES, id)
+  local ended
   if not raw then
-    local ended = redis.call('HGET', K_ENDED, id)
-    if ended then return nil, {ENDED, ended} end
-    return nil, {NO_SUCH}
+    ended = redis.call('HGET', K_ENDED, id)
+    if not ended then return nil, {NO_SUCH} end
+    if not guarded then return nil, {ENDED, ended} end
   end
-  local lease = cjson.decode(raw)
-  if lease.user ~= user then return nil, {NOT_OWNER} end
+  local lease = cjson.decode(raw or ended)
+  if lease.user ~= user and not admin then return nil, {NOT_OWNER} end
   if token and tostring(lease.token) ~= token then return nil, {STALE} end
+  if ended then return nil, {ENDED, ended}, lease end
   return lease, raw
 end

@@ -119,3 +119,14 @@ local function end_lease(lease, state, reason, by, raw, drain)
                warm = was_warm or nil})
   return lease, ended_json
 end
+
+-- A lease past its deadline that the sweep has not reached yet is expired by the first script that
+-- touches it: its GPUs were free to take from the deadline on. The EXPIRED reply, or nil if the
+-- lease is in time. `late`: the reason says how late (a renew came after the deadline).
+local function expire_if_due(lease, raw, late)
+  if lease.expires_at >= NOW then return nil end
+  local why = expiry_reason(lease, late and NOW - lease.expires_at or nil)
+  local _, ended_json = end_lease(lease, 'expired', why, 'server', raw)
+  dispatch(lease.pool)
+  return {EXPIRED, ended_json}
+end

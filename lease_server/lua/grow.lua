@@ -15,12 +15,8 @@ local id, token, user, k = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local seen = tonumber(ARGV[10] or '')
 local lease, raw = owned_lease(id, token, user)
 if not lease then return raw end
-if lease.expires_at < NOW then
-  local why = 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
-  local _, ended_json = end_lease(lease, 'expired', why, 'server', raw)
-  dispatch(lease.pool)
-  return {EXPIRED, ended_json}
-end
+local expired = expire_if_due(lease, raw)
+if expired then return expired end
 if seen and #lease.gpus == seen + k then return {OK, raw} end  -- done already (a resend)
 if seen and #lease.gpus ~= seen then
   return {BUSY, 'the lease holds ' .. #lease.gpus .. ' GPU(s), not the ' .. seen .. ' the request saw'}

@@ -7,13 +7,8 @@
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {LIMIT, extensions}
 local id, user, admin, max_ext, auto = ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9]), ARGV[10] == 'auto'
 
-local raw = redis.call('HGET', K_LEASES, id)
-if not raw then
-  local ended = redis.call('HGET', K_ENDED, id)
-  if ended then return {ENDED, ended} end
-  return {NO_SUCH}
-end
-local lease = cjson.decode(raw)
+local lease, raw = owned_lease(id, nil, user, admin == '1' or auto)
+if not lease then return raw end
 if auto then
   if not lease.reclaim_at then return {OK, raw} end
   lease.warned_at = nil
@@ -23,7 +18,6 @@ if auto then
   emit('idle_cleared', {lease = id, user = lease.user, pool = lease.pool, reason = 'its GPUs are busy again'})
   return {OK, cjson.encode(lease)}
 end
-if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
 local used = lease.extensions or 0
 if used >= max_ext then return {LIMIT, used} end
 lease.extensions = used + 1

@@ -13,15 +13,8 @@
 -- returns {OK, ended JSON} | {ENDED, ended JSON} | {REMOVED, position it had, waiter JSON}
 --       | {NO_SUCH} | {NOT_OWNER} | {STALE}
 local id, token, user, admin, state, reason = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
-local raw = redis.call('HGET', K_LEASES, id)
-if not raw then
-  local ended = redis.call('HGET', K_ENDED, id)
-  if ended then
-    local e = cjson.decode(ended)
-    if e.user ~= user and admin ~= '1' then return {NOT_OWNER} end
-    if token ~= '' and tostring(e.token) ~= token then return {STALE} end
-    return {ENDED, ended}
-  end
+local lease, raw = owned_lease(id, token, user, admin == '1', true)
+if not lease and raw[1] == NO_SUCH then
   -- Still queued: withdraw it. Queue removal and the grant (dispatch) both run inside scripts, so
   -- either the grant came first (the lease branch below releases it) or it can never come: the
   -- waiter is gone from the queue before any later dispatch looks. A token cannot name a request
@@ -48,9 +41,7 @@ if not raw then
   w.by = user
   return {REMOVED, position, cjson.encode(w)}
 end
-local lease = cjson.decode(raw)
-if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
-if token ~= '' and tostring(lease.token) ~= token then return {STALE} end
+if not lease then return raw end
 if state == 'auto' then
   if lease.user ~= user then state, reason = 'revoked', ARGV[12] else state = 'released' end
 end

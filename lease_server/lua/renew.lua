@@ -8,31 +8,18 @@
 -- ARGV[11] = the holder's activity as JSON ({"executing": true, ...}) or "" (an idle-score signal)
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE} | {EXPIRED, JSON}
 local id, token, user, admin, ttl_ms = ARGV[6], ARGV[7], ARGV[8], ARGV[9], tonumber(ARGV[10])
-local raw = redis.call('HGET', K_LEASES, id)
-if not raw then
-  local ended = redis.call('HGET', K_ENDED, id)
-  if ended then
-    local e = cjson.decode(ended)
-    if e.user ~= user and admin ~= '1' then return {NOT_OWNER} end
-    if tostring(e.token) ~= token then return {STALE} end
-    if e.state == 'expired' and not string.find(e.end_reason or '', '(warm_max)', 1, true) then
-      emit('renew_miss', {lease = id, user = e.user, late_ms = NOW - e.expires_at})
-    end
-    return {ENDED, ended}
+local lease, raw, e = owned_lease(id, token, user, admin == '1', true)
+if not lease then
+  if e and e.state == 'expired' and not string.find(e.end_reason or '', '(warm_max)', 1, true) then
+    emit('renew_miss', {lease = id, user = e.user, late_ms = NOW - e.expires_at})
   end
-  return {NO_SUCH}
+  return raw
 end
-local lease = cjson.decode(raw)
-if lease.user ~= user and admin ~= '1' then return {NOT_OWNER} end
-if tostring(lease.token) ~= token then return {STALE} end
-if lease.expires_at < NOW then
-  if not lease.warm_until or lease.warm_until > NOW then  -- (a warm lease's end at warm_max is no miss)
-    emit('renew_miss', {lease = id, user = lease.user, late_ms = NOW - lease.expires_at})
-  end
-  local _, ended_json = end_lease(lease, 'expired', expiry_reason(lease, NOW - lease.expires_at), 'server', raw)
-  dispatch(lease.pool)
-  return {EXPIRED, ended_json}
+if lease.expires_at < NOW and (not lease.warm_until or lease.warm_until > NOW) then
+  emit('renew_miss', {lease = id, user = lease.user, late_ms = NOW - lease.expires_at})  -- (warm_max is no miss)
 end
+local expired = expire_if_due(lease, raw, true)
+if expired then return expired end
 if ttl_ms == 0 then ttl_ms = lease.ttl_ms end
 lease.expires_at = NOW + ttl_ms
 if lease.warm_until and lease.expires_at > lease.warm_until then  -- warm_max: kept warm no longer

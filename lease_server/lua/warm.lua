@@ -10,7 +10,7 @@
 --       | {BUSY, why}: it cannot go warm (it spans nodes, is elastic, or is being recalled or
 --         shrunk), or cannot run again (it is being evicted: release it and ask again)
 local id, token, user, on = ARGV[6], ARGV[7], ARGV[8], ARGV[9] == '1'
-local lease, raw = owned_lease(id, token ~= '' and token or nil, user)
+local lease, raw = owned_lease(id, token, user)
 if not lease then return raw end
 if on then
   if lease.warm_since then return {OK, raw} end
