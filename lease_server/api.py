@@ -293,21 +293,18 @@ class HandoffHandler(BaseHandler):
         )
 
 
-class GrowHandler(BaseHandler):
-    """The owner adds GPUs to an elastic lease, on its node, when that delays no one."""
+class ResizeHandler(BaseHandler):
+    """The owner grows an elastic lease on its node, when that delays no one (``grow``), or gives
+    back some of a lease's GPUs, the queue served at once."""
+
+    def initialize(self, grow: bool) -> None:  # type: ignore[override]
+        self.grow = grow
 
     async def post(self, lease_id: str) -> None:
-        body = self.body(self.bodies.grow)
-        rec = await self.store.grow(lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"))
-        self.reply(public_lease(rec, with_token=True))
-
-
-class ShrinkHandler(BaseHandler):
-    """The owner gives back some GPUs of a lease; the queue is served at once."""
-
-    async def post(self, lease_id: str) -> None:
-        body = self.body(self.bodies.shrink)
-        rec = await self.store.shrink(lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"))
+        body = self.body(self.bodies.grow if self.grow else self.bodies.shrink)
+        rec = await self.store.resize(
+            lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"), grow=self.grow
+        )
         self.reply(public_lease(rec, with_token=True))
 
 
@@ -771,8 +768,8 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/renew", RenewHandler),
         (rf"{API}/leases/{lease_id}/revoke", RevokeHandler),
         (rf"{API}/leases/{lease_id}/handoff", HandoffHandler),
-        (rf"{API}/leases/{lease_id}/grow", GrowHandler),
-        (rf"{API}/leases/{lease_id}/shrink", ShrinkHandler),
+        (rf"{API}/leases/{lease_id}/grow", ResizeHandler, {"grow": True}),
+        (rf"{API}/leases/{lease_id}/shrink", ResizeHandler, {"grow": False}),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
         (rf"{API}/leases/{lease_id}/procs", ProcsHandler),
         (rf"{API}/leases/{lease_id}/warm", WarmHandler),

@@ -30,14 +30,13 @@ from .scripts import (
     Duplicate,
     Ended,
     Granted,
-    Grow,
     Handed,
     Handoff,
     Queued,
     Release,
     Removed,
     Renew,
-    Shrink,
+    Resize,
     Sweep,
     SweepCounts,
     Warm,
@@ -480,28 +479,20 @@ class LeaseStore:
         log.info("handed %s -> %s user=%s", lease_id, got.lease["id"], user)
         return got
 
-    async def grow(self, lease_id: str, user: str, token: object, gpus: object, size: object = None) -> dict[str, Any]:
-        """Add ``gpus`` GPUs to the owner's elastic lease, on its node (the lowest free indexes),
-        all or none, up to the elastic maximum it asked for. Refused with 409, changing nothing,
-        when that would delay anyone (someone waits in the pool, a booking is in force) or the node
-        lacks them (see ``lua/grow.lua``). Returns the lease; its token stays."""
-        tok = self._token(token, required=True)
-        n = check_gpus(gpus)
-        seen = None if size is None else check_gpus(size, "size")
-        rec: dict[str, Any] = await self.engine.run(Grow(lease_id, tok, user, n, seen))
-        log.info("grown %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
-        return rec
-
-    async def shrink(
-        self, lease_id: str, user: str, token: object, gpus: object, size: object = None
+    async def resize(
+        self, lease_id: str, user: str, token: object, gpus: object, size: object = None, *, grow: bool
     ) -> dict[str, Any]:
-        """Give back the ``gpus`` highest-indexed GPUs of the owner's lease (at least one stays:
-        to give back all, release). The queue is served at once. Returns the lease; its token stays."""
+        """Grow (``grow``) or shrink the owner's lease by ``gpus`` GPUs, on its node. A grow adds
+        the lowest free indexes, all or none, up to the elastic maximum it asked for; refused with
+        409, changing nothing, when that would delay anyone (someone waits in the pool, a booking
+        is in force) or the node lacks them. A shrink gives back the highest indexes (at least one
+        stays: to give back all, release) and serves the queue at once. See ``lua/resize.lua``.
+        Returns the lease; its token stays."""
         tok = self._token(token, required=True)
         n = check_gpus(gpus)
         seen = None if size is None else check_gpus(size, "size")
-        rec: dict[str, Any] = await self.engine.run(Shrink(lease_id, tok, user, n, seen))
-        log.info("shrunk %s user=%s by %d to %d GPU(s)", lease_id, user, n, len(rec["gpus"]))
+        rec: dict[str, Any] = await self.engine.run(Resize(lease_id, tok, user, n if grow else -n, seen))
+        log.info("%s %s user=%s by %d to %d GPU(s)", "grown" if grow else "shrunk", lease_id, user, n, len(rec["gpus"]))
         return rec
 
     async def warm(self, lease_id: str, user: str, token: object, on: bool) -> dict[str, Any]:

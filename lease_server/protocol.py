@@ -157,9 +157,9 @@ class EventType(enum.StrEnum):
     REVOKED = "revoked"  # a lease ended by an admin, idle reclaim, a recall or a preemption (end_lease)
     RENEW_MISS = "renew_miss"  # a renewal came after the lease's deadline: it expired (renew.lua)
     # elastic leases change size; the token stays
-    GROWN = "grown"  # the owner added GPUs to an elastic lease on its node (grow.lua)
+    GROWN = "grown"  # the owner added GPUs to an elastic lease on its node (resize.lua)
     DRAINED = "drained"  # GPUs the server took back are clean: no process of their lease is on them (drained.lua)
-    SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (shrink.lua), or the server when a shrink notice ran out
+    SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (resize.lua), or the server when a shrink notice ran out
     # an elastic lease above its minimum is asked to give GPUs back for a waiting request by shrink_by,
     # else the server shrinks it to shrink_to (_lib_schedule.lua ask_to_shrink; sweep.lua)
     SHRINK_NOTICE = "shrink_notice"

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
-from typing import Any, ClassVar, NamedTuple, NoReturn
+from typing import Any, ClassVar, NamedTuple
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -519,60 +519,37 @@ class Handoff(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Grow(ScriptCall):
-    """Add ``gpus`` GPUs to the owner's live elastic lease ``id`` on its own node, all or none
-    (``lua/grow.lua``), when that delays no one; else change nothing and raise
-    :class:`errors.Conflict` saying why. The reply is the lease, its token unchanged. Unlike the
-    other scripts, a grow or shrink resent after a lost answer changes the size again, unless it
-    names the ``size`` it saw (the client always does): then a resend answers as done."""
+class Resize(ScriptCall):
+    """Grow or shrink the owner's live lease ``id`` on its own node by ``gpus`` (``lua/resize.lua``):
+    ``gpus > 0`` adds that many to an elastic lease, all or none, when that delays no one;
+    ``gpus < 0`` gives back its highest-indexed GPUs (at least one stays: to give back all,
+    release), offered to the queue at once. Else nothing changes and :class:`errors.Conflict` says
+    why. The reply is the lease, its token unchanged. Unlike the other scripts, a resize resent
+    after a lost answer changes the size again, unless it names the ``size`` it saw (the client
+    always does): then a resend answers as done."""
 
-    script: ClassVar[str] = "grow"
+    script: ClassVar[str] = "resize"
     id: str
     token: str
     user: str
-    gpus: int
+    gpus: int  # > 0: GPUs to add; < 0: GPUs to give back
     size: int | None = None  # the GPUs the caller saw it hold: a resend is then harmless
 
     def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
         if code is Code.OK:
             return _json(rest[0])
         if code is Code.BUSY:
-            raise errors.Conflict(f"lease {self.id} did not grow by {self.gpus} GPU(s): {rest[0]}; nothing changed")
-        _resize_refusal(self, code, rest)
-
-
-@dataclass(frozen=True)
-class Shrink(ScriptCall):
-    """Give back the ``gpus`` highest-indexed GPUs of the owner's live lease ``id``
-    (``lua/shrink.lua``); at least one stays (to give back all, release). The freed GPUs go to the
-    queue at once. The reply is the lease, its token unchanged."""
-
-    script: ClassVar[str] = "shrink"
-    id: str
-    token: str
-    user: str
-    gpus: int
-    size: int | None = None  # the GPUs the caller saw it hold: a resend is then harmless
-
-    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
-        if code is Code.OK:
-            return _json(rest[0])
-        if code is Code.BUSY:
-            raise errors.Conflict(f"lease {self.id} did not shrink by {self.gpus} GPU(s): {rest[0]}; nothing changed")
-        _resize_refusal(self, code, rest)
-
-
-def _resize_refusal(call: Grow | Shrink, code: Code, rest: list[Any]) -> NoReturn:
-    """Raise the refusal grow and shrink share for ``code``."""
-    if code in (Code.ENDED, Code.EXPIRED):
-        raise _ended(call.id, rest[0])
-    if code is Code.NO_SUCH:
-        raise no_such_lease(call.id)
-    if code is Code.NOT_OWNER:
-        raise _not_owner(call.id)
-    if code is Code.STALE:
-        raise _stale(call.id)
-    raise call.unexpected(code)
+            did = f"did not {'grow' if self.gpus > 0 else 'shrink'} by {abs(self.gpus)} GPU(s)"
+            raise errors.Conflict(f"lease {self.id} {did}: {rest[0]}; nothing changed")
+        if code in (Code.ENDED, Code.EXPIRED):
+            raise _ended(self.id, rest[0])
+        if code is Code.NO_SUCH:
+            raise no_such_lease(self.id)
+        if code is Code.NOT_OWNER:
+            raise _not_owner(self.id)
+        if code is Code.STALE:
+            raise _stale(self.id)
+        raise self.unexpected(code)
 
 
 class SweepCounts(NamedTuple):
@@ -944,8 +921,7 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Renew,
     Release,
     Handoff,
-    Grow,
-    Shrink,
+    Resize,
     Sweep,
     Register,
     IdleWarn,

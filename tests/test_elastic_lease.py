@@ -22,7 +22,7 @@ from lease_server.engine import Engine
 from lease_server.inventory import parse_simulate, register
 from lease_server.keys import Keys
 from lease_server.lease import LeaseStore
-from lease_server.scripts import Acquire, Code, Grow, Release, Shrink
+from lease_server.scripts import Acquire, Code, Release, Resize
 from tests.api_helpers import API, assert_error, http, queued, unchanged
 from tests.conftest import make_settings
 
@@ -190,9 +190,9 @@ def test_gpu_time_across_sizes_on_a_virtual_clock(redis_server: Any, prefix: str
             assert code is Code.OK and len(json.loads(rest[0])["gpus"]) == 1
             token = str(json.loads(rest[0])["token"])
             await st.engine.raw(Release("l-bob-0000001", "", "bob", False, "released", "done"), now_ms=t)
-            code, _ = await st.engine.raw(Grow("l-alice-000001", token, "alice", 2), now_ms=t + 100_000)
+            code, _ = await st.engine.raw(Resize("l-alice-000001", token, "alice", 2), now_ms=t + 100_000)
             assert code is Code.OK
-            code, _ = await st.engine.raw(Shrink("l-alice-000001", token, "alice", 1), now_ms=t + 150_000)
+            code, _ = await st.engine.raw(Resize("l-alice-000001", token, "alice", -1), now_ms=t + 150_000)
             assert code is Code.OK
             await st.engine.raw(
                 Release("l-alice-000001", token, "alice", False, "released", "done"), now_ms=t + 180_000
@@ -211,7 +211,7 @@ def test_gpu_time_across_sizes_on_a_virtual_clock(redis_server: Any, prefix: str
             )
             assert code is Code.OK and len(json.loads(rest[0])["gpus"]) == 4
             token = str(json.loads(rest[0])["token"])
-            code, rest = await st.engine.raw(Shrink("l-alice-000002", token, "alice", 1), now_ms=t + 205_000)
+            code, rest = await st.engine.raw(Resize("l-alice-000002", token, "alice", -1), now_ms=t + 205_000)
             assert code is Code.EXPIRED and json.loads(rest[0])["state"] == "expired"
             assert not await r.hgetall(st.keys.holders) and await r.zcard(st.keys.elastic) == 0
         finally:
