@@ -25,6 +25,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from lease_server import errors
+from lease_server.protocol import BOARD_RELEASE_REASON
 
 from . import __version__
 from .upstream import LeaseApi
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 NAMESPACE = "gpulease"
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 RESERVATION_ID_RE = LEASE_ID_RE
-# The end_reason of a lease ended with the GPU board's Release button.
-BOARD_RELEASE_REASON = "released from the board"
 POOL_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 NUMBER_RE = re.compile(r"^-?\d{1,12}(\.\d{1,6})?$")
 # The fields of a booking (POST /reservations; PATCH takes any subset) and the JSON types each one takes.

@@ -111,6 +111,8 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
     if rec.get("recall_at"):
         out["recall_at"] = rec["recall_at"] / 1000
         out["recall_reason"] = rec.get("recall_reason", "")
+        if rec.get("recall_code"):
+            out["recall_cause"] = {"code": rec["recall_code"], "by": "server", "why": rec.get("recall_why", "")}
     if rec.get("warm_since"):
         # kept for its notebook's next cell: lent out if someone waits, ended at warm_until
         out["warm_since"] = rec["warm_since"] / 1000
@@ -126,6 +128,8 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         out["ended_at"] = rec["ended_at"] / 1000
         out["end_reason"] = rec.get("end_reason", "")
         out["ended_by"] = rec.get("ended_by", "")
+        if rec.get("cause"):
+            out["cause"] = rec["cause"]
     if with_token:
         out["token"] = int(rec["token"])
     return out

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import __version__, validate
 from .config import Settings
-from .protocol import ENDED_STATES, LeaseState
+from .protocol import ENDED_STATES, EndCause, LeaseState
 
 # What the board says of a GPU (lease_server/inventory.py).
 GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
@@ -146,7 +146,20 @@ def _response_schemas() -> dict[str, Any]:
                 "ended_at": num,
                 "end_reason": {"type": "string"},
                 "ended_by": {"type": "string"},
+                "cause": {**_ref("EndCause"), "description": "Why it ended (an ended lease)"},
+                "recall_cause": {**_ref("EndCause"), "description": "Why it will end (a lease being recalled)"},
                 "changed": {"type": "boolean"},
+            },
+        },
+        "EndCause": {
+            "type": "object",
+            "description": "Why a lease ended (or will), for programs: end_reason and recall_reason are the "
+            "sentences for people",
+            "required": ["code", "by", "why"],
+            "properties": {
+                "code": {"type": "string", "enum": [c.value for c in EndCause]},
+                "by": {"type": "string", "description": "Who ended it: a user, or server / reclaimer"},
+                "why": {"type": "string", "description": "The plain reason, without advice; may be empty"},
             },
         },
         "EndedLease": {

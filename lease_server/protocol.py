@@ -137,6 +137,27 @@ class LeaseState(enum.StrEnum):
 ENDED_STATES = frozenset({LeaseState.RELEASED.value, LeaseState.EXPIRED.value, LeaseState.REVOKED.value})
 
 
+class EndCause(enum.StrEnum):
+    """Why a lease ended, in a form a client reads without parsing prose: an ended record's
+    ``cause`` is ``{"code": EndCause, "by": who, "why": the plain reason}`` (written by
+    ``end_lease`` in ``lua/_lib_end.lua``), and a lease being recalled carries the ``recall_cause``
+    it will end with. ``end_reason`` stays the sentence people read."""
+
+    RELEASED = "released"  # its owner released it (why: the reason given, if any)
+    HANDED = "handed"  # its owner handed its GPUs to its own next request (a sweep's next trial)
+    REVOKED = "revoked"  # an admin revoked it
+    EXPIRED = "expired"  # not renewed within its ttl
+    WARM_MAX = "warm_max"  # kept warm with no cell for the pool's warm_max
+    RECLAIMED = "reclaimed"  # its GPUs were idle and its owner did not keep it after the warning
+    RECALLED = "recalled"  # recalled for a booking's holder (a borrowed lease)
+    PREEMPTED = "preempted"  # preempted for a request within quota (it ran above quota)
+    EVICTED = "evicted"  # a warm lease lent out to a waiting request
+
+
+# The reason the GPU board's Release button gives (jupyter_ext): a cell says "released from the board".
+BOARD_RELEASE_REASON = "released from the board"
+
+
 # ---- events ----------------------------------------------------------------------------------------
 
 

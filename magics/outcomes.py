@@ -7,6 +7,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lease_server import protocol
+from lease_server.protocol import EndCause
+
 
 class GpuTrainError(Exception):
     """The call failed on the worker (or the worker died). Shown as the remote traceback, once."""
@@ -196,26 +199,28 @@ class StreamUI:
 
 
 def describe_end(rec: dict[str, Any], me: str) -> str | None:
-    """One line of who ended a lease and why, from its ended record; None while it is live."""
+    """One line of who ended a lease and why, from its ended record's structured ``cause``
+    (:class:`protocol.EndCause`); None while it is live. A record without one (ended by an older
+    server) reads as its state, who and its ``end_reason``."""
     state = rec.get("state")
-    if state not in ("released", "revoked", "expired"):
+    if state not in protocol.ENDED_STATES:
         return None
-    by = rec.get("ended_by") or ""
+    cause = rec.get("cause") or {"code": state, "by": rec.get("ended_by") or "", "why": rec.get("end_reason") or ""}
+    code, by, why = cause.get("code"), cause.get("by") or "", cause.get("why") or ""
     who = "you" if by == me else by
-    reason = (rec.get("end_reason") or "").split("; save your work")[0]
-    if state == "released":
-        if reason == "released from the board":
-            return f"released from the board by {who}"
-        if not reason or reason == "released by its owner":
-            return f"released by {who} (gpulease release or %gpu_lease release)"
-        return f"released by {who}: {reason}"
-    if state == "expired":
-        return f"expired: {reason} (was the kernel paused or cut off?)"
-    if by == "reclaimer":  # reclaim.lua's ended_by
-        return reason.replace(" and the owner did not keep it within the grace period", " after a warning")
-    if by == "server":  # a recall ran out: a preemption, or a booking whose holder asked
-        return reason.replace("recalled for", "preempted for", 1) if reason.startswith("recalled") else reason
-    return f"revoked by {who}: {reason}" if reason else f"revoked by {who}"
+    if code == EndCause.RELEASED and why == protocol.BOARD_RELEASE_REASON:
+        return f"released from the board by {who}"
+    if code == EndCause.RELEASED and not why:
+        return f"released by {who} (gpulease release or %gpu_lease release)"
+    if code in (EndCause.RELEASED, EndCause.HANDED):
+        return f"released by {who}: {why}"
+    if code in (EndCause.EXPIRED, EndCause.WARM_MAX):
+        return f"expired: {why} (was the kernel paused or cut off?)"
+    if code == EndCause.RECLAIMED:
+        return f"reclaimed: {why} after a warning"
+    if code in (EndCause.RECALLED, EndCause.PREEMPTED, EndCause.EVICTED):
+        return why.replace("recalled for", "preempted for", 1) if code == EndCause.RECALLED else why
+    return f"{state} by {who}: {why}" if why else f"{state} by {who}"
 
 
 def _join(a: str, b: str) -> str:

@@ -171,11 +171,12 @@ class WarmWorker:
         except errors.GpuLeaseError:
             return False
         if rec.get("state") in protocol.ENDED_STATES:
-            ended = {"reason": rec.get("end_reason", ""), "by": rec.get("ended_by", "")}
+            ended = {"reason": rec.get("end_reason", ""), "by": rec.get("ended_by", ""), "cause": rec.get("cause")}
             self._evicted(rec["state"], json.dumps(ended))
             return True
         if rec.get("recall_at"):
-            self._evicted(protocol.EventType.EVICTING.value, json.dumps({"reason": rec.get("recall_reason", "")}))
+            recalled = {"reason": rec.get("recall_reason", ""), "cause": rec.get("recall_cause")}
+            self._evicted(protocol.EventType.EVICTING.value, json.dumps(recalled))
             return True
         return False
 
@@ -185,11 +186,11 @@ class WarmWorker:
         body: dict[str, Any] = {}
         with contextlib.suppress(ValueError):
             body = json.loads(data)
-        reason = str(body.get("reason", "") or "")
+        cause = body.get("cause") or {}
         if kind in protocol.RECALL_EVENTS:
-            why = reason.split(" (a warm lease")[0] or "evicted for another request"
+            why = str(cause.get("why") or "evicted for another request")
         else:
-            rec = {"state": kind, "end_reason": reason, "ended_by": body.get("by", "")}
+            rec = {"state": kind, "end_reason": body.get("reason", ""), "ended_by": body.get("by", ""), "cause": cause}
             why = describe_end(rec, self.lease.user) or kind
         with self._lock:
             if not self._stop.is_set():
@@ -223,8 +224,8 @@ def _why(exc: errors.GpuLeaseError, w: WarmWorker) -> str:
     rec: dict[str, Any] = {}
     with contextlib.suppress(errors.GpuLeaseError):
         rec = w.sess.client().get(w.lease.id)
-    if rec.get("recall_reason"):
-        return str(rec["recall_reason"]).split(" (a warm lease")[0]
+    if rec.get("recall_cause"):
+        return str(rec["recall_cause"]["why"])
     return describe_end(rec, w.lease.user) or exc.message
 
 

@@ -115,10 +115,12 @@ def test_admin_delete_of_another_users_lease_revokes_it(server: Any, redis_sync:
         out = admin.delete(f"{API}/leases/{theirs['id']}").json()
         assert out["state"] == "revoked" and out["changed"] is True and out["ended_by"] == "root"
         assert "revoked by admin root" in out["end_reason"]
+        assert out["cause"] == {"code": "revoked", "by": "root", "why": ""}  # no reason given
         assert "token" not in out
         # The admin's own lease is released, not revoked.
-        own = admin.delete(f"{API}/leases/{mine['id']}").json()
+        own = admin.delete(f"{API}/leases/{mine['id']}", params={"reason": "done early"}).json()
         assert own["state"] == "released" and own["token"] == mine["token"]
+        assert own["cause"] == {"code": "released", "by": "root", "why": "done early"}
         types = {
             e["lease"]: e["type"]
             for e in admin.get(f"{API}/events/log", params={"limit": "10000"}).json()["events"]

@@ -198,6 +198,37 @@ def published_by_python() -> set[str]:
     return found
 
 
+def end_causes(lua: dict[str, str]) -> set[str]:
+    """The cause codes ``end_lease(lease, state, reason, by, raw, drain, code, why)`` can write: a
+    literal; release.lua's ``state`` (its end states); ``expiry_code(lease)`` (the literals it
+    returns); a recalled lease's ``recall_code`` (the values of ``RECALL_CODE``)."""
+    helpers = "\n".join(code for name, code in lua.items() if name.startswith("_lib"))
+    codes = set()
+    for name, code in lua.items():
+        for args in call_args(code, "end_lease"):
+            expr = args[6] if len(args) > 6 else "nil"
+            if literal(expr):
+                codes.add(literal(expr))
+            elif expr == "state":
+                assert name == "release.lua", f"{name}: end_lease() with code {expr!r}"
+                codes |= set(re.findall(r"\bstate\s*(?:,\s*\w+\s*)?=\s*'(\w+)'", code))
+            elif expr == "expiry_code(lease)":
+                body = helpers[helpers.index("local function expiry_code") :]
+                codes |= set(re.findall(r"return '(\w+)'", body[: body.index("\nend")]))
+            elif expr.startswith("lease.recall_code or "):
+                table = re.search(r"RECALL_CODE = \{([^}]*)\}", helpers)
+                assert table, "RECALL_CODE is gone from _lib.lua"
+                codes |= set(re.findall(r"= '(\w+)'", table.group(1))) | {literal(expr.split(" or ")[1]) or ""}
+            else:
+                pytest.fail(f"{name}: end_lease() with cause code {expr!r}: use a literal (protocol.EndCause)")
+    return codes
+
+
+def test_every_end_cause_lua_writes_is_an_end_cause_and_back() -> None:
+    codes = end_causes(lua_files())
+    assert codes == {c.value for c in protocol.EndCause}, "protocol.EndCause and the Lua's codes differ"
+
+
 # ---- events ------------------------------------------------------------------------------------------
 
 

@@ -151,16 +151,30 @@ def test_stop_while_queued_withdraws_the_request(sess, up):
     ("rec", "line"),
     [
         (
-            {"state": "released", "ended_by": "ann", "end_reason": "released from the board"},
+            {
+                "state": "released",
+                "ended_by": "ann",
+                "end_reason": "released from the board",
+                "cause": {"code": "released", "by": "ann", "why": "released from the board"},
+            },
             "released from the board by you",
         ),
-        ({"state": "revoked", "ended_by": "alice", "end_reason": "maintenance"}, "revoked by alice: maintenance"),
+        (
+            {
+                "state": "revoked",
+                "ended_by": "alice",
+                "end_reason": "maintenance",
+                "cause": {"code": "revoked", "by": "alice", "why": "maintenance"},
+            },
+            "revoked by alice: maintenance",
+        ),
         (
             {
                 "state": "revoked",
                 "ended_by": "reclaimer",
                 "end_reason": "reclaimed: its GPUs were idle for 10 min and "
                 "the owner did not keep it within the grace period",
+                "cause": {"code": "reclaimed", "by": "reclaimer", "why": "its GPUs were idle for 10 min"},
             },
             "reclaimed: its GPUs were idle for 10 min after a warning",
         ),
@@ -170,6 +184,11 @@ def test_stop_while_queued_withdraws_the_request(sess, up):
                 "ended_by": "server",
                 "end_reason": "recalled for team:ml's booking r-1 (2 GPU(s) of "
                 "A100-80GB); save your work: the GPUs go back in 30 s",
+                "cause": {
+                    "code": "recalled",
+                    "by": "server",
+                    "why": "recalled for team:ml's booking r-1 (2 GPU(s) of A100-80GB)",
+                },
             },
             "preempted for team:ml's booking r-1 (2 GPU(s) of A100-80GB)",
         ),

@@ -22,6 +22,8 @@ local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
 local LIMIT, NOT_DUE, CLASH, WARNED, INVALID = 13, 14, 15, 16, 17
 local WEEK_MS = 7 * 24 * 3600 * 1000
+-- The cause code (protocol.EndCause) of a lease that a recall of each kind ends.
+local RECALL_CODE = {borrow_recalled = 'recalled', preempt_notice = 'preempted', evicting = 'evicted'}
 
 -- A call's own state, set by begin() before the script's body runs. Scripts sent with EVAL run
 -- begin() once; in the Functions library (scripts.py library()) these locals outlive a call, so

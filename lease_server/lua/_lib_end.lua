@@ -3,8 +3,10 @@
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
 -- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
 -- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
--- instead of the whole record encoded again.
-local function end_lease(lease, state, reason, by, raw, drain)
+-- instead of the whole record encoded again. `code` is the end's cause (protocol.EndCause: who
+-- and why in a form a client reads without parsing `reason`, the sentence people read), and `why`
+-- the plain reason in it (default `reason`), without advice such as a notice's "save your work".
+local function end_lease(lease, state, reason, by, raw, drain, code, why)
   -- the server (or an admin) ended it: its GPUs drain ("all"); see drain_pids for "named"
   if drain == nil and state ~= 'released' then drain = 'all' end
   local was_warm = lease.warm_since ~= nil
@@ -101,12 +103,14 @@ local function end_lease(lease, state, reason, by, raw, drain)
   lease.ended_at = NOW
   lease.end_reason = reason
   lease.ended_by = by
+  lease.cause = {code = code or state, by = by or '', why = why or reason or ''}
   local ended_json
   local at = raw and string.find(raw, '"state":"active"', 1, true)
   if at and string.sub(raw, -1) == '}' then
     local tail = ',"ended_at":' .. string.format('%d', NOW)
     if reason ~= nil then tail = tail .. ',"end_reason":' .. cjson.encode(reason) end
     if by ~= nil then tail = tail .. ',"ended_by":' .. cjson.encode(by) end
+    tail = tail .. ',"cause":' .. cjson.encode(lease.cause)
     ended_json = string.sub(raw, 1, at + 7) .. cjson.encode(state) .. string.sub(raw, at + 16, -2) .. tail .. '}'
   else
     ended_json = cjson.encode(lease)
@@ -116,7 +120,7 @@ local function end_lease(lease, state, reason, by, raw, drain)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
                gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
                parts = #order > 1 and returned_parts or nil, draining = #draining > 0 and draining or nil,
-               warm = was_warm or nil})
+               warm = was_warm or nil, cause = lease.cause})
   return lease, ended_json
 end
 
@@ -126,7 +130,7 @@ end
 local function expire_if_due(lease, raw, late)
   if lease.expires_at >= NOW then return nil end
   local why = expiry_reason(lease, late and NOW - lease.expires_at or nil)
-  local _, ended_json = end_lease(lease, 'expired', why, 'server', raw)
+  local _, ended_json = end_lease(lease, 'expired', why, 'server', raw, nil, expiry_code(lease))
   dispatch(lease.pool)
   return {EXPIRED, ended_json}
 end

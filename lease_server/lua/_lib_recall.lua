@@ -70,14 +70,16 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
   for _, l in ipairs(best_list) do
     if kind == 'borrow_recalled' then l.borrowed = true end
     l.recall_at = due
-    l.recall_reason = why
-    if kind ~= 'evicting' then  -- a warm lease runs nothing: its kernel ends or suspends the worker
+    l.recall_code, l.recall_why = RECALL_CODE[kind], why
+    if kind == 'evicting' then  -- a warm lease runs nothing: its kernel ends or suspends the worker
+      l.recall_reason = why .. ' (a warm lease is lent out when someone waits)'
+    else
       l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
     end
     redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
     redis.call('ZADD', K_RECALL, due, l.id)
     local ev = {lease = l.id, user = l.user, pool = pool, node = l.node, requested_by = w.user, recall_at = due,
-                reason = l.recall_reason}
+                reason = l.recall_reason, cause = {code = l.recall_code, by = 'server', why = why}}
     for k, v in pairs(extra) do ev[k] = v end
     emit(kind, ev)
   end

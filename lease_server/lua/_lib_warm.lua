@@ -26,6 +26,12 @@ local function expiry_reason(lease, late_ms)
   return 'not renewed within its ttl of ' .. lease.ttl_ms .. ' ms'
 end
 
+-- The cause code of an expiry: "warm_max" for a warm lease at its end, else "expired".
+local function expiry_code(lease)
+  if lease.warm_until and lease.warm_until <= NOW then return 'warm_max' end
+  return 'expired'
+end
+
 -- A warm lease runs a cell again (or ends): its warm time is booked, fair share counts it again.
 local function cool_lease(lease)
   if not lease.warm_since then return end

@@ -50,7 +50,8 @@ for _, idx in ipairs(indexes) do
   if not present[idx] then return {BUSY, 'a GPU of the lease left the inventory'} end
 end
 
-local _, ended_json = end_lease(lease, 'released', 'handed to ' .. to .. ', its owner\'s next request', user, raw)
+local _, ended_json = end_lease(lease, 'released', "handed to " .. to .. ", its owner's next request", user, raw, nil,
+                                'handed')
 local free = decode_list(redis.call('HGET', K_FREE, lease.node))
 local mine, taken, rest = {}, {}, {}
 for _, idx in ipairs(indexes) do mine[idx] = true end

@@ -13,8 +13,9 @@ if not lease.reclaim_at or lease.reclaim_at > NOW then return {NOT_DUE} end
 local evidence = cjson.decode(ARGV[8])
 lease.idle_evidence = evidence
 local idle_min = math.floor((evidence.idle_s or 0) / 60)
-local ended, ended_json = end_lease(lease, 'revoked', 'reclaimed: its GPUs were idle for ' .. idle_min ..
-  ' min and the owner did not keep it within the grace period', 'reclaimer')
+local idle_for = 'its GPUs were idle for ' .. idle_min .. ' min'
+local ended, ended_json = end_lease(lease, 'revoked', 'reclaimed: ' .. idle_for ..
+  ' and the owner did not keep it within the grace period', 'reclaimer', nil, nil, 'reclaimed', idle_for)
 emit('reclaimed', {lease = id, user = lease.user, pool = lease.pool, node = lease.node,
                    gpus = ended.gpus, label = lease.label, session = lease.session, evidence = evidence})
 dispatch(lease.pool)

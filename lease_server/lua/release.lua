@@ -46,6 +46,6 @@ if state == 'auto' then
   if lease.user ~= user then state, reason = 'revoked', ARGV[12] else state = 'released' end
 end
 local drain = state ~= 'released' and 'all' or (ARGV[14] ~= '1' and 'named' or false)
-local _, ended_json = end_lease(lease, state, reason, user, raw, drain)
+local _, ended_json = end_lease(lease, state, reason, user, raw, drain, state, ARGV[13] or '')
 dispatch(lease.pool)
 return {OK, ended_json}

@@ -16,7 +16,8 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
     local lease = cjson.decode(raw)
-    end_lease(lease, 'revoked', lease.recall_reason or 'recalled for a booking', 'server', raw)
+    end_lease(lease, 'revoked', lease.recall_reason or 'recalled for a booking', 'server', raw, nil,
+              lease.recall_code or 'recalled', lease.recall_why)
     pools[lease.pool] = true
   else
     redis.call('ZREM', K_RECALL, id)
@@ -57,7 +58,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', NOW - 1, 'L
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
     local lease = cjson.decode(raw)
-    end_lease(lease, 'expired', expiry_reason(lease), 'server', raw)
+    end_lease(lease, 'expired', expiry_reason(lease), 'server', raw, nil, expiry_code(lease))
     pools[lease.pool] = true
   else
     redis.call('ZREM', K_DEADLINES, id)
