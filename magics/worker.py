@@ -112,6 +112,7 @@ def elastic_step(samples: int = 1) -> None:
     the loop. Outside an elastic call it does nothing."""
     if not _ACTIVE or os.environ.get("GPULEASE_ELASTIC") != "1":
         return
+    _hold_group()
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         _ACTIVE[0].push(ELASTIC_STREAM, json.dumps({"samples": samples, "t": time.time()}))
@@ -123,6 +124,35 @@ def elastic_step(samples: int = 1) -> None:
     if rank == 0:
         _checkpoint(_ACTIVE[0])
     raise Resize
+
+
+# The loop's default process group, held until its call has returned (see _hold_group).
+_GROUPS: list[Any] = []
+
+
+def _hold_group() -> None:
+    """Keep the loop's default process group referenced from here until the call has returned.
+
+    A loop that ends with ``dist.destroy_process_group()`` while its DDP model is still alive
+    leaves the model's C++ Reducer as the group's last owner: the Reducer is then freed as the
+    function returns, with the GIL held, and ``~ProcessGroupGloo`` joins gloo's worker threads
+    under it. A worker thread that is just letting go of the last collective (whose tensor's
+    Python object it now owns) waits for the GIL: both wait forever. Dropped from here instead
+    (``_release_groups``), the group is freed by torch's Python handle, which lets go of the GIL
+    first."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    pg = dist.group.WORLD
+    if pg is not None and not any(g is pg for g in _GROUPS):
+        _GROUPS.append(pg)
+
+
+def _release_groups() -> None:
+    _GROUPS.clear()  # the last reference to a destroyed group: torch frees it without the GIL
 
 
 def _agree(flag: bool) -> bool:
@@ -354,6 +384,7 @@ class GpuWorker:
         finally:
             for t in _RECALL:  # a checkpoint being taken goes back with this call's output
                 t.join(CHECKPOINT_WAIT_S)
+            _release_groups()  # the call's frames are gone: no Reducer owns its group any more
             sys.stdout.flush()
             sys.stdout, sys.stderr = old
             with self._cond:
