@@ -21,6 +21,11 @@ LAST_EVENT_ID = "Last-Event-ID"  # SSE: resume the event stream after this id
 USER_HEADER = "X-Gpulease-User"  # the Jupyter server extension: whom it acts for
 
 
+# The roles a token can have. proxy: a trusted front end (the Jupyter server extension under
+# JupyterHub) that acts for the logged-in user it names in the USER_HEADER.
+ROLES = ("user", "admin", "agent", "proxy")
+
+
 def bearer(token: str) -> dict[str, str]:
     return {AUTHORIZATION: f"Bearer {token}"}
 

@@ -21,18 +21,22 @@ import tornado.web
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError as RedisResponseError
 
-from . import __version__, board, drain, errors, events, inventory, layout, metrics, reclaim, usage, validate
+from .. import __version__, errors
+from ..config import Settings
+from ..leasing import board, events, inventory, reclaim, usage, validate
+from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
+from ..leasing.queue import queue_view
+from ..leasing.reaper import Reaper
+from ..leasing.reservations import MAX_LIST_SPAN_S, Bookings, public_booking
+from ..leasing.validate import check_name
+from ..node import drain
+from ..node.rayauth import info_token
+from ..store import layout
+from ..store.engine import Engine, connect, not_now
+from ..store.scripts import Acquire
+from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
-from .config import Settings
-from .engine import Engine, connect, not_now
-from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
-from .queue import queue_view
-from .rayauth import info_token
-from .reaper import Reaper
-from .reservations import MAX_LIST_SPAN_S, Bookings, public_booking
-from .scripts import Acquire
-from .validate import check_name
 
 log = logging.getLogger(__name__)
 API = "/api/v1"

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /api/v1/openapi.json.
 
 Request bodies and query parameters are not written here: they are generated from their one
-declaration in :mod:`lease_server.validate`, against which the server also checks every request.
+declaration in :mod:`lease_server.leasing.validate`, against which the server also checks every request.
 Every status an operation can answer is listed: the operation's own, plus those any request may
 get (a bad ``X-Gpulease-User`` or token, a body over the limit, Redis away, a path parameter of the
 wrong shape).
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import __version__, validate
-from .config import Settings
-from .protocol import ENDED_STATES, EndCause, LeaseState
+from .. import __version__
+from ..config import Settings
+from ..leasing import validate
+from ..protocol import ENDED_STATES, EndCause, LeaseState
 
-# What the board says of a GPU (lease_server/inventory.py).
+# What the board says of a GPU (lease_server/leasing/inventory.py).
 GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
 
 
