@@ -268,8 +268,8 @@ class Grant:
                 lease = _acquire_cancellable(client, cancel, rid, ask, relay)
         finally:
             sess.waiting.discard(rid)
-        waited = lease.raw.get("waited_ms")
-        return cls(sess, lease, waited / 1000 if waited is not None else time.monotonic() - t0, cpu=cpu)
+        waited = lease.raw.get("waited")  # as the server measured it (seconds)
+        return cls(sess, lease, waited if waited is not None else time.monotonic() - t0, cpu=cpu)
 
     @property
     def where(self) -> str:

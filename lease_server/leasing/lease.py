@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from .. import errors
 from ..config import PRIORITIES, Settings
-from ..protocol import LeaseState  # the lease states: protocol owns them; importable from here too
+from ..protocol import GpuJson, LeaseJson, LeaseState  # the lease states: protocol owns them; importable from here too
 from ..store.engine import Engine
 from ..store.keys import Keys
 from ..store.scripts import (
@@ -55,17 +55,22 @@ def new_lease_id() -> str:
     return "l-" + secrets.token_hex(8)
 
 
-def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False) -> dict[str, Any]:
-    """The API's view of a lease record: times in epoch seconds, the token only for its owner."""
-    out: dict[str, Any] = {
+def _public_gpu(g: dict[str, Any]) -> GpuJson:
+    out = GpuJson(index=int(g["index"]), uuid=g.get("uuid", ""))
+    if "node" in g:
+        out["node"] = g["node"]
+    return out
+
+
+def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False) -> LeaseJson:
+    """The API's view of a lease record (:class:`protocol.LeaseJson`): times in epoch seconds, the
+    token only for its owner."""
+    out: LeaseJson = {
         "id": rec["id"],
         "user": rec["user"],
         "pool": rec["pool"],
         "node": rec["node"],
-        "gpus": [
-            {"index": int(g["index"]), "uuid": g.get("uuid", ""), **({"node": g["node"]} if "node" in g else {})}
-            for g in rec["gpus"]
-        ],
+        "gpus": [_public_gpu(g) for g in rec["gpus"]],
         "state": rec.get("state", LeaseState.ACTIVE.value),
         "label": rec.get("label", ""),
         "session": rec.get("session", ""),

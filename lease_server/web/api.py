@@ -31,6 +31,7 @@ from ..leasing.reservations import MAX_LIST_SPAN_S, Bookings, public_booking
 from ..leasing.validate import check_name
 from ..node import drain
 from ..node.rayauth import info_token
+from ..protocol import LeaseJson
 from ..store import layout
 from ..store.engine import Engine, connect, not_now
 from ..store.scripts import Acquire
@@ -268,9 +269,11 @@ class LeaseHandler(BaseHandler):
         self.reply(_ended_view(ended, changed, with_token=ended["user"] == me.user))
 
 
-def _ended_view(rec: dict[str, Any], changed: bool, *, with_token: bool) -> dict[str, Any]:
+def _ended_view(rec: dict[str, Any], changed: bool, *, with_token: bool) -> LeaseJson | dict[str, Any]:
     """The answer of a DELETE or revoke: the ended lease, or the request it withdrew from the queue."""
-    out = public_withdrawal(rec) if rec.get("state") == WITHDRAWN else public_lease(rec, with_token=with_token)
+    if rec.get("state") == WITHDRAWN:
+        return {**public_withdrawal(rec), "changed": changed}
+    out = public_lease(rec, with_token=with_token)
     out["changed"] = changed
     return out
 
