@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lease_server.config import Settings
-    from lease_server.inventory import NodeInventory
-    from lease_server.lease import LeaseStore
-    from lease_server.redis_proc import RedisProcess
+    from lease_server.leasing.inventory import NodeInventory
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.node.redis_proc import RedisProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -202,7 +202,7 @@ def stop_session(proc: subprocess.Popen[bytes], timeout: float) -> None:
 def private_redis(tmp_prefix: str) -> Iterator[tuple[RedisProcess, Path]]:
     """A temporary directory and a redis-server of our own with its data in it (stopped, and the
     directory removed, on the way out); yields both."""
-    from lease_server.redis_proc import RedisProcess
+    from lease_server.node.redis_proc import RedisProcess
 
     tmp = tempfile.TemporaryDirectory(prefix=tmp_prefix)
     tmpdir = Path(tmp.name)
@@ -226,9 +226,9 @@ def settings_for(redis_url: str, prefix: str, **kw: Any) -> Settings:
 
 async def make_tokens(redis_url: str, prefix: str, users: Mapping[str, str]) -> dict[str, str]:
     """{user: role} -> {user: API token}."""
-    from lease_server.auth import create_token
-    from lease_server.engine import connect
-    from lease_server.keys import Keys
+    from lease_server.store.engine import connect
+    from lease_server.store.keys import Keys
+    from lease_server.web.auth import create_token
 
     r = connect(redis_url)  # redis:// or redis+sentinel://
     try:
@@ -240,8 +240,8 @@ async def make_tokens(redis_url: str, prefix: str, users: Mapping[str, str]) -> 
 async def register_all(store: LeaseStore, spec: str, alive_s: float = LONG) -> list[NodeInventory]:
     """Declare the simulated nodes of ``spec`` (``NAME=8xA100-80GB,...``) straight into Redis, alive
     for ``alive_s`` (no agent needed); returns their inventories."""
-    from lease_server.inventory import parse_simulate, register
-    from lease_server.layout import check
+    from lease_server.leasing.inventory import parse_simulate, register
+    from lease_server.store.layout import check
 
     await check(store.engine.redis, store.engine.keys)  # what a server's first start writes: it starts on this data
     nodes = parse_simulate(spec)

@@ -64,9 +64,9 @@ def server(group: Any, prefix: str, replicas_ack: int) -> Any:
 async def costs(group: Any, blocks: int, per_block: int) -> dict[str, float]:
     """p50 (ms) of acquire+release through LeaseStore with replicas_ack 0 and 1, PING and a bare lock,
     in interleaved blocks on one sentinel-managed client."""
-    from lease_server.engine import Engine, connect
-    from lease_server.inventory import parse_simulate, register
-    from lease_server.lease import LeaseStore
+    from lease_server.leasing.inventory import parse_simulate, register
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.store.engine import Engine, connect
 
     r = connect(group.url)
     stores = {}
@@ -99,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 failovers in 30 s instead of 3 in 60 s")
     args = ap.parse_args()
-    from lease_server.keys import Keys
+    from lease_server.store.keys import Keys
     from tests.ha import REDIS_SETTINGS, SENTINEL_SETTINGS, SentinelGroup, run_load
 
     out: dict[str, Any] = {"sentinel": SENTINEL_SETTINGS}

@@ -106,7 +106,7 @@ class ServerProcess:
     stopped with it (tornado's parent does not pass SIGTERM on to its children)."""
 
     def __init__(self, redis_url: str, prefix: str, workers: int, logdir: Path) -> None:
-        from lease_server.redis_proc import free_port
+        from lease_server.node.redis_proc import free_port
 
         self.redis_url, self.prefix, self.workers = redis_url, prefix, workers
         self.port = free_port()
@@ -158,8 +158,8 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
     """Declare simulated nodes straight into Redis, alive for the whole run (no agent needed)."""
     from redis.asyncio import Redis
 
-    from lease_server.engine import Engine
-    from lease_server.lease import LeaseStore
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.store.engine import Engine
 
     r = Redis.from_url(redis_url, decode_responses=True)
     store = LeaseStore(Engine(r, settings_for(redis_url, prefix)))
@@ -173,8 +173,8 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
 
 
 async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
-    from lease_server.engine import Engine, connect
-    from lease_server.lease import LeaseStore
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.store.engine import Engine, connect
 
     r = connect(redis_url)  # the server's own client (hiredis packing), for the lease and the Lock alike
     store = LeaseStore(Engine(r, settings_for(redis_url, "bclient")))
@@ -254,9 +254,9 @@ def bench_http_client(url: str, token: str, n: int, warmup: int) -> dict[str, fl
 
 
 async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
-    from lease_server.engine import Engine, connect
-    from lease_server.inventory import parse_simulate, register
-    from lease_server.lease import LeaseStore
+    from lease_server.leasing.inventory import parse_simulate, register
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.store.engine import Engine, connect
 
     r = connect(redis_url)  # the server's own client
     rng = random.Random(7)
@@ -666,7 +666,7 @@ async def bench_handoff(url: str, redis_url: str, prefix: str, tokens: list[str]
     import aiohttp
     from redis.asyncio import Redis
 
-    from lease_server.keys import Keys
+    from lease_server.store.keys import Keys
 
     r = Redis.from_url(redis_url, decode_responses=True)
     waiters_key = Keys(prefix).waiters

@@ -71,7 +71,7 @@ verdict = functools.partial(_common.verdict, TARGETS)
 
 
 def run_async(coro: Any) -> Any:
-    """On uvloop when available, as ``gpulease up`` / ``gpulease server`` run (lease_server.server.run_loop)."""
+    """On uvloop when available, as ``gpulease up`` / ``gpulease server`` run (lease_server.web.server.run_loop)."""
     try:
         import uvloop
     except ImportError:
@@ -87,8 +87,8 @@ def serve_main() -> None:
     cfg = json.load(sys.stdin)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     from lease_server.config import Settings
-    from lease_server.inventory import parse_simulate
-    from lease_server.server import run_loop, serve
+    from lease_server.leasing.inventory import parse_simulate
+    from lease_server.web.server import run_loop, serve
 
     settings = Settings.load(None, **cfg["settings"])
     nodes = parse_simulate(cfg["simulate"])
@@ -467,7 +467,7 @@ def cpu_per_call_ms(fn: Any, n: int, warmup: int) -> float:
 
 
 def bench_nvml(n: int) -> dict[str, Any]:
-    from lease_server.agent import NvmlSampler
+    from lease_server.node.agent import NvmlSampler
 
     with pynvml_over_fakes(8) as nv:
         sampler = NvmlSampler(nv)
@@ -490,10 +490,10 @@ async def bench_record(redis_url: str, redis_pid: int, n: int, warmup: int) -> d
     script, and every command the client sent) and redis-server CPU per call."""
     from redis.asyncio import Redis
 
-    from lease_server.agent import NvmlSampler
-    from lease_server.engine import Engine
-    from lease_server.lease import LeaseStore
-    from lease_server.reclaim import policies, record_samples
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.leasing.reclaim import policies, record_samples
+    from lease_server.node.agent import NvmlSampler
+    from lease_server.store.engine import Engine
 
     r = Redis.from_url(redis_url, decode_responses=True)
     store = LeaseStore(Engine(r, settings_for(redis_url, "bsamp")))
@@ -563,9 +563,9 @@ async def bench_window(redis_url: str, script_n: int) -> dict[str, Any]:
     For information: samples.lua's Redis time at each fleet size, and a window at MAX_WINDOW entries."""
     from redis.asyncio import Redis
 
-    from lease_server.engine import Engine
-    from lease_server.lease import LeaseStore
-    from lease_server.reclaim import MAX_WINDOW, record_samples, window_length
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.leasing.reclaim import MAX_WINDOW, record_samples, window_length
+    from lease_server.store.engine import Engine
 
     r = Redis.from_url(redis_url, decode_responses=True)
     rng = random.Random(11)

@@ -69,9 +69,9 @@ def verdict(name: str, value: float) -> str:
 async def _store(url: str, prefix: str, simulate: str, **kw: Any) -> Any:
     from redis.asyncio import Redis
 
-    from lease_server.engine import Engine
-    from lease_server.inventory import parse_simulate, register
-    from lease_server.lease import LeaseStore
+    from lease_server.leasing.inventory import parse_simulate, register
+    from lease_server.leasing.lease import LeaseStore
+    from lease_server.store.engine import Engine
 
     r = Redis.from_url(url, decode_responses=True)
     st = LeaseStore(Engine(r, settings_for(url, prefix, heartbeat_timeout=30 * 86400, heartbeat_interval=10, **kw)))
@@ -82,19 +82,19 @@ async def _store(url: str, prefix: str, simulate: str, **kw: Any) -> Any:
 
 
 def _acquire(lid: str, user: str, gpus: int, wait_ms: int) -> Any:
-    from lease_server.scripts import Acquire
+    from lease_server.store.scripts import Acquire
 
     return Acquire(lid, user, POOL, gpus, 86_400_000, wait_ms)
 
 
 def _release(lid: str, user: str) -> Any:
-    from lease_server.scripts import Release
+    from lease_server.store.scripts import Release
 
     return Release(lid, "", user, False, "released", "done")
 
 
 async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
-    from lease_server.scripts import Code
+    from lease_server.store.scripts import Code
 
     n_releases = 200 if quick else 500
     nodes = ",".join(f"n{i:02d}=8x{POOL}" for i in range(16))
@@ -209,7 +209,7 @@ def generate_sweep_day(seed: int, trials: int = 64, at_h: float = 1.0) -> list[C
 async def replay_day(url: str, prefix: str, cells: list[Cell], scheduler: str) -> list[Run]:
     """Replay through the real scripts under a virtual clock; one run per cell, times in ms from the
     day's start and cut at its end (a cell never granted: granted None, ended at the day's end)."""
-    from lease_server.scripts import Code
+    from lease_server.store.scripts import Code
 
     st = await _store(url, prefix, "a=8xA100-80GB,b=8xA100-80GB", scheduling={POOL: {"scheduler": scheduler}})
     t0 = int(time.time() * 1000)

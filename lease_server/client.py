@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
 from . import errors, protocol
-from .protocol import LeaseState
+from .protocol import GpuJson, LeaseJson, LeaseState
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -70,7 +70,7 @@ class Lease:
     user: str
     pool: str
     node: str
-    gpus: list[dict[str, Any]]
+    gpus: list[GpuJson]
     expires_at: float
     ttl: float
     state: str = LeaseState.ACTIVE.value
@@ -78,10 +78,10 @@ class Lease:
     reservation: str = ""  # the booking it is served from, if any
     borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
     nodes: list[str] = field(default_factory=list)  # a multi-node gang's nodes (else empty)
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: LeaseJson = field(default_factory=lambda: cast(LeaseJson, {}), repr=False)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Lease:
+    def from_json(cls, data: LeaseJson) -> Lease:
         return cls(
             id=data["id"],
             token=int(data.get("token", 0)),
@@ -164,7 +164,9 @@ class Client:
         json: Any = None,
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> dict[str, Any]:
+        """One API call: its answer, a JSON object (every endpoint answers one), or the typed error
+        of errors.py that the server's error body names. A 503 is resent after its Retry-After."""
         give_up = time.monotonic() + self.resend_503_s
         while True:
             try:
@@ -192,7 +194,10 @@ class Client:
             except ValueError:
                 body = {"code": "http_error", "message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
             raise errors.from_json(resp.status_code, body)
-        return resp.json()
+        got = resp.json()
+        if not isinstance(got, dict):
+            raise errors.GpuLeaseError(f"{method} {path} answered a JSON {type(got).__name__}, not an object")
+        return got
 
     # ---- leases ------------------------------------------------------------------------------
 
@@ -240,13 +245,11 @@ class Client:
             body["notebook"] = notebook[:200]
         if cell:
             body["cell"] = cell[:200]
-        outcome: dict[str, Any] = {}
+        outcome: dict[str, Any] = {}  # "lease": Lease | "error": BaseException
 
         def post() -> None:
             try:
-                outcome["lease"] = Lease.from_json(
-                    self.request("POST", protocol.LEASES, json=body, timeout=wait + self.timeout)
-                )
+                outcome["lease"] = self._lease_call("POST", protocol.LEASES, json=body, timeout=wait + self.timeout)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 outcome["error"] = exc
 
@@ -278,7 +281,8 @@ class Client:
                 raise
         if "error" in outcome:
             raise outcome["error"]
-        return outcome["lease"]  # type: ignore[no-any-return]
+        lease: Lease = outcome["lease"]
+        return lease
 
     @staticmethod
     def new_request_id() -> str:
@@ -289,9 +293,7 @@ class Client:
         """Give up a request: leave the queue if it waits, release it if it was granted in between.
         Never raises for a request that is already gone; returns the server's answer (or None)."""
         try:
-            return self.request(  # type: ignore[no-any-return]
-                "DELETE", protocol.lease(request_id), params={"reason": reason}, timeout=self.timeout
-            )
+            return self.request("DELETE", protocol.lease(request_id), params={"reason": reason}, timeout=self.timeout)
         except errors.NoSuchLease:
             return None
         except errors.GpuLeaseError as exc:
@@ -313,7 +315,7 @@ class Client:
             body["ttl"] = ttl
         if activity is not None:
             body["activity"] = activity
-        return Lease.from_json(self.request("POST", protocol.lease_renew(lid), json=body))
+        return self._lease_call("POST", protocol.lease_renew(lid), json=body)
 
     def handoff(self, lease: Lease, to: list[str]) -> Lease:
         """End ``lease`` and grant its GPUs in one step to the pool's oldest waiter, which must be
@@ -322,37 +324,37 @@ class Client:
         anyone else."""
         body = {"token": lease.token, "to": to}
         reply = self.request("POST", protocol.lease_handoff(lease.id), json=body)
-        return Lease.from_json(reply["lease"])
+        return Lease.from_json(cast(LeaseJson, reply["lease"]))
 
     def grow(self, lease: Lease, gpus: int) -> Lease:
         """Add ``gpus`` GPUs to your elastic lease, on its node, all or none; returns the lease with
         its new GPUs (same token). :class:`errors.Conflict` (nothing changed) says why not: someone
         waits in the pool, the node lacks them, the elastic maximum, ..."""
         body = {"token": lease.token, "gpus": gpus, "size": len(lease.gpus)}  # a resend is then harmless
-        return Lease.from_json(self.request("POST", protocol.lease_grow(lease.id), json=body))
+        return self._lease_call("POST", protocol.lease_grow(lease.id), json=body)
 
     def shrink(self, lease: Lease, gpus: int) -> Lease:
         """Give back ``gpus`` GPUs of your lease (its highest-indexed ones; at least one stays);
         returns the lease with the GPUs it kept (same token)."""
         body = {"token": lease.token, "gpus": gpus, "size": len(lease.gpus)}  # a resend is then harmless
-        return Lease.from_json(self.request("POST", protocol.lease_shrink(lease.id), json=body))
+        return self._lease_call("POST", protocol.lease_shrink(lease.id), json=body)
 
     def procs(self, lease: Lease, procs: list[dict[str, Any]]) -> dict[str, Any]:
         """Name the processes on the lease's GPUs (``[{node, pid, start, gpus}]``): if the server
         ends the lease, its GPUs are granted again only once the node agent sees these gone."""
         body = {"token": lease.token, "procs": procs}
-        return self.request("POST", protocol.lease_procs(lease.id), json=body)  # type: ignore[no-any-return]
+        return self.request("POST", protocol.lease_procs(lease.id), json=body)
 
     def warm(self, lease: Lease, on: bool = True) -> dict[str, Any]:
         """Keep your one-node lease warm between cells (``on``): your worker stays, its GPUs are lent
         to whoever would otherwise wait (event ``evicting``, then revoked after the pool's notice);
         or run a cell on it again (not ``on``): :class:`errors.Conflict` once it is being evicted."""
         body = {"token": lease.token, "warm": on}
-        return self.request("POST", protocol.lease_warm(lease.id), json=body)  # type: ignore[no-any-return]
+        return self.request("POST", protocol.lease_warm(lease.id), json=body)
 
     def keep(self, lease_id: str) -> dict[str, Any]:
         """ "I'm still using it": reset the idle clock of a warned lease."""
-        return self.request("POST", protocol.lease_keep(lease_id))  # type: ignore[no-any-return]
+        return self.request("POST", protocol.lease_keep(lease_id))
 
     def release(self, lease: Lease | str, token: int | None = None, verified: bool = False) -> dict[str, Any]:
         """Release (idempotent). ``verified``: you saw every process the lease named gone
@@ -361,22 +363,31 @@ class Client:
         params: dict[str, Any] = {"token": tok} if tok else {}
         if verified:
             params["verified"] = "true"
-        return self.request("DELETE", protocol.lease(lid), params=params or None)  # type: ignore[no-any-return]
+        return self.request("DELETE", protocol.lease(lid), params=params or None)
 
     def revoke(self, lease_id: str, reason: str = "") -> dict[str, Any]:
-        return self.request("POST", protocol.lease_revoke(lease_id), json={"reason": reason})  # type: ignore[no-any-return]
+        return self.request("POST", protocol.lease_revoke(lease_id), json={"reason": reason})
 
-    def get(self, lease_id: str) -> dict[str, Any]:
-        return self.request("GET", protocol.lease(lease_id))  # type: ignore[no-any-return]
+    def get(self, lease_id: str) -> LeaseJson:
+        return cast(LeaseJson, self.request("GET", protocol.lease(lease_id)))
 
-    def leases(self, everyone: bool = False) -> list[dict[str, Any]]:
-        return self.request("GET", protocol.LEASES, params={"all": "true" if everyone else "false"})["leases"]  # type: ignore[no-any-return]
+    def _lease_call(self, method: str, path: str, **kw: Any) -> Lease:
+        """A call that answers a lease record (:class:`protocol.LeaseJson`, the one declaration of
+        its fields that the server's answer and the OpenAPI document share)."""
+        return Lease.from_json(cast(LeaseJson, self.request(method, path, **kw)))
+
+    def leases(self, everyone: bool = False) -> list[LeaseJson]:
+        got = self.request("GET", protocol.LEASES, params={"all": "true" if everyone else "false"})
+        return cast(list[LeaseJson], got["leases"])
 
     def cluster(self) -> dict[str, Any]:
-        return self.request("GET", protocol.CLUSTER)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.CLUSTER)
 
     def queue(self, pool: str | None = None) -> list[dict[str, Any]]:
-        return self.request("GET", protocol.QUEUE, params={"pool": pool} if pool else None)["waiting"]  # type: ignore[no-any-return]
+        return cast(
+            list[dict[str, Any]],
+            self.request("GET", protocol.QUEUE, params={"pool": pool} if pool else None)["waiting"],
+        )
 
     def events(
         self,
@@ -403,7 +414,7 @@ class Client:
             params["type"] = ",".join(sorted(types))
         if user:
             params["user"] = user
-        return self.request("GET", protocol.EVENT_LOG, params=params)["events"]  # type: ignore[no-any-return]
+        return cast(list[dict[str, Any]], self.request("GET", protocol.EVENT_LOG, params=params)["events"])
 
     @contextmanager
     def event_stream(self, since: str | None = None, lease: str | None = None) -> Iterator[Iterator[dict[str, Any]]]:
@@ -442,11 +453,11 @@ class Client:
         params: dict[str, Any] = {"gpus": gpus, **({"pool": pool} if pool else {})}
         if request:
             params["lease"] = request
-        return self.request("GET", protocol.ESTIMATE, params=params)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.ESTIMATE, params=params)
 
     def usage(self, by: str = "user", start: float | None = None, end: float | None = None) -> dict[str, Any]:
         params = {k: v for k, v in (("by", by), ("from", start), ("to", end)) if v is not None}
-        return self.request("GET", protocol.USAGE, params=params)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.USAGE, params=params)
 
     # ---- reservations ----------------------------------------------------------------------------
 
@@ -458,24 +469,26 @@ class Client:
         :class:`errors.ReservationClash` whose ``details`` name the clashing bookings and suggestions."""
         body = {"pool": pool, "gpus": gpus, "start": start, "end": end, **extra}
         params = {"dry_run": "true"} if dry_run else None
-        return self.request("POST", protocol.RESERVATIONS, json=body, params=params)  # type: ignore[no-any-return]
+        return self.request("POST", protocol.RESERVATIONS, json=body, params=params)
 
-    def reservations(self, pool: str | None = None, start: float | None = None, end: float | None = None) -> list:
+    def reservations(
+        self, pool: str | None = None, start: float | None = None, end: float | None = None
+    ) -> list[dict[str, Any]]:
         params = {k: v for k, v in (("pool", pool), ("from", start), ("to", end)) if v is not None}
-        return self.request("GET", protocol.RESERVATIONS, params=params)["reservations"]  # type: ignore[no-any-return]
+        return cast(list[dict[str, Any]], self.request("GET", protocol.RESERVATIONS, params=params)["reservations"])
 
     def cancel_reservation(self, booking_id: str) -> dict[str, Any]:
-        return self.request("DELETE", protocol.reservation(booking_id))  # type: ignore[no-any-return]
+        return self.request("DELETE", protocol.reservation(booking_id))
 
     def end_reservation(self, booking_id: str) -> dict[str, Any]:
         """End the booking's occurrence in force now: its GPUs go back to the pool."""
-        return self.request("POST", protocol.reservation_end(booking_id))  # type: ignore[no-any-return]
+        return self.request("POST", protocol.reservation_end(booking_id))
 
     def whoami(self) -> dict[str, Any]:
-        return self.request("GET", protocol.WHOAMI)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.WHOAMI)
 
     def health(self) -> dict[str, Any]:
-        return self.request("GET", protocol.HEALTH)  # type: ignore[no-any-return]
+        return self.request("GET", protocol.HEALTH)
 
     @contextmanager
     def lease(

@@ -57,7 +57,7 @@ class Settings:
     # agent sends SIGTERM, then SIGKILL after unleased_kill_grace_s). Per pool like the above.
     unleased_action: str = "flag"
     unleased_kill_grace_s: float = 10.0
-    # Draining (lease_server/drain.py): a GPU whose lease the server ended is free once its node
+    # Draining (lease_server/node/drain.py): a GPU whose lease the server ended is free once its node
     # agent sees no process of that lease on it; the agent looks this often and ends what
     # remains, SIGTERM then SIGKILL after drain_kill_grace_s.
     drain_interval: float = 0.2

@@ -10,6 +10,7 @@ templates. The labextension's event and state lists are checked against this mod
 from __future__ import annotations
 
 import enum
+from typing import Annotated, Any, Required, TypedDict
 from urllib.parse import quote
 
 API = "/api/v1"
@@ -19,6 +20,11 @@ API = "/api/v1"
 AUTHORIZATION = "Authorization"
 LAST_EVENT_ID = "Last-Event-ID"  # SSE: resume the event stream after this id
 USER_HEADER = "X-Gpulease-User"  # the Jupyter server extension: whom it acts for
+
+
+# The roles a token can have. proxy: a trusted front end (the Jupyter server extension under
+# JupyterHub) that acts for the logged-in user it names in the USER_HEADER.
+ROLES = ("user", "admin", "agent", "proxy")
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -152,6 +158,91 @@ class EndCause(enum.StrEnum):
     RECALLED = "recalled"  # recalled for a booking's holder (a borrowed lease)
     PREEMPTED = "preempted"  # preempted for a request within quota (it ran above quota)
     EVICTED = "evicted"  # a warm lease lent out to a waiting request
+
+
+# ---- the lease record ------------------------------------------------------------------------------
+# What the API answers for a lease, declared once: the server builds it (leasing/lease.py
+# public_lease), the OpenAPI document's Lease schema is generated from it (web/openapi.py), and the
+# client reads it (client.Lease.raw). Times are epoch seconds. An Annotated string is the field's
+# description in the OpenAPI document.
+
+
+class GpuJson(TypedDict, total=False):
+    """One leased GPU."""
+
+    index: Required[int]
+    uuid: str
+    node: Annotated[str, "The node it is on (a multi-node gang's GPU)"]
+
+
+class EndCauseJson(TypedDict):
+    """Why a lease ended (or will), for programs: end_reason and recall_reason are the sentences for
+    people."""
+
+    code: EndCause
+    by: Annotated[str, "Who ended it: a user, or server / reclaimer"]
+    why: Annotated[str, "The plain reason, without advice; may be empty"]
+
+
+class ElasticJson(TypedDict):
+    """An elastic lease: the fewest and most GPUs it accepts (grow / shrink)."""
+
+    min: int
+    max: int
+
+
+class LeaseJson(TypedDict, total=False):
+    """A lease, live (state active) or ended (released, expired or revoked); an ended lease stays
+    readable for the server's ended_retention, with ended_at, end_reason, ended_by and cause."""
+
+    id: Required[str]
+    user: Required[str]
+    pool: Required[str]
+    node: Required[str]
+    gpus: Required[list[GpuJson]]
+    state: Required[LeaseState]
+    expires_at: Required[float]
+    token: Annotated[int, "Fencing token (owner only)"]
+    label: str
+    session: str
+    notebook: Annotated[str, "The notebook the lease's cell ran in"]
+    cell: Annotated[str, "The cell it ran for"]
+    ttl: float
+    created_at: float
+    renewed_at: float
+    renewals: int
+    waited: Annotated[float, "Seconds its request waited in the queue"]
+    activity: Annotated[dict[str, Any], "What its holder said it is doing at its last renew"]
+    warned_at: Annotated[float, "Idle: warned then, reclaimed at reclaim_at unless kept"]
+    reclaim_at: float
+    extensions: Annotated[int, "Times its owner kept it after an idle warning"]
+    idle_evidence: Annotated[dict[str, Any], "The samples an idle reclaim went by (detail view)"]
+    reservation: Annotated[str, "The booking it is served from"]
+    borrowed: Annotated[bool, "Taken from booked capacity: recalled with notice when the holder asks"]
+    nodes: Annotated[list[str], "A multi-node gang's nodes"]
+    preemptible: bool
+    priority: str
+    elastic: ElasticJson
+    recall_at: Annotated[float, "Being recalled: its GPUs go back then"]
+    recall_reason: str
+    recall_cause: Annotated[EndCauseJson, "Why it will end (a lease being recalled)"]
+    warm_since: Annotated[
+        float, "Kept warm for its notebook's next cell since then (POST .../warm): lent out if someone waits"
+    ]
+    warm_until: Annotated[float, "A warm lease ends then (the pool's warm_max)"]
+    warm_gpu_s: Annotated[float, "GPU-seconds it was kept warm, charged apart from use"]
+    shrink_to: Annotated[
+        int,
+        "Asked to give GPUs back for a waiting request: the size the server shrinks it to at shrink_by "
+        "(its highest-indexed GPUs go) unless its owner shrinks first",
+    ]
+    shrink_by: float
+    shrink_reason: str
+    ended_at: float
+    end_reason: str
+    ended_by: str
+    cause: Annotated[EndCauseJson, "Why it ended (an ended lease)"]
+    changed: Annotated[bool, "A release or revoke: false when it had ended already"]
 
 
 # The reason the GPU board's Release button gives (jupyter_ext): a cell says "released from the board".

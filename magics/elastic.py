@@ -186,7 +186,6 @@ class ElasticRun:
     def __init__(self, grant: Grant, opts: Options, ui: UI, pump: Pump) -> None:
         assert grant.lease is not None and opts.gpus is not None and opts.gpus_min is not None
         self.grant, self.opts, self.ui, self.pump = grant, opts, ui, pump
-        self.lease = grant.lease
         self.lo, self.hi = opts.gpus_min, opts.gpus
         self.sizes = sorted(opts.sizes) if opts.sizes else list(range(self.lo, self.hi + 1))
         self.min_efficiency = opts.min_efficiency
@@ -200,6 +199,13 @@ class ElasticRun:
         self._kept: dict[int, Worker] = {}  # GPU index -> the rank process that stays on it
 
     # -- decisions -------------------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease:
+        """The call's lease: the grant's one copy (a resize updates it there)."""
+        lease = self.grant.lease
+        assert lease is not None
+        return lease
 
     def measured(self, size: int, throughput: float) -> None:
         self.throughput[size] = throughput
@@ -397,16 +403,16 @@ class ElasticRun:
     def _resize(self, size: int, target: int, why: str) -> None:
         client = self.grant.sess.client()
         # What the lease holds now: the server shrinks it itself once a shrink notice runs out.
-        self.lease = Lease.from_json(client.get(self.lease.id))
+        self.grant.update(Lease.from_json(client.get(self.lease.id)))
         if self.lease.state != "active":
             raise GpuLeaseEnded(f"the lease ended during a resize ({self.lease.raw.get('end_reason', '')})")
         now = len(self.lease.gpus)
         try:
             if target > now:
-                self.lease = client.grow(self.lease, target - now)
+                self.grant.update(client.grow(self.lease, target - now))
                 self._grew_from = now
             elif target < now:
-                self.lease = client.shrink(self.lease, now - target)
+                self.grant.update(client.shrink(self.lease, now - target))
                 self._grew_from = None
             elif now < size:
                 self._grew_from = None
@@ -414,9 +420,6 @@ class ElasticRun:
             raise GpuLeaseEnded(exc.message) from None
         except errors.Conflict as exc:  # the pool changed meanwhile: go on at this size
             self.ui.notice(f"elastic: stays at {now} GPU{'s' if now != 1 else ''}: {exc.message}")
-        self.grant.lease = self.lease
-        if self.grant.held is not None:
-            self.grant.held.lease = self.lease
         s = self.phases[-1].efficiency if self.phases else None
         eff = f"; s = {s:.2f}" if s is not None and "s =" not in why else ""
         if len(self.lease.gpus) != size:

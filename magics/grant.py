@@ -171,7 +171,7 @@ class Grant:
 
     def __init__(self, sess: Session, lease: Lease | None, waited_s: float = 0.0, cpu: bool = False) -> None:
         self.sess = sess
-        self.lease = lease
+        self._lease = lease
         self.cpu = cpu
         self.waited_s = waited_s
         self.t0 = time.monotonic()
@@ -192,6 +192,18 @@ class Grant:
             self.held = HeldLease(sess.client(), lease)
             self.held.activity = {"executing": True, "source": "gpu_train"}
             sess.held.add(self.held)
+
+    @property
+    def lease(self) -> Lease | None:
+        """The call's lease as last seen: one copy, the :class:`HeldLease`'s (which its renewals
+        keep) when there is one."""
+        return self.held.lease if self.held is not None else self._lease
+
+    def update(self, lease: Lease) -> None:
+        """The lease changed on the server (an elastic resize): every reader now sees ``lease``."""
+        self._lease = lease
+        if self.held is not None:
+            self.held.lease = lease
 
     @classmethod
     def take(
@@ -256,8 +268,8 @@ class Grant:
                 lease = _acquire_cancellable(client, cancel, rid, ask, relay)
         finally:
             sess.waiting.discard(rid)
-        waited = lease.raw.get("waited_ms")
-        return cls(sess, lease, waited / 1000 if waited is not None else time.monotonic() - t0, cpu=cpu)
+        waited = lease.raw.get("waited")  # as the server measured it (seconds)
+        return cls(sess, lease, waited if waited is not None else time.monotonic() - t0, cpu=cpu)
 
     @property
     def where(self) -> str:

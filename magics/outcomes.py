@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lease_server import protocol
-from lease_server.protocol import EndCause
+from lease_server.protocol import EndCause, EndCauseJson, LeaseJson
 
 
 class GpuTrainError(Exception):
@@ -198,15 +198,22 @@ class StreamUI:
             sys.stderr.write(e.line() + "\n")
 
 
-def describe_end(rec: dict[str, Any], me: str) -> str | None:
-    """One line of who ended a lease and why, from its ended record's structured ``cause``
-    (:class:`protocol.EndCause`); None while it is live. A record without one (ended by an older
-    server) reads as its state, who and its ``end_reason``."""
+def describe_end(rec: LeaseJson, me: str) -> str | None:
+    """One line of who ended a lease and why, from its ended record's structured ``cause``; None
+    while it is live. A record without one (ended by an older server) reads as its state, who and
+    its ``end_reason``."""
     state = rec.get("state")
     if state not in protocol.ENDED_STATES:
         return None
-    cause = rec.get("cause") or {"code": state, "by": rec.get("ended_by") or "", "why": rec.get("end_reason") or ""}
-    code, by, why = cause.get("code"), cause.get("by") or "", cause.get("why") or ""
+    cause = rec.get("cause") or EndCauseJson(
+        code=EndCause(state), by=rec.get("ended_by") or "", why=rec.get("end_reason") or ""
+    )
+    return describe_cause(cause, me)
+
+
+def describe_cause(cause: EndCauseJson, me: str) -> str:
+    """One line of who ended a lease and why (:class:`protocol.EndCause`), "you" for ``me``."""
+    code, by, why = cause["code"], cause["by"], cause["why"]
     who = "you" if by == me else by
     if code == EndCause.RELEASED and why == protocol.BOARD_RELEASE_REASON:
         return f"released from the board by {who}"
@@ -218,9 +225,11 @@ def describe_end(rec: dict[str, Any], me: str) -> str | None:
         return f"expired: {why} (was the kernel paused or cut off?)"
     if code == EndCause.RECLAIMED:
         return f"reclaimed: {why} after a warning"
-    if code in (EndCause.RECALLED, EndCause.PREEMPTED, EndCause.EVICTED):
-        return why.replace("recalled for", "preempted for", 1) if code == EndCause.RECALLED else why
-    return f"{state} by {who}: {why}" if why else f"{state} by {who}"
+    if code == EndCause.RECALLED:
+        return why.replace("recalled for", "preempted for", 1)
+    if code in (EndCause.PREEMPTED, EndCause.EVICTED):
+        return why
+    return f"revoked by {who}: {why}" if why else f"revoked by {who}"
 
 
 def _join(a: str, b: str) -> str:

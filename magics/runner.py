@@ -357,12 +357,22 @@ def _right_size(sess: Session, lease: Lease, peak: int | None) -> str:
     if not peak:
         return ""
     per_gpu = peak / max(1, len(lease.gpus))
-    held_mb = min((int(g.get("memory_mb", 0)) for g in lease.gpus), default=0)
-    if not held_mb or per_gpu * 4 > held_mb * 2**20:
-        return ""
     try:
         view = sess.client().cluster()
     except errors.GpuLeaseError:
+        return ""
+    # (a lease names its GPUs' indexes; their memory is the board's: the node's inventory)
+    held = {(g.get("node", lease.node), int(g["index"])) for g in lease.gpus}
+    held_mb = min(
+        (
+            int(g.get("memory_mb", 0))
+            for n in view.get("nodes", [])
+            for g in n["gpus"]
+            if (n["name"], g["index"]) in held
+        ),
+        default=0,
+    )
+    if not held_mb or per_gpu * 4 > held_mb * 2**20:
         return ""
     fits: dict[str, int] = {}
     for node in view.get("nodes", []):

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lease_server import errors, protocol, rayauth
+from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease
+from lease_server.node import rayauth
 
 from .calls import Where, this_machine
 from .worker import GpuWorker
@@ -135,7 +136,7 @@ class Session:
                 _probe_ray(address)
                 if info.get("ray_address") and info.get("ray_auth_token"):
                     # The cluster the lease server names runs with token authentication: join
-                    # with the token it hands out with the address (lease_server/rayauth.py).
+                    # with the token it hands out with the address (lease_server/node/rayauth.py).
                     rayauth.use_token(info["ray_auth_token"])
                 ray.init(
                     address=address,

@@ -23,10 +23,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lease_server import errors, protocol
+from lease_server.protocol import EndCause, EndCauseJson
 
 from .calls import Call, event_client
 from .options import Options
-from .outcomes import describe_end
+from .outcomes import describe_cause, describe_end
 
 if TYPE_CHECKING:
     from .grant import Grant
@@ -186,12 +187,15 @@ class WarmWorker:
         body: dict[str, Any] = {}
         with contextlib.suppress(ValueError):
             body = json.loads(data)
-        cause = body.get("cause") or {}
+        cause = body.get("cause")
         if kind in protocol.RECALL_EVENTS:
-            why = str(cause.get("why") or "evicted for another request")
+            why = str((cause or {}).get("why") or "evicted for another request")
+        elif kind in protocol.ENDED_STATES:
+            if not cause:  # (an older server's event)
+                cause = EndCauseJson(code=EndCause(kind), by=str(body.get("by", "")), why=str(body.get("reason", "")))
+            why = describe_cause(cause, self.lease.user)
         else:
-            rec = {"state": kind, "end_reason": body.get("reason", ""), "ended_by": body.get("by", ""), "cause": cause}
-            why = describe_end(rec, self.lease.user) or kind
+            why = kind
         with self._lock:
             if not self._stop.is_set():
                 self._end_locked(why)
@@ -221,11 +225,12 @@ class WarmWorker:
 
 def _why(exc: errors.GpuLeaseError, w: WarmWorker) -> str:
     """Why the next cell could not take the warm lease: evicted, or ended by someone."""
-    rec: dict[str, Any] = {}
-    with contextlib.suppress(errors.GpuLeaseError):
+    try:
         rec = w.sess.client().get(w.lease.id)
-    if rec.get("recall_cause"):
-        return str(rec["recall_cause"]["why"])
+    except errors.GpuLeaseError:
+        return exc.message
+    if "recall_cause" in rec:
+        return rec["recall_cause"]["why"]
     return describe_end(rec, w.lease.user) or exc.message
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from redis import Redis
 
-from lease_server.keys import Keys
+from lease_server.store.keys import Keys
 
 API = "/api/v1"
 

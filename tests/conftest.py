@@ -23,12 +23,12 @@ import httpx
 import pytest
 from redis import Redis
 
-from lease_server.auth import create_token
 from lease_server.client import Client
 from lease_server.config import Settings
-from lease_server.inventory import parse_simulate
-from lease_server.keys import Keys
-from lease_server.redis_proc import RedisProcess, free_port
+from lease_server.leasing.inventory import parse_simulate
+from lease_server.node.redis_proc import RedisProcess, free_port
+from lease_server.store.keys import Keys
+from lease_server.web.auth import create_token
 
 _prefixes = itertools.count()
 
@@ -71,7 +71,7 @@ def make_settings(redis_url: str, prefix: str, **kw: object) -> Settings:
 
 def token_for(redis_url: str, prefix: str, user: str, role: str = "user") -> str:
     async def make() -> str:
-        from lease_server.engine import connect
+        from lease_server.store.engine import connect
 
         r = connect(redis_url)  # redis:// or redis+sentinel://
         try:
@@ -95,7 +95,7 @@ class ServerHandle:
     _thread: threading.Thread | None = None
 
     def start(self) -> ServerHandle:
-        from lease_server.server import serve
+        from lease_server.web.server import serve
 
         ready = threading.Event()
         errors: list[BaseException] = []

@@ -19,7 +19,7 @@ from redis import Redis
 
 from lease_server import errors
 from lease_server.client import Client
-from lease_server.redis_proc import RedisProcess, free_port, redis_server_binary
+from lease_server.node.redis_proc import RedisProcess, free_port, redis_server_binary
 
 SERVICE = "mymaster"
 DEPLOY_DOC = Path(__file__).resolve().parent.parent / "docs" / "deploy.md"

@@ -7,7 +7,7 @@ from typing import Any
 
 from redis import Redis
 
-from lease_server.keys import Keys
+from lease_server.store.keys import Keys
 
 END_TYPES = ("released", "expired", "revoked")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from redis import Redis
 
-from lease_server.redis_proc import RedisProcess, free_port
+from lease_server.node.redis_proc import RedisProcess, free_port
 
 SLOTS = 16384
 

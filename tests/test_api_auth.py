@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from lease_server.keys import Keys
+from lease_server.store.keys import Keys
 from tests.api_helpers import API, Cases, assert_error, http, unchanged
 
 REPO = Path(__file__).resolve().parent.parent

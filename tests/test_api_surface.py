@@ -13,9 +13,9 @@ import tornado.web
 from openapi_spec_validator import validate
 from prometheus_client.parser import text_string_to_metric_families
 
-from lease_server import events
-from lease_server.api import Context, make_app
 from lease_server.config import Settings
+from lease_server.leasing import events
+from lease_server.web.api import Context, make_app
 from tests.api_helpers import API, assert_error, event_stream, http, next_event
 
 METHODS = ("get", "post", "put", "delete", "patch")

@@ -24,7 +24,7 @@ import pytest
 
 from lease_server.cli.events import Wanted, newest, parse_since, position, read_forward
 from lease_server.client import Client
-from lease_server.keys import Keys
+from lease_server.store.keys import Keys
 from tests.conftest import CLI, Up
 
 WIDTH = 80

@@ -41,7 +41,7 @@ def cluster_sync(cluster: RedisCluster3) -> Iterator[Any]:
 def test_keys_of_a_deployment_share_one_slot(cluster: RedisCluster3) -> None:
     from redis.crc import key_slot
 
-    from lease_server.keys import Keys
+    from lease_server.store.keys import Keys
 
     keys = Keys("gpulease")
     assert len({key_slot(k.encode()) for k in [*keys.all(), keys.samples("n1/0")]}) == 1

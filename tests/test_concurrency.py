@@ -13,8 +13,8 @@ import pytest
 
 from lease_server import errors
 from lease_server.client import Client
-from lease_server.drain import start_ticks
-from lease_server.keys import Keys
+from lease_server.node.drain import start_ticks
+from lease_server.store.keys import Keys
 from tests.invariants import check_event_log, check_state, read_events
 
 OPS_PER_CLIENT = 60

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from lease_server import errors
 from lease_server.cli import main
-from lease_server.drain import start_ticks
+from lease_server.node.drain import start_ticks
 from tests.api_helpers import EventWatcher
 from tests.invariants import check_event_log, check_state, read_events
 
@@ -112,7 +112,7 @@ def assert_drained_then_granted(
 
 
 def check_invariants(srv: Any, redis_sync: Any) -> None:
-    from lease_server.keys import Keys
+    from lease_server.store.keys import Keys
 
     keys = Keys(srv.settings.prefix)
     check_event_log(read_events(redis_sync, keys))
@@ -161,7 +161,7 @@ def test_a_frozen_holder_that_stops_renewing_expires_and_drains(srv: Any, procs:
         "from lease_server.client import Client\n"
         f"c = Client({srv.url!r}, {srv.token('alice')!r})\n"
         "lease = c.acquire(1, ttl=2)\n"
-        "from lease_server.drain import start_ticks\n"
+        "from lease_server.node.drain import start_ticks\n"
         "c.procs(lease, [{'node': lease.node, 'pid': os.getpid(), 'start': start_ticks(os.getpid())}])\n"
         "print('up', flush=True)\n"
         "while True:\n"
@@ -286,7 +286,7 @@ def test_an_owners_release_drains_only_what_it_did_not_see_gone(srv: Any, procs:
 
 
 def test_procs_refuse_bad_input_and_change_nothing(srv: Any, redis_sync: Any) -> None:
-    from lease_server.keys import Keys
+    from lease_server.store.keys import Keys
 
     alice, bob = srv.client("alice"), srv.client("bob")
     lease = alice.acquire(1)
@@ -314,8 +314,8 @@ def test_procs_refuse_bad_input_and_change_nothing(srv: Any, redis_sync: Any) ->
 
 def test_the_http_agent_drains_its_node(server_factory: Any, procs: Any, redis_sync: Any) -> None:
     """gpulease agent (over HTTP, not in the server) reads its draining GPUs and reports them clean."""
-    from lease_server.agent import run_remote
-    from lease_server.inventory import parse_simulate
+    from lease_server.leasing.inventory import parse_simulate
+    from lease_server.node.agent import run_remote
 
     srv = server_factory(simulate="", drain_kill_grace_s=GRACE)  # no agent in the server
     watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()

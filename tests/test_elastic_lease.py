@@ -18,11 +18,11 @@ import pytest
 from redis import Redis
 from redis.asyncio import Redis as ARedis
 
-from lease_server.engine import Engine
-from lease_server.inventory import parse_simulate, register
-from lease_server.keys import Keys
-from lease_server.lease import LeaseStore
-from lease_server.scripts import Acquire, Code, Release, Resize
+from lease_server.leasing.inventory import parse_simulate, register
+from lease_server.leasing.lease import LeaseStore
+from lease_server.store.engine import Engine
+from lease_server.store.keys import Keys
+from lease_server.store.scripts import Acquire, Code, Release, Resize
 from tests.api_helpers import API, assert_error, http, queued, unchanged
 from tests.conftest import make_settings
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from lease_server.keys import Keys
+from lease_server.store.keys import Keys
 from tests.conftest import make_settings
 from tests.ha import REDIS_SETTINGS, Report, SentinelGroup, run_load
 
@@ -105,8 +105,8 @@ def test_the_sentinel_url_works_for_token_create_and_the_simulator_and_bad_ones_
     import subprocess
     import sys
 
-    from lease_server.engine import SentinelUrl, resolve_primary
     from lease_server.errors import ConfigurationError
+    from lease_server.store.engine import SentinelUrl, resolve_primary
 
     assert resolve_primary(group.url) == f"redis://127.0.0.1:{group.primary()}/0"  # the simulator's replay
     made = subprocess.run(

@@ -29,11 +29,11 @@ import pytest
 from redis import Redis
 
 from lease_server import errors
-from lease_server.agent import run_remote
 from lease_server.client import Client, Lease
-from lease_server.inventory import parse_simulate
-from lease_server.keys import Keys
-from lease_server.redis_proc import RedisProcess
+from lease_server.leasing.inventory import parse_simulate
+from lease_server.node.agent import run_remote
+from lease_server.node.redis_proc import RedisProcess
+from lease_server.store.keys import Keys
 from tests.api_helpers import EventWatcher
 from tests.conftest import ServerHandle, ServerProcess, make_settings, token_for
 

@@ -12,8 +12,8 @@ import pytest
 from redis import Redis
 
 from lease_server import errors
-from lease_server.redis_proc import RedisProcess
-from lease_server.scripts import library
+from lease_server.node.redis_proc import RedisProcess
+from lease_server.store.scripts import library
 from tests.test_queue import store_for
 
 

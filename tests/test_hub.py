@@ -35,7 +35,7 @@ import psutil
 import pytest
 
 from lease_server.client import Client
-from lease_server.redis_proc import RedisProcess, free_port
+from lease_server.node.redis_proc import RedisProcess, free_port
 from tests.conftest import ServerHandle, make_settings, token_for
 from tests.test_ui import ARTIFACTS, BUILT, CHROMIUM, CHROMIUM_ARGS, confirm, palette_item
 

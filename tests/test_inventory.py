@@ -11,8 +11,8 @@ import pynvml
 import pytest
 
 from lease_server import errors
-from lease_server.agent import nvml_inventory, pool_name
-from lease_server.inventory import parse_simulate
+from lease_server.leasing.inventory import parse_simulate
+from lease_server.node.agent import nvml_inventory, pool_name
 
 
 def nvml_like(gpus: list[tuple[str, str, int]]) -> types.SimpleNamespace:
@@ -108,7 +108,7 @@ def test_parse_simulate_single_and_many_nodes():
 
 
 def test_nvml_sampler_reads_utilization_memory_and_processes():
-    from lease_server.agent import NvmlSampler
+    from lease_server.node.agent import NvmlSampler
 
     gib = 1024**3
     nvml = nvml_like([("GPU-a", "NVIDIA A100-SXM4-80GB", 80 * gib), ("GPU-b", "NVIDIA A100-SXM4-80GB", 80 * gib)])

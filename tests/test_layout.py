@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from redis import Redis
 
 from lease_server.cli import main
-from lease_server.keys import Keys
-from lease_server.layout import LAYOUT
-from lease_server.redis_proc import RedisProcess
+from lease_server.node.redis_proc import RedisProcess
+from lease_server.store.keys import Keys
+from lease_server.store.layout import LAYOUT
 from tests.conftest import ServerHandle, make_settings
 
 OLD = Path(__file__).parent / "data" / "layout0-77f5c60"

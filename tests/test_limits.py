@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lease_server import errors
-from lease_server.keys import Keys
+from lease_server.store.keys import Keys
 from tests.api_helpers import EventWatcher
 from tests.invariants import check_state
 

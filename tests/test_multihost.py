@@ -43,7 +43,7 @@ import pytest
 
 from lease_server import errors
 from lease_server.client import Client
-from lease_server.redis_proc import redis_server_binary
+from lease_server.node.redis_proc import redis_server_binary
 from tests.api_helpers import EventWatcher
 from tests.multihost_driver import ANSWER
 

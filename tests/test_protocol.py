@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from lease_server import auth, protocol
+from lease_server import protocol
 from lease_server.protocol import EventType, LeaseState
+from lease_server.web import auth
 
 ROOT = Path(__file__).resolve().parent.parent
-LUA = ROOT / "lease_server" / "lua"
+LUA = ROOT / "lease_server" / "store" / "lua"
 LAB = ROOT / "labextension" / "src"
 PY_SOURCES = [ROOT / "lease_server", ROOT / "magics", ROOT / "jupyter_ext"]
 
@@ -292,14 +293,14 @@ def test_labextension_lease_states_equal_protocol() -> None:
 
 
 def test_openapi_lease_states_equal_protocol() -> None:
-    from lease_server.openapi import openapi_document
+    from lease_server.web.openapi import openapi_document
 
     lease = openapi_document()["components"]["schemas"]["Lease"]
     assert set(lease["properties"]["state"]["enum"]) == {s.value for s in LeaseState}
 
 
 def test_lease_module_keeps_the_protocol_lease_state() -> None:
-    from lease_server import lease
+    from lease_server.leasing import lease
 
     assert lease.LeaseState is LeaseState
 
@@ -320,7 +321,7 @@ def protocol_paths(sample: str = "X") -> set[str]:
 
 def mounted_paths() -> list[tuple[str, re.Pattern[str]]]:
     """(path with X for each parameter, its regex) of every API route make_app mounts."""
-    from lease_server import api
+    from lease_server.web import api
 
     app = api.make_app(None)  # type: ignore[arg-type]  # the context is only stored
     out = []
@@ -346,7 +347,7 @@ def test_every_protocol_path_is_mounted() -> None:
 
 
 def test_openapi_paths_are_protocol_paths() -> None:
-    from lease_server.openapi import openapi_document
+    from lease_server.web.openapi import openapi_document
 
     documented = {re.sub(r"\{\w+\}", "X", p) for p in openapi_document()["paths"] if p.startswith(protocol.API)}
     assert documented == protocol_paths()
@@ -365,7 +366,7 @@ def test_headers_agree() -> None:
 # The clients build every path and auth header from protocol.
 CLIENTS = [
     "lease_server/client.py",
-    "lease_server/agent.py",
+    "lease_server/node/agent.py",
     "jupyter_ext/upstream.py",
     "magics/worker.py",
     "magics/grant.py",

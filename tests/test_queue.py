@@ -11,10 +11,10 @@ from contextlib import asynccontextmanager
 import pytest
 
 from lease_server import errors
-from lease_server.board import cluster_view
-from lease_server.engine import Engine, connect
-from lease_server.inventory import parse_simulate, register
-from lease_server.lease import LeaseStore
+from lease_server.leasing.board import cluster_view
+from lease_server.leasing.inventory import parse_simulate, register
+from lease_server.leasing.lease import LeaseStore
+from lease_server.store.engine import Engine, connect
 from tests.conftest import make_settings
 
 

@@ -11,12 +11,12 @@ import pytest
 from redis.asyncio import Redis
 
 from lease_server import errors
-from lease_server.engine import Engine
-from lease_server.inventory import parse_simulate, register
-from lease_server.keys import Keys
-from lease_server.lease import LeaseStore
-from lease_server.reclaim import GpuState, Policy, idle_verdict
-from lease_server.scripts import IdleWarn, Keep, Reclaim
+from lease_server.leasing.inventory import parse_simulate, register
+from lease_server.leasing.lease import LeaseStore
+from lease_server.leasing.reclaim import GpuState, Policy, idle_verdict
+from lease_server.store.engine import Engine
+from lease_server.store.keys import Keys
+from lease_server.store.scripts import IdleWarn, Keep, Reclaim
 from tests.api_helpers import EventWatcher
 from tests.conftest import make_settings
 from tests.invariants import check_event_log, check_state, read_events

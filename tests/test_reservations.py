@@ -15,11 +15,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from redis.asyncio import Redis as ARedis
 
-from lease_server.engine import Engine
-from lease_server.inventory import parse_simulate, register
-from lease_server.keys import Keys
-from lease_server.lease import LeaseStore
-from lease_server.reservations import WEEK_MS, Bookings
+from lease_server.leasing.inventory import parse_simulate, register
+from lease_server.leasing.lease import LeaseStore
+from lease_server.leasing.reservations import WEEK_MS, Bookings
+from lease_server.store.engine import Engine
+from lease_server.store.keys import Keys
 from tests.api_helpers import API, EventWatcher, assert_error, http, unchanged
 from tests.conftest import make_settings
 
@@ -422,7 +422,7 @@ def test_end_early_gives_gpus_back(server_factory):
 
 
 def test_booking_with_datetime_offsets_round_trip():
-    from lease_server.reservations import parse_time
+    from lease_server.leasing.reservations import parse_time
 
     berlin_winter = parse_time("start", "2027-01-04T10:00:00+01:00")
     assert berlin_winter == parse_time("start", "2027-01-04T09:00:00Z") == int(MONDAY * 1000)

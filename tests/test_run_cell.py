@@ -217,3 +217,21 @@ def test_an_idle_reclaim_reads_as_one_line_from_the_real_record(server_factory):
         and line.startswith("reclaimed: its GPUs were idle for ")
         and line.endswith(" min after a warning")
     )
+
+
+def test_a_small_peak_on_a_big_gpu_names_the_smaller_pool_that_would_do(server_factory):
+    """The right-size hint under a released cell: the peak NVML measured against the memory of the
+    GPUs the lease held, which the board knows (a lease names only their indexes)."""
+    from magics.runner import _right_size
+    from magics.session import Session
+
+    srv = server_factory(simulate="n1=2xA100-80GB,t1=2xT4-16GB")
+    sess = Session()
+    sess.defaults.url, sess.defaults.token = srv.url, srv.token("alice")
+    lease = srv.client("alice").acquire(1, pool="A100-80GB")
+    try:
+        assert _right_size(sess, lease, 2 * 2**30) == "peak 2.1 GB of 80 GB: a T4-16GB would do, --pool T4-16GB"
+        assert _right_size(sess, lease, 40 * 2**30) == ""  # half the GPU: no advice
+        assert _right_size(sess, lease, None) == ""  # no NVML measure
+    finally:
+        sess.reset_client()

@@ -18,10 +18,10 @@ import pytest
 from redis.asyncio import Redis as ARedis
 
 from lease_server import errors
-from lease_server.engine import Engine
-from lease_server.inventory import parse_simulate, register
-from lease_server.lease import LeaseStore
-from lease_server.scripts import Acquire, Code, Release
+from lease_server.leasing.inventory import parse_simulate, register
+from lease_server.leasing.lease import LeaseStore
+from lease_server.store.engine import Engine
+from lease_server.store.scripts import Acquire, Code, Release
 from tests.api_helpers import API, assert_error, event_stream, http, next_event, queued
 from tests.conftest import make_settings
 
@@ -290,7 +290,7 @@ def test_elastic_request_gets_what_is_free_between_min_and_max(sim_factory):
 
 def test_ledger_records_each_call_with_utilization(sim_factory):
     async def main() -> None:
-        from lease_server.reclaim import record_samples
+        from lease_server.leasing.reclaim import record_samples
 
         sim = await sim_factory("a=2xA100-80GB")
         now = sim.now

@@ -1,4 +1,4 @@
-"""The Lua calling convention has one owner (lease_server/scripts.py): every script's header
+"""The Lua calling convention has one owner (lease_server/store/scripts.py): every script's header
 against its wrapper, the Lua code table against ``Code``, and each script carrying only the keys
 and helpers it uses."""
 
@@ -10,10 +10,10 @@ from importlib import resources
 
 import pytest
 
-from lease_server import scripts as S
-from lease_server.keys import Keys
+from lease_server.store import scripts as S
+from lease_server.store.keys import Keys
 
-LUA = resources.files("lease_server").joinpath("lua")
+LUA = resources.files("lease_server.store").joinpath("lua")
 _HEADER_ARG = re.compile(r"ARGV\[(\d+)\]")
 
 
@@ -103,7 +103,7 @@ def _dummy(call: type[S.ScriptCall]) -> S.ScriptCall:
 def test_the_acquire_request_and_its_wrapper_agree() -> None:
     """A field of the HTTP request (validate.py's one declaration, from which the OpenAPI schema is
     made) is a field of the Acquire wrapper, and the free-text fields pass through by name."""
-    from lease_server.validate import bodies
+    from lease_server.leasing.validate import bodies
 
     request = {f.name for f in bodies().acquire.fields}
     wrapper = {f.name for f in dataclasses.fields(S.Acquire)}

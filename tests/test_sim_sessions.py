@@ -285,8 +285,8 @@ def test_lease_warm_keeps_most_cells_warm_and_lends_the_rest(redis_server):
     from redis import Redis
 
     from lease_server.config import Settings
-    from lease_server.keys import Keys
     from lease_server.sim import replay
+    from lease_server.store.keys import Keys
     from tests.invariants import check_event_log, read_events
 
     w = workload.load_sessions(ADOBE)

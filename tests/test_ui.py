@@ -28,7 +28,7 @@ from zoneinfo import ZoneInfo
 import httpx
 import pytest
 
-from lease_server.redis_proc import free_port
+from lease_server.node.redis_proc import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -660,7 +660,7 @@ def test_the_first_day_palette_commands_tile_origin_kernel_logo_a_narrow_board_a
     """The first day with gpulease: what a new user meets in JupyterLab."""
     from playwright.sync_api import expect
 
-    from lease_server.kernelspec import DISPLAY_NAME, KERNEL_NAME, write_spec
+    from lease_server.node.kernelspec import DISPLAY_NAME, KERNEL_NAME, write_spec
 
     alice = clients["alice"]
     # The CPU-only kernelspec, as `gpulease kernel install` writes it, where this JupyterLab looks.

@@ -22,9 +22,9 @@ from redis.exceptions import RedisError, ResponseError
 
 from lease_server import client as client_module
 from lease_server import errors
-from lease_server.engine import not_now
-from lease_server.keys import Keys
-from lease_server.redis_proc import RedisProcess, free_port
+from lease_server.node.redis_proc import RedisProcess, free_port
+from lease_server.store.engine import not_now
+from lease_server.store.keys import Keys
 from tests.conftest import ServerHandle, make_settings
 from tests.redis_cluster import RedisCluster3
 

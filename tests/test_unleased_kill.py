@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from lease_server import errors
-from lease_server.agent import run_remote
 from lease_server.config import Settings
-from lease_server.enforce import Enforcer
-from lease_server.inventory import parse_simulate
+from lease_server.leasing.inventory import parse_simulate
+from lease_server.node.agent import run_remote
+from lease_server.node.enforce import Enforcer
 from tests.api_helpers import EventWatcher
 
 GRACE = 1.0

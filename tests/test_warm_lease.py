@@ -31,7 +31,7 @@ def srv(server_factory: Any) -> Any:
 def ledger(redis_sync: Any, srv: Any, lease_id: str) -> dict[str, Any]:
     import json
 
-    from lease_server.keys import Keys
+    from lease_server.store.keys import Keys
 
     for _, fields in redis_sync.xrange(Keys(srv.settings.prefix).ledger):
         rec = json.loads(fields[b"data"] if b"data" in fields else fields["data"])

@@ -13,6 +13,8 @@ import click
 from rich.console import Console
 from rich.text import Text
 
+from ..protocol import LeaseJson
+
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # a message is never cut into lines
 
@@ -167,7 +169,7 @@ def index_list(indexes: list[int]) -> str:
     return ",".join(out)
 
 
-def lease_parts(lease: dict[str, Any]) -> dict[str, list[int]]:
+def lease_parts(lease: LeaseJson | dict[str, Any]) -> dict[str, list[int]]:
     """node -> GPU indexes of a lease record (a gang's GPUs carry their node)."""
     parts: dict[str, list[int]] = {}
     for g in lease.get("gpus", []):

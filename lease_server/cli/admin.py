@@ -125,7 +125,7 @@ def kernel() -> None:
 @click.option("--prefix", default=None, help="Install under this prefix (e.g. a virtualenv: sys.prefix)")
 def kernel_install(user: bool, prefix: str | None) -> None:
     """Install the kernelspec "Python 3 (gpulease)": no GPU visible, magics preloaded."""
-    from ..kernelspec import DISPLAY_NAME, install
+    from ..node.kernelspec import DISPLAY_NAME, install
 
     path = install(user=user, prefix=prefix)
     click.echo(f"installed kernel {DISPLAY_NAME!r} in {path}")
@@ -165,10 +165,10 @@ def token_create(
         raise click.UsageError("--admin, --agent and --proxy clash: a token has one role")
     role = "admin" if admin else "agent" if agent_role else "proxy" if proxy_role else "user"
     if redis_url:
-        from ..auth import create_token
-        from ..engine import connect
-        from ..keys import Keys
-        from ..layout import migrate_untagged
+        from ..store.engine import connect
+        from ..store.keys import Keys
+        from ..store.layout import migrate_untagged
+        from ..web.auth import create_token
 
         async def make() -> str:
             r = connect(redis_url)
@@ -203,11 +203,11 @@ def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dr
     """Move the data in Redis to this release's layout (stop every lease server first)."""
     from redis.exceptions import RedisError
 
-    from .. import layout
     from ..config import Settings
-    from ..engine import connect
-    from ..keys import Keys
-    from ..redis_proc import RedisProcess
+    from ..node.redis_proc import RedisProcess
+    from ..store import layout
+    from ..store.engine import connect
+    from ..store.keys import Keys
 
     if redis_url and data_dir:
         raise click.UsageError("--redis-url and --data-dir clash: name one Redis")

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from .. import errors, protocol
 from ..client import Client
-from ..events import event_of_user
+from ..leasing.events import event_of_user
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 
 PAGE = 10_000  # the most the log API answers in one call (validate.EVENT_LOG_MAX_LIMIT)

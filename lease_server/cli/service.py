@@ -29,8 +29,8 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_slots: int = 0) -> list[Any]:
-    from ..agent import nvml_inventory
-    from ..inventory import parse_simulate
+    from ..leasing.inventory import parse_simulate
+    from ..node.agent import nvml_inventory
 
     if simulate:
         invs = parse_simulate(simulate, default_node=node)
@@ -63,9 +63,9 @@ def _write_private(path: Path, text: str) -> None:
 
 async def _check_layout(redis_url: str, prefix: str, hint: str) -> None:
     """Refuse (ConfigurationError, one line naming gpulease migrate) data of another layout."""
-    from ..engine import connect
-    from ..keys import Keys
-    from ..layout import check
+    from ..store.engine import connect
+    from ..store.keys import Keys
+    from ..store.layout import check
 
     r = connect(redis_url)
     try:
@@ -76,10 +76,10 @@ async def _check_layout(redis_url: str, prefix: str, hint: str) -> None:
 
 async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
     """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
-    from ..auth import create_token, hash_token
-    from ..engine import connect
-    from ..keys import Keys
-    from ..layout import migrate_untagged
+    from ..store.engine import connect
+    from ..store.keys import Keys
+    from ..store.layout import migrate_untagged
+    from ..web.auth import create_token, hash_token
 
     r = connect(redis_url)
     try:
@@ -109,7 +109,7 @@ def _start_ray(
     if not Path(ray).exists():
         err_console.print("[yellow]ray is not installed: %%gpu_train will not run (pip install ray)[/]")
         return None, ""
-    from ..redis_proc import free_port
+    from ..node.redis_proc import free_port
 
     port = free_port()
     log = open(data_dir / "ray.log", "ab")
@@ -169,7 +169,7 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
     except ImportError:
         err_console.print("[yellow]JupyterLab is not installed: pip install 'gpulease[lab]' to get it[/]")
         return None
-    from ..kernelspec import install
+    from ..node.kernelspec import install
 
     install(prefix=sys.prefix)  # the CPU-only "Python 3 (gpulease)" kernel, beside this JupyterLab
     log = open(data_dir / "jupyterlab.log", "ab")
@@ -246,10 +246,10 @@ def up(
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
     import secrets
 
-    from .. import rayauth
     from ..config import Settings
-    from ..redis_proc import RedisProcess
-    from ..server import serve
+    from ..node import rayauth
+    from ..node.redis_proc import RedisProcess
+    from ..web.server import serve
 
     _setup_logging(verbose)
     data_dir = data_dir.expanduser().resolve()
@@ -266,7 +266,7 @@ def up(
         ray_token: Path | None = None
         if ray:
             # Token authentication: the head, its workers, JupyterLab's kernels and the lease
-            # server's /info share the token in data_dir, through the environment (lease_server/rayauth.py).
+            # server's /info share the token in data_dir, through the environment (lease_server/node/rayauth.py).
             ray_token = rayauth.ensure_token(data_dir)
             ray_env = rayauth.clean_env(dict(os.environ), ray_token)
             for attempt in (1, 2, 3):
@@ -311,7 +311,7 @@ def up(
                 console.print(f"  jupyterlab    {lab_url}")
             console.print("Ctrl-C stops everything.")
 
-        from ..server import run_loop
+        from ..web.server import run_loop
 
         run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes, own_process=True))
     finally:
@@ -347,7 +347,7 @@ def server(
 ) -> None:
     """Run the HTTP lease server against an existing Redis (any number of replicas)."""
     from ..config import Settings
-    from ..server import run
+    from ..web.server import run
 
     _setup_logging(verbose)
     settings = Settings.load(config, redis_url=redis_url, host=host, port=port, ray_address=ray_address)
@@ -381,7 +381,7 @@ def agent(
     verbose: bool,
 ) -> None:
     """Declare this node's GPUs to the lease server and keep it alive."""
-    from ..agent import run_remote
+    from ..node.agent import run_remote
 
     invs = _inventories(simulate, node, pool, cpu_slots)
     if print_ray_resources:

@@ -79,7 +79,7 @@ def simulate(
 
     try:
         if redis_url:
-            from ..engine import resolve_primary
+            from ..store.engine import resolve_primary
 
             redis_url = resolve_primary(redis_url)  # the replay holds one plain connection to the primary
         if policies is None:

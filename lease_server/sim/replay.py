@@ -30,10 +30,10 @@ import hiredis
 import numpy as np
 
 from ..config import Settings
-from ..inventory import Gpu, NodeInventory
-from ..keys import Keys
-from ..lease import WAITER_GRACE_MS
-from ..scripts import Acquire, Code, Common, Release, ScriptCall, Sweep, Warm, declared_keys, source
+from ..leasing.inventory import Gpu, NodeInventory
+from ..leasing.lease import WAITER_GRACE_MS
+from ..store.keys import Keys
+from ..store.scripts import Acquire, Code, Common, Release, ScriptCall, Sweep, Warm, declared_keys, source
 from . import resv
 from .result import Result, intervals
 from .workload import Workload
@@ -166,9 +166,9 @@ async def _register(
     and make the teams' bookings through the reservations module."""
     from redis.asyncio import Redis
 
-    from ..engine import Engine
-    from ..inventory import register
-    from ..reservations import Bookings
+    from ..leasing.inventory import register
+    from ..leasing.reservations import Bookings
+    from ..store.engine import Engine
 
     r = Redis.from_url(setup.redis_url, decode_responses=True)
     try:
@@ -264,7 +264,7 @@ class _Replay:
             name: wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode()
             for name in ("acquire", "release", "sweep", "warm")
         }
-        # Every call's ARGV comes from the script's wrapper (lease_server.scripts): what the server
+        # Every call's ARGV comes from the script's wrapper (lease_server.store.scripts): what the server
         # sends, the replay sends, argument for argument.
         self.acq = _Script(sha["acquire"], keys_of("acquire"), common_tail, Acquire)
         self.rel = _Script(sha["release"], keys_of("release"), common_tail, Release)

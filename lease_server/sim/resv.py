@@ -6,7 +6,7 @@ tail of light ones). Together the teams book ``share`` of the pool's GPUs, split
 proportion to the GPU-time their cells use (largest remainder, whole GPUs), as weekly repeating
 bookings of the window ``[window_h[0], window_h[1])`` hours after the start of each week of the
 workload (the default, 0-168, books the whole week: the June trace is as busy at night and on
-weekends as by day). The bookings are made through ``lease_server.reservations.Bookings`` before
+weekends as by day). The bookings are made through ``lease_server.leasing.reservations.Bookings`` before
 the first cell, so the capacity check and everything after it is the server's own code.
 """
 

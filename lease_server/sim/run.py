@@ -32,7 +32,7 @@ def private_redis() -> Iterator[str]:
     """A redis-server of our own for the replay, without persistence (nothing here must survive)."""
     from redis import Redis
 
-    from ..redis_proc import RedisProcess
+    from ..node.redis_proc import RedisProcess
 
     with tempfile.TemporaryDirectory(prefix="gpulease-sim-") as tmp:
         proc = RedisProcess(Path(tmp) / "redis").start()

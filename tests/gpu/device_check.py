@@ -8,7 +8,7 @@ Run from the repository root, where NVML finds a GPU and torch has CUDA:
 
     PYTHONPATH=. python3 tests/gpu/device_check.py
 
-lease_server.agent imports redis and hiredis (no server is needed). Not a pytest module: pytest
+lease_server.node.agent imports redis and hiredis (no server is needed). Not a pytest module: pytest
 collects ``test_*.py`` only, and nothing here runs at import.
 """
 
@@ -205,7 +205,7 @@ def idle_series(sampler: Any, n: int, every: float) -> list[tuple[float, dict[st
 
 def gpu_state(series: list[tuple[float, dict[str, Any]]], threshold: float) -> Any:
     """What lua/samples.lua would hold for GPU 0 after these samples (no gap in them)."""
-    from lease_server.reclaim import GpuState
+    from lease_server.leasing.reclaim import GpuState
 
     busy = [t for t, s in series if s["util"] >= threshold]
     window = [(t, float(s["util"]), int(s["mem_mb"])) for t, s in series]
@@ -233,7 +233,7 @@ def main() -> int:
 
     # ---- a. inventory ----
     log("\n== a. nvml_inventory()")
-    from lease_server.agent import NvmlSampler, nvml_inventory, pool_name
+    from lease_server.node.agent import NvmlSampler, nvml_inventory, pool_name
 
     t0 = time.perf_counter()
     inv = nvml_inventory()
@@ -391,7 +391,7 @@ def main() -> int:
 
     # ---- e. the idle verdict over real samples ----
     log("\n== e. reclaim.idle_verdict over real samples")
-    from lease_server.reclaim import Policy, check_gpu_sample, idle_verdict
+    from lease_server.leasing.reclaim import Policy, check_gpu_sample, idle_verdict
 
     for _, s in idle + busy:
         check_gpu_sample(s)  # what the server checks of an agent's POST .../samples

@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lease_server.agent import NvmlSampler, nvml_inventory
-from lease_server.auth import create_token
 from lease_server.client import Client
 from lease_server.config import Settings
-from lease_server.engine import connect
-from lease_server.keys import Keys
-from lease_server.redis_proc import RedisProcess
-from lease_server.server import serve
+from lease_server.node.agent import NvmlSampler, nvml_inventory
+from lease_server.node.redis_proc import RedisProcess
+from lease_server.store.engine import connect
+from lease_server.store.keys import Keys
+from lease_server.web.auth import create_token
+from lease_server.web.server import serve
 
 GRACE = 1.0
 JITTER_MS = 5

@@ -8,7 +8,7 @@ Run from the repository root, where NVML finds a GPU and torch has CUDA:
 
     PYTHONPATH=. python3 tests/gpu/unleased_kill_check.py
 
-lease_server.agent imports redis and hiredis; where hiredis is missing a stub stands in (nothing
+lease_server.node.agent imports redis and hiredis; where hiredis is missing a stub stands in (nothing
 here talks to Redis). Not a pytest module.
 """
 
@@ -30,8 +30,8 @@ except ImportError:
     _stub.__version__ = "0.0"  # type: ignore[attr-defined]  # redis then treats hiredis as missing
     sys.modules["hiredis"] = _stub
 
-from lease_server.agent import NvmlSampler  # noqa: E402
-from lease_server.enforce import Enforcer, uses_gpu_device  # noqa: E402
+from lease_server.node.agent import NvmlSampler  # noqa: E402
+from lease_server.node.enforce import Enforcer, uses_gpu_device  # noqa: E402
 
 CUDA_CHILD = (
     "import signal, sys, time, torch\n"

@@ -1,5 +1,5 @@
 -- _lib_bookings.lua: bookings as the scripts see them: occurrences, who holds one, what a pool's
--- bookings in force still owe. Part of the library (lease_server/scripts.py): see _lib.lua.
+-- bookings in force still owe. Part of the library (lease_server/store/scripts.py): see _lib.lua.
 
 -- A booking r: {id, owner ("alice" | "team:ml"), pool, gpus, start, end (ms, UTC), repeat
 -- ("none" | "weekly": occurrence k is [start + k weeks, end + k weeks), exactly 168 h apart, so

@@ -10,10 +10,10 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import errors
-from .engine import Engine
-from .keys import NAME_RE
-from .scripts import Register
+from .. import errors
+from ..store.engine import Engine
+from ..store.keys import NAME_RE
+from ..store.scripts import Register
 from .validate import check_name
 
 log = logging.getLogger(__name__)

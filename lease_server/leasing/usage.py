@@ -15,8 +15,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from ..store.engine import Engine
 from .board import cluster_view
-from .engine import Engine
 from .reservations import Bookings
 
 GROUPS = ("user", "team", "pool", "notebook")

@@ -30,8 +30,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .config import Settings
-from .errors import ConfigurationError, ServerUnavailable
+from ..config import Settings
+from ..errors import ConfigurationError, ServerUnavailable
 from .keys import Keys
 from .scripts import Code, Common, Samples, ScriptCall, Scripts
 

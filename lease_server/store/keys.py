@@ -31,7 +31,7 @@ state lives in a handful of global structures:
 ``events``     stream the audit log / live feed
 ``grants``     channel on which a grant to a queued waiter is published (waiter id)
 ``tokens``     hash   sha256(api token) -> JSON {user, role, created}
-``layout``     string the version of this data layout (lease_server/layout.py); absent before versions
+``layout``     string the version of this data layout (lease_server/store/layout.py); absent before versions
 
 Reservations (reservations.py, reserve.lua; dispatch enforces them, so most scripts take them):
 

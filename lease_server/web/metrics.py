@@ -7,9 +7,9 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .board import cluster_view
-from .engine import Engine
-from .queue import queue_view
+from ..leasing.board import cluster_view
+from ..leasing.queue import queue_view
+from ..store.engine import Engine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

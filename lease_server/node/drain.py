@@ -12,7 +12,7 @@ the free list. The node agent of each node:
    it (nobody else holds a draining GPU); on a simulated node, the registered pids that still
    run (the same process: its start time is checked);
 3. ends what remains, SIGTERM then SIGKILL after ``drain_kill_grace_s``, through a pidfd
-   (:class:`lease_server.enforce.Enforcer`), and once nothing remains
+   (:class:`lease_server.node.enforce.Enforcer`), and once nothing remains
 4. reports the GPUs clean (:func:`drained`, ``lua/drained.lua``): they turn free and the pool's
    queue is served in the same script; one ``drained`` event says how long it took.
 
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..store.engine import Engine
+from ..store.scripts import Drained, Procs
 from .enforce import Enforcer
-from .engine import Engine
-from .scripts import Drained, Procs
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,12 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from . import errors
-from .config import PRIORITIES, Settings
-from .engine import Engine
-from .inventory import pool_sizes
-from .keys import Keys
-from .protocol import LeaseState  # the lease states: protocol owns them; importable from here too
-from .queue import GrantNotifier
-from .scripts import (
+from .. import errors
+from ..config import PRIORITIES, Settings
+from ..protocol import GpuJson, LeaseJson, LeaseState  # the lease states: protocol owns them; importable from here too
+from ..store.engine import Engine
+from ..store.keys import Keys
+from ..store.scripts import (
     Acquire,
     CancelWait,
     Duplicate,
@@ -42,15 +40,9 @@ from .scripts import (
     Warm,
     no_such_lease,
 )
-from .validate import (  # the input validators live in validate.py; imported from here too
-    check_gpus,
-    check_name,
-    check_nodes,
-    check_priority,
-    check_seconds,
-    check_text,
-    check_token,
-)
+from .inventory import pool_sizes
+from .queue import GrantNotifier
+from .validate import check_gpus, check_name, check_nodes, check_priority, check_seconds, check_text, check_token
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +55,22 @@ def new_lease_id() -> str:
     return "l-" + secrets.token_hex(8)
 
 
-def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False) -> dict[str, Any]:
-    """The API's view of a lease record: times in epoch seconds, the token only for its owner."""
-    out: dict[str, Any] = {
+def _public_gpu(g: dict[str, Any]) -> GpuJson:
+    out = GpuJson(index=int(g["index"]), uuid=g.get("uuid", ""))
+    if "node" in g:
+        out["node"] = g["node"]
+    return out
+
+
+def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False) -> LeaseJson:
+    """The API's view of a lease record (:class:`protocol.LeaseJson`): times in epoch seconds, the
+    token only for its owner."""
+    out: LeaseJson = {
         "id": rec["id"],
         "user": rec["user"],
         "pool": rec["pool"],
         "node": rec["node"],
-        "gpus": [
-            {"index": int(g["index"]), "uuid": g.get("uuid", ""), **({"node": g["node"]} if "node" in g else {})}
-            for g in rec["gpus"]
-        ],
+        "gpus": [_public_gpu(g) for g in rec["gpus"]],
         "state": rec.get("state", LeaseState.ACTIVE.value),
         "label": rec.get("label", ""),
         "session": rec.get("session", ""),
@@ -450,7 +447,7 @@ class LeaseStore:
         returned is the waiter's, with state ``"withdrawn"`` (see :func:`public_withdrawal`).
 
         ``verified``: the caller saw every process the lease named gone; without it the GPUs on
-        which it named one drain (lease_server/drain.py) before they are free.
+        which it named one drain (lease_server/node/drain.py) before they are free.
         """
         tok = self._token(token, required=False)
         if revoke and not admin:

@@ -72,7 +72,7 @@ class _Signalled:
     user: str
     pidfd: int | None
     due: float
-    why: str = "unleased"  # or "drain": the GPU's lease was ended by the server (lease_server/drain.py)
+    why: str = "unleased"  # or "drain": the GPU's lease was ended by the server (lease_server/node/drain.py)
 
     def gone(self) -> bool:
         if self.pidfd is not None:

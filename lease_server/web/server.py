@@ -15,10 +15,10 @@ import tornado.httpserver
 import tornado.netutil
 import tornado.process
 
-from .agent import heartbeat_local
+from ..config import Settings
+from ..leasing.inventory import NodeInventory, register
+from ..node.agent import heartbeat_local
 from .api import Context, make_app
-from .config import Settings
-from .inventory import NodeInventory, register
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /api/v1/openapi.json.
 
 Request bodies and query parameters are not written here: they are generated from their one
-declaration in :mod:`lease_server.validate`, against which the server also checks every request.
+declaration in :mod:`lease_server.leasing.validate`, against which the server also checks every request.
 Every status an operation can answer is listed: the operation's own, plus those any request may
 get (a bad ``X-Gpulease-User`` or token, a body over the limit, Redis away, a path parameter of the
 wrong shape).
@@ -9,18 +9,64 @@ wrong shape).
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+import typing
+from typing import Annotated, Any, NotRequired, Required, get_args, get_origin, get_type_hints, is_typeddict
 
-from . import __version__, validate
-from .config import Settings
-from .protocol import ENDED_STATES, EndCause, LeaseState
+from .. import __version__
+from ..config import Settings
+from ..leasing import validate
+from ..protocol import ENDED_STATES, EndCauseJson, GpuJson, LeaseJson
 
-# What the board says of a GPU (lease_server/inventory.py).
+# What the board says of a GPU (lease_server/leasing/inventory.py).
 GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
+
+
+def schema_of_record(record: type, refs: dict[type, str] | None = None) -> dict[str, Any]:
+    """The JSON schema of a record declared as a TypedDict in :mod:`lease_server.protocol`: its
+    fields, which of them are required, its docstring and each Annotated field's description.
+    A record named in ``refs`` is a reference to that component, any other one is written inline."""
+    refs = refs or {}
+    hints = get_type_hints(record, include_extras=True)
+    props = {name: _schema_of(t, refs) for name, t in hints.items()}
+    out: dict[str, Any] = {"type": "object", "description": " ".join((record.__doc__ or "").split())}
+    # (read from the hints: with postponed annotations, __required_keys__ cannot see Required[...])
+    total = getattr(record, "__total__", True)
+    required = [n for n, t in hints.items() if _required(get_origin(t), total)]
+    if required:
+        out["required"] = required
+    out["properties"] = props
+    return out
+
+
+def _required(origin: Any, total: bool) -> bool:
+    return origin is Required or (total and origin is not NotRequired)
+
+
+def _schema_of(t: Any, refs: dict[type, str]) -> dict[str, Any]:
+    origin, args = get_origin(t), get_args(t)
+    if origin in (Required, NotRequired):
+        return _schema_of(args[0], refs)
+    if origin is Annotated:
+        return {**_schema_of(args[0], refs), "description": " ".join(str(args[1]).split())}
+    if t in refs:
+        return _ref(refs[t])
+    if is_typeddict(t):
+        return schema_of_record(t, refs)
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return {"type": "string", "enum": [m.value for m in t]}
+    if origin is list:
+        return {"type": "array", "items": _schema_of(args[0], refs)}
+    if origin is dict or t is typing.Any:
+        return {"type": "object"}
+    simple = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    if t in simple:
+        return {"type": simple[t]}
+    raise TypeError(f"no JSON schema for {t!r}: add it to openapi._schema_of")
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -102,66 +148,9 @@ def _response_schemas() -> dict[str, Any]:
             "required": ["code", "message"],
             "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {"type": "object"}},
         },
-        "Gpu": {"type": "object", "properties": {"index": {"type": "integer"}, "uuid": {"type": "string"}}},
-        "Lease": {
-            "type": "object",
-            "description": f"A lease, live (state active) or ended ({ENDED}); an ended lease stays readable for "
-            "the server's ended_retention, with ended_at, end_reason and ended_by",
-            "required": ["id", "user", "pool", "node", "gpus", "state", "expires_at"],
-            "properties": {
-                "id": {"type": "string"},
-                "token": {"type": "integer", "description": "Fencing token (owner only)"},
-                "user": {"type": "string"},
-                "pool": {"type": "string"},
-                "node": {"type": "string"},
-                "gpus": {"type": "array", "items": _ref("Gpu")},
-                "state": {"type": "string", "enum": [s.value for s in LeaseState]},
-                "label": {"type": "string"},
-                "session": {"type": "string"},
-                "ttl": num,
-                "created_at": num,
-                "renewed_at": num,
-                "expires_at": num,
-                "renewals": {"type": "integer"},
-                "waited": num,
-                "elastic": {
-                    "type": "object",
-                    "properties": {"min": {"type": "integer"}, "max": {"type": "integer"}},
-                    "description": "An elastic lease: the fewest and most GPUs it accepts (grow / shrink)",
-                },
-                "shrink_to": {
-                    "type": "integer",
-                    "description": "Asked to give GPUs back for a waiting request: the size the server "
-                    "shrinks it to at shrink_by (its highest-indexed GPUs go) unless its owner shrinks first",
-                },
-                "shrink_by": num,
-                "shrink_reason": {"type": "string"},
-                "warm_since": {
-                    **num,
-                    "description": "Kept warm for its notebook's next cell since then (POST .../warm): lent out "
-                    "if someone waits",
-                },
-                "warm_until": {**num, "description": "A warm lease ends then (the pool's warm_max)"},
-                "warm_gpu_s": {**num, "description": "GPU-seconds it was kept warm, charged apart from use"},
-                "ended_at": num,
-                "end_reason": {"type": "string"},
-                "ended_by": {"type": "string"},
-                "cause": {**_ref("EndCause"), "description": "Why it ended (an ended lease)"},
-                "recall_cause": {**_ref("EndCause"), "description": "Why it will end (a lease being recalled)"},
-                "changed": {"type": "boolean"},
-            },
-        },
-        "EndCause": {
-            "type": "object",
-            "description": "Why a lease ended (or will), for programs: end_reason and recall_reason are the "
-            "sentences for people",
-            "required": ["code", "by", "why"],
-            "properties": {
-                "code": {"type": "string", "enum": [c.value for c in EndCause]},
-                "by": {"type": "string", "description": "Who ended it: a user, or server / reclaimer"},
-                "why": {"type": "string", "description": "The plain reason, without advice; may be empty"},
-            },
-        },
+        "Gpu": schema_of_record(GpuJson),
+        "Lease": schema_of_record(LeaseJson, {GpuJson: "Gpu", EndCauseJson: "EndCause"}),
+        "EndCause": schema_of_record(EndCauseJson),
         "EndedLease": {
             "description": "What a release or revoke answers: the lease, ended (`changed` is false when it had "
             "ended already); or the withdrawn request, when the id named a request still waiting in the queue",

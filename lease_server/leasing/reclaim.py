@@ -25,13 +25,13 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from . import errors
-from .config import UNLEASED_ACTIONS
-from .engine import Engine
+from .. import errors
+from ..config import UNLEASED_ACTIONS
+from ..protocol import EventType
+from ..store.engine import Engine
+from ..store.scripts import GpuSample, IdleWarn, Keep, Reclaim, Samples
 from .inventory import pool_sizes
 from .lease import live_leases, read_lease
-from .protocol import EventType
-from .scripts import GpuSample, IdleWarn, Keep, Reclaim, Samples
 from .validate import check_gpu_sample
 
 log = logging.getLogger(__name__)

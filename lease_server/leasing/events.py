@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from .aio import cancel_and_wait
+from ..aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,12 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from . import errors
-from .keys import NAME_RE, Keys
+from .. import errors
+from ..protocol import ROLES
+from ..store.keys import NAME_RE, Keys
 
 log = logging.getLogger(__name__)
 
-# proxy: a trusted front end (the Jupyter server extension under JupyterHub) that acts for the
-# logged-in user it names in the X-Gpulease-User header.
-ROLES = ("user", "admin", "agent", "proxy")
 ACT_AS_HEADER = "X-Gpulease-User"
 CACHE_SECONDS = 5.0
 TOKEN_PREFIX = "glt_"

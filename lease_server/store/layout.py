@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .keys import Keys
 
 LAYOUT = 1  # this release's

@@ -28,11 +28,10 @@ from difflib import get_close_matches
 from functools import lru_cache
 from typing import Any
 
-from . import errors
-from .auth import ROLES
-from .config import PRIORITIES, Settings
-from .keys import NAME_RE
-from .protocol import EventType
+from .. import errors
+from ..config import PRIORITIES, Settings
+from ..protocol import ROLES, EventType
+from ..store.keys import NAME_RE
 
 MAX_GPUS_PER_REQUEST = 1024
 MAX_TEXT = 200

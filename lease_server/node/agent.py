@@ -20,13 +20,13 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from . import errors, protocol
+from .. import errors, protocol
+from ..leasing.inventory import Gpu, NodeInventory, default_node_name, register
+from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_sample
+from ..store.engine import Engine
+from ..store.layout import LAYOUT
 from .drain import Drainer, Draining, drained, draining_of
 from .enforce import Enforcer, uses_gpu_device
-from .engine import Engine
-from .inventory import Gpu, NodeInventory, default_node_name, register
-from .layout import LAYOUT
-from .reclaim import agent_samples, policies, record_kills, simulated_sample
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class NvmlSampler:
 
 async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
     """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the engine;
-    with ``unleased_action = "kill"`` it terminates unleased processes (lease_server/enforce.py)."""
+    with ``unleased_action = "kill"`` it terminates unleased processes (lease_server/node/enforce.py)."""
     interval = engine.settings.heartbeat_interval
     sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None

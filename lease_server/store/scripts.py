@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
-from . import errors
+from .. import errors
 from .keys import Keys
 
 

@@ -21,18 +21,23 @@ import tornado.web
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError as RedisResponseError
 
-from . import __version__, board, drain, errors, events, inventory, layout, metrics, reclaim, usage, validate
+from .. import __version__, errors
+from ..config import Settings
+from ..leasing import board, events, inventory, reclaim, usage, validate
+from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
+from ..leasing.queue import queue_view
+from ..leasing.reaper import Reaper
+from ..leasing.reservations import MAX_LIST_SPAN_S, Bookings, public_booking
+from ..leasing.validate import check_name
+from ..node import drain
+from ..node.rayauth import info_token
+from ..protocol import LeaseJson
+from ..store import layout
+from ..store.engine import Engine, connect, not_now
+from ..store.scripts import Acquire
+from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
-from .config import Settings
-from .engine import Engine, connect, not_now
-from .lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from .openapi import openapi_document
-from .queue import queue_view
-from .rayauth import info_token
-from .reaper import Reaper
-from .reservations import MAX_LIST_SPAN_S, Bookings, public_booking
-from .scripts import Acquire
-from .validate import check_name
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
@@ -264,9 +269,11 @@ class LeaseHandler(BaseHandler):
         self.reply(_ended_view(ended, changed, with_token=ended["user"] == me.user))
 
 
-def _ended_view(rec: dict[str, Any], changed: bool, *, with_token: bool) -> dict[str, Any]:
+def _ended_view(rec: dict[str, Any], changed: bool, *, with_token: bool) -> LeaseJson | dict[str, Any]:
     """The answer of a DELETE or revoke: the ended lease, or the request it withdrew from the queue."""
-    out = public_withdrawal(rec) if rec.get("state") == WITHDRAWN else public_lease(rec, with_token=with_token)
+    if rec.get("state") == WITHDRAWN:
+        return {**public_withdrawal(rec), "changed": changed}
+    out = public_lease(rec, with_token=with_token)
     out["changed"] = changed
     return out
 

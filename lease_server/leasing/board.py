@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .engine import Engine
+from ..store.engine import Engine
 from .reservations import Bookings
 
 

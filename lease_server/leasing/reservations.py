@@ -20,12 +20,12 @@ import secrets
 import time
 from typing import Any
 
-from . import errors
-from .engine import Engine
+from .. import errors
+from ..store.engine import Engine
+from ..store.keys import NAME_RE
+from ..store.scripts import Code, Reserve, Unreserve, fmt, span
 from .inventory import pool_sizes
-from .keys import NAME_RE
 from .lease import check_gpus, check_name, check_text
-from .scripts import Code, Reserve, Unreserve, fmt, span
 from .validate import check_owner, parse_time
 
 log = logging.getLogger(__name__)

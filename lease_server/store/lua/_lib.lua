@@ -2,14 +2,14 @@
 -- call's common arguments, events, free lists and the best-fit index, fair-share usage, the
 -- lease a caller owns), then _lib_bookings, _lib_recall, _lib_schedule, _lib_drain, _lib_warm,
 -- _lib_end and _lib_resize, in that order (a Lua local is defined before its callers).
--- lease_server/scripts.py prepends to each script the helpers it calls, or loads them all once as
+-- lease_server/store/scripts.py prepends to each script the helpers it calls, or loads them all once as
 -- one Redis Functions library. They define no entry point of their own; each script reads its
 -- own ARGV from ARGV[6] on.
 --
 -- KEYS: none of its own. Each script declares the keys it uses, its helpers' included, in its
--- header ("-- KEYS: leases deadlines ..."); lease_server/scripts.py binds them as K_<NAME> locals
+-- header ("-- KEYS: leases deadlines ..."); lease_server/store/scripts.py binds them as K_<NAME> locals
 -- (K_LEASES = KEYS[i]) and includes only the helpers below that the script calls, transitively.
--- What each key holds: lease_server/keys.py.
+-- What each key holds: lease_server/store/keys.py.
 -- Common ARGV:
 --   ARGV[1] = virtual "now" in ms, or "" to use Redis TIME (only the simulator passes a value)
 --   ARGV[2] = approximate maximum length of the event stream
@@ -17,7 +17,7 @@
 --   ARGV[4] = how long ended leases stay readable, ms
 --   ARGV[5] = the fencing epoch: Sentinel's config epoch of the primary the server found (0 without
 --             Sentinel); see next_token below
--- Return codes: lease_server/scripts.py's Code enum (tests/test_scripts.py checks the two agree).
+-- Return codes: lease_server/store/scripts.py's Code enum (tests/test_scripts.py checks the two agree).
 local OK, QUEUED, BUSY, NO_SUCH, ENDED, NOT_OWNER, STALE, EXPIRED = 0, 1, 2, 3, 4, 5, 6, 7
 local UNKNOWN_POOL, UNSATISFIABLE, DUPLICATE, UNKNOWN_NODE, REMOVED = 8, 9, 10, 11, 12
 local LIMIT, NOT_DUE, CLASH, WARNED, INVALID = 13, 14, 15, 16, 17

@@ -16,8 +16,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from .aio import cancel_and_wait
-from .keys import Keys
+from ..aio import cancel_and_wait
+from ..store.keys import Keys
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ import asyncio
 import logging
 from typing import Any
 
-from .aio import cancel_and_wait
+from ..aio import cancel_and_wait
+from ..protocol import EventType
+from ..store.scripts import SweepCounts
 from .events import LogQuery, read_log
 from .lease import LeaseStore
-from .protocol import EventType
 from .reclaim import Reclaimer
-from .scripts import SweepCounts
 
 log = logging.getLogger(__name__)
 

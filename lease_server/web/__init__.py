@@ -1,0 +1,1 @@
+"""The HTTP face: handlers, the OpenAPI document, tokens, metrics, the server process."""
