@@ -110,3 +110,28 @@ def test_the_acquire_request_and_its_wrapper_agree() -> None:
     renamed = {"ttl": "ttl_ms", "wait": "wait_ms"}  # seconds in the API, ms in Lua
     assert {renamed.get(n, n) for n in request} <= wrapper, request
     assert set(S.Acquire.TEXT) <= request
+
+
+def _lua_lease_fields() -> set[str]:
+    """Every field the scripts write on a lease record: the grant's table (``local lease = {...}``
+    in _lib_schedule.lua) and each assignment to ``lease.X`` / ``l.X``."""
+    fields: set[str] = set()
+    for path in LUA.iterdir():
+        if not path.name.endswith(".lua"):
+            continue
+        code = S._code_only(path.read_text())
+        table = re.search(r"local lease = \{(.*?)\n  \}", code, re.S)
+        if table:
+            fields |= set(re.findall(r"\b(\w+) = ", table.group(1)))
+        # a statement's targets: at a line's start or after then / do / else, before a single "="
+        for lhs in re.findall(r"(?:^|\bthen\b|\bdo\b|\belse\b)\s*([\w.,\s]+?)\s*=(?!=)", code, re.M):
+            fields |= set(re.findall(r"\b(?:lease|l)\.(\w+)", lhs))
+    return fields
+
+
+def test_the_lease_record_declares_every_field_the_lua_writes_and_no_other() -> None:
+    declared = set(S.LeaseRecord.__annotations__)
+    written = _lua_lease_fields()
+    assert {"id", "token", "waited_ms", "recall_code", "cause", "warm_since"} <= written  # the reader works
+    assert written - declared == set(), "declare these in store/scripts.py LeaseRecord"
+    assert declared - written == set(), "no script writes these: drop them from LeaseRecord"

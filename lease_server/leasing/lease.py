@@ -19,7 +19,13 @@ from redis.asyncio import Redis
 
 from .. import errors
 from ..config import PRIORITIES, Settings
-from ..protocol import GpuJson, LeaseJson, LeaseState  # the lease states: protocol owns them; importable from here too
+from ..protocol import (  # the lease states: protocol owns them; importable from here too
+    EndCause,
+    EndCauseJson,
+    GpuJson,
+    LeaseJson,
+    LeaseState,
+)
 from ..store.engine import Engine
 from ..store.keys import Keys
 from ..store.scripts import (
@@ -30,6 +36,7 @@ from ..store.scripts import (
     Granted,
     Handed,
     Handoff,
+    LeaseRecord,
     Queued,
     Release,
     Removed,
@@ -38,6 +45,7 @@ from ..store.scripts import (
     Sweep,
     SweepCounts,
     Warm,
+    lease_record,
     no_such_lease,
 )
 from .inventory import pool_sizes
@@ -55,14 +63,14 @@ def new_lease_id() -> str:
     return "l-" + secrets.token_hex(8)
 
 
-def _public_gpu(g: dict[str, Any]) -> GpuJson:
+def _public_gpu(g: GpuJson) -> GpuJson:
     out = GpuJson(index=int(g["index"]), uuid=g.get("uuid", ""))
     if "node" in g:
         out["node"] = g["node"]
     return out
 
 
-def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False) -> LeaseJson:
+def public_lease(rec: LeaseRecord, *, with_token: bool, detail: bool = False) -> LeaseJson:
     """The API's view of a lease record (:class:`protocol.LeaseJson`): times in epoch seconds, the
     token only for its owner."""
     out: LeaseJson = {
@@ -71,7 +79,7 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         "pool": rec["pool"],
         "node": rec["node"],
         "gpus": [_public_gpu(g) for g in rec["gpus"]],
-        "state": rec.get("state", LeaseState.ACTIVE.value),
+        "state": LeaseState(rec.get("state", LeaseState.ACTIVE.value)),
         "label": rec.get("label", ""),
         "session": rec.get("session", ""),
         "ttl": rec["ttl_ms"] / 1000,
@@ -109,7 +117,9 @@ def public_lease(rec: dict[str, Any], *, with_token: bool, detail: bool = False)
         out["recall_at"] = rec["recall_at"] / 1000
         out["recall_reason"] = rec.get("recall_reason", "")
         if rec.get("recall_code"):
-            out["recall_cause"] = {"code": rec["recall_code"], "by": "server", "why": rec.get("recall_why", "")}
+            out["recall_cause"] = EndCauseJson(
+                code=EndCause(rec["recall_code"]), by="server", why=rec.get("recall_why", "")
+            )
     if rec.get("warm_since"):
         # kept for its notebook's next cell: lent out if someone waits, ended at warm_until
         out["warm_since"] = rec["warm_since"] / 1000
@@ -153,18 +163,18 @@ def public_withdrawal(w: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def read_lease(engine: Engine, lease_id: str) -> dict[str, Any]:
+async def read_lease(engine: Engine, lease_id: str) -> LeaseRecord:
     """A live or recently ended lease record."""
     raw: Any = await engine.redis.hget(engine.keys.leases, lease_id)
     if raw is None:
         raw = await engine.redis.hget(engine.keys.ended, lease_id)
     if raw is None:
         raise no_such_lease(lease_id)
-    return dict(json.loads(raw))
+    return lease_record(raw)
 
 
-async def live_leases(engine: Engine) -> list[dict[str, Any]]:
-    return [json.loads(v) for v in await engine.redis.hvals(engine.keys.leases)]
+async def live_leases(engine: Engine) -> list[LeaseRecord]:
+    return [lease_record(v) for v in await engine.redis.hvals(engine.keys.leases)]
 
 
 class LeaseStore:
@@ -235,7 +245,7 @@ class LeaseStore:
         gpus_min: object = None,
         nodes: object = None,
         **text: object,
-    ) -> dict[str, Any]:
+    ) -> LeaseRecord:
         """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
 
         ``text``: the request's free-text fields (``Acquire.TEXT``: label, session, notebook, cell),
@@ -296,8 +306,8 @@ class LeaseStore:
                 # A retried request (same id, same user) whose grant already happened: return it,
                 # so a client may safely resend a POST whose answer it lost.
                 raw = await self.redis.hget(self.keys.leases, lid)
-                if raw and json.loads(raw)["user"] == user:
-                    return dict(json.loads(raw))
+                if raw and (dup := lease_record(raw))["user"] == user:
+                    return dup
                 raise errors.Conflict(f"request id {lid!r} is already in use; send a new id, or none")
             assert isinstance(got, Queued) and waiter is not None
             position = got.position
@@ -313,7 +323,7 @@ class LeaseStore:
 
     async def _wait_for_grant(
         self, user: str, lid: str, pool: str, n: int, wait_s: float, waiter: asyncio.Event
-    ) -> dict[str, Any]:
+    ) -> LeaseRecord:
         deadline = time.monotonic() + wait_s
         while True:
             remaining = deadline - time.monotonic()
@@ -347,7 +357,7 @@ class LeaseStore:
                 return rec
             raise
 
-    async def _settled(self, lid: str) -> dict[str, Any] | None:
+    async def _settled(self, lid: str) -> LeaseRecord | None:
         """What became of a queued request: its lease once granted, None while it still waits.
 
         Raises :class:`errors.Withdrawn` when it left the queue without a grant, and
@@ -361,7 +371,7 @@ class LeaseStore:
             pipe.hget(self.keys.ended, lid)
             raw, queued, ended = await pipe.execute()
         if raw:
-            return dict(json.loads(raw))
+            return lease_record(raw)
         if queued:
             return None
         if ended:
@@ -380,7 +390,7 @@ class LeaseStore:
 
     async def cancel_wait(
         self, user: str, lid: str, pool: str = "", n: int = 0, wait_s: float = 0.0, *, reason: str = "cancelled"
-    ) -> dict[str, Any]:
+    ) -> LeaseRecord:
         """Leave the queue. A grant that raced ahead is returned (the caller now holds it).
         Only the request's own user may cancel it."""
         got = await self.engine.run(CancelWait(lid, reason, user))
@@ -404,7 +414,7 @@ class LeaseStore:
         admin: bool = False,
         ttl: object = None,
         activity: object = None,
-    ) -> dict[str, Any]:
+    ) -> LeaseRecord:
         """Extend a live lease by ``ttl`` seconds from now (default: its own ttl).
 
         ``activity`` ({"executing": bool}) is what the holder is doing: a signal of the idle score.
@@ -423,7 +433,7 @@ class LeaseStore:
             act = json.dumps(
                 {"executing": bool(activity.get("executing")), "source": str(activity.get("source", ""))[:40]}
             )
-        rec: dict[str, Any] = await self.engine.run(Renew(lease_id, tok, user, admin, int(ttl_s * 1000), act))
+        rec = await self.engine.run(Renew(lease_id, tok, user, admin, int(ttl_s * 1000), act))
         return rec
 
     async def release(
@@ -436,7 +446,7 @@ class LeaseStore:
         revoke: bool | None = False,
         reason: str = "",
         verified: bool = False,
-    ) -> tuple[dict[str, Any], bool]:
+    ) -> tuple[LeaseRecord | dict[str, Any], bool]:
         """End a lease. Returns (record, changed): releasing an ended lease changes nothing.
 
         ``revoke=None`` decides in the script: an admin ending another user's lease revokes it
@@ -482,7 +492,7 @@ class LeaseStore:
 
     async def resize(
         self, lease_id: str, user: str, token: object, gpus: object, size: object = None, *, grow: bool
-    ) -> dict[str, Any]:
+    ) -> LeaseRecord:
         """Grow (``grow``) or shrink the owner's lease by ``gpus`` GPUs, on its node. A grow adds
         the lowest free indexes, all or none, up to the elastic maximum it asked for; refused with
         409, changing nothing, when that would delay anyone (someone waits in the pool, a booking
@@ -492,26 +502,26 @@ class LeaseStore:
         tok = self._token(token, required=True)
         n = check_gpus(gpus)
         seen = None if size is None else check_gpus(size, "size")
-        rec: dict[str, Any] = await self.engine.run(Resize(lease_id, tok, user, n if grow else -n, seen))
+        rec: LeaseRecord = await self.engine.run(Resize(lease_id, tok, user, n if grow else -n, seen))
         log.info("%s %s user=%s by %d to %d GPU(s)", "grown" if grow else "shrunk", lease_id, user, n, len(rec["gpus"]))
         return rec
 
-    async def warm(self, lease_id: str, user: str, token: object, on: bool) -> dict[str, Any]:
+    async def warm(self, lease_id: str, user: str, token: object, on: bool) -> LeaseRecord:
         """Keep the owner's one-node lease warm between cells (``on``): lendable, evicted for
         anyone who would otherwise wait, ended warm_max after; or run a cell on it again (not
         ``on``), refused with 409 once it is being evicted. See ``lua/warm.lua``."""
         tok = self._token(token, required=True)
-        rec: dict[str, Any] = await self.engine.run(Warm(lease_id, tok, user, bool(on)))
+        rec: LeaseRecord = await self.engine.run(Warm(lease_id, tok, user, bool(on)))
         log.info("%s %s user=%s", "warm" if on else "resumed", lease_id, user)
         return rec
 
     _token = staticmethod(check_token)
 
-    async def get(self, lease_id: str) -> dict[str, Any]:
+    async def get(self, lease_id: str) -> LeaseRecord:
         """A live or recently ended lease record."""
         return await read_lease(self.engine, lease_id)
 
-    async def live_leases(self) -> list[dict[str, Any]]:
+    async def live_leases(self) -> list[LeaseRecord]:
         return await live_leases(self.engine)
 
     async def sweep(self, limit: int = 500, now_ms: int | None = None) -> SweepCounts:

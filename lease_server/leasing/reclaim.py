@@ -29,7 +29,7 @@ from .. import errors
 from ..config import UNLEASED_ACTIONS
 from ..protocol import EventType
 from ..store.engine import Engine
-from ..store.scripts import GpuSample, IdleWarn, Keep, Reclaim, Samples
+from ..store.scripts import GpuSample, IdleWarn, Keep, LeaseRecord, Reclaim, Samples
 from .inventory import pool_sizes
 from .lease import live_leases, read_lease
 from .validate import check_gpu_sample
@@ -344,7 +344,7 @@ class GpuState:
 
 
 def idle_verdict(
-    lease: dict[str, Any],
+    lease: LeaseRecord,
     gpus: dict[int, GpuState],
     policy: Policy,
     now_ms: int,
@@ -405,7 +405,7 @@ class Reclaimer:
         warned = reclaimed = 0
         next_due = math.inf
 
-        def is_due(lease: dict[str, Any]) -> bool:
+        def is_due(lease: LeaseRecord) -> bool:
             return bool(lease.get("reclaim_at")) and lease["reclaim_at"] <= now_ms
 
         # One round trip for the sample summary of every leased GPU.
@@ -469,14 +469,14 @@ class Reclaimer:
         return out
 
     @staticmethod
-    def _busy_since(lease: dict[str, Any], states: dict[str, GpuState], since_ms: float) -> bool:
+    def _busy_since(lease: LeaseRecord, states: dict[str, GpuState], since_ms: float) -> bool:
         for g in lease["gpus"]:
             st = states.get(f"{lease['node']}/{g['index']}")
             if st is not None and st.busy_at is not None and st.busy_at * 1000 >= since_ms:
                 return True
         return False
 
-    async def _clear(self, lease: dict[str, Any], pol: Policy) -> None:
+    async def _clear(self, lease: LeaseRecord, pol: Policy) -> None:
         kept = await self.engine.run(Keep(lease["id"], lease["user"], True, pol.max_extensions, auto=True))
         # Cleared now (not kept by its owner first: that counts an extension).
         if kept.get("kept_at") != lease.get("kept_at") and kept.get("extensions") == lease.get("extensions"):
@@ -484,7 +484,7 @@ class Reclaimer:
                 "idle cleared %s user=%s pool=%s: its GPUs are busy again", lease["id"], lease["user"], lease["pool"]
             )
 
-    async def _fill_windows(self, lease: dict[str, Any], gpus: dict[int, GpuState]) -> None:
+    async def _fill_windows(self, lease: LeaseRecord, gpus: dict[int, GpuState]) -> None:
         k = self.engine.keys
         async with self.engine.redis.pipeline(transaction=False) as p:
             for idx in gpus:
@@ -493,7 +493,7 @@ class Reclaimer:
         for st, raw in zip(gpus.values(), raws, strict=True):
             st.window = parse_window(raw)
 
-    async def _evidence(self, lease: dict[str, Any], pol: Policy, now_ms: int) -> dict[str, Any]:
+    async def _evidence(self, lease: LeaseRecord, pol: Policy, now_ms: int) -> dict[str, Any]:
         """The warning's evidence, brought up to now: the samples since, and how long idle."""
         evidence = dict(lease.get("idle_evidence") or {})
         gpus = {int(g["index"]): GpuState(None, None, None) for g in lease["gpus"]}
@@ -528,11 +528,11 @@ class Reclaimer:
                 pass
 
 
-async def keep(engine: Engine, lease_id: str, user: str, admin: bool) -> dict[str, Any]:
+async def keep(engine: Engine, lease_id: str, user: str, admin: bool) -> LeaseRecord:
     """ "I'm still using it": reset the idle clock (limited per lease)."""
     rec = await read_lease(engine, lease_id)
     pol = (await policies(engine)).get(rec["pool"], Policy.from_settings(engine))
-    kept: dict[str, Any] = await engine.run(Keep(lease_id, user, admin, pol.max_extensions))
+    kept = await engine.run(Keep(lease_id, user, admin, pol.max_extensions))
     log.info(
         "idle kept %s user=%s by=%s extensions=%s/%s",
         lease_id,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..store.engine import Engine
-from ..store.scripts import Drained, Procs
+from ..store.scripts import Drained, LeaseRecord, Procs
 from .enforce import Enforcer
 
 log = logging.getLogger(__name__)
@@ -93,14 +93,14 @@ async def draining_of(engine: Engine, node: str, indexes: list[int]) -> list[Dra
 
 async def drained(engine: Engine, node: str, lease: str, indexes: list[int], killed: int = 0) -> int:
     """Report ``indexes`` of ``node`` clean of ``lease``'s processes; returns the GPUs freed."""
-    return int(await engine.run(Drained(node, lease, json.dumps(sorted(set(indexes))), killed)))
+    return await engine.run(Drained(node, lease, json.dumps(sorted(set(indexes))), killed))
 
 
 async def register_procs(
     engine: Engine, lease_id: str, token: str, user: str, procs: list[dict[str, Any]]
-) -> dict[str, Any]:
+) -> LeaseRecord:
     """The holder names its lease's processes: ``[{node, pid, start, gpus}]``."""
-    out: dict[str, Any] = await engine.run(Procs(lease_id, token, user, json.dumps(procs, separators=(",", ":"))))
+    out = await engine.run(Procs(lease_id, token, user, json.dumps(procs, separators=(",", ":"))))
     return out
 
 

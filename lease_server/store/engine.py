@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..config import Settings
 from ..errors import ConfigurationError, ServerUnavailable
 from .keys import Keys
-from .scripts import Code, Common, Samples, ScriptCall, Scripts
+from .scripts import Code, Common, R, Samples, ScriptCall, Scripts
 
 # Redis's answers that mean "not now": a failover (READONLY from a demoted primary, MASTERDOWN from a
 # replica that lost it, NOREPLICAS while min-replicas-to-write is unmet), an AOF still loading, a
@@ -301,7 +301,7 @@ class Engine:
         epoch = fencing_epoch(self.redis)
         return Common(now_ms, s.event_log_max, s.fair_share_half_life, int(s.ended_retention * 1000), epoch)
 
-    async def run(self, call: ScriptCall, now_ms: int | None = None) -> Any:
+    async def run(self, call: ScriptCall[R], now_ms: int | None = None) -> R:
         """Run a lifecycle script; ``now_ms`` is a virtual clock (the simulator), else Redis TIME.
         Returns the wrapper's typed reply, or raises its typed error."""
         return await self.scripts.call(call, self.common(now_ms))

@@ -27,14 +27,17 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Generic, NamedTuple, Required, TypedDict, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
 
 from .. import errors
+from ..protocol import ElasticJson, EndCauseJson, GpuJson
 from .keys import Keys
+
+R = TypeVar("R")  # a script call's decoded reply
 
 
 class Code(enum.IntEnum):
@@ -250,15 +253,16 @@ def _getter(cls: type) -> Any:
     return get
 
 
-class ScriptCall:
-    """One call of one script: its fields are the script's own ARGV (from ``ARGV[6]``), in order."""
+class ScriptCall(Generic[R]):
+    """One call of one script: its fields are the script's own ARGV (from ``ARGV[6]``), in order;
+    ``R`` is the type of its decoded reply (what :meth:`Engine.run` returns for it)."""
 
     script: ClassVar[str]
 
     def argv(self) -> list[Any]:
         return [_wire(v) for v in _getter(type(self))(self)]
 
-    def reply(self, code: Code, rest: list[Any]) -> Any:
+    def reply(self, code: Code, rest: list[Any]) -> R:
         raise NotImplementedError
 
     def unexpected(self, code: Code) -> errors.GpuLeaseError:
@@ -268,6 +272,66 @@ class ScriptCall:
 def _json(raw: Any) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(raw)
     return out
+
+
+class LeaseRecord(TypedDict, total=False):
+    """A lease as the Lua keeps it (``leases`` and ``ended`` hashes; times in ms): every field the
+    scripts write, declared once (tests/test_scripts.py checks the two agree). The API's view of it
+    is :class:`protocol.LeaseJson`, built by ``leasing.lease.public_lease``."""
+
+    id: Required[str]
+    token: Required[int]
+    user: Required[str]
+    pool: Required[str]
+    node: Required[str]
+    gpus: Required[list[GpuJson]]
+    state: Required[str]
+    ttl_ms: Required[int]
+    created_at: Required[int]
+    expires_at: Required[int]
+    label: str
+    session: str
+    notebook: str
+    cell: str
+    teams: str  # comma-separated: a "team:NAME" booking serves its members
+    priority: int
+    renewed_at: int
+    renewals: int
+    waited_ms: int
+    nodes: list[str]  # a multi-node gang's
+    resv: str  # the booking it is served from
+    borrowed: bool
+    preemptible: bool
+    elastic: ElasticJson
+    gpu_ms: float  # GPU-time held at earlier sizes (an elastic lease)
+    sized_at: int
+    activity: dict[str, Any]
+    activity_at: int
+    procs: list[dict[str, Any]]
+    warned_at: int
+    reclaim_at: int
+    kept_at: int
+    extensions: int
+    idle_evidence: dict[str, Any]
+    recall_at: int
+    recall_reason: str
+    recall_code: str
+    recall_why: str
+    shrink_to: int
+    shrink_by: int
+    shrink_reason: str
+    warm_since: int
+    warm_until: int
+    warm_ms: float
+    ended_at: int
+    end_reason: str
+    ended_by: str
+    cause: EndCauseJson
+
+
+def lease_record(raw: Any) -> LeaseRecord:
+    """A lease record from its stored JSON (or a script's reply)."""
+    return cast(LeaseRecord, json.loads(raw))
 
 
 def no_such_lease(lease_id: str) -> errors.NoSuchLease:
@@ -302,7 +366,7 @@ def _ended(lease_id: str, raw: Any) -> errors.LeaseEnded:
 
 @dataclass(frozen=True)
 class Granted:
-    lease: dict[str, Any]
+    lease: LeaseRecord
 
 
 @dataclass(frozen=True)
@@ -316,7 +380,7 @@ class Duplicate:
 
 
 @dataclass(frozen=True)
-class Acquire(ScriptCall):
+class Acquire(ScriptCall[Granted | Queued | Duplicate]):
     script: ClassVar[str] = "acquire"
     # The free-text fields a request sets as it is (checked as text, passed on by name): a new one
     # is a field here, its line in the script, and its entry in the request schema (validate.py).
@@ -344,7 +408,7 @@ class Acquire(ScriptCall):
 
     def reply(self, code: Code, rest: list[Any]) -> Granted | Queued | Duplicate:
         if code is Code.OK:
-            return Granted(_json(rest[0]))
+            return Granted(lease_record(rest[0]))
         if code is Code.QUEUED:
             return Queued(int(rest[0]))
         if code is Code.DUPLICATE:
@@ -405,7 +469,7 @@ class Removed:
 
 
 @dataclass(frozen=True)
-class CancelWait(ScriptCall):
+class CancelWait(ScriptCall[Granted | Removed]):
     script: ClassVar[str] = "cancel_wait"
     id: str
     reason: str  # "timeout" | "cancelled"
@@ -413,7 +477,7 @@ class CancelWait(ScriptCall):
 
     def reply(self, code: Code, rest: list[Any]) -> Granted | Removed:
         if code is Code.OK:
-            return Granted(_json(rest[0]))
+            return Granted(lease_record(rest[0]))
         if code is Code.REMOVED:
             return Removed(int(rest[0]))
         if code is Code.NO_SUCH:
@@ -424,7 +488,7 @@ class CancelWait(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Renew(ScriptCall):
+class Renew(ScriptCall[LeaseRecord]):
     script: ClassVar[str] = "renew"
     id: str
     token: str
@@ -433,9 +497,9 @@ class Renew(ScriptCall):
     ttl_ms: int  # 0: the lease's own ttl
     activity: str = ""  # JSON {"executing": ..., "source": ...} or ""
 
-    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+    def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
-            return _json(rest[0])
+            return lease_record(rest[0])
         if code in (Code.ENDED, Code.EXPIRED):
             raise _ended(self.id, rest[0])
         if code is Code.NO_SUCH:
@@ -451,12 +515,12 @@ class Renew(ScriptCall):
 class Ended:
     """A release's answer: the ended record, and whether this call ended it (else it had ended)."""
 
-    record: dict[str, Any]
+    record: LeaseRecord
     changed: bool
 
 
 @dataclass(frozen=True)
-class Release(ScriptCall):
+class Release(ScriptCall[Ended | Removed]):
     script: ClassVar[str] = "release"
     id: str
     token: str  # "": ownership alone suffices
@@ -470,7 +534,7 @@ class Release(ScriptCall):
 
     def reply(self, code: Code, rest: list[Any]) -> Ended | Removed:
         if code in (Code.OK, Code.ENDED):
-            return Ended(_json(rest[0]), code is Code.OK)
+            return Ended(lease_record(rest[0]), code is Code.OK)
         if code is Code.REMOVED:
             return Removed(int(rest[0]), _json(rest[1]))
         if code is Code.NO_SUCH:
@@ -486,12 +550,12 @@ class Release(ScriptCall):
 class Handed:
     """A handoff's answer: the lease it ended and the lease it granted in the same step."""
 
-    ended: dict[str, Any]
-    lease: dict[str, Any]
+    ended: LeaseRecord
+    lease: LeaseRecord
 
 
 @dataclass(frozen=True)
-class Handoff(ScriptCall):
+class Handoff(ScriptCall[Handed]):
     """End lease ``id`` and grant its GPUs to its owner's queued request ``to`` in one step, when
     releasing could not have given them to anyone else (``lua/handoff.lua``); else change nothing
     and raise :class:`errors.Conflict` saying why."""
@@ -504,7 +568,7 @@ class Handoff(ScriptCall):
 
     def reply(self, code: Code, rest: list[Any]) -> Handed:
         if code is Code.OK:
-            return Handed(_json(rest[0]), _json(rest[1]))
+            return Handed(lease_record(rest[0]), lease_record(rest[1]))
         if code is Code.BUSY:
             raise errors.Conflict(f"lease {self.id} was not handed on: {rest[0]}; release it instead")
         if code is Code.ENDED:
@@ -519,7 +583,7 @@ class Handoff(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Resize(ScriptCall):
+class Resize(ScriptCall[LeaseRecord]):
     """Grow or shrink the owner's live lease ``id`` on its own node by ``gpus`` (``lua/resize.lua``):
     ``gpus > 0`` adds that many to an elastic lease, all or none, when that delays no one;
     ``gpus < 0`` gives back its highest-indexed GPUs (at least one stays: to give back all,
@@ -535,9 +599,9 @@ class Resize(ScriptCall):
     gpus: int  # > 0: GPUs to add; < 0: GPUs to give back
     size: int | None = None  # the GPUs the caller saw it hold: a resend is then harmless
 
-    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+    def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
-            return _json(rest[0])
+            return lease_record(rest[0])
         if code is Code.BUSY:
             did = f"did not {'grow' if self.gpus > 0 else 'shrink'} by {abs(self.gpus)} GPU(s)"
             raise errors.Conflict(f"lease {self.id} {did}: {rest[0]}; nothing changed")
@@ -568,7 +632,7 @@ class SweepCounts(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Sweep(ScriptCall):
+class Sweep(ScriptCall[SweepCounts]):
     script: ClassVar[str] = "sweep"
     limit: int
     waiter_grace_ms: int
@@ -580,7 +644,7 @@ class Sweep(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Register(ScriptCall):
+class Register(ScriptCall[str]):
     script: ClassVar[str] = "register"
     node: str
     inventory: str  # JSON, or "" for a heartbeat of a registered node
@@ -598,7 +662,7 @@ class Register(ScriptCall):
 
 
 @dataclass(frozen=True)
-class IdleWarn(ScriptCall):
+class IdleWarn(ScriptCall[dict[str, Any] | None]):
     """Warn an idle lease's holder. ``reply`` is the warned lease, or None when there is nothing to
     do (released meanwhile, renewed into a newer grant, already warned)."""
 
@@ -617,7 +681,7 @@ class IdleWarn(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Reclaim(ScriptCall):
+class Reclaim(ScriptCall[dict[str, Any] | None]):
     """Take back a warned lease. ``reply``: its ended record, or None when it was released, renewed
     into a newer grant or kept meanwhile."""
 
@@ -635,7 +699,7 @@ class Reclaim(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Keep(ScriptCall):
+class Keep(ScriptCall[LeaseRecord]):
     script: ClassVar[str] = "keep"
     id: str
     user: str
@@ -646,9 +710,9 @@ class Keep(ScriptCall):
     def argv(self) -> list[Any]:
         return [self.id, self.user, _wire(self.admin), self.max_extensions, "auto" if self.auto else ""]
 
-    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+    def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
-            return _json(rest[0])
+            return lease_record(rest[0])
         if code is Code.LIMIT:
             raise errors.Conflict(
                 f"lease {self.id} was already kept {rest[0]} times, the most its pool allows; "
@@ -668,7 +732,7 @@ class Keep(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Warm(ScriptCall):
+class Warm(ScriptCall[LeaseRecord]):
     """The owner keeps a finished cell's lease warm (``on``: its worker stays for the next cell,
     its GPUs lent to whoever would otherwise wait), or runs a cell on it again (not ``on``)."""
 
@@ -681,9 +745,9 @@ class Warm(ScriptCall):
     def argv(self) -> list[Any]:
         return [self.id, self.token, self.user, _wire(self.on)]
 
-    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+    def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
-            return _json(rest[0])
+            return lease_record(rest[0])
         if code is Code.BUSY:
             what = "kept warm" if self.on else "run again"
             raise errors.Conflict(f"lease {self.id} cannot be {what}: {rest[0]}; release it and acquire again")
@@ -699,7 +763,7 @@ class Warm(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Procs(ScriptCall):
+class Procs(ScriptCall[LeaseRecord]):
     """The holder names the processes on its lease's GPUs (``procs``: JSON list of
     ``{node, pid, start, gpus}``): what the node agent must see gone if the server ends the lease."""
 
@@ -709,9 +773,9 @@ class Procs(ScriptCall):
     user: str
     procs: str
 
-    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
+    def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
-            return _json(rest[0])
+            return lease_record(rest[0])
         if code is Code.ENDED:
             raise _ended(self.id, rest[0])
         if code is Code.NO_SUCH:
@@ -729,7 +793,7 @@ class Procs(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Drained(ScriptCall):
+class Drained(ScriptCall[int]):
     """A node agent reports ``gpus`` (JSON list of indexes) of ``node`` clean of ``lease``'s
     processes (``lease`` "": of any): they turn free and the queue is served. Reply: GPUs freed."""
 
@@ -805,7 +869,7 @@ def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.Reservati
 
 
 @dataclass(frozen=True)
-class Reserve(ScriptCall):
+class Reserve(ScriptCall[dict[str, Any]]):
     script: ClassVar[str] = "reserve"
     mode: str  # "create" | "edit" | "check"
     booking: str  # JSON, validated by reservations.py
@@ -845,7 +909,7 @@ class Reserve(ScriptCall):
 
 
 @dataclass(frozen=True)
-class Unreserve(ScriptCall):
+class Unreserve(ScriptCall[dict[str, Any]]):
     script: ClassVar[str] = "unreserve"
     id: str
     action: str  # "cancel" | "end"
@@ -963,7 +1027,7 @@ class Scripts:
     def keys_of(self, script: str) -> list[str]:
         return self._keys[script]
 
-    async def call(self, call: ScriptCall, common: Common) -> Any:
+    async def call(self, call: ScriptCall[R], common: Common) -> R:
         """Run ``call`` and return its typed reply (or raise its typed error)."""
         code, rest = await self.raw(call, common)
         return call.reply(code, rest)

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import tornado.iostream
 import tornado.web
@@ -34,7 +34,7 @@ from ..node.rayauth import info_token
 from ..protocol import LeaseJson
 from ..store import layout
 from ..store.engine import Engine, connect, not_now
-from ..store.scripts import Acquire
+from ..store.scripts import Acquire, LeaseRecord
 from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
 from .openapi import openapi_document
@@ -269,11 +269,11 @@ class LeaseHandler(BaseHandler):
         self.reply(_ended_view(ended, changed, with_token=ended["user"] == me.user))
 
 
-def _ended_view(rec: dict[str, Any], changed: bool, *, with_token: bool) -> LeaseJson | dict[str, Any]:
+def _ended_view(rec: LeaseRecord | dict[str, Any], changed: bool, *, with_token: bool) -> LeaseJson | dict[str, Any]:
     """The answer of a DELETE or revoke: the ended lease, or the request it withdrew from the queue."""
     if rec.get("state") == WITHDRAWN:
-        return {**public_withdrawal(rec), "changed": changed}
-    out = public_lease(rec, with_token=with_token)
+        return {**public_withdrawal(dict(rec)), "changed": changed}
+    out = public_lease(cast(LeaseRecord, rec), with_token=with_token)
     out["changed"] = changed
     return out
 
