@@ -46,11 +46,12 @@ from lease_server import errors
 from lease_server.client import Lease
 
 from .calls import RESIZED, Call
-from .grant import Grant, Rank, wait_ranks_started
+from .grant import Grant
 from .options import Options
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError
 from .session import Worker
 from .worker import Resize, elastic_step
+from .world import Rank, wait_ranks_started
 
 if TYPE_CHECKING:
     from .calls import Result

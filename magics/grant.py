@@ -1,4 +1,4 @@
-"""A call's lease, from the request to the verified release, and the world of workers it runs on.
+"""A call's lease, from the request to the verified release.
 
 :class:`Grant` is the one place that takes a lease (showing the queue, withdrawing the request on
 Stop), keeps it renewed, follows it (ending the workers when someone else ends it) and, whatever
@@ -7,13 +7,11 @@ happened, kills the workers, sees their processes gone and only then releases it
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from lease_server import errors, protocol
@@ -21,15 +19,15 @@ from lease_server.client import Client, HeldLease, Lease
 
 from .calls import Where, event_client
 from .options import Options
-from .outcomes import UI, GpuTrainError, Running, Waiting, _first_line, _join, describe_end
-from .session import GANG_BUNDLE_SHARE, Session, Worker
+from .outcomes import UI, Running, Waiting, _join, describe_end
+from .relay import Relay
+from .session import READY_WAIT_S, Session
 from .worker import verify_gone
+from .world import Rank
 
 log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
-READY_WAIT_S = 5.0  # how long the release waits to learn a starting worker's pid
 FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
-PRELOAD_WAIT_S = 120.0  # a spare still importing what earlier cells imported: the cell waits for it
 WITHDRAW_AGAIN_S = 0.25  # a cancelled request whose POST had not reached the server: withdrawn again
 
 
@@ -57,111 +55,6 @@ class Cancel:
     def _wait(self, done: Callable[[], bool]) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self.requested or done())
-
-
-class Relay:
-    """Keeps a finished call's worker process for its owner's next request on the same GPUs: a
-    sweep's next trial then starts at once instead of on a fresh process (Ray Tune's
-    ``reuse_actors``, with the lease server deciding). Only when the lease server grants that
-    request exactly those GPUs in the same step as it ends the finished call's lease
-    (``lua/handoff.lua``: nobody else waits in the pool), so no other holder ever meets the process.
-
-    ``next_requests(lease_id)`` names the requests that may get the GPUs (the sweep's queued
-    trials; the server gives them to the pool's oldest waiter, which must be one of them). A
-    request that will never run here is :meth:`drop`-ped first, which ends a process kept for it
-    (seen gone) before its lease can be released; after that no process is handed to it."""
-
-    def __init__(self, sess: Session, next_requests: Callable[[str], list[str]]) -> None:
-        self.sess = sess
-        self.next_requests = next_requests
-        self._lock = threading.Lock()
-        self._kept: dict[str, tuple[Worker, str, list[int]]] = {}
-        self._closed: set[str] = set()
-        self.handed = 0
-        self.refused: collections.Counter[str] = collections.Counter()  # why not, by reason
-
-    def pass_on(self, grant: Grant) -> str | None:
-        """Hand ``grant``'s lease and its one worker to the next request; its id, or None (then the
-        caller ends the worker and releases the lease as usual)."""
-        import ray
-
-        held, rank = grant.held, grant.ranks[0]
-        if held is None:
-            return None
-        rids = self.next_requests(held.lease.id)
-        if not rids:
-            return None
-        try:
-            if not ray.get(rank.worker.handle.recycle.remote(), timeout=READY_WAIT_S):
-                return None
-        except Exception:  # noqa: BLE001 - the process is not fit for another call: end it
-            return None
-        indexes = [g["index"] for g in held.lease.gpus]
-        with self._lock:  # a drop() of a request waits for this, so it sees the worker kept for it
-            rids = [r for r in rids if r not in self._closed][:64]
-            if not rids:
-                return None
-            try:
-                new = held.hand_off(rids)
-            except errors.GpuLeaseError as exc:
-                self.refused[str(exc.message).split(": ", 1)[-1].split(";")[0]] += 1
-                log.debug("no handoff of %s: %s", held.lease.id, exc)
-                return None
-            self._kept[new.id] = (rank.worker, held.lease.node, indexes)
-            self.handed += 1
-        return new.id
-
-    def claim(self, lease: Lease) -> Worker | None:
-        """The worker kept for ``lease`` (its request's id), if its GPUs are exactly the lease's."""
-        with self._lock:
-            self._closed.add(lease.id)
-            kept = self._kept.pop(lease.id, None)
-        if kept is None:
-            return None
-        worker, node, indexes = kept
-        if node == lease.node and indexes == [g["index"] for g in lease.gpus]:
-            return worker
-        self._end(worker, node, indexes)
-        return None
-
-    def drop(self, rid: str) -> None:
-        """``rid`` will not run here (withdrawn, stopped): end any worker kept for it and see its
-        process gone, before anyone releases the lease it may have been handed."""
-        with self._lock:
-            self._closed.add(rid)
-            kept = self._kept.pop(rid, None)
-        if kept is not None:
-            self._end(*kept)
-
-    def close(self) -> None:
-        with self._lock:
-            kept, self._kept = list(self._kept.values()), {}
-        for k in kept:
-            self._end(*k)
-
-    def _end(self, worker: Worker, node: str, indexes: list[int]) -> None:
-        import ray
-
-        try:
-            where = worker.where(timeout=READY_WAIT_S)
-        except Exception:  # noqa: BLE001
-            where = None
-        with contextlib.suppress(Exception):
-            ray.kill(worker.handle, no_restart=True)
-        if where is not None:
-            if where.machine == self.sess.machine:
-                verify_gone(where.pid, [], indexes)
-            else:
-                with contextlib.suppress(Exception):
-                    ray.get(self.sess.spare(node).handle.reap.remote(where.pid, [], indexes), timeout=30)
-
-
-@dataclass
-class Rank:
-    node: str
-    local: int
-    env: dict[str, str]
-    worker: Worker
 
 
 class Grant:
@@ -558,92 +451,3 @@ def _acquire_cancellable(
 
 
 # ---- starting the world of workers ---------------------------------------------------------------
-
-
-def start_world(sess: Session, grant: Grant, opts: Options) -> None:
-    """One worker for a one-node or CPU call; one per GPU in a placement group for a gang."""
-    lease = grant.lease
-    if lease is None:
-        grant.ranks = [Rank("cpu", 0, grant.env("cpu"), sess.new_worker(None, num_cpus=1))]
-        return
-    if not (opts.nodes and opts.nodes > 1):
-        kept = grant.relay.claim(lease) if grant.relay is not None and not grant.cpu else None
-        worker = kept or sess.take_worker(lease.node)
-        if worker.preloaded is not None:  # it is importing what earlier cells imported: the cell would too
-            import ray
-
-            ray.wait([worker.preloaded], timeout=PRELOAD_WAIT_S)
-        grant.ranks = [Rank(lease.node, 0, grant.env(lease.node), worker)]
-        return
-    _start_gang(sess, grant)
-
-
-def _start_gang(sess: Session, grant: Grant) -> None:
-    """A multi-node gang: one rank per leased GPU, numbered node by node in the lease's order.
-    A Ray placement group reserves a bundle per rank on the leased nodes, all or nothing; if Ray
-    cannot place (or start) every rank within ``gang_start_timeout``, none runs the call. Every
-    rank sees its node's leased GPUs and the ``torch.distributed`` variables."""
-    from ray.util import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    lease = grant.lease
-    assert lease is not None
-    parts = lease.parts()
-    order = [n for n in lease.nodes if n in parts] + [n for n in parts if n not in lease.nodes]
-    places = [(node, local) for node in order for local in range(len(parts[node]))]
-    shares = [sess.node_share(node) for node, _ in places]
-    grant.pg = placement_group(
-        [share or {"CPU": GANG_BUNDLE_SHARE} for share in shares], strategy="PACK", name=f"gpulease-{lease.id}"
-    )
-    if not grant.pg.wait(sess.gang_start_timeout):
-        raise GpuTrainError(
-            f"Ray could not place all {len(places)} ranks on {', '.join(order)} within "
-            f"{sess.gang_start_timeout:g}s; no rank was started",
-            node=",".join(order),
-        )
-    for i, (node, local) in enumerate(places):
-        strategy = PlacementGroupSchedulingStrategy(grant.pg, placement_group_bundle_index=i)
-        worker = sess.new_worker(None, scheduling_strategy=strategy, **({"resources": shares[i]} if shares[i] else {}))
-        grant.ranks.append(Rank(node, local, grant.env(node), worker))
-    master = wait_ranks_started(sess, grant.ranks)
-    world = len(places)
-    for rank, r in enumerate(grant.ranks):
-        r.env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(r.local),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(len(parts[r.node])),
-            MASTER_ADDR=str(master["ip"]),
-            MASTER_PORT=str(master["port"]),
-        )
-
-
-def wait_ranks_started(sess: Session, ranks: list[Rank]) -> dict[str, Any]:
-    """Wait until every rank's process is up (none runs the call before all are); return rank
-    0's endpoint (its node IP and a free port) for MASTER_ADDR / MASTER_PORT."""
-    import ray
-
-    deadline = time.monotonic() + sess.gang_start_timeout
-    refs = [r.worker.ready_ref for r in ranks] + [ranks[0].worker.handle.endpoint.remote()]
-    owner = list(range(len(ranks))) + [0]
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            late = sorted({owner[refs.index(r)] for r in pending})
-            raise GpuTrainError(
-                f"rank(s) {', '.join(map(str, late))} did not start within {sess.gang_start_timeout:g}s; "
-                "no rank ran the call",
-                node=ranks[late[0]].node,
-                rank=late[0],
-            )
-        rank = owner[refs.index(ready[0])]
-        try:
-            ray.get(ready[0])
-        except ray.exceptions.RayError as exc:
-            raise GpuTrainError(
-                f"rank {rank} on node {ranks[rank].node} could not start: {_first_line(exc)}; no rank ran the call",
-                node=ranks[rank].node,
-                rank=rank,
-            ) from None
-    return ray.get(refs[-1])  # type: ignore[no-any-return]

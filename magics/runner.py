@@ -32,7 +32,7 @@ from lease_server.client import Client, Lease
 from . import cellcode
 from .calls import Call, CellValue, Result
 from .elastic import ElasticRun
-from .grant import Cancel, Grant, Relay, start_world
+from .grant import Cancel, Grant
 from .options import Options
 from .outcomes import (
     UI,
@@ -49,6 +49,7 @@ from .outcomes import (
     describe_end,
 )
 from .pump import Pump
+from .relay import Relay
 from .session import (
     GANG_BUNDLE_SHARE,
     GANG_START_TIMEOUT_S,
@@ -60,6 +61,7 @@ from .session import (
     session,
 )
 from .warm import keep_warm, take_warm, warmable
+from .world import start_world
 
 __all__ = [
     "GANG_BUNDLE_SHARE",
@@ -214,7 +216,7 @@ def run_call(
     :class:`GpuTrainTimeout` and :class:`GpuLeaseEnded`, or :class:`GpuTrainStopped` (Stop).
     ``cancel`` lets another thread end the call as Stop would (:class:`magics.grant.Cancel`);
     with it the call can run in any thread, once :meth:`Session.connect_ray` ran in the main one.
-    ``relay`` (a sweep's :class:`magics.grant.Relay`) lets the call start on the worker of the
+    ``relay`` (a sweep's :class:`magics.relay.Relay`) lets the call start on the worker of the
     same user's call that just ended on the same GPUs, and hand its own worker on when it ends."""
     sess = sess or session()
     ui = ui or StreamUI()

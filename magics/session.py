@@ -31,6 +31,7 @@ SPARES_PER_NODE = 2  # one for the next call, one for the call after it while th
 GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
 WARM_OFF = ("0", "off", "false", "no")
 GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
+READY_WAIT_S = 5.0  # how long ending a worker waits to learn a starting one's pid
 
 
 def node_resource(node: str) -> str:

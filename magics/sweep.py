@@ -45,9 +45,10 @@ from lease_server import errors
 
 from . import cellcode
 from .calls import Call, CellValue
-from .grant import Cancel, Relay
+from .grant import Cancel
 from .options import Options
 from .outcomes import Ending, GpuLeaseEnded, GpuTrainError, GpuTrainStopped, Running, Waiting, _first_line
+from .relay import Relay
 from .runner import parse_duration, parse_gpus, run_call
 from .session import Session, session
 
@@ -490,7 +491,7 @@ class Sweep:
         self._finished: set[int] = set()
         self._t0 = time.monotonic()
         # A trial that ends hands its GPUs and its worker to the oldest queued trial when nobody
-        # else waits for them (magics.grant.Relay): that trial starts at once, on a warm process.
+        # else waits for them (magics.relay.Relay): that trial starts at once, on a warm process.
         self._relay = Relay(self.sess, self._next_requests)
 
     # -- the main loop, in the calling thread ----------------------------------------------------
