@@ -13,6 +13,8 @@ process exits, so a revoked lease or an orphaned call (its kernel died) stops us
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.abc
 import json
 import linecache
 import os
@@ -155,6 +157,61 @@ def _release_groups() -> None:
     _GROUPS.clear()  # the last reference to a destroyed group: torch frees it without the GIL
 
 
+def _guard_destroy(dist: Any) -> None:
+    """Make ``dist.destroy_process_group`` hold the group it destroys until the call has returned
+    (see :func:`_hold_group`), so that any loop, elastic or not (a multi-node gang's), is safe
+    from the same deadlock. Idempotent."""
+    original = dist.destroy_process_group
+    if getattr(original, "_gpulease_holds", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        pg = group if group is not None else dist.group.WORLD
+        if pg is not None and not any(g is pg for g in _GROUPS):
+            _GROUPS.append(pg)
+        return original(group, *args, **kwargs)
+
+    destroy_process_group._gpulease_holds = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+
+
+class _GuardOnImport(importlib.abc.MetaPathFinder):
+    """Guards ``torch.distributed`` (:func:`_guard_destroy`) the moment it is imported, before any
+    ``from torch.distributed import destroy_process_group`` can bind the original. A worker
+    process installs it at its start; importing torch is the call's own business."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch.distributed":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                setattr(spec.loader, "exec_module", _then_guard(spec.loader.exec_module))  # noqa: B010
+            if spec is not None:
+                return spec
+        return None
+
+
+def _then_guard(exec_module: Callable[[Any], None]) -> Callable[[Any], None]:
+    def run(module: Any) -> None:
+        exec_module(module)
+        _guard_destroy(module)
+
+    return run
+
+
+def guard_process_groups() -> None:
+    """See :class:`_GuardOnImport`: now if torch.distributed is imported already, else on import."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        _guard_destroy(dist)
+    elif not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GuardOnImport())
+
+
 def _agree(flag: bool) -> bool:
     """Any rank's flag, on every rank: a MAX all-reduce of one number, when the loop runs under
     ``torch.distributed`` (else this rank's own flag: a loop without collectives has no lockstep)."""
@@ -240,6 +297,7 @@ class GpuWorker:
         _tls()  # the watchdog's TLS context, made while the spare waits
 
         _nvml_here()  # pynvml imported and NVML probed now, not on the call's clock
+        guard_process_groups()  # a DDP loop that destroys its process group cannot hang its return
         self._boot_modules = {name.partition(".")[0] for name in sys.modules}  # (what calls import is the rest)
 
     def ready(self) -> Where:

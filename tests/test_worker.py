@@ -83,3 +83,41 @@ def test_peak_memory_counts_what_torch_gave_back_before_the_call_ended(monkeypat
     assert w._peak_memory() == 1636 * mib + 4 * gib - 1026 * mib
     monkeypatch.delitem(sys.modules, "torch")  # a call without torch: NVML's reading alone
     assert w._peak_memory() == 1636 * mib
+
+
+def test_a_worker_guards_torch_distributed_from_its_first_import() -> None:
+    """In a fresh process (torch not imported yet), as in a cold worker: once guarded, the module
+    and any name imported from it give the guarded destroy_process_group."""
+    import subprocess
+    import sys
+
+    code = (
+        "from magics.worker import guard_process_groups\n"
+        "guard_process_groups()\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed import destroy_process_group\n"
+        "print(getattr(dist.destroy_process_group, '_gpulease_holds', False),"
+        " getattr(destroy_process_group, '_gpulease_holds', False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
+def test_a_destroyed_process_group_is_held_until_the_call_has_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What keeps a DDP loop's return from deadlocking in torch (pytorch#56297): the group that
+    destroy_process_group() drops stays referenced by the worker until the call is over."""
+    dist = pytest.importorskip("torch.distributed")
+    from lease_server.node.redis_proc import free_port
+
+    monkeypatch.setattr(dist, "destroy_process_group", dist.destroy_process_group)  # undone after the test
+    w._guard_destroy(dist)
+    w._guard_destroy(dist)  # idempotent: one wrapper
+    assert dist.destroy_process_group._gpulease_holds and not hasattr(
+        dist.destroy_process_group.__wrapped__, "_gpulease_holds"
+    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    pg = dist.group.WORLD
+    dist.destroy_process_group()
+    assert not dist.is_initialized() and [g is pg for g in w._GROUPS] == [True]
+    w._release_groups()
+    assert w._GROUPS == []
