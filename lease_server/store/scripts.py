@@ -268,6 +268,21 @@ class ScriptCall(Generic[R]):
     def unexpected(self, code: Code) -> errors.GpuLeaseError:
         return errors.GpuLeaseError(f"unexpected reply {code.name} from {self.script}.lua")
 
+    def refused(self, code: Code, rest: list[Any]) -> errors.GpuLeaseError:
+        """The error for a refusal of ``owned_lease`` (lua/_lib.lua), the preamble of every script
+        that acts on one lease ``self.id``: it ended (or expired here), is no one's, is another
+        user's, or the token is stale. Any other code is unexpected."""
+        lease_id: str = getattr(self, "id", "")
+        if code in (Code.ENDED, Code.EXPIRED):
+            return _ended(lease_id, rest[0])
+        if code is Code.NO_SUCH:
+            return no_such_lease(lease_id)
+        if code is Code.NOT_OWNER:
+            return _not_owner(lease_id)
+        if code is Code.STALE:
+            return _stale(lease_id)
+        return self.unexpected(code)
+
 
 def _json(raw: Any) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(raw)
@@ -500,15 +515,7 @@ class Renew(ScriptCall[LeaseRecord]):
     def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
             return lease_record(rest[0])
-        if code in (Code.ENDED, Code.EXPIRED):
-            raise _ended(self.id, rest[0])
-        if code is Code.NO_SUCH:
-            raise no_such_lease(self.id)
-        if code is Code.NOT_OWNER:
-            raise _not_owner(self.id)
-        if code is Code.STALE:
-            raise _stale(self.id)
-        raise self.unexpected(code)
+        raise self.refused(code, rest)
 
 
 @dataclass(frozen=True)
@@ -537,13 +544,7 @@ class Release(ScriptCall[Ended | Removed]):
             return Ended(lease_record(rest[0]), code is Code.OK)
         if code is Code.REMOVED:
             return Removed(int(rest[0]), _json(rest[1]))
-        if code is Code.NO_SUCH:
-            raise no_such_lease(self.id)
-        if code is Code.NOT_OWNER:
-            raise _not_owner(self.id)
-        if code is Code.STALE:
-            raise _stale(self.id)
-        raise self.unexpected(code)
+        raise self.refused(code, rest)
 
 
 @dataclass(frozen=True)
@@ -571,15 +572,7 @@ class Handoff(ScriptCall[Handed]):
             return Handed(lease_record(rest[0]), lease_record(rest[1]))
         if code is Code.BUSY:
             raise errors.Conflict(f"lease {self.id} was not handed on: {rest[0]}; release it instead")
-        if code is Code.ENDED:
-            raise _ended(self.id, rest[0])
-        if code is Code.NO_SUCH:
-            raise no_such_lease(self.id)
-        if code is Code.NOT_OWNER:
-            raise _not_owner(self.id)
-        if code is Code.STALE:
-            raise _stale(self.id)
-        raise self.unexpected(code)
+        raise self.refused(code, rest)
 
 
 @dataclass(frozen=True)
@@ -605,15 +598,7 @@ class Resize(ScriptCall[LeaseRecord]):
         if code is Code.BUSY:
             did = f"did not {'grow' if self.gpus > 0 else 'shrink'} by {abs(self.gpus)} GPU(s)"
             raise errors.Conflict(f"lease {self.id} {did}: {rest[0]}; nothing changed")
-        if code in (Code.ENDED, Code.EXPIRED):
-            raise _ended(self.id, rest[0])
-        if code is Code.NO_SUCH:
-            raise no_such_lease(self.id)
-        if code is Code.NOT_OWNER:
-            raise _not_owner(self.id)
-        if code is Code.STALE:
-            raise _stale(self.id)
-        raise self.unexpected(code)
+        raise self.refused(code, rest)
 
 
 class SweepCounts(NamedTuple):
@@ -751,15 +736,7 @@ class Warm(ScriptCall[LeaseRecord]):
         if code is Code.BUSY:
             what = "kept warm" if self.on else "run again"
             raise errors.Conflict(f"lease {self.id} cannot be {what}: {rest[0]}; release it and acquire again")
-        if code is Code.ENDED:
-            raise _ended(self.id, rest[0])
-        if code is Code.NO_SUCH:
-            raise no_such_lease(self.id)
-        if code is Code.NOT_OWNER:
-            raise _not_owner(self.id)
-        if code is Code.STALE:
-            raise _stale(self.id)
-        raise self.unexpected(code)
+        raise self.refused(code, rest)
 
 
 @dataclass(frozen=True)
@@ -776,20 +753,12 @@ class Procs(ScriptCall[LeaseRecord]):
     def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
         if code is Code.OK:
             return lease_record(rest[0])
-        if code is Code.ENDED:
-            raise _ended(self.id, rest[0])
-        if code is Code.NO_SUCH:
-            raise no_such_lease(self.id)
-        if code is Code.NOT_OWNER:
-            raise _not_owner(self.id)
-        if code is Code.STALE:
-            raise _stale(self.id)
         if code is Code.INVALID:
             where = f"GPU {rest[1]} of node {rest[0]}" if len(rest) > 1 else f"node {rest[0]}"
             raise errors.BadRequest(
                 f"lease {self.id} holds no {where}: name only the nodes and GPUs of the lease (GET it to see them)"
             )
-        raise self.unexpected(code)
+        raise self.refused(code, rest)
 
 
 @dataclass(frozen=True)
