@@ -8,7 +8,7 @@
 -- /leases/{id}/procs); "named" (its owner ended it without having seen its processes gone: the
 -- board's Release, a kernel shut down): only when it named one.
 local function drain_pids(lease, node, idx, inv_raw, mode)
-  if VIRTUAL or not mode then return nil end
+  if VIRTUAL or not mode or (mode == 'named' and not lease.procs) then return nil end
   local pids = {}
   for _, p in ipairs(lease.procs or {}) do
     if (p.node or lease.node) == node then

@@ -54,7 +54,8 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   end
   redis.call('HDEL', K_LEASES, lease.id)
   redis.call('ZREM', K_DEADLINES, lease.id)
-  redis.call('ZREM', K_RECALL, lease.id)
+  -- a lease is in recall exactly while its record has recall_at (_lib_recall.lua sets both)
+  if lease.recall_at then redis.call('ZREM', K_RECALL, lease.id) end
   if lease.elastic then
     redis.call('ZREM', K_ELASTIC, lease.pool .. '|' .. lease.id)
     redis.call('ZREM', K_SHRINK_DUE, lease.id)
@@ -79,9 +80,9 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus) / 1000 - warm_s
   -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
   -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
-  local u = redis.call('HMGET', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum',
-                       lease.id .. '|peak')
-  redis.call('HDEL', K_LEASE_UTIL, lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak')
+  local util_fields = {lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak'}
+  local u = redis.call('HMGET', K_LEASE_UTIL, unpack(util_fields))
+  if u[1] or u[2] or u[3] or u[4] then redis.call('HDEL', K_LEASE_UTIL, unpack(util_fields)) end
   local samples = tonumber(u[1] or '0')
   local charged, busy_frac, util_mean = gpu_s, nil, nil
   if samples > 0 then
