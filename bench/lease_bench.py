@@ -13,6 +13,11 @@ lease_over_lock_ratio
                    the same pair's p50 / p50 of acquire+release of a bare redis-py Lock (SET NX PX,
                    then its Lua release) with the same client on the same redis-server, measured in
                    interleaved blocks in the same run                                 (target <= 2.0)
+empty_call_over_lock_ratio
+                   (no target) the p50 of the same two FCALLs, with the same keys and arguments, to a
+                   function that returns at once, over the Lock's: what the calling convention costs.
+                   The pair's p50 above this one is the scripts' own work. Redis's time per script
+                   is counted over the pairs alone (commandstats reset before each block of them)
 http_grants_per_s  64 closed-loop aiohttp clients (another process) doing POST /leases then DELETE:
                    grants per second, best of --workers 1 and 2                      (target >= 2000/s)
                    An absolute rate, so it moves with the machine; the two figures below are the
@@ -197,6 +202,17 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
         # release (its Lua compare-and-delete script), on the same client and redis-server.
         lock = r.lock("bclient:bare-lock", timeout=60, blocking=False)
 
+        # The calling convention alone: an acquire and a release that do nothing, as FCALLs of an
+        # empty function with the same keys and arguments. What the pair costs above this is the
+        # scripts' own work (the scheduler), not the way they are called.
+        floor = await _empty_calls(r, store)
+
+        async def one_empty() -> float:
+            t0 = pc()
+            for call in floor:
+                await r.execute_command(*call)
+            return pc() - t0
+
         async def one_lock() -> float:
             t0 = pc()
             if not await lock.acquire():
@@ -208,20 +224,31 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
             await one_ping()
             await one_pair()
             await one_lock()
+            await one_empty()
         pings: list[float] = []
         pairs: list[float] = []
         locks: list[float] = []
-        await r.config_resetstat()  # our private redis-server: its command stats are ours alone
-        block = 100  # interleaved blocks, so that drift of the machine hits both alike
+        empties: list[float] = []
+        block = 100  # interleaved blocks, so that drift of the machine hits all alike
+        stats: Any = {}
         while len(pairs) < n:
             for _ in range(block):
                 pings.append(await one_ping())
+            await r.config_resetstat()  # our private redis-server: its command stats are ours alone
             for _ in range(block):
                 pairs.append(await one_pair())
+            for name, row in (await r.info("commandstats")).items():  # the pairs' scripts alone
+                old = stats.setdefault(name, {"calls": 0, "usec": 0.0})
+                old["calls"] += int(row["calls"])
+                old["usec"] += float(row["usec"])
             for _ in range(block):
                 locks.append(await one_lock())
-        stats: Any = await r.info("commandstats")
+            for _ in range(block):
+                empties.append(await one_empty())
+        for row in stats.values():
+            row["usec_per_call"] = row["usec"] / row["calls"] if row["calls"] else 0.0
         script_us = _common.script_stats(stats)["usec_per_call"]
+        await r.execute_command("FUNCTION", "DELETE", FLOOR_LIBRARY)
     finally:
         await store.close()
         await r.aclose()
@@ -230,9 +257,37 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
         "pair_p50_us": pct(pairs, 50) * 1e6,
         "pair_p99_us": pct(pairs, 99) * 1e6,
         "lock_p50_us": pct(locks, 50) * 1e6,
+        "empty_p50_us": pct(empties, 50) * 1e6,
         "script_us": script_us,
         "n": len(pairs),
     }
+
+
+FLOOR_LIBRARY = "gpulease_bench_floor"
+
+
+async def _empty_calls(r: Any, store: Any) -> list[tuple[Any, ...]]:
+    """An acquire's and a release's FCALL, keys and arguments as the store sends them, addressed to a
+    function that returns at once (loaded into our private redis-server for the run)."""
+    from lease_server.store.scripts import Acquire, Release
+
+    await r.execute_command(
+        "FUNCTION",
+        "LOAD",
+        "REPLACE",
+        f"#!lua name={FLOOR_LIBRARY}\nredis.register_function('{FLOOR_LIBRARY}', function() return {{0}} end)",
+    )
+    engine = store.engine
+    common = engine.common().argv()
+    pool = await store.default_pool()
+    calls = []
+    for call in (
+        Acquire("l-floor", "alice", pool, 1, 60_000, 0),
+        Release("l-floor", "", "alice", False, "released", "released by its owner", "", "", False),
+    ):
+        keys = engine.scripts.keys_of(call.script)
+        calls.append(("FCALL", FLOOR_LIBRARY, len(keys), *keys, *common, *call.argv()))
+    return calls
 
 
 def bench_http_client(url: str, token: str, n: int, warmup: int) -> dict[str, float]:
@@ -774,6 +829,8 @@ def main() -> None:
             )
             lock_ratio = c["pair_p50_us"] / c["lock_p50_us"]
             out.update(lease_over_lock_ratio=round(lock_ratio, 3), lock_pair_p50_us=round(c["lock_p50_us"], 1))
+            floor_ratio = c["empty_p50_us"] / c["lock_p50_us"]
+            out.update(empty_call_over_lock_ratio=round(floor_ratio, 3), empty_pair_p50_us=round(c["empty_p50_us"], 1))
             say(
                 f"[1] LeaseStore acquire+release p50 {c['pair_p50_us']:.0f} us (p99 {c['pair_p99_us']:.0f} us), "
                 f"PING p50 {c['ping_p50_us']:.0f} us, n={c['n']}: ratio {ratio:.2f} "
@@ -786,6 +843,11 @@ def main() -> None:
             say(
                 f"    bare redis-py Lock acquire+release p50 {c['lock_p50_us']:.0f} us: lease_over_lock_ratio "
                 f"{lock_ratio:.2f} {verdict('lease_over_lock_ratio', lock_ratio)}"
+            )
+            say(
+                f"    the same two calls to an empty function (same keys and arguments) p50 "
+                f"{c['empty_p50_us']:.0f} us: {floor_ratio:.2f} of the Lock; the scripts' own work is the other "
+                f"{c['pair_p50_us'] - c['empty_p50_us']:.0f} us of the pair"
             )
 
         with section(out, "3"):
