@@ -18,6 +18,9 @@ empty_call_over_lock_ratio
                    function that returns at once, over the Lock's: what the calling convention costs.
                    The pair's p50 above this one is the scripts' own work. Redis's time per script
                    is counted over the pairs alone (commandstats reset before each block of them)
+raw_pair_p50_us    (no target) the pair's two FCALLs sent raw, without LeaseStore's Python around them;
+lua_share_of_gap   (no target) of the pair's time above the Lock, the share that is the two scripts'
+                   own time in Redis: what a faster lease has to cut first
 http_grants_per_s  64 closed-loop aiohttp clients (another process) doing POST /leases then DELETE:
                    grants per second, best of --workers 1 and 2                      (target >= 2000/s)
                    An absolute rate, so it moves with the machine; the two figures below are the
@@ -71,6 +74,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +217,20 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
                 await r.execute_command(*call)
             return pc() - t0
 
+        # The real scripts, called as the store calls them but without the store's Python around them
+        # (argument checks, reply decoding): what the pair costs above this is our Python layer.
+        raw_pair = _raw_calls(r, store)
+
+        async def one_raw() -> float:
+            acquire, release = await raw_pair()
+            t0 = pc()
+            got = await r.execute_command(*acquire)
+            ended = await r.execute_command(*release)
+            took = pc() - t0
+            if int(got[0]) != 0 or int(ended[0]) != 0:
+                raise RuntimeError(f"raw acquire/release refused: {got[0]} {ended[0]}")
+            return took
+
         async def one_lock() -> float:
             t0 = pc()
             if not await lock.acquire():
@@ -225,10 +243,12 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
             await one_pair()
             await one_lock()
             await one_empty()
+            await one_raw()
         pings: list[float] = []
         pairs: list[float] = []
         locks: list[float] = []
         empties: list[float] = []
+        raws: list[float] = []
         block = 100  # interleaved blocks, so that drift of the machine hits all alike
         stats: Any = {}
         while len(pairs) < n:
@@ -245,6 +265,8 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
                 locks.append(await one_lock())
             for _ in range(block):
                 empties.append(await one_empty())
+            for _ in range(block):
+                raws.append(await one_raw())
         for row in stats.values():
             row["usec_per_call"] = row["usec"] / row["calls"] if row["calls"] else 0.0
         script_us = _common.script_stats(stats)["usec_per_call"]
@@ -258,12 +280,38 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
         "pair_p99_us": pct(pairs, 99) * 1e6,
         "lock_p50_us": pct(locks, 50) * 1e6,
         "empty_p50_us": pct(empties, 50) * 1e6,
+        "raw_p50_us": pct(raws, 50) * 1e6,
         "script_us": script_us,
         "n": len(pairs),
     }
 
 
 FLOOR_LIBRARY = "gpulease_bench_floor"
+
+
+def _raw_calls(r: Any, store: Any) -> Callable[[], Awaitable[tuple[tuple[Any, ...], tuple[Any, ...]]]]:
+    """A maker of (acquire, release) FCALLs of the real scripts for a new lease id each time, keys and
+    arguments as the store sends them (the common arguments, the clock's included, taken afresh)."""
+    from lease_server.store.scripts import Acquire, Release, library
+
+    engine, lib = store.engine, library()[0]
+    count = 0
+
+    async def make() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        nonlocal count
+        count += 1
+        lid = f"l-raw-{count}"
+        pool = await store.default_pool()
+        made = []
+        for call in (
+            Acquire(lid, "alice", pool, 1, 60_000, 0),
+            Release(lid, "", "alice", False, "released", "released by its owner", "", "", False),
+        ):
+            keys = engine.scripts.keys_of(call.script)
+            made.append(("FCALL", f"{lib}_{call.script}", len(keys), *keys, *engine.common().argv(), *call.argv()))
+        return made[0], made[1]
+
+    return make
 
 
 async def _empty_calls(r: Any, store: Any) -> list[tuple[Any, ...]]:
@@ -848,6 +896,19 @@ def main() -> None:
                 f"    the same two calls to an empty function (same keys and arguments) p50 "
                 f"{c['empty_p50_us']:.0f} us: {floor_ratio:.2f} of the Lock; the scripts' own work is the other "
                 f"{c['pair_p50_us'] - c['empty_p50_us']:.0f} us of the pair"
+            )
+            # Where the pair's time above the Lock goes: the scripts' Lua (Redis's own time, both
+            # scripts), our Python around them (the pair over the same FCALLs sent raw), and the rest
+            # (Redis outside its command timer, the bigger replies, the clock).
+            over = c["pair_p50_us"] - c["lock_p50_us"]
+            lua, python = 2 * c["script_us"], c["pair_p50_us"] - c["raw_p50_us"]
+            out.update(
+                raw_pair_p50_us=round(c["raw_p50_us"], 1), lua_share_of_gap=round(lua / over, 3) if over > 0 else None
+            )
+            say(
+                f"    the same two scripts sent raw (no LeaseStore) p50 {c['raw_p50_us']:.0f} us. Of the "
+                f"{over:.0f} us above the Lock: {lua:.0f} us Lua in Redis, {python:.0f} us our Python, "
+                f"{over - lua - python:.0f} us the rest"
             )
 
         with section(out, "3"):
