@@ -351,6 +351,13 @@ def test_acquire_a_missing_program_says_so_like_a_shell(up: Up, tmp_path: Path) 
     assert missing.returncode == 127
     assert missing.stderr.strip().splitlines()[-1] == "gpulease: no-such-program-nvidia-smi: command not found"
     assert c.leases(everyone=True) == []
+    # `gpulease acquire 2`: a count where a program goes; the line says how to ask for 2 GPUs
+    count = run(up, "acquire", "2", ok=False)
+    assert count.returncode == 127
+    assert count.stderr.strip().splitlines()[-1] == (
+        "gpulease: 2: command not found; to lease 2 GPUs: gpulease acquire --gpus 2"
+    )
+    assert c.leases(everyone=True) == []
 
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/sh\necho hi\n")

@@ -253,7 +253,10 @@ def acquire(
     if command:
         unrunnable = _unrunnable(command[0])
         if unrunnable:  # as a shell says it, and before any GPU is taken (or waited for)
-            fail(unrunnable[0], unrunnable[1], prefix="gpulease")
+            why, code = unrunnable
+            if code == 127 and command[0].isdigit():  # `gpulease acquire 2`: a count, not a program
+                why += f"; to lease {command[0]} GPUs: gpulease acquire --gpus {command[0]}"
+            fail(why, code, prefix="gpulease")
     with Client(url, token) as c:
         if not command:
             lease = c.acquire(gpus, pool, ttl, wait, label)
