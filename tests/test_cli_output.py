@@ -367,6 +367,22 @@ def test_acquire_a_missing_program_says_so_like_a_shell(up: Up, tmp_path: Path) 
     assert c.leases(everyone=True) == []
 
 
+def test_acquire_a_gang_over_nodes_as_the_refusal_suggests(up: Up) -> None:
+    """More GPUs than any node has: the refusal names --nodes K, and acquire takes it; a gang with a
+    COMMAND is refused before anything is leased (the command would run on this machine only)."""
+    c = client(up)
+    end_all(c)
+    too_big = run(up, "acquire", "--gpus", "6", ok=False)
+    assert too_big.returncode == 2 and "(--nodes K)" in " ".join(too_big.stderr.split()), too_big.stderr
+    lease = json.loads(run(up, "acquire", "--gpus", "4", "--nodes", "2").stdout)
+    assert sorted(lease["nodes"]) == ["box", "vm"] and len(lease["gpus"]) == 4
+    c.release(lease["id"])
+    with_command = run(up, "acquire", "--gpus", "4", "--nodes", "2", "--", "true", ok=False)
+    assert with_command.returncode == 2
+    assert "or run it with %%gpu_train --nodes 2" in " ".join(with_command.stderr.split())
+    assert c.leases(everyone=True) == []
+
+
 def test_acquire_a_program_gone_by_exec_time_releases(up: Up, tmp_path: Path) -> None:
     """The program there when checked, before the lease, but gone when run: the same one line and
     127, after the lease (granted) is released."""

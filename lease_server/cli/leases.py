@@ -234,6 +234,11 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
 @click.option("--ttl", type=float, help="Seconds the lease lives without renewal")
 @click.option("--wait", default=0.0, type=float, help="Seconds to wait in the queue")
 @click.option("--label", default="")
+@click.option(
+    "--nodes",
+    type=int,
+    help="K > 1: a gang of GPUS/K GPUs on each of K nodes, all or nothing (no COMMAND: it runs here)",
+)
 @server_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def acquire(
@@ -242,6 +247,7 @@ def acquire(
     ttl: float | None,
     wait: float,
     label: str,
+    nodes: int | None,
     url: str | None,
     token: str | None,
     command: tuple[str, ...],
@@ -250,6 +256,11 @@ def acquire(
 
     gpulease acquire --gpus 2 --wait 600 -- python train.py
     """
+    if command and nodes is not None and nodes > 1:
+        fail(
+            f"a COMMAND runs on this machine only, not on {nodes} nodes: lease the gang without one "
+            f"(gpulease acquire --gpus {gpus} --nodes {nodes}), or run it with %%gpu_train --nodes {nodes}"
+        )
     if command:
         unrunnable = _unrunnable(command[0])
         if unrunnable:  # as a shell says it, and before any GPU is taken (or waited for)
@@ -259,7 +270,7 @@ def acquire(
             fail(why, code, prefix="gpulease")
     with Client(url, token) as c:
         if not command:
-            lease = c.acquire(gpus, pool, ttl, wait, label)
+            lease = c.acquire(gpus, pool, ttl, wait, label, nodes=nodes)
             click.echo(json.dumps(lease.raw, indent=2))
             err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed")
             err_console.print(f"release it with: gpulease release {lease.id}")
