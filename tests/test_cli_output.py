@@ -377,6 +377,10 @@ def test_acquire_a_gang_over_nodes_as_the_refusal_suggests(up: Up) -> None:
     lease = json.loads(run(up, "acquire", "--gpus", "4", "--nodes", "2").stdout)
     assert sorted(lease["nodes"]) == ["box", "vm"] and len(lease["gpus"]) == 4
     c.release(lease["id"])
+    three = run(up, "acquire", "--gpus", "3", "--nodes", "3", ok=False)
+    said = " ".join(three.stderr.split())
+    assert three.returncode == 2, said
+    assert "a gang of 1 GPU on each of 3 nodes cannot fit pool 'A100-80GB': only 2 of its nodes have 1 GPU;" in said
     with_command = run(up, "acquire", "--gpus", "4", "--nodes", "2", "--", "true", ok=False)
     assert with_command.returncode == 2
     assert "or run it with %%gpu_train --nodes 2" in " ".join(with_command.stderr.split())

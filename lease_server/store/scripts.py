@@ -455,9 +455,11 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
             raise errors.UnknownPool(f"unknown pool {self.pool!r}", pool=self.pool)
         if code is Code.UNSATISFIABLE and self.nodes > 1:
             per, able = self.gpus // self.nodes, int(rest[1])
+            gpus = f"{per} GPU{'s' if per != 1 else ''}"
             raise errors.Unsatisfiable(
-                f"a gang of {per} GPUs on each of {self.nodes} nodes cannot fit pool {self.pool!r}: only "
-                f"{able} of its nodes have {per} GPUs; ask for fewer nodes or fewer GPUs per node",
+                f"a gang of {gpus} on each of {self.nodes} nodes cannot fit pool {self.pool!r}: only "
+                f"{able} of its nodes {'has' if able == 1 else 'have'} {gpus}; ask for fewer nodes or "
+                "fewer GPUs per node",
                 pool=self.pool,
                 nodes_able=able,
             )
