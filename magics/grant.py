@@ -19,7 +19,7 @@ from lease_server.client import Client, HeldLease, Lease
 
 from .calls import Where, event_client
 from .options import Options
-from .outcomes import UI, Running, Waiting, _join, describe_end
+from .outcomes import UI, Running, Waiting, _join, describe_end, waiting_estimate
 from .relay import Relay
 from .session import READY_WAIT_S, Session
 from .worker import verify_gone
@@ -130,9 +130,7 @@ class Grant:
             if position and elapsed - estimate["at"] >= ESTIMATE_EVERY_S:  # type: ignore[operator]
                 estimate["at"] = elapsed
                 try:
-                    est = client.estimate(gpus, pool, request=rid)
-                    alts = "; ".join(f"{a['text']} (--pool {a['pool']})" for a in est.get("alternatives", [])[:1])
-                    estimate["text"] = est["text"] + (f"; {alts}" if alts else "")
+                    estimate["text"] = waiting_estimate(client.estimate(gpus, pool, request=rid))
                 except errors.GpuLeaseError:
                     estimate["text"] = ""
             ui.waiting(Waiting(rid, asked, shown_pool["name"], position, elapsed, str(estimate["text"])))

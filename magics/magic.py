@@ -76,8 +76,9 @@ class CellDisplay:
         self.state = "queued"
         where = f"{_ordinal(w.position)} in line" if w.position else "being granted"
         pool = f" of {w.pool}" if w.pool else ""
-        est = f" - {w.estimate}" if w.estimate and w.position else ""
-        self.show(f"gpu_train: queued for {w.gpus} GPU(s){pool}: {where}, {w.elapsed_s:.0f}s{est}")
+        est = f"; {w.estimate}" if w.estimate and w.position else ""
+        gpus = f"{w.gpus} GPU{'' if w.gpus == '1' else 's'}"
+        self.show(f"gpu_train: queued for {gpus}{pool}: {where}, {w.elapsed_s:.0f}s{est}")
 
     def running(self, r: Running) -> None:
         self.state = "running"

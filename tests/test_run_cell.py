@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from lease_server import errors
 from lease_server.client import Client
 from magics.runner import (
     GpuTrainError,
@@ -235,3 +236,27 @@ def test_a_small_peak_on_a_big_gpu_names_the_smaller_pool_that_would_do(server_f
         assert _right_size(sess, lease, None) == ""  # no NVML measure
     finally:
         sess.reset_client()
+
+
+def test_a_queued_cells_line_reads_the_servers_estimate_in_80_columns(server_factory):
+    """The real server's estimate, as the queued cell's line shows it: the wait and nothing the
+    line already says, and a pool with GPUs free now on a line of its own."""
+    from magics.magic import CellDisplay
+    from magics.outcomes import waiting_estimate
+
+    srv = server_factory(simulate="n1=2xA100-80GB,t1=2xT4-16GB")
+    srv.client("bob").acquire(2, pool="A100-80GB")
+    est = srv.client("alice").estimate(1, "A100-80GB")
+    shown = CellDisplay()
+    shown.waiting(Waiting("r-1", "1", "A100-80GB", 1, 12.0, waiting_estimate(est)))
+    first, alternative = shown.text.splitlines()
+    assert first.startswith("gpu_train: queued for 1 GPU of A100-80GB: 1st in line, 12s; about "), first
+    assert first.endswith(" more") and len(first) <= 80, first
+    assert alternative == "  2 x T4-16GB free now: --pool T4-16GB"
+    # and when the wait runs out, the refusal says what to change
+    with pytest.raises(errors.NoCapacity) as refused:
+        srv.client("alice").acquire(1, pool="A100-80GB", wait=0.5)
+    assert refused.value.message == (
+        "1 GPU was not free in pool 'A100-80GB' within 0.5s (position 1 in the queue); "
+        "pass a longer wait (seconds) or ask for fewer GPUs"
+    )

@@ -399,8 +399,8 @@ class LeaseStore:
         assert isinstance(got, Removed)
         log.info("wait %s %s after %.1fs", lid, reason, wait_s)
         raise errors.NoCapacity(
-            f"no {n} GPU(s) of pool {pool!r} became free within {wait_s:g}s "
-            f"(position {got.position} in the queue); wait longer or ask for fewer GPUs",
+            f"{n} GPU{' was' if n == 1 else 's were'} not free in pool {pool!r} within {wait_s:g}s "
+            f"(position {got.position} in the queue); pass a longer wait (seconds) or ask for fewer GPUs",
             pool=pool,
             position=got.position,
         )
