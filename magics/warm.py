@@ -247,6 +247,9 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
     sess.warm = None
     if not usable or opts.fresh or not w.fits(opts):
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
+        if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there
+            asked = f"{opts.gpus} GPU{'' if opts.gpus == 1 else 's'}" + (f" of {opts.pool}" if opts.pool else "")
+            return None, f"warm worker on {w.where()} ended: this cell asks for {asked} (a cold start)"
         return None, ""
     if w.take():
         return w, ""

@@ -96,9 +96,14 @@ def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_na
     assert text(kernel.run("print(fresh_pid != pid)")).strip() == "True"
     assert api(stack, "GET", f"/api/v1/leases/{lease_id}")["state"] == "released"
     assert not _alive(int(text(kernel.run("print(pid)")).strip()))
-    # Another GPU count: the warm worker ends first and the cell starts cold on its own lease.
-    warm_cell(kernel, "x = 1", flags="--gpus 2")
+    # Another GPU count: the warm worker ends first and the cell starts cold on its own lease, and
+    # says so in a line under its status (the objects on the GPU are not there any more).
+    out = warm_cell(kernel, "x = 1", flags="--gpus 2")
     assert board(stack) == {0: "warm", 1: "warm"}
+    notices = [d for d in displays(out) if "\n  ! " in d]
+    assert notices and notices[0].endswith(
+        "\n  ! warm worker on box GPU 0 ended: this cell asks for 2 GPUs (a cold start)"
+    )
     shown = text(kernel.run("%gpu_lease"))
     assert "kept warm " in shown and "s for your next cell (lent out if someone waits)" in shown, shown
     out = kernel.run("%gpu_lease release")
