@@ -3,6 +3,7 @@ render its progress as one line per cell that is updated in place (:class:`CellD
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import threading
@@ -117,6 +118,22 @@ def close_live_cells() -> None:
         cell.kernel_shutdown()
     stop_live_sweeps()  # no sweep sends another trial once its queued ones are withdrawn below
     session().release_all()
+
+
+def _parse(magic: Any, line: str) -> Any:
+    """The magic's arguments; a misspelt option gets the nearest one named ("--gpu": did you mean
+    --gpus?). Abbreviations are not accepted: a prefix that fits today may fit two options later."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:
+        said = str(exc)
+        if said.startswith("unrecognized arguments:"):
+            known = [o for action in magic.parser._actions for o in action.option_strings]
+            words = [w.split("=")[0] for w in said.split(":", 1)[1].split() if w.startswith("--")]
+            near = [m for w in words for m in difflib.get_close_matches(w, known, n=1)]
+            if near:
+                raise UsageError(f"{said} (did you mean {', '.join(near)}?)") from None
+        raise
 
 
 _PARSE_ERRORS = (
@@ -271,7 +288,7 @@ class GpuMagics(Magics):
         its GPUs lent out the moment anyone waits; --cold releases them at once). Timeout, Stop
         or a lost lease end the worker and release the GPUs.
         """
-        args = parse_argstring(self.gpu_train, line)
+        args = _parse(self.gpu_train, line)
         if cell is not None and args.code:
             raise UsageError(f"unexpected arguments {' '.join(args.code)!r} on the %%gpu_train line")
         source = cell if cell is not None else " ".join(args.code)
@@ -320,7 +337,7 @@ class GpuMagics(Magics):
         One table shows every trial; the records land in `results` (--as): results[i].value,
         .metrics (what magics.report sent), .output, .error; results.to_pandas().
         """
-        args = parse_argstring(self.gpu_sweep, line)
+        args = _parse(self.gpu_sweep, line)
         assert self.shell is not None
         user_ns = self.shell.user_ns
         if not args.name.isidentifier():
@@ -360,7 +377,7 @@ class GpuMagics(Magics):
     def gpu_lease(self, line: str) -> None:
         """My leases, my place in the queue, free GPUs per pool; `%gpu_lease release [ID]`;
         `%gpu_lease keep [ID]` answers an idle warning with "I'm still using it"."""
-        args = parse_argstring(self.gpu_lease, line)
+        args = _parse(self.gpu_lease, line)
         try:
             c = session().client()
             me = c.whoami()["user"]
@@ -441,7 +458,7 @@ class GpuMagics(Magics):
     @line_magic
     def gpu_config(self, line: str) -> None:
         """Show or set this session's defaults for %%gpu_train."""
-        args = parse_argstring(self.gpu_config, line)
+        args = _parse(self.gpu_config, line)
         d = session().defaults
         if args.gpus is not None:
             if args.gpus < 0:

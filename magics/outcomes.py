@@ -122,7 +122,10 @@ class Ending:
         head = {
             "released": f"gpu_train: {what}",
             "failed": f"gpu_train: failed after {self.held_s:.1f}s on {self.where}",
-            "timeout": f"gpu_train: stopped by --timeout after {self.held_s:.1f}s on {self.where}",
+            # the limit counts the function's run; the time held also counts the worker's start
+            "timeout": f"gpu_train: stopped by --timeout {self.why} (held {self.held_s:.1f}s) on {self.where}"
+            if self.why
+            else f"gpu_train: stopped by --timeout after {self.held_s:.1f}s on {self.where}",
             "stopped": f"gpu_train: stopped after {self.held_s:.1f}s on {self.where}",
             "ended": f"gpu_train: {self.why}",
         }[self.state]

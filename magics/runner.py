@@ -284,6 +284,7 @@ def run_call(
                 ending.state, ending.why = "ended", exc.summary
             elif isinstance(exc, GpuTrainTimeout):
                 ending.state = "timeout"
+                ending.why = f"{opts.timeout:g}s" if opts.timeout else ""  # the limit, beside the time held
             raise
         except KeyboardInterrupt:
             ending.state = "stopped"

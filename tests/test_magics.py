@@ -177,6 +177,8 @@ def test_timeout_stops_the_call_and_releases(stack, kernel):
     out = kernel.run("%%gpu_train --timeout 1s\nimport time\nprint('start', flush=True)\ntime.sleep(60)")
     (err,) = errors_of(out)
     assert err["ename"] == "GpuTrainTimeout" and "--timeout 1s" in err["evalue"]
+    # the limit as given, beside the time held (which also counts the worker's start)
+    assert status(out).startswith("gpu_train: stopped by --timeout 1s (held "), status(out)
     assert free_gpus(stack) == 2
     assert text(kernel.run("print('usable')")).strip() == "usable"
 
