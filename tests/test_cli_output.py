@@ -341,6 +341,21 @@ def test_reservations_are_a_line_each(up: Up) -> None:
     assert run(up, "unreserve", plain[2:]).stdout.strip() == f"{plain}: cancelled"
 
 
+def test_a_warm_lease_and_its_next_cell_read_as_words_in_the_log(up: Up) -> None:
+    """The warm-cell events (kept warm, resumed) are sentences, not key=value dumps."""
+    c = client(up)
+    end_all(c)
+    lease = c.acquire(1, pool="A100-80GB", label="warm one")
+    c.warm(lease, on=True)
+    c.warm(lease, on=False)
+    c.release(lease)
+    shown = lines(run(up, "events", "-n", "6").stdout)
+    kinds = {line.split()[1]: line for line in shown}
+    assert re.search(r"  warm +root +on (box|vm) \(GPU \d\) until \d\d:\d\d, lendable  ", kinds["warm"]), kinds
+    assert re.search(r"  resumed +root +on (box|vm): a cell runs, 0m0\ds warm  ", kinds["resumed"]), kinds
+    assert not any("=" in line for line in shown), shown
+
+
 # ---- acquire -- a missing program --------------------------------------------------------------
 
 

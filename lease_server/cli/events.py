@@ -157,7 +157,17 @@ def describe(ev: dict[str, Any]) -> str:
         return f"{ev.get('gpus')}x {ev.get('pool', '')} after {span((ev.get('waited_ms') or 0) / 1000)}{reason}"
     if t == "renew_miss":
         return f"renewed {(ev.get('late_ms') or 0) / 1000:.1f}s after its deadline"
-    if t in ("preempt_notice", "borrow_recalled"):
+    if t == "warm":
+        until = time.strftime("%H:%M", time.localtime((ev.get("warm_until") or 0) / 1000))
+        where = f" (GPU {index_list([int(g) for g in ev['gpus']])})" if isinstance(ev.get("gpus"), list) else ""
+        return f"on {ev.get('node', '')}{where} until {until}, lendable"
+    if t == "resumed":
+        return f"on {ev.get('node', '')}: a cell runs, {span(ev.get('warm_s') or 0)} warm"
+    if t == "drained":
+        killed = int(ev.get("killed") or 0)
+        ended = f", {killed} process(es) ended" if killed else ""
+        return f"{_gpus(ev)} clean after {(ev.get('took_ms') or 0) / 1000:.1f}s{ended}"
+    if t in ("preempt_notice", "borrow_recalled", "evicting"):
         back = time.strftime("%H:%M:%S", time.localtime((ev.get("recall_at") or 0) / 1000))
         return f"on {ev.get('node', '')} for {ev.get('requested_by', '?')}: GPUs back at {back}"
     if t in ("grown", "shrunk"):
