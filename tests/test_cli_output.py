@@ -283,6 +283,24 @@ def test_status_is_a_line_per_lease_with_whole_ids(up: Up) -> None:
         assert "user" in lines(everyone)[0]
         assert json.loads(run(up, "leases", "--json").stdout)["leases"][0]["id"] == two.id
 
+        # a warm lease (between a notebook's cells): its state, and a warm column for its pool
+        c.warm(one, on=True)
+        out = run(up, "status").stdout
+        pools_header = next(line for line in out.splitlines() if " pool " in line and " free " in line)
+        assert [w for w in re.split(r"[┃│ ]+", pools_header) if w] == [
+            "pool",
+            "nodes",
+            "gpus",
+            "free",
+            "leased",
+            "warm",
+            "down",
+            "waiting",
+        ], pools_header
+        warm_row = next(line for line in out.splitlines() if line.startswith(one.id))
+        two_row = next(line for line in out.splitlines() if line.startswith(two.id))
+        assert " warm " in warm_row and " active " in two_row, out
+
         released = run(up, "release", two.id[:8])  # any unique start of the id
         assert released.stdout.strip() == f"{two.id}: released"
         again = run(up, "release", two.id[2:12], ok=False)  # ended: no live lease starts so, the server says

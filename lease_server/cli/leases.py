@@ -50,12 +50,21 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
     out = Console(width=100_000) if wide else console  # --wide: lines as long as their content
     now = view["now"]
     pools = Table(title="Pools")
-    for col in ("pool", "nodes", "gpus", "free", "leased", "down", "waiting"):
+    # warm: held between a notebook's cells and lent to whoever waits (a column once there are any)
+    counts = (
+        "nodes",
+        "gpus",
+        "free",
+        "leased",
+        *(("warm",) if any(p.get("warm") for p in view["pools"].values()) else ()),
+        "down",
+    )
+    for col in ("pool", *counts, "waiting"):
         pools.add_column(col, justify="right" if col != "pool" else "left")
     for name, p in sorted(view["pools"].items()):
         waiting = sum(1 for w in view["queue"] if w["pool"] == name)
         default = " (default)" if name == view.get("default_pool") else ""
-        pools.add_row(name + default, *(str(p[k]) for k in ("nodes", "gpus", "free", "leased", "down")), str(waiting))
+        pools.add_row(name + default, *(str(p.get(k, 0)) for k in counts), str(waiting))
     out.print(pools)
     unleased: list[str] = []
     draining: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (node, lease) -> its draining GPUs
@@ -114,6 +123,7 @@ def _lease_table(view: dict[str, Any]) -> None:
         console.print("[bold]Leases[/]: none")
         return
     warned = [r for r in by_id.values() if r["lease"].get("idle_warning")]
+    states = bool(warned) or any(r["lease"].get("warm_since") for r in by_id.values())
     table = _table("Leases")
     table.add_column("lease", no_wrap=True)
     table.add_column("user", no_wrap=True)
@@ -121,7 +131,7 @@ def _lease_table(view: dict[str, Any]) -> None:
     table.add_column("GPUs", no_wrap=all(len(gpu_places(r["parts"])) <= 24 for r in by_id.values()))
     table.add_column("util", no_wrap=True, justify="right")
     table.add_column("held", no_wrap=True, justify="right")
-    if warned:
+    if states:
         table.add_column("state", no_wrap=True)
     table.add_column("label")  # takes what is left, cut with an ellipsis
     for lid, row in sorted(by_id.items(), key=lambda kv: (kv[1]["lease"].get("since") or 0, kv[0])):
@@ -133,8 +143,11 @@ def _lease_table(view: dict[str, Any]) -> None:
             f"{sum(utils) / len(utils):.0f}%" if utils else "",
             ago(lease.get("since"), now),
         ]
-        if warned:
-            cells.append(Text("idle", style="magenta") if lease.get("idle_warning") else Text("active"))
+        if states:
+            if lease.get("idle_warning"):
+                cells.append(Text("idle", style="magenta"))
+            else:
+                cells.append(Text("warm", style="cyan") if lease.get("warm_since") else Text("active"))
         cells.append(one_line(lease.get("label", "")))
         table.add_row(*cells)
     console.print(table)
