@@ -300,6 +300,8 @@ def test_status_is_a_line_per_lease_with_whole_ids(up: Up) -> None:
         warm_row = next(line for line in out.splitlines() if line.startswith(one.id))
         two_row = next(line for line in out.splitlines() if line.startswith(two.id))
         assert " warm " in warm_row and " active " in two_row, out
+        mine = {line.split()[0]: line.split()[1] for line in run(up, "leases").stdout.splitlines()[1:]}
+        assert mine == {two.id: "active", one.id: "warm"}, mine
 
         released = run(up, "release", two.id[:8])  # any unique start of the id
         assert released.stdout.strip() == f"{two.id}: released"

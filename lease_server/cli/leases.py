@@ -225,7 +225,12 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
     table.add_column("expires", no_wrap=True, justify="right")
     table.add_column("label")
     for r in rows:
-        state = Text("idle", style="magenta") if r.get("idle_warning") or r.get("reclaim_at") else Text(r["state"])
+        if r.get("idle_warning") or r.get("reclaim_at"):
+            state = Text("idle", style="magenta")
+        elif r.get("warm_since") and r["state"] == "active":  # between a notebook's cells, lendable
+            state = Text("warm", style="cyan")
+        else:
+            state = Text(r["state"])
         cells: list[Any] = [r["id"], *([r["user"]] if everyone else []), state]
         cells += [
             one_line(f"{gpu_places(lease_parts(r))}"),
