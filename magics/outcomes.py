@@ -205,13 +205,11 @@ def waiting_estimate(est: dict[str, Any]) -> str:
     """The lease server's estimate (``GET /estimate``) as the end of a queued cell's line: "about
     40 s more", the requests ahead, and a pool with the GPUs free now on a line of its own. The
     server's ``text`` repeats the request and the reasoning, which the line already shows."""
-    seconds = est.get("estimate_s")
-    if seconds is None:
+    wait = est.get("wait")
+    if wait is None:
         text = "no GPU of the pool is up"
-    elif seconds < 1:
-        text = "any moment now"
     else:
-        text = f"about {_human_s(float(seconds))} more"
+        text = f"{wait} more" if str(wait).startswith("about ") else str(wait)
     ahead = int(est.get("queued_ahead") or 0)
     if ahead:
         text += f" ({ahead} request{'s' if ahead != 1 else ''} ahead)"
@@ -220,14 +218,6 @@ def waiting_estimate(est: dict[str, Any]) -> str:
         alt = alternatives[0]
         text += f"\n  {alt['free']} x {alt['pool']} free now: --pool {alt['pool']}"
     return text
-
-
-def _human_s(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def describe_end(rec: LeaseJson, me: str) -> str | None:

@@ -247,6 +247,7 @@ def test_a_queued_cells_line_reads_the_servers_estimate_in_80_columns(server_fac
     srv = server_factory(simulate="n1=2xA100-80GB,t1=2xT4-16GB")
     srv.client("bob").acquire(2, pool="A100-80GB")
     est = srv.client("alice").estimate(1, "A100-80GB")
+    assert est["wait"].startswith("about ") and est["estimate_s"] >= 1, est
     shown = CellDisplay()
     shown.waiting(Waiting("r-1", "1", "A100-80GB", 1, 12.0, waiting_estimate(est)))
     first, alternative = shown.text.splitlines()

@@ -360,7 +360,7 @@ def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
         assert_error(alice.get(f"{API}/usage", params={"by": "colour"}), 400, "bad_request", "user, team")
 
         est = alice.get(f"{API}/estimate", params={"pool": "A100-80GB", "gpus": 2}).json()
-        assert est["estimate_s"] == 0 and "free now" in est["text"]
+        assert est["estimate_s"] == 0 and "free now" in est["text"] and est["wait"] == "any moment now"
         held = bob.post(f"{API}/leases", json={"gpus": 2, "pool": "A100-80GB"}).json()
         est = alice.get(f"{API}/estimate", params={"pool": "A100-80GB", "gpus": 1}).json()
         assert est["free_now"] == 0 and est["estimate_s"] > 0 and "typically" in est["text"]

@@ -173,6 +173,8 @@ async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str
         "held_gpus": held,
         "typical_s": typical,
         "estimate_s": wait_s,
+        # the wait in a few words, for a client's own line ("about 40 s"; null when no GPU is up)
+        "wait": None if wait_s is None else ("any moment now" if wait_s < 1 else f"about {_human(wait_s)}"),
         "estimate_at": None if wait_s is None else now_ms / 1000 + wait_s,
         "alternatives": alternatives,
         "text": text,

@@ -347,7 +347,8 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "How long a request for gpus GPUs of pool would wait, and other pools free now",
                 _json(
                     {"type": "object"},
-                    "Estimate: `estimate_s`, `text` (the reasoning in words), `queued_ahead` and "
+                    'Estimate: `estimate_s`, `wait` (it in a few words: "about 40 s", "any moment now"; '
+                    "null when no GPU of the pool is up), `text` (the reasoning in words), `queued_ahead` and "
                     "`queued_gpus_ahead` (requests strictly ahead of the asking one), `position` (its place "
                     "in the queue when `lease` names a queued request, else null), `held_gpus`, `free_now`, "
                     "`alternatives`. With nothing queued ahead, `text` says what it waits for: a running "
