@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from lease_server import errors
 from lease_server.cli.events import Wanted, newest, parse_since, position, read_forward
 from lease_server.client import Client
 from lease_server.store.keys import Keys
@@ -373,6 +374,31 @@ def test_a_warm_lease_and_its_next_cell_read_as_words_in_the_log(up: Up) -> None
     kinds = {line.split()[1]: line for line in shown}
     assert re.search(r"  warm +root +on (box|vm) \(GPU \d\) until \d\d:\d\d, lendable  ", kinds["warm"]), kinds
     assert re.search(r"  resumed +root +on (box|vm): a cell runs, 0m0\ds warm  ", kinds["resumed"]), kinds
+    assert not any("=" in line for line in shown), shown
+
+
+def test_an_evicted_warm_lease_reads_as_words_in_the_log(up: Up) -> None:
+    """Someone waits for a warm lease's GPU: the log says who it is recalled for and when the GPU
+    comes back (here no kernel follows the lease: it is revoked at the end of the notice)."""
+    c, bob = client(up), client(up, "bob")
+    end_all(c)
+    warm = c.acquire(1, pool="A100-80GB", label="warm one")
+    c.warm(warm, on=True)
+    held = []
+    while True:  # every other GPU of the pool, so that bob's request can only be served by eviction
+        try:
+            held.append(c.acquire(1, pool="A100-80GB"))
+        except errors.NoCapacity:
+            break
+    try:
+        granted = bob.acquire(1, pool="A100-80GB", wait=30)
+        bob.release(granted)
+    finally:
+        for lease in held:
+            c.release(lease)
+    shown = lines(run(up, "events", "-n", "40").stdout)
+    evicting = next(line for line in shown if "  evicting " in line)
+    assert re.search(r" on (box|vm) for bob: GPUs back at \d\d:\d\d:\d\d  l-", evicting), evicting
     assert not any("=" in line for line in shown), shown
 
 

@@ -151,7 +151,7 @@ def test_stop_while_queued_withdraws_the_request_and_it_is_never_granted(
         assert _free(bob) == 0
         panel = open_notebook(page, lab, "%%gpu_train --gpus 1\nran = True")
         out = run_cell(panel, 0)
-        expect(out).to_contain_text(re.compile(rf"^gpu_train: queued for 1 GPU\(s\)( of {POOL})?: 1st in line, \d+s"))
+        expect(out).to_contain_text(re.compile(rf"^gpu_train: queued for 1 GPU( of {POOL})?: 1st in line, \d+s"))
         (waiting,) = alice.queue()
         assert waiting["user"] == "alice" and waiting["gpus"] == 1
         rid = waiting["id"]
