@@ -191,6 +191,21 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
     )
 
 
+def _lab_answers(proc: subprocess.Popen[bytes], port: int, timeout: float = 120.0) -> bool:
+    """Whether JupyterLab opens its port within ``timeout`` (False at once if it exits)."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as sock:
+            sock.settimeout(0.5)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.1)  # a process that is starting: there is no event to wait on
+    return False
+
+
 def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
     """SIGTERM the leader (Ray's `start --block` then stops its own children in order), then
     SIGKILL whatever is left in its process group."""
@@ -297,18 +312,28 @@ def up(
                 lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['GPULEASE_LAB_TOKEN']}"
 
         def ready(bound: int) -> None:
+            # The banner says everything is up, so it waits for JupyterLab to answer (it starts
+            # beside the lease server and takes a few seconds more); the server serves meanwhile.
+            if lab_proc is not None:
+                threading.Thread(target=banner, args=(_lab_answers(lab_proc, lab_port),), daemon=True).start()
+            else:
+                banner(True)
+
+        def banner(lab_up: bool) -> None:
             gpus = sum(len(n.gpus) for n in nodes)
             console.print(
                 f"[bold green]gpulease is up[/]: {gpus} GPU(s) in {', '.join(sorted({n.pool for n in nodes}))}"
             )
             console.print(f"  lease server  {url}")
-            console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)")
+            console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)", soft_wrap=True)
             console.print(f"  redis         {redis_proc.url}   (AOF in {data_dir / 'redis'})")
             if settings.ray_address:
                 auth = f"   (token auth: {ray_token}, mode 0600)" if settings.ray_auth_token_file else ""
                 console.print(f"  ray head      {settings.ray_address}{auth}", soft_wrap=True)
-            if lab_url:
+            if lab_url and lab_up:
                 console.print(f"  jupyterlab    {lab_url}")
+            elif lab_url:
+                console.print(f"  jupyterlab    did not answer: see {data_dir / 'jupyterlab.log'}")
             console.print("Ctrl-C stops everything.")
 
         from ..web.server import run_loop
