@@ -676,9 +676,10 @@ def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = K
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (Z) or a process being reaped (X) has ended."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
 

@@ -83,7 +83,7 @@ def free_gpus(srv: Any) -> int:
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")  # zombie, or being reaped
     except (FileNotFoundError, ProcessLookupError):
         return False
 

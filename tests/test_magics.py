@@ -299,13 +299,15 @@ def test_revoke_stops_the_worker_and_the_cell_says_why(stack, kernel):
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: not gone, not a zombie (Z) and not dead while being reaped (X).
+    The state follows the command name, which may hold spaces and parentheses ("ray::IDLE")."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
 

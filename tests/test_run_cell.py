@@ -3,7 +3,6 @@ lease server; simulated GPUs). Names in and out, the last expression, errors, St
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from magics.runner import (
     describe_end,
     run_cell,
 )
+from magics.worker import _alive
 from tests.conftest import Up, ray_session
 
 ray = pytest.importorskip("ray")
@@ -116,7 +116,7 @@ def test_stop_ends_the_call_frees_the_gpus_and_the_worker(sess, tmp_path: Path):
     assert err.value._render_traceback_() == ["KeyboardInterrupt: gpu_train stopped; its GPUs are free"]
     assert ui.ending.state == "stopped" and ui.ending.verified
     pid = int(marker.read_text())
-    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not _alive(pid)
     assert free(sess) == 2
 
 

@@ -40,7 +40,6 @@ QUIET = SweepDisplay(quiet=True)
 
 
 def square(config: dict[str, Any]) -> dict[str, Any]:
-    import os
 
     t0 = time.time()
     i = config["i"]
@@ -56,7 +55,6 @@ def square(config: dict[str, Any]) -> dict[str, Any]:
 
 def hold(config: dict[str, Any]) -> int:
     """Write this worker's pid, then run until the test creates ``go`` (bounded)."""
-    import os
 
     Path(config["pid"]).write_text(str(os.getpid()))
     deadline = time.time() + 60
@@ -280,7 +278,7 @@ def test_stop_withdraws_queued_trials_and_stops_running_ones(sess, admin, up, tm
     for r in results:
         if r.state == "stopped":
             pid = int((tmp_path / f"pid{r.index}").read_text())
-            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+            assert not _alive(pid)
             assert admin.get(r.lease_id)["state"] == "released"
         else:
             assert not r.lease_id and not (tmp_path / f"pid{r.index}").exists()
