@@ -339,11 +339,14 @@ class Client:
         body = {"token": lease.token, "gpus": gpus, "size": len(lease.gpus)}  # a resend is then harmless
         return self._lease_call("POST", protocol.lease_shrink(lease.id), json=body)
 
-    def procs(self, lease: Lease, procs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Name the processes on the lease's GPUs (``[{node, pid, start, gpus}]``): if the server
-        ends the lease, its GPUs are granted again only once the node agent sees these gone."""
-        body = {"token": lease.token, "procs": procs}
-        return self.request("POST", protocol.lease_procs(lease.id), json=body)
+    def draining(self) -> list[dict[str, Any]]:
+        """Every draining GPU of the cluster, with the processes its agent gave up (admin)."""
+        return list(self.request("GET", protocol.DRAINING)["draining"])
+
+    def clear_drain(self, node: str, gpus: list[int]) -> int:
+        """Declare draining ``gpus`` of ``node`` clean (admin): they turn free. Returns GPUs freed."""
+        body = {"lease": "", "gpus": gpus}
+        return int(self.request("POST", protocol.node_drained(node), json=body)["freed"])
 
     def warm(self, lease: Lease, on: bool = True) -> dict[str, Any]:
         """Keep your one-node lease warm between cells (``on``): your worker stays, its GPUs are lent
@@ -357,8 +360,8 @@ class Client:
         return self.request("POST", protocol.lease_keep(lease_id))
 
     def release(self, lease: Lease | str, token: int | None = None, verified: bool = False) -> dict[str, Any]:
-        """Release (idempotent). ``verified``: you saw every process the lease named gone
-        (:meth:`procs`); without it the GPUs on which it named one drain before they are free."""
+        """Release (idempotent). ``verified``: you saw every process that claimed the lease gone
+        (``lease_server.node.claims``); without it the GPUs on which one did drain before they are free."""
         lid, tok = (lease.id, lease.token) if isinstance(lease, Lease) else (lease, token)
         params: dict[str, Any] = {"token": tok} if tok else {}
         if verified:
@@ -367,6 +370,30 @@ class Client:
 
     def revoke(self, lease_id: str, reason: str = "") -> dict[str, Any]:
         return self.request("POST", protocol.lease_revoke(lease_id), json={"reason": reason})
+
+    def create_token(
+        self,
+        user: str,
+        role: str = "user",
+        *,
+        expires_in: float | None = None,
+        acts_for: str | None = None,
+        node: str | None = None,
+    ) -> dict[str, Any]:
+        """Make an API token (admin): its id, scope and expiry, and its secret (``token``), shown once."""
+        body: dict[str, Any] = {"user": user, "role": role}
+        for key, value in (("expires_in", expires_in), ("acts_for", acts_for), ("node", node)):
+            if value is not None:
+                body[key] = value
+        return self.request("POST", protocol.TOKENS, json=body)
+
+    def tokens(self) -> list[dict[str, Any]]:
+        """Every API token (admin): id, user, role, created, expires, last_used, acts_for / node."""
+        return list(self.request("GET", protocol.TOKENS)["tokens"])
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        """Revoke an API token by its id (admin): refused from the next request on."""
+        return self.request("DELETE", protocol.token(token_id))
 
     def get(self, lease_id: str) -> LeaseJson:
         return cast(LeaseJson, self.request("GET", protocol.lease(lease_id)))

@@ -10,10 +10,12 @@ templates. The labextension's event and state lists are checked against this mod
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Any, Required, TypedDict
 from urllib.parse import quote
 
 API = "/api/v1"
+DRAINING = f"{API}/draining"
 
 # ---- headers ---------------------------------------------------------------------------------------
 
@@ -82,12 +84,13 @@ def lease_keep(lease_id: str) -> str:
     return f"{lease(lease_id)}/keep"
 
 
-def lease_procs(lease_id: str) -> str:
-    return f"{lease(lease_id)}/procs"
-
 
 def lease_warm(lease_id: str) -> str:
     return f"{lease(lease_id)}/warm"
+
+
+def token(token_id: str) -> str:
+    return f"{TOKENS}/{_seg(token_id)}"
 
 
 def reservation(booking_id: str) -> str:
@@ -120,6 +123,10 @@ def node_draining(name: str) -> str:
 
 def node_drained(name: str) -> str:
     return f"{node(name)}/drained"
+
+
+def node_procs(name: str) -> str:
+    return f"{node(name)}/procs"
 
 
 def simulate(name: str) -> str:
@@ -189,6 +196,19 @@ class ElasticJson(TypedDict):
 
     min: int
     max: int
+
+
+class TokenJson(TypedDict, total=False):
+    """An API token as an admin sees it (GET /tokens): never its secret, which only its creation answers."""
+
+    id: Required[Annotated[str, "Short and not secret: gpulease token revoke ID takes it"]]
+    user: Required[str]
+    role: Required[str]
+    created: Required[float]
+    expires: Annotated[float, "Refused from then on (absent: valid until revoked)"]
+    last_used: Annotated[float, "Its last request, to the minute (absent: never used)"]
+    acts_for: Annotated[str, "A proxy token: whom it may act for (names and globs, or re:PATTERN)"]
+    node: Annotated[str, "An agent token: the one node it serves (absent: bound to the first it serves)"]
 
 
 class LeaseJson(TypedDict, total=False):
@@ -271,6 +291,8 @@ class EventType(enum.StrEnum):
     # elastic leases change size; the token stays
     GROWN = "grown"  # the owner added GPUs to an elastic lease on its node (resize.lua)
     DRAINED = "drained"  # GPUs the server took back are clean: no process of their lease is on them (drained.lua)
+    # its node agent cannot end a process on them: they stay out of service for an admin (drain_abandon.lua)
+    DRAIN_ABANDONED = "drain_abandoned"
     SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (resize.lua), or the server when a shrink notice ran out
     # an elastic lease above its minimum is asked to give GPUs back for a waiting request by shrink_by,
     # else the server shrinks it to shrink_to (_lib_schedule.lua ask_to_shrink; sweep.lua)
@@ -373,3 +395,26 @@ RECALL_EVENTS = frozenset(e.value for e in (EventType.PREEMPT_NOTICE, EventType.
 
 # A live lease's GPUs changed, its token did not: whoever runs on it reads its GPUs again (GET).
 RESIZE_EVENTS = frozenset(e.value for e in (EventType.GROWN, EventType.SHRUNK))
+
+
+# ---- text ------------------------------------------------------------------------------------------
+
+# What no label or name may hold (the server refuses it with a 400 naming the code point): control
+# characters (C0, DEL, C1: an escape sequence in a label would reach the terminal of an admin running
+# gpulease status), the characters that make text read other than it is stored (bidi marks,
+# embeddings, overrides and isolates: "Trojan Source") and line or paragraph separators. A regular
+# expression character range, read alike by Python and ECMA-262 (the OpenAPI document's patterns).
+UNSAFE_CHARS = "\\x00-\\x1f\\x7f-\\x9f\\u061c\\u200e\\u200f\\u2028-\\u202e\\u2066-\\u2069"
+_UNSAFE = re.compile(f"[{UNSAFE_CHARS}]")
+
+
+def escaped(text: object) -> str:
+    """``text`` with each unsafe character written as its escape (``\\x1b``, ``\\u202e``): how a
+    terminal shows text stored before the server refused them, so it cannot act on the terminal."""
+    return _UNSAFE.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), str(text))
+
+
+def plain(text: str) -> str:
+    """``text`` with each unsafe character turned into a space: a label a client derives from what
+    it does not control (a cell's first line) is one the server takes."""
+    return _UNSAFE.sub(" ", text)

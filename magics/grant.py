@@ -80,7 +80,6 @@ class Grant:
         self.relay: Relay | None = None  # a sweep's: the worker may go on to its next trial
         self.clean = False  # the call returned normally (only then may its worker go on)
         self.handed_to = ""  # the request this lease and its worker were handed to
-        self._named: list[dict[str, Any]] = []  # the processes last named to the lease server
         if lease is not None:
             self.held = HeldLease(sess.client(), lease)
             self.held.activity = {"executing": True, "source": "gpu_train"}
@@ -142,12 +141,12 @@ class Grant:
             pool=pool,
             ttl=sess.defaults.ttl,
             wait=opts.wait,
-            label=opts.label[:200],
-            session=opts.session[:200],
+            label=protocol.plain(opts.label)[:200],  # a cell's first line may hold a tab
+            session=protocol.plain(opts.session)[:200],
             gpus_min=gpus_min,
             priority=opts.priority,
             nodes=opts.nodes,
-            notebook=opts.notebook,
+            notebook=protocol.plain(opts.notebook),
             cell=opts.cell,
             request_id=rid,
         )
@@ -205,30 +204,6 @@ class Grant:
             "GPULEASE_NODE": node,
         }
 
-    def name_procs(self) -> None:
-        """Name every rank's process (pid, start time, its GPUs) to the lease server before the call
-        runs: if the server ends the lease (expiry, revoke, reclaim, preemption, a shrink past its
-        deadline), its GPUs are granted again only once the node agent sees these gone."""
-        if self.lease is None or self.cpu or not self.ranks:
-            return
-        procs = []
-        for rank in self.ranks:
-            try:
-                where = rank.worker.where()
-            except Exception:  # noqa: BLE001 - it never started: the call fails on it, nothing to name
-                continue
-            gpus = [int(i) for i in rank.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
-            procs.append({"node": rank.node, "pid": where.pid, "start": where.start, "gpus": gpus})
-        if not procs or procs == self._named:  # (a warm cell: its worker is named already)
-            return
-        try:
-            self.sess.client().procs(self.lease, procs)
-            self._named = procs
-        except errors.LeaseEnded:
-            self.ended_elsewhere.set()  # ended already: the pump stops before the call runs
-        except errors.GpuLeaseError as exc:
-            log.warning("could not name the workers of lease %s to the lease server: %s", self.lease.id, exc)
-
     def watch(self) -> dict[str, Any]:
         """What a worker's watchdog follows: this lease, on the lease server."""
         if self.lease is None:
@@ -237,7 +212,16 @@ class Grant:
         # The user a proxy token acts for (JupyterHub: GPULEASE_USER): without it every request of
         # the watchdog is refused (403) and it never sees its lease end.
         user = {k.lower(): v for k, v in client.headers.items()}.get(protocol.USER_HEADER.lower(), "")
-        return {"url": client.url, "token": client.token, "id": self.lease.id, "user": user}
+        # The worker claims the lease at its node agent with these (lease_server/node/claims.py):
+        # if the server ends the lease, the agent then ends the worker before the GPUs are lent again.
+        return {
+            "url": client.url,
+            "token": client.token,
+            "id": self.lease.id,
+            "user": user,
+            "fence": self.lease.token,
+            "instance": self.sess.instance(),
+        }
 
     def follow(self) -> None:
         """Follow this lease's own events (``GET /api/v1/events?lease=ID``) while the call runs:

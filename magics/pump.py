@@ -42,7 +42,6 @@ class Pump:
         multi = len(ranks) > 1
         writer = _RankWriter(self.ui.output) if multi else None
         watch = self.grant.watch()
-        self.grant.name_procs()  # before the call runs: a forced end then drains these processes
         self._check_lease()
         result_refs = {r.worker.handle.run.remote(call, r.env, watch): i for i, r in enumerate(ranks)}
         out_refs = {r.worker.handle.read_output.remote(POLL_S): i for i, r in enumerate(ranks)}

@@ -88,6 +88,7 @@ class Session:
     def __init__(self) -> None:
         self.defaults = Defaults()
         self._client: Client | None = None
+        self._instance: str | None = None
         self._lock = threading.RLock()
         self._pinned: bool | None = None
         self._spares: dict[str, deque[Worker]] = {}
@@ -116,6 +117,14 @@ class Session:
             if self._client is not None:
                 self._client.close()
             self._client = None
+            self._instance = None
+
+    def instance(self) -> str:
+        """The lease server's deployment id (GET /info, asked once): it names the node agents'
+        claim sockets, where a worker ties itself to its lease (lease_server/node/claims.py)."""
+        if self._instance is None:
+            self._instance = str(self.client().request("GET", protocol.INFO).get("instance") or "")
+        return self._instance
 
     def connect_ray(self) -> None:
         """Join the Ray cluster that the lease server names; start nothing of our own."""

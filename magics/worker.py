@@ -297,6 +297,8 @@ class GpuWorker:
         _tls()  # the watchdog's TLS context, made while the spare waits
 
         _nvml_here()  # pynvml imported and NVML probed now, not on the call's clock
+        import lease_server.node.claims  # noqa: F401 - the claim of each call's lease, loaded now
+
         guard_process_groups()  # a DDP loop that destroys its process group cannot hang its return
         self._boot_modules = {name.partition(".")[0] for name in sys.modules}  # (what calls import is the rest)
 
@@ -407,6 +409,7 @@ class GpuWorker:
         self._used = True
         _ACTIVE[:] = [self]
         os.environ.update(env)
+        _claim(watch, env)  # before the cell's code: a forced end of the lease then ends this process
         _STEPS.clear()
         if watch.get("url"):
             threading.Thread(
@@ -563,6 +566,32 @@ def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
         + (", running the checkpoint hook\n" if _HOOKS else "; register magics.on_preempt(fn) to checkpoint\n"),
     )
     _checkpoint(worker)
+
+
+_CLAIMED: set[tuple[str, str]] = set()  # (lease, node) this process claimed: a warm cell's next call skips it
+
+
+def _claim(watch: dict[str, Any], env: dict[str, str]) -> None:
+    """Tie this process to the call's lease at its node agent (lease_server/node/claims.py): the
+    kernel names this process to the agent, so only it, never a pid anyone sends, is ended if the
+    server ends the lease. Without an agent to answer (a lease server without one on this host),
+    the worker's watchdog is what stops it."""
+    node, lease_id = env.get("GPULEASE_NODE", ""), str(watch.get("id") or "")
+    gpus = [int(i) for i in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip().isdigit()]
+    if not (watch.get("instance") and node and lease_id and gpus) or (lease_id, node) in _CLAIMED:
+        return
+    from lease_server.node import claims
+
+    try:
+        claims.claim(
+            watch["instance"], node, lease_id, int(watch["fence"]), watch["token"], watch.get("user") or "", gpus
+        )
+        _CLAIMED.add((lease_id, node))
+    except (claims.ClaimRefused, OSError) as exc:
+        if sys.__stderr__ is not None:
+            sys.__stderr__.write(
+                f"gpulease: lease {lease_id}: the node agent of {node} did not tie this worker to it: {exc}\n"
+            )
 
 
 def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int = 0) -> None:

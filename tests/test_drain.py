@@ -1,7 +1,8 @@
 """Draining: whoever ends a lease, its GPUs are granted again only after its processes are gone.
 
-Real lease server and Redis, simulated GPUs, real processes: each lease names its process (as the
-magic does for its worker, POST /leases/{id}/procs); the server ends the lease in each of the ways
+Real lease server and Redis, simulated GPUs, real processes: each process claims its lease at the
+node agent's socket, as the magic's worker does (the kernel names it to the agent: no pid a user
+sends is ever signalled); the server ends the lease in each of the ways
 it can (admin revoke, expiry of a frozen holder, idle reclaim, preemption, a booking's recall, an
 elastic shrink past its deadline); a waiter is granted the GPUs. The node agent ends the old
 process, and the waiter's grant is later than the old process's exit, as the event log (grant
@@ -10,6 +11,7 @@ time) and the process table (exit time, from a pidfd) show.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -30,9 +32,22 @@ from tests.api_helpers import EventWatcher
 from tests.invariants import check_event_log, check_state, read_events
 
 # A process that ignores SIGTERM, so only the agent's SIGKILL (after drain_kill_grace_s) ends it:
-# the GPUs are then draining for at least that long, whatever the machine's speed.
+# the GPUs are then draining for at least that long, whatever the machine's speed. It claims the
+# leases it reads on stdin (one JSON object a line: claims.claim's arguments), as a worker does.
+CLAIMS = (
+    "import json, sys\n"
+    "from lease_server.node.claims import ClaimRefused, claim\n"
+    "for line in sys.stdin:\n"
+    "    try:\n"
+    "        claim(**json.loads(line))\n"
+    "        print('claimed', flush=True)\n"
+    "    except (ClaimRefused, OSError) as exc:\n"
+    "        print(f'refused: {exc}', flush=True)\n"
+)
 STUBBORN = (
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True)\n"
+    + CLAIMS
+    + "time.sleep(600)\n"
 )
 GRACE = 1.0
 # The exit time comes from a thread of this process woken by a pidfd, the grant time from Redis:
@@ -45,7 +60,9 @@ class Watched:
     """A child process whose exit time (epoch ms) a thread takes from a pidfd the moment it exits."""
 
     def __init__(self, code: str = STUBBORN) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "up"
         self.pid = self.proc.pid
         self.start = start_ticks(self.pid) or 0
@@ -85,11 +102,23 @@ def procs() -> Any:
         p.kill()
 
 
-def name(client: Any, lease: Any, proc: Watched, gpus: list[int] | None = None) -> None:
-    entry: dict[str, Any] = {"node": lease.node, "pid": proc.pid, "start": proc.start}
-    if gpus is not None:
-        entry["gpus"] = gpus
-    client.procs(lease, [entry])
+def claim_line(client: Any, lease: Any, node: str, gpus: list[int] | None = None) -> str:
+    """What a process sends its node agent to claim ``lease`` there (claims.claim's arguments)."""
+    if gpus is None:
+        gpus = [int(g["index"]) for g in lease.gpus if g.get("node", lease.node) == node]
+    instance = client.request("GET", "/api/v1/info")["instance"]
+    args = {"instance": instance, "node": node, "lease": lease.id, "fence": lease.token, "token": client.token}
+    return json.dumps({**args, "gpus": gpus})
+
+
+def name(client: Any, lease: Any, proc: Watched, gpus: list[int] | None = None, says: str = "claimed") -> str:
+    """``proc`` claims ``lease`` at its node agent, as a worker does; returns the agent's answer."""
+    assert proc.proc.stdin is not None and proc.proc.stdout is not None
+    proc.proc.stdin.write(claim_line(client, lease, lease.node, gpus) + "\n")
+    proc.proc.stdin.flush()
+    answer = proc.proc.stdout.readline().strip()
+    assert answer.startswith(says), answer
+    return answer
 
 
 def board_states(client: Any, node: str) -> dict[int, str]:
@@ -161,8 +190,9 @@ def test_a_frozen_holder_that_stops_renewing_expires_and_drains(srv: Any, procs:
         "from lease_server.client import Client\n"
         f"c = Client({srv.url!r}, {srv.token('alice')!r})\n"
         "lease = c.acquire(1, ttl=2)\n"
-        "from lease_server.node.drain import start_ticks\n"
-        "c.procs(lease, [{'node': lease.node, 'pid': os.getpid(), 'start': start_ticks(os.getpid())}])\n"
+        "from lease_server.node.claims import claim\n"
+        "instance = c.request('GET', '/api/v1/info')['instance']\n"
+        "claim(instance, lease.node, lease.id, lease.token, c.token, gpus=[lease.gpus[0]['index']])\n"
         "print('up', flush=True)\n"
         "while True:\n"
         "    time.sleep(0.5); c.renew(lease)\n"
@@ -242,13 +272,8 @@ def test_elastic_shrink_past_its_deadline_drains_only_the_gpus_taken(
     alice, bob = srv.client("alice"), srv.client("bob")
     lease = alice.acquire(2, gpus_min=1)
     rank0, rank1 = procs(), procs()
-    alice.procs(
-        lease,
-        [
-            {"node": "n1", "pid": rank0.pid, "start": rank0.start, "gpus": [0]},
-            {"node": "n1", "pid": rank1.pid, "start": rank1.start, "gpus": [1]},
-        ],
-    )
+    name(alice, lease, rank0, gpus=[0])
+    name(alice, lease, rank1, gpus=[1])
     rid = bob.new_request_id()
     t = threading.Thread(target=lambda: bob.acquire(1, wait=30, request_id=rid), daemon=True)
     t.start()
@@ -285,27 +310,30 @@ def test_an_owners_release_drains_only_what_it_did_not_see_gone(srv: Any, procs:
     check_invariants(srv, redis_sync)
 
 
-def test_procs_refuse_bad_input_and_change_nothing(srv: Any, redis_sync: Any) -> None:
+def test_claims_refuse_what_is_not_theirs_and_change_nothing(srv: Any, procs: Any, redis_sync: Any) -> None:
+    """A claim names only the process that makes it; the agent still refuses one for another
+    user's lease, a GPU or node the lease does not hold, a stale fencing token. Users cannot
+    record processes themselves: the old route is gone, the agents' one is for agent tokens."""
     from lease_server.store.keys import Keys
 
     alice, bob = srv.client("alice"), srv.client("bob")
     lease = alice.acquire(1)
     idx = lease.gpus[0]["index"]
-    cases = [
-        ({"token": lease.token, "procs": [{"node": "n9", "pid": 42}]}, "holds no node n9"),
-        ({"token": lease.token, "procs": [{"node": "n1", "pid": 42, "gpus": [1 - idx]}]}, f"GPU {1 - idx}"),
-        ({"token": lease.token, "procs": [{"node": "n1", "pid": 1}]}, "pid"),
-        ({"token": lease.token, "procs": [{"node": "n1"}]}, "pid"),
-        ({"procs": []}, "token is required"),
-    ]
-    for body, says in cases:
-        with pytest.raises(errors.BadRequest, match=says):
-            alice.request("POST", f"/api/v1/leases/{lease.id}/procs", json=body)
-    with pytest.raises(errors.StaleToken):
-        alice.request("POST", f"/api/v1/leases/{lease.id}/procs", json={"token": lease.token + 1, "procs": []})
-    with pytest.raises(errors.NotOwner):
-        bob.request("POST", f"/api/v1/leases/{lease.id}/procs", json={"token": lease.token, "procs": []})
+    proc = procs()
+    assert "another user" in name(bob, lease, proc, says="refused")  # bob's token, alice's lease
+    assert f"GPU {1 - idx}" in name(alice, lease, proc, gpus=[1 - idx], says="refused")
+    assert "fencing token" in name(alice, dataclasses.replace(lease, token=lease.token + 1), proc, says="refused")
     assert "procs" not in json.loads(redis_sync.hget(Keys(srv.settings.prefix).leases, lease.id))
+    with pytest.raises(errors.NotFound):
+        alice.request("POST", f"/api/v1/leases/{lease.id}/procs", json={"token": lease.token, "procs": []})
+    body = {"lease": lease.id, "fence": lease.token, "token": alice.token, "pid": proc.pid, "start": 1, "uid": 0}
+    for who in (alice, srv.client("root", "admin")):
+        with pytest.raises(errors.Forbidden):
+            who.request("POST", "/api/v1/nodes/n1/procs", json=body)
+    assert "procs" not in json.loads(redis_sync.hget(Keys(srv.settings.prefix).leases, lease.id))
+    name(alice, lease, proc)  # its owner's claim, for its own process: recorded
+    rec = json.loads(redis_sync.hget(Keys(srv.settings.prefix).leases, lease.id))
+    assert rec["procs"] == [{"node": "n1", "pid": proc.pid, "start": proc.start, "uid": os.getuid(), "gpus": [idx]}]
     with pytest.raises(errors.Forbidden):
         alice.request("GET", "/api/v1/nodes/n1/draining")
     with pytest.raises(errors.Forbidden):

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from .. import __version__, errors
-from . import admin, bookings, events, leases, service, simulate
+from . import admin, bookings, drains, events, leases, service, simulate
 from ._common import fail
 
 
@@ -51,6 +51,7 @@ for _command in (
     admin.kernel,
     admin.token,
     admin.migrate,
+    drains.drain,
     simulate.simulate,
 ):
     main.add_command(_command)

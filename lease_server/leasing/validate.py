@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import errors
 from ..config import PRIORITIES, Settings
-from ..protocol import ROLES, EventType
+from ..protocol import ROLES, UNSAFE_CHARS, EventType
 from ..store.keys import NAME_RE
 
 MAX_GPUS_PER_REQUEST = 1024
@@ -38,7 +38,8 @@ MAX_TEXT = 200
 MAX_NODES = 64
 MAX_GPUS_PER_NODE = 4096
 MAX_OCCURRENCES = 52
-EVENT_LOG_MAX_LIMIT = 10_000
+EVENT_LOG_MAX_LIMIT = 10_000  # the largest limit accepted; a page holds at most EVENT_LOG_PAGE_CAP
+EVENT_LOG_PAGE_CAP = 1000
 # 2000-01-01 .. 2100-01-01: a time outside is a unit mistake (milliseconds, or a duration).
 EPOCH_LOW, EPOCH_HIGH = 946684800, 4102444800
 USAGE_GROUPS = ("user", "team", "pool", "notebook")
@@ -52,6 +53,8 @@ MAX_MB = MAX_PID = 2**31 - 1
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 OWNER_PATTERN = "^(team:)?[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 REQUEST_ID_PATTERN = "^[A-Za-z0-9._-]{8,64}$"
+# Text a user sends (labels, notes, reasons): anything but protocol.UNSAFE_CHARS.
+TEXT_PATTERN = f"^[^{UNSAFE_CHARS}]*$"
 # Any lease id the routes accept (ids made by older clients may be shorter than a request id).
 LEASE_ID_PATTERN = "^[A-Za-z0-9._-]{1,64}$"
 # An event id Redis accepts as an exclusive start: each part below 2**64 - 1, so at most 19 digits.
@@ -77,12 +80,34 @@ def matches(pattern: str, value: str) -> bool:
 
 assert NAME_RE.pattern == NAME_PATTERN, "keys.NAME_RE and validate.NAME_PATTERN must say the same"
 REQUEST_ID_RE = _regex(REQUEST_ID_PATTERN)
+UNSAFE_RE = re.compile(f"[{UNSAFE_CHARS}]")
 LEASE_ID_RE = _regex(LEASE_ID_PATTERN)
 
 # ---- validators of single values -------------------------------------------------------------------
 
 
+def unsafe_char(kind: str, value: str) -> str | None:
+    """Why ``value`` is refused when it holds a character of :data:`UNSAFE_CHARS` (None: it holds none):
+    the field, and the character's code point and place, since the character itself cannot be shown."""
+    found = UNSAFE_RE.search(value)
+    if found is None:
+        return None
+    code = ord(found[0])
+    what = "a control character" if code <= 0x9F else "a bidi or line-breaking formatting character"
+    return (
+        f"{kind} holds {what}, U+{code:04X} at position {found.start()}: labels and names take "
+        "printable text only (no control, bidi override or isolate characters)"
+    )
+
+
+def check_printable(kind: str, value: object) -> None:
+    """Refuse (400) a string holding a control or bidi formatting character, naming its code point."""
+    if isinstance(value, str) and (why := unsafe_char(kind, value)) is not None:
+        raise errors.BadRequest(why)
+
+
 def check_name(kind: str, value: object) -> str:
+    check_printable(kind, value)
     if not isinstance(value, str) or not matches(NAME_PATTERN, value):
         raise errors.BadRequest(
             f"{kind} must be a name of letters, digits, '.', '_' or '-' (at most 63), got {value!r}"
@@ -95,6 +120,7 @@ def check_text(kind: str, value: object) -> str:
         return ""
     if not isinstance(value, str) or len(value) > MAX_TEXT:
         raise errors.BadRequest(f"{kind} must be a string of at most {MAX_TEXT} characters")
+    check_printable(kind, value)
     return value
 
 
@@ -400,13 +426,16 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _text(description: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "string", "maxLength": MAX_TEXT}
+    out: dict[str, Any] = {"type": "string", "maxLength": MAX_TEXT, "pattern": TEXT_PATTERN}
     if description:
         out["description"] = description
     return out
 
 
 NAME = {"type": "string", "pattern": NAME_PATTERN}
+# A proxy token's acts_for (web/auth.py check_acts_for reads it the same way).
+ACTS_FOR_ENTRY = r"[A-Za-z0-9._*?\[\]!-]{1,64}"
+ACTS_FOR_PATTERN = rf"^(re:.+|{ACTS_FOR_ENTRY}(,{ACTS_FOR_ENTRY})*)$"
 TIME = {
     "anyOf": [
         {"type": "number", "minimum": EPOCH_LOW, "maximum": EPOCH_HIGH, "description": "epoch seconds"},
@@ -463,32 +492,9 @@ INVENTORY_GPU = {
     "required": ["index"],
     "properties": {
         "index": GPU_INDEX,
-        "uuid": {"type": "string", "description": "kept up to 100 characters"},
-        "model": {"type": "string", "description": "kept up to 100 characters"},
+        "uuid": {"type": "string", "pattern": TEXT_PATTERN, "description": "kept up to 100 characters"},
+        "model": {"type": "string", "pattern": TEXT_PATTERN, "description": "kept up to 100 characters"},
         "memory_mb": {"type": "integer", "minimum": 0, "maximum": MAX_MB},
-    },
-}
-# A process that uses a lease's GPUs, named by its holder (POST /leases/{id}/procs).
-LEASE_PROC = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["node", "pid"],
-    "properties": {
-        "node": {"type": "string", "pattern": NAME_PATTERN, "description": "The lease's node it runs on"},
-        "pid": {"type": "integer", "minimum": 2, "maximum": MAX_PID, "description": "Its id on that node"},
-        "start": {
-            "type": "integer",
-            "minimum": 0,
-            "maximum": 2**53 - 1,
-            "description": "Its start time (/proc/PID/stat field 22, clock ticks since boot): another process "
-            "that later gets the same pid is never touched. 0: unknown",
-        },
-        "gpus": {
-            "type": "array",
-            "maxItems": MAX_GPUS_PER_NODE,
-            "items": GPU_INDEX,
-            "description": "The lease's GPUs of that node it uses (default: all of them)",
-        },
     },
 }
 SECONDS_IN_A_WEEK = 7 * 86400
@@ -790,7 +796,11 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                             "additionalProperties": False,
                             "properties": {
                                 "executing": {"type": "boolean", "description": "A cell is running"},
-                                "source": {"type": "string", "description": "Who reports it (kept to 40 characters)"},
+                                "source": {
+                                    "type": "string",
+                                    "pattern": TEXT_PATTERN,
+                                    "description": "Who reports it (kept to 40 characters)",
+                                },
                             },
                             "description": "What the holder is doing: a signal for the idle-GPU reclaimer",
                         }
@@ -983,22 +993,78 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     missing="user must be a name of letters, digits, '.', '_' or '-': whom the token is for",
                 ),
                 Field("role", {"enum": list(ROLES), "description": "Default: user"}),
+                Field(
+                    "expires_in",
+                    {
+                        "type": "number",
+                        "exclusiveMinimum": 0,
+                        "maximum": 10 * 365 * 86400,
+                        "description": "Seconds until it is refused (default: valid until revoked)",
+                    },
+                ),
+                Field(
+                    "acts_for",
+                    {
+                        "type": "string",
+                        "maxLength": 1024,
+                        "pattern": ACTS_FOR_PATTERN,
+                        "description": "A proxy token: whom it may act for, names and globs separated by commas "
+                        "('alice,bob', 'lab-*', '*') or 're:PATTERN' (a regular expression matched against the "
+                        "whole name); default '*'. Never a name that holds an admin, agent or proxy token",
+                    },
+                ),
+                Field(
+                    "node",
+                    {
+                        **NAME,
+                        "description": "An agent token: the one node it serves (default: the first node it serves)",
+                    },
+                ),
+            ),
+            rules=(
+                "acts_for with a role other than proxy",
+                "node with a role other than agent",
+                "acts_for 're:PATTERN' that is not a regular expression",
             ),
         ),
         procs=Body(
-            "ProcsRequest",
+            "ClaimRecord",
             (
-                LEASE_TOKEN,
+                Field("lease", LEASE_ID, required=True, missing="lease is required: the lease the process claimed"),
                 Field(
-                    "procs",
-                    {
-                        "type": "array",
-                        "maxItems": 256,
-                        "items": LEASE_PROC,
-                        "description": "The processes on the lease's GPUs; replaces what was named for their nodes",
-                    },
+                    "fence",
+                    {"type": "integer", "minimum": 0, "description": "The lease's fencing token"},
                     required=True,
-                    missing='procs is required, e.g. {"token": 7, "procs": [{"node": "box", "pid": 4242}]}',
+                    missing="fence is required: the lease's fencing token, as the claim gave it",
+                ),
+                Field(
+                    "token",
+                    {"type": "string", "minLength": 1, "maxLength": 200, "description": "The claim's API token"},
+                    required=True,
+                    missing="token is required: the API token the claim carried (it names the lease's owner)",
+                ),
+                Field("user", {**NAME, "description": "The user a proxy token acts for"}),
+                Field(
+                    "pid",
+                    {"type": "integer", "minimum": 2, "maximum": MAX_PID, "description": "As the kernel named it"},
+                    required=True,
+                    missing="pid is required: the claiming process, as SO_PEERCRED named it",
+                ),
+                Field(
+                    "start",
+                    {"type": "integer", "minimum": 1, "maximum": 2**53 - 1, "description": "Its start time (ticks)"},
+                    required=True,
+                    missing="start is required: the process's start time (/proc/PID/stat field 22)",
+                ),
+                Field(
+                    "uid",
+                    {"type": "integer", "minimum": 0, "maximum": 2**32 - 1, "description": "Its owner"},
+                    required=True,
+                    missing="uid is required: the claiming process's uid, as SO_PEERCRED named it",
+                ),
+                Field(
+                    "gpus",
+                    {"type": "array", "maxItems": MAX_GPUS_PER_NODE, "items": GPU_INDEX},
                 ),
             ),
             rules=("a node the lease does not hold GPUs on", "a GPU of that node the lease does not hold"),
@@ -1008,7 +1074,11 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
             (
                 Field(
                     "lease",
-                    LEASE_ID,
+                    {
+                        "type": "string",
+                        "pattern": "^([A-Za-z0-9._-]{1,64})?$",
+                        "description": 'The lease whose processes are gone; "": whichever (an admin clearing)',
+                    },
                     required=True,
                     missing="lease is required: the lease whose processes are gone from these GPUs",
                 ),
@@ -1019,6 +1089,19 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     missing='gpus is required: the indexes now clean, e.g. {"lease": "l-1", "gpus": [0]}',
                 ),
                 Field("killed", {"type": "integer", "minimum": 0, "maximum": 10000, "description": "Processes ended"}),
+                Field(
+                    "abandoned",
+                    {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["pid", "why"],
+                        "properties": {
+                            "pid": {"type": "integer", "minimum": 1, "maximum": MAX_PID},
+                            "why": {"type": "string", "maxLength": 200},
+                        },
+                        "description": "A process the agent gives up: the GPUs stay out of service, flagged",
+                    },
+                ),
             ),
         ),
     )
@@ -1102,7 +1185,10 @@ LAST_EVENT_ID = Param(
     parse=check_since,
 )
 LIMIT = Param(
-    "limit", {"type": "integer", "minimum": 1, "maximum": EVENT_LOG_MAX_LIMIT}, "At most this many (default 100)"
+    "limit",
+    {"type": "integer", "minimum": 1, "maximum": EVENT_LOG_MAX_LIMIT},
+    f"At most this many (default 100); a page holds at most {EVENT_LOG_PAGE_CAP} (the page cap): a larger "
+    "limit is served as the cap, and the answer's limit and note say so",
 )
 
 
@@ -1116,8 +1202,8 @@ TOKEN_ARG = Param(
     "token", {"type": "integer", "minimum": 0}, "The fencing token (as the body's `token`)", parse=_token_arg
 )
 VERIFIED_TEXT = (
-    "You saw every process the lease named (POST /leases/{id}/procs) gone: its GPUs are free at once. "
-    "Without it, the GPUs on which it named a process drain first (the node agent ends what remains)"
+    "You saw every process that claimed the lease (through its node agent) gone: its GPUs are free at once. "
+    "Without it, the GPUs on which a process claimed it drain first (the node agent ends what remains)"
 )
 VERIFIED_ARG = Param("verified", {"type": "boolean"}, VERIFIED_TEXT + BOOL_NOTE)
 REASON_ARG = Param(
@@ -1227,6 +1313,7 @@ def conform(schema: Mapping[str, Any], value: object, path: str) -> None:
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             raise errors.BadRequest(f"{path} must be a string of at most {schema['maxLength']} characters")
         if "pattern" in schema and not matches(schema["pattern"], value):
+            check_printable(path, value)  # the character's code point, rather than the pattern
             raise errors.BadRequest(f"{path} must match {schema['pattern']}, got {_short(value)}")
     elif isinstance(value, list):
         lo, hi = schema.get("minItems", 0), schema.get("maxItems")

@@ -25,7 +25,8 @@ from ..leasing.inventory import Gpu, NodeInventory, default_node_name, register
 from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_sample
 from ..store.engine import Engine
 from ..store.layout import LAYOUT
-from .drain import Drainer, Draining, drained, draining_of
+from .claims import AsyncClaims, Claim, Peer, ThreadClaims
+from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, uses_gpu_device
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,16 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
     for inv in inventories:
         await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
+    from ..web.auth import Authenticator
+
+    auth = Authenticator(engine.redis, engine.keys)
+
+    async def record(claim: Claim, peer: Peer) -> None:
+        ident = await auth.act_as(await auth.identify(f"Bearer {claim.token}"), claim.user or None)
+        await record_claim(engine, claim, ident.user, peer)
+
+    claims = AsyncClaims(await engine.instance(), [inv.node for inv in inventories], record)
+    await claims.start()
     loop = asyncio.get_running_loop()
     next_beat = next_sample = next_drain = loop.time()
     try:
@@ -162,8 +173,11 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
                 for inv in inventories:
                     try:
                         entries = await draining_of(engine, inv.node, [g.index for g in inv.gpus])
-                        for lease, clean, ended in _drain_step(drainer, inv, entries, nvml):
+                        done = _drain_step(drainer, inv, entries, nvml)
+                        for lease, clean, ended in done.clean:
                             await drained(engine, inv.node, lease, clean, ended)
+                        for lease, index, pid, why in done.abandoned:
+                            await abandon(engine, inv.node, lease, [index], pid, why)
                     except Exception as exc:  # Redis away: the next pass retries; the GPUs stay draining
                         log.warning("draining %s failed: %s", inv.node, exc)
             if now >= next_beat:
@@ -209,18 +223,17 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
             except TimeoutError:
                 pass
     finally:
+        await claims.close()
         enforcer.close()
         if nvml is not None:
             nvml.close()
 
 
-def _drain_step(
-    drainer: Drainer, inv: NodeInventory, entries: list[Draining], nvml: NvmlSampler | None
-) -> list[tuple[str, list[int], int]]:
+def _drain_step(drainer: Drainer, inv: NodeInventory, entries: list[Draining], nvml: NvmlSampler | None) -> Pass:
     """One pass over a node's draining GPUs: on an NVML node the processes NVML lists on them, on a
-    simulated one the processes the lease registered, must be gone."""
+    simulated one the processes that claimed the lease, must be gone."""
     if not entries:
-        return []
+        return Pass([], [])
     if inv.source == "nvml" and nvml is not None:
         return drainer.step(inv.node, entries, nvml.procs_on, nvml.has_process)
     return drainer.step(inv.node, entries)
@@ -243,7 +256,8 @@ def run_remote(
     def declare(inv: NodeInventory) -> None:
         client.request("PUT", protocol.node(inv.node), json=json.loads(inv.to_json()))
 
-    theirs = client.request("GET", protocol.INFO).get("layout", 0)
+    info = client.request("GET", protocol.INFO)
+    theirs = info.get("layout", 0)
     if theirs != LAYOUT:
         raise errors.ConfigurationError(
             f"the lease server at {client.url} runs data layout {theirs}, this agent layout {LAYOUT}: "
@@ -256,6 +270,23 @@ def run_remote(
     for inv in inventories:
         declare(inv)
         log.info("node %s declared: %d GPU(s) in pool %s", inv.node, len(inv.gpus), inv.pool)
+
+    async def record(claim: Claim, peer: Peer) -> None:
+        body = {
+            "lease": claim.lease,
+            "fence": claim.fence,
+            "token": claim.token,
+            "pid": peer.pid,
+            "start": peer.start,
+            "uid": peer.uid,
+            "gpus": list(claim.gpus),
+        }
+        if claim.user:
+            body["user"] = claim.user
+        await asyncio.to_thread(client.request, "POST", protocol.node_procs(claim.node), json=body)
+
+    claims = ThreadClaims(str(info.get("instance", "")), [inv.node for inv in inventories], record)
+    claims.start()
     next_beat = next_sample = next_drain = time.monotonic()
     try:
         while not stop.is_set():
@@ -266,8 +297,12 @@ def run_remote(
                     try:
                         got = client.request("GET", protocol.node_draining(inv.node))["draining"]
                         entries = [Draining.from_json(d) for d in got]
-                        for lease, clean, ended in _drain_step(drainer, inv, entries, nvml):
+                        done = _drain_step(drainer, inv, entries, nvml)
+                        for lease, clean, ended in done.clean:
                             report = {"lease": lease, "gpus": clean, "killed": ended}
+                            client.request("POST", protocol.node_drained(inv.node), json=report)
+                        for lease, index, pid, why in done.abandoned:
+                            report = {"lease": lease, "gpus": [index], "abandoned": {"pid": pid, "why": why}}
                             client.request("POST", protocol.node_drained(inv.node), json=report)
                     except errors.GpuLeaseError as exc:
                         log.warning("draining %s failed: %s", inv.node, exc)
@@ -305,6 +340,7 @@ def run_remote(
             due = min(next_beat, next_sample, next_drain, math.inf if kill_due is None else kill_due)
             stop.wait(max(0.01, due - time.monotonic()))
     finally:
+        claims.close()
         enforcer.close()
         if nvml is not None:
             nvml.close()

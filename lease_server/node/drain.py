@@ -7,35 +7,52 @@ scripts then put the lease's GPUs in ``draining`` (``lua/_lib_drain.lua``, ``sta
 the free list. The node agent of each node:
 
 1. reads its draining GPUs (:func:`draining_of`), each naming the lease and the processes that
-   lease registered there (:func:`register_procs`, sent by the driver before the call runs);
+   claimed it there (``claims.py``: the kernel named them to the agent; never a pid a user sent);
 2. finds what of that lease remains on the GPU: on an NVML node, every process NVML lists on
-   it (nobody else holds a draining GPU); on a simulated node, the registered pids that still
-   run (the same process: its start time is checked);
-3. ends what remains, SIGTERM then SIGKILL after ``drain_kill_grace_s``, through a pidfd
-   (:class:`lease_server.node.enforce.Enforcer`), and once nothing remains
+   it (nobody else holds a draining GPU); on a simulated node, the claimed processes that still
+   run (the same process: its start time and uid are checked);
+3. ends what remains, SIGTERM then SIGKILL after ``drain_kill_grace_s``, through a pidfd opened
+   before the process is checked again (:class:`lease_server.node.enforce.Enforcer`), never a
+   process :func:`claims.refusal` protects (a kernel thread, the agent's own tree, a root process);
 4. reports the GPUs clean (:func:`drained`, ``lua/drained.lua``): they turn free and the pool's
-   queue is served in the same script; one ``drained`` event says how long it took.
+   queue is served in the same script; one ``drained`` event says how long it took;
+5. gives up a process it cannot end (the OS refuses, it outlives its SIGKILL, or it is protected):
+   one ``drain_abandoned`` event names it and the GPUs stay out of service, flagged for an admin
+   (``gpulease drain list`` / ``clear``), instead of draining quietly forever.
 
 An agent that is down reports nothing: its GPUs stay draining, never free. A simulated node's
-lease that registered no process has nothing to drain: its GPUs are free at once, as before.
+lease that no process claimed has nothing to drain: its GPUs are free at once, as before.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..store.engine import Engine
-from ..store.scripts import Drained, LeaseRecord, Procs
+from ..store.scripts import DrainAbandon, Drained, LeaseRecord, Procs
+from .claims import Claim, Peer, process_uid, refusal, start_ticks
 from .enforce import Enforcer
 
 log = logging.getLogger(__name__)
 
-MAX_PROCS = 256  # processes one lease may name (a gang's ranks on every node)
+# A process signalled SIGKILL that still runs this long after its SIGTERM is given up (an
+# uninterruptible sleep in a driver call, a zombie NVML still lists): the GPU is flagged instead.
+ABANDON_AFTER_S = 30.0
+
+__all__ = ["Drainer", "Draining", "abandon", "drained", "draining_of", "record_claim", "start_ticks"]
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process that claimed a lease on a node (claims.py): what the agent may end."""
+
+    pid: int
+    start: int  # clock ticks since boot; 0 only in entries written before claims (never signalled)
+    uid: int  # -1: unknown (an entry written before claims)
 
 
 @dataclass(frozen=True)
@@ -47,17 +64,21 @@ class Draining:
     user: str
     state: str  # how the lease ended: expired, revoked, shrunk
     since_ms: int
-    pids: tuple[tuple[int, int], ...]  # (pid, start time in clock ticks since boot; 0 = unknown)
+    pids: tuple[Proc, ...]
+    abandoned: dict[str, Any] | None = None  # {pid, why, at}: given up, flagged for an admin
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "index": self.index,
             "lease": self.lease,
             "user": self.user,
             "state": self.state,
             "since": self.since_ms / 1000,
-            "pids": [{"pid": p, "start": s} for p, s in self.pids],
+            "pids": [{"pid": p.pid, "start": p.start, "uid": p.uid} for p in self.pids],
         }
+        if self.abandoned:
+            out["abandoned"] = self.abandoned
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Draining:
@@ -67,8 +88,15 @@ class Draining:
             str(d.get("user", "")),
             str(d.get("state", "")),
             int(float(d.get("since", 0)) * 1000),
-            tuple((int(p["pid"]), int(p.get("start") or 0)) for p in d.get("pids", [])),
+            _procs(d.get("pids")),
+            d.get("abandoned") or None,
         )
+
+
+def _procs(raw: Any) -> tuple[Proc, ...]:
+    if not isinstance(raw, list):  # cjson writes an empty list as {}
+        return ()
+    return tuple(Proc(int(p["pid"]), int(p.get("start") or 0), int(p.get("uid", -1))) for p in raw)
 
 
 def _entry(index: int, raw: str) -> Draining:
@@ -79,7 +107,8 @@ def _entry(index: int, raw: str) -> Draining:
         str(d.get("user", "")),
         str(d.get("state", "")),
         int(d.get("since", 0)),
-        tuple((int(p["pid"]), int(p.get("start") or 0)) for p in d.get("pids") or []),
+        _procs(d.get("pids")),
+        d.get("abandoned") or None,
     )
 
 
@@ -91,55 +120,67 @@ async def draining_of(engine: Engine, node: str, indexes: list[int]) -> list[Dra
     return [_entry(i, str(raw)) for i, raw in zip(indexes, raws, strict=True) if raw]
 
 
+async def all_draining(engine: Engine) -> list[dict[str, Any]]:
+    """Every draining GPU of the cluster (an admin's ``gpulease drain list``), oldest first."""
+    out = []
+    for slot, raw in (await engine.redis.hgetall(engine.keys.draining)).items():
+        node, _, index = str(slot).rpartition("/")
+        out.append({"node": node, **_entry(int(index), str(raw)).to_json()})
+    return sorted(out, key=lambda d: (d["since"], d["node"], d["index"]))
+
+
 async def drained(engine: Engine, node: str, lease: str, indexes: list[int], killed: int = 0) -> int:
     """Report ``indexes`` of ``node`` clean of ``lease``'s processes; returns the GPUs freed."""
     return await engine.run(Drained(node, lease, json.dumps(sorted(set(indexes))), killed))
 
 
-async def register_procs(
-    engine: Engine, lease_id: str, token: str, user: str, procs: list[dict[str, Any]]
-) -> LeaseRecord:
-    """The holder names its lease's processes: ``[{node, pid, start, gpus}]``."""
-    out = await engine.run(Procs(lease_id, token, user, json.dumps(procs, separators=(",", ":"))))
-    return out
+async def abandon(engine: Engine, node: str, lease: str, indexes: list[int], pid: int, why: str) -> int:
+    """Give up ``pid`` on draining ``indexes``: flagged for an admin; returns the GPUs flagged now."""
+    return await engine.run(DrainAbandon(node, lease, json.dumps(sorted(set(indexes))), pid, why[:200]))
+
+
+async def record_claim(engine: Engine, claim: Claim, user: str, peer: Peer) -> LeaseRecord:
+    """Record that process ``peer`` (as the kernel named it to the agent) works for ``claim.lease``
+    on ``claim.node``; ``user`` is whom the claim's API token names (procs.lua checks they hold it)."""
+    entry = {"node": claim.node, "pid": peer.pid, "start": peer.start, "uid": peer.uid}
+    if claim.gpus:
+        entry["gpus"] = list(claim.gpus)
+    return await engine.run(Procs(claim.lease, str(claim.fence), user, json.dumps([entry], separators=(",", ":"))))
 
 
 # ---- the agent's side ----------------------------------------------------------------------------
 
 
-def start_ticks(pid: int) -> int | None:
-    """Process ``pid``'s start time (clock ticks since boot, /proc/PID/stat field 22); None when it
-    is gone or a zombie (exited, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19])
+def still_runs(p: Proc) -> bool:
+    """Whether the claimed process (pid, start) runs: the same pid with another start time is
+    another process, which is never touched. An entry without a start time is never acted on."""
+    return p.start != 0 and start_ticks(p.pid) == p.start
 
 
-def still_runs(pid: int, start: int) -> bool:
-    """Whether the registered process (pid, start) runs: the same pid with another start time is
-    another process, which is never touched."""
-    now = start_ticks(pid)
-    return now is not None and (start == 0 or now == start)
+@dataclass
+class Pass:
+    """What one pass over a node's draining GPUs found."""
+
+    clean: list[tuple[str, list[int], int]]  # (lease, GPU indexes now clean, processes it ended)
+    abandoned: list[tuple[str, int, int, str]]  # (lease, GPU index, pid, why): give it up
 
 
 class Drainer:
     """One agent's drain work: which processes of a draining GPU remain, ending them (through the
-    agent's :class:`Enforcer`, so SIGKILL follows after the grace), and which GPUs are clean."""
+    agent's :class:`Enforcer`, so SIGKILL follows after the grace), which GPUs are clean, and which
+    processes it must give up."""
 
-    def __init__(self, enforcer: Enforcer, grace_s: float) -> None:
+    def __init__(self, enforcer: Enforcer, grace_s: float, abandon_after_s: float = ABANDON_AFTER_S) -> None:
         self.enforcer = enforcer
         self.grace_s = grace_s
+        self.abandon_after_s = max(abandon_after_s, grace_s * 2)
         self.killed: dict[tuple[str, str], int] = {}  # (node, lease) -> processes signalled
-        # Ended already, by (node, pid, start time): waited for, never signalled twice (a process
-        # that ignored SIGTERM gets its SIGKILL from the Enforcer). One that NVML still lists as it
-        # exits, its device files closed, is waited for without a warning (warned: said once).
-        self.signalled: dict[tuple[str, int, int], None] = {}
-        self.warned: dict[tuple[str, int], None] = {}
+        # Ended already, by (node, pid, start time) -> when: waited for, never signalled twice (a
+        # process that ignored SIGTERM gets its SIGKILL from the Enforcer); one still there past
+        # abandon_after_s is given up.
+        self.signalled: dict[tuple[str, int, int], float] = {}
+        self.given_up: dict[tuple[str, str, int, int], None] = {}  # (node, lease, index, pid)
+        self.unseen: dict[tuple[str, int], float] = {}  # (node, pid) NVML lists and /proc does not -> since
 
     def step(
         self,
@@ -147,39 +188,78 @@ class Drainer:
         entries: list[Draining],
         nvml_procs: Callable[[int], list[int]] | None = None,
         verify: Callable[[int, int], bool] | None = None,
-    ) -> list[tuple[str, list[int], int]]:
-        """Act on ``node``'s draining GPUs; returns (lease, clean GPU indexes, processes it ended)
-        for each lease with GPUs now clean. ``nvml_procs(index)``: the pids NVML lists on that GPU
-        (an NVML node); without it the registered pids are what must be gone."""
+        in_cgroup: Callable[[str], list[int]] | None = None,
+    ) -> Pass:
+        """Act on ``node``'s draining GPUs. ``nvml_procs(index)``: the pids NVML lists on that GPU
+        (an NVML node); without it the claimed processes are what must be gone. ``in_cgroup(lease)``:
+        the processes in the lease's cgroup (their claimer's children), where the agent keeps one."""
+        out = Pass([], [])
         clean: dict[str, list[int]] = {}
+        now = self.enforcer.clock()
         for e in entries:
+            remaining: list[Proc] = []
             if nvml_procs is not None:
-                remaining = [(pid, 0) for pid in nvml_procs(e.index)]
+                for pid in nvml_procs(e.index):
+                    start, uid = start_ticks(pid), process_uid(pid)
+                    # NVML lists it, /proc does not (yet): exiting, or in another pid namespace
+                    remaining.append(Proc(pid, start or 0, -1 if uid is None else uid))
             else:
-                remaining = [(pid, start) for pid, start in e.pids if still_runs(pid, start)]
+                remaining = [p for p in e.pids if still_runs(p)]
+                seen = {p.pid for p in remaining}
+                uids = {p.uid for p in e.pids}
+                for pid in in_cgroup(e.lease) if in_cgroup is not None else []:
+                    start, uid = start_ticks(pid), process_uid(pid)
+                    if pid not in seen and start is not None and uid is not None and uid in uids:
+                        remaining.append(Proc(pid, start, uid))
             if not remaining:
                 clean.setdefault(e.lease, []).append(e.index)
                 continue
-            for pid, _ in remaining:
-                if pid <= 1 or pid == os.getpid() or (node, pid) in self.enforcer.pending:
-                    continue
-                start = start_ticks(pid)
-                if start is not None and (node, pid, start) in self.signalled:
-                    continue  # ended already (its SIGKILL came after the grace): it is on its way out
-                if start is None or (verify is not None and not verify(e.index, pid)):
-                    if (node, pid) not in self.warned:  # exiting (a zombie NVML still lists) or not ours to see
-                        self.warned[(node, pid)] = None
-                        if not any(k[:2] == (node, pid) for k in self.signalled):
-                            log.warning("not ending pid %s on %s GPU %s: this agent cannot see it", pid, node, e.index)
-                    continue
-                self.signalled[(node, pid, start)] = None
-                while len(self.signalled) > 10_000:
-                    del self.signalled[next(iter(self.signalled))]
-                while len(self.warned) > 10_000:
-                    del self.warned[next(iter(self.warned))]
-                if self.enforcer.terminate(node, e.index, pid, self.grace_s, why="drain") is not None:
-                    self.killed[(node, e.lease)] = self.killed.get((node, e.lease), 0) + 1
+            for p in remaining:
+                why = self._act(node, e, p, now, verify)
+                if why is not None and (node, e.lease, e.index, p.pid) not in self.given_up and not e.abandoned:
+                    self.given_up[(node, e.lease, e.index, p.pid)] = None
+                    out.abandoned.append((e.lease, e.index, p.pid, why))
                     log.warning(
-                        "draining %s GPU %s: SIGTERM to pid %s of lease %s (%s)", node, e.index, pid, e.lease, e.state
+                        "draining %s GPU %s: giving up pid %s of lease %s: %s", node, e.index, p.pid, e.lease, why
                     )
-        return [(lease, idx, self.killed.pop((node, lease), 0)) for lease, idx in clean.items()]
+        while len(self.signalled) > 10_000:
+            del self.signalled[next(iter(self.signalled))]
+        while len(self.given_up) > 10_000:
+            del self.given_up[next(iter(self.given_up))]
+        while len(self.unseen) > 10_000:
+            del self.unseen[next(iter(self.unseen))]
+        out.clean = [(lease, idx, self.killed.pop((node, lease), 0)) for lease, idx in clean.items()]
+        return out
+
+    def _act(
+        self, node: str, e: Draining, p: Proc, now: float, verify: Callable[[int, int], bool] | None
+    ) -> str | None:
+        """End ``p`` if it may be ended and is not being ended already; the reason to give it up, if any."""
+        if p.start == 0:  # waited for (an exiting process NVML still lists), given up if it stays
+            first = self.unseen.setdefault((node, p.pid), now)
+            if now - first > self.abandon_after_s:
+                return "NVML lists it on the GPU but this agent cannot see it (another pid namespace?)"
+            return None
+        key = (node, p.pid, p.start)
+        if key in self.signalled:
+            if now - self.signalled[key] > self.abandon_after_s:
+                return f"still runs {self.abandon_after_s:.0f}s after SIGKILL (stuck in the driver?)"
+            return None
+        if (node, p.pid) in self.enforcer.pending:
+            return None
+        why = refusal(p.pid)
+        if why is not None:
+            return f"not ended: {why}"
+        if p.uid >= 0 and process_uid(p.pid) != p.uid:
+            return "not ended: its owner changed since it claimed the lease"
+        if verify is not None and not verify(e.index, p.pid):
+            return None  # gone from the GPU meanwhile: the next pass finds it clean
+        report = self.enforcer.terminate(node, e.index, p.pid, self.grace_s, why="drain", start=p.start)
+        if report is None:
+            return None  # gone already
+        if report.get("error"):
+            return f"the OS refused SIGTERM: {report['error']}"
+        self.signalled[key] = now
+        self.killed[(node, e.lease)] = self.killed.get((node, e.lease), 0) + 1
+        log.warning("draining %s GPU %s: SIGTERM to pid %s of lease %s (%s)", node, e.index, p.pid, e.lease, e.state)
+        return None

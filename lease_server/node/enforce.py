@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .claims import refusal
+
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +62,14 @@ def uses_gpu_device(pid: int) -> bool:
         except OSError:
             continue
     return False
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @dataclass
@@ -133,6 +143,10 @@ class Enforcer:
                     continue
                 if pid <= 1 or pid == os.getpid() or (node, pid) in self.pending:
                     continue
+                why = refusal(pid)
+                if why is not None and why != "gone":
+                    log.warning("not ending unleased pid %s on %s GPU %s: %s", pid, node, index, why)
+                    continue
                 if still_on_gpu is None:
                     if (node, pid) in self.done:
                         continue
@@ -146,9 +160,13 @@ class Enforcer:
                     reports.append(report)
         return reports
 
-    def terminate(self, node: str, index: int, pid: int, grace: float, why: str = "unleased") -> dict[str, Any] | None:
+    def terminate(
+        self, node: str, index: int, pid: int, grace: float, why: str = "unleased", start: int | None = None
+    ) -> dict[str, Any] | None:
         """SIGTERM ``pid`` (SIGKILL at the :meth:`tick` after ``grace``); the report, None if it is
-        already gone."""
+        already gone. ``start``: the process's start time as the caller checked it; the pidfd is
+        opened first and the start time read again after, so a pid reused between the caller's
+        checks and the signal is never hit."""
         user = process_user(pid)
         pidfd: int | None = None
         try:
@@ -158,7 +176,7 @@ class Enforcer:
         except (AttributeError, OSError):  # no pidfd on this kernel: plain kill
             pidfd = None
         proc = _Signalled(node, index, pid, user, pidfd, self.clock() + grace, why)
-        if proc.gone():  # exited, not yet reaped by its parent
+        if proc.gone() or (start is not None and _start_ticks(pid) != start):  # exited, or another process now
             proc.close()
             return None
         report: dict[str, Any] = {"index": index, "pid": pid, "user": user, "signal": "SIGTERM", "grace_s": grace}

@@ -301,6 +301,15 @@ class Engine:
         epoch = fencing_epoch(self.redis)
         return Common(now_ms, s.event_log_max, s.fair_share_half_life, int(s.ended_retention * 1000), epoch)
 
+    async def instance(self) -> str:
+        """This deployment's id (random, set once): node agents name their claim socket with it."""
+        import secrets
+
+        if not getattr(self, "_instance", None):
+            await self.redis.set(self.keys.instance, secrets.token_hex(8), nx=True)
+            self._instance = str(await self.redis.get(self.keys.instance))
+        return self._instance
+
     async def run(self, call: ScriptCall[R], now_ms: int | None = None) -> R:
         """Run a lifecycle script; ``now_ms`` is a virtual clock (the simulator), else Redis TIME.
         Returns the wrapper's typed reply, or raises its typed error."""

@@ -29,9 +29,13 @@ state lives in a handful of global structures:
                       that one layout so the scripts read it with patterns (other layouts: decoded)
 ``fence``      hash   {e: fencing epoch, n: tokens issued in it}: token = e * 10**9 + n (lua/_lib_schedule.lua)
 ``events``     stream the audit log / live feed
-``grants``     channel on which a grant to a queued waiter is published (waiter id)
-``tokens``     hash   sha256(api token) -> JSON {user, role, created}
+``grants``     channel on which a grant to a queued waiter is published (waiter id), and "~tokens"
+                      when a token is created, revoked or bound (every server drops its token cache)
+``tokens``     hash   sha256(api token) -> JSON {user, role, created[, expires, acts_for, node]} (web/auth.py)
+``token_used`` hash   sha256(api token) -> epoch seconds of its last use (written at most once a minute)
 ``layout``     string the version of this data layout (lease_server/store/layout.py); absent before versions
+``instance``   string a random id of this deployment, set once: node agents name their claim socket with
+                      it (lease_server/node/claims.py), so two deployments on one host never meet
 
 Reservations (reservations.py, reserve.lua; dispatch enforces them, so most scripts take them):
 
@@ -149,6 +153,10 @@ class Keys:
         return self._k("layout")
 
     @property
+    def instance(self) -> str:
+        return self._k("instance")
+
+    @property
     def usage(self) -> str:
         return self._k("usage")
 
@@ -211,6 +219,10 @@ class Keys:
     @property
     def tokens(self) -> str:
         return self._k("tokens")
+
+    @property
+    def token_used(self) -> str:
+        return self._k("token_used")
 
     def samples(self, slot: str) -> str:
         """The sample window of one GPU, ``slot`` = "node/index" (passed to Lua via KEYS[])."""
@@ -277,6 +289,7 @@ class Keys:
     def all(self) -> list[str]:
         return self.core() + [
             self.tokens,
+            self.token_used,
             self.layout,
             self.last,
             self.busy_at,

@@ -780,6 +780,24 @@ class Drained(ScriptCall[int]):
         raise self.unexpected(code)
 
 
+@dataclass(frozen=True)
+class DrainAbandon(ScriptCall[int]):
+    """A node agent gives up process ``pid`` on draining ``gpus`` of ``node`` (``why``: one line):
+    they stay out of service, flagged for an admin. Reply: GPUs flagged now."""
+
+    script: ClassVar[str] = "drain_abandon"
+    node: str
+    lease: str
+    gpus: str
+    pid: int
+    why: str
+
+    def reply(self, code: Code, rest: list[Any]) -> int:
+        if code is Code.OK:
+            return int(rest[0])
+        raise self.unexpected(code)
+
+
 # ---- bookings --------------------------------------------------------------------------------------
 
 
@@ -967,6 +985,7 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Procs,
     Warm,
     Drained,
+    DrainAbandon,
 )
 SCRIPT_NAMES = tuple(c.script for c in CALLS) + (Samples.script,)
 STANDALONE = (Samples.script,)  # no prologue, no common ARGV: see its header

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Any, cast
 
+import tornado.httputil
 import tornado.iostream
 import tornado.web
 from redis.asyncio import Redis
@@ -30,13 +31,15 @@ from ..leasing.reaper import Reaper
 from ..leasing.reservations import MAX_LIST_SPAN_S, Bookings, public_booking
 from ..leasing.validate import check_name
 from ..node import drain
+from ..node.claims import Claim, Peer
 from ..node.rayauth import info_token
 from ..protocol import LeaseJson
 from ..store import layout
 from ..store.engine import Engine, connect, not_now
 from ..store.scripts import Acquire, LeaseRecord
 from . import metrics
-from .auth import ACT_AS_HEADER, Authenticator, Identity, act_as, create_token
+from .auth import ACT_AS_HEADER, Authenticator, Identity, create_token, list_tokens, revoke_token, view_token
+from .limits import ReadLimits, read_sliced, token_key
 from .openapi import openapi_document
 
 log = logging.getLogger(__name__)
@@ -59,12 +62,13 @@ class Context:
         # release finds the lease ended.
         self.redis = redis or connect(settings.redis_url)
         self.engine = Engine(self.redis, settings)
-        self.streams: collections.Counter[str] = collections.Counter()  # user -> event streams open here
+        self.streams: collections.Counter[str] = collections.Counter()  # user, "~token id" -> streams here
         self.store = LeaseStore(self.engine)
         self.bookings = Bookings(self.engine)
-        self.auth = Authenticator(self.redis, self.store.keys)
+        self.auth = Authenticator(self.redis, self.store.keys, self.store.notifier)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
-        self.metrics = metrics.Metrics(self.engine)
+        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s)
+        self.limits = ReadLimits(settings)
         self.reaper = Reaper(self.store)
 
     async def start(self) -> None:
@@ -79,8 +83,16 @@ class Context:
         await self.redis.aclose()
 
 
+@tornado.web.stream_request_body
 class BaseHandler(tornado.web.RequestHandler):
-    """Authenticates, bounds and parses bodies, and turns errors into JSON."""
+    """Authenticates, bounds and parses bodies, and turns errors into JSON.
+
+    The body is streamed (``stream_request_body``): tornado calls :meth:`prepare` once the headers
+    are in, before reading any of the body, so a Content-Length over ``max_body_bytes`` is a 413 and
+    a request without a valid token a 401 with nothing of its body read (the connection is then
+    closed); a chunked body is a 413 at its first chunk past the limit. Subclasses that override
+    ``on_connection_close`` must call this one's: it ends the wait for a body that will never come.
+    """
 
     identity: Identity
     public = False  # no token needed (health, metrics, OpenAPI)
@@ -107,13 +119,36 @@ class BaseHandler(tornado.web.RequestHandler):
 
     async def prepare(self) -> None:
         self._t0 = time.perf_counter()
+        self._chunks: list[bytes] = []
+        self._received = 0
+        # An answer given here leaves the body unread: the connection is then closed (and says so)
+        self._unread_body = has_body(self.request)
         length = self.request.headers.get("Content-Length")
         limit = self.ctx.settings.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
             raise errors.PayloadTooLarge(f"request body is larger than {limit} bytes; send a small JSON object")
         if not self.public:
             ident = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
-            self.identity = act_as(ident, self.request.headers.get(ACT_AS_HEADER))
+            self.identity = await self.ctx.auth.act_as(ident, self.request.headers.get(ACT_AS_HEADER))
+        self._unread_body = False  # tornado reads it next, before the method runs
+
+    def data_received(self, chunk: bytes) -> None:
+        self._received += len(chunk)
+        if self._finished:
+            return
+        limit = self.ctx.settings.max_body_bytes
+        if self._received > limit:  # a chunked body (a Content-Length over the limit never gets here)
+            self._chunks.clear()
+            self._unread_body = True
+            too_large = errors.PayloadTooLarge(f"request body is larger than {limit} bytes; send a small JSON object")
+            self.send_error(too_large.status, exc_info=(type(too_large), too_large, None))
+            return
+        self._chunks.append(chunk)
+
+    @property
+    def token_key(self) -> str:
+        """The request's token as the per-token limits know it."""
+        return token_key(self.request.headers.get("Authorization"))
 
     def body(self, declared: validate.Body | None = None) -> dict[str, Any]:
         """The JSON object sent, checked against its declaration (unknown fields, types, bounds)."""
@@ -135,12 +170,12 @@ class BaseHandler(tornado.web.RequestHandler):
         return default if value is None else value
 
     def _json_body(self) -> dict[str, Any]:
-        raw = self.request.body
+        raw = b"".join(self._chunks)
         if len(raw) > self.ctx.settings.max_body_bytes:
             raise errors.PayloadTooLarge(
                 f"request body is larger than {self.ctx.settings.max_body_bytes} bytes; send a small JSON object"
             )
-        if not raw.strip():
+        if not raw:  # no body; one of whitespace only is not JSON (the document calls it invalid)
             return {}
         try:
             data = json.loads(raw)
@@ -172,6 +207,8 @@ class BaseHandler(tornado.web.RequestHandler):
             body = exc.to_json()
             if exc.status == 503:
                 self.set_header("Retry-After", str(RETRY_AFTER_S))
+            elif exc.status == 429 and "retry_after" in exc.details:
+                self.set_header("Retry-After", str(exc.details["retry_after"]))
         elif isinstance(exc, tornado.web.HTTPError) and exc.status_code == 405:
             allowed = self.allowed_methods()
             # RFC 9110: a 405 names the methods the resource supports.
@@ -185,6 +222,8 @@ class BaseHandler(tornado.web.RequestHandler):
             body = {"code": "http_error", "message": exc.log_message or self._reason}
         else:
             body = {"code": "internal", "message": "internal error; the server log has the details"}
+        if getattr(self, "_unread_body", False):  # tornado closes it after the answer: no reuse
+            self.set_header("Connection", "close")
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.finish(json.dumps(body))
 
@@ -230,6 +269,7 @@ class LeasesHandler(BaseHandler):
     def on_connection_close(self) -> None:
         # The client went away while queued: leave the queue (a grant that won the race is
         # released, since nobody will ever renew or use it).
+        super().on_connection_close()
         lid = getattr(self, "_lease_id", None)
         if lid is not None and not self._finished:
             asyncio.ensure_future(self._abandon(lid))
@@ -312,17 +352,6 @@ class ResizeHandler(BaseHandler):
         rec = await self.store.resize(
             lease_id, self.identity.user, body["token"], body["gpus"], body.get("size"), grow=self.grow
         )
-        self.reply(public_lease(rec, with_token=True))
-
-
-class ProcsHandler(BaseHandler):
-    """The owner names the processes on its lease's GPUs: if the server ends the lease, the node
-    agent sees them gone (or ends them) before the GPUs are granted again."""
-
-    async def post(self, lease_id: str) -> None:
-        body = self.body(self.bodies.procs)
-        me = self.identity
-        rec = await drain.register_procs(self.engine, lease_id, str(body["token"]), me.user, body["procs"])
         self.reply(public_lease(rec, with_token=True))
 
 
@@ -448,7 +477,13 @@ class EstimateHandler(BaseHandler):
 
 
 class AgentHandler(BaseHandler):
-    """Node agents' endpoints: an agent or admin token is required."""
+    """Node agents' endpoints (the node is the route's first part): an agent or admin token is
+    required, and an agent token serves only its own node (403 on another's)."""
+
+    async def prepare(self) -> None:
+        await super().prepare()
+        if self.path_args:
+            await self.ctx.auth.check_node(self.identity, self.path_args[0])
 
     def _check_role(self) -> None:
         if self.identity.role not in ("admin", "agent"):
@@ -536,14 +571,50 @@ class DrainingHandler(AgentHandler):
 
 
 class DrainedHandler(AgentHandler):
-    """The node agent reports GPUs clean of a lease's processes: they turn free."""
+    """The node agent reports GPUs clean of a lease's processes: they turn free (an admin's
+    ``gpulease drain clear`` too, with lease ""). With ``abandoned`` ({pid, why}) the agent gives up
+    a process it cannot end instead: the GPUs stay out of service, flagged for an admin."""
 
     async def post(self, node: str) -> None:
         self._check_role()
         check_name("node", node)
         body = self.body(self.bodies.drained)
+        gone = body.get("abandoned")
+        if gone:
+            flagged = await drain.abandon(self.engine, node, body["lease"], body["gpus"], gone["pid"], gone["why"])
+            self.reply({"node": node, "flagged": flagged})
+            return
         freed = await drain.drained(self.engine, node, body["lease"], body["gpus"], body.get("killed") or 0)
+        if self.identity.admin and freed:
+            log.warning("admin %s cleared draining GPUs %s of %s", self.identity.user, body["gpus"], node)
         self.reply({"node": node, "freed": freed})
+
+
+class ClaimHandler(AgentHandler):
+    """A node agent records a process that claimed a lease through its claim socket (the kernel
+    named the process to the agent: lease_server/node/claims.py). The claim's API token names the
+    user, who must hold the lease and the GPUs named."""
+
+    async def post(self, node: str) -> None:
+        if self.identity.role != "agent":
+            raise errors.Forbidden("only a node agent records claims: a worker claims its lease through its agent")
+        check_name("node", node)
+        body = self.body(self.bodies.procs)
+        ident = await self.ctx.auth.act_as(await self.ctx.auth.identify(f"Bearer {body['token']}"), body.get("user"))
+        claim = Claim(node, body["lease"], int(body["fence"]), body["token"], ident.user, tuple(body.get("gpus") or ()))
+        rec = await drain.record_claim(
+            self.engine, claim, ident.user, Peer(pid=int(body["pid"]), uid=int(body["uid"]), start=int(body["start"]))
+        )
+        self.reply({"node": node, "lease": rec["id"], "pid": body["pid"]})
+
+
+class DrainsHandler(BaseHandler):
+    """Every draining GPU of the cluster, and those whose agent gave up a process (admin)."""
+
+    async def get(self) -> None:
+        if not self.identity.admin:
+            raise errors.Forbidden("only an admin lists draining GPUs: gpulease drain list")
+        self.reply({"draining": await drain.all_draining(self.engine)})
 
 
 class SimulateHandler(AgentHandler):
@@ -589,13 +660,39 @@ class QueueHandler(BaseHandler):
 
 
 class TokensHandler(BaseHandler):
+    """API tokens (admin): list them, or create one (its secret is in this answer only)."""
+
+    async def get(self) -> None:
+        if not self.identity.admin:
+            raise errors.Forbidden("only an admin can list tokens")
+        self.reply({"tokens": await list_tokens(self.ctx.redis, self.store.keys)})
+
     async def post(self) -> None:
         if not self.identity.admin:
             raise errors.Forbidden("only an admin can create tokens")
         body = self.body(self.bodies.token)
         role = body.get("role", "user")
-        token = await create_token(self.ctx.redis, self.store.keys, body.get("user", ""), role)
-        self.reply({"user": body["user"], "role": role, "token": token}, 201)
+        token = await create_token(
+            self.ctx.redis,
+            self.store.keys,
+            body.get("user", ""),
+            role,
+            expires_in=body.get("expires_in"),
+            acts_for=body.get("acts_for"),
+            node=body.get("node"),
+        )
+        self.ctx.auth.forget()
+        self.reply({**await view_token(self.ctx.redis, self.store.keys, token), "token": token}, 201)
+
+
+class TokenHandler(BaseHandler):
+    async def delete(self, tid: str) -> None:
+        """Revoke a token (admin): refused from the next request on, on every server."""
+        if not self.identity.admin:
+            raise errors.Forbidden("only an admin can revoke tokens")
+        gone = await revoke_token(self.ctx.redis, self.store.keys, tid)
+        self.ctx.auth.forget()
+        self.reply({**gone, "revoked": True})
 
 
 class InfoHandler(BaseHandler):
@@ -610,6 +707,7 @@ class InfoHandler(BaseHandler):
             {
                 "version": __version__,
                 "layout": layout.LAYOUT,  # of the data in Redis: a remote agent checks it is its own
+                "instance": await self.engine.instance(),  # names the node agents' claim sockets
                 "ray_address": s.ray_address,
                 **info_token(s, self.identity.role),
                 "default_pool": default_pool,
@@ -628,25 +726,45 @@ class WhoAmIHandler(BaseHandler):
 
 
 class EventLogHandler(BaseHandler):
+    """A page of the event log: at most ``EVENT_LOG_PAGE_CAP`` entries (a larger ``limit`` is served
+    as the cap, and the answer's ``limit`` and ``note`` say so), read and encoded a slice at a time
+    under the token's read limits (web/limits.py)."""
+
     async def get(self) -> None:
+        asked = self.query(validate.LIMIT, 100)
+        cap = validate.EVENT_LOG_PAGE_CAP
         q = events.LogQuery(
             since=self.query(validate.SINCE, "-"),
-            limit=self.query(validate.LIMIT, 100),
+            limit=min(asked, cap),
             lease=self.query(validate.LEASE),  # only the events whose `lease` field is this id
             before=self.query(validate.BEFORE),
             desc=self.query(validate.ORDER, "asc") == "desc",
             types=self.query(validate.EVENT_TYPES, frozenset()),
             user=self.query(validate.EVENT_USER),
         )
-        try:
-            entries = await events.read_log(self.ctx.redis, self.store.keys.events, q)
-        except RedisResponseError as exc:  # a well-formed id Redis still rejects
-            if not_now(exc) is not None:
-                raise
-            raise errors.BadRequest(
-                f"since {q.since!r} or before {q.before!r} is not a usable event id: {exc}"
-            ) from exc
-        self.reply({"events": entries})
+        key = self.token_key
+        parts: list[str] = []  # the page's slices, each encoded as it is read
+        with self.ctx.limits.reading(key, "GET /events/log"):
+            try:
+                async for part in read_sliced(
+                    self.ctx.redis, self.store.keys.events, q, lambda n: self.ctx.limits.charge(key, n)
+                ):
+                    mine = [events.for_reader(ev, self.identity.user, self.identity.admin) for ev in part]
+                    parts.append(json.dumps(mine, separators=(",", ":"))[1:-1])
+            except RedisResponseError as exc:  # a well-formed id Redis still rejects
+                if not_now(exc) is not None:
+                    raise
+                raise errors.BadRequest(
+                    f"since {q.since!r} or before {q.before!r} is not a usable event id: {exc}"
+                ) from exc
+        tail = f',"limit":{q.limit}'
+        if asked > cap:
+            note = (
+                f"limit {asked} is over the page cap of {cap}: a page has at most {cap} entries; "
+                "read on from the last one's id (since=, or before= with order=desc)"
+            )
+            tail += f',"note":{json.dumps(note)}'
+        self.finish(f'{{"events":[{",".join(parts)}]{tail}}}')
 
 
 class EventStreamHandler(BaseHandler):
@@ -660,7 +778,10 @@ class EventStreamHandler(BaseHandler):
 
     async def get(self) -> None:
         hub = self.ctx.hub
+        self.ctx.limits.connect(self.token_key)
         user, cap = self.identity.user, self.ctx.settings.max_streams_per_user
+        # Per token as well: a proxy token's invented names must not multiply the per-user cap.
+        tok, tcap = "~" + self.identity.token, self.ctx.settings.max_streams_per_token
         if self.ctx.streams[user] >= cap:
             raise errors.TooMany(
                 f"{user} has {self.ctx.streams[user]} event streams open on this server, the most one user "
@@ -669,19 +790,29 @@ class EventStreamHandler(BaseHandler):
                 streams=self.ctx.streams[user],
                 limit=cap,
             )
+        if self.ctx.streams[tok] >= tcap:
+            raise errors.TooMany(
+                f"token {self.identity.token} has {self.ctx.streams[tok]} event streams open on this server, the most "
+                f"one token may ({tcap}); close some and connect again",
+                streams=self.ctx.streams[tok],
+                limit=tcap,
+            )
         self.ctx.streams[user] += 1
+        self.ctx.streams[tok] += 1
         try:
             await self._stream(hub)
         finally:
-            self.ctx.streams[user] -= 1
-            if self.ctx.streams[user] <= 0:
-                del self.ctx.streams[user]
+            for held in (user, tok):
+                self.ctx.streams[held] -= 1
+                if self.ctx.streams[held] <= 0:
+                    del self.ctx.streams[held]
 
     _queue: asyncio.Queue[dict[str, Any] | None] | None = None
 
     def on_connection_close(self) -> None:
         """The client went away: end the stream now (and free its place under the user's limit),
         not at its next write."""
+        super().on_connection_close()
         if self._queue is not None:
             with contextlib.suppress(asyncio.QueueFull):
                 self._queue.put_nowait(None)
@@ -691,6 +822,12 @@ class EventStreamHandler(BaseHandler):
         resume_after, since = self.query(validate.LAST_EVENT_ID), self.query(validate.SINCE)
         since = resume_after or since
         lease = self.query(validate.LEASE)
+        key, limits = self.token_key, self.ctx.limits
+        # The backlog is an expensive read: refused (429) before the stream starts, and its place
+        # under the token's reads at once held only while it is sent.
+        backlog_read = contextlib.ExitStack()
+        if since:
+            backlog_read.enter_context(limits.reading(key, "the backlog of GET /events (since=, Last-Event-ID)"))
         queue = self._queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
         sent_up_to = ""
         ev: dict[str, Any] | None
@@ -698,11 +835,15 @@ class EventStreamHandler(BaseHandler):
             self.write(": gpulease event stream\nretry: 2000\n\n")
             await self.flush()
             if since:
-                backlog = events.LogQuery(since=since, limit=1000, lease=lease)
-                for ev in await events.read_log(self.ctx.redis, self.store.keys.events, backlog):
-                    self._send(ev)
-                    sent_up_to = ev["id"]
-                await self.flush()
+                backlog = events.LogQuery(since=since, limit=validate.EVENT_LOG_PAGE_CAP, lease=lease)
+                async for part in read_sliced(
+                    self.ctx.redis, self.store.keys.events, backlog, lambda n: limits.charge(key, n)
+                ):
+                    for ev in part:
+                        self._send(ev)
+                        sent_up_to = ev["id"]
+                    await self.flush()
+            backlog_read.close()
             while hub.is_subscribed(queue):
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=15)
@@ -721,9 +862,11 @@ class EventStreamHandler(BaseHandler):
         except tornado.iostream.StreamClosedError:
             pass
         finally:
+            backlog_read.close()
             hub.unsubscribe(queue)
 
     def _send(self, ev: dict[str, Any]) -> None:
+        ev = events.for_reader(ev, self.identity.user, self.identity.admin)  # others' fencing tokens: never
         self.write(f"id: {ev['id']}\nevent: {ev['type']}\ndata: {json.dumps(ev)}\n\n")
 
 
@@ -757,7 +900,7 @@ class MetricsHandler(BaseHandler):
         self.set_header("Content-Type", metrics.CONTENT_TYPE)
 
     async def get(self) -> None:
-        self.finish(await self.ctx.metrics.render())
+        self.finish(await self.ctx.metrics.rendered())
 
 
 class NotFoundHandler(BaseHandler):
@@ -765,6 +908,43 @@ class NotFoundHandler(BaseHandler):
 
     async def prepare(self) -> None:
         raise errors.NotFound(f"no such endpoint {self.request.method} {self.request.path}; see {API}/openapi.json")
+
+
+def has_body(request: tornado.httputil.HTTPServerRequest) -> bool:
+    """Whether a request comes with a body (chunked, or a Content-Length other than 0)."""
+    length = request.headers.get("Content-Length")
+    return "Transfer-Encoding" in request.headers or (length is not None and length.strip() != "0")
+
+
+_UNSTREAMED: dict[type[tornado.web.RequestHandler], type[tornado.web.RequestHandler]] = {}
+
+
+def _unstreamed(handler: type[tornado.web.RequestHandler]) -> type[tornado.web.RequestHandler]:
+    """``handler``'s twin that reads its (empty) body before ``prepare``, made once per class."""
+    twin = _UNSTREAMED.get(handler)
+    if twin is None:
+        attrs = {"_stream_request_body": False, "__module__": handler.__module__}
+        twin = _UNSTREAMED[handler] = type(handler.__name__, (handler,), attrs)
+    return twin
+
+
+class Application(tornado.web.Application):
+    """The API's application: a request without a body is served by a twin of its handler that
+    does not stream it. A streamed request answered in ``prepare`` (a 401, a 404, a 429) has its
+    body unread, and tornado closes its connection after the answer; with no body to read there is
+    no reason to, and the client's kept-alive connection stays open."""
+
+    def get_handler_delegate(
+        self,
+        request: tornado.httputil.HTTPServerRequest,
+        target_class: type[tornado.web.RequestHandler],
+        target_kwargs: dict[str, Any] | None = None,
+        path_args: list[bytes] | None = None,
+        path_kwargs: dict[str, bytes] | None = None,
+    ) -> Any:
+        if issubclass(target_class, BaseHandler) and not has_body(request):
+            target_class = _unstreamed(target_class)
+        return super().get_handler_delegate(request, target_class, target_kwargs, path_args, path_kwargs)
 
 
 def make_app(ctx: Context) -> tornado.web.Application:
@@ -778,7 +958,6 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/grow", ResizeHandler, {"grow": True}),
         (rf"{API}/leases/{lease_id}/shrink", ResizeHandler, {"grow": False}),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
-        (rf"{API}/leases/{lease_id}/procs", ProcsHandler),
         (rf"{API}/leases/{lease_id}/warm", WarmHandler),
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),
@@ -797,14 +976,17 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/nodes/{lease_id}/heartbeat", HeartbeatHandler),
         (rf"{API}/nodes/{lease_id}/draining", DrainingHandler),
         (rf"{API}/nodes/{lease_id}/drained", DrainedHandler),
+        (rf"{API}/nodes/{lease_id}/procs", ClaimHandler),
+        (rf"{API}/draining", DrainsHandler),
         (rf"{API}/tokens", TokensHandler),
+        (rf"{API}/tokens/{lease_id}", TokenHandler),
         (rf"{API}/whoami", WhoAmIHandler),
         (rf"{API}/info", InfoHandler),
         (rf"{API}/health", HealthHandler),
         (rf"{API}/openapi.json", OpenApiHandler),
         (r"/metrics", MetricsHandler),
     ]
-    return tornado.web.Application(
+    return Application(
         routes,
         gpulease=ctx,
         default_handler_class=NotFoundHandler,

@@ -16,7 +16,7 @@ from typing import Annotated, Any, NotRequired, Required, get_args, get_origin, 
 from .. import __version__
 from ..config import Settings
 from ..leasing import validate
-from ..protocol import ENDED_STATES, EndCauseJson, GpuJson, LeaseJson
+from ..protocol import ENDED_STATES, EndCauseJson, GpuJson, LeaseJson, TokenJson
 
 # What the board says of a GPU (lease_server/leasing/inventory.py).
 GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
@@ -75,14 +75,17 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 ERRORS = {
     400: "Bad input: the message says what to fix",
-    401: "No or unknown API token",
-    403: "Not allowed for this user (or X-Gpulease-User sent without a proxy token, or a proxy token without it)",
+    401: "No, unknown, revoked or expired API token",
+    403: "Not allowed for this user (or X-Gpulease-User sent without a proxy token, a proxy token without it or "
+    "for a user it may not act for, or an agent token on another node's route)",
     404: "No such lease, booking, pool or node (or a path parameter of another shape)",
     409: "Conflict: stale token, lease ended, booking clash, or no capacity in time",
     410: "Withdrawn: the queued request was withdrawn (DELETE) before a grant; it will never be granted",
-    413: "Body too large",
+    413: "Body too large (over max_body_bytes): answered before the body is read, and the connection closed",
     422: "No node of the pool could ever serve this request",
-    429: "A per-user limit is reached (queued requests, event streams): the message gives the count and what to do",
+    429: "A per-user or per-token limit is reached (queued requests, event streams, event log reads at once, "
+    "log entries or stream connections per second): the message gives the count and what to do, Retry-After "
+    "when to retry",
     503: "Redis unreachable, failing over, loading or short of replicas: resend after Retry-After (nothing changed)",
 }
 # What any request may get: a malformed X-Gpulease-User (400), no token (401), X-Gpulease-User without
@@ -129,6 +132,7 @@ LEASE_ID = _path("lease_id", {"type": "string", "pattern": validate.LEASE_ID_PAT
 RESERVATION_ID = _path("reservation_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")
 POOL = _path("pool", validate.NAME)
 NODE = _path("node", validate.NAME)
+TOKEN_ID = _path("token_id", {"type": "string", "pattern": "^[0-9a-f]{12}$"}, "A token's id (GET /tokens lists them)")
 NUM = {"type": "number"}
 # A GPU as a node agent declares it (also part of every GPU in the cluster view).
 GPU_PROPS = {
@@ -149,6 +153,14 @@ def _response_schemas() -> dict[str, Any]:
             "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {"type": "object"}},
         },
         "Gpu": schema_of_record(GpuJson),
+        "Token": schema_of_record(TokenJson),
+        "NewToken": {
+            "description": "A token just made: the Token, and its secret (shown this once, stored only hashed)",
+            "allOf": [
+                _ref("Token"),
+                {"type": "object", "required": ["token"], "properties": {"token": {"type": "string"}}},
+            ],
+        },
         "Lease": schema_of_record(LeaseJson, {GpuJson: "Gpu", EndCauseJson: "EndCause"}),
         "EndCause": schema_of_record(EndCauseJson),
         "EndedLease": {
@@ -460,17 +472,6 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 params=[LEASE_ID],
             ),
         },
-        "/api/v1/leases/{lease_id}/procs": {
-            "post": _op(
-                "Name the processes on your lease's GPUs (the magic does, before the call runs): if the server "
-                "ends the lease (expiry, revoke, reclaim, preemption, a shrink past its deadline), its GPUs drain: "
-                "they are free once the node agent sees these processes gone, ending them if it must",
-                _json(_ref("Lease"), "Recorded"),
-                409,
-                body=bodies.procs,
-                params=[LEASE_ID],
-            ),
-        },
         "/api/v1/leases/{lease_id}/warm": {
             "post": _op(
                 "Keep your one-node lease warm between cells (warm: true): its worker stays, its GPUs are lent to "
@@ -544,8 +545,17 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "Event log entries: oldest first after `since`, or newest first (order=desc) before `before`; "
                 "filtered by the server (lease, type, user), up to `limit` that pass",
                 _json(
-                    {"type": "object", "properties": {"events": {"type": "array", "items": _ref("Event")}}}, "Entries"
+                    {
+                        "type": "object",
+                        "properties": {
+                            "events": {"type": "array", "items": _ref("Event")},
+                            "limit": {"type": "integer", "description": "The limit served (at most the page cap)"},
+                            "note": {"type": "string", "description": "Why the limit served is not the one asked"},
+                        },
+                    },
+                    "Entries",
                 ),
+                429,
                 params=(v.SINCE, v.LIMIT, v.LEASE, v.BEFORE, v.ORDER, v.EVENT_TYPES, v.EVENT_USER),
             )
         },
@@ -575,12 +585,47 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 body=bodies.drained,
             )
         },
-        "/api/v1/tokens": {
+        "/api/v1/nodes/{node}/procs": {
             "post": _op(
-                "Create an API token (admin)",
-                _json({"type": "object"}, "Token"),
+                "Agent: record a process that claimed a lease through the agent's claim socket (the kernel named "
+                "it: pid, uid); the claim's API token must name the lease's owner. If the server ends the lease, "
+                "the agent ends these processes before the GPUs are granted again. Agent tokens only",
+                _json({"type": "object"}, "Recorded"),
+                409,
+                params=[NODE],
+                body=bodies.procs,
+            )
+        },
+        "/api/v1/draining": {
+            "get": _op(
+                "Admin: every draining GPU, with the processes its agent gave up (abandoned: flagged, out of "
+                "service until the process ends or an admin clears it: POST /nodes/{node}/drained with lease \"\")",
+                _json({"type": "object"}, "Draining GPUs"),
+            )
+        },
+        "/api/v1/tokens": {
+            "get": _op(
+                "Every API token: id, user, role, created, expires, last used, scope (admin)",
+                _json(
+                    {"type": "object", "properties": {"tokens": {"type": "array", "items": _ref("Token")}}}, "Tokens"
+                ),
+            ),
+            "post": _op(
+                "Create an API token (admin), optionally expiring; a proxy token's acts_for, an agent token's node",
+                _json(_ref("NewToken"), "The token, with its secret"),
                 body=bodies.token,
                 ok_code=201,
+            ),
+        },
+        "/api/v1/tokens/{token_id}": {
+            "delete": _op(
+                "Revoke a token (admin): refused from the next request on",
+                _json(
+                    {"allOf": [_ref("Token"), {"type": "object", "properties": {"revoked": {"type": "boolean"}}}]},
+                    "Revoked",
+                ),
+                404,
+                params=[TOKEN_ID],
             )
         },
         "/api/v1/info": {
@@ -596,7 +641,8 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "/api/v1/openapi.json": {"get": _op("This document", _json({"type": "object"}, "OpenAPI 3.1"), public=True)},
         "/metrics": {
             "get": _op(
-                "Prometheus metrics",
+                "Prometheus metrics (under a flood of requests, rendered at most once a second: the rest get "
+                "the last page)",
                 {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
                 public=True,
             )

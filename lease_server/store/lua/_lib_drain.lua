@@ -4,9 +4,9 @@
 -- Whether GPU idx of `node` (inventory `inv_raw`) must drain before it is free again when `lease`
 -- ends there, and the pids the agent must see gone: {{pid, start}, ...}, or nil when the GPU is
 -- free at once. `mode` "all" (the server ended it): always on a node whose agent sees processes
--- (NVML), on a simulated node when the lease named a process on that GPU (POST
--- /leases/{id}/procs); "named" (its owner ended it without having seen its processes gone: the
--- board's Release, a kernel shut down): only when it named one.
+-- (NVML), on a simulated node when a process claimed the lease on that GPU (its node agent
+-- recorded it: procs.lua); "named" (its owner ended it without having seen its processes gone:
+-- the board's Release, a kernel shut down): only when one claimed it.
 local function drain_pids(lease, node, idx, inv_raw, mode)
   if VIRTUAL or not mode or (mode == 'named' and not lease.procs) then return nil end
   local pids = {}
@@ -14,7 +14,7 @@ local function drain_pids(lease, node, idx, inv_raw, mode)
     if (p.node or lease.node) == node then
       local on = p.gpus == nil
       for _, g in ipairs(p.gpus or {}) do if g == idx then on = true end end
-      if on then pids[#pids + 1] = {pid = p.pid, start = p.start or 0} end
+      if on then pids[#pids + 1] = {pid = p.pid, start = p.start or 0, uid = p.uid} end
     end
   end
   local simulated = inv_raw ~= nil and string.find(inv_raw, '"source":"simulated"', 1, true) ~= nil

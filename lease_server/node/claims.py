@@ -1,0 +1,318 @@
+"""Which processes a node agent may end: those that claimed a lease themselves, as the kernel says.
+
+No pid a user sends is ever signalled. A worker bound to a lease (``magics``' GPU worker, before
+the cell's code runs) connects to its node agent's unix socket and says which lease it works for,
+with its owner's API token and the lease's fencing token. The socket has an abstract address
+(``@gpulease-claims/<deployment>/<node>``): no file to get wrong, and private to the host's network
+namespace, so a node in a namespace has its own. The kernel tells the agent which process
+connected (``SO_PEERCRED``: pid and uid, which the peer cannot choose); the agent reads its start
+time, refuses a process it must never end (:func:`refusal`), and has the lease server record the
+claim (``procs.lua`` checks that the API token's user holds the lease and its GPUs there). A
+process can only ever claim itself: the worst a hostile colleague can do with a claim is have
+their own process ended.
+
+When the server ends the lease, its GPUs drain (``drain.py``): the processes to end are exactly
+the claimed ones (and, where the agent runs as root, every process in the lease's cgroup, which
+the claimer and its children are in), checked again just before any signal: same start time,
+same uid, still not one the agent must never end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..store.keys import NAME_RE
+
+log = logging.getLogger(__name__)
+
+LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # as validate.LEASE_ID_PATTERN (not imported: workers load this)
+MAX_MESSAGE = 4096  # one claim: a lease id, two tokens, a user name, a few GPU indexes
+TIMEOUT_S = 5.0
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
+
+
+def address(instance: str, node: str) -> str:
+    """The abstract unix socket address of ``node``'s agent in deployment ``instance``."""
+    return f"\0gpulease-claims/{instance}/{node}"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a claim, as the kernel and /proc say."""
+
+    pid: int
+    uid: int
+    start: int  # clock ticks since boot (/proc/PID/stat field 22)
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces): [state, ppid, ...]; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot); None when it is gone or a zombie."""
+    rest = stat_fields(pid)
+    if rest is None or rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
+def process_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _ancestors(pid: int) -> set[int]:
+    out: set[int] = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        rest = stat_fields(pid)
+        if rest is None:
+            break
+        pid = int(rest[1])
+    return out
+
+
+# Services of this host the agent must never end, pid -> (start time, whether their direct children
+# are services too): under ``gpulease up``, Redis, JupyterLab and ``ray start`` (whose children are
+# Ray's daemons; Ray's workers are the raylet's children, and may be ended).
+_PROTECTED: dict[int, tuple[int, bool]] = {}
+
+
+def protect(pid: int, children: bool = False) -> None:
+    """Never end ``pid`` (nor, with ``children``, its direct children) from this process's agent."""
+    start = start_ticks(pid)
+    if start is not None:
+        _PROTECTED[pid] = (start, children)
+
+
+def _protected(pid: int, rest: list[str]) -> bool:
+    mine = _PROTECTED.get(pid)
+    if mine is not None and start_ticks(pid) == mine[0]:
+        return True
+    parent = _PROTECTED.get(int(rest[1]))
+    return parent is not None and parent[1] and start_ticks(int(rest[1])) == parent[0]
+
+
+def refusal(pid: int, uid: int | None = None) -> str | None:
+    """Why this agent must never end process ``pid`` (None: it may). Never: a kernel thread, init,
+    the agent itself or any of its ancestors, a service of the host (:func:`protect`: Redis, Ray's
+    daemons, JupyterLab), or, for an agent that is not root, another user's process (it could
+    not end it anyway)."""
+    rest = stat_fields(pid)
+    if rest is None:
+        return "gone"
+    if int(rest[6]) & PF_KTHREAD:
+        return "a kernel thread"
+    if pid <= 1 or pid in _ancestors(os.getpid()):
+        return "the node agent or one of its parents"
+    if _protected(pid, rest):
+        return "a service the node agent started (Redis, Ray, JupyterLab)"
+    owner = process_uid(pid) if uid is None else uid
+    if owner is None:
+        return "gone"
+    if os.geteuid() != 0 and owner != os.geteuid():
+        return f"another user's process (uid {owner}); run the agent as root to end it"
+    return None
+
+
+def peer_of(sock: socket.socket) -> Peer | None:
+    """The connected process (pid, uid from SO_PEERCRED; its start time), None once it is gone."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    start = start_ticks(pid)
+    if start is None:
+        return None
+    return Peer(pid, uid, start)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a worker says: the lease it works for, proven by its owner's API token."""
+
+    node: str
+    lease: str
+    fence: int
+    token: str  # the owner's API token (never logged, never stored)
+    user: str  # the user a proxy token acts for ("" otherwise)
+    gpus: tuple[int, ...]  # the lease's GPUs of this node the process uses
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Claim:
+        try:
+            d = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError("a claim is one JSON object on one line") from exc
+        if not isinstance(d, dict):
+            raise ValueError("a claim is one JSON object on one line")
+        node, lease, fence = d.get("node"), d.get("lease"), d.get("fence")
+        token, user, gpus = d.get("token"), d.get("user") or "", d.get("gpus") or []
+        if not isinstance(node, str) or not NAME_RE.match(node):
+            raise ValueError("node must be the node's name")
+        if not isinstance(lease, str) or not LEASE_ID_RE.match(lease):
+            raise ValueError("lease must be a lease id")
+        if not isinstance(fence, int) or isinstance(fence, bool) or fence < 0:
+            raise ValueError("fence must be the lease's fencing token (an integer)")
+        if not isinstance(token, str) or not 0 < len(token) <= 200:
+            raise ValueError("token must be the lease owner's API token")
+        if not isinstance(user, str) or (user and not NAME_RE.match(user)):
+            raise ValueError("user must be a user name")
+        if not isinstance(gpus, list) or len(gpus) > 64 or not all(type(g) is int and 0 <= g < 4096 for g in gpus):
+            raise ValueError("gpus must be a list of GPU indexes")
+        return cls(node, lease, fence, token, user, tuple(gpus))
+
+
+# What records a verified claim in the lease server; raises GpuLeaseError (its message is the answer).
+Record = Callable[[Claim, Peer], Awaitable[None]]
+
+
+async def answer(peer: Peer | None, raw: bytes, nodes: set[str], record: Record) -> dict[str, Any]:
+    """The agent's answer to one claim: ``{"ok": true}`` or ``{"error": "..."}``."""
+    from .. import errors
+
+    if peer is None:
+        return {"error": "the claiming process is gone"}
+    try:
+        claim = Claim.parse(raw)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    if claim.node not in nodes:
+        return {"error": f"this agent serves {', '.join(sorted(nodes))}, not {claim.node}"}
+    why = refusal(peer.pid, peer.uid)
+    if why is not None:
+        log.warning("claim of lease %s by pid %s refused: %s", claim.lease, peer.pid, why)
+        return {"error": f"pid {peer.pid} cannot be tied to a lease: {why}"}
+    try:
+        await record(claim, peer)
+    except errors.GpuLeaseError as exc:
+        return {"error": str(exc)}
+    log.info("pid %s (uid %s) claimed lease %s on %s", peer.pid, peer.uid, claim.lease, claim.node)
+    return {"ok": True}
+
+
+class AsyncClaims:
+    """The claim socket of the in-process agent (``gpulease up``): one listener per node."""
+
+    def __init__(self, instance: str, nodes: list[str], record: Record) -> None:
+        self.instance, self.nodes, self.record = instance, set(nodes), record
+        self.servers: list[asyncio.AbstractServer] = []
+
+    async def start(self) -> None:
+        for node in sorted(self.nodes):
+            try:
+                server = await asyncio.start_unix_server(self._serve, path=address(self.instance, node))
+            except OSError as exc:  # another agent of this deployment serves the node here
+                log.error("claim socket of %s: %s; workers there cannot be tied to their leases", node, exc)
+                continue
+            self.servers.append(server)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            raw = await asyncio.wait_for(reader.readline(), TIMEOUT_S)
+            sock = writer.get_extra_info("socket")
+            peer = peer_of(sock) if sock is not None else None
+            reply = await answer(peer, raw[:MAX_MESSAGE], self.nodes, self.record)
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except (TimeoutError, OSError, ValueError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        for server in self.servers:
+            server.close()
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+        self.servers.clear()
+
+
+class ThreadClaims:
+    """The claim socket of ``gpulease agent`` (a thread per connection; ``record`` runs on an
+    event loop of its own)."""
+
+    def __init__(self, instance: str, nodes: list[str], record: Record) -> None:
+        self.instance, self.nodes, self.record = instance, set(nodes), record
+        self.servers: list[socketserver.ThreadingUnixStreamServer] = []
+
+    def start(self) -> None:
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            timeout = TIMEOUT_S
+
+            def handle(self) -> None:
+                with contextlib.suppress(OSError, ValueError):
+                    raw = self.rfile.readline(MAX_MESSAGE)
+                    peer = peer_of(self.request)
+                    reply = asyncio.run(answer(peer, raw, outer.nodes, outer.record))
+                    self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+        for node in sorted(self.nodes):
+            try:
+                server = socketserver.ThreadingUnixStreamServer(address(self.instance, node), Handler)
+            except OSError as exc:
+                log.error("claim socket of %s: %s; workers there cannot be tied to their leases", node, exc)
+                continue
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, name=f"gpulease-claims-{node}", daemon=True).start()
+            self.servers.append(server)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        self.servers.clear()
+
+
+class ClaimRefused(Exception):
+    """The agent did not tie this process to the lease (the reason is the message)."""
+
+
+def claim(
+    instance: str,
+    node: str,
+    lease: str,
+    fence: int,
+    token: str,
+    user: str = "",
+    gpus: list[int] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> None:
+    """Tie this very process to ``lease`` at ``node``'s agent (run by the process that uses the
+    lease's GPUs, before it touches them). Raises ClaimRefused, or OSError when no agent answers."""
+    msg = {"node": node, "lease": lease, "fence": int(fence), "token": token, "user": user, "gpus": gpus or []}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(address(instance, node))
+        s.sendall(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            buf += chunk
+    try:
+        reply = json.loads(buf or b"{}")
+    except ValueError:
+        reply = {}
+    if not reply.get("ok"):
+        raise ClaimRefused(str(reply.get("error") or "the node agent gave no answer"))
