@@ -35,7 +35,8 @@ def private_redis() -> Iterator[str]:
     from ..node.redis_proc import RedisProcess
 
     with tempfile.TemporaryDirectory(prefix="gpulease-sim-") as tmp:
-        proc = RedisProcess(Path(tmp) / "redis").start()
+        # A password too: any local user can reach its port, and the results must be the replay's.
+        proc = RedisProcess(Path(tmp) / "redis", password=secrets.token_urlsafe(32)).start()
         try:
             r = Redis.from_url(proc.url)
             r.config_set("appendonly", "no")
