@@ -14,6 +14,18 @@ SCHEDULERS = ("fifo", "fair_share", "priority")
 SCHED_SETTINGS = ("scheduler", "preempt_notice", "idle_weight", "quota", "aging", "warm_max", "warm_evict_notice")
 PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 UNLEASED_ACTIONS = ("flag", "kill")  # what node agents do about a process on a GPU no lease covers
+# The HTTP edge's settings: (name, exclusive low, inclusive high)
+EDGE_BOUNDS = (
+    ("http_idle_timeout", 0, 3600),
+    ("http_body_timeout", 0, 3600),
+    ("max_connections", 0, 1_000_000),
+    ("log_reads_at_once", 0, 1000),
+    ("log_read_rate", 0, 1e9),
+    ("log_read_burst", 0, 1e9),
+    ("stream_connect_rate", 0, 1e6),
+    ("stream_connect_burst", 0, 1e6),
+    ("metrics_cache_s", 0, 60),
+)
 
 
 @dataclass
@@ -40,6 +52,23 @@ class Settings:
     ended_retention: float = 86400.0  # seconds ended leases stay readable
     event_log_max: int = 100_000  # approximate stream length kept
     max_body_bytes: int = 64 * 1024
+    # The HTTP edge (web/server.py, web/limits.py): what one client can hold of the server. Seconds a
+    # request head may take to arrive (counted from when the server waits for it, so a kept-alive
+    # connection's idle time too; an event stream is not cut, it writes), seconds a request body
+    # may take, and connections open at once (more are closed at accept).
+    http_idle_timeout: float = 20.0
+    http_body_timeout: float = 5.0
+    max_connections: int = 1000
+    # Per API token, on the expensive reads (GET /events/log pages and the backlog an event stream
+    # sends on connecting): reads in flight at once, log entries read per second (a bucket that
+    # holds log_read_burst), and event stream connections per second (a bucket of
+    # stream_connect_burst). Beyond them: 429 with Retry-After.
+    log_reads_at_once: int = 2
+    log_read_rate: float = 5000.0
+    log_read_burst: int = 20_000
+    stream_connect_rate: float = 2.0
+    stream_connect_burst: int = 256
+    metrics_cache_s: float = 1.0  # GET /metrics is rendered (read from Redis) at most this often
     ray_address: str = ""  # the Ray cluster that clients (the magic) should use
     # A file with that cluster's token (RAY_AUTH_MODE=token): GET /info hands it to users and admins
     # so that %%gpu_train can join (gpulease up sets it; empty: kernels bring their own).
@@ -61,10 +90,16 @@ class Settings:
     # agent sees no process of that lease on it; the agent looks this often and ends what
     # remains, SIGTERM then SIGKILL after drain_kill_grace_s.
     drain_interval: float = 0.2
+    # GPU isolation by the OS (lease_server/node/cgroup.py): each lease's workers in a cgroup whose
+    # device rules allow only its GPUs. "auto": on NVML nodes where the agent can (root, cgroups);
+    # "on": simulated nodes too (their cgroups then only track a lease's processes); "off".
+    gpu_isolation: str = "auto"
     # Per user: requests waiting in the queue at once, and event streams open on one server replica
     # (a running call follows its lease with two: the driver's and its worker's watchdog).
     max_queued_per_user: int = 256
     max_streams_per_user: int = 128
+    # ... and per token: the streams of all the users a proxy token (JupyterHub) acts for together
+    max_streams_per_token: int = 1024
     drain_kill_grace_s: float = 2.0
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
     # Reservations (bookings of GPUs for a time window)
@@ -138,11 +173,18 @@ class Settings:
                 f"unleased_action must be one of {', '.join(UNLEASED_ACTIONS)} (got {self.unleased_action!r}) "
                 f"and unleased_kill_grace_s between 0 and 3600 seconds (got {self.unleased_kill_grace_s})"
             )
-        if self.max_queued_per_user < 1 or self.max_streams_per_user < 1:
+        if self.max_queued_per_user < 1 or self.max_streams_per_user < 1 or self.max_streams_per_token < 1:
             raise ConfigurationError(
-                f"max_queued_per_user ({self.max_queued_per_user}) and max_streams_per_user "
-                f"({self.max_streams_per_user}) must be at least 1"
+                f"max_queued_per_user ({self.max_queued_per_user}), max_streams_per_user "
+                f"({self.max_streams_per_user}) and max_streams_per_token ({self.max_streams_per_token}) "
+                "must be at least 1"
             )
+        for name, low, high in EDGE_BOUNDS:
+            value = getattr(self, name)
+            if not low < value <= high:
+                raise ConfigurationError(f"{name} must be above {low:g} and at most {high:g}, got {value!r}")
+        if self.gpu_isolation not in ("auto", "on", "off"):
+            raise ConfigurationError(f"gpu_isolation must be auto, on or off (got {self.gpu_isolation!r})")
         if not 0 < self.drain_interval <= 10 or not 0 <= self.drain_kill_grace_s <= 600:
             raise ConfigurationError(
                 f"drain_interval must be in (0, 10] seconds (got {self.drain_interval}) and "

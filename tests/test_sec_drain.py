@@ -166,3 +166,45 @@ def test_a_process_the_agent_must_not_end_is_given_up_and_flagged(srv: Any, redi
         proc.kill()
     assert not threading.current_thread().daemon
     check(srv, redis_sync)
+
+
+def test_a_claimed_worker_and_its_children_share_the_leases_cgroup_and_end_with_it(
+    server_factory: Any, redis_sync: Any
+) -> None:
+    """Where the agent runs as root with cgroups (gpu_isolation on), a claim puts the process in its
+    lease's cgroup (device rules: only its GPUs, tests/test_sec_cgroup.py), and what it starts
+    later is in there too: when the server ends the lease, the drain ends the children as well,
+    though they never claimed anything themselves."""
+    from lease_server.node.cgroup import DeviceIsolation, Unavailable
+
+    iso = DeviceIsolation.detect()
+    if isinstance(iso, Unavailable):
+        pytest.skip(iso.reason)
+    srv = server_factory(simulate="n1=2xA100-80GB", drain_kill_grace_s=GRACE, drain_interval=0.1, gpu_isolation="on")
+    assert srv.client("root", "admin").cluster()["nodes"][0]["isolation"] == iso.kind
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, admin = srv.client("alice"), srv.client("root", "admin")
+    lease = alice.acquire(1)
+    parent = Watched(
+        "print('up', flush=True)\n"
+        + CLAIMS
+        + "import subprocess, time\n"
+        + "child = subprocess.Popen(['sleep', '600'])\n"
+        + "print(child.pid, flush=True)\n"
+        + "time.sleep(600)\n"
+    )
+    child_pid = 0
+    try:
+        name(alice, lease, parent)
+        assert parent.proc.stdin is not None and parent.proc.stdout is not None
+        parent.proc.stdin.close()  # no more claims: it starts its child
+        child_pid = int(parent.proc.stdout.readline())
+        assert sorted(iso.pids(lease.id)) == sorted([parent.pid, child_pid])
+        admin.revoke(lease.id, "test")
+        drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 20, "drained")
+        parent.wait(5)
+        assert drained["killed"] == 2
+        assert claims.start_ticks(child_pid) is None  # ended (or a zombie of its ended parent)
+    finally:
+        parent.kill()
+    check(srv, redis_sync)

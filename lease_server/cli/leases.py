@@ -26,6 +26,7 @@ from ._common import (
     one_line,
     resolve_lease,
     server_options,
+    shown,
     span,
 )
 
@@ -82,9 +83,17 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
     for (node, _), gs in draining.items():
         d, which = gs[0]["draining"], ",".join(str(g["index"]) for g in gs)
         line = f"{node} GPU {which}: {d['user']}'s lease {d['state']} {ago(d['since'], now)} ago, free once clean"
-        out.print(Text.assemble(("draining", "cyan"), f": {line}"), soft_wrap=True)
+        if d.get("abandoned"):
+            line = f"{node} GPU {which}: agent gave up pid {d['abandoned'].get('pid')}: gpulease drain list"
+            out.print(Text.assemble(("flagged", "bold red"), ": ", shown(line)), soft_wrap=True)
+            continue
+        out.print(Text.assemble(("draining", "cyan"), ": ", shown(line)), soft_wrap=True)
+    for n in view["nodes"]:
+        iso = str(n.get("isolation") or "")
+        if n.get("source") == "nvml" and iso.startswith("off"):
+            err_console.print(Text.assemble(("GPU isolation", "yellow"), f" of {n['name']}: ", shown(iso[:60])))
     for line in unleased:
-        err_console.print(Text.assemble(("unleased use", "bold red"), f": {line}"), soft_wrap=True)
+        err_console.print(Text.assemble(("unleased use", "bold red"), ": ", shown(line)), soft_wrap=True)
     if view["queue"]:
         q = _table("Queue")
         q.add_column("request", no_wrap=True)
@@ -93,13 +102,13 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         q.add_column("label", overflow="fold" if wide else "ellipsis")
         for w in view["queue"]:
             q.add_row(
-                w["id"],
-                w["pool"],
+                shown(w["id"]),
+                shown(w["pool"]),
                 str(w["position"]),
-                w["user"],
+                shown(w["user"]),
                 str(w["gpus"]),
                 ago(w["enqueued_at"], now),
-                w["label"] if wide else one_line(w["label"]),
+                shown(w["label"]) if wide else one_line(w["label"]),
             )
         out.print()
         out.print(q)
@@ -137,8 +146,8 @@ def _lease_table(view: dict[str, Any]) -> None:
     for lid, row in sorted(by_id.items(), key=lambda kv: (kv[1]["lease"].get("since") or 0, kv[0])):
         lease, utils = row["lease"], row["utils"]
         cells: list[Any] = [
-            lid,
-            lease.get("user", ""),
+            shown(lid),
+            shown(lease.get("user", "")),
             one_line(gpu_places(row["parts"])),
             f"{sum(utils) / len(utils):.0f}%" if utils else "",
             ago(lease.get("since"), now),
@@ -177,17 +186,17 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
                 state += " [bold red]unleased use[/]"
             sample = g.get("sample") or {}
             gpus.add_row(
-                n["name"],
+                shown(n["name"]),
                 str(g["index"]),
-                g.get("model", ""),
+                shown(g.get("model", "")),
                 f"{g['memory_mb']} MiB" if g.get("memory_mb") else "",
                 state,
                 f"{sample['util']:.0f}%" if "util" in sample else "",
                 f"{sample['mem_used_mb']} MiB" if "mem_used_mb" in sample else "",
-                lease.get("user", ""),
-                Text(lease.get("label", "")),
+                shown(lease.get("user", "")),
+                shown(lease.get("label", "")),
                 ago(lease.get("since"), now),
-                lease.get("id", ""),
+                shown(lease.get("id", "")),
             )
     out.print()
     out.print(gpus)
@@ -231,7 +240,7 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
             state = Text("warm", style="cyan")
         else:
             state = Text(r["state"])
-        cells: list[Any] = [r["id"], *([r["user"]] if everyone else []), state]
+        cells: list[Any] = [shown(r["id"]), *([shown(r["user"])] if everyone else []), state]
         cells += [
             one_line(f"{gpu_places(lease_parts(r))}"),
             ago(r.get("created_at"), now),
@@ -240,7 +249,11 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
         ]
         table.add_row(*cells)
     for w in waiting:
-        cells = [w["id"], *([w["user"]] if everyone else []), Text(f"queued #{w['position']}", style="cyan")]
+        cells = [
+            shown(w["id"]),
+            *([shown(w["user"])] if everyone else []),
+            Text(f"queued #{w['position']}", style="cyan"),
+        ]
         cells += [one_line(f"{w['gpus']}x {w['pool']}"), "", "", one_line(w.get("label", ""))]
         table.add_row(*cells)
     console.print(table)

@@ -431,10 +431,18 @@ def server(
     help="Print the --resources JSON that this host's `ray start` needs (its gpulease_node_<node> "
     "resources) and exit, without contacting the lease server",
 )
+@click.option(
+    "--gpu-isolation",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Each lease's workers in a cgroup that opens only its GPUs (needs root; auto: on real GPUs)",
+)
 @click.option("-v", "--verbose", is_flag=True)
 def agent(
     simulate: str | None,
     cpu_slots: int,
+    gpu_isolation: str,
     node: str | None,
     pool: str | None,
     url: str | None,
@@ -457,6 +465,6 @@ def agent(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Client(url, token) as client:
         try:
-            run_remote(client, invs, interval, stop)
+            run_remote(client, invs, interval, stop, gpu_isolation=gpu_isolation)
         except KeyboardInterrupt:
             pass

@@ -79,6 +79,11 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 d = json.loads(drain)
                 entry["draining"] = {"lease": d["lease"], "user": d.get("user", ""), "state": d.get("state", "")}
                 entry["draining"]["since"] = d.get("since", 0) / 1000
+                if d.get("abandoned"):  # its agent gave a process up: out of service, for an admin
+                    entry["draining"]["abandoned"] = {
+                        "pid": d["abandoned"].get("pid"),
+                        "why": d["abandoned"].get("why"),
+                    }
             if slot in unleased:
                 # Processes on a GPU that no live lease covers: someone bypasses the service.
                 entry["unleased_use"] = json.loads(unleased[slot])
@@ -115,6 +120,7 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 "name": name,
                 "pool": inv["pool"],
                 "source": inv.get("source", ""),
+                "isolation": inv.get("isolation", ""),
                 "state": "up" if is_up else "down",
                 "heartbeat_deadline": last / 1000 if last > 0 else None,
                 "gpus": gpus,

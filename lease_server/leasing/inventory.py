@@ -37,9 +37,14 @@ class NodeInventory:
     gpus: list[Gpu]
     source: str = "simulated"  # "nvml" | "simulated"
     extra: dict[str, Any] = field(default_factory=dict)
+    # How the agent keeps a lease's workers off other GPUs: "cgroup v1 devices", "cgroup v2 BPF",
+    # or why it cannot ("off: not root ..."); "" from an agent that does not say.
+    isolation: str = ""
 
     def to_json(self) -> str:
-        body = {"pool": self.pool, "source": self.source, "gpus": [asdict(g) for g in self.gpus]}
+        body: dict[str, Any] = {"pool": self.pool, "source": self.source, "gpus": [asdict(g) for g in self.gpus]}
+        if self.isolation:
+            body["isolation"] = self.isolation
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -67,7 +72,10 @@ class NodeInventory:
         source = body.get("source", "simulated")
         if source not in ("nvml", "simulated"):
             raise errors.BadRequest("source must be 'nvml' or 'simulated'")
-        return cls(node, pool, sorted(out, key=lambda g: g.index), source)
+        isolation = body.get("isolation", "")
+        if not isinstance(isolation, str) or len(isolation) > 200 or not isolation.isprintable():
+            raise errors.BadRequest("isolation must be one printable line of at most 200 characters")
+        return cls(node, pool, sorted(out, key=lambda g: g.index), source, isolation=isolation)
 
 
 def default_node_name() -> str:

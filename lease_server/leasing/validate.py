@@ -941,6 +941,15 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
                     {"type": "array", "minItems": 1, "maxItems": MAX_GPUS_PER_NODE, "items": INVENTORY_GPU},
                     required=True,
                 ),
+                Field(
+                    "isolation",
+                    {
+                        "type": "string",
+                        "maxLength": 200,
+                        "pattern": "^[^\\x00-\\x1f\\x7f]*$",
+                        "description": "How the agent keeps leases' workers off other GPUs, or why it cannot",
+                    },
+                ),
             ),
             rules=("two GPUs with the same index",),
         ),

@@ -13,6 +13,7 @@ heartbeats stop is marked down and its free GPUs are not granted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import re
@@ -25,6 +26,7 @@ from ..leasing.inventory import Gpu, NodeInventory, default_node_name, register
 from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_sample
 from ..store.engine import Engine
 from ..store.layout import LAYOUT
+from .cgroup import DeviceIsolation, Unavailable
 from .claims import AsyncClaims, Claim, Peer, ThreadClaims
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, uses_gpu_device
@@ -44,6 +46,59 @@ def pool_name(model: str, memory_mb: int) -> str:
     if gb and not re.search(r"\d+GB", name.upper()):  # the model may name its memory anywhere in it
         name = f"{name}-{gb}GB"
     return "".join(c for c in name if c.isalnum() or c in "._-")[:63] or "gpu"
+
+
+class Isolation:
+    """This agent's per-lease cgroups (lease_server/node/cgroup.py), or why it has none."""
+
+    SWEEP_S = 5.0  # how often cgroups of leases whose processes are all gone are removed
+
+    def __init__(self, mode: str, inventories: list[NodeInventory]) -> None:
+        self.cgroups: DeviceIsolation | None = None
+        self._swept = 0.0
+        if mode == "off":
+            self.what = "off (gpu_isolation = off)"
+        elif mode == "auto" and not any(inv.source == "nvml" for inv in inventories):
+            self.what = "off: simulated GPUs have no device nodes"
+        else:
+            got = DeviceIsolation.detect()
+            if isinstance(got, Unavailable):
+                self.what = f"off: {got.reason}"
+            else:
+                self.cgroups, self.what = got, got.kind
+        if self.cgroups is None and mode != "off" and any(inv.source == "nvml" for inv in inventories):
+            log.warning("GPU isolation %s", self.what)
+        else:
+            log.info("GPU isolation: %s", self.what)
+
+    def place(self, claim: Claim, peer: Peer) -> None:
+        """Put a process that claimed a lease in the lease's cgroup (only its GPUs; its children too)."""
+        if self.cgroups is None or not claim.gpus:
+            return
+        try:
+            self.cgroups.place(claim.lease, peer.pid, list(claim.gpus))
+        except (OSError, ValueError) as exc:
+            log.warning("pid %s of lease %s not put in its cgroup: %s", peer.pid, claim.lease, exc)
+
+    def pids(self, lease: str) -> list[int]:
+        if self.cgroups is None:
+            return []
+        try:
+            return self.cgroups.pids(lease)
+        except (OSError, ValueError):
+            return []
+
+    def sweep(self, now: float) -> None:
+        """Remove the cgroups whose processes are all gone (a lease ended, verified or drained)."""
+        if self.cgroups is None or now - self._swept < self.SWEEP_S:
+            return
+        self._swept = now
+        try:
+            for lease in self.cgroups.leases():
+                if not self.cgroups.pids(lease):
+                    self.cgroups.remove(lease)
+        except (OSError, ValueError) as exc:
+            log.warning("removing lease cgroups: %s", exc)
 
 
 def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: ModuleType | Any = None) -> NodeInventory:
@@ -150,6 +205,8 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
     drainer = Drainer(enforcer, engine.settings.drain_kill_grace_s)
     drain_every = engine.settings.drain_interval
     pool_of = {inv.node: inv.pool for inv in inventories}
+    isolation = Isolation(engine.settings.gpu_isolation, inventories)
+    inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
     for inv in inventories:
         await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
@@ -160,6 +217,7 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
     async def record(claim: Claim, peer: Peer) -> None:
         ident = await auth.act_as(await auth.identify(f"Bearer {claim.token}"), claim.user or None)
         await record_claim(engine, claim, ident.user, peer)
+        isolation.place(claim, peer)
 
     claims = AsyncClaims(await engine.instance(), [inv.node for inv in inventories], record)
     await claims.start()
@@ -173,13 +231,14 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
                 for inv in inventories:
                     try:
                         entries = await draining_of(engine, inv.node, [g.index for g in inv.gpus])
-                        done = _drain_step(drainer, inv, entries, nvml)
+                        done = _drain_step(drainer, inv, entries, nvml, isolation)
                         for lease, clean, ended in done.clean:
                             await drained(engine, inv.node, lease, clean, ended)
                         for lease, index, pid, why in done.abandoned:
                             await abandon(engine, inv.node, lease, [index], pid, why)
                     except Exception as exc:  # Redis away: the next pass retries; the GPUs stay draining
                         log.warning("draining %s failed: %s", inv.node, exc)
+                isolation.sweep(now)
             if now >= next_beat:
                 next_beat = now + interval
                 for inv in inventories:
@@ -229,14 +288,16 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
             nvml.close()
 
 
-def _drain_step(drainer: Drainer, inv: NodeInventory, entries: list[Draining], nvml: NvmlSampler | None) -> Pass:
+def _drain_step(
+    drainer: Drainer, inv: NodeInventory, entries: list[Draining], nvml: NvmlSampler | None, isolation: Isolation
+) -> Pass:
     """One pass over a node's draining GPUs: on an NVML node the processes NVML lists on them, on a
-    simulated one the processes that claimed the lease, must be gone."""
+    simulated one the processes that claimed the lease (and their children, in its cgroup), must be gone."""
     if not entries:
         return Pass([], [])
     if inv.source == "nvml" and nvml is not None:
         return drainer.step(inv.node, entries, nvml.procs_on, nvml.has_process)
-    return drainer.step(inv.node, entries)
+    return drainer.step(inv.node, entries, in_cgroup=isolation.pids if isolation.cgroups else None)
 
 
 def run_remote(
@@ -247,6 +308,7 @@ def run_remote(
     sample_interval: float = 5.0,
     drain_interval: float = 0.5,
     drain_grace_s: float = 2.0,
+    gpu_isolation: str = "auto",
 ) -> None:
     """``gpulease agent``: declare the inventory over HTTP, then heartbeat and send GPU samples
     until ``stop``."""
@@ -264,6 +326,8 @@ def run_remote(
             "install the same gpulease release on both (pip install -U gpulease), then start the agent again"
         )
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
+    isolation = Isolation(gpu_isolation, inventories)
+    inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
     enforcer = Enforcer()
     drainer = Drainer(enforcer, drain_grace_s)
     unsent: dict[str, list[dict[str, Any]]] = {}  # node -> kill reports the next sample carries
@@ -284,6 +348,7 @@ def run_remote(
         if claim.user:
             body["user"] = claim.user
         await asyncio.to_thread(client.request, "POST", protocol.node_procs(claim.node), json=body)
+        isolation.place(claim, peer)
 
     claims = ThreadClaims(str(info.get("instance", "")), [inv.node for inv in inventories], record)
     claims.start()
@@ -297,7 +362,7 @@ def run_remote(
                     try:
                         got = client.request("GET", protocol.node_draining(inv.node))["draining"]
                         entries = [Draining.from_json(d) for d in got]
-                        done = _drain_step(drainer, inv, entries, nvml)
+                        done = _drain_step(drainer, inv, entries, nvml, isolation)
                         for lease, clean, ended in done.clean:
                             report = {"lease": lease, "gpus": clean, "killed": ended}
                             client.request("POST", protocol.node_drained(inv.node), json=report)
@@ -306,6 +371,7 @@ def run_remote(
                             client.request("POST", protocol.node_drained(inv.node), json=report)
                     except errors.GpuLeaseError as exc:
                         log.warning("draining %s failed: %s", inv.node, exc)
+                isolation.sweep(now)
             if now >= next_beat:
                 next_beat = now + interval
                 for inv in inventories:
