@@ -23,9 +23,10 @@ from rich.text import Text
 from .. import errors, protocol
 from ..client import Client
 from ..leasing.events import event_of_user
+from ..leasing.validate import EVENT_LOG_PAGE_CAP
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 
-PAGE = 10_000  # the most the log API answers in one call (validate.EVENT_LOG_MAX_LIMIT)
+PAGE = EVENT_LOG_PAGE_CAP  # the most the log API answers in one call
 TYPES = sorted(t.value for t in protocol.EventType)
 Pos = tuple[int, int]  # a stream entry id: (ms, seq)
 

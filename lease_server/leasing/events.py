@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,9 @@ def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
 
 
 # Entries read per XRANGE when filtering: the stream is capped (event_log_max), so a
-# filtered read scans at most the whole of it, a page at a time.
-FILTER_PAGE = 1000
+# filtered read scans at most the whole of it, a page at a time. Small enough that parsing one
+# page holds the server's event loop for a few milliseconds only.
+FILTER_PAGE = 200
 
 
 EVENT_PEOPLE = ("user", "owner", "by", "requested_by")  # the fields of an event that name a person
@@ -67,11 +69,15 @@ class LogQuery:
         return self.lease is not None or bool(self.types) or self.user is not None
 
 
-async def read_log(redis: Redis, key: str, q: LogQuery) -> list[dict[str, Any]]:
+async def read_log(
+    redis: Redis, key: str, q: LogQuery, on_page: Callable[[int], Awaitable[None]] | None = None
+) -> list[dict[str, Any]]:
     """The entries ``q`` asks for, in its order.
 
     Redis cannot filter a stream, so a filtered read takes pages of ``FILTER_PAGE`` entries (in the
-    order asked) and keeps what passes, until ``limit`` entries passed or the range ends."""
+    order asked) and keeps what passes, until ``limit`` entries passed or the range ends.
+    ``on_page(n)`` is awaited after each page of ``n`` entries read: what the read cost (the API
+    counts it against the token's budget, web/limits.py)."""
     lo = "-" if q.since in ("-", "", "0") else f"({q.since}"
     hi = "+" if q.before is None else f"({q.before}"
     out: list[dict[str, Any]] = []
@@ -80,6 +86,8 @@ async def read_log(redis: Redis, key: str, q: LogQuery) -> list[dict[str, Any]]:
         page: Any = await (
             redis.xrevrange(key, hi, lo, count=page_size) if q.desc else redis.xrange(key, lo, hi, count=page_size)
         )
+        if on_page is not None:
+            await on_page(len(page))
         for entry_id, fields in page:
             ev = parse_entry(entry_id, fields)
             if q.keeps(ev):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -144,6 +145,15 @@ class BaseHandler(tornado.web.RequestHandler):
             self.send_error(too_large.status, exc_info=(type(too_large), too_large, None))
             return
         self._chunks.append(chunk)
+
+    @functools.cached_property
+    def gone(self) -> asyncio.Event:
+        """Set once the client has gone away (a throttled read stops waiting then)."""
+        return asyncio.Event()
+
+    def on_connection_close(self) -> None:
+        super().on_connection_close()
+        self.gone.set()
 
     @property
     def token_key(self) -> str:
@@ -747,10 +757,12 @@ class EventLogHandler(BaseHandler):
         with self.ctx.limits.reading(key, "GET /events/log"):
             try:
                 async for part in read_sliced(
-                    self.ctx.redis, self.store.keys.events, q, lambda n: self.ctx.limits.charge(key, n)
+                    self.ctx.redis, self.store.keys.events, q, lambda n: self.ctx.limits.charge(key, n, self.gone)
                 ):
                     mine = [events.for_reader(ev, self.identity.user, self.identity.admin) for ev in part]
                     parts.append(json.dumps(mine, separators=(",", ":"))[1:-1])
+            except tornado.iostream.StreamClosedError:  # the client went away during a throttled read
+                return
             except RedisResponseError as exc:  # a well-formed id Redis still rejects
                 if not_now(exc) is not None:
                     raise
@@ -837,7 +849,7 @@ class EventStreamHandler(BaseHandler):
             if since:
                 backlog = events.LogQuery(since=since, limit=validate.EVENT_LOG_PAGE_CAP, lease=lease)
                 async for part in read_sliced(
-                    self.ctx.redis, self.store.keys.events, backlog, lambda n: limits.charge(key, n)
+                    self.ctx.redis, self.store.keys.events, backlog, lambda n: limits.charge(key, n, self.gone)
                 ):
                     for ev in part:
                         self._send(ev)

@@ -1,8 +1,18 @@
 """Prometheus metrics: request counts and latency per route, and GPU / queue gauges read from
-Redis at scrape time (so every replica reports the same cluster state)."""
+Redis at scrape time (so every replica reports the same cluster state).
+
+``GET /metrics`` needs no token, so what it costs must not grow with how often it is asked: the
+page (one read of the cluster from Redis) is rendered for a request while renders are rare, at
+most :data:`FRESH_BURST` in a row and then one per ``metrics_cache_s``; every other request gets
+the last page rendered, as does every request while a render is under way. A scraper every few
+seconds always reads a fresh page; a flood of requests reads Redis once a second.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -10,13 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..leasing.board import cluster_view
 from ..leasing.queue import queue_view
 from ..store.engine import Engine
+from .limits import Bucket
+
+FRESH_BURST = 5  # renders in a row before the cache serves
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cache_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """``cache_s``: the least time between two renders once :data:`FRESH_BURST` were had in a row."""
         self.engine = engine
+        self.renders = 0  # pages rendered (reads of the cluster from Redis)
+        self._fresh = Bucket(1 / cache_s, FRESH_BURST, clock)
+        self._page: bytes | None = None
+        self._rendering: asyncio.Future[bytes] | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "gpulease_http_requests", "HTTP requests served", ["method", "route", "status"], registry=self.registry
@@ -41,7 +59,25 @@ class Metrics:
         if route != "eventstream":
             self.latency.labels(route).observe(seconds)
 
+    async def rendered(self) -> bytes:
+        """The page for one request: a fresh one while renders are rare, else the last one (see
+        the module's docstring); requests during a render share it."""
+        if self._rendering is None:
+            if self._page is not None and self._fresh.take("") > 0:
+                return self._page
+            self._rendering = asyncio.ensure_future(self._render_once())
+        return await asyncio.shield(self._rendering)
+
+    async def _render_once(self) -> bytes:
+        try:
+            self._page = await self.render()
+            self.renders += 1
+            return self._page
+        finally:
+            self._rendering = None
+
     async def render(self) -> bytes:
+        """The page as of now: the cluster read from Redis, the request counters of this process."""
         view = await cluster_view(self.engine)
         for pool, counts in view["pools"].items():
             for state in ("free", "leased", "down"):

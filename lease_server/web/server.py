@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import tornado.httpserver
+import tornado.iostream
 import tornado.netutil
 import tornado.process
 
@@ -48,9 +49,7 @@ async def serve(
             await register(ctx.engine, inv)
         agent = asyncio.create_task(heartbeat_local(ctx.engine, local_nodes, stop), name="gpulease-agent")
     app = make_app(ctx)
-    # The body limit is enforced with a clear 413 in the handlers; tornado's own limit (which just
-    # drops the connection) only guards against absurd uploads.
-    http = tornado.httpserver.HTTPServer(app, max_body_size=64 * 1024 * 1024, xheaders=True)
+    http = EdgeServer(app, settings)
     if sockets is None:
         sockets = tornado.netutil.bind_sockets(settings.port, settings.host)
     http.add_sockets(sockets)
@@ -75,6 +74,60 @@ async def serve(
         await http.close_all_connections()
         await ctx.stop()
         log.info("gpulease server on port %d stopped", port)
+
+
+# A request head (request line and headers) larger than this is refused: a token and a few cookies
+# of a browser on the same host fit many times over.
+MAX_HEADER_BYTES = 32 * 1024
+
+
+class EdgeServer(tornado.httpserver.HTTPServer):
+    """The HTTP server facing the network: what a client can hold of it is bounded.
+
+    * A request head must arrive whole within ``http_idle_timeout`` of the server's waiting for it
+      (the same clock counts a kept-alive connection's idle time), and be at most
+      :data:`MAX_HEADER_BYTES`.
+    * A request body must arrive within ``http_body_timeout``. Every handler streams its body
+      (``BaseHandler``), so a body is read only after its request was authenticated and its
+      Content-Length checked, and never beyond ``max_body_bytes``.
+    * At most ``max_connections`` connections are open at once; one accepted beyond them is closed
+      at once. The first refusal is logged, and how many were refused once the server is under the
+      cap again (one line each way, however many there were).
+
+    An event stream is not cut by the idle timeout: that clock runs only while a request head is
+    awaited, never while a response is being written.
+    """
+
+    def initialize(self, app: Any, settings: Settings) -> None:  # type: ignore[override]
+        super().initialize(
+            app,
+            xheaders=True,
+            max_header_size=MAX_HEADER_BYTES,
+            idle_connection_timeout=settings.http_idle_timeout,
+            body_timeout=settings.http_body_timeout,
+            # The handlers answer a body over max_body_bytes with a 413, before reading it when its
+            # Content-Length says so, else at the first chunk past the limit (nothing is kept of
+            # it). Tornado's own limit, which drops the connection with a bare 400, must lie beyond
+            # theirs: a chunk's size is checked against it before the handler sees the chunk.
+            max_body_size=max(64 * 1024 * 1024, settings.max_body_bytes + 1),
+        )
+        self.max_connections = settings.max_connections
+        self.refused = 0  # connections closed at accept since the cap was last reached
+
+    def handle_stream(self, stream: tornado.iostream.IOStream, address: tuple[Any, ...]) -> None:
+        if len(self._connections) >= self.max_connections:
+            if not self.refused:
+                log.warning(
+                    "%d connections open, the most allowed (max_connections): closing new ones at once until some end",
+                    len(self._connections),
+                )
+            self.refused += 1
+            stream.close()
+            return
+        if self.refused:
+            log.warning("under max_connections again; %d connections were closed at accept", self.refused)
+            self.refused = 0
+        super().handle_stream(stream, address)
 
 
 def settle_heap() -> None:
