@@ -493,7 +493,9 @@ class AgentHandler(BaseHandler):
     async def prepare(self) -> None:
         await super().prepare()
         if self.path_args:
+            self._unread_body = has_body(self.request)  # a refusal here also answers before the body
             await self.ctx.auth.check_node(self.identity, self.path_args[0])
+            self._unread_body = False
 
     def _check_role(self) -> None:
         if self.identity.role not in ("admin", "agent"):
