@@ -28,6 +28,16 @@ def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
     return {**data, "id": entry_id, "type": fields.get("type", ""), "ts": ts / 1000 if ts else None}
 
 
+def for_reader(ev: dict[str, Any], user: str, admin: bool) -> dict[str, Any]:
+    """An event as ``user`` may read it: a lease's fencing token only in the events of the reader's
+    own leases (an admin's: all). With another's token, a user who also learns a lease id could
+    pass the fencing check of a request that the owner check does not guard. (A copy: the stream
+    hands the same event to every subscriber.)"""
+    if admin or "token" not in ev or ev.get("user") == user:
+        return ev
+    return {k: v for k, v in ev.items() if k != "token"}
+
+
 # Entries read per XRANGE when filtering: the stream is capped (event_log_max), so a
 # filtered read scans at most the whole of it, a page at a time. Small enough that parsing one
 # page holds the server's event loop for a few milliseconds only.
