@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from ..protocol import LeaseJson
+from ..protocol import LeaseJson, escaped
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # a message is never cut into lines
@@ -182,5 +182,12 @@ def lease_parts(lease: LeaseJson | dict[str, Any]) -> dict[str, list[int]]:
 
 def one_line(text: str, style: str = "") -> Text:
     """A table cell that never wraps: cut with an ellipsis when its column is narrowed. (Put in a
-    column that may shrink, i.e. one without no_wrap, so the table fits the terminal.)"""
-    return Text(" ".join(text.split()), style=style, no_wrap=True, overflow="ellipsis")
+    column that may shrink, i.e. one without no_wrap, so the table fits the terminal.) A control or
+    bidi character stored before the server refused them is shown escaped, never sent raw."""
+    return Text(escaped(" ".join(text.split())), style=style, no_wrap=True, overflow="ellipsis")
+
+
+def shown(text: object, style: str = "") -> Text:
+    """Stored text as a table cell or line: as it is (no markup read from it), control and bidi
+    characters escaped."""
+    return Text(escaped(text), style=style)

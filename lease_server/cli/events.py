@@ -24,6 +24,7 @@ from .. import errors, protocol
 from ..client import Client
 from ..leasing.events import event_of_user
 from ..leasing.validate import EVENT_LOG_PAGE_CAP
+from ..protocol import escaped
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 
 PAGE = EVENT_LOG_PAGE_CAP  # the most the log API answers in one call
@@ -261,16 +262,16 @@ class Lines:
         if day != self.day:
             console.print(Text(time.strftime("-- %a %d %b %Y --", local), style="dim"))
             self.day = day
-        name = who(ev)
+        name = escaped(who(ev))  # stored before control and bidi characters were refused: never raw
         if len(name) > self.who_w:
             name = name[: self.who_w - 1] + "…"
         head = Text(time.strftime("%H:%M:%S", local) + "  ")
         head.append(f"{ev.get('type', ''):<{self.type_w}}", style=self.STYLES.get(ev.get("type", ""), ""))
         head.append(f"  {name:<{self.who_w}}  ")
-        ref = subject(ev)
+        ref = escaped(subject(ev))
         tail = f"  {ref}" if ref else ""
         room = console.width - head.cell_len - len(tail)
-        what = Text(" ".join(describe(ev).split()))
+        what = Text(escaped(" ".join(describe(ev).split())))
         if room < 1:
             what = Text("")
         elif what.cell_len > room:
