@@ -12,13 +12,16 @@ A remote node agent never reads Redis: it compares :data:`LAYOUT` with what ``GE
 says the server runs, and refuses the same way.
 
 Each step of :data:`STEPS` moves the data one version up; ``gpulease migrate --dry-run`` lists
-what they would change, ``gpulease migrate`` changes it. Steps are idempotent.
+what they would change, ``gpulease migrate`` changes it. A step reads and checks all it needs
+before its first write (a bad entry: one line naming it, nothing changed); its writes are
+idempotent.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -35,6 +38,8 @@ async def stored_version(redis: Redis, keys: Keys) -> int | None:
     for no data at all. (Tokens alone are no data: ``gpulease token create`` writes them first.)"""
     raw = await redis.get(keys.layout)
     if raw is not None:
+        if not str(raw).isdigit():
+            raise _bad(keys.layout, f"holds {str(raw)[:40]!r}, not a layout version (a whole number)")
         return int(raw)
     ignore = {keys.tokens, keys.layout, keys.untagged(keys.tokens)}
     for pattern in (keys.pattern(), keys.untagged(keys.pattern())):
@@ -46,6 +51,14 @@ async def stored_version(redis: Redis, keys: Keys) -> int | None:
 
 def _command(url_hint: str) -> str:
     return f"gpulease migrate{url_hint} --dry-run (to see what changes), then without --dry-run"
+
+
+def _bad(key: str, problem: str) -> ConfigurationError:
+    """The one line a migration stops with, before it changed anything: the entry and what is wrong."""
+    return ConfigurationError(
+        f"cannot migrate: {key} {problem}; nothing was changed. Fix or delete that entry, then run "
+        "gpulease migrate again"
+    )
 
 
 async def check(redis: Redis, keys: Keys, url_hint: str = "") -> None:
@@ -68,63 +81,146 @@ async def check(redis: Redis, keys: Keys, url_hint: str = "") -> None:
     )
 
 
-async def migrate_untagged(redis: Redis, keys: Keys) -> int:
-    """Rename the keys of a deployment made before keys carried the hash tag ("gpulease:leases" ->
-    "{gpulease}:leases"), and turn its string fencing counter into the {e, n} hash. Idempotent;
-    returns how many keys were renamed. A tagged key that already exists is left alone."""
-    renamed = 0
+# ---- reading before writing ----------------------------------------------------------------------------
+#
+# Each step is planned first: everything it will read is read, and checked, before anything is
+# written, so a bad entry stops it with one line naming the entry, and a store it leaves is the one it
+# found (a rerun after the entry is fixed starts from the same place). A dry run is that plan, shown;
+# the real run is the same plan, then its writes. The writes are idempotent too: a run cut off
+# half-way (Redis gone) is finished by running it again.
+
+
+async def _typed(redis: Redis, key: str, *kinds: str) -> str:
+    """The Redis type of ``key`` ("none" when absent), refused unless one of ``kinds``."""
+    kind = str(await redis.type(key))
+    if kind != "none" and kind not in kinds:
+        raise _bad(key, f"is a {kind}, where this release's data has a {' or a '.join(kinds)}")
+    return kind
+
+
+@dataclass
+class Untagging:
+    """The keys of a deployment made before keys carried the hash tag, and its fencing counter."""
+
+    renames: list[tuple[str, str]] = field(default_factory=list)  # (old, new): only the old one exists
+    kept: list[str] = field(default_factory=list)  # old keys whose tagged name holds data already
+    fence: int | None = None  # the string counter's value, to become the {e, n} hash; None: a hash already
+
+    def source(self, key: str) -> str:
+        """Where ``key``'s data is now: its old name if it is about to be renamed."""
+        return next((old for old, new in self.renames if new == key), key)
+
+
+async def _plan_untagging(redis: Redis, keys: Keys) -> Untagging:
+    plan = Untagging()
     old_keys = [keys.untagged(k) for k in keys.all()]
     async for key in redis.scan_iter(match=keys.untagged(keys.samples("*")), count=1000):
         old_keys.append(key)
     for old in old_keys:
+        if not await redis.exists(old):
+            continue
         new = "{" + keys.prefix + "}" + old[len(keys.prefix) :]
+        if await redis.exists(new):
+            plan.kept.append(old)
+        else:
+            plan.renames.append((old, new))
+    fence = plan.source(keys.fence)
+    if await _typed(redis, fence, "string", "hash") == "string":
+        raw = str(await redis.get(fence))
+        if not raw.isdigit():
+            raise _bad(fence, f"holds {raw[:40]!r}: the fencing counter must be a whole number of tokens issued")
+        plan.fence = int(raw)
+    return plan
+
+
+async def _untag(redis: Redis, keys: Keys, plan: Untagging) -> int:
+    renamed = 0
+    for old, new in plan.renames:
         if await redis.exists(old) and not await redis.exists(new):
             await redis.rename(old, new)
             renamed += 1
-    if await redis.type(keys.fence) == "string":
-        n = int(await redis.get(keys.fence) or 0)
+    if plan.fence is not None and await redis.type(keys.fence) == "string":
         pipe = redis.pipeline(transaction=True)
         pipe.delete(keys.fence)
-        pipe.hset(keys.fence, mapping={"e": 0, "n": n})
+        pipe.hset(keys.fence, mapping={"e": 0, "n": plan.fence})
         await pipe.execute()
     return renamed
+
+
+async def migrate_untagged(redis: Redis, keys: Keys) -> int:
+    """Rename the keys of a deployment made before keys carried the hash tag ("gpulease:leases" ->
+    "{gpulease}:leases"), and turn its string fencing counter into the {e, n} hash. Idempotent;
+    returns how many keys were renamed. A tagged key that already exists is left alone. A fencing
+    counter that is no number stops it, with nothing changed (ConfigurationError)."""
+    return await _untag(redis, keys, await _plan_untagging(redis, keys))
+
+
+async def _queued_per_user(redis: Redis, key: str) -> dict[str, int]:
+    """How many requests each user has queued, from the waiters hash at ``key``; every entry checked."""
+    per_user: dict[str, int] = {}
+    if await _typed(redis, key, "hash") == "none":
+        return per_user
+    for wid, raw in (await redis.hgetall(key)).items():
+        try:
+            request = json.loads(raw)
+        except ValueError:
+            raise _bad(f"{key} field {wid!r}", f"is not JSON ({str(raw)[:40]!r})") from None
+        user = request.get("user") if isinstance(request, dict) else None
+        if not isinstance(user, str) or not user:
+            raise _bad(f"{key} field {wid!r}", "is a queued request without a user name")
+        per_user[user] = per_user.get(user, 0) + 1
+    return per_user
 
 
 # ---- the steps ---------------------------------------------------------------------------------------
 
 
-async def _to_1(redis: Redis, keys: Keys, apply: bool) -> list[str]:
+@dataclass
+class Step:
+    """One step's plan: what it changes, in words, and its writes (not yet done)."""
+
+    changes: list[str]
+    write: Callable[[], Awaitable[None]]
+
+
+async def _to_1(redis: Redis, keys: Keys) -> Step:
     """Layout 0 -> 1: keys carry the deployment's hash tag (and the fencing counter is a hash);
-    the queued requests are counted per user (waiting_by); draining GPUs start empty."""
+    the queued requests are counted per user (waiting_by)."""
+    untag = await _plan_untagging(redis, keys)
+    # Read where the data is now, which is where it will be read from once renamed.
+    per_user = await _queued_per_user(redis, untag.source(keys.waiters))
     out: list[str] = []
-    untagged = [keys.untagged(k) for k in keys.all()]
-    old = [k for k in untagged if await redis.exists(k)]
-    if old:
-        out.append(f"rename {len(old)} key(s) to carry the hash tag {{{keys.prefix}}}")
-    if await redis.type(keys.fence) == "string":
+    if untag.renames:
+        out.append(f"rename {len(untag.renames)} key(s) to carry the hash tag {{{keys.prefix}}}")
+    if untag.kept:
+        out.append(
+            f"leave {len(untag.kept)} old key(s) as they are, their tagged names holding data already: "
+            + ", ".join(untag.kept[:3])
+            + (", ..." if len(untag.kept) > 3 else "")
+        )
+    if untag.fence is not None:
         out.append("turn the fencing counter into its {e, n} hash (tokens keep rising)")
-    if apply:
-        await migrate_untagged(redis, keys)
-    per_user: dict[str, int] = {}
-    for raw in (await redis.hgetall(keys.waiters)).values():
-        user = str(json.loads(raw)["user"])
-        per_user[user] = per_user.get(user, 0) + 1
     out.append(f"count the queued requests per user: {sum(per_user.values())} request(s) of {len(per_user)} user(s)")
-    if apply:
+
+    async def write() -> None:
+        await _untag(redis, keys, untag)
         async with redis.pipeline(transaction=True) as p:
             p.delete(keys.waiting_by)
             if per_user:
                 p.hset(keys.waiting_by, mapping=per_user)  # type: ignore[arg-type]
             await p.execute()
-    return out
+
+    return Step(out, write)
 
 
-STEPS: dict[int, Callable[[Redis, Keys, bool], Awaitable[list[str]]]] = {1: _to_1}
+STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1}
 
 
 async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, list[str]]:
     """Move the data to :data:`LAYOUT`, step by step; returns the version found and what changes
-    (changed, unless ``dry_run``)."""
+    (changed, unless ``dry_run``). A dry run and a real one read and check the same, the same way;
+    only the real one then writes. Each step reads and checks everything before its first write,
+    and the version is written after the step's writes: a failed run leaves the layout it found."""
     found = await stored_version(redis, keys)
     if found is None:
         return None, []
@@ -134,9 +230,10 @@ async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, 
         )
     out: list[str] = []
     for version in range(found + 1, LAYOUT + 1):
-        changes = await STEPS[version](redis, keys, not dry_run)
-        out += [f"layout {version - 1} -> {version}: {c}" for c in changes]
+        step = await STEPS[version](redis, keys)
+        out += [f"layout {version - 1} -> {version}: {c}" for c in step.changes]
         if not dry_run:
+            await step.write()
             await redis.set(keys.layout, version)
     return found, out
 
