@@ -132,19 +132,47 @@ def test_a_process_a_live_lease_covers_is_never_killed(srv, procs):
     held = lease.gpus[0]["index"]
     other = 1 - held
     mine, both = procs(), procs()
-    # ``mine`` runs on the leased GPU; ``both`` also on the other GPU, which no lease holds: the
-    # other GPU is flagged, but ``both`` is covered by the lease and is left alone too.
+    # ``mine`` runs on the leased GPU only: covered. ``both`` also on the other GPU, which no lease
+    # holds (a cell that rewrote CUDA_VISIBLE_DEVICES): covered only on its lease's GPU, foreign on
+    # the other, where the kill pool ends it (security review, finding 4).
     report(srv, "n1", **{str(held): [mine.pid, both.pid], str(other): [both.pid]})
     ev = watcher.wait_for(lambda e: e["type"] == "unleased_use" and e["node"] == "n1", 10, "unleased_use")
-    assert ev["gpu"] == other
-    time.sleep(10 * SETTINGS["sample_interval"] + GRACE)
-    assert mine.poll() is None and both.poll() is None
-    assert not [e for e in watcher.events if e["type"] == "unleased_killed"]
-    # The lease was what protected them: once it ends, both are unleased and killed.
+    assert ev["gpu"] == other and ev["pids"] == [both.pid]
+    ev = watcher.wait_for(lambda e: e["type"] == "unleased_killed" and e["pid"] == both.pid, 10, "SIGTERM")
+    assert ev["gpu"] == other and both.wait(10) == -signal.SIGTERM
+    assert mine.poll() is None
+    # The lease was what protected ``mine``: once it ends, it is unleased and killed.
     alice.release(lease)
-    for p in (mine, both):
-        ev = watcher.wait_for(lambda e, p=p: e["type"] == "unleased_killed" and e["pid"] == p.pid, 10, "SIGTERM")
-        assert ev["signal"] == "SIGTERM" and p.wait(10) == -signal.SIGTERM
+    ev = watcher.wait_for(lambda e: e["type"] == "unleased_killed" and e["pid"] == mine.pid, 10, "SIGTERM")
+    assert ev["signal"] == "SIGTERM" and mine.wait(10) == -signal.SIGTERM
+
+
+def test_a_worker_that_reaches_a_gpu_leased_to_someone_else_is_ended_there(srv):
+    """Security review, finding 4: a one-GPU cell that rewrites CUDA_VISIBLE_DEVICES and opens
+    another user's GPU used to be covered on every GPU of the node by its own lease. Its worker
+    claimed its own lease (as every worker does): it is covered on that lease's GPU only, foreign
+    on bob's, where the kill pool ends it; bob's GPU's own process is left alone."""
+    from tests.test_drain import Watched, name
+
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    mallory, bob = srv.client("mallory"), srv.client("bob")
+    mine = mallory.acquire(1, pool="A100-80GB")
+    theirs = bob.acquire(1, pool="A100-80GB")
+    worker = Watched()  # ignores SIGTERM: the kill pool's SIGKILL ends it
+    bobs = Watched()
+    try:
+        name(mallory, mine, worker)
+        name(bob, theirs, bobs)
+        m, b = mine.gpus[0]["index"], theirs.gpus[0]["index"]
+        report(srv, "n1", **{str(m): [worker.pid], str(b): [bobs.pid, worker.pid]})
+        ev = watcher.wait_for(lambda e: e["type"] == "unleased_use" and e["gpu"] == b, 10, "unleased_use")
+        assert ev["pids"] == [worker.pid] and ev["lease"] == theirs.id
+        worker.wait(10)
+        assert {(e["gpu"], e["pid"]) for e in watcher.events if e["type"] == "unleased_killed"} == {(b, worker.pid)}
+        assert bobs.proc.poll() is None
+    finally:
+        worker.kill()
+        bobs.kill()
 
 
 def test_the_server_names_only_uncovered_processes_of_kill_pools(server_factory):
@@ -158,8 +186,17 @@ def test_the_server_names_only_uncovered_processes_of_kill_pools(server_factory)
     gpus = [{"index": held, "procs": [4001, 4002]}, {"index": other, "procs": [4002, 4003]}]
     answer = agent.request("POST", "/api/v1/nodes/h1/samples", json={"gpus": gpus})
     assert answer["unleased"] == 1 and answer["unleased_action"] == "kill" and answer["unleased_kill_grace_s"] == GRACE
-    assert answer["kill"] == [{"index": other, "pids": [4003]}]  # 4002 also runs on the leased GPU
-    flagged = agent.request("POST", "/api/v1/nodes/t1/samples", json={"gpus": [{"index": 0, "procs": [4004]}]})
+    # 4001 runs on the leased GPU only: covered there; 4002 is alice's there, foreign on the free GPU
+    assert answer["kill"] == [{"index": other, "pids": [4002, 4003]}]
+    # Once bob holds the other GPU, 4002 runs on two leases' GPUs and claimed neither: foreign on
+    # both (a cell that reached a GPU leased to someone else is never covered by that lease); 4003,
+    # seen on bob's GPU only, is bob's.
+    srv.client("bob").acquire(1, pool="H100-80GB")
+    answer = agent.request("POST", "/api/v1/nodes/h1/samples", json={"gpus": gpus})
+    assert sorted((k["index"], k["pids"]) for k in answer["kill"]) == sorted([(held, [4002]), (other, [4002])])
+    flagged = srv.client("agent-t1", "agent").request(
+        "POST", "/api/v1/nodes/t1/samples", json={"gpus": [{"index": 0, "procs": [4004]}]}
+    )
     assert flagged["unleased"] == 1 and flagged["unleased_action"] == "flag" and flagged["kill"] == []
     for bad in (
         {"index": 0, "pid": 1, "signal": "SIGTERM"},

@@ -75,7 +75,8 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
                 draining.setdefault((n["name"], g["draining"]["lease"]), []).append(g)
             if g.get("unleased_use"):
                 pids = ", ".join(str(pid) for pid in g["unleased_use"].get("pids", []))
-                unleased.append(f"{n['name']} GPU {g['index']}, pids {pids} (no lease holds this GPU)")
+                whose = "not its holder's" if g.get("lease") else "no lease holds this GPU"
+                unleased.append(f"{n['name']} GPU {g['index']}, pids {pids} ({whose})")
     if wide:
         _gpu_table(view, out)
     else:

@@ -169,7 +169,10 @@ async def record_samples(
     now_ms: int | None = None,
 ) -> tuple[int, int]:
     """Store one sample of ``node``'s GPUs: [{index, util, mem_mb, procs}]. Returns (recorded,
-    GPUs in use by processes that no live lease covers)."""
+    GPUs in use by processes that are not their holder's: :func:`foreign_pids`)."""
+    slots = [f"{node}/{int(g['index'])}" for g in gpus]
+    holders, leases = await _holders_and_leases(engine, slots)
+    foreign = foreign_pids(node, gpus, holders, leases)
     if threshold is None:
         pols = await policies(engine)
         threshold = pols[pool].idle_threshold if pool in pols else engine.settings.idle_threshold
@@ -185,12 +188,56 @@ async def record_samples(
                 int(g["index"]),
                 round(float(g.get("util", 0)), 1),
                 int(g.get("mem_mb", 0)),
-                json.dumps([int(p) for p in g.get("procs", [])]),
+                json.dumps(pids),
             )
-            for g in gpus
+            for g, pids in zip(gpus, foreign, strict=True)
         ),
     )
     return await engine.samples(call)
+
+
+async def _holders_and_leases(engine: Engine, slots: list[str]) -> tuple[list[str | None], dict[str, dict[str, Any]]]:
+    """Who holds each of ``slots`` ("node/index"), and those leases' records."""
+    holders = [None if h is None else str(h) for h in await engine.redis.hmget(engine.keys.holders, slots)]
+    ids = sorted({h for h in holders if h and h != "~"})
+    raws = await engine.redis.hmget(engine.keys.leases, ids) if ids else []
+    return holders, {i: json.loads(r) for i, r in zip(ids, raws, strict=True) if r}
+
+
+def foreign_pids(
+    node: str, gpus: list[dict[str, Any]], holders: list[str | None], leases: dict[str, dict[str, Any]]
+) -> list[list[int]]:
+    """Per GPU of a sample, the processes on it that are not its holder's: unleased use, judged
+    per GPU. A process belongs to the lease it claimed on this node (its agent recorded it:
+    lease_server/node/claims.py), else to the one lease whose GPUs it is seen on, if there is only
+    one (a child of a worker, a command that ``gpulease acquire`` runs). It is covered only on the
+    GPUs of that lease: on a free GPU, or on a GPU leased to someone else, it is foreign, whatever
+    else it runs on (a cell that rewrote CUDA_VISIBLE_DEVICES to reach more GPUs than its lease's).
+    A draining GPU ("~") is the drain's business: nothing on it counts here."""
+    claimed: dict[int, str] = {}
+    for lid, rec in leases.items():
+        for p in rec.get("procs") or []:
+            if (p.get("node") or rec.get("node")) == node:
+                claimed[int(p["pid"])] = lid
+    seen_in: dict[int, set[str]] = {}
+    for g, holder in zip(gpus, holders, strict=True):
+        if holder and holder != "~":
+            for pid in g.get("procs", []):
+                seen_in.setdefault(int(pid), set()).add(holder)
+    out: list[list[int]] = []
+    for g, holder in zip(gpus, holders, strict=True):
+        if holder == "~":
+            out.append([])
+            continue
+        pids = []
+        for pid in (int(p) for p in g.get("procs", [])):
+            own = claimed.get(pid)
+            if own is None and len(seen_in.get(pid, ())) == 1:
+                own = next(iter(seen_in[pid]))
+            if not holder or own != holder:
+                pids.append(pid)
+        out.append(pids)
+    return out
 
 
 def check_samples_body(body: object) -> list[dict[str, Any]]:
@@ -240,21 +287,17 @@ async def agent_samples(
 
 
 async def unleased_to_kill(engine: Engine, node: str, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The processes of this sample that run on a GPU no live lease covers: [{"index", "pids"}].
+    """The processes of this sample that are foreign on their GPU (:func:`foreign_pids`): on a GPU no
+    live lease holds, or on one leased to another lease than theirs: [{"index", "pids"}].
 
-    Read after samples.lua flagged them, in one transaction: a GPU counts only while it is still
-    flagged and still has no holder (a lease granted since covers it), and a process that also
-    runs on a GPU a live lease holds is never named: it is covered, wherever else it runs."""
+    Read after samples.lua flagged them: a GPU counts only while it is still flagged, and who
+    holds it is read again (a lease granted since to the process's own lease covers it)."""
     slots = [f"{node}/{int(g['index'])}" for g in gpus]
-    async with engine.redis.pipeline(transaction=True) as p:
-        p.hmget(engine.keys.unleased, slots)
-        p.hmget(engine.keys.holders, slots)
-        flagged, holders = await p.execute()
-    covered = {int(pid) for g, holder in zip(gpus, holders, strict=True) if holder for pid in g.get("procs", [])}
+    flagged = await engine.redis.hmget(engine.keys.unleased, slots)
+    holders, leases = await _holders_and_leases(engine, slots)
     out = []
-    for g, flag, holder in zip(gpus, flagged, holders, strict=True):
-        pids = [int(pid) for pid in g.get("procs", []) if int(pid) not in covered]
-        if flag and not holder and pids:
+    for g, flag, pids in zip(gpus, flagged, foreign_pids(node, gpus, holders, leases), strict=True):
+        if flag and pids:
             out.append({"index": int(g["index"]), "pids": pids})
     return out
 

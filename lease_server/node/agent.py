@@ -18,6 +18,7 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
@@ -59,7 +60,7 @@ class Isolation:
         if mode == "off":
             self.what = "off (gpu_isolation = off)"
         elif mode == "auto" and not any(inv.source == "nvml" for inv in inventories):
-            self.what = "off: simulated GPUs have no device nodes"
+            self.what = ""  # simulated GPUs have no device nodes to guard: nothing to say
         else:
             got = DeviceIsolation.detect()
             if isinstance(got, Unavailable):
@@ -68,7 +69,7 @@ class Isolation:
                 self.cgroups, self.what = got, got.kind
         if self.cgroups is None and mode != "off" and any(inv.source == "nvml" for inv in inventories):
             log.warning("GPU isolation %s", self.what)
-        else:
+        elif self.what:
             log.info("GPU isolation: %s", self.what)
 
     def place(self, claim: Claim, peer: Peer) -> None:
@@ -195,9 +196,16 @@ class NvmlSampler:
         self.nvml.nvmlShutdown()
 
 
-async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop: asyncio.Event) -> None:
+async def heartbeat_local(
+    engine: Engine,
+    inventories: list[NodeInventory],
+    stop: asyncio.Event,
+    whose: Callable[[str, str], Awaitable[str]] | None = None,
+) -> None:
     """The in-process agent of ``gpulease up``: heartbeats and GPU samples straight into the engine;
-    with ``unleased_action = "kill"`` it terminates unleased processes (lease_server/node/enforce.py)."""
+    with ``unleased_action = "kill"`` it terminates unleased processes (lease_server/node/enforce.py).
+    ``whose(api_token, acting_for)``: the user a claim's API token names (the server's authenticator),
+    who must hold the lease a process claims (claims.py)."""
     interval = engine.settings.heartbeat_interval
     sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
@@ -206,17 +214,16 @@ async def heartbeat_local(engine: Engine, inventories: list[NodeInventory], stop
     drain_every = engine.settings.drain_interval
     pool_of = {inv.node: inv.pool for inv in inventories}
     isolation = Isolation(engine.settings.gpu_isolation, inventories)
-    inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
+    if isolation.what:
+        inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
     for inv in inventories:
         await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
-    from ..web.auth import Authenticator
-
-    auth = Authenticator(engine.redis, engine.keys)
 
     async def record(claim: Claim, peer: Peer) -> None:
-        ident = await auth.act_as(await auth.identify(f"Bearer {claim.token}"), claim.user or None)
-        await record_claim(engine, claim, ident.user, peer)
+        if whose is None:
+            raise errors.Forbidden("this agent cannot check API tokens: it ties no process to a lease")
+        await record_claim(engine, claim, await whose(claim.token, claim.user), peer)
         isolation.place(claim, peer)
 
     claims = AsyncClaims(await engine.instance(), [inv.node for inv in inventories], record)
@@ -327,7 +334,8 @@ def run_remote(
         )
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
     isolation = Isolation(gpu_isolation, inventories)
-    inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
+    if isolation.what:
+        inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
     enforcer = Enforcer()
     drainer = Drainer(enforcer, drain_grace_s)
     unsent: dict[str, list[dict[str, Any]]] = {}  # node -> kill reports the next sample carries

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import errors
 from ..store.keys import NAME_RE
 
 log = logging.getLogger(__name__)
@@ -186,8 +187,6 @@ Record = Callable[[Claim, Peer], Awaitable[None]]
 
 async def answer(peer: Peer | None, raw: bytes, nodes: set[str], record: Record) -> dict[str, Any]:
     """The agent's answer to one claim: ``{"ok": true}`` or ``{"error": "..."}``."""
-    from .. import errors
-
     if peer is None:
         return {"error": "the claiming process is gone"}
     try:

@@ -47,7 +47,12 @@ async def serve(
     if local_nodes:
         for inv in local_nodes:  # before serving, so the first request finds the pools
             await register(ctx.engine, inv)
-        agent = asyncio.create_task(heartbeat_local(ctx.engine, local_nodes, stop), name="gpulease-agent")
+
+        async def whose(token: str, acting_for: str) -> str:
+            ident = await ctx.auth.identify(f"Bearer {token}")
+            return (await ctx.auth.act_as(ident, acting_for or None)).user
+
+        agent = asyncio.create_task(heartbeat_local(ctx.engine, local_nodes, stop, whose), name="gpulease-agent")
     app = make_app(ctx)
     http = EdgeServer(app, settings)
     if sockets is None:

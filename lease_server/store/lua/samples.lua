@@ -14,7 +14,8 @@
 -- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
 -- ARGV[5] = node                             ARGV[6] = longest gap (ms) between two samples that
 --                                                        still counts as continuous sampling
--- ARGV[7..] = per GPU, 4 values each: index, util %, memory used MB, JSON list of pids
+-- ARGV[7..] = per GPU, 4 values each: index, util %, memory used MB, JSON list of the pids on it
+--            that are not its holder's (reclaim.foreign_pids: all of them on a GPU no lease holds)
 -- returns {GPUs recorded, GPUs with unleased use}
 local NOW
 if ARGV[1] ~= '' then
@@ -50,12 +51,13 @@ while ARGV[i] do
       redis.call('HSET', KEYS[7], holder .. '|peak', mem)
     end
   end
-  if has_procs and not holder then
+  if has_procs and holder ~= '~' then
     unleased = unleased + 1
     if redis.call('HEXISTS', KEYS[4], slot) == 0 then
       redis.call('HSET', KEYS[4], slot, cjson.encode({pids = cjson.decode(pids), since = NOW}))
       redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[2], '*', 'type', 'unleased_use', 'data',
-        cjson.encode({node = node, gpu = tonumber(index), pids = cjson.decode(pids), util = util, mem_mb = mem, ts = NOW}))
+        cjson.encode({node = node, gpu = tonumber(index), pids = cjson.decode(pids), util = util, mem_mb = mem, ts = NOW,
+                      lease = holder or nil}))
     end
   elseif redis.call('HEXISTS', KEYS[4], slot) == 1 then
     redis.call('HDEL', KEYS[4], slot)
