@@ -68,6 +68,10 @@ class UnknownNode(NotFound):
     code = "unknown_node"
 
 
+class NoSuchToken(NotFound):
+    code = "no_such_token"
+
+
 class Conflict(GpuLeaseError):
     code = "conflict"
     status = 409

@@ -88,7 +88,7 @@ class Cases:
 
 
 def snapshot(r: Redis, prefix: str) -> dict[str, Any]:
-    """Every key of the test's prefix except the event stream, with its value.
+    """Every key of the test's prefix except the event stream and the tokens' last use, with its value.
 
     ``alive`` holds heartbeat deadlines, which the in-process agent moves forward every
     heartbeat_interval: only whether each node is up (score >= 0) or down (-1) is state that a
@@ -97,7 +97,7 @@ def snapshot(r: Redis, prefix: str) -> dict[str, Any]:
     keys = Keys(prefix)
     out: dict[str, Any] = {}
     for key in sorted(r.scan_iter(match=keys.pattern(), count=1000)):
-        if key == keys.events:
+        if key in (keys.events, keys.token_used):  # a request, even a refused one, uses its token
             continue
         kind = r.type(key)
         if kind == "hash":

@@ -98,6 +98,7 @@ def test_every_documented_operation_answers(server: Any, openapi: dict[str, Any]
                 .replace("{node}", "n1")
                 .replace("{pool}", "A100-80GB")
                 .replace("{reservation_id}", "r-0123456789ab")
+                .replace("{token_id}", "0123456789ab")
             )
             for method in (m for m in item if m in METHODS):
                 kwargs: dict[str, Any] = {"json": {}} if method in ("post", "put") else {}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from .. import protocol
+from .. import errors, protocol
 from ..client import Client
 from ._common import console, resolve_lease, server_options
 
@@ -133,19 +135,48 @@ def kernel_install(user: bool, prefix: str | None) -> None:
 
 @click.group()
 def token() -> None:
-    """API tokens."""
+    """API tokens: create, list, revoke (admin)."""
+
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_expires(text: str, now: float | None = None) -> float:
+    """Seconds from now until ``text``: a duration ("30d", "12h", "90m", "2w", "3600s") or a date
+    ("2025-12-31": its midnight, local time)."""
+    now = time.time() if now is None else now
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if match:
+        seconds = float(match.group(1)) * UNITS[match.group(2)]
+    else:
+        try:
+            seconds = datetime.datetime.fromisoformat(text.strip()).timestamp() - now
+        except ValueError:
+            raise click.BadParameter(
+                f"{text!r} is neither a duration (30d, 12h, 90m, 2w) nor a date (2025-12-31)", param_hint="--expires"
+            ) from None
+    if seconds <= 0:
+        raise click.BadParameter(f"{text!r} is not in the future", param_hint="--expires")
+    return seconds
 
 
 @token.command("create")
 @click.argument("name")
-@click.option("--admin", is_flag=True, help="Admin role: may revoke others' leases and create tokens")
-@click.option("--agent", "agent_role", is_flag=True, help="Agent role: may register nodes")
+@click.option("--admin", is_flag=True, help="Admin role: may revoke others' leases and manage tokens")
+@click.option("--agent", "agent_role", is_flag=True, help="Agent role: a node agent (of one node: see --node)")
 @click.option(
     "--proxy",
     "proxy_role",
     is_flag=True,
     help="Proxy role: a trusted front end (the Jupyter extension under JupyterHub) acting for its users",
 )
+@click.option("--expires", help="Refused after this: a duration (30d, 12h, 2w) or a date (2025-12-31); default never")
+@click.option(
+    "--acts-for",
+    help="With --proxy (required): whom it may act for, e.g. 'alice,bob', 'lab-*', 're:^[a-z]+$', or '*' "
+    "(anyone who holds no admin, agent or proxy token)",
+)
+@click.option("--node", help="With --agent: the one node it serves (default: the first node it serves)")
 @click.option("--redis-url", envvar="GPULEASE_REDIS_URL", help="Write straight into this Redis (bootstrap)")
 @click.option("--prefix", default="gpulease", show_default=True)
 @click.option("--url", envvar="GPULEASE_URL")
@@ -155,15 +186,28 @@ def token_create(
     admin: bool,
     agent_role: bool,
     proxy_role: bool,
+    expires: str | None,
+    acts_for: str | None,
+    node: str | None,
     redis_url: str | None,
     prefix: str,
     url: str | None,
     admin_token: str | None,
 ) -> None:
-    """Create a token for user NAME and print it (it is stored only hashed)."""
+    """Create a token for user NAME and print it (it is stored only hashed; gpulease token list shows its id)."""
     if admin + agent_role + proxy_role > 1:
         raise click.UsageError("--admin, --agent and --proxy clash: a token has one role")
+    if acts_for is not None and not proxy_role:
+        raise click.UsageError("--acts-for is for proxy tokens: add --proxy")
+    if node is not None and not agent_role:
+        raise click.UsageError("--node is for agent tokens: add --agent")
+    if proxy_role and acts_for is None:
+        raise click.UsageError(
+            "a proxy token needs --acts-for: the users it may act for ('alice,bob', a glob such as 'lab-*', "
+            "'re:PATTERN', or '*' for anyone who holds no admin, agent or proxy token)"
+        )
     role = "admin" if admin else "agent" if agent_role else "proxy" if proxy_role else "user"
+    expires_in = parse_expires(expires) if expires else None
     if redis_url:
         from ..store.engine import connect
         from ..store.keys import Keys
@@ -174,14 +218,93 @@ def token_create(
             r = connect(redis_url)
             try:
                 await migrate_untagged(r, Keys(prefix))
-                return await create_token(r, Keys(prefix), name, role)
+                return await create_token(
+                    r, Keys(prefix), name, role, expires_in=expires_in, acts_for=acts_for, node=node
+                )
             finally:
                 await r.aclose()
 
-        click.echo(asyncio.run(make()))
+        try:
+            click.echo(asyncio.run(make()))
+        except errors.BadRequest as exc:
+            raise click.UsageError(str(exc)) from None
         return
     with Client(url, admin_token) as c:
-        click.echo(c.request("POST", protocol.TOKENS, json={"user": name, "role": role})["token"])
+        made = c.create_token(name, role, expires_in=expires_in, acts_for=acts_for, node=node)
+    click.echo(made["token"])
+
+
+def _when(ts: float | None, empty: str) -> str:
+    return time.strftime("%Y-%m-%d", time.localtime(ts)) if ts else empty
+
+
+def _ago(ts: float | None, now: float) -> str:
+    if not ts:
+        return "never"
+    s = max(0.0, now - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit} ago"
+    return "just now"
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def token_lines(tokens: list[dict[str, Any]], now: float | None = None) -> list[str]:
+    """The token list as text of at most 80 columns: id, user, role, created, expires, last used
+    and scope (a proxy's acts_for, an agent's node)."""
+    now = time.time() if now is None else now
+    row = "{:<12} {:<12} {:<5} {:<10} {:<10} {:<9} {}"
+    out = [row.format("ID", "USER", "ROLE", "CREATED", "EXPIRES", "LAST USED", "SCOPE")]
+    for t in tokens:
+        exp = t.get("expires")
+        expires = "expired" if exp and exp <= now else _when(exp, "never")
+        scope = (
+            f"for {t.get('acts_for', '*')}"
+            if t["role"] == "proxy"
+            else f"node {t['node']}"
+            if t.get("node")
+            else "first node"
+            if t["role"] == "agent"
+            else ""
+        )
+        line = row.format(
+            t["id"],
+            _fit(t["user"], 12),
+            t["role"],
+            _when(t.get("created"), "?"),
+            expires,
+            _ago(t.get("last_used"), now),
+            scope,
+        )
+        out.append(_fit(line.rstrip(), 80))
+    return out
+
+
+@token.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the tokens as JSON")
+@server_options
+def token_list(as_json: bool, url: str | None, token: str | None) -> None:
+    """Every API token (admin): id, user, role, created, expires, last used, scope. Never the secrets."""
+    with Client(url, token) as c:
+        tokens = c.tokens()
+    if as_json:
+        click.echo(json.dumps(tokens, indent=2))
+        return
+    for line in token_lines(tokens):
+        click.echo(line)
+
+
+@token.command("revoke")
+@click.argument("token_id")
+@server_options
+def token_revoke(token_id: str, url: str | None, token: str | None) -> None:
+    """Revoke the token TOKEN_ID (admin; gpulease token list shows the ids): refused from the next request on."""
+    with Client(url, token) as c:
+        gone = c.revoke_token(token_id)
+    click.echo(f"revoked token {gone['id']} of {gone['user']} ({gone['role']})")
 
 
 @click.command()
