@@ -1,7 +1,7 @@
 # gpulease under JupyterHub: add this to jupyterhub_config.py (or load it from there with
 # load_subconfig("gpulease_jupyterhub_config.py")). Every single-user server and its kernels then act
 # for their Hub user towards the lease server, with one shared proxy token. Make that token once:
-#     gpulease token create hub --proxy
+#     gpulease token create hub --proxy --acts-for '*'     (or --acts-for 'alice,bob', 'lab-*')
 # and start the Hub with GPULEASE_URL and GPULEASE_TOKEN (the proxy token) in its environment.
 import os
 

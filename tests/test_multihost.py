@@ -350,6 +350,11 @@ class Cluster:
         the agent's node name and declared GPUs; every Ray node its own temp dir."""
         out = []
         for line in lines:
+            # The doc makes one agent token per GPU host (agent-token-HOST, copied to the host as
+            # agent-token): here the hosts share one etc directory and have this test's names.
+            line = line.replace("for host in gpu-01 gpu-02;", f"for host in {' '.join(HOSTS)};")
+            if host in HOSTS:
+                line = line.replace("/etc/gpulease/agent-token)", f"/etc/gpulease/agent-token-{host})")
             line = line.replace("/etc/gpulease", str(self.etc))
             if host in HOSTS:
                 line = line.replace("gpulease agent", f"gpulease agent --node {host} --simulate {HOSTS[host]}")
