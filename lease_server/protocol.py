@@ -293,6 +293,8 @@ class EventType(enum.StrEnum):
     DRAINED = "drained"  # GPUs the server took back are clean: no process of their lease is on them (drained.lua)
     # its node agent cannot end a process on them: they stay out of service for an admin (drain_abandon.lua)
     DRAIN_ABANDONED = "drain_abandoned"
+    # free GPUs a process no lease covers uses: out of the pool until clean (unleased_hold.lua)
+    UNLEASED_HELD = "unleased_held"
     SHRUNK = "shrunk"  # a lease gave GPUs back: its owner (resize.lua), or the server when a shrink notice ran out
     # an elastic lease above its minimum is asked to give GPUs back for a waiting request by shrink_by,
     # else the server shrinks it to shrink_to (_lib_schedule.lua ask_to_shrink; sweep.lua)

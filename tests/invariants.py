@@ -69,6 +69,11 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
             for i in ev.get("draining") or []:
                 draining[(ev["node"], int(i))] = ev["lease"]
             assert len(lease_gpus[ev["lease"]]) == ev["size"] >= 1, f"shrunk {ev['lease']}: size {ev['size']}"
+        elif ev["type"] == "unleased_held":  # a free GPU a process no lease covers uses: out of the pool
+            for i in ev["gpus"]:
+                g = (ev["node"], int(i))
+                assert g not in held and g not in draining, f"held {g} for unleased use, but it was not free"
+                draining[g] = ""
         elif ev["type"] == "drained":
             for i in ev["gpus"]:
                 g = (ev["node"], int(i))

@@ -42,7 +42,12 @@ def drain_list(as_json: bool, url: str | None, token: str | None) -> None:
         who = f"{escaped(str(r['node']))} GPU {r['index']}: {escaped(str(r.get('user') or '?'))}'s lease"
         state = escaped(str(r.get("state") or "ended"))
         gone = r.get("abandoned")
-        if gone:
+        if r.get("state") == "unleased":
+            click.echo(
+                f"{escaped(str(r['node']))} GPU {r['index']}: a process no lease covers uses it, "
+                f"{ago(r.get('since'), now)}; free once clean"
+            )
+        elif gone:
             click.echo(f"{who} {state} {ago(r.get('since'), now)} ago; agent gave up pid {gone.get('pid')}")
             click.echo(f"  {escaped(str(gone.get('why', '')))[:76]}")
         else:

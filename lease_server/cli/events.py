@@ -165,6 +165,10 @@ def describe(ev: dict[str, Any]) -> str:
         return f"on {ev.get('node', '')}{where} until {until}, lendable"
     if t == "resumed":
         return f"on {ev.get('node', '')}: a cell runs, {span(ev.get('warm_s') or 0)} warm"
+    if t == "unleased_held":
+        return f"{_gpus(ev)} out of the pool: a process no lease covers uses it"
+    if t == "drain_abandoned":
+        return f"{_gpus(ev)}: agent gave up pid {ev.get('pid')} ({ev.get('why', '')}); gpulease drain list"
     if t == "drained":
         killed = int(ev.get("killed") or 0)
         ended = f", {killed} process(es) ended" if killed else ""

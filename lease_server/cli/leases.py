@@ -84,7 +84,9 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
     for (node, _), gs in draining.items():
         d, which = gs[0]["draining"], ",".join(str(g["index"]) for g in gs)
         line = f"{node} GPU {which}: {d['user']}'s lease {d['state']} {ago(d['since'], now)} ago, free once clean"
-        if d.get("abandoned"):
+        if d.get("state") == "unleased":
+            line = f"{node} GPU {which}: in use by a process no lease covers; free once clean"
+        elif d.get("abandoned"):
             line = f"{node} GPU {which}: agent gave up pid {d['abandoned'].get('pid')}: gpulease drain list"
             out.print(Text.assemble(("flagged", "bold red"), ": ", shown(line)), soft_wrap=True)
             continue

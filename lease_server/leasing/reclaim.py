@@ -29,7 +29,7 @@ from .. import errors
 from ..config import UNLEASED_ACTIONS
 from ..protocol import EventType
 from ..store.engine import Engine
-from ..store.scripts import GpuSample, IdleWarn, Keep, LeaseRecord, Reclaim, Samples
+from ..store.scripts import Drained, GpuSample, IdleWarn, Keep, LeaseRecord, Reclaim, Samples, UnleasedHold
 from .inventory import pool_sizes
 from .lease import live_leases, read_lease
 from .validate import check_gpu_sample
@@ -193,7 +193,37 @@ async def record_samples(
             for g, pids in zip(gpus, foreign, strict=True)
         ),
     )
-    return await engine.samples(call)
+    out = await engine.samples(call)
+    await _hold_or_free(engine, node, gpus, slots, holders, foreign)
+    return out
+
+
+async def _hold_or_free(
+    engine: Engine,
+    node: str,
+    gpus: list[dict[str, Any]],
+    slots: list[str],
+    holders: list[str | None],
+    foreign: list[list[int]],
+) -> None:
+    """A free GPU in use by a process no lease covers is held out of the pool (unleased_hold.lua),
+    whatever the pool's unleased_action: nobody is granted a GPU someone already uses. One held so
+    whose sample shows no process any more is freed (drained.lua: the queue is served)."""
+    hold = [int(g["index"]) for g, h, f in zip(gpus, holders, foreign, strict=True) if not h and f]
+    if hold:
+        await engine.run(UnleasedHold(node, json.dumps(hold)))
+    held = [
+        (int(g["index"]), slot)
+        for g, h, slot in zip(gpus, holders, slots, strict=True)
+        if h == "~" and not g.get("procs")
+    ]
+    if held:
+        raws = await engine.redis.hmget(engine.keys.draining, [slot for _, slot in held])
+        clean = [
+            i for (i, _), raw in zip(held, raws, strict=True) if raw and json.loads(raw).get("state") == "unleased"
+        ]
+        if clean:
+            await engine.run(Drained(node, "", json.dumps(clean), 0))
 
 
 async def _holders_and_leases(engine: Engine, slots: list[str]) -> tuple[list[str | None], dict[str, dict[str, Any]]]:

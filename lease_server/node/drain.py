@@ -197,6 +197,8 @@ class Drainer:
         clean: dict[str, list[int]] = {}
         now = self.enforcer.clock()
         for e in entries:
+            if e.state == "unleased":
+                continue  # held while a process no lease covers uses it: freed by a clean sample
             remaining: list[Proc] = []
             if nvml_procs is not None:
                 for pid in nvml_procs(e.index):

@@ -41,7 +41,9 @@ async def stored_version(redis: Redis, keys: Keys) -> int | None:
         if not str(raw).isdigit():
             raise _bad(keys.layout, f"holds {str(raw)[:40]!r}, not a layout version (a whole number)")
         return int(raw)
-    ignore = {keys.tokens, keys.layout, keys.untagged(keys.tokens)}
+    # Tokens (and when each was last used) and the deployment's id are no data either: token
+    # create and a node agent may write them before a server's first start.
+    ignore = {keys.tokens, keys.token_used, keys.layout, keys.instance, keys.untagged(keys.tokens)}
     for pattern in (keys.pattern(), keys.untagged(keys.pattern())):
         async for key in redis.scan_iter(match=pattern, count=1000):
             if key not in ignore:

@@ -781,6 +781,21 @@ class Drained(ScriptCall[int]):
 
 
 @dataclass(frozen=True)
+class UnleasedHold(ScriptCall[int]):
+    """Free ``gpus`` (JSON list of indexes) of ``node`` that a process no lease covers uses: held out
+    of the pool (draining, of no lease) until a clean sample frees them. Reply: GPUs held now."""
+
+    script: ClassVar[str] = "unleased_hold"
+    node: str
+    gpus: str
+
+    def reply(self, code: Code, rest: list[Any]) -> int:
+        if code is Code.OK:
+            return int(rest[0])
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
 class DrainAbandon(ScriptCall[int]):
     """A node agent gives up process ``pid`` on draining ``gpus`` of ``node`` (``why``: one line):
     they stay out of service, flagged for an admin. Reply: GPUs flagged now."""
@@ -986,6 +1001,7 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Warm,
     Drained,
     DrainAbandon,
+    UnleasedHold,
 )
 SCRIPT_NAMES = tuple(c.script for c in CALLS) + (Samples.script,)
 STANDALONE = (Samples.script,)  # no prologue, no common ARGV: see its header
