@@ -64,7 +64,7 @@ class Settings:
     # holds log_read_burst), and event stream connections per second (a bucket of
     # stream_connect_burst). Beyond them: 429 with Retry-After.
     log_reads_at_once: int = 2
-    log_read_rate: float = 5000.0
+    log_read_rate: float = 2000.0
     log_read_burst: int = 20_000
     stream_connect_rate: float = 2.0
     stream_connect_burst: int = 256

@@ -40,7 +40,7 @@ from ..store.engine import Engine, connect, not_now
 from ..store.scripts import Acquire, LeaseRecord
 from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, create_token, list_tokens, revoke_token, view_token
-from .limits import ReadLimits, read_sliced, token_key
+from .limits import ReadLimits, hold, read_sliced, token_key
 from .openapi import openapi_document
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,15 @@ class BaseHandler(tornado.web.RequestHandler):
         self._received = 0
         # An answer given here leaves the body unread: the connection is then closed (and says so)
         self._unread_body = has_body(self.request)
+        try:
+            await self._admit()
+        except errors.GpuLeaseError:
+            if self._unread_body:  # a body refused unread: only a broken or hostile client sends it again
+                await hold(self.gone)
+            raise
+        self._unread_body = False  # tornado reads it next, before the method runs
+
+    async def _admit(self) -> None:
         length = self.request.headers.get("Content-Length")
         limit = self.ctx.settings.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -131,7 +140,6 @@ class BaseHandler(tornado.web.RequestHandler):
         if not self.public:
             ident = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
             self.identity = await self.ctx.auth.act_as(ident, self.request.headers.get(ACT_AS_HEADER))
-        self._unread_body = False  # tornado reads it next, before the method runs
 
     def data_received(self, chunk: bytes) -> None:
         self._received += len(chunk)
@@ -756,7 +764,7 @@ class EventLogHandler(BaseHandler):
         )
         key = self.token_key
         parts: list[str] = []  # the page's slices, each encoded as it is read
-        with self.ctx.limits.reading(key, "GET /events/log"):
+        with await self.ctx.limits.admit(key, "GET /events/log", self.gone):
             try:
                 async for part in read_sliced(
                     self.ctx.redis, self.store.keys.events, q, lambda n: self.ctx.limits.charge(key, n, self.gone)
@@ -792,7 +800,7 @@ class EventStreamHandler(BaseHandler):
 
     async def get(self) -> None:
         hub = self.ctx.hub
-        self.ctx.limits.connect(self.token_key)
+        await self.ctx.limits.connect(self.token_key, self.gone)
         user, cap = self.identity.user, self.ctx.settings.max_streams_per_user
         # Per token as well: a proxy token's invented names must not multiply the per-user cap.
         tok, tcap = "~" + self.identity.token, self.ctx.settings.max_streams_per_token
@@ -841,7 +849,9 @@ class EventStreamHandler(BaseHandler):
         # under the token's reads at once held only while it is sent.
         backlog_read = contextlib.ExitStack()
         if since:
-            backlog_read.enter_context(limits.reading(key, "the backlog of GET /events (since=, Last-Event-ID)"))
+            backlog_read.enter_context(
+                await limits.admit(key, "the backlog of GET /events (since=, Last-Event-ID)", self.gone)
+            )
         queue = self._queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
         sent_up_to = ""
         ev: dict[str, Any] | None

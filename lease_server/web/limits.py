@@ -12,6 +12,10 @@ milliseconds that every other request would wait behind. Three things bound it, 
 * **event stream connections per second** (``stream_connect_burst``, ``stream_connect_rate``): a
   reconnect storm gets 429s, each with the wait to honour.
 
+A refused request is answered after a hold of :data:`REFUSAL_HOLD_S` (or when its client goes
+away): a client that asks again at once, as a reconnect loop does, then asks once a second per
+connection, and its refusals cost the server next to nothing.
+
 And every read is done in slices of :data:`SLICE` entries with the loop let go between them
 (:func:`read_sliced`), so a request that arrives during a page waits for a slice, not a page.
 
@@ -40,6 +44,7 @@ from .auth import hash_token
 SLICE = 100  # entries read and encoded between two returns to the event loop
 MIN_READ_COST = 100  # a read counts as at least this many entries: its request costs too
 MAX_KEYS = 10_000  # buckets kept; full ones are dropped first when there are more
+REFUSAL_HOLD_S = 1.0  # seconds a 429 of these limits waits before it is sent
 
 
 def token_key(authorization: str | None) -> str:
@@ -132,6 +137,16 @@ class ReadLimits:
             else:
                 del self._in_flight[key]
 
+    async def admit(self, key: str, what: str, gone: asyncio.Event) -> contextlib.ExitStack:
+        """:meth:`reading` entered (the caller's ``with`` leaves it), or its 429 after the hold."""
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(self.reading(key, what))
+        except errors.TooMany:
+            await hold(gone)
+            raise
+        return stack
+
     async def charge(self, key: str, entries: int, gone: asyncio.Event) -> None:
         """Count ``entries`` read against ``key``'s bucket; past its empty bottom, wait as long as
         they take to refill (a read beyond the budget goes on at the budget's rate), unless the
@@ -144,16 +159,24 @@ class ReadLimits:
         if gone.is_set():
             raise tornado.iostream.StreamClosedError()
 
-    def connect(self, key: str) -> None:
-        """An event stream connection by ``key``'s token: a 429 when its bucket is empty."""
+    async def connect(self, key: str, gone: asyncio.Event) -> None:
+        """An event stream connection by ``key``'s token: a 429 (after the hold) when its bucket is
+        empty."""
         wait = self.connects.take(key)
         if wait > 0:
+            await hold(gone)
             raise too_many(
                 f"this token opened event streams faster than it may ({self.connects.rate:g} a second, in "
                 f"bursts of {self.connects.burst:g}); reconnect in {{seconds}} s, with Last-Event-ID to "
                 "miss nothing (an EventSource does both by itself when told retry:)",
                 wait,
             )
+
+
+async def hold(gone: asyncio.Event) -> None:
+    """Wait :data:`REFUSAL_HOLD_S`, or until the client goes away."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(gone.wait(), REFUSAL_HOLD_S)
 
 
 async def read_sliced(

@@ -3,9 +3,10 @@ Redis at scrape time (so every replica reports the same cluster state).
 
 ``GET /metrics`` needs no token, so what it costs must not grow with how often it is asked: the
 page (one read of the cluster from Redis) is rendered for a request while renders are rare, at
-most :data:`FRESH_BURST` in a row and then one per ``metrics_cache_s``; every other request gets
-the last page rendered, as does every request while a render is under way. A scraper every few
-seconds always reads a fresh page; a flood of requests reads Redis once a second.
+most :data:`FRESH_BURST` in a row and then one per ``metrics_cache_s``. Past that, a request waits
+for the next render and shares it with every other request waiting (as does a request that comes
+while a render is under way): a scraper every few seconds always reads a fresh page at once; a
+flood reads Redis once a second, and each of its connections gets one page a second.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Metrics:
         self.engine = engine
         self.renders = 0  # pages rendered (reads of the cluster from Redis)
         self._fresh = Bucket(1 / cache_s, FRESH_BURST, clock)
-        self._page: bytes | None = None
+        self._page = b""
         self._rendering: asyncio.Future[bytes] | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -60,16 +61,17 @@ class Metrics:
             self.latency.labels(route).observe(seconds)
 
     async def rendered(self) -> bytes:
-        """The page for one request: a fresh one while renders are rare, else the last one (see
-        the module's docstring); requests during a render share it."""
+        """The page for one request: rendered now while renders are rare, else the next render,
+        shared (see the module's docstring)."""
         if self._rendering is None:
-            if self._page is not None and self._fresh.take("") > 0:
-                return self._page
-            self._rendering = asyncio.ensure_future(self._render_once())
+            self._rendering = asyncio.ensure_future(self._render_once(self._fresh.take("")))
         return await asyncio.shield(self._rendering)
 
-    async def _render_once(self) -> bytes:
+    async def _render_once(self, after: float) -> bytes:
         try:
+            if after > 0:
+                await asyncio.sleep(after)
+                self._fresh.take("")
             self._page = await self.render()
             self.renders += 1
             return self._page
