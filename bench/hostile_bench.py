@@ -31,7 +31,8 @@ The hostile process runs at nice 19: on a machine with few cores its own CPU (hu
 connections, thousands of requests) would otherwise be taken from the server by the kernel and
 counted against it; at nice 19 the ratio measures what the server does with hostile requests.
 It still counts where the cores are busy with other work: the load average is printed at start.
-A bench prints, it does not assert.
+A bench prints, it does not assert. HOSTILE_ONLY=<name part> (e.g. "metrics", "60 MB") runs only
+the hostile clients of that name, to see which one costs what.
 """
 
 from __future__ import annotations
