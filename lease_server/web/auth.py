@@ -334,15 +334,15 @@ class Authenticator:
         return Identity(user, "user", token=ident.token)
 
     async def _privileged_names(self) -> dict[str, str]:
-        """Names that hold a live admin, agent or proxy token -> that role."""
+        """Names that hold an admin, agent or proxy token -> that role (an expired one too: its
+        leases are still that name's)."""
         self._follow_changes()
         now = time.monotonic()
         if self._privileged is None or self._privileged[0] < now:
             names: dict[str, str] = {}
-            wall = time.time()
             for raw in (await self.redis.hgetall(self.keys.tokens)).values():
                 rec = json.loads(raw)
-                if rec.get("role") in PRIVILEGED and (rec.get("expires") is None or rec["expires"] > wall):
+                if rec.get("role") in PRIVILEGED:
                     names.setdefault(rec["user"], rec["role"])
             self._privileged = (now + CACHE_SECONDS, names)
         return self._privileged[1]
