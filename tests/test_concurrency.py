@@ -7,13 +7,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import subprocess
+import sys
 import threading
 
 import pytest
 
 from lease_server import errors
 from lease_server.client import Client
-from lease_server.node.drain import start_ticks
 from lease_server.store.keys import Keys
 from tests.invariants import check_event_log, check_state, read_events
 
@@ -35,6 +35,7 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
         "workers": 0,
     }
     held = []
+    instance = ""
     # Some leases name a real process, as the magic names its worker: one the server ends (expiry,
     # revoke) then drains, and the checker sees no GPU granted again before its `drained`.
     workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -50,11 +51,14 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
                     held.append(lease)
                     stats["granted"] += 1
                     if rng.random() < 0.2:
-                        w = workers[lease.id] = subprocess.Popen(["sleep", "60"])
-                        proc = {"node": lease.node, "pid": w.pid, "start": start_ticks(w.pid) or 0}
-                        try:
-                            c.procs(lease, [proc])
-                        except errors.LeaseEnded:  # a 1 s lease may have expired already: nothing names it
+                        # A worker that claims its lease at the node agent, as the magic's does.
+                        instance = instance or c.request("GET", "/api/v1/info")["instance"]
+                        args = [instance, lease.node, lease.id, str(lease.token), c.token]
+                        w = workers[lease.id] = subprocess.Popen(
+                            [sys.executable, "-c", CLAIMER, *args], stdout=subprocess.PIPE
+                        )
+                        assert w.stdout is not None
+                        if w.stdout.readline().strip() != b"claimed":  # a 1 s lease may have ended already
                             end_worker(workers, lease.id)
                 except errors.NoCapacity:
                     stats["busy"] += 1
@@ -85,6 +89,21 @@ def churn(url: str, token: str, seed: int, ops: int, admin_token: str | None = N
         w.wait(60)
     stats["workers"] = len(workers)
     return stats
+
+
+# A worker process: claims the lease named on its command line at the node agent, says so, runs.
+CLAIMER = (
+    "import sys, time\n"
+    "from lease_server.node.claims import ClaimRefused, claim\n"
+    "instance, node, lease, fence, token = sys.argv[1:6]\n"
+    "try:\n"
+    "    claim(instance, node, lease, int(fence), token)\n"
+    "except (ClaimRefused, OSError) as exc:\n"
+    "    print('refused', exc, flush=True)\n"
+    "    sys.exit(0)\n"
+    "print('claimed', flush=True)\n"
+    "time.sleep(60)\n"
+)
 
 
 def end_worker(workers: dict[str, subprocess.Popen[bytes]], lease_id: str) -> None:

@@ -175,6 +175,30 @@ def test_a_worker_that_reaches_a_gpu_leased_to_someone_else_is_ended_there(srv):
         bobs.kill()
 
 
+def test_a_free_gpu_someone_uses_is_not_granted_until_it_is_clean(srv):
+    """Finding 4's other half: a GPU that a process no lease covers uses is held out of the pool,
+    even in a pool that only flags (T4 here): nobody is granted a GPU that someone already uses. A
+    waiter gets it once a sample shows it clean, in the same step that frees it."""
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice = srv.client("alice")
+    report(srv, "t1", **{"0": [4242]})
+    held = watcher.wait_for(lambda e: e["type"] == "unleased_held" and e["node"] == "t1", 10, "held")
+    assert held["gpus"] == [0]
+    with pytest.raises(errors.NoCapacity):
+        alice.acquire(1, pool="T4-16GB")
+    rid = alice.new_request_id()
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(alice.acquire(1, pool="T4-16GB", wait=30, request_id=rid)))
+    t.start()
+    watcher.wait_for(lambda e: e["type"] == "queued" and e["lease"] == rid, 10, "queued")
+    report(srv, "t1", **{"0": []})
+    t.join(30)
+    assert got and got[0].node == "t1"
+    types = [e["type"] for e in watcher.events if e.get("node") == "t1" or e.get("lease") == rid]
+    assert types.index("drained") < types.index("grant")
+    assert not [e for e in watcher.events if e["type"] == "unleased_killed"]  # a flag pool ends nothing
+
+
 def test_the_server_names_only_uncovered_processes_of_kill_pools(server_factory):
     """The samples answer, straight from the API, for a node that no agent of the server samples."""
     srv = server_factory(simulate="t1=1xT4-16GB", **SETTINGS)
@@ -191,6 +215,11 @@ def test_the_server_names_only_uncovered_processes_of_kill_pools(server_factory)
     # Once bob holds the other GPU, 4002 runs on two leases' GPUs and claimed neither: foreign on
     # both (a cell that reached a GPU leased to someone else is never covered by that lease); 4003,
     # seen on bob's GPU only, is bob's.
+    # (the free GPU is held out of the pool while they use it: a clean sample gives it back)
+    with pytest.raises(errors.NoCapacity):
+        srv.client("bob").acquire(1, pool="H100-80GB")
+    clean = [{"index": held, "procs": [4001, 4002]}, {"index": other, "procs": []}]
+    agent.request("POST", "/api/v1/nodes/h1/samples", json={"gpus": clean})
     srv.client("bob").acquire(1, pool="H100-80GB")
     answer = agent.request("POST", "/api/v1/nodes/h1/samples", json={"gpus": gpus})
     assert sorted((k["index"], k["pids"]) for k in answer["kill"]) == sorted([(held, [4002]), (other, [4002])])

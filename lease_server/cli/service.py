@@ -297,7 +297,7 @@ def up(
 ) -> None:
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
     from ..config import Settings
-    from ..node import rayauth
+    from ..node import claims, rayauth
     from ..node.redis_proc import PASSWORD_FILE, for_data_dir
     from ..web.server import serve
 
@@ -307,6 +307,11 @@ def up(
     # Redis on 127.0.0.1 with a password from a 0600 file in the 0700 data directory (every local
     # user can reach the port; without the password one could write an admin token's hash into it).
     redis_proc = for_data_dir(data_dir).start()
+    # The services this process starts are never ended by its node agent (lease_server/node/claims.py):
+    # Redis; ``ray start`` and its children, Ray's daemons (Ray's workers, the raylet's children, may
+    # be); JupyterLab and its kernels.
+    if redis_proc.proc is not None:
+        claims.protect(redis_proc.proc.pid)
     ray_proc = lab_proc = None
     try:
         settings = Settings.load(config, redis_url=redis_proc.url, port=port, host="127.0.0.1")
@@ -330,6 +335,7 @@ def up(
                 _stop(ray_proc, "ray")
             (data_dir / "ray_address").write_text(settings.ray_address + "\n")
             if ray_proc is not None:
+                claims.protect(ray_proc.pid, children=True)
                 settings.ray_auth_token_file = str(ray_token)
         lab_url = ""
         if lab:
@@ -343,6 +349,7 @@ def up(
             )
             lab_proc = _start_lab(data_dir, lab_port, env)
             if lab_proc is not None:
+                claims.protect(lab_proc.pid, children=True)
                 lab_url = f"http://127.0.0.1:{lab_port}/lab?token={env['JUPYTER_TOKEN']}"
 
         def ready(bound: int) -> None:

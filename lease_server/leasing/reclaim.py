@@ -171,7 +171,7 @@ async def record_samples(
     """Store one sample of ``node``'s GPUs: [{index, util, mem_mb, procs}]. Returns (recorded,
     GPUs in use by processes that are not their holder's: :func:`foreign_pids`)."""
     slots = [f"{node}/{int(g['index'])}" for g in gpus]
-    holders, leases = await _holders_and_leases(engine, slots)
+    holders, leases, kept_out = await _holders_and_leases(engine, slots)
     foreign = foreign_pids(node, gpus, holders, leases)
     if threshold is None:
         pols = await policies(engine)
@@ -194,7 +194,7 @@ async def record_samples(
         ),
     )
     out = await engine.samples(call)
-    await _hold_or_free(engine, node, gpus, slots, holders, foreign)
+    await _hold_or_free(engine, node, gpus, holders, kept_out, foreign)
     return out
 
 
@@ -202,36 +202,39 @@ async def _hold_or_free(
     engine: Engine,
     node: str,
     gpus: list[dict[str, Any]],
-    slots: list[str],
     holders: list[str | None],
+    kept_out: list[bool],
     foreign: list[list[int]],
 ) -> None:
     """A free GPU in use by a process no lease covers is held out of the pool (unleased_hold.lua),
     whatever the pool's unleased_action: nobody is granted a GPU someone already uses. One held so
     whose sample shows no process any more is freed (drained.lua: the queue is served)."""
-    hold = [int(g["index"]) for g, h, f in zip(gpus, holders, foreign, strict=True) if not h and f]
+    hold = [
+        int(g["index"]) for g, h, out, f in zip(gpus, holders, kept_out, foreign, strict=True) if not (h or out) and f
+    ]
     if hold:
         await engine.run(UnleasedHold(node, json.dumps(hold)))
-    held = [
-        (int(g["index"]), slot)
-        for g, h, slot in zip(gpus, holders, slots, strict=True)
-        if h == "~" and not g.get("procs")
-    ]
-    if held:
-        raws = await engine.redis.hmget(engine.keys.draining, [slot for _, slot in held])
-        clean = [
-            i for (i, _), raw in zip(held, raws, strict=True) if raw and json.loads(raw).get("state") == "unleased"
-        ]
-        if clean:
-            await engine.run(Drained(node, "", json.dumps(clean), 0))
+    clean = [int(g["index"]) for g, out in zip(gpus, kept_out, strict=True) if out and not g.get("procs")]
+    if clean:
+        await engine.run(Drained(node, "", json.dumps(clean), 0))
 
 
-async def _holders_and_leases(engine: Engine, slots: list[str]) -> tuple[list[str | None], dict[str, dict[str, Any]]]:
-    """Who holds each of ``slots`` ("node/index"), and those leases' records."""
+async def _holders_and_leases(
+    engine: Engine, slots: list[str]
+) -> tuple[list[str | None], dict[str, dict[str, Any]], list[bool]]:
+    """Who holds each of ``slots`` ("node/index"), those leases' records, and which are held out of
+    the pool for unleased use (unleased_hold.lua): those are judged as the free GPUs they are."""
     holders = [None if h is None else str(h) for h in await engine.redis.hmget(engine.keys.holders, slots)]
+    kept_out = [False] * len(slots)
+    marked = [i for i, h in enumerate(holders) if h == "~"]
+    if marked:
+        raws = await engine.redis.hmget(engine.keys.draining, [slots[i] for i in marked])
+        for i, raw in zip(marked, raws, strict=True):
+            if raw and json.loads(raw).get("state") == "unleased":
+                holders[i], kept_out[i] = None, True
     ids = sorted({h for h in holders if h and h != "~"})
     raws = await engine.redis.hmget(engine.keys.leases, ids) if ids else []
-    return holders, {i: json.loads(r) for i, r in zip(ids, raws, strict=True) if r}
+    return holders, {i: json.loads(r) for i, r in zip(ids, raws, strict=True) if r}, kept_out
 
 
 def foreign_pids(
@@ -324,7 +327,7 @@ async def unleased_to_kill(engine: Engine, node: str, gpus: list[dict[str, Any]]
     holds it is read again (a lease granted since to the process's own lease covers it)."""
     slots = [f"{node}/{int(g['index'])}" for g in gpus]
     flagged = await engine.redis.hmget(engine.keys.unleased, slots)
-    holders, leases = await _holders_and_leases(engine, slots)
+    holders, leases, _ = await _holders_and_leases(engine, slots)
     out = []
     for g, flag, pids in zip(gpus, flagged, foreign_pids(node, gpus, holders, leases), strict=True):
         if flag and pids:

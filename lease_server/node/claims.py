@@ -302,6 +302,13 @@ def claim(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(address(instance, node))
+        # An abstract address has no owner: whoever binds it first answers. The API token goes only
+        # to a listener that runs as root (an agent on a shared host) or as this very user (gpulease up).
+        _pid, uid, _gid = struct.unpack(
+            "3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
+        if uid not in (0, os.geteuid()):
+            raise ClaimRefused(f"the claim socket of {node} is held by uid {uid}, not by a node agent: not claiming")
         s.sendall(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
         buf = b""
         while not buf.endswith(b"\n"):

@@ -13,7 +13,8 @@ the free list. The node agent of each node:
    run (the same process: its start time and uid are checked);
 3. ends what remains, SIGTERM then SIGKILL after ``drain_kill_grace_s``, through a pidfd opened
    before the process is checked again (:class:`lease_server.node.enforce.Enforcer`), never a
-   process :func:`claims.refusal` protects (a kernel thread, the agent's own tree, a root process);
+   process :func:`claims.refusal` protects (a kernel thread, the agent's own tree, a service it
+   started; another user's process when the agent is not root);
 4. reports the GPUs clean (:func:`drained`, ``lua/drained.lua``): they turn free and the pool's
    queue is served in the same script; one ``drained`` event says how long it took;
 5. gives up a process it cannot end (the OS refuses, it outlives its SIGKILL, or it is protected):

@@ -961,6 +961,7 @@ class Samples:
         "events",
         "covered_since",
         "lease_util",
+        "draining",
     )
     now_ms: int | None
     event_log_max: int

@@ -1,6 +1,6 @@
 -- drain_abandon.lua: a node agent gives up a process it cannot end on draining GPUs (the OS
--- refused the signal, it outlived its SIGKILL, or it is one the agent must never end: a root
--- process, another user's, a service of the agent's own). The GPUs stay out of service, flagged
+-- refused the signal, it outlived its SIGKILL, or it is one the agent must never end: a kernel
+-- thread, the agent or a service it started, or another user's process when it is not root). The GPUs stay out of service, flagged
 -- for an admin (gpulease drain list / clear), instead of draining quietly forever; one
 -- drain_abandoned event names the process. If the process ends later, the agent's drained still
 -- frees them.

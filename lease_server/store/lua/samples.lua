@@ -9,7 +9,9 @@
 -- KEYS[6] = covered_since hash node/index -> ms since when samples came without a gap
 -- KEYS[7] = lease_util hash "<lease id>|n|busy|sum|peak" -> samples, samples at or above the
 --           threshold, sum of utilization %, peak memory MB: what the usage ledger reports
--- KEYS[8..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
+-- KEYS[8] = draining  hash node/index -> JSON entry (one of state "unleased" is a free GPU held out
+--           of the pool while a process no lease covers uses it: unleased_hold.lua)
+-- KEYS[9..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
 -- ARGV[1] = virtual now ms or "" (Redis TIME)   ARGV[2] = event log max length
 -- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
 -- ARGV[5] = node                             ARGV[6] = longest gap (ms) between two samples that
@@ -27,7 +29,7 @@ end
 local keep, threshold, node, gap = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local recorded, unleased = 0, 0
 local i = 7
-local k = 8
+local k = 9
 while ARGV[i] do
   local index, util, mem, pids = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   local slot = node .. '/' .. index
@@ -43,6 +45,10 @@ while ARGV[i] do
   if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end
   local has_procs = pids ~= '[]' and pids ~= ''
   local holder = redis.call('HGET', KEYS[3], slot)  -- "~": draining, held by no lease
+  if holder == '~' then  -- held for unleased use: judged as the free GPU it is
+    local d = redis.call('HGET', KEYS[8], slot)
+    if d and string.find(d, '"state":"unleased"', 1, true) then holder = false end
+  end
   if holder and holder ~= '~' then
     redis.call('HINCRBY', KEYS[7], holder .. '|n', 1)
     if util >= threshold then redis.call('HINCRBY', KEYS[7], holder .. '|busy', 1) end
