@@ -60,6 +60,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),
     "PUT /api/v1/simulate/{node}": (r"has no GPU", r"only simulated GPUs can be set"),
+    "POST /api/v1/tokens": (
+        r"acts_for is for proxy tokens only",
+        r"node is for agent tokens only",
+        r"is not a regular expression",
+    ),
 }
 # What a deleted lease or booking reads as: ended, never active.
 ENDED = {*ENDED_STATES, "withdrawn", "cancelled"}
