@@ -69,6 +69,9 @@ class Settings:
     stream_connect_rate: float = 2.0
     stream_connect_burst: int = 256
     metrics_cache_s: float = 1.0  # GET /metrics is rendered (read from Redis) at most this often
+    # Seconds a refusal at the edge waits before it is sent (a 429 of the limits above, a 401 or
+    # 413 whose body goes unread): a client that asks again at once then costs a request a second.
+    refusal_hold_s: float = 1.0
     ray_address: str = ""  # the Ray cluster that clients (the magic) should use
     # A file with that cluster's token (RAY_AUTH_MODE=token): GET /info hands it to users and admins
     # so that %%gpu_train can join (gpulease up sets it; empty: kernels bring their own).
@@ -183,6 +186,8 @@ class Settings:
             value = getattr(self, name)
             if not low < value <= high:
                 raise ConfigurationError(f"{name} must be above {low:g} and at most {high:g}, got {value!r}")
+        if not 0 <= self.refusal_hold_s <= 60:
+            raise ConfigurationError(f"refusal_hold_s must be between 0 and 60 seconds (got {self.refusal_hold_s})")
         if self.gpu_isolation not in ("auto", "on", "off"):
             raise ConfigurationError(f"gpu_isolation must be auto, on or off (got {self.gpu_isolation!r})")
         if not 0 < self.drain_interval <= 10 or not 0 <= self.drain_kill_grace_s <= 600:

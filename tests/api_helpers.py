@@ -92,12 +92,18 @@ def snapshot(r: Redis, prefix: str) -> dict[str, Any]:
 
     ``alive`` holds heartbeat deadlines, which the in-process agent moves forward every
     heartbeat_interval: only whether each node is up (score >= 0) or down (-1) is state that a
-    request could change, so that is what is kept of it.
+    request could change, so that is what is kept of it. The agent's GPU samples (``last``,
+    ``busy_at``, ``covered_since``, each GPU's window) come every sample_interval whatever a request
+    does: left out too.
     """
     keys = Keys(prefix)
+    agent = {keys.last, keys.busy_at, keys.covered_since}
+    windows = keys.samples("")
     out: dict[str, Any] = {}
     for key in sorted(r.scan_iter(match=keys.pattern(), count=1000)):
         if key in (keys.events, keys.token_used):  # a request, even a refused one, uses its token
+            continue
+        if key in agent or key.startswith(windows):
             continue
         kind = r.type(key)
         if kind == "hash":

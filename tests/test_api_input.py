@@ -408,6 +408,8 @@ def test_token_for_a_non_string_user_is_400(server: Any, redis_sync: Any) -> Non
 
 def test_bad_node_inventory_is_400(server: Any, redis_sync: Any) -> None:
     good_gpu = {"index": 0, "uuid": "GPU-x", "model": "L4", "memory_mb": 24576}
+    with http(server, "agent1", "agent") as agent:  # x1's agent (its token serves x1 from now on)
+        assert agent.put(f"{API}/nodes/x1", json={"pool": "L4-24GB", "gpus": [good_gpu]}).status_code == 200
     with http(server, "agent1", "agent") as agent, unchanged(redis_sync, server.settings.prefix):
         for node, body, fragment in (
             ("x1", {"gpus": [good_gpu]}, "pool must be a name"),
@@ -418,7 +420,9 @@ def test_bad_node_inventory_is_400(server: Any, redis_sync: Any) -> None:
             ("-x1", {"pool": "L4-24GB", "gpus": [good_gpu]}, "node must be a name"),
         ):
             assert_error(agent.put(f"{API}/nodes/{node}", json=body), 400, "bad_request", fragment)
-        resp = agent.post(f"{API}/nodes/ghost/heartbeat")
+    # (an agent token serves one node: an admin's heartbeat of a node nobody declared)
+    with http(server, "root", "admin") as admin, unchanged(redis_sync, server.settings.prefix):
+        resp = admin.post(f"{API}/nodes/ghost/heartbeat")
         assert_error(resp, 404, "unknown_node", "ghost", "send its inventory first")
 
 

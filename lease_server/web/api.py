@@ -128,7 +128,7 @@ class BaseHandler(tornado.web.RequestHandler):
             await self._admit()
         except errors.GpuLeaseError:
             if self._unread_body:  # a body refused unread: only a broken or hostile client sends it again
-                await hold(self.gone)
+                await hold(self.gone, self.ctx.settings.refusal_hold_s)
             raise
         self._unread_body = False  # tornado reads it next, before the method runs
 

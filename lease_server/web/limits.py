@@ -103,6 +103,7 @@ class ReadLimits:
         self.at_once = settings.log_reads_at_once
         self.reads = Bucket(settings.log_read_rate, settings.log_read_burst, clock)
         self.connects = Bucket(settings.stream_connect_rate, settings.stream_connect_burst, clock)
+        self.hold_s = settings.refusal_hold_s
         self._in_flight: dict[str, int] = {}
 
     @contextlib.contextmanager
@@ -143,7 +144,7 @@ class ReadLimits:
         try:
             stack.enter_context(self.reading(key, what))
         except errors.TooMany:
-            await hold(gone)
+            await hold(gone, self.hold_s)
             raise
         return stack
 
@@ -164,7 +165,7 @@ class ReadLimits:
         empty."""
         wait = self.connects.take(key)
         if wait > 0:
-            await hold(gone)
+            await hold(gone, self.hold_s)
             raise too_many(
                 f"this token opened event streams faster than it may ({self.connects.rate:g} a second, in "
                 f"bursts of {self.connects.burst:g}); reconnect in {{seconds}} s, with Last-Event-ID to "
@@ -173,10 +174,11 @@ class ReadLimits:
             )
 
 
-async def hold(gone: asyncio.Event) -> None:
-    """Wait :data:`REFUSAL_HOLD_S`, or until the client goes away."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(gone.wait(), REFUSAL_HOLD_S)
+async def hold(gone: asyncio.Event, seconds: float = REFUSAL_HOLD_S) -> None:
+    """Wait ``seconds`` (the setting refusal_hold_s), or until the client goes away."""
+    if seconds > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), seconds)
 
 
 async def read_sliced(
