@@ -365,6 +365,8 @@ BOARD_EVENTS = frozenset(
         EventType.SHRUNK,
         EventType.SHRINK_NOTICE,
         EventType.DRAINED,
+        EventType.DRAIN_ABANDONED,
+        EventType.UNLEASED_HELD,
         EventType.WARM,
         EventType.RESUMED,
         EventType.EVICTING,

@@ -241,10 +241,12 @@ def test_kill_9_of_the_http_server_under_load_keeps_leases_and_clients_carry_on(
     threads: list[threading.Thread] = []
     try:
         admin = Client(srv.url, token_for(redis_server.url, prefix, "root", "admin"), timeout=5)
-        agent_client = Client(srv.url, token_for(redis_server.url, prefix, "agent-1", "agent"), timeout=5)
         nodes = parse_simulate("n1=4xA100-80GB,n2=4xA100-80GB")
-        agent = threading.Thread(target=run_remote, args=(agent_client, nodes, 0.5, stop_agent), daemon=True)
-        agent.start()
+        agents = []
+        for inv in nodes:  # an agent token serves one node: an agent each, as on two hosts
+            c = Client(srv.url, token_for(redis_server.url, prefix, f"agent-{inv.node}", "agent"), timeout=5)
+            agents.append(threading.Thread(target=run_remote, args=(c, [inv], 0.5, stop_agent), daemon=True))
+            agents[-1].start()
         all_gpus = {(n.node, g.index) for n in nodes for g in n.gpus}
         wait_until(lambda: set(gpu_states(admin.cluster())) == all_gpus, 10, "the agent's nodes to register")
 
@@ -335,8 +337,9 @@ def test_kill_9_of_the_http_server_under_load_keeps_leases_and_clients_carry_on(
         for h in held:
             assert admin.get(h.id)["state"] == "released"
         stop_agent.set()
-        agent.join(10)
-        assert not agent.is_alive()
+        for agent in agents:
+            agent.join(10)
+            assert not agent.is_alive()
     finally:
         stop_agent.set()
         stop_load.set()

@@ -194,6 +194,7 @@ def test_a_free_gpu_someone_uses_is_not_granted_until_it_is_clean(srv):
     report(srv, "t1", **{"0": []})
     t.join(30)
     assert got and got[0].node == "t1"
+    watcher.wait_for(lambda e: e["type"] == "grant" and e["lease"] == rid, 10, "the waiter's grant")
     types = [e["type"] for e in watcher.events if e.get("node") == "t1" or e.get("lease") == rid]
     assert types.index("drained") < types.index("grant")
     assert not [e for e in watcher.events if e["type"] == "unleased_killed"]  # a flag pool ends nothing

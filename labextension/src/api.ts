@@ -41,7 +41,14 @@ export interface IGpu {
   /** The node agent's newest utilization sample. */
   sample?: { at: number; util: number; mem_used_mb: number };
   /** The server ended this GPU's lease: free once its node agent sees that lease's processes gone. */
-  draining?: { lease: string; user: string; state: string; since: number };
+  draining?: {
+    lease: string;
+    user: string;
+    state: string;
+    since: number;
+    /** its node agent gave a process up (drain_abandoned): out of service until an admin clears it */
+    abandoned?: { pid: number; why: string };
+  };
   /** Processes on a GPU that no lease covers. */
   unleased_use?: Record<string, unknown>;
 }

@@ -59,6 +59,8 @@ export const BOARD_EVENTS = [
   'shrunk',
   'shrink_notice',
   'drained',
+  'drain_abandoned',
+  'unleased_held',
   'warm',
   'resumed',
   'evicting'

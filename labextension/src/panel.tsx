@@ -144,7 +144,11 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
       );
     }
   }
-  if (gpu.draining) {
+  if (gpu.draining?.state === 'unleased') {
+    parts.push('held out of the pool: a process no lease covers uses it');
+  } else if (gpu.draining?.abandoned) {
+    parts.push(`its agent gave up pid ${gpu.draining.abandoned.pid}: an admin checks it (gpulease drain list)`);
+  } else if (gpu.draining) {
     parts.push(`${gpu.draining.user}'s lease ${gpu.draining.state}: free once its processes are gone`);
   }
   if (gpu.unleased_use) {
