@@ -931,6 +931,7 @@ class NotFoundHandler(BaseHandler):
     public = True
 
     async def prepare(self) -> None:
+        self._unread_body = has_body(self.request)  # answered before its body: the answer says close
         raise errors.NotFound(f"no such endpoint {self.request.method} {self.request.path}; see {API}/openapi.json")
 
 
