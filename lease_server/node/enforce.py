@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .claims import refusal
+from .claims import refusal, start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,6 @@ def uses_gpu_device(pid: int) -> bool:
         except OSError:
             continue
     return False
-
-
-def _start_ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @dataclass
@@ -176,7 +168,7 @@ class Enforcer:
         except (AttributeError, OSError):  # no pidfd on this kernel: plain kill
             pidfd = None
         proc = _Signalled(node, index, pid, user, pidfd, self.clock() + grace, why)
-        if proc.gone() or (start is not None and _start_ticks(pid) != start):  # exited, or another process now
+        if proc.gone() or (start is not None and start_ticks(pid) != start):  # exited, or another process now
             proc.close()
             return None
         report: dict[str, Any] = {"index": index, "pid": pid, "user": user, "signal": "SIGTERM", "grace_s": grace}
