@@ -633,7 +633,7 @@ class DrainsHandler(BaseHandler):
 
     async def get(self) -> None:
         if not self.identity.admin:
-            raise errors.Forbidden("only an admin lists draining GPUs: gpulease drain list")
+            raise errors.Forbidden("only an admin lists draining GPUs; gpulease status shows which GPUs drain")
         self.reply({"draining": await drain.all_draining(self.engine)})
 
 
