@@ -12,8 +12,9 @@ figures and targets; a section that fails is recorded in "failed" and the others
 Section "sweep" (issue 13: gpu_map / %%gpu_sweep):
   64 one-GPU trials (--quick: 32) run with magics.gpu_map on the 8 GPUs, each sleeping for a
   duration drawn (seeded) from the cell durations of the NotebookOS trace (the 1-GPU rows of
-  sensei_june_60sec.csv, GPULEASE_TRACE; a minute there is a second here, longer cells capped at
-  CAP_S). Measured warm: a warm-up sweep first, and the spare workers started and answering.
+  sensei_june_60sec.csv in GPULEASE_TRACE_DIR, see lease_server/sim/traces.py; a minute there is a
+  second here, longer cells capped at CAP_S). Measured warm: a warm-up sweep first, and the spare
+  workers started and answering.
 
   sweep_makespan_ratio   wall time of the gpu_map call / the makespan of the ideal list schedule
                          of the same durations, in trial order, on 8 GPUs with no overhead,
@@ -62,10 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _common 
 import _common
 from _common import pct, say, section
 
+from lease_server.sim import traces  # (os and pathlib only)
+
 SIMULATE = "box=8xA100-80GB"
 NODE = "box"
 GPUS = 8
-TRACE = Path(os.environ.get("GPULEASE_TRACE", "/work/shared/traces/notebookos/sensei_june_60sec.csv"))
+TRACE = traces.trace(traces.JUNE)  # in GPULEASE_TRACE_DIR, else shared/traces/notebookos beside the checkout
 SEED = 13
 CAP_S = 20.0  # a trace cell longer than this many minutes runs for CAP_S seconds
 SECONDS_PER_TRACE_MINUTE = 1.0
@@ -223,7 +226,7 @@ def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:
     durations = trace_durations(n)
     from_trace = durations is not None
     if durations is None:
-        say(f"[sweep] no trace at {TRACE}: sweep_makespan_ratio skipped; synthetic durations for the rest")
+        say(f"[sweep] {traces.missing(traces.JUNE)}: sweep_makespan_ratio skipped; synthetic durations for the rest")
         out.setdefault("skipped", []).append("sweep_makespan_ratio: no trace")
         durations = synthetic_durations(n)
     quiet = SweepDisplay(quiet=True)

@@ -3,7 +3,9 @@
 
     .venv/bin/python bench/sim_bench.py [--quick] [--gpus N]
 
-Loads the NotebookOS June 2021 trace, groups its cells into sessions (default generator
+Loads the NotebookOS June 2021 trace (``sensei_june_60sec.csv`` in ``GPULEASE_TRACE_DIR``, else in
+shared/traces/notebookos beside the checkout: lease_server/sim/traces.py), groups its cells into
+sessions (default generator
 parameters, seed 1), replays it on a cluster of ``--gpus`` GPUs (nodes of 8; default 320, the size
 docs/simulation.md uses: the calendar keeps the median time-to-GPU (per cell and per session) under
 an hour) under calendar, culler-10m, culler-60m, lease and lease+resv, the two lease policies
@@ -21,7 +23,7 @@ util_lease, util_calendar, util_culler_60m (and util_culler_10m)
 p50_wait_s_lease       median time-to-GPU of a cell under lease                       (target <= 1)
 
 The Adobe session template (``adobe_sensei_june_1-2_2021.json``, 59 real notebook sessions of 1-2
-June 2021, ``GPULEASE_SESSION_TRACE``) is replayed as it is under session, culler-10m, culler-60m,
+June 2021, in ``GPULEASE_TRACE_DIR`` as the June trace is) is replayed as it is under session, culler-10m, culler-60m,
 lease and lease+resv, on the smallest cluster on which the session policy makes no notebook wait
 (what a team running GPU notebook pods needs), and each policy's smallest cluster is searched:
 
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 from pathlib import Path
@@ -57,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _common 
 import _common
 from _common import say, section
 
-TRACE = Path(os.environ.get("GPULEASE_TRACE", "/work/shared/traces/notebookos/sensei_june_60sec.csv"))
-SESSION_TRACE = Path(
-    os.environ.get("GPULEASE_SESSION_TRACE", "/work/shared/traces/notebookos/adobe_sensei_june_1-2_2021.json")
-)
+from lease_server.sim import traces  # (os and pathlib only: this process stays light)
+
+TRACE = traces.trace(traces.JUNE)  # in GPULEASE_TRACE_DIR, else shared/traces/notebookos beside the checkout
+SESSION_TRACE = traces.trace(traces.ADOBE)
 DEFAULT_GPUS = 320
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -88,6 +89,8 @@ def main() -> None:
         adobe(out)
         say(_common.json_line(out, ADOBE_FIRST, digits=4))
         return
+    if traces.missing(traces.JUNE):
+        sys.exit(traces.missing(traces.JUNE))  # one line on stderr, exit status 1
 
     from redis import Redis
 
@@ -212,7 +215,7 @@ def adobe(out: dict[str, Any]) -> None:
     from lease_server.sim.run import simulate
 
     if not SESSION_TRACE.exists():
-        say(f"adobe: {SESSION_TRACE} not found (set GPULEASE_SESSION_TRACE); skipped")
+        say(f"adobe: skipped: {traces.missing(traces.ADOBE)}")
         return
     w = workload.load_sessions(SESSION_TRACE)
     s = w.summary()

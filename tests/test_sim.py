@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lease_server.sim import policies, replay, report, resv, workload
+from lease_server.sim.traces import JUNE, missing, trace
 from lease_server.sim.workload import MIN, Cell, from_cells
 from tests.conftest import make_settings
 
-TRACE = Path("/work/shared/traces/notebookos/sensei_june_60sec.csv")
+TRACE = trace(JUNE)  # GPULEASE_TRACE_DIR, else shared/traces/notebookos beside the checkout
 
 
 def lease_run(w: workload.Workload, nodes: list[int], redis_server, prefix: str, **kw):
@@ -224,7 +224,7 @@ def test_sessionize_keeps_the_trace_and_is_seeded():
         assert (a.gap[f + 1 : f + n] >= 0).all()
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the NotebookOS June trace is not at {TRACE}")
+@pytest.mark.skipif(bool(missing(JUNE)), reason=missing(JUNE))
 def test_generator_fitted_to_a_workload():
     cells = workload.load_trace(TRACE)[:3000]
     w = workload.sessionize(cells)

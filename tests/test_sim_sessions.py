@@ -16,9 +16,12 @@ from lease_server.client import Client
 from lease_server.sim import command, policies, report, workload
 from lease_server.sim.replay import cluster
 from lease_server.sim.run import simulate
+from lease_server.sim.traces import ADOBE as ADOBE_FILE
+from lease_server.sim.traces import missing, trace
 from lease_server.sim.workload import MIN
 
-ADOBE = Path("/work/shared/traces/notebookos/adobe_sensei_june_1-2_2021.json")
+ADOBE = trace(ADOBE_FILE)  # GPULEASE_TRACE_DIR, else shared/traces/notebookos beside the checkout
+needs_adobe = pytest.mark.skipif(bool(missing(ADOBE_FILE)), reason=missing(ADOBE_FILE))
 
 
 def training(start: int, dur: int, gpus: int, util: float = 50.0) -> dict[str, Any]:
@@ -173,7 +176,7 @@ def test_cli_reads_a_session_workload_and_finds_the_smallest_cluster(tmp_path, r
     assert bad.exit_code == 2 and "a session trace is replayed whole" in bad.output
 
 
-@pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
+@needs_adobe
 def test_adobe_template_figures_as_its_source_states(redis_server):
     """SOURCE.md: 59 sessions (8 without GPUs), 518 GPU cells; held for their whole life 5,070 GPU-h,
     used 1,304, peak 142 held and 64 busy; in the first 17.5 h held 1,493, used 319."""
@@ -192,7 +195,7 @@ def test_adobe_template_figures_as_its_source_states(redis_server):
 SPEED = 120  # the live replay runs 120x faster than the trace: one simulated minute is half a second
 
 
-@pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
+@needs_adobe
 @pytest.mark.timeout(600)  # two hours of trace at 120x, and a stack to start
 def test_simulator_and_a_live_stack_agree_on_the_first_two_hours(tmp_path_factory, redis_server):
     """The template's first 2 hours, 120x faster, played live through ``run_call`` (what
@@ -275,7 +278,7 @@ def test_simulator_and_a_live_stack_agree_on_the_first_two_hours(tmp_path_factor
     assert [fed.label[c] for c in again.order] == [g["label"] for g in grants]
 
 
-@pytest.mark.skipif(not ADOBE.exists(), reason=f"the Adobe session template is not at {ADOBE}")
+@needs_adobe
 def test_lease_warm_keeps_most_cells_warm_and_lends_the_rest(redis_server):
     """lease-warm through the real warm.lua on the Adobe template at 64 GPUs: most GPU cells start on
     their notebook's warm lease, warm leases are evicted for whoever waits, use is charged as under
