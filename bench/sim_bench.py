@@ -8,7 +8,7 @@ shared/traces/notebookos beside the checkout: lease_server/sim/traces.py), group
 sessions (default generator
 parameters, seed 1), replays it on a cluster of ``--gpus`` GPUs (nodes of 8; default 320, the size
 docs/simulation.md uses: the calendar keeps the median time-to-GPU (per cell and per session) under
-an hour) under calendar, culler-10m, culler-60m, lease and lease+resv, the two lease policies
+an hour) under calendar, culler-10m, culler-60m, lease and lease+booking, the two lease policies
 through the real Lua scripts on a redis-server of its own (no persistence). Prints one line per figure, then, as the
 very last line of stdout, one JSON object with every figure:
 
@@ -24,7 +24,7 @@ p50_wait_s_lease       median time-to-GPU of a cell under lease                 
 
 The Adobe session template (``adobe_sensei_june_1-2_2021.json``, 59 real notebook sessions of 1-2
 June 2021, in ``GPULEASE_TRACE_DIR`` as the June trace is) is replayed as it is under session, culler-10m, culler-60m,
-lease and lease+resv, on the smallest cluster on which the session policy makes no notebook wait
+lease and lease+booking, on the smallest cluster on which the session policy makes no notebook wait
 (what a team running GPU notebook pods needs), and each policy's smallest cluster is searched:
 
 adobe_util_session, adobe_util_lease        GPU-hours used / held   (target: lease >= 3.5 x session)
@@ -38,9 +38,9 @@ adobe_sim_hours_per_wall_s   the lease replay's speed on this trace
 for hours). ``--adobe-only`` skips the June trace.
 
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
-replay's script calls and round trips; for lease+resv (4 teams book half the GPUs, see
-lease_server/sim/resv.py) its utilization, waits, replay speed, re-runs of recalled cells and the
-GPU-hours they lost. ``--quick`` replays the first 7 days only; ``--no-resv`` skips lease+resv.
+replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see
+lease_server/sim/bookings.py) its utilization, waits, replay speed, re-runs of recalled cells and the
+GPU-hours they lost. ``--quick`` replays the first 7 days only; ``--no-bookings`` skips lease+booking.
 Nothing asserts.
 """
 
@@ -81,7 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the first 7 days of the trace only")
     ap.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
-    ap.add_argument("--no-resv", action="store_true", help="skip the lease+resv policy")
+    ap.add_argument("--no-bookings", action="store_true", help="skip the lease+booking policy")
     ap.add_argument("--adobe-only", action="store_true", help="only the Adobe session template")
     args = ap.parse_args()
     if args.adobe_only:
@@ -95,7 +95,7 @@ def main() -> None:
     from redis import Redis
 
     from lease_server.config import Settings
-    from lease_server.sim import policies, replay, report, resv, workload
+    from lease_server.sim import bookings, policies, replay, report, workload
 
     out: dict[str, Any] = {}
     with _common.private_redis("gpulease-simbench-") as (redis, _tmp):
@@ -138,23 +138,23 @@ def main() -> None:
             out["round_trips"] = res.extra["round_trips"]
             out["lease_wall_s"] = round(res.wall_s, 2)
             out["sim_hours_per_wall_s"] = res.extra["sim_hours"] / res.wall_s
-        if not args.no_resv:
-            with section(out, "lease+resv"):
+        if not args.no_bookings:
+            with section(out, "lease+booking"):
                 r.config_resetstat()
-                rp = resv.ResvParams()
-                rs = Settings(redis_url=redis.url, prefix="simbench-resv", teams=resv.teams_of(w, rp))
-                setup = replay.ReplaySetup(redis.url, "simbench-resv", rs)
-                books = resv.bookings(w, args.gpus, rp)
-                res = replay.lease(w, nodes, setup, policy="lease+resv", bookings=books)
-                rows["lease+resv"] = report.figures(w, res)
+                rp = bookings.BookingParams()
+                rs = Settings(redis_url=redis.url, prefix="simbench-booking", teams=bookings.teams_of(w, rp))
+                setup = replay.ReplaySetup(redis.url, "simbench-booking", rs)
+                books = bookings.bookings(w, args.gpus, rp)
+                res = replay.lease(w, nodes, setup, policy="lease+booking", bookings=books)
+                rows["lease+booking"] = report.figures(w, res)
                 stats = _common.script_stats(r.info("commandstats"))
-                out["resv_booked_gpus"] = sum(b.gpus for b in books)
-                out["resv_redis_script_us_per_call"] = round(stats["usec_per_call"], 1)
-                out["resv_round_trips"] = res.extra["round_trips"]
-                out["resv_lease_wall_s"] = round(res.wall_s, 2)
-                out["sim_hours_per_wall_s_resv"] = res.extra["sim_hours"] / res.wall_s
-                for k in ("reruns", "lost_gpu_hours", "resv_grants", "borrowed_grants", "sweeps", "no_shows"):
-                    out[f"resv_{k}" if not k.startswith("resv") else k] = res.extra[k]
+                out["booking_gpus"] = sum(b.gpus for b in books)
+                out["booking_redis_script_us_per_call"] = round(stats["usec_per_call"], 1)
+                out["booking_round_trips"] = res.extra["round_trips"]
+                out["booking_lease_wall_s"] = round(res.wall_s, 2)
+                out["sim_hours_per_wall_s_booking"] = res.extra["sim_hours"] / res.wall_s
+                for k in ("reruns", "lost_gpu_hours", "booking_grants", "borrowed_grants", "sweeps", "no_shows"):
+                    out[f"booking_{k}" if not k.startswith("booking") else k] = res.extra[k]
         r.close()
 
     for name, row in rows.items():
@@ -177,14 +177,15 @@ def main() -> None:
             f"{out['redis_script_us_per_call']} us per call, {out['redis_share_of_replay']:.0%} of the replay) "
             + verdict("sim_hours_per_wall_s", out["sim_hours_per_wall_s"])
         )
-    if "sim_hours_per_wall_s_resv" in out:
+    if "sim_hours_per_wall_s_booking" in out:
         say(
-            f"lease+resv: {out['resv_booked_gpus']} GPUs booked by 4 teams; {out['resv_grants']} grants served "
-            f"from a booking, {out['resv_borrowed_grants']} borrowed, {out['resv_reruns']} cells recalled and run "
-            f"again ({out['resv_lost_gpu_hours']:.0f} GPU-h lost), {out['resv_no_shows']} booking occurrences "
-            f"released unused (no-show); replay {out['sim_hours_per_wall_s_resv']:.0f} "
-            f"sim h/s ({out['resv_round_trips']} round trips, {out['resv_lease_wall_s']} s, Redis "
-            f"{out['resv_redis_script_us_per_call']} us per script)"
+            f"lease+booking: {out['booking_gpus']} GPUs booked by 4 teams; {out['booking_grants']} grants "
+            f"served from a booking, {out['booking_borrowed_grants']} borrowed, {out['booking_reruns']} cells "
+            f"recalled and run again ({out['booking_lost_gpu_hours']:.0f} GPU-h lost), {out['booking_no_shows']} "
+            "booking occurrences "
+            f"released unused (no-show); replay {out['sim_hours_per_wall_s_booking']:.0f} "
+            f"sim h/s ({out['booking_round_trips']} round trips, {out['booking_lease_wall_s']} s, Redis "
+            f"{out['booking_redis_script_us_per_call']} us per script)"
         )
     ul = out.get("util_lease", nan)
     for other in ("calendar", "culler_60m"):
@@ -223,7 +224,7 @@ def adobe(out: dict[str, Any]) -> None:
         f"adobe: {w.n_sessions} sessions with GPU cells ({w.dropped} without), {s['cells']} GPU cells, "
         f"{s['span_h']:.0f} h, {s['gpu_hours_used']:.0f} GPU-h used"
     )
-    names = ["session", "culler-10m", "culler-60m", "lease", "lease+resv"]
+    names = ["session", "culler-10m", "culler-60m", "lease", "lease+booking"]
     with _common.private_redis("gpulease-simbench-adobe-") as (redis, _tmp):
         with section(out, "adobe: cluster"):
             full = command.find_min_nodes(w, "session", wait_s=0, quantile=100, redis_url=redis.url)

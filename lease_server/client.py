@@ -18,6 +18,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -61,6 +62,10 @@ def retry_after(resp: httpx.Response) -> float | None:
         return None
 
 
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=3)
+
+
 @dataclass
 class Lease:
     """A granted lease as the client sees it."""
@@ -75,10 +80,16 @@ class Lease:
     ttl: float
     state: str = LeaseState.ACTIVE.value
     label: str = ""
-    reservation: str = ""  # the booking it is served from, if any
+    booking: str = ""  # the booking it is served from, if any (the lease JSON's "reservation")
     borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
     nodes: list[str] = field(default_factory=list)  # a multi-node gang's nodes (else empty)
     raw: LeaseJson = field(default_factory=lambda: cast(LeaseJson, {}), repr=False)
+
+    @property
+    def reservation(self) -> str:
+        """Deprecated: :attr:`booking`."""
+        _deprecated("Lease.reservation", "Lease.booking")
+        return self.booking
 
     @classmethod
     def from_json(cls, data: LeaseJson) -> Lease:
@@ -93,7 +104,7 @@ class Lease:
             ttl=data["ttl"],
             state=data.get("state", LeaseState.ACTIVE.value),
             label=data.get("label", ""),
-            reservation=data.get("reservation", ""),
+            booking=data.get("reservation", ""),
             borrowed=bool(data.get("borrowed", False)),
             nodes=list(data.get("nodes", [])),
             raw=data,
@@ -486,30 +497,57 @@ class Client:
         params = {k: v for k, v in (("by", by), ("from", start), ("to", end)) if v is not None}
         return self.request("GET", protocol.USAGE, params=params)
 
-    # ---- reservations ----------------------------------------------------------------------------
+    # ---- bookings --------------------------------------------------------------------------------
 
-    def reserve(
+    def book(
         self, pool: str, gpus: int, start: float | str, end: float | str, *, dry_run: bool = False, **extra: Any
     ) -> dict[str, Any]:
         """Book ``gpus`` GPUs of ``pool`` from ``start`` to ``end`` (epoch seconds or ISO 8601 with an
         offset). ``extra``: owner, note, repeat="weekly", occurrences, colocate. A clash raises
-        :class:`errors.ReservationClash` whose ``details`` name the clashing bookings and suggestions."""
+        :class:`errors.BookingClash` whose ``details`` name the clashing bookings and suggestions."""
         body = {"pool": pool, "gpus": gpus, "start": start, "end": end, **extra}
         params = {"dry_run": "true"} if dry_run else None
-        return self.request("POST", protocol.RESERVATIONS, json=body, params=params)
+        return self.request("POST", protocol.BOOKINGS, json=body, params=params)
+
+    def bookings(
+        self, pool: str | None = None, start: float | None = None, end: float | None = None
+    ) -> list[dict[str, Any]]:
+        params = {k: v for k, v in (("pool", pool), ("from", start), ("to", end)) if v is not None}
+        return cast(list[dict[str, Any]], self.request("GET", protocol.BOOKINGS, params=params)["bookings"])
+
+    def cancel_booking(self, booking_id: str) -> dict[str, Any]:
+        return self.request("DELETE", protocol.booking(booking_id))
+
+    def end_booking(self, booking_id: str) -> dict[str, Any]:
+        """End the booking's occurrence in force now: its GPUs go back to the pool."""
+        return self.request("POST", protocol.booking_end(booking_id))
+
+    # The names before bookings were called bookings everywhere, kept for one release for code
+    # outside this repository: each warns (DeprecationWarning) and calls its successor.
+
+    def reserve(
+        self, pool: str, gpus: int, start: float | str, end: float | str, *, dry_run: bool = False, **extra: Any
+    ) -> dict[str, Any]:
+        """Deprecated: :meth:`book`."""
+        _deprecated("Client.reserve", "Client.book")
+        return self.book(pool, gpus, start, end, dry_run=dry_run, **extra)
 
     def reservations(
         self, pool: str | None = None, start: float | None = None, end: float | None = None
     ) -> list[dict[str, Any]]:
-        params = {k: v for k, v in (("pool", pool), ("from", start), ("to", end)) if v is not None}
-        return cast(list[dict[str, Any]], self.request("GET", protocol.RESERVATIONS, params=params)["reservations"])
+        """Deprecated: :meth:`bookings`."""
+        _deprecated("Client.reservations", "Client.bookings")
+        return self.bookings(pool, start, end)
 
     def cancel_reservation(self, booking_id: str) -> dict[str, Any]:
-        return self.request("DELETE", protocol.reservation(booking_id))
+        """Deprecated: :meth:`cancel_booking`."""
+        _deprecated("Client.cancel_reservation", "Client.cancel_booking")
+        return self.cancel_booking(booking_id)
 
     def end_reservation(self, booking_id: str) -> dict[str, Any]:
-        """End the booking's occurrence in force now: its GPUs go back to the pool."""
-        return self.request("POST", protocol.reservation_end(booking_id))
+        """Deprecated: :meth:`end_booking`."""
+        _deprecated("Client.end_reservation", "Client.end_booking")
+        return self.end_booking(booking_id)
 
     def whoami(self) -> dict[str, Any]:
         return self.request("GET", protocol.WHOAMI)

@@ -105,7 +105,7 @@ class Settings:
     max_streams_per_token: int = 1024
     drain_kill_grace_s: float = 2.0
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
-    # Reservations (bookings of GPUs for a time window)
+    # Bookings (GPUs of a pool booked for a time window)
     borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
     no_show_after: float = 900.0  # a booking occurrence unused this long after its start is released
     on_demand_floor: int = 0  # GPUs of every pool that are never booked, kept for people without a booking

@@ -8,6 +8,8 @@ Redis directly or over HTTP.
 
 from __future__ import annotations
 
+import warnings
+
 
 class GpuLeaseError(Exception):
     """Root of all gpulease errors."""
@@ -93,15 +95,17 @@ class LeaseExpired(LeaseEnded):
     code = "lease_expired"
 
 
-class ReservationClash(Conflict):
+class BookingClash(Conflict):
     """A booking would over-book its pool (or its node) at some instant; details name the clashing
-    bookings, the most GPUs that would fit, and the nearest windows that would."""
+    bookings, the most GPUs that would fit, and the nearest windows that would.
+
+    Its ``code`` keeps the word of the first release: clients match on it."""
 
     code = "reservation_clash"
 
 
-class NoSuchReservation(NotFound):
-    code = "no_such_reservation"
+class NoSuchBooking(NotFound):
+    code = "no_such_reservation"  # as BookingClash's: a code clients match on
 
 
 class NoCapacity(Conflict):
@@ -142,6 +146,19 @@ class ServerUnavailable(GpuLeaseError):
 
     code = "unavailable"
     status = 503
+
+
+# The classes' names before bookings were called bookings everywhere: still importable, with a
+# DeprecationWarning, for code outside this repository that catches them.
+_DEPRECATED = {"ReservationClash": "BookingClash", "NoSuchReservation": "NoSuchBooking"}
+
+
+def __getattr__(name: str) -> type[GpuLeaseError]:
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(f"errors.{name} is deprecated: use errors.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]  # type: ignore[no-any-return]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _BY_CODE: dict[str, type[GpuLeaseError]] = {}

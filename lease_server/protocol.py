@@ -41,7 +41,7 @@ def _seg(value: str) -> str:
 
 
 LEASES = f"{API}/leases"
-RESERVATIONS = f"{API}/reservations"
+BOOKINGS = f"{API}/bookings"
 USAGE = f"{API}/usage"
 ESTIMATE = f"{API}/estimate"
 POLICIES = f"{API}/policy"
@@ -84,7 +84,6 @@ def lease_keep(lease_id: str) -> str:
     return f"{lease(lease_id)}/keep"
 
 
-
 def lease_warm(lease_id: str) -> str:
     return f"{lease(lease_id)}/warm"
 
@@ -93,12 +92,27 @@ def token(token_id: str) -> str:
     return f"{TOKENS}/{_seg(token_id)}"
 
 
-def reservation(booking_id: str) -> str:
-    return f"{RESERVATIONS}/{_seg(booking_id)}"
+def booking(booking_id: str) -> str:
+    return f"{BOOKINGS}/{_seg(booking_id)}"
 
 
-def reservation_end(booking_id: str) -> str:
-    return f"{reservation(booking_id)}/end"
+def booking_end(booking_id: str) -> str:
+    return f"{booking(booking_id)}/end"
+
+
+# The bookings' paths of the first releases (/reservations, /reservations/{id}, .../end): still
+# served for one release, each answer with a Deprecation header (RFC 9745) and a Link to its
+# successor under BOOKINGS.
+DEPRECATED_RESERVATIONS = f"{API}/reservations"
+DEPRECATED_SINCE = 1795737600  # 2026-11-27T00:00:00Z, the Deprecation header's date (epoch seconds)
+
+
+def deprecated_reservation(booking_id: str) -> str:
+    return f"{DEPRECATED_RESERVATIONS}/{_seg(booking_id)}"
+
+
+def deprecated_reservation_end(booking_id: str) -> str:
+    return f"{deprecated_reservation(booking_id)}/end"
 
 
 def policy(pool: str) -> str:
@@ -324,12 +338,13 @@ class EventType(enum.StrEnum):
     # its node agent sent SIGTERM (or, after the grace, SIGKILL) to such a process: the pool's
     # unleased_action is "kill" (reclaim.record_kills)
     UNLEASED_KILLED = "unleased_killed"
-    # bookings
-    RESERVATION_CREATED = "reservation_created"  # a booking was made (reserve.lua)
-    RESERVATION_CHANGED = "reservation_changed"  # a booking was changed (reserve.lua)
-    RESERVATION_CANCELLED = "reservation_cancelled"  # a booking was cancelled (unreserve.lua)
-    RESERVATION_ENDED = "reservation_ended"  # a booking's current occurrence was ended early (unreserve.lua)
-    RESERVATION_NO_SHOW = "reservation_no_show"  # a booking's occurrence unused by its deadline: GPUs freed (sweep.lua)
+    # bookings (their values keep the word of the first release: the event log stores them, and
+    # readers of the live feed and of exports match on them)
+    BOOKING_CREATED = "reservation_created"  # a booking was made (book.lua)
+    BOOKING_CHANGED = "reservation_changed"  # a booking was changed (book.lua)
+    BOOKING_CANCELLED = "reservation_cancelled"  # a booking was cancelled (unbook.lua)
+    BOOKING_ENDED = "reservation_ended"  # a booking's current occurrence was ended early (unbook.lua)
+    BOOKING_NO_SHOW = "reservation_no_show"  # a booking's occurrence unused by its deadline: GPUs freed (sweep.lua)
     # policy
     POLICY_CHANGED = "policy_changed"  # an admin changed a pool's idle reclaim policy (reclaim.set_policy)
 
@@ -374,15 +389,15 @@ BOARD_EVENTS = frozenset(
 )
 
 # After these bookings changed: the calendar and My bookings refetch, the board too (model.ts
-# RESERVATION_EVENTS).
-RESERVATION_EVENTS = frozenset(
+# BOOKING_EVENTS).
+BOOKING_EVENTS = frozenset(
     e.value
     for e in (
-        EventType.RESERVATION_CREATED,
-        EventType.RESERVATION_CHANGED,
-        EventType.RESERVATION_CANCELLED,
-        EventType.RESERVATION_ENDED,
-        EventType.RESERVATION_NO_SHOW,
+        EventType.BOOKING_CREATED,
+        EventType.BOOKING_CHANGED,
+        EventType.BOOKING_CANCELLED,
+        EventType.BOOKING_ENDED,
+        EventType.BOOKING_NO_SHOW,
     )
 )
 

@@ -97,6 +97,7 @@ def test_every_documented_operation_answers(server: Any, openapi: dict[str, Any]
                 path.replace("{lease_id}", "l-0123456789abcdef")
                 .replace("{node}", "n1")
                 .replace("{pool}", "A100-80GB")
+                .replace("{booking_id}", "r-0123456789ab")
                 .replace("{reservation_id}", "r-0123456789ab")
                 .replace("{token_id}", "0123456789ab")
             )

@@ -226,7 +226,7 @@ def test_preempted_for_a_booking_while_running_names_the_booking(stack, kernel):
     bob = client(stack).request("POST", "/api/v1/tokens", json={"user": "bob"})["token"]
     now = time.time()
     with client(stack, bob) as b:
-        booking = b.reserve("A100-80GB", 4, now - 1, now + 3600)
+        booking = b.book("A100-80GB", 4, now - 1, now + 3600)
         try:
             code = (
                 "%%gpu_train --gpus 2\nimport time, magics\nmagics.on_preempt(lambda: {'step': 7})\n"
@@ -254,7 +254,7 @@ def test_preempted_for_a_booking_while_running_names_the_booking(stack, kernel):
             with client(stack) as mine:
                 mine.release(older)
         finally:
-            b.cancel_reservation(booking["id"])
+            b.cancel_booking(booking["id"])
     assert admin
 
 

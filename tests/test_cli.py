@@ -54,20 +54,25 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         assert "keep" in table.stdout and "leased" in table.stdout
 
         start, end = "2027-01-04T09:00:00+00:00", "2027-01-04T11:00:00+00:00"
-        booked = up.run("reserve", "A100-80GB", "2", start, end, "--note", "paper", "--weekly", "2")
+        booked = up.run("book", "A100-80GB", "2", start, end, "--note", "paper", "--weekly", "2")
         assert booked.returncode == 0, booked.stderr
         booking_id = booked.stdout.split(":")[0]
         assert "weekly x2" in booked.stdout
-        clash = up.run("reserve", "A100-80GB", "1", "2027-01-11T10:00:00+00:00", "2027-01-11T12:00:00+00:00")
+        clash = up.run("book", "A100-80GB", "1", "2027-01-11T10:00:00+00:00", "2027-01-11T12:00:00+00:00")
         assert clash.returncode == 1 and "clash" in clash.stderr and "fits:" in clash.stderr
         assert "Traceback" not in clash.stderr
         assert (
-            up.run("reserve", "A100-80GB", "1", "2027-01-04T11:00Z", "2027-01-04T12:00Z", "--dry-run").stdout.strip()
+            up.run("book", "A100-80GB", "1", "2027-01-04T11:00Z", "2027-01-04T12:00Z", "--dry-run").stdout.strip()
             == "fits"
         )
-        listed = up.run("reservations", "--days", "100")
+        listed = up.run("bookings", "--days", "100")
         assert listed.returncode == 0 and listed.stdout.count(booking_id) == 2, listed.stdout
-        assert up.run("unreserve", booking_id).stdout.strip() == f"{booking_id}: cancelled"
+        # The commands' names of earlier releases still run, and say what replaces them.
+        old = up.run("reservations", "--days", "100")
+        assert old.returncode == 0 and old.stdout == listed.stdout, old.stderr
+        assert "gpulease reservations is deprecated: use gpulease bookings" in old.stderr
+        assert "reservations" not in up.run("--help").stdout
+        assert up.run("unbook", booking_id).stdout.strip() == f"{booking_id}: cancelled"
         used = up.run("usage", "--json")
         assert used.returncode == 0 and json.loads(used.stdout)["calls"] >= 2, used.stdout
         assert "calls" in up.run("usage", "--by", "pool").stdout

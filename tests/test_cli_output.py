@@ -1,5 +1,5 @@
 """What a user reads on the first day, at 80 columns: gpulease events / status / leases /
-reservations, ids given by their start, errors that name commands, a missing program.
+bookings, ids given by their start, errors that name commands, a missing program.
 
 One `gpulease up` for the module; every command runs as a subprocess with COLUMNS=80, and no line
 of what it prints may be longer (a longer one would wrap in the terminal).
@@ -337,31 +337,31 @@ def test_errors_name_commands_not_http_paths(up: Up) -> None:
     assert gone.returncode == 2
     assert "no lease 'l-6a6683'" in gone.stderr and "gpulease leases" in gone.stderr
     assert "/api/v1" not in gone.stderr and "GET " not in gone.stderr
-    no_booking = run(up, "unreserve", "r-000000000000", ok=False)
-    assert no_booking.returncode == 2 and "gpulease reservations" in no_booking.stderr
+    no_booking = run(up, "unbook", "r-000000000000", ok=False)
+    assert no_booking.returncode == 2 and "gpulease bookings" in no_booking.stderr
     assert "/api/v1" not in no_booking.stderr
 
 
-# ---- reservations ------------------------------------------------------------------------------
+# ---- bookings ----------------------------------------------------------------------------------
 
 NOTE = "paper deadline experiments for the NeurIPS rebuttal, ablations first"
 
 
-def test_reservations_are_a_line_each(up: Up) -> None:
-    booked = run(up, "reserve", "A100-80GB", "2", "2027-01-04T09:00:00+00:00", "2027-01-04T11:00:00+00:00")
+def test_bookings_are_a_line_each(up: Up) -> None:
+    booked = run(up, "book", "A100-80GB", "2", "2027-01-04T09:00:00+00:00", "2027-01-04T11:00:00+00:00")
     plain = booked.stdout.split(":")[0]
     weekly = run(
-        up, "reserve", "A100-80GB", "1", "2027-01-05T09:00Z", "2027-01-05T10:00Z", "--note", NOTE, "--weekly", "3"
+        up, "book", "A100-80GB", "1", "2027-01-05T09:00Z", "2027-01-05T10:00Z", "--note", NOTE, "--weekly", "3"
     ).stdout.split(":")[0]
-    out = run(up, "reservations", "--days", "365").stdout
+    out = run(up, "bookings", "--days", "365").stdout
     rows = lines(out)[1:]
     assert len(rows) == 4 and [r.split()[0] for r in rows] == [plain] + [weekly] * 3, out
     noted = [r for r in rows if r.startswith(weekly)]
     assert all("paper deadline" in r and r.rstrip().endswith("…") for r in noted), out
-    assert NOTE in up.run("reservations", "--days", "365", "--wide").stdout
+    assert NOTE in up.run("bookings", "--days", "365", "--wide").stdout
 
-    assert run(up, "unreserve", weekly[:6]).stdout.strip() == f"{weekly}: cancelled"
-    assert run(up, "unreserve", plain[2:]).stdout.strip() == f"{plain}: cancelled"
+    assert run(up, "unbook", weekly[:6]).stdout.strip() == f"{weekly}: cancelled"
+    assert run(up, "unbook", plain[2:]).stdout.strip() == f"{plain}: cancelled"
 
 
 def test_a_warm_lease_and_its_next_cell_read_as_words_in_the_log(up: Up) -> None:

@@ -1,5 +1,5 @@
 """The lease test suite's core against a real Redis Cluster of three primaries on loopback
-(tests/redis_cluster.py): acquire, the queue, release, the sweep and reservations, through the
+(tests/redis_cluster.py): acquire, the queue, release, the sweep and bookings, through the
 store and through the HTTP server, on ``redis+cluster://``. Every key carries the hash tag
 ``{prefix}``, so each test's keys, and every script, live in one slot of one primary."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests import test_bookings as booking_tests
 from tests import test_queue as queue_tests
-from tests import test_reservations as resv_tests
 from tests.conftest import ServerHandle, servers_on
 from tests.redis_cluster import RedisCluster3
 
@@ -63,10 +63,10 @@ def test_queue_on_a_redis_cluster(case: Callable[..., None], cluster: RedisClust
 
 
 SERVER = [
-    resv_tests.test_clash_names_bookings_and_suggests_nearest_windows,
-    resv_tests.test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice,
-    resv_tests.test_board_shows_reserved_and_borrowed_gpus,
-    resv_tests.test_end_early_gives_gpus_back,
+    booking_tests.test_clash_names_bookings_and_suggests_nearest_windows,
+    booking_tests.test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice,
+    booking_tests.test_board_shows_reserved_and_borrowed_gpus,
+    booking_tests.test_end_early_gives_gpus_back,
 ]
 
 
@@ -75,6 +75,6 @@ def test_server_on_a_redis_cluster(case: Callable[..., None], cluster_servers: A
     case(cluster_servers)
 
 
-def test_reservations_and_bad_input_on_a_redis_cluster(cluster_servers: Any, cluster_sync: Any) -> None:
-    resv_tests.test_create_list_get_edit_cancel(cluster_servers, cluster_sync)
-    resv_tests.test_bad_input_is_refused_and_changes_nothing(cluster_servers, cluster_sync)
+def test_bookings_and_bad_input_on_a_redis_cluster(cluster_servers: Any, cluster_sync: Any) -> None:
+    booking_tests.test_create_list_get_edit_cancel(cluster_servers, cluster_sync)
+    booking_tests.test_bad_input_is_refused_and_changes_nothing(cluster_servers, cluster_sync)

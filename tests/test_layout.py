@@ -10,6 +10,7 @@ request of bob's in the queue, its Redis killed as in a crash.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from redis import Redis
 
 from lease_server.cli import main
 from lease_server.node.redis_proc import RedisProcess
+from lease_server.store import layout
 from lease_server.store.keys import Keys
 from lease_server.store.layout import LAYOUT
 from tests.conftest import ServerHandle, make_settings
@@ -85,4 +87,68 @@ def test_a_newer_layout_is_refused_and_a_fresh_store_gets_this_one(old_redis: Re
     srv.start()
     srv.stop()
     assert r.get(fresh.layout) == str(LAYOUT)
+    r.close()
+
+
+def test_layout_1_bookings_move_to_their_new_key_names(redis_server: RedisProcess, prefix: str) -> None:
+    """Layouts 0 and 1 kept bookings under resv, resv_idx and resv_due: a layout-1 store with bookings
+    (one weekly, one served to a lease now) is refused, migrated, and its bookings read as before."""
+    r = Redis.from_url(redis_server.url, decode_responses=True)
+    keys = Keys(prefix)
+    settings = make_settings(redis_server.url, prefix)
+    srv = ServerHandle(settings, "box=2xA100-80GB").start()
+    try:
+        alice = srv.client("alice")
+        now = time.time()
+        weekly = alice.book("A100-80GB", 1, now + 86_400, now + 90_000, repeat="weekly", occurrences=3, note="w")
+        current = alice.book("A100-80GB", 1, now - 60, now + 3600, note="now")
+        lease = alice.acquire(1, ttl=600)
+        assert lease.booking == current["id"]
+        listed = alice.bookings(None, now - 86_400, now + 30 * 86_400)
+    finally:
+        srv.stop()
+    # What a layout-1 release left: the same data under the old names.
+    old = {name: f"{{{prefix}}}:{was}" for name, was in layout.RENAMED_IN_2.items()}
+    for name, was in old.items():
+        r.rename(getattr(keys, name), was)
+    r.set(keys.layout, 1)
+    stored = {was: r.type(was) for was in old.values()}
+    assert stored == {old["bookings"]: "hash", old["booking_idx"]: "zset", old["booking_due"]: "zset"}
+
+    with pytest.raises(RuntimeError, match="has layout 1, from an older gpulease"):
+        ServerHandle(settings, "box=2xA100-80GB").start()
+    cli, env = CliRunner(), {"GPULEASE_PREFIX": prefix}
+    dry = cli.invoke(main, ["migrate", "--redis-url", redis_server.url, "--dry-run"], env=env)
+    assert dry.exit_code == 0 and dry.output.splitlines()[0] == "would migrate layout 1 -> 2:", dry.output
+    assert f"{old['bookings']} -> {keys.bookings}" in dry.output and "(2 booking(s))" in dry.output
+    assert r.exists(*old.values()) == 3 and not r.exists(keys.bookings, keys.booking_idx, keys.booking_due)
+
+    done = cli.invoke(main, ["migrate", "--redis-url", redis_server.url], env=env)
+    assert done.exit_code == 0 and done.output.startswith("migrated layout 1 -> 2:"), done.output
+    assert r.get(keys.layout) == "2" and not r.exists(*old.values())
+    assert r.hlen(keys.bookings) == 2 and r.zcard(keys.booking_idx) == 2 and r.zcard(keys.booking_due) == 2
+    assert set(r.hkeys(keys.bookings)) == {weekly["id"], current["id"]}
+
+    srv = ServerHandle(settings, "box=2xA100-80GB").start()
+    try:
+        alice = srv.client("alice")
+        assert alice.bookings(None, now - 86_400, now + 30 * 86_400) == listed
+        assert alice.get(lease.id)["reservation"] == current["id"]  # the lease still names its booking
+        alice.release(lease)
+        assert alice.end_booking(current["id"])["instances"][0]["state"] == "released"
+    finally:
+        srv.stop()
+    r.close()
+
+
+def test_a_store_with_bookings_under_both_names_stops_the_migration(redis_server: RedisProcess, prefix: str) -> None:
+    r = Redis.from_url(redis_server.url, decode_responses=True)
+    keys = Keys(prefix)
+    r.set(keys.layout, 1)
+    r.hset(f"{{{prefix}}}:resv", "r-0123456789ab", "{}")
+    r.hset(keys.bookings, "r-ba9876543210", "{}")
+    done = CliRunner().invoke(main, ["migrate", "--redis-url", redis_server.url], env={"GPULEASE_PREFIX": prefix})
+    said = " ".join(done.output.split())
+    assert done.exit_code != 0 and "both hold data" in said and "nothing was changed" in said, said
+    assert r.get(keys.layout) == "1" and r.hkeys(f"{{{prefix}}}:resv") == ["r-0123456789ab"]
     r.close()

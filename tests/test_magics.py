@@ -366,7 +366,7 @@ def test_recalled_call_checkpoints_and_resumes(stack, kernel):
     booking = api(
         stack,
         "POST",
-        "/api/v1/reservations",
+        "/api/v1/bookings",
         bob,
         json={"pool": "A100-80GB", "gpus": 2, "start": now - 1, "end": now + 3600},
     )
@@ -403,7 +403,7 @@ def test_recalled_call_checkpoints_and_resumes(stack, kernel):
         assert not errors_of(out)
         assert text(kernel.run("print(started_at == gpu_checkpoint['step'])")).strip() == "True"
     finally:
-        api(stack, "DELETE", f"/api/v1/reservations/{booking['id']}", bob)
+        api(stack, "DELETE", f"/api/v1/bookings/{booking['id']}", bob)
     assert admin
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from lease_server.leasing import reservations, validate
+from lease_server.leasing import bookings, validate
 from lease_server.protocol import ENDED_STATES
 
 schemathesis = pytest.importorskip("schemathesis")  # the test extra
@@ -52,6 +52,10 @@ RULES: dict[str, tuple[str, ...]] = {
         r"must be a multiple of nodes",
         r"multi-node gang is all or nothing",
     ),
+    "POST /api/v1/bookings": BOOKING_RULES,
+    "PATCH /api/v1/bookings/{booking_id}": (*BOOKING_RULES, r"nothing to change"),
+    "GET /api/v1/bookings": (r"to must be after from", r"is not an ISO 8601 time"),
+    # the same operations under their deprecated paths
     "POST /api/v1/reservations": BOOKING_RULES,
     "PATCH /api/v1/reservations/{reservation_id}": (*BOOKING_RULES, r"nothing to change"),
     "GET /api/v1/reservations": (r"to must be after from", r"is not an ISO 8601 time"),
@@ -100,10 +104,10 @@ def test_declared_limits_agree_with_their_owners() -> None:
     from lease_server.leasing.reclaim import Policy
 
     # (A booking's time bounds live in validate.py alone now, with parse_time: nothing to compare.)
-    assert validate.MAX_OCCURRENCES == reservations.MAX_OCCURRENCES
-    assert validate.REPEATS == reservations.REPEATS
+    assert validate.MAX_OCCURRENCES == bookings.MAX_OCCURRENCES
+    assert validate.REPEATS == bookings.REPEATS
     assert validate.USAGE_GROUPS == usage.GROUPS
-    assert set(validate.bodies().reservation.allowed) == set(reservations.FIELDS)
+    assert set(validate.bodies().booking.allowed) == set(bookings.FIELDS)
     assert validate.bodies().policy.allowed == tuple(Policy.__dataclass_fields__)
 
 

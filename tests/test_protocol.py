@@ -257,7 +257,7 @@ def test_every_registered_event_type_is_published() -> None:
 
 
 def test_every_event_type_is_in_exactly_one_group() -> None:
-    groups = [protocol.BOARD_EVENTS, protocol.RESERVATION_EVENTS, protocol.LOG_ONLY_EVENTS]
+    groups = [protocol.BOARD_EVENTS, protocol.BOOKING_EVENTS, protocol.LOG_ONLY_EVENTS]
     for e in EVENT_TYPES:
         assert sum(e in g for g in groups) == 1, e
     assert set().union(*groups) == EVENT_TYPES
@@ -272,7 +272,7 @@ def ts_array(path: Path, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "name, group", [("BOARD_EVENTS", protocol.BOARD_EVENTS), ("RESERVATION_EVENTS", protocol.RESERVATION_EVENTS)]
+    "name, group", [("BOARD_EVENTS", protocol.BOARD_EVENTS), ("BOOKING_EVENTS", protocol.BOOKING_EVENTS)]
 )
 def test_labextension_event_lists_equal_protocol(name: str, group: frozenset[str]) -> None:
     listed = ts_array(LAB / "model.ts", name)

@@ -140,7 +140,7 @@ def test_the_lab_and_its_kernels_get_a_user_token(up: Up, redis_port: int) -> No
         assert (me["user"], me["role"]) == (_local_user(), "user")
         # What the board and the calendar read answers a user token (jupyter_ext/handlers.py).
         assert lab.cluster()["nodes"] and lab.leases(everyone=True) == [] and lab.queue() == []
-        assert lab.reservations() is not None
+        assert lab.bookings() is not None
         lease = lab.acquire(1, ttl=60)
         assert lease.user == _local_user()
         lab.release(lease)
@@ -200,9 +200,9 @@ def test_the_documented_acl_user_serves_the_lease_paths(acl_redis: RedisProcess)
         short = waiting["lease"]  # granted from the queue on alice's release (the grants channel)
         watcher.wait_for(lambda e: e["type"] == "expired" and e.get("lease") == short.id, 10, "expired")
         start = time.time() + 86400
-        booking = alice.reserve("A100-80GB", 1, start, start + 3600, note="acl")
-        assert any(b["id"] == booking["id"] for b in alice.reservations())
-        alice.cancel_reservation(booking["id"])
+        booking = alice.book("A100-80GB", 1, start, start + 3600, note="acl")
+        assert any(b["id"] == booking["id"] for b in alice.bookings())
+        alice.cancel_booking(booking["id"])
         assert alice.cluster()["nodes"] and alice.queue() == [] and alice.leases(everyone=True) == []
         assert alice.usage()["calls"] >= 0 and alice.events()
         watcher.wait_for(lambda e: e["type"] == "released" and e.get("lease") == held.id, 5, "released")

@@ -73,7 +73,7 @@ def test_control_and_bidi_characters_are_refused_in_every_label_and_name(server:
         (
             "alice",
             "POST",
-            "/reservations",
+            "/bookings",
             {"pool": "A100-80GB", "gpus": 1, "start": day, "end": day + 3600, "note": f"standup {ESC}"},
             "note",
             {},
@@ -263,10 +263,9 @@ def test_every_body_the_document_calls_invalid_is_refused(server: ServerHandle) 
     schemas = doc["components"]["schemas"]
     lease = _call(srv, "root", "POST", "/leases", {"gpus": 1}).json()
     day = 1_900_000_000
-    booking = _call(
-        srv, "root", "POST", "/reservations", {"pool": "T4-16GB", "gpus": 1, "start": day, "end": day + 3600}
-    )
-    values = {"lease_id": lease["id"], "reservation_id": booking.json()["id"], "pool": "A100-80GB", "node": "n1"}
+    booking = _call(srv, "root", "POST", "/bookings", {"pool": "T4-16GB", "gpus": 1, "start": day, "end": day + 3600})
+    one = booking.json()["id"]
+    values = {"lease_id": lease["id"], "booking_id": one, "reservation_id": one, "pool": "A100-80GB", "node": "n1"}
     policy = _call(srv, "root", "GET", "/policy/A100-80GB").json()
     headers = {"Authorization": f"Bearer {srv.token('root', 'admin')}", "Content-Type": "application/json"}
     http = httpx.Client(base_url=f"{srv.url}{API}", headers=headers, timeout=10)  # one connection for all

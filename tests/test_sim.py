@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from lease_server.sim import policies, replay, report, resv, workload
+from lease_server.sim import bookings, policies, replay, report, workload
 from lease_server.sim.traces import JUNE, missing, trace
 from lease_server.sim.workload import MIN, Cell, from_cells
 from tests.conftest import make_settings
@@ -128,7 +128,7 @@ def test_fair_share_order_through_the_real_queue(redis_server, prefix):
     assert list(r.start[r.order]) == sorted(r.start)
 
 
-def test_lease_resv_recalls_a_borrowed_gpu_for_the_booking_team(redis_server, prefix):
+def test_lease_booking_recalls_a_borrowed_gpu_for_the_booking_team(redis_server, prefix):
     # One GPU, booked by team A for the week. bob (team B) borrows it at 0:00 for a 60-min cell;
     # alice (team A) asks at 0:10 for 20 min: bob's lease is recalled with 30 s of notice, revoked
     # by the sweeper at 0:10:30, alice gets the GPU then; bob runs his cell again when she is done.
@@ -136,13 +136,13 @@ def test_lease_resv_recalls_a_borrowed_gpu_for_the_booking_team(redis_server, pr
     w = from_cells(cells)
     settings = make_settings(redis_server.url, prefix, teams={"A": ["alice"], "B": ["bob"]}, borrow_notice=30.0)
     setup = replay.ReplaySetup(redis_server.url, prefix, settings)
-    r = replay.lease(w, [1], setup, policy="lease+resv", bookings=[resv.Booking("A", 1, 0, resv.WEEK_MS, 1)])
+    r = replay.lease(w, [1], setup, policy="lease+booking", bookings=[bookings.Booking("A", 1, 0, bookings.WEEK_MS, 1)])
     b, a = w.label.index("b"), w.label.index("a")
     half = MIN // 2
     assert r.start[a] == 10 * MIN + half and r.ready[a] == 10 * MIN  # served 30 s after asking
     assert r.start[b] == 30 * MIN + half and r.ready[b] == 0  # bob's cell ran again after alice's
     assert [w.label[c] for c in r.order] == ["a", "b"]  # by final grant: alice's, then bob's re-run
-    assert r.extra["reruns"] == 1 and r.extra["resv_grants"] == 1
+    assert r.extra["reruns"] == 1 and r.extra["booking_grants"] == 1
     # 3 acquires (bob's twice), 2 releases (bob's revoked run is never released), 2 sweeps: the
     # recall due at 0:10:30 and the booking's no-show check at 0:15 (used: nothing released)
     assert r.extra["script_calls"] == 7 and r.extra["sweeps"] == 2 and r.extra["no_shows"] == 0
@@ -153,17 +153,17 @@ def test_lease_resv_recalls_a_borrowed_gpu_for_the_booking_team(redis_server, pr
     assert f["utilization"] == pytest.approx(80 / 90.5)
 
 
-def test_resv_teams_and_bookings_follow_demand():
+def test_booking_teams_and_bookings_follow_demand():
     cells = [Cell(0, 60 * MIN, 1, "1", "u00", "s1"), Cell(0, 20 * MIN, 1, "2", "u01", "s2")]
     cells += [Cell(0, 20 * MIN, 1, "3", "u02", "s3")]
     w = from_cells(cells)
-    p = resv.ResvParams(teams=2, share=0.5)
-    assert resv.teams_of(w, p) == {"team0": ["u00", "u02"], "team1": ["u01"]}
+    p = bookings.BookingParams(teams=2, share=0.5)
+    assert bookings.teams_of(w, p) == {"team0": ["u00", "u02"], "team1": ["u01"]}
     # 4 of 8 GPUs booked, 80 : 20 GPU-minutes -> 3.2 : 0.8 -> 3 : 1 (largest remainder)
-    books = resv.bookings(w, 8, p)
+    books = bookings.bookings(w, 8, p)
     assert [(b.team, b.gpus, b.start_ms, b.end_ms) for b in books] == [
-        ("team0", 3, 0, resv.WEEK_MS),
-        ("team1", 1, 0, resv.WEEK_MS),
+        ("team0", 3, 0, bookings.WEEK_MS),
+        ("team1", 1, 0, bookings.WEEK_MS),
     ]
 
 
@@ -278,11 +278,11 @@ def test_cli_simulate_writes_table_csv_and_figure(tmp_path, redis_server):
             "--out",
             str(out),
             "--policies",
-            "calendar,culler-10m,culler-60m,lease,lease+resv",
+            "calendar,culler-10m,culler-60m,lease,lease+booking",
         ],
     )
     assert result.exit_code == 0, result.output
-    for name in ("calendar", "culler-10m", "culler-60m", "lease", "lease+resv"):
+    for name in ("calendar", "culler-10m", "culler-60m", "lease", "lease+booking"):
         assert name in result.output
     csv_text = (tmp_path / "res.csv").read_text().splitlines()
     assert csv_text[0].startswith("policy,gpus,gpu_hours_allocated") and len(csv_text) == 6

@@ -163,8 +163,8 @@ def test_cli_reads_a_session_workload_and_finds_the_smallest_cluster(tmp_path, r
     res = CliRunner().invoke(main, [*common, "--gpus", "8", "--out", str(tmp_path / "res")], terminal_width=80)
     assert res.exit_code == 0, res.output
     assert "3 real sessions (1 without GPU cells left out)" in res.output.replace("\n", " ")
-    head = next(line for line in res.output.splitlines() if "session" in line and "lease+resv" in line)
-    assert head.split() == ["session", "culler-10m", "culler-60m", "lease", "lease+resv"]
+    head = next(line for line in res.output.splitlines() if "session" in line and "lease+booking" in line)
+    assert head.split() == ["session", "culler-10m", "culler-60m", "lease", "lease+booking"]
     assert "culled kernels" in res.output and "GPU-h saved" in res.output
     assert max(len(line) for line in res.output.splitlines()) <= 80
     assert (tmp_path / "res.png").stat().st_size > 1000

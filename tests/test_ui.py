@@ -350,11 +350,11 @@ def at(day: date, hhmm: str) -> float:
 
 def book(client: Any, day: date, start: str, end: str, gpus: int, pool: str = "A100-80GB", **kw: Any) -> Any:
     body = {"pool": pool, "gpus": gpus, "start": at(day, start), "end": at(day, end), **kw}
-    return client.request("POST", "/api/v1/reservations", json=body)
+    return client.request("POST", "/api/v1/bookings", json=body)
 
 
 def bookings_of(client: Any, owner: str) -> list[dict[str, Any]]:
-    listed = client.request("GET", "/api/v1/reservations")["reservations"]
+    listed = client.request("GET", "/api/v1/bookings")["bookings"]
     return [r for r in listed if r["owner"] == owner and r["state"] == "active"]
 
 
@@ -453,7 +453,7 @@ def test_booking_by_dragging_on_the_calendar(page: Any, lab: Lab, clients: dict[
     dialog.get_by_role("button", name="Save changes").click()
     expect(dialog).to_have_count(0)
     expect(page.get_by_role("button", name=re.compile(rf"^Booking {made['id']}: alice, 3 GPUs, "))).to_be_visible()
-    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["gpus"] == 3
+    assert alice.request("GET", f"/api/v1/bookings/{made['id']}")["gpus"] == 3
 
     # Bob's booking opens read-only: no Save, no Cancel.
     page.get_by_role("button", name=re.compile(rf"^Booking {theirs['id']}:")).click()
@@ -472,7 +472,7 @@ def test_booking_by_dragging_on_the_calendar(page: Any, lab: Lab, clients: dict[
     cancel.click()
     confirm(page, f"Cancel booking {made['id']}?", "Cancel booking")
     expect(section.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
-    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "cancelled"
+    assert alice.request("GET", f"/api/v1/bookings/{made['id']}")["state"] == "cancelled"
     assert page.evaluate("window.__notReloaded") is True
     print(f"screenshots: {shots}")
 
@@ -615,7 +615,7 @@ def test_the_board_shows_reserved_and_borrowed_gpus_and_a_recall(
     now = time.time()
     booking = alice.request(
         "POST",
-        "/api/v1/reservations",
+        "/api/v1/bookings",
         json={"pool": "T4-16GB", "gpus": 2, "start": now - 60, "end": now + 3600, "note": "demo"},
     )
     for i in (0, 1):
@@ -732,7 +732,7 @@ def test_the_first_day_palette_commands_tile_origin_kernel_logo_a_narrow_board_a
     cancel.click()
     confirm(page, f"Cancel booking {made['id']}?", "Keep it")
     expect(cancel).to_be_visible()
-    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "active"
+    assert alice.request("GET", f"/api/v1/bookings/{made['id']}")["state"] == "active"
     release = page.get_by_role("region", name="My leases").get_by_role(
         "button", name=re.compile(rf"^Release lease {lease.id} ")
     )
@@ -748,7 +748,7 @@ def test_the_first_day_palette_commands_tile_origin_kernel_logo_a_narrow_board_a
     cancel.click()
     confirm(page, f"Cancel booking {made['id']}?", "Cancel booking")
     expect(section.get_by_text("You have no bookings in the next two weeks.")).to_be_visible()
-    assert alice.request("GET", f"/api/v1/reservations/{made['id']}")["state"] == "cancelled"
+    assert alice.request("GET", f"/api/v1/bookings/{made['id']}")["state"] == "cancelled"
     print(f"screenshots: {shots}")
 
 

@@ -41,7 +41,7 @@ def routes(lease: Any) -> list[tuple[str, str, dict[str, Any] | None, str]]:
         ("POST", f"{API}/nodes/n1/heartbeat", None, "agent"),
         (
             "POST",
-            f"{API}/reservations",
+            f"{API}/bookings",
             {"pool": "A100-80GB", "gpus": 1, "start": 4070908800, "end": 4070912400},
             "alice",
         ),

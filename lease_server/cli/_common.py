@@ -33,7 +33,7 @@ def server_options(fn: Any) -> Any:
 _CLI_HINTS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"DELETE /api/v1/leases/([^\s),;]+)"), r"gpulease release \1"),
     (re.compile(r"GET /api/v1/leases(?![/\w])"), "gpulease leases"),
-    (re.compile(r"GET /api/v1/reservations(?![/\w])"), "gpulease reservations"),
+    (re.compile(r"GET /api/v1/bookings(?![/\w])"), "gpulease bookings"),
     (re.compile(r"GET /api/v1/events(?:/log)?(?![/\w])"), "gpulease events"),
     (re.compile(r"GET /api/v1/(?:cluster|queue)(?![/\w])"), "gpulease status"),
     (re.compile(r"GET /api/v1/usage(?![/\w])"), "gpulease usage"),
@@ -126,9 +126,9 @@ def resolve_booking(client: Any, given: str) -> str:
     now = time.time()
     candidates = {
         r["id"]: f"{r['owner']}  {r['gpus']}x {r['pool']}  {r.get('note', '')}"
-        for r in client.reservations(None, now - 86_400, now + 365 * 86_400)
+        for r in client.bookings(None, now - 86_400, now + 365 * 86_400)
     }
-    return resolve_id(given, candidates, "booking", "gpulease reservations")
+    return resolve_id(given, candidates, "booking", "gpulease bookings")
 
 
 # ---- formatting --------------------------------------------------------------------------------

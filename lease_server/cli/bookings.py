@@ -1,4 +1,7 @@
-"""Bookings: reserve GPUs ahead, list everyone's, cancel or end one."""
+"""Bookings: book GPUs ahead, list everyone's, cancel or end one.
+
+The commands' names of earlier releases (reserve, reservations, unreserve) still run, hidden from
+the help, each with a line saying which command replaces it."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def _when(ts: float) -> str:
 @click.option("--colocate", is_flag=True, help="All GPUs on one node (for one multi-GPU lease)")
 @click.option("--dry-run", is_flag=True, help="Only check whether it fits")
 @server_options
-def reserve(
+def book(
     pool: str,
     gpus: int,
     start: str,
@@ -61,8 +64,8 @@ def reserve(
 
     with Client(url, token) as c:
         try:
-            out = c.reserve(pool, gpus, when(start), when(end), dry_run=dry_run, **extra)
-        except errors.ReservationClash as exc:
+            out = c.book(pool, gpus, when(start), when(end), dry_run=dry_run, **extra)
+        except errors.BookingClash as exc:
             print_error(exc.message, prefix="clash")
             for s in exc.details.get("suggestions") or []:  # type: ignore[attr-defined]
                 err_console.print(f"  fits: {_when(s['start'])} - {_when(s['end'])}")
@@ -84,11 +87,11 @@ def reserve(
 @click.option("--wide", is_flag=True, help="Notes in full (as wide as they take)")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw booking records")
 @server_options
-def reservations(pool: str | None, days: float, wide: bool, as_json: bool, url: str | None, token: str | None) -> None:
+def bookings(pool: str | None, days: float, wide: bool, as_json: bool, url: str | None, token: str | None) -> None:
     """Everyone's bookings from now on, a line each (each weekly occurrence on its own line)."""
     now = time.time()
     with Client(url, token) as c:
-        rows = c.reservations(pool, now, now + days * 86400)
+        rows = c.bookings(pool, now, now + days * 86400)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -126,13 +129,30 @@ def reservations(pool: str | None, days: float, wide: bool, as_json: bool, url: 
 
 
 @click.command()
-@click.argument("reservation_id")
+@click.argument("booking_id")
 @click.option("--end", "end_now", is_flag=True, help="End the occurrence in force now instead of cancelling")
 @server_options
-def unreserve(reservation_id: str, end_now: bool, url: str | None, token: str | None) -> None:
+def unbook(booking_id: str, end_now: bool, url: str | None, token: str | None) -> None:
     """Cancel a booking (or, with --end, give back the GPUs of the occurrence in force now).
-    RESERVATION_ID may be any unique start of the id (gpulease reservations lists them)."""
+    BOOKING_ID may be any unique start of the id (gpulease bookings lists them)."""
     with Client(url, token) as c:
-        reservation_id = resolve_booking(c, reservation_id)
-        out = c.end_reservation(reservation_id) if end_now else c.cancel_reservation(reservation_id)
-    click.echo(f"{reservation_id}: {'ended now' if end_now else out['state']}")
+        booking_id = resolve_booking(c, booking_id)
+        out = c.end_booking(booking_id) if end_now else c.cancel_booking(booking_id)
+    click.echo(f"{booking_id}: {'ended now' if end_now else out['state']}")
+
+
+def _renamed(command: click.Command, old: str) -> click.Command:
+    """``command`` under its name of earlier releases: hidden, and saying what to run instead."""
+    successor = command.name
+
+    def run(**kwargs: Any) -> Any:
+        err_console.print(f"gpulease {old} is deprecated: use gpulease {successor}")
+        assert command.callback is not None
+        return command.callback(**kwargs)
+
+    return click.Command(
+        old, params=command.params, callback=run, help=f"Deprecated: gpulease {successor}.", hidden=True
+    )
+
+
+DEPRECATED = (_renamed(book, "reserve"), _renamed(bookings, "reservations"), _renamed(unbook, "unreserve"))

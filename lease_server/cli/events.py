@@ -24,7 +24,7 @@ from .. import errors, protocol
 from ..client import Client
 from ..leasing.events import event_of_user
 from ..leasing.validate import EVENT_LOG_PAGE_CAP
-from ..protocol import escaped
+from ..protocol import BOOKING_EVENTS, EventType, escaped
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 
 PAGE = EVENT_LOG_PAGE_CAP  # the most the log API answers in one call
@@ -202,9 +202,9 @@ def describe(ev: dict[str, Any]) -> str:
     if t == "unleased_killed":
         sent = f"{ev.get('signal')} failed: {ev['error']}" if ev.get("error") else f"sent {ev.get('signal')}"
         return f"{ev.get('node')} GPU {ev.get('gpu')}: pid {ev.get('pid')} of {ev.get('user') or '?'}, no lease: {sent}"
-    if t.startswith("reservation_"):
+    if t in BOOKING_EVENTS:
         text = f"{ev.get('gpus')}x {ev.get('pool', '')}"
-        if ev.get("start") and t != "reservation_cancelled":
+        if ev.get("start") and t != EventType.BOOKING_CANCELLED:
             end = time.strftime("%H:%M", time.localtime((ev.get("end") or 0) / 1000))
             text += f" {_when(ev['start'])}-{end}"
         if ev.get("repeat") == "weekly":
@@ -255,7 +255,7 @@ class Lines:
     }
 
     def __init__(self, sample: list[dict[str, Any]]) -> None:
-        # Types up to 12 characters align; a longer one (reservation_created) pushes its line on.
+        # Types up to 12 characters align; a longer one (a booking's reservation_created) pushes its line on.
         self.type_w = min(12, max([8, *(len(ev.get("type", "")) for ev in sample)]))
         self.who_w = min(12, max([5, *(len(who(ev)) for ev in sample)]))
         self.day = time.strftime("%Y-%m-%d")  # a day line comes before the first event of another day

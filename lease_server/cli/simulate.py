@@ -21,7 +21,7 @@ from ._common import console, server_options
 @click.option("--node-gpus", default=8, show_default=True, type=click.IntRange(min=1), help="GPUs per node")
 @click.option(
     "--policies",
-    help="Any of session, calendar, culler-10m, culler-60m, lease, lease+resv, lease-warm  "
+    help="Any of session, calendar, culler-10m, culler-60m, lease, lease+booking, lease-warm  "
     "[default: all but session and lease-warm; for a session workload all but calendar and lease-warm]",
 )
 @click.option("--seed", type=int, help="Seed of the session generator [default: 1]")

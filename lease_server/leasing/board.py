@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from ..store.engine import Engine
-from .reservations import Bookings
+from .bookings import Bookings
 
 
 async def cluster_view(engine: Engine) -> dict[str, Any]:
@@ -102,7 +102,7 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 for key in ("notebook", "cell"):  # where the lease comes from: the board names it
                     if lease.get(key):
                         entry["lease"][key] = lease[key]
-                if lease.get("resv"):
+                if lease.get("resv"):  # the booking it is served from, "reservation" on the wire
                     entry["lease"]["reservation"] = lease["resv"]
                 if lease.get("borrowed"):
                     entry["lease"]["borrowed"] = True

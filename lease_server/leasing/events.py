@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def parse_entry(entry_id: str, fields: dict[str, str]) -> dict[str, Any]:
     """An event as the API shows it: ``id`` is always the log entry's id (what ``since`` and
-    ``Last-Event-ID`` resume from); a booking event's own id is its ``reservation``."""
+    ``Last-Event-ID`` resume from); a booking event's own id is its ``reservation`` (the
+    field's name since the first release: readers match on it)."""
     data = json.loads(fields.get("data", "{}"))
     ts = data.pop("ts", None)
     if "id" in data:

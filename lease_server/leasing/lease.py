@@ -98,7 +98,7 @@ def public_lease(rec: LeaseRecord, *, with_token: bool, detail: bool = False) ->
         out["activity"] = rec["activity"]
     if detail and rec.get("idle_evidence"):
         out["idle_evidence"] = rec["idle_evidence"]
-    if rec.get("resv"):
+    if rec.get("resv"):  # the booking it is served from (both names kept: stored data, wire field)
         out["reservation"] = rec["resv"]
     if rec.get("nodes"):
         out["nodes"] = rec["nodes"]

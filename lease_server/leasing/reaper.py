@@ -106,7 +106,7 @@ def log_sweep_event(ev: dict[str, Any]) -> None:
         log.info(
             "wait %s abandoned user=%s pool=%s gpus=%s", ev.get("lease"), ev.get("user"), ev.get("pool"), ev.get("gpus")
         )
-    elif kind == EventType.RESERVATION_NO_SHOW:
+    elif kind == EventType.BOOKING_NO_SHOW:
         log.info(
             "booking no-show %s owner=%s pool=%s gpus=%s occurrence=%s: its GPUs are free",
             ev.get("reservation"),

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..store.engine import Engine
 from .board import cluster_view
-from .reservations import Bookings
+from .bookings import Bookings
 
 GROUPS = ("user", "team", "pool", "notebook")
 DEFAULT_TYPICAL_S = 600.0

@@ -609,8 +609,8 @@ class Bodies:
     handoff: Body
     grow: Body
     shrink: Body
-    reservation: Body
-    reservation_change: Body
+    booking: Body
+    booking_change: Body
     policy: Body
     inventory: Body
     samples: Body
@@ -854,14 +854,14 @@ def _bodies(max_ttl: float, max_wait: float, default_ttl: float) -> Bodies:
         ),
         grow=_resize_body("GrowRequest", "add", "to your elastic lease, up to the gpus it asked for at most"),
         shrink=_resize_body("ShrinkRequest", "give back", "(at least one stays: to give back all, release)"),
-        reservation=Body(
-            "ReservationRequest",
+        booking=Body(
+            "BookingRequest",
             booking_fields,
             rules=booking_rules,
             noun="a booking",
         ),
-        reservation_change=Body(
-            "ReservationChange",
+        booking_change=Body(
+            "BookingChange",
             tuple(Field(f.name, f.schema, check=f.check) for f in booking_fields),
             description="Fields not given stay",
             rules=("an empty change", *booking_rules[:1], *booking_rules[2:]),

@@ -34,7 +34,7 @@ from ..leasing.inventory import Gpu, NodeInventory
 from ..leasing.lease import WAITER_GRACE_MS
 from ..store.keys import Keys
 from ..store.scripts import Acquire, Code, Common, Release, ScriptCall, Sweep, Warm, declared_keys, source
-from . import resv
+from .bookings import Booking
 from .result import Result, intervals
 from .workload import Workload
 
@@ -160,14 +160,14 @@ class ReplaySetup:
 
 
 async def _register(
-    setup: ReplaySetup, invs: list[NodeInventory], bookings: Sequence[resv.Booking] = (), now_ms: int = EPOCH_MS
+    setup: ReplaySetup, invs: list[NodeInventory], bookings: Sequence[Booking] = (), now_ms: int = EPOCH_MS
 ) -> None:
     """Declare the nodes through the inventory module, alive for good (no agent heartbeats here),
-    and make the teams' bookings through the reservations module."""
+    and make the teams' bookings through the bookings module."""
     from redis.asyncio import Redis
 
+    from ..leasing.bookings import Bookings
     from ..leasing.inventory import register
-    from ..leasing.reservations import Bookings
     from ..store.engine import Engine
 
     r = Redis.from_url(setup.redis_url, decode_responses=True)
@@ -201,10 +201,10 @@ def lease(
     setup: ReplaySetup,
     progress: Progress | None = None,
     policy: str = "lease",
-    bookings: Sequence[resv.Booking] = (),
+    bookings: Sequence[Booking] = (),
 ) -> Result:
     """Per-cell leases through the real acquire / release scripts and the real queue. With
-    ``bookings`` (policy ``lease+resv``; their teams in ``setup.settings.teams``) the teams' bookings
+    ``bookings`` (policy ``lease+booking``; their teams in ``setup.settings.teams``) the teams' bookings
     are made first, each cell's request carries its user's teams, and the replay runs the sweeper
     whenever a recall notice or a booking's no-show check falls due."""
     settings = setup.settings
@@ -248,9 +248,9 @@ class _Replay:
     """
 
     def __init__(
-        self, w: Workload, nodes: Sequence[int], wire: _Wire, keys: Keys, settings: Settings, policy: str, resv: bool
+        self, w: Workload, nodes: Sequence[int], wire: _Wire, keys: Keys, settings: Settings, policy: str, booked: bool
     ) -> None:
-        self.w, self.nodes, self.wire, self.keys, self.policy, self.resv = w, nodes, wire, keys, policy, resv
+        self.w, self.nodes, self.wire, self.keys, self.policy, self.booked = w, nodes, wire, keys, policy, booked
 
         def keys_of(script: str) -> list[str]:
             return [getattr(keys, k) for k in declared_keys(script)]
@@ -283,7 +283,7 @@ class _Replay:
         self.sweep_args = _pack(Sweep(SWEEP_LIMIT, WAITER_GRACE_MS).argv())
         n = w.n_cells
         self.users = list(w.users)
-        teams = settings.teams if resv else {}
+        teams = settings.teams if booked else {}
         self.teams = [",".join(sorted(t for t, m in teams.items() if u in m)) for u in w.users]
         self.cell_user = w.cell_user.tolist()
         self.cell_gpus = w.cell_gpus.tolist()
@@ -308,7 +308,7 @@ class _Replay:
         self.next_sweep: int | None = None
         self.calls = self.round_trips = self.sweeps = 0
         self.lost: list[tuple[int, int, int, int]] = []  # revoked runs: start, end, gpus, user
-        self.resv_grants = self.borrowed_grants = self.no_shows = 0
+        self.booking_grants = self.borrowed_grants = self.no_shows = 0
         # the mirror of free GPUs per node: by_free[k] = nodes with k free
         self.node_names = [inv.node for inv in inventories(nodes)]
         self.free = {name: size for name, size in zip(self.node_names, nodes, strict=True)}
@@ -405,7 +405,7 @@ class _Replay:
                     self.waiting.discard(c)
                     self._take(d["node"], self.cell_gpus[c])
                     self._granted(c, int(d["ts"]) - EPOCH_MS, d["node"], int(d["token"]))
-                    self.resv_grants += "reservation" in d
+                    self.booking_grants += "reservation" in d
                     self.borrowed_grants += "borrowed" in d
             elif kind == b"revoked":
                 d = json.loads(fields[3])
@@ -440,9 +440,9 @@ class _Replay:
         events_key = self.keys.events
         due_cmds = [
             _command("ZRANGE", self.keys.recall, 0, 0, "WITHSCORES"),
-            _command("ZRANGE", self.keys.resv_due, 0, 0, "WITHSCORES"),
+            _command("ZRANGE", self.keys.booking_due, 0, 0, "WITHSCORES"),
         ]
-        if self.resv:
+        if self.booked:
             self._due(wire.call(due_cmds))
         t_wall = time.perf_counter()
         t_first = int(w.start.min()) if w.n_sessions else 0
@@ -554,12 +554,12 @@ class _Replay:
             if marked:
                 cmds.append(_command("XRANGE", events_key, b"(" + self.last_id, "+"))
                 plan.append((_READ, -1, t))
-            if self.resv:
+            if self.booked:
                 cmds.extend(due_cmds)
             replies = wire.call(cmds)
             self.round_trips += 1
             self._answers(plan, replies)
-            if self.resv:
+            if self.booked:
                 self._due(replies[-2:])
             if progress is not None and t >= next_progress:
                 progress(t)
@@ -579,8 +579,8 @@ class _Replay:
                         f"{self.node_of[c]} (its mirror of the free GPUs is out of step)"
                     )
                 self.token[c] = _int_field(reply[1], b"token")
-                if self.resv:
-                    self.resv_grants += b'"resv":' in reply[1]
+                if self.booked:
+                    self.booking_grants += b'"resv":' in reply[1]
                     self.borrowed_grants += b'"borrowed":true' in reply[1]
             elif kind == _REL:
                 self.calls += 1
@@ -593,7 +593,7 @@ class _Replay:
                     node = _str_field(reply[1], b"node")
                     self._take(node, self.cell_gpus[c])
                     self._granted(c, t, node, _int_field(reply[1], b"token"))
-                    self.resv_grants += b'"resv":' in reply[1]
+                    self.booking_grants += b'"resv":' in reply[1]
                     self.borrowed_grants += b'"borrowed":true' in reply[1]
                 elif code == Code.QUEUED:
                     self.waiting.add(c)
@@ -655,11 +655,11 @@ class _Replay:
                 evictions=self.evictions,
                 warm_gpu_hours=self.warm_ms / 3_600_000,
             )
-        if self.resv:
+        if self.booked:
             extra.update(
                 reruns=len(self.lost),
                 lost_gpu_hours=lost_gpu_h,
-                resv_grants=self.resv_grants,
+                booking_grants=self.booking_grants,
                 borrowed_grants=self.borrowed_grants,
                 sweeps=self.sweeps,
                 no_shows=self.no_shows,

@@ -11,16 +11,17 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..config import Settings
-from . import policies, replay, resv
+from . import bookings, policies, replay
 from .result import Result
 from .workload import Workload
 
-POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+resv", "lease-warm")
-LUA_POLICIES = ("lease", "lease+resv", "lease-warm")
+POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+booking", "lease-warm")
+LUA_POLICIES = ("lease", "lease+booking", "lease-warm")
+RENAMED = {"lease+resv": "lease+booking"}  # policy names of earlier releases, still accepted
 
 
 def parse_policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
+    names = [RENAMED.get(p.strip(), p.strip()) for p in text.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
         raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}: choose from {', '.join(POLICIES)}")
@@ -57,13 +58,13 @@ def simulate(
     redis_url: str | None = None,
     settings: Settings | None = None,
     tick: Tick | None = None,
-    resv_params: resv.ResvParams | None = None,
+    booking_params: bookings.BookingParams | None = None,
 ) -> list[Result]:
     """Replay ``w`` on a cluster of ``nodes`` (GPUs per node) under each policy in ``names``.
 
     The lease policies need a Redis: ``redis_url`` (a key prefix of their own is used and removed
-    afterwards), else a private redis-server is started for the run. ``lease+resv`` books
-    ``resv_params`` (default: 4 teams booking half the GPUs, see ``resv``).
+    afterwards), else a private redis-server is started for the run. ``lease+booking`` books
+    ``booking_params`` (default: 4 teams booking half the GPUs, see ``bookings``).
     """
     biggest = int(w.gpus.max()) if w.n_sessions else 0
     if biggest > max(nodes):
@@ -86,11 +87,11 @@ def simulate(
                 prefix = f"gpulease-sim-{os.getpid()}-{secrets.token_hex(3)}"
                 base = settings or Settings()
                 s = dataclasses.replace(base, redis_url=url, prefix=prefix)
-                books: list[resv.Booking] = []
-                if name == "lease+resv":
-                    rp = resv_params or resv.ResvParams()
-                    s = dataclasses.replace(s, teams=resv.teams_of(w, rp))
-                    books = resv.bookings(w, int(sum(nodes)), rp)
+                books: list[bookings.Booking] = []
+                if name == "lease+booking":
+                    rp = booking_params or bookings.BookingParams()
+                    s = dataclasses.replace(s, teams=bookings.teams_of(w, rp))
+                    books = bookings.bookings(w, int(sum(nodes)), rp)
                 setup = replay.ReplaySetup(url, prefix, s)
                 r = replay.lease(w, nodes, setup, progress=progress, policy=name, bookings=books)
             else:

@@ -37,11 +37,13 @@ state lives in a handful of global structures:
 ``instance``   string a random id of this deployment, set once: node agents name their claim socket with
                       it (lease_server/node/claims.py), so two deployments on one host never meet
 
-Reservations (reservations.py, reserve.lua; dispatch enforces them, so most scripts take them):
+Bookings (bookings.py, book.lua; dispatch enforces them, so most scripts take them). Layouts 0 and 1
+named these three ``resv``, ``resv_idx`` and ``resv_due`` (``gpulease migrate`` renames them, see
+layout.py); a lease record still names the booking it is served from ``resv``:
 
-``resv``       hash   reservation id -> JSON booking (times in ms, UTC; weekly repeats are 168 h apart)
-``resv_idx``   zset   lexicographic "pool|id" for every booking, so a pool's bookings are one range
-``resv_due``   zset   reservation id -> ms of its next no-show check (or of its removal, when past)
+``bookings``    hash  booking id -> JSON booking (times in ms, UTC; weekly repeats are 168 h apart)
+``booking_idx`` zset  lexicographic "pool|id" for every booking, so a pool's bookings are one range
+``booking_due`` zset  booking id -> ms of its next no-show check (or of its removal, when past)
 ``recall``     zset   borrowed lease id -> ms when it is revoked because a booking's holder needs it
 
 Scheduling:
@@ -177,16 +179,16 @@ class Keys:
         return self._k("grants")
 
     @property
-    def resv(self) -> str:
-        return self._k("resv")
+    def bookings(self) -> str:
+        return self._k("bookings")
 
     @property
-    def resv_idx(self) -> str:
-        return self._k("resv_idx")
+    def booking_idx(self) -> str:
+        return self._k("booking_idx")
 
     @property
-    def resv_due(self) -> str:
-        return self._k("resv_due")
+    def booking_due(self) -> str:
+        return self._k("booking_due")
 
     @property
     def recall(self) -> str:
@@ -272,9 +274,9 @@ class Keys:
             self.events,
             self.grants,
             self.queue_seq,
-            self.resv,
-            self.resv_idx,
-            self.resv_due,
+            self.bookings,
+            self.booking_idx,
+            self.booking_due,
             self.recall,
             self.lease_util,
             self.ledger,

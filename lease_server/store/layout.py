@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from ..errors import ConfigurationError
 from .keys import Keys
 
-LAYOUT = 1  # this release's
+LAYOUT = 2  # this release's
 NOT_DATA = ("tokens", "layout")  # keys that do not make a store "written by some release"
 
 
@@ -115,7 +115,8 @@ class Untagging:
 
 async def _plan_untagging(redis: Redis, keys: Keys) -> Untagging:
     plan = Untagging()
-    old_keys = [keys.untagged(k) for k in keys.all()]
+    # Untagged, under their names of then: tagged, a key keeps its name until the step that renames it.
+    old_keys = [keys.untagged(_before_2(keys, k)) for k in keys.all()]
     async for key in redis.scan_iter(match=keys.untagged(keys.samples("*")), count=1000):
         old_keys.append(key)
     for old in old_keys:
@@ -215,7 +216,53 @@ async def _to_1(redis: Redis, keys: Keys) -> Step:
     return Step(out, write)
 
 
-STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1}
+# Layout 2 calls bookings bookings: their three keys had the names below (keys.py property -> the
+# name in layouts 0 and 1).
+RENAMED_IN_2 = {"bookings": "resv", "booking_idx": "resv_idx", "booking_due": "resv_due"}
+_KINDS = {"bookings": "hash", "booking_idx": "zset", "booking_due": "zset"}
+
+
+def _before_2(keys: Keys, key: str) -> str:
+    """``key``'s name in layouts 0 and 1."""
+    for name, old in RENAMED_IN_2.items():
+        if key == getattr(keys, name):
+            return key[: -len(name)] + old
+    return key
+
+
+async def _to_2(redis: Redis, keys: Keys) -> Step:
+    """Layout 1 -> 2: the bookings' keys are named for bookings (resv -> bookings, resv_idx ->
+    booking_idx, resv_due -> booking_due). What they hold is unchanged."""
+    renames: list[tuple[str, str]] = []
+    bookings = 0
+    for name in RENAMED_IN_2:
+        new = getattr(keys, name)
+        old = _before_2(keys, new)
+        # Where the data is now: a dry run from layout 0 finds it still untagged (step 1 tags it).
+        now = old if await redis.exists(old) else keys.untagged(old)
+        if await _typed(redis, now, _KINDS[name]) == "none":
+            continue  # no booking ever made, or renamed already by a run cut off half-way
+        if await _typed(redis, new, _KINDS[name]) != "none":
+            raise _bad(now, f"and {new} both hold data: a layout-1 store has only the first (delete one)")
+        renames.append((old, new))
+        if name == "bookings":
+            bookings = int(await redis.hlen(now))
+    out = []
+    if renames:
+        out.append(
+            f"rename the bookings' key(s) {', '.join(f'{o} -> {n}' for o, n in renames)} ({bookings} booking(s))"
+        )
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=True) as p:  # all of a deployment's keys share one slot
+            for old, new in renames:
+                p.rename(old, new)
+            await p.execute()
+
+    return Step(out, write)
+
+
+STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2}
 
 
 async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, list[str]]:

@@ -314,7 +314,7 @@ class LeaseRecord(TypedDict, total=False):
     renewals: int
     waited_ms: int
     nodes: list[str]  # a multi-node gang's
-    resv: str  # the booking it is served from
+    resv: str  # the booking it is served from (the stored field keeps its first name: keys.py)
     borrowed: bool
     preemptible: bool
     elastic: ElasticJson
@@ -828,7 +828,7 @@ def span(start_ms: float, end_ms: float) -> str:
     return f"{fmt(start_ms)} - {fmt(end_ms)}"
 
 
-def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.ReservationClash:
+def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.BookingClash:
     clashes = [
         {
             "id": c["id"],
@@ -862,7 +862,7 @@ def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.Reservati
         hint = f"Move it to {moves}"
     else:
         hint = "Pick another time"
-    return errors.ReservationClash(
+    return errors.BookingClash(
         f"{text}. {hint}.",
         clashes=clashes,
         capacity=report["capacity"],
@@ -873,10 +873,10 @@ def clash_error(rec: dict[str, Any], report: dict[str, Any]) -> errors.Reservati
 
 
 @dataclass(frozen=True)
-class Reserve(ScriptCall[dict[str, Any]]):
-    script: ClassVar[str] = "reserve"
+class Book(ScriptCall[dict[str, Any]]):
+    script: ClassVar[str] = "book"
     mode: str  # "create" | "edit" | "check"
-    booking: str  # JSON, validated by reservations.py
+    booking: str  # JSON, validated by bookings.py
     floor: int  # on-demand GPUs of a pool that are never booked
     rev: str = ""  # for "edit": the revision the change was made against
 
@@ -904,7 +904,7 @@ class Reserve(ScriptCall[dict[str, Any]]):
         if code is Code.DUPLICATE:
             raise errors.Conflict(f"booking id {rec['id']!r} is already in use")
         if code is Code.NO_SUCH:
-            raise errors.NoSuchReservation(f"no booking {rec['id']!r}")
+            raise errors.NoSuchBooking(f"no booking {rec['id']!r}")
         if code is Code.STALE:
             raise errors.StaleToken(f"booking {rec['id']} changed meanwhile")
         if code is Code.ENDED:
@@ -913,8 +913,8 @@ class Reserve(ScriptCall[dict[str, Any]]):
 
 
 @dataclass(frozen=True)
-class Unreserve(ScriptCall[dict[str, Any]]):
-    script: ClassVar[str] = "unreserve"
+class Unbook(ScriptCall[dict[str, Any]]):
+    script: ClassVar[str] = "unbook"
     id: str
     action: str  # "cancel" | "end"
     user: str
@@ -926,7 +926,7 @@ class Unreserve(ScriptCall[dict[str, Any]]):
         if code in (Code.OK, Code.ENDED):
             return _json(rest[0])
         if code is Code.NO_SUCH:
-            raise errors.NoSuchReservation(f"no booking {self.id!r}; list them with GET /api/v1/reservations")
+            raise errors.NoSuchBooking(f"no booking {self.id!r}; list them with GET /api/v1/bookings")
         if code is Code.NOT_OWNER:
             raise errors.NotOwner(f"booking {self.id} is not yours; only its owner or an admin may change it")
         if code is Code.NOT_DUE:
@@ -996,8 +996,8 @@ CALLS: tuple[type[ScriptCall], ...] = (
     IdleWarn,
     Keep,
     Reclaim,
-    Reserve,
-    Unreserve,
+    Book,
+    Unbook,
     Procs,
     Warm,
     Drained,

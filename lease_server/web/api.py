@@ -23,13 +23,13 @@ import tornado.web
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError as RedisResponseError
 
-from .. import __version__, errors
+from .. import __version__, errors, protocol
 from ..config import Settings
 from ..leasing import board, events, inventory, reclaim, usage, validate
+from ..leasing.bookings import MAX_LIST_SPAN_S, Bookings, public_booking
 from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from ..leasing.queue import queue_view
 from ..leasing.reaper import Reaper
-from ..leasing.reservations import MAX_LIST_SPAN_S, Bookings, public_booking
 from ..leasing.validate import check_name
 from ..node import drain
 from ..node.claims import Claim, Peer
@@ -394,16 +394,21 @@ class RevokeHandler(BaseHandler):
         self.reply(_ended_view(ended, changed, with_token=False))
 
 
-class ReservationsHandler(BaseHandler):
+class BookingsHandler(BaseHandler):
+    """POST /bookings: book; GET /bookings: everyone's bookings in a window."""
+
+    collection = protocol.BOOKINGS  # where a new booking is (its Location)
+    listed_as = "bookings"  # the field of GET's answer that lists them
+
     async def post(self) -> None:
         me = self.identity
         dry = self.query(validate.DRY_RUN, False)
-        body = self.body(self.bodies.reservation)
+        body = self.body(self.bodies.booking)
         rec = await self.ctx.bookings.create(me.user, body, admin=me.admin, teams=self.teams, dry_run=dry)
         if dry:
             self.reply(rec)
             return
-        self.set_header("Location", f"{API}/reservations/{rec['id']}")
+        self.set_header("Location", f"{self.collection}/{rec['id']}")
         self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams), 201)
 
     async def get(self) -> None:
@@ -417,7 +422,7 @@ class ReservationsHandler(BaseHandler):
         recs = await self.ctx.bookings.find(pool, lo, hi)
         self.reply(
             {
-                "reservations": [
+                self.listed_as: [
                     public_booking(r, user=me.user, admin=me.admin, teams=self.teams, lo_ms=lo, hi_ms=hi, now_ms=now)
                     for r in recs
                 ],
@@ -428,7 +433,7 @@ class ReservationsHandler(BaseHandler):
         )
 
 
-class ReservationHandler(BaseHandler):
+class BookingHandler(BaseHandler):
     async def get(self, booking_id: str) -> None:
         me = self.identity
         rec = await self.ctx.bookings.get(booking_id)
@@ -437,7 +442,7 @@ class ReservationHandler(BaseHandler):
     async def patch(self, booking_id: str) -> None:
         me = self.identity
         dry = self.query(validate.DRY_RUN, False)
-        body = self.body(self.bodies.reservation_change)
+        body = self.body(self.bodies.booking_change)
         rec = await self.ctx.bookings.update(booking_id, me.user, body, admin=me.admin, teams=self.teams, dry_run=dry)
         self.reply(rec if dry else public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
 
@@ -447,11 +452,43 @@ class ReservationHandler(BaseHandler):
         self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
 
 
-class ReservationEndHandler(BaseHandler):
+class BookingEndHandler(BaseHandler):
     async def post(self, booking_id: str) -> None:
         me = self.identity
         rec = await self.ctx.bookings.end(booking_id, me.user, admin=me.admin, teams=self.teams)
         self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
+
+
+class Deprecated(BaseHandler):
+    """A path of the first releases, /reservations[/{id}[/end]], served for one release as before,
+    with its successor under /bookings named in every answer (errors too: tornado sets the
+    default headers again before an error's body), as RFC 9745 has it: ``Deprecation`` holds the
+    date from which it is deprecated as a Structured Field Date (``@`` and epoch seconds), and a
+    ``Link`` with ``rel="successor-version"`` names the path that replaces it."""
+
+    def set_default_headers(self) -> None:
+        super().set_default_headers()
+        self.set_header("Deprecation", f"@{protocol.DEPRECATED_SINCE}")
+        old = protocol.DEPRECATED_RESERVATIONS
+        successor = protocol.BOOKINGS + self.request.path[len(old) :]  # the route matched old + [/id[/end]]
+        self.set_header("Link", f'<{successor}>; rel="successor-version"')
+
+
+# The deprecated routes' handlers keep their old class names: the metrics' route label is the
+# name (reservations, reservation, reservationend), so their traffic reads as it did.
+
+
+class ReservationsHandler(Deprecated, BookingsHandler):
+    collection = protocol.DEPRECATED_RESERVATIONS
+    listed_as = "reservations"
+
+
+class ReservationHandler(Deprecated, BookingHandler):
+    pass
+
+
+class ReservationEndHandler(Deprecated, BookingEndHandler):
+    pass
 
 
 class UsageHandler(BaseHandler):
@@ -984,6 +1021,10 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/shrink", ResizeHandler, {"grow": False}),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
         (rf"{API}/leases/{lease_id}/warm", WarmHandler),
+        (rf"{API}/bookings", BookingsHandler),
+        (rf"{API}/bookings/{lease_id}", BookingHandler),
+        (rf"{API}/bookings/{lease_id}/end", BookingEndHandler),
+        # deprecated: the same, under the name of the first releases (Deprecation and Link headers)
         (rf"{API}/reservations", ReservationsHandler),
         (rf"{API}/reservations/{lease_id}", ReservationHandler),
         (rf"{API}/reservations/{lease_id}/end", ReservationEndHandler),

@@ -129,7 +129,8 @@ def _path(name: str, schema: dict[str, Any], description: str = "") -> dict[str,
 
 # The route's shape for ids (a lease id, or a request id of an older client).
 LEASE_ID = _path("lease_id", {"type": "string", "pattern": validate.LEASE_ID_PATTERN})
-RESERVATION_ID = _path("reservation_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")
+BOOKING_ID = _path("booking_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")
+RESERVATION_ID = _path("reservation_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")  # deprecated paths
 POOL = _path("pool", validate.NAME)
 NODE = _path("node", validate.NAME)
 TOKEN_ID = _path("token_id", {"type": "string", "pattern": "^[0-9a-f]{12}$"}, "A token's id (GET /tokens lists them)")
@@ -239,7 +240,7 @@ def _response_schemas() -> dict[str, Any]:
                 "reservation": {"type": "string", "description": "A booking event's booking id"},
             },
         },
-        "Reservation": {
+        "Booking": {
             "type": "object",
             "description": "A booking; a cancelled one stays readable (state cancelled) for a while",
             "properties": {
@@ -290,6 +291,81 @@ def _response_schemas() -> dict[str, Any]:
     }
 
 
+def _booking_paths(bodies: validate.Bodies, base: str, id_param: dict[str, Any], listed_as: str) -> dict[str, Any]:
+    """The bookings' operations under ``base`` (its id parameter ``id_param``, GET's list ``listed_as``)."""
+    one = "{" + id_param["name"] + "}"
+    return {
+        base: {
+            "post": _op(
+                "Book GPUs of a pool for a window (409 names clashing bookings and windows that fit)",
+                _json(_ref("Booking"), "Booked"),
+                403,
+                404,
+                409,
+                422,
+                body=bodies.booking,
+                params=(validate.DRY_RUN,),
+                ok_code=201,
+                more={"200": _json(_ref("BookingCheck"), "dry_run: it fits")},
+            ),
+            "get": _op(
+                "Everyone's bookings with an occurrence in [from, to) (default: the last day to 14 days ahead; "
+                "to after from, at most 366 days later)",
+                _json(
+                    {"type": "object", "properties": {listed_as: {"type": "array", "items": _ref("Booking")}}},
+                    "Bookings",
+                ),
+                params=(validate.POOL, validate.FROM, validate.TO),
+            ),
+        },
+        f"{base}/{one}": {
+            "get": _op("One booking", _json(_ref("Booking"), "Booking"), params=[id_param]),
+            "patch": _op(
+                "Change a booking (owner, team member or admin; fields not given stay)",
+                _json({"anyOf": [_ref("Booking"), _ref("BookingCheck")]}, "Changed (dry_run: it fits)"),
+                409,
+                422,
+                body=bodies.booking_change,
+                params=[id_param, validate.DRY_RUN.openapi()],
+            ),
+            "delete": _op("Cancel a booking", _json(_ref("Booking"), "Cancelled"), params=[id_param]),
+        },
+        f"{base}/{one}/end": {
+            "post": _op(
+                "End the occurrence in force now: its GPUs go back to the pool",
+                _json(_ref("Booking"), "Ended"),
+                409,
+                params=[id_param],
+            )
+        },
+    }
+
+
+# RFC 9745: a deprecated resource's answers carry Deprecation (a Structured Field Date, "@" and
+# epoch seconds: since when) and, here, a Link to the path that succeeds it.
+DEPRECATION_HEADERS = {
+    "Deprecation": {
+        "description": "RFC 9745: this path is deprecated since this date (a Structured Field Date)",
+        "schema": {"type": "string", "pattern": "^@-?[0-9]+$"},
+    },
+    "Link": {
+        "description": 'The path that replaces it: <PATH>; rel="successor-version"',
+        "schema": {"type": "string"},
+    },
+}
+
+
+def _deprecated(paths: dict[str, Any], successor: str) -> dict[str, Any]:
+    """``paths`` marked deprecated, every answer with the headers that name ``successor``."""
+    for item in paths.values():
+        for op in item.values():
+            op["deprecated"] = True
+            op["summary"] = f"Deprecated, use {successor}: {op['summary']}"
+            for response in op["responses"].values():
+                response["headers"] = DEPRECATION_HEADERS
+    return paths
+
+
 def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
     """The document; request bounds that are settings (max_ttl, max_wait) are ``settings``' own."""
     bodies = validate.bodies(settings)
@@ -303,49 +379,11 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
     }
     v = validate
     paths: dict[str, Any] = {
-        "/api/v1/reservations": {
-            "post": _op(
-                "Book GPUs of a pool for a window (409 names clashing bookings and windows that fit)",
-                _json(_ref("Reservation"), "Booked"),
-                403,
-                404,
-                409,
-                422,
-                body=bodies.reservation,
-                params=(v.DRY_RUN,),
-                ok_code=201,
-                more={"200": _json(_ref("BookingCheck"), "dry_run: it fits")},
-            ),
-            "get": _op(
-                "Everyone's bookings with an occurrence in [from, to) (default: the last day to 14 days ahead; "
-                "to after from, at most 366 days later)",
-                _json(
-                    {"type": "object", "properties": {"reservations": {"type": "array", "items": _ref("Reservation")}}},
-                    "Bookings",
-                ),
-                params=(v.POOL, v.FROM, v.TO),
-            ),
-        },
-        "/api/v1/reservations/{reservation_id}": {
-            "get": _op("One booking", _json(_ref("Reservation"), "Booking"), params=[RESERVATION_ID]),
-            "patch": _op(
-                "Change a booking (owner, team member or admin; fields not given stay)",
-                _json({"anyOf": [_ref("Reservation"), _ref("BookingCheck")]}, "Changed (dry_run: it fits)"),
-                409,
-                422,
-                body=bodies.reservation_change,
-                params=[RESERVATION_ID, v.DRY_RUN.openapi()],
-            ),
-            "delete": _op("Cancel a booking", _json(_ref("Reservation"), "Cancelled"), params=[RESERVATION_ID]),
-        },
-        "/api/v1/reservations/{reservation_id}/end": {
-            "post": _op(
-                "End the occurrence in force now: its GPUs go back to the pool",
-                _json(_ref("Reservation"), "Ended"),
-                409,
-                params=[RESERVATION_ID],
-            )
-        },
+        **_booking_paths(bodies, "/api/v1/bookings", BOOKING_ID, "bookings"),
+        # The paths of the first releases: the same operations, for one release more (deprecated).
+        **_deprecated(
+            _booking_paths(bodies, "/api/v1/reservations", RESERVATION_ID, "reservations"), "/api/v1/bookings"
+        ),
         "/api/v1/usage": {
             "get": _op(
                 "The usage ledger summed per user, team, pool or notebook over [from, to) (default: 7 days; "
@@ -599,7 +637,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "/api/v1/draining": {
             "get": _op(
                 "Admin: every draining GPU, with the processes its agent gave up (abandoned: flagged, out of "
-                "service until the process ends or an admin clears it: POST /nodes/{node}/drained with lease \"\")",
+                'service until the process ends or an admin clears it: POST /nodes/{node}/drained with lease "")',
                 _json({"type": "object"}, "Draining GPUs"),
             )
         },

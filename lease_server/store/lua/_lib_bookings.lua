@@ -6,10 +6,10 @@
 -- no daylight-saving shift), occurrences, colocate, node, held (GPUs its holders hold now), used
 -- {k: true}, released {k: ms} (no-show or ended early), notice_ms, no_show_ms, state}.
 
-local function resv_of_pool(pool)
+local function bookings_of_pool(pool)
   local out = {}
-  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_RESV_IDX, '[' .. pool .. '|', '(' .. pool .. '|~')) do
-    local raw = redis.call('HGET', K_RESV, string.match(m, '^[^|]+|(.+)$'))
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_BOOKING_IDX, '[' .. pool .. '|', '(' .. pool .. '|~')) do
+    local raw = redis.call('HGET', K_BOOKINGS, string.match(m, '^[^|]+|(.+)$'))
     if raw then out[#out + 1] = cjson.decode(raw) end
   end
   return out
@@ -57,13 +57,13 @@ local function holds_booking(r, user, teams)
 end
 
 local function save_booking(r)
-  redis.call('HSET', K_RESV, r.id, cjson.encode(r))
+  redis.call('HSET', K_BOOKINGS, r.id, cjson.encode(r))
 end
 
 -- Bookings of the pool in force now: {r, k, owed = GPUs booked that its holders do not hold}.
 local function active_bookings(pool)
   local acts, owed = {}, 0
-  for _, r in ipairs(resv_of_pool(pool)) do
+  for _, r in ipairs(bookings_of_pool(pool)) do
     local k = occ_at(r, NOW)
     if k then
       local o = math.max(0, r.gpus - (r.held or 0))
@@ -95,7 +95,7 @@ local function pool_free(pool)
   return total
 end
 
--- Put r's next no-show check on resv_due: the first occurrence not yet used or released whose
+-- Put r's next no-show check on booking_due: the first occurrence not yet used or released whose
 -- no-show deadline (its start, or when the booking was made or changed if later, + no_show_ms)
 -- falls inside it. With none left, schedule its removal keep_ms after its last occurrence.
 local function schedule_booking(r)
@@ -106,11 +106,11 @@ local function schedule_booking(r)
     local deadline = math.max(s, r.base_at or s) + r.no_show_ms
     if deadline < e and not used[tostring(k)] and not released[tostring(k)] then
       r.check_k = k
-      redis.call('ZADD', K_RESV_DUE, deadline, r.id)
+      redis.call('ZADD', K_BOOKING_DUE, deadline, r.id)
       return
     end
     k = k + 1
   end
   r.check_k = k
-  redis.call('ZADD', K_RESV_DUE, r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms, r.id)
+  redis.call('ZADD', K_BOOKING_DUE, r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms, r.id)
 end

@@ -61,7 +61,7 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     redis.call('ZREM', K_SHRINK_DUE, lease.id)
   end
   if lease.resv then
-    local rraw = redis.call('HGET', K_RESV, lease.resv)
+    local rraw = redis.call('HGET', K_BOOKINGS, lease.resv)
     if rraw then
       local r = cjson.decode(rraw)
       r.held = math.max(0, (r.held or 0) - #lease.gpus)

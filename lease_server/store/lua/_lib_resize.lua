@@ -47,7 +47,7 @@ local function shrink_lease(lease, k, why, by)
   if inv_raw then set_free(node, lease.pool, free, old_count) end
   lease.gpus = kept
   if lease.resv then
-    local rraw = redis.call('HGET', K_RESV, lease.resv)
+    local rraw = redis.call('HGET', K_BOOKINGS, lease.resv)
     if rraw then
       local r = cjson.decode(rraw)
       r.held = math.max(0, (r.held or 0) - k)

@@ -119,7 +119,7 @@ local function grant_parts(w, parts)
   if w.cell and w.cell ~= '' then lease.cell = w.cell end
   if w.booking then
     local r = w.booking.r
-    lease.resv = r.id
+    lease.resv = r.id  -- the booking it is served from (the stored record's field keeps its first name)
     r.held = (r.held or 0) + #taken
     r.used = r.used or {}
     r.used[tostring(w.booking.k)] = true

@@ -1,7 +1,7 @@
 -- drained.lua: a node agent reports GPUs of its node clean: no process of the lease the server
 -- ended there remains on them. They become free, and the pool's queue is served in the same
 -- script, so a waiter is granted the moment the GPUs are clean and never before.
--- KEYS: nodes alive free fit holders draining leases deadlines queue waiters waiting_by usage fence events grants resv resv_idx recall held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due
 -- ARGV[6] = node   ARGV[7] = the lease whose end the GPUs drain from ("" = any)
 -- ARGV[8] = JSON list of GPU indexes   ARGV[9] = processes the agent had to end (a count)
 -- returns {OK, GPUs freed}

@@ -1,7 +1,7 @@
 -- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
--- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants resv resv_idx resv_due recall lease_util ledger held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due
 -- ARGV[6] = most items of each kind handled in this call
 -- ARGV[7] = grace ms after a waiter's own deadline before the sweeper removes it
 -- It also revokes borrowed leases whose recall notice ran out, releases bookings nobody used
@@ -25,8 +25,8 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 
   recalled = recalled + 1
 end
 
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RESV_DUE, '-inf', NOW, 'LIMIT', 0, limit)) do
-  local raw = redis.call('HGET', K_RESV, id)
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_BOOKING_DUE, '-inf', NOW, 'LIMIT', 0, limit)) do
+  local raw = redis.call('HGET', K_BOOKINGS, id)
   local r = raw and cjson.decode(raw)
   if r and r.state == 'active' and (r.check_k or 0) < r.occurrences then
     local k = r.check_k or 0
@@ -45,10 +45,10 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RESV_DUE, '-inf', NOW, 'LIMIT'
     schedule_booking(r)
     save_booking(r)
   else
-    redis.call('ZREM', K_RESV_DUE, id)
+    redis.call('ZREM', K_BOOKING_DUE, id)
     if r then
-      redis.call('HDEL', K_RESV, id)
-      redis.call('ZREM', K_RESV_IDX, r.pool .. '|' .. id)
+      redis.call('HDEL', K_BOOKINGS, id)
+      redis.call('ZREM', K_BOOKING_IDX, r.pool .. '|' .. id)
     end
   end
   checked = checked + 1

@@ -1,4 +1,4 @@
-"""Reservations: clash detection over time (weekly repeats, UTC storage), enforcement (holder served
+"""Bookings: clash detection over time (weekly repeats, UTC storage), enforcement (holder served
 first, borrowed leases recalled with notice), no-show release, ending early, teams, bad input.
 
 Everything runs against a real Redis and a real lease server (or LeaseStore on the same Redis where
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -15,9 +16,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from redis.asyncio import Redis as ARedis
 
+from lease_server import errors, protocol
+from lease_server.leasing.bookings import WEEK_MS, Bookings
 from lease_server.leasing.inventory import parse_simulate, register
 from lease_server.leasing.lease import LeaseStore
-from lease_server.leasing.reservations import WEEK_MS, Bookings
 from lease_server.store.engine import Engine
 from lease_server.store.keys import Keys
 from tests.api_helpers import API, EventWatcher, assert_error, http, unchanged
@@ -30,7 +32,7 @@ MONDAY = datetime(2027, 1, 4, 9, 0, tzinfo=UTC).timestamp()
 
 def book(h, pool="A100-80GB", gpus=1, start=MONDAY, hours=2.0, **kw):
     body = {"pool": pool, "gpus": gpus, "start": start, "end": start + hours * HOUR, **kw}
-    return h.post(f"{API}/reservations", json=body)
+    return h.post(f"{API}/bookings", json=body)
 
 
 def test_create_list_get_edit_cancel(server_factory, redis_sync):
@@ -39,7 +41,7 @@ def test_create_list_get_edit_cancel(server_factory, redis_sync):
         resp = book(alice, gpus=2, start=MONDAY, hours=0, note="paper deadline")
         assert_error(resp, 400, "bad_request", "at least 60 s after start")
         resp = alice.post(
-            f"{API}/reservations",
+            f"{API}/bookings",
             json={"pool": "A100-80GB", "gpus": 2, "start": "2027-01-04T10:00:00+01:00", "end": "2027-01-04T12:00Z"},
         )
         assert resp.status_code == 201, resp.text
@@ -47,42 +49,115 @@ def test_create_list_get_edit_cancel(server_factory, redis_sync):
         # Stored in UTC: 10:00+01:00 is 09:00 UTC.
         assert r["start"] == MONDAY and r["end"] == MONDAY + 3 * HOUR
         assert r["owner"] == "alice" and r["created_by"] == "alice" and r["mine"] is True
-        assert resp.headers["Location"] == f"{API}/reservations/{r['id']}"
+        assert resp.headers["Location"] == f"{API}/bookings/{r['id']}"
         assert r["instances"] == [
             {"k": 0, "start": MONDAY, "end": MONDAY + 3 * HOUR, "state": "upcoming", "used": False}
         ]
 
-        listed = bob.get(f"{API}/reservations", params={"from": MONDAY - HOUR, "to": MONDAY + 5 * HOUR}).json()
-        assert [(x["id"], x["owner"], x["mine"]) for x in listed["reservations"]] == [(r["id"], "alice", False)]
+        listed = bob.get(f"{API}/bookings", params={"from": MONDAY - HOUR, "to": MONDAY + 5 * HOUR}).json()
+        assert [(x["id"], x["owner"], x["mine"]) for x in listed["bookings"]] == [(r["id"], "alice", False)]
         assert (
-            bob.get(f"{API}/reservations", params={"pool": "T4-16GB", "from": MONDAY, "to": MONDAY + HOUR}).json()[
-                "reservations"
+            bob.get(f"{API}/bookings", params={"pool": "T4-16GB", "from": MONDAY, "to": MONDAY + HOUR}).json()[
+                "bookings"
             ]
             == []
         )
         # Outside the window: not listed.
         assert (
-            bob.get(f"{API}/reservations", params={"from": MONDAY + 4 * HOUR, "to": MONDAY + 5 * HOUR}).json()[
-                "reservations"
-            ]
+            bob.get(f"{API}/bookings", params={"from": MONDAY + 4 * HOUR, "to": MONDAY + 5 * HOUR}).json()["bookings"]
             == []
         )
 
-        assert_error(bob.patch(f"{API}/reservations/{r['id']}", json={"gpus": 1}), 403, "not_owner", "alice")
-        assert_error(bob.delete(f"{API}/reservations/{r['id']}"), 403, "not_owner")
-        changed = alice.patch(f"{API}/reservations/{r['id']}", json={"gpus": 3, "note": "more"}).json()
+        assert_error(bob.patch(f"{API}/bookings/{r['id']}", json={"gpus": 1}), 403, "not_owner", "alice")
+        assert_error(bob.delete(f"{API}/bookings/{r['id']}"), 403, "not_owner")
+        changed = alice.patch(f"{API}/bookings/{r['id']}", json={"gpus": 3, "note": "more"}).json()
         assert changed["gpus"] == 3 and changed["note"] == "more" and changed["rev"] == r["rev"] + 1
         assert changed["start"] == r["start"]
 
-        cancelled = alice.delete(f"{API}/reservations/{r['id']}").json()
+        cancelled = alice.delete(f"{API}/bookings/{r['id']}").json()
         assert cancelled["state"] == "cancelled" and cancelled["cancelled_by"] == "alice"
-        assert alice.get(f"{API}/reservations/{r['id']}").json()["state"] == "cancelled"
-        assert (
-            alice.get(f"{API}/reservations", params={"from": MONDAY, "to": MONDAY + HOUR}).json()["reservations"] == []
-        )
-        assert_error(alice.get(f"{API}/reservations/r-nosuch"), 404, "no_such_reservation")
+        assert alice.get(f"{API}/bookings/{r['id']}").json()["state"] == "cancelled"
+        assert alice.get(f"{API}/bookings", params={"from": MONDAY, "to": MONDAY + HOUR}).json()["bookings"] == []
+        assert_error(alice.get(f"{API}/bookings/r-nosuch"), 404, "no_such_reservation")
     types = [f["type"] for _id, f in redis_sync.xrange(Keys(srv.settings.prefix).events)]
     assert {"reservation_created", "reservation_changed", "reservation_cancelled"} <= set(types)
+
+
+OLD = f"{API}/reservations"  # the paths of the first releases, deprecated
+
+
+def _deprecated_for(resp, successor):
+    """The RFC 9745 headers of a deprecated path's answer: since when, and the path that replaces it."""
+    assert resp.headers["Deprecation"] == f"@{protocol.DEPRECATED_SINCE}", resp.headers
+    assert re.fullmatch(r"@-?\d+", resp.headers["Deprecation"])  # a Structured Field Date
+    assert resp.headers["Link"] == f'<{successor}>; rel="successor-version"'
+
+
+def test_old_reservation_paths_answer_as_before_and_say_they_are_deprecated(server_factory):
+    srv = server_factory()
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        body = {"pool": "A100-80GB", "gpus": 2, "start": MONDAY, "end": MONDAY + 2 * HOUR, "note": "old client"}
+        resp = alice.post(OLD, json=body)
+        assert resp.status_code == 201, resp.text
+        made = resp.json()
+        assert resp.headers["Location"] == f"{OLD}/{made['id']}"  # where an old client reads it back
+        _deprecated_for(resp, f"{API}/bookings")
+        new = alice.get(f"{API}/bookings/{made['id']}")
+        assert "Deprecation" not in new.headers and "Link" not in new.headers
+        assert made == new.json()
+
+        window = {"from": MONDAY - HOUR, "to": MONDAY + 5 * HOUR}
+        listed = bob.get(OLD, params=window)
+        _deprecated_for(listed, f"{API}/bookings")
+        assert set(listed.json()) == {"reservations", "now", "from", "to"}
+        assert [x["id"] for x in listed.json()["reservations"]] == [made["id"]]
+        fresh = bob.get(f"{API}/bookings", params=window)
+        assert set(fresh.json()) == {"bookings", "now", "from", "to"} and "Deprecation" not in fresh.headers
+        assert fresh.json()["bookings"] == listed.json()["reservations"]
+
+        one = f"{OLD}/{made['id']}"
+        got = bob.get(one)
+        _deprecated_for(got, f"{API}/bookings/{made['id']}")
+        assert got.json()["id"] == made["id"] and got.json()["mine"] is False
+        changed = alice.patch(one, json={"gpus": 1})
+        _deprecated_for(changed, f"{API}/bookings/{made['id']}")
+        assert changed.json()["gpus"] == 1
+        # Refusals say it too, with the body they always had.
+        refused = bob.delete(one)
+        assert_error(refused, 403, "not_owner", "not yours")
+        _deprecated_for(refused, f"{API}/bookings/{made['id']}")
+        missing = alice.get(f"{OLD}/r-nosuch")
+        assert_error(missing, 404, "no_such_reservation")
+        _deprecated_for(missing, f"{API}/bookings/r-nosuch")
+        not_now = alice.post(f"{one}/end")
+        assert_error(not_now, 409, "conflict", "not in force")
+        _deprecated_for(not_now, f"{API}/bookings/{made['id']}/end")
+        cancelled = alice.delete(one)
+        _deprecated_for(cancelled, f"{API}/bookings/{made['id']}")
+        assert cancelled.json()["state"] == "cancelled"
+        anonymous = http(srv).get(OLD)
+        assert_error(anonymous, 401, "unauthorized")
+        _deprecated_for(anonymous, f"{API}/bookings")
+
+        for path in (f"{API}/bookings", f"{API}/bookings/{made['id']}", f"{API}/bookings/r-nosuch/end"):
+            for resp in (alice.get(path), alice.post(path, json={})):
+                assert "Deprecation" not in resp.headers and "successor-version" not in resp.headers.get("Link", "")
+
+
+def test_client_methods_of_earlier_releases_warn_and_still_work(server_factory):
+    srv = server_factory()
+    client = srv.client("alice")
+    start = MONDAY + 24 * HOUR
+    with pytest.warns(DeprecationWarning, match=r"Client.reserve is deprecated: use Client.book"):
+        made = client.reserve("A100-80GB", 1, start, start + HOUR)
+    with pytest.warns(DeprecationWarning, match=r"use Client.bookings"):
+        assert [b["id"] for b in client.reservations(None, start - HOUR, start + 2 * HOUR)] == [made["id"]]
+    with pytest.warns(DeprecationWarning, match=r"use Client.end_booking"), pytest.raises(errors.Conflict):
+        client.end_reservation(made["id"])  # not in force yet
+    with pytest.warns(DeprecationWarning, match=r"use Client.cancel_booking"):
+        assert client.cancel_reservation(made["id"])["state"] == "cancelled"
+    with pytest.warns(DeprecationWarning, match=r"errors.ReservationClash is deprecated: use errors.BookingClash"):
+        assert errors.ReservationClash is errors.BookingClash  # type: ignore[attr-defined]
 
 
 def test_clash_names_bookings_and_suggests_nearest_windows(server_factory):
@@ -100,23 +175,20 @@ def test_clash_names_bookings_and_suggests_nearest_windows(server_factory):
         # Dry run: says whether it fits and stores nothing.
         assert (
             bob.post(
-                f"{API}/reservations?dry_run=true",
+                f"{API}/bookings?dry_run=true",
                 json={"pool": "A100-80GB", "gpus": 2, "start": MONDAY + HOUR, "end": MONDAY + 3 * HOUR},
             ).json()["fits"]
             is True
         )
-        assert (
-            len(bob.get(f"{API}/reservations", params={"from": MONDAY, "to": MONDAY + 9 * HOUR}).json()["reservations"])
-            == 1
-        )
+        assert len(bob.get(f"{API}/bookings", params={"from": MONDAY, "to": MONDAY + 9 * HOUR}).json()["bookings"]) == 1
         # The suggestion fits; back-to-back bookings do not overlap.
         s = d["suggestions"][0]
         assert book(bob, gpus=3, start=s["start"], hours=2).status_code == 201
         assert book(bob, gpus=2, start=MONDAY, hours=2).status_code == 201  # 4 + 2 = 6: exactly full
         assert_error(book(bob, gpus=1, start=MONDAY + 1.5 * HOUR, hours=0.25), 409, "reservation_clash")
         # Editing into a clash is refused and changes nothing.
-        assert_error(alice.patch(f"{API}/reservations/{a['id']}", json={"gpus": 5}), 409, "reservation_clash")
-        assert alice.get(f"{API}/reservations/{a['id']}").json()["gpus"] == 4
+        assert_error(alice.patch(f"{API}/bookings/{a['id']}", json={"gpus": 5}), 409, "reservation_clash")
+        assert alice.get(f"{API}/bookings/{a['id']}").json()["gpus"] == 4
         # More than the pool can ever book: 422, not 409.
         assert_error(book(alice, gpus=7, start=MONDAY + 50 * HOUR), 422, "unsatisfiable", "book at most 6")
 
@@ -127,7 +199,7 @@ def test_weekly_repeats_clash_in_later_weeks_and_are_stored_in_utc(server_factor
         # Every Monday 09:00-11:00 Berlin winter time (08:00 UTC), 4 times, across the DST change of
         # 2027-03-28: repeats are exactly 168 h apart in UTC.
         a = alice.post(
-            f"{API}/reservations",
+            f"{API}/bookings",
             json={
                 "pool": "A100-80GB",
                 "gpus": 4,
@@ -143,7 +215,7 @@ def test_weekly_repeats_clash_in_later_weeks_and_are_stored_in_utc(server_factor
         # Week 3 (after the change) is 08:00-10:00 UTC = 10:00-12:00 Berlin summer time.
         assert_error(
             bob.post(
-                f"{API}/reservations",
+                f"{API}/bookings",
                 json={
                     "pool": "A100-80GB",
                     "gpus": 3,
@@ -157,7 +229,7 @@ def test_weekly_repeats_clash_in_later_weeks_and_are_stored_in_utc(server_factor
         # Ending at 08:00 UTC (10:00 summer time) touches it without overlapping.
         assert (
             bob.post(
-                f"{API}/reservations",
+                f"{API}/bookings",
                 json={
                     "pool": "A100-80GB",
                     "gpus": 3,
@@ -222,27 +294,23 @@ def test_bad_input_is_refused_and_changes_nothing(server_factory, redis_sync):
         ]
         for body, status, code, frag in cases:
             with unchanged(redis_sync, srv.settings.prefix):
-                assert_error(bob.post(f"{API}/reservations", json=body), status, code, frag)
+                assert_error(bob.post(f"{API}/bookings", json=body), status, code, frag)
         with unchanged(redis_sync, srv.settings.prefix):
             assert_error(
-                bob.post(f"{API}/reservations", content=b"{not json", headers={"Content-Type": "application/json"}),
+                bob.post(f"{API}/bookings", content=b"{not json", headers={"Content-Type": "application/json"}),
                 400,
                 "bad_request",
                 "json",
             )
-            assert_error(
-                bob.post(f"{API}/reservations", content=b"[" + b"1," * 40_000 + b"1]"), 413, "payload_too_large"
-            )
-            assert_error(bob.patch(f"{API}/reservations/{mine['id']}", json={"gpus": 2}), 403, "not_owner")
-            assert_error(alice.patch(f"{API}/reservations/{mine['id']}", json={"gpus": 0}), 400, "bad_request")
-            assert_error(alice.patch(f"{API}/reservations/{mine['id']}", json={}), 400, "bad_request", "nothing")
-            assert_error(alice.post(f"{API}/reservations/{mine['id']}/end"), 409, "conflict", "not in force")
-            assert_error(alice.get(f"{API}/reservations", params={"from": "soon"}), 400, "bad_request")
-            assert_error(
-                alice.post(f"{API}/reservations?dry_run=maybe", json=base), 400, "bad_request", "true or false"
-            )
-            assert_error(alice.get(f"{API}/reservations/bad%20id"), 404, "not_found")
-            assert_error(http(srv).get(f"{API}/reservations"), 401, "unauthorized")
+            assert_error(bob.post(f"{API}/bookings", content=b"[" + b"1," * 40_000 + b"1]"), 413, "payload_too_large")
+            assert_error(bob.patch(f"{API}/bookings/{mine['id']}", json={"gpus": 2}), 403, "not_owner")
+            assert_error(alice.patch(f"{API}/bookings/{mine['id']}", json={"gpus": 0}), 400, "bad_request")
+            assert_error(alice.patch(f"{API}/bookings/{mine['id']}", json={}), 400, "bad_request", "nothing")
+            assert_error(alice.post(f"{API}/bookings/{mine['id']}/end"), 409, "conflict", "not in force")
+            assert_error(alice.get(f"{API}/bookings", params={"from": "soon"}), 400, "bad_request")
+            assert_error(alice.post(f"{API}/bookings?dry_run=maybe", json=base), 400, "bad_request", "true or false")
+            assert_error(alice.get(f"{API}/bookings/bad%20id"), 404, "not_found")
+            assert_error(http(srv).get(f"{API}/bookings"), 401, "unauthorized")
 
 
 def _wait_event(watcher: EventWatcher, kind: str, timeout: float = 20, **match: object) -> dict:
@@ -262,7 +330,7 @@ def test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice(ser
         # Nobody else may take booked GPUs except as borrowed leases.
         b1 = bob_c.acquire(1, ttl=60)
         b2 = bob_c.acquire(1, ttl=60)
-        assert b1.borrowed and b2.borrowed and not b1.reservation
+        assert b1.borrowed and b2.borrowed and not b1.booking
         # dave queues first; alice, the holder, still goes ahead of him.
         dave_result: dict = {}
 
@@ -273,7 +341,7 @@ def test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice(ser
         t.start()
         _wait_event(watcher, "queued", user="dave")
         lease = alice_c.acquire(2, wait=20, ttl=60)
-        assert lease.reservation == booking["id"] and not lease.borrowed
+        assert lease.booking == booking["id"] and not lease.borrowed
         recalls = [e for e in watcher.events if e["type"] == "borrow_recalled"]
         assert sorted(e["lease"] for e in recalls) == sorted([b1.id, b2.id])
         revokes = [_wait_event(watcher, "revoked", lease=b.id) for b in (b1, b2)]
@@ -291,7 +359,7 @@ def test_holder_is_served_first_and_borrowed_leases_are_recalled_with_notice(ser
         alice_c.release(lease)
         t.join(20)
         assert dave_result["lease"].user == "dave" and dave_result["lease"].borrowed
-        got = alice.get(f"{API}/reservations/{booking['id']}").json()
+        got = alice.get(f"{API}/bookings/{booking['id']}").json()
         assert got["instances"][0]["used"] is True and got["held"] == 0
 
 
@@ -314,7 +382,7 @@ def test_board_shows_reserved_and_borrowed_gpus(server_factory):
         assert sorted(g["state"] for g in gpus) == ["borrowed", "leased", "leased", "reserved"]
         assert next(g for g in gpus if g["state"] == "borrowed")["lease"]["borrowed"] is True
         mine = srv.client("alice").acquire(1)
-        assert mine.reservation == booking["id"]
+        assert mine.booking == booking["id"]
         view = alice.get(f"{API}/cluster").json()
         assert view["pools"]["A100-80GB"]["reserved"] == 0  # alice holds 1, bob borrows the other
 
@@ -327,10 +395,10 @@ def test_team_booking_serves_its_members(server_factory):
         assert resp.status_code == 201, resp.text
         booking = resp.json()
         lease = srv.client("bob").acquire(1)
-        assert lease.reservation == booking["id"]
+        assert lease.booking == booking["id"]
         assert not srv.client("carol").acquire(1).borrowed  # the one unbooked GPU
         # a team member may end the team's booking
-        ended = bob.post(f"{API}/reservations/{booking['id']}/end").json()
+        ended = bob.post(f"{API}/bookings/{booking['id']}/end").json()
         assert ended["instances"][0]["state"] == "released"
 
 
@@ -402,8 +470,8 @@ def test_weekly_no_show_checks_every_occurrence(store_factory):
         assert sorted(rec["released"]) == ["0", "1", "2"]
         # Past its last occurrence (and the history kept), the booking is removed.
         await st.sweep(now_ms=now + 2 * WEEK_MS + 3_660_000 + int(st.settings.booking_history * 1000) + 1)
-        assert await st.redis.hget(st.keys.resv, r["id"]) is None
-        assert await st.redis.zcard(st.keys.resv_idx) == 0
+        assert await st.redis.hget(st.keys.bookings, r["id"]) is None
+        assert await st.redis.zcard(st.keys.booking_idx) == 0
 
     asyncio.run(main())
 
@@ -413,16 +481,16 @@ def test_end_early_gives_gpus_back(server_factory):
     with http(srv, "alice") as alice:
         booking = book(alice, gpus=1, start=time.time() - 1, hours=1).json()
         assert srv.client("bob").acquire(1).borrowed
-        out = alice.post(f"{API}/reservations/{booking['id']}/end").json()
+        out = alice.post(f"{API}/bookings/{booking['id']}/end").json()
         assert out["instances"][0]["state"] == "released"
-        assert_error(alice.post(f"{API}/reservations/{booking['id']}/end"), 409, "conflict", "not in force")
+        assert_error(alice.post(f"{API}/bookings/{booking['id']}/end"), 409, "conflict", "not in force")
         # ending is not cancelling: the booking is still listed, its occurrence released
-        listed = alice.get(f"{API}/reservations").json()["reservations"]
+        listed = alice.get(f"{API}/bookings").json()["bookings"]
         assert [x["id"] for x in listed] == [booking["id"]]
 
 
 def test_booking_with_datetime_offsets_round_trip():
-    from lease_server.leasing.reservations import parse_time
+    from lease_server.leasing.bookings import parse_time
 
     berlin_winter = parse_time("start", "2027-01-04T10:00:00+01:00")
     assert berlin_winter == parse_time("start", "2027-01-04T09:00:00Z") == int(MONDAY * 1000)
@@ -438,7 +506,7 @@ def test_a_borrowed_gang_is_recalled_for_the_holder(server_factory):
         gang = srv.client("bob").acquire(4, nodes=2, ttl=60)
         assert gang.borrowed and sorted(gang.nodes) == ["n1", "n2"]
         lease = srv.client("alice").acquire(2, wait=20, ttl=60)
-        assert lease.reservation == booking["id"]
+        assert lease.booking == booking["id"]
         recall = _wait_event(watcher, "borrow_recalled", lease=gang.id)
         revoked = _wait_event(watcher, "revoked", lease=gang.id)
         assert revoked["ts"] - recall["ts"] >= 0.5 - 0.001

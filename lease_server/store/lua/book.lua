@@ -1,9 +1,9 @@
--- reserve.lua: create, change or dry-run a booking, refusing it if at any instant of any of its
+-- book.lua: create, change or dry-run a booking, refusing it if at any instant of any of its
 -- occurrences the pool (or, for an all-on-one-node booking, its node) would be over-booked.
 -- Capacity is the pool's GPUs minus the on-demand floor kept for people without a booking.
--- KEYS: nodes alive free fit sizes holders leases deadlines queue waiters waiting_by usage fence events grants resv resv_idx resv_due recall held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit sizes holders leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due
 -- ARGV[6] = "create" | "edit" | "check"
--- ARGV[7] = the whole booking as JSON, validated by reservations.py: {id, owner, pool, gpus, start,
+-- ARGV[7] = the whole booking as JSON, validated by bookings.py: {id, owner, pool, gpus, start,
 --           end, repeat, occurrences, colocate, note, created_by, created_at, notice_ms,
 --           no_show_ms, keep_ms}; for "edit" the changed record, whose run-time fields (held,
 --           used, released) are taken from the stored one
@@ -16,12 +16,12 @@ local mode, rec, floor = ARGV[6], cjson.decode(ARGV[7]), tonumber(ARGV[8])
 
 local old
 if mode == 'edit' then
-  local raw = redis.call('HGET', K_RESV, rec.id)
+  local raw = redis.call('HGET', K_BOOKINGS, rec.id)
   if not raw then return {NO_SUCH} end
   old = cjson.decode(raw)
   if tostring(old.rev) ~= ARGV[9] then return {STALE} end
   if old.state ~= 'active' then return {ENDED} end
-elseif mode == 'create' and redis.call('HEXISTS', K_RESV, rec.id) == 1 then
+elseif mode == 'create' and redis.call('HEXISTS', K_BOOKINGS, rec.id) == 1 then
   return {DUPLICATE}
 end
 
@@ -49,7 +49,7 @@ rec.held, rec.used, rec.released = rec.held or 0, rec.used or {}, rec.released o
 rec.state = 'active'
 
 local others = {}
-for _, r in ipairs(resv_of_pool(pool)) do
+for _, r in ipairs(bookings_of_pool(pool)) do
   if r.id ~= rec.id and r.state == 'active' then others[#others + 1] = r end
 end
 
@@ -183,8 +183,8 @@ rec.base_at = NOW
 rec.check_k = 0
 schedule_booking(rec)
 save_booking(rec)
-if old and old.pool ~= pool then redis.call('ZREM', K_RESV_IDX, old.pool .. '|' .. rec.id) end
-redis.call('ZADD', K_RESV_IDX, 0, pool .. '|' .. rec.id)
+if old and old.pool ~= pool then redis.call('ZREM', K_BOOKING_IDX, old.pool .. '|' .. rec.id) end
+redis.call('ZADD', K_BOOKING_IDX, 0, pool .. '|' .. rec.id)
 emit(old and 'reservation_changed' or 'reservation_created',
      {id = rec.id, owner = rec.owner, pool = pool, gpus = rec.gpus, start = rec.start, ['end'] = rec['end'],
       ['repeat'] = rec['repeat'], occurrences = rec.occurrences, node = rec.node, by = rec.changed_by})

@@ -1,4 +1,4 @@
-"""Teams and their bookings for the ``lease+resv`` policy (gpulease + reservations).
+"""Teams and their bookings for the ``lease+booking`` policy (gpulease + bookings).
 
 The traces have users but no teams, so the users are dealt into ``teams`` teams in rank order
 (user k joins team ``k % teams``: with Zipf-weighted users every team gets one heavy user and a
@@ -6,7 +6,7 @@ tail of light ones). Together the teams book ``share`` of the pool's GPUs, split
 proportion to the GPU-time their cells use (largest remainder, whole GPUs), as weekly repeating
 bookings of the window ``[window_h[0], window_h[1])`` hours after the start of each week of the
 workload (the default, 0-168, books the whole week: the June trace is as busy at night and on
-weekends as by day). The bookings are made through ``lease_server.leasing.reservations.Bookings`` before
+weekends as by day). The bookings are made through ``lease_server.leasing.bookings.Bookings`` before
 the first cell, so the capacity check and everything after it is the server's own code.
 """
 
@@ -23,7 +23,7 @@ MAX_WEEKS = 52  # the most occurrences a weekly booking may have
 
 
 @dataclass(frozen=True)
-class ResvParams:
+class BookingParams:
     teams: int = 4
     share: float = 0.5  # of the pool's GPUs booked by all teams together
     window_h: tuple[float, float] = (0.0, 168.0)  # booked hours of each week, from the workload's start
@@ -38,7 +38,7 @@ class Booking:
     occurrences: int
 
 
-def teams_of(w: Workload, params: ResvParams) -> dict[str, list[str]]:
+def teams_of(w: Workload, params: BookingParams) -> dict[str, list[str]]:
     """team -> members: users dealt round-robin in rank order."""
     n = max(1, min(params.teams, len(w.users)))
     out: dict[str, list[str]] = {f"team{k}": [] for k in range(n)}
@@ -47,7 +47,7 @@ def teams_of(w: Workload, params: ResvParams) -> dict[str, list[str]]:
     return out
 
 
-def bookings(w: Workload, gpus: int, params: ResvParams) -> list[Booking]:
+def bookings(w: Workload, gpus: int, params: BookingParams) -> list[Booking]:
     """One weekly booking per team, covering the workload (see the module's docstring)."""
     if not 0 <= params.share <= 1:
         raise ValueError(f"the booked share must be between 0 and 1, got {params.share}")

@@ -1,8 +1,8 @@
-"""Reservations: book GPUs of a pool for a time window, enforced by the lease server.
+"""Bookings: GPUs of a pool booked for a time window, enforced by the lease server.
 
 A booking holds capacity over time: at no instant are more GPUs of a pool booked than the pool has,
 minus an on-demand floor. A clash is refused with the clashing bookings and the nearest windows
-that fit (``reserve.lua``, atomic with the write). During its window the holder (a user, or any
+that fit (``book.lua``, atomic with the write). During its window the holder (a user, or any
 member of a ``team:NAME`` owner) is served from it ahead of the queue; others may use the GPUs it
 does not use only as *borrowed* leases, which are recalled with notice when the holder asks
 (``dispatch`` in ``lua/_lib_schedule.lua``). An occurrence nobody uses within ``no_show_after`` is released.
@@ -23,7 +23,7 @@ from typing import Any
 from .. import errors
 from ..store.engine import Engine
 from ..store.keys import NAME_RE
-from ..store.scripts import Code, Reserve, Unreserve, fmt, span
+from ..store.scripts import Book, Code, Unbook, fmt, span
 from .inventory import pool_sizes
 from .lease import check_gpus, check_name, check_text
 from .validate import check_owner, parse_time
@@ -264,7 +264,7 @@ class Bookings:
         raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
 
     async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None) -> dict[str, Any]:
-        call = Reserve(mode, json.dumps(rec), self.settings.on_demand_floor, rev)
+        call = Book(mode, json.dumps(rec), self.settings.on_demand_floor, rev)
         try:
             out: dict[str, Any] = await self.engine.run(call, now_ms)
         except errors.UnknownPool:
@@ -273,13 +273,13 @@ class Bookings:
         return out
 
     async def cancel(self, booking_id: str, user: str, **kw: Any) -> dict[str, Any]:
-        return await self._unreserve(booking_id, "cancel", user, **kw)
+        return await self._unbook(booking_id, "cancel", user, **kw)
 
     async def end(self, booking_id: str, user: str, **kw: Any) -> dict[str, Any]:
         """End the occurrence in force now: its GPUs go back to the pool at once."""
-        return await self._unreserve(booking_id, "end", user, **kw)
+        return await self._unbook(booking_id, "end", user, **kw)
 
-    async def _unreserve(
+    async def _unbook(
         self,
         booking_id: str,
         mode: str,
@@ -291,7 +291,7 @@ class Bookings:
     ) -> dict[str, Any]:
         check_id(booking_id)
         keep_ms = int(self.settings.ended_retention * 1000)
-        call = Unreserve(booking_id, mode, user, admin, ",".join(teams), keep_ms)
+        call = Unbook(booking_id, mode, user, admin, ",".join(teams), keep_ms)
         code, rest = await self.engine.raw(call, now_ms)  # the code tells a change from a repeat
         out: dict[str, Any] = call.reply(code, rest)
         if code is Code.OK:
@@ -302,9 +302,9 @@ class Bookings:
 
     async def get(self, booking_id: str) -> dict[str, Any]:
         check_id(booking_id)
-        raw = await self.engine.redis.hget(self.keys.resv, booking_id)
+        raw = await self.engine.redis.hget(self.keys.bookings, booking_id)
         if raw is None:
-            raise errors.NoSuchReservation(f"no booking {booking_id!r}; list them with GET /api/v1/reservations")
+            raise errors.NoSuchBooking(f"no booking {booking_id!r}; list them with GET /api/v1/bookings")
         out: dict[str, Any] = json.loads(raw)
         return out
 
@@ -315,13 +315,13 @@ class Bookings:
         r = self.engine.redis
         members: Any
         if pool:
-            members = await r.zrangebylex(self.keys.resv_idx, f"[{pool}|", f"({pool}|~")
+            members = await r.zrangebylex(self.keys.booking_idx, f"[{pool}|", f"({pool}|~")
         else:
-            members = await r.zrange(self.keys.resv_idx, 0, -1)
+            members = await r.zrange(self.keys.booking_idx, 0, -1)
         ids = [m.split("|", 1)[1] for m in members]
         if not ids:
             return []
-        recs = [json.loads(raw) for raw in await r.hmget(self.keys.resv, ids) if raw]
+        recs = [json.loads(raw) for raw in await r.hmget(self.keys.bookings, ids) if raw]
         lo = lo_ms if lo_ms is not None else -(2**62)
         hi = hi_ms if hi_ms is not None else 2**62
         return sorted((x for x in recs if occurrences(x, lo, hi)), key=lambda x: (x["start"], x["id"]))
