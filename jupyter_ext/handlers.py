@@ -34,13 +34,13 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "gpulease"
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-RESERVATION_ID_RE = LEASE_ID_RE
+BOOKING_ID_RE = LEASE_ID_RE
 POOL_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 NUMBER_RE = re.compile(r"^-?\d{1,12}(\.\d{1,6})?$")
-# The fields of a booking (POST /reservations; PATCH takes any subset) and the JSON types each one takes.
+# The fields of a booking (POST /bookings; PATCH takes any subset) and the JSON types each one takes.
 # Values are checked by the lease server (a pool that exists, start < end, 1..52 occurrences, ...).
 TIME = "a time: epoch seconds, or ISO-8601 with an offset like 2026-11-23T09:00:00+01:00"
-RESERVATION_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+BOOKING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "pool": ((str,), "a pool name"),
     "gpus": ((int,), "a whole number of GPUs"),
     "start": ((int, float, str), TIME),
@@ -271,19 +271,19 @@ def booking_fields(data: dict[str, Any], *, partial: bool) -> dict[str, Any]:
     make no sense to pass on: an unknown field (a typo would silently be ignored), a wrong type,
     a time without an offset (its meaning depends on a clock's zone), a missing pool/gpus/start/end.
     """
-    unknown = sorted(set(data) - set(RESERVATION_FIELDS))
+    unknown = sorted(set(data) - set(BOOKING_FIELDS))
     if unknown:
         raise errors.BadRequest(
-            f"unknown booking field(s) {', '.join(unknown)}; a booking has {', '.join(RESERVATION_FIELDS)}"
+            f"unknown booking field(s) {', '.join(unknown)}; a booking has {', '.join(BOOKING_FIELDS)}"
         )
     if not partial:
         missing = [f for f in ("pool", "gpus", "start", "end") if f not in data]
         if missing:
             raise errors.BadRequest(f"a booking needs {', '.join(missing)}")
     elif not data:
-        raise errors.BadRequest(f"nothing to change: give any of {', '.join(RESERVATION_FIELDS)}")
+        raise errors.BadRequest(f"nothing to change: give any of {', '.join(BOOKING_FIELDS)}")
     for name, value in data.items():
-        types, what = RESERVATION_FIELDS[name]
+        types, what = BOOKING_FIELDS[name]
         wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
         if isinstance(value, float) and not math.isfinite(value):
             wrong = True
@@ -307,38 +307,36 @@ def may_change(booking: dict[str, Any], me: dict[str, Any]) -> bool:
     return bool(booking.get("mine")) and own
 
 
-class BookingHandler(GpuLeaseHandler):
+class BookingBase(GpuLeaseHandler):
     """Base of the booking handlers: ``mine`` in every answer says what this page may change."""
 
     async def as_mine(self, answer: dict[str, Any]) -> dict[str, Any]:
         me = await self.api.whoami()
-        if "reservations" in answer:
-            return {**answer, "reservations": [{**b, "mine": may_change(b, me)} for b in answer["reservations"]]}
+        if "bookings" in answer:
+            return {**answer, "bookings": [{**b, "mine": may_change(b, me)} for b in answer["bookings"]]}
         if "id" in answer and "owner" in answer:
             return {**answer, "mine": may_change(answer, me)}
         return answer  # a dry run's {"fits", "node"}
 
-    def checked_id(self, reservation_id: str) -> str:
+    def checked_id(self, booking_id: str) -> str:
         self.check_args()
-        if not RESERVATION_ID_RE.match(reservation_id):
-            raise errors.BadRequest(
-                f"reservation id must be 1 to 64 letters, digits, '.', '_' or '-', got {reservation_id!r}"
-            )
-        return reservation_id
+        if not BOOKING_ID_RE.match(booking_id):
+            raise errors.BadRequest(f"booking id must be 1 to 64 letters, digits, '.', '_' or '-', got {booking_id!r}")
+        return booking_id
 
-    async def own_reservation(self, reservation_id: str, verb: str) -> dict[str, Any]:
+    async def own_booking(self, booking_id: str, verb: str) -> dict[str, Any]:
         """The booking, checked: a well-formed id, and this page may change it (see may_change)."""
-        booking: dict[str, Any] = await self.api.request("GET", f"/reservations/{self.checked_id(reservation_id)}")
+        booking: dict[str, Any] = await self.api.request("GET", f"/bookings/{self.checked_id(booking_id)}")
         me = await self.api.whoami()
         if not may_change(booking, me):
             raise errors.NotOwner(
-                f"booking {reservation_id} belongs to {booking.get('owner')}, not to {me.get('user')}; "
+                f"booking {booking_id} belongs to {booking.get('owner')}, not to {me.get('user')}; "
                 f"only its owner can {verb} it"
             )
         return booking
 
 
-class ReservationsHandler(BookingHandler):
+class BookingsHandler(BookingBase):
     """Everyone's bookings (GET ?pool=&from=&to=), and booking GPUs (POST; ?dry_run=true only checks).
 
     A booking that does not fit is the lease server's 409 ``reservation_clash``, passed on with its
@@ -363,7 +361,7 @@ class ReservationsHandler(BookingHandler):
             value = self.time_arg(name)
             if value is not None:
                 params[name] = value
-        self.reply(await self.as_mine(await self.api.request("GET", "/reservations", params=params or None)))
+        self.reply(await self.as_mine(await self.api.request("GET", "/bookings", params=params or None)))
 
     @tornado.web.authenticated
     @authorized
@@ -372,7 +370,7 @@ class ReservationsHandler(BookingHandler):
         dry_run = self.flag("dry_run")
         booking = booking_fields(self.json_object(), partial=False)
         params = {"dry_run": "true"} if dry_run else None
-        answer = await self.api.request("POST", "/reservations", params=params, json=booking)
+        answer = await self.api.request("POST", "/bookings", params=params, json=booking)
         if not dry_run:
             self.log.info(
                 "gpulease: %s booked from JupyterLab by %s: %s GPU(s) of %s",
@@ -384,7 +382,7 @@ class ReservationsHandler(BookingHandler):
         self.reply(await self.as_mine(answer), 200 if dry_run else 201)
 
 
-class ReservationHandler(BookingHandler):
+class BookingHandler(BookingBase):
     """One booking: read it (anyone), change it (PATCH, any subset of the fields; ?dry_run=true only
     checks that the change fits) or cancel it (DELETE)."""
 
@@ -394,24 +392,22 @@ class ReservationHandler(BookingHandler):
 
     @tornado.web.authenticated
     @authorized
-    async def get(self, reservation_id: str) -> None:
-        self.reply(
-            await self.as_mine(await self.api.request("GET", f"/reservations/{self.checked_id(reservation_id)}"))
-        )
+    async def get(self, booking_id: str) -> None:
+        self.reply(await self.as_mine(await self.api.request("GET", f"/bookings/{self.checked_id(booking_id)}")))
 
     @tornado.web.authenticated
     @authorized
-    async def patch(self, reservation_id: str) -> None:
+    async def patch(self, booking_id: str) -> None:
         self.check_args()
         dry_run = self.flag("dry_run")
         changes = booking_fields(self.json_object(), partial=True)
-        await self.own_reservation(reservation_id, "change")
+        await self.own_booking(booking_id, "change")
         params = {"dry_run": "true"} if dry_run else None
-        changed = await self.api.request("PATCH", f"/reservations/{reservation_id}", params=params, json=changes)
+        changed = await self.api.request("PATCH", f"/bookings/{booking_id}", params=params, json=changes)
         if not dry_run:
             self.log.info(
                 "gpulease: %s changed from JupyterLab by %s: %s",
-                reservation_id,
+                booking_id,
                 self.current_user.username,
                 ", ".join(sorted(changes)),
             )
@@ -419,22 +415,22 @@ class ReservationHandler(BookingHandler):
 
     @tornado.web.authenticated
     @authorized
-    async def delete(self, reservation_id: str) -> None:
-        await self.own_reservation(reservation_id, "cancel")
-        cancelled = await self.api.request("DELETE", f"/reservations/{reservation_id}")
-        self.log.info("gpulease: %s cancelled from JupyterLab by %s", reservation_id, self.current_user.username)
+    async def delete(self, booking_id: str) -> None:
+        await self.own_booking(booking_id, "cancel")
+        cancelled = await self.api.request("DELETE", f"/bookings/{booking_id}")
+        self.log.info("gpulease: %s cancelled from JupyterLab by %s", booking_id, self.current_user.username)
         self.reply(await self.as_mine(cancelled))
 
 
-class ReservationEndHandler(BookingHandler):
+class BookingEndHandler(BookingBase):
     """ "I'm done": end the current occurrence of one of my bookings early; its GPUs go back to the pool."""
 
     @tornado.web.authenticated
     @authorized
-    async def post(self, reservation_id: str) -> None:
-        await self.own_reservation(reservation_id, "end")
-        ended = await self.api.request("POST", f"/reservations/{reservation_id}/end")
-        self.log.info("gpulease: %s ended early from JupyterLab by %s", reservation_id, self.current_user.username)
+    async def post(self, booking_id: str) -> None:
+        await self.own_booking(booking_id, "end")
+        ended = await self.api.request("POST", f"/bookings/{booking_id}/end")
+        self.log.info("gpulease: %s ended early from JupyterLab by %s", booking_id, self.current_user.username)
         self.reply(await self.as_mine(ended))
 
 
@@ -510,9 +506,9 @@ class NotFoundHandler(GpuLeaseHandler):
             self.get_login_url()  # raises 401, as @authenticated would
         raise errors.NotFound(
             f"no such endpoint {self.request.method} {self.request.path}; the gpulease API has "
-            "GET version, cluster, leases, queue, events, reservations, reservations/<id>, DELETE leases/<id>, "
-            "POST leases/<id>/keep, POST reservations, PATCH and DELETE reservations/<id>, "
-            "POST reservations/<id>/end"
+            "GET version, cluster, leases, queue, events, bookings, bookings/<id>, DELETE leases/<id>, "
+            "POST leases/<id>/keep, POST bookings, PATCH and DELETE bookings/<id>, "
+            "POST bookings/<id>/end"
         )
 
 
@@ -526,9 +522,9 @@ def routes(base_url: str) -> list[tuple[str, type[GpuLeaseHandler]]]:
         (at("leases"), LeasesHandler),
         (at("leases", "([^/]+)"), LeaseHandler),
         (at("leases", "([^/]+)", "keep"), KeepHandler),
-        (at("reservations"), ReservationsHandler),
-        (at("reservations", "([^/]+)"), ReservationHandler),
-        (at("reservations", "([^/]+)", "end"), ReservationEndHandler),
+        (at("bookings"), BookingsHandler),
+        (at("bookings", "([^/]+)"), BookingHandler),
+        (at("bookings", "([^/]+)", "end"), BookingEndHandler),
         (at("queue"), QueueHandler),
         (at("events"), EventsHandler),
         (at("(.*)"), NotFoundHandler),

@@ -34,12 +34,12 @@ ENDPOINTS = [
     ("GET", "events"),
     ("DELETE", "leases/l-0123456789abcdef"),
     ("POST", "leases/l-0123456789abcdef/keep"),
-    ("GET", "reservations"),
-    ("POST", "reservations"),
-    ("GET", "reservations/r-0123456789ab"),
-    ("PATCH", "reservations/r-0123456789ab"),
-    ("DELETE", "reservations/r-0123456789ab"),
-    ("POST", "reservations/r-0123456789ab/end"),
+    ("GET", "bookings"),
+    ("POST", "bookings"),
+    ("GET", "bookings/r-0123456789ab"),
+    ("PATCH", "bookings/r-0123456789ab"),
+    ("DELETE", "bookings/r-0123456789ab"),
+    ("POST", "bookings/r-0123456789ab/end"),
     ("GET", "no-such-endpoint"),
 ]
 
@@ -346,7 +346,7 @@ def test_queue_shows_waiters_and_checks_the_pool(fetch: Any, afetch: Any, server
     assert "pool" in msg
 
 
-# ---- bookings (reservations) ----------------------------------------------------------------------------
+# ---- bookings --------------------------------------------------------------------------------------------
 
 HOUR = 3600
 
@@ -364,61 +364,61 @@ def post_json(fetch: Any, *parts: str, data: Any, method: str = "POST", **kw: An
 def test_bookings_are_listed_made_checked_changed_and_cancelled_through_the_proxy(fetch: Any, server: Any) -> None:
     start, end = window()
     theirs = server.client("bob").request(
-        "POST", "/api/v1/reservations", json={"pool": "A100-80GB", "gpus": 1, "start": start, "end": end}
+        "POST", "/api/v1/bookings", json={"pool": "A100-80GB", "gpus": 1, "start": start, "end": end}
     )
     booking = {"pool": "A100-80GB", "gpus": 2, "start": start, "end": end, "note": "paper deadline"}
 
     # A dry run answers whether it fits and stores nothing.
-    resp = post_json(fetch, "gpulease", "reservations", data=booking, params={"dry_run": "true"})
+    resp = post_json(fetch, "gpulease", "bookings", data=booking, params={"dry_run": "true"})
     assert (resp.code, body(resp)["fits"]) == (200, True), resp.body
-    listed = body(fetch("gpulease", "reservations", params={"pool": "A100-80GB"}))
-    assert [r["id"] for r in listed["reservations"]] == [theirs["id"]]
+    listed = body(fetch("gpulease", "bookings", params={"pool": "A100-80GB"}))
+    assert [r["id"] for r in listed["bookings"]] == [theirs["id"]]
 
-    resp = post_json(fetch, "gpulease", "reservations", data=booking)
+    resp = post_json(fetch, "gpulease", "bookings", data=booking)
     assert resp.code == 201, resp.body
     mine = body(resp)
     assert (mine["owner"], mine["gpus"], mine["start"], mine["end"], mine["mine"]) == ("alice", 2, start, end, True)
     assert mine["note"] == "paper deadline" and mine["instances"][0]["state"] == "upcoming"
 
     # Everyone's bookings of the pool in a window, each saying whether this page may change it.
-    listed = body(fetch("gpulease", "reservations", params={"pool": "A100-80GB", "from": start - HOUR, "to": end}))
-    assert {(r["id"], r["owner"], r["gpus"], r["mine"]) for r in listed["reservations"]} == {
+    listed = body(fetch("gpulease", "bookings", params={"pool": "A100-80GB", "from": start - HOUR, "to": end}))
+    assert {(r["id"], r["owner"], r["gpus"], r["mine"]) for r in listed["bookings"]} == {
         (theirs["id"], "bob", 1, False),
         (mine["id"], "alice", 2, True),
     }
     assert listed["now"] == pytest.approx(time.time(), abs=5)
     iso = {"from": "2000-01-01T00:00:00+00:00", "to": "2000-01-02T00:00:00Z"}
-    assert body(fetch("gpulease", "reservations", params=iso))["reservations"] == []
-    assert body(fetch("gpulease", "reservations", params={"pool": "T4-16GB"}))["reservations"] == []
-    assert body(fetch("gpulease", "reservations", mine["id"]))["note"] == "paper deadline"
+    assert body(fetch("gpulease", "bookings", params=iso))["bookings"] == []
+    assert body(fetch("gpulease", "bookings", params={"pool": "T4-16GB"}))["bookings"] == []
+    assert body(fetch("gpulease", "bookings", mine["id"]))["note"] == "paper deadline"
 
     # A change: checked first (dry run: nothing changes), then made.
     resp = post_json(
-        fetch, "gpulease", "reservations", mine["id"], data={"gpus": 3}, method="PATCH", params={"dry_run": "1"}
+        fetch, "gpulease", "bookings", mine["id"], data={"gpus": 3}, method="PATCH", params={"dry_run": "1"}
     )
     assert (resp.code, body(resp)["fits"]) == (200, True), resp.body
-    assert server.client("alice").request("GET", f"/api/v1/reservations/{mine['id']}")["gpus"] == 2
-    resp = post_json(fetch, "gpulease", "reservations", mine["id"], data={"gpus": 3, "note": "more"}, method="PATCH")
+    assert server.client("alice").request("GET", f"/api/v1/bookings/{mine['id']}")["gpus"] == 2
+    resp = post_json(fetch, "gpulease", "bookings", mine["id"], data={"gpus": 3, "note": "more"}, method="PATCH")
     assert resp.code == 200, resp.body
     assert (body(resp)["gpus"], body(resp)["note"], body(resp)["mine"]) == (3, "more", True)
 
-    resp = fetch("gpulease", "reservations", mine["id"], method="DELETE")
+    resp = fetch("gpulease", "bookings", mine["id"], method="DELETE")
     assert (resp.code, body(resp)["state"]) == (200, "cancelled"), resp.body
-    assert server.client("alice").request("GET", f"/api/v1/reservations/{mine['id']}")["state"] == "cancelled"
-    listed = body(fetch("gpulease", "reservations", params={"pool": "A100-80GB"}))
-    assert [r["id"] for r in listed["reservations"]] == [theirs["id"]]
-    error(fetch("gpulease", "reservations", "r-0123456789ab"), 404, "no_such_reservation")
+    assert server.client("alice").request("GET", f"/api/v1/bookings/{mine['id']}")["state"] == "cancelled"
+    listed = body(fetch("gpulease", "bookings", params={"pool": "A100-80GB"}))
+    assert [r["id"] for r in listed["bookings"]] == [theirs["id"]]
+    error(fetch("gpulease", "bookings", "r-0123456789ab"), 404, "no_such_reservation")
 
 
 def test_ending_a_booking_now_releases_its_current_occurrence(fetch: Any, server: Any) -> None:
     now = time.time()
     booking = {"pool": "T4-16GB", "gpus": 1, "start": now - 60, "end": now + HOUR, "note": "running"}
-    resp = post_json(fetch, "gpulease", "reservations", data=booking)
+    resp = post_json(fetch, "gpulease", "bookings", data=booking)
     assert resp.code == 201, resp.body
     made = body(resp)
     assert made["instances"][0]["state"] == "active"
 
-    resp = fetch("gpulease", "reservations", made["id"], "end", method="POST")
+    resp = fetch("gpulease", "bookings", made["id"], "end", method="POST")
     assert resp.code == 200, resp.body
     ended = body(resp)
     assert ended["mine"] is True and ended["instances"][0]["state"] == "released"
@@ -427,11 +427,11 @@ def test_ending_a_booking_now_releases_its_current_occurrence(fetch: Any, server
 def test_a_clash_is_passed_on_with_the_clashing_bookings_and_the_windows_that_fit(fetch: Any, server: Any) -> None:
     start, end = window()
     full = server.client("bob").request(
-        "POST", "/api/v1/reservations", json={"pool": "A100-80GB", "gpus": 6, "start": start, "end": end}
+        "POST", "/api/v1/bookings", json={"pool": "A100-80GB", "gpus": 6, "start": start, "end": end}
     )
     booking = {"pool": "A100-80GB", "gpus": 1, "start": start + HOUR, "end": end + HOUR}
     for params in ({"dry_run": "true"}, None):
-        resp = post_json(fetch, "gpulease", "reservations", data=booking, params=params)
+        resp = post_json(fetch, "gpulease", "bookings", data=booking, params=params)
         data = body(resp)
         assert (resp.code, data["code"]) == (409, "reservation_clash"), data
         assert "bob" in data["message"]
@@ -441,21 +441,21 @@ def test_a_clash_is_passed_on_with_the_clashing_bookings_and_the_windows_that_fi
         assert details["suggestions"], details
         for s in details["suggestions"]:  # same length, clear of bob's window
             assert s["end"] - s["start"] == 2 * HOUR and (s["end"] <= start or s["start"] >= end)
-    listed = body(fetch("gpulease", "reservations", params={"pool": "A100-80GB"}))
-    assert [r["id"] for r in listed["reservations"]] == [full["id"]]
+    listed = body(fetch("gpulease", "bookings", params={"pool": "A100-80GB"}))
+    assert [r["id"] for r in listed["bookings"]] == [full["id"]]
 
     # A suggested window is booked as it is.
     suggestion = details["suggestions"][0]
-    resp = post_json(fetch, "gpulease", "reservations", data={**booking, **suggestion})
+    resp = post_json(fetch, "gpulease", "bookings", data={**booking, **suggestion})
     assert resp.code == 201, resp.body
 
     # A change that would clash is refused the same way, and changes nothing.
     mine = body(resp)
     moved = {"start": start, "end": end}
-    resp = post_json(fetch, "gpulease", "reservations", mine["id"], data=moved, method="PATCH")
+    resp = post_json(fetch, "gpulease", "bookings", mine["id"], data=moved, method="PATCH")
     assert (resp.code, body(resp)["code"]) == (409, "reservation_clash")
     assert body(resp)["details"]["clashes"][0]["id"] == full["id"]
-    assert body(fetch("gpulease", "reservations", mine["id"]))["start"] == suggestion["start"]
+    assert body(fetch("gpulease", "bookings", mine["id"]))["start"] == suggestion["start"]
 
 
 @pytest.mark.parametrize("lease_identity", [("alice", "user"), ("root", "admin")])
@@ -464,20 +464,20 @@ def test_a_colleagues_booking_can_be_seen_but_not_changed_even_with_an_admin_tok
 ) -> None:
     start, end = window()
     theirs = server.client("bob").request(
-        "POST", "/api/v1/reservations", json={"pool": "T4-16GB", "gpus": 1, "start": start, "end": end}
+        "POST", "/api/v1/bookings", json={"pool": "T4-16GB", "gpus": 1, "start": start, "end": end}
     )
-    seen = body(fetch("gpulease", "reservations", theirs["id"]))
+    seen = body(fetch("gpulease", "bookings", theirs["id"]))
     assert (seen["owner"], seen["mine"]) == ("bob", False)
-    assert [r["mine"] for r in body(fetch("gpulease", "reservations"))["reservations"]] == [False]
+    assert [r["mine"] for r in body(fetch("gpulease", "bookings"))["bookings"]] == [False]
     for method, path, data in (
         ("PATCH", [theirs["id"]], {"gpus": 2}),
         ("DELETE", [theirs["id"]], None),
         ("POST", [theirs["id"], "end"], None),
     ):
         kw = {"body": json.dumps(data)} if data is not None else {}
-        msg = error(fetch("gpulease", "reservations", *path, method=method, **kw), 403, "not_owner")
+        msg = error(fetch("gpulease", "bookings", *path, method=method, **kw), 403, "not_owner")
         assert f"belongs to bob, not to {lease_identity[0]}" in msg
-    after = server.client("bob").request("GET", f"/api/v1/reservations/{theirs['id']}")
+    after = server.client("bob").request("GET", f"/api/v1/bookings/{theirs['id']}")
     assert (after["state"], after["gpus"]) == ("active", 1)
 
 
@@ -496,8 +496,8 @@ BAD_BOOKINGS = [
 
 @pytest.mark.parametrize(("data", "says"), BAD_BOOKINGS)
 def test_a_bad_booking_is_refused_here_with_a_message(fetch: Any, server: Any, data: bytes, says: str) -> None:
-    assert says in error(fetch("gpulease", "reservations", method="POST", body=data), 400, "bad_request")
-    assert server.client("alice").request("GET", "/api/v1/reservations")["reservations"] == []
+    assert says in error(fetch("gpulease", "bookings", method="POST", body=data), 400, "bad_request")
+    assert server.client("alice").request("GET", "/api/v1/bookings")["bookings"] == []
 
 
 def test_the_lease_servers_own_refusals_of_a_booking_are_passed_on(fetch: Any, server: Any) -> None:
@@ -514,25 +514,25 @@ def test_the_lease_servers_own_refusals_of_a_booking_are_passed_on(fetch: Any, s
         ({"pool": "H100-80GB", "gpus": 1, "start": start, "end": end}, 404, "H100-80GB"),
     ]
     for data, status, says in cases:
-        resp = post_json(fetch, "gpulease", "reservations", data=data)
+        resp = post_json(fetch, "gpulease", "bookings", data=data)
         assert resp.code == status and says in body(resp)["message"], (data, resp.code, body(resp))
-    assert server.client("alice").request("GET", "/api/v1/reservations")["reservations"] == []
+    assert server.client("alice").request("GET", "/api/v1/bookings")["bookings"] == []
 
 
 @pytest.mark.parametrize(
     ("method", "path", "params", "says"),
     [
-        ("GET", "reservations", {"from": "yesterday"}, "from must be a time"),
-        ("GET", "reservations", {"to": "2026-11-23T09:00:00"}, "to must be a time"),
-        ("GET", "reservations", {"pool": "no pool!"}, "pool must be a pool name"),
-        ("GET", "reservations", {"dry_run": "true"}, "unknown query argument(s) dry_run"),
-        ("POST", "reservations", {"dry_run": "maybe"}, "dry_run must be true or false"),
-        ("POST", "reservations", {"pool": "A100-80GB"}, "unknown query argument(s) pool"),
-        ("GET", "reservations/bad id!", {}, "reservation id"),
-        ("DELETE", "reservations/bad id!", {}, "reservation id"),
-        ("POST", "reservations/bad id!/end", {}, "reservation id"),
-        ("PATCH", "reservations/r-0123456789ab", {}, "nothing to change"),
-        ("DELETE", "reservations/r-0123456789ab", {"dry_run": "true"}, "unknown query argument(s) dry_run"),
+        ("GET", "bookings", {"from": "yesterday"}, "from must be a time"),
+        ("GET", "bookings", {"to": "2026-11-23T09:00:00"}, "to must be a time"),
+        ("GET", "bookings", {"pool": "no pool!"}, "pool must be a pool name"),
+        ("GET", "bookings", {"dry_run": "true"}, "unknown query argument(s) dry_run"),
+        ("POST", "bookings", {"dry_run": "maybe"}, "dry_run must be true or false"),
+        ("POST", "bookings", {"pool": "A100-80GB"}, "unknown query argument(s) pool"),
+        ("GET", "bookings/bad id!", {}, "booking id"),
+        ("DELETE", "bookings/bad id!", {}, "booking id"),
+        ("POST", "bookings/bad id!/end", {}, "booking id"),
+        ("PATCH", "bookings/r-0123456789ab", {}, "nothing to change"),
+        ("DELETE", "bookings/r-0123456789ab", {"dry_run": "true"}, "unknown query argument(s) dry_run"),
     ],
 )
 def test_bad_booking_arguments_are_refused_with_a_message(
@@ -650,16 +650,16 @@ def test_booking_from_a_cookie_login_must_echo_the_xsrf_cookie(
         async with httpx.AsyncClient(timeout=10) as http:
             token = jp_serverapp.identity_provider.token
             assert (await http.get(base + "gpulease/version", params={"token": token})).status_code == 200
-            assert (await http.get(base + "gpulease/reservations")).status_code == 200
-            resp = await http.post(base + "gpulease/reservations", json=booking)
+            assert (await http.get(base + "gpulease/bookings")).status_code == 200
+            resp = await http.post(base + "gpulease/bookings", json=booking)
             assert (resp.status_code, resp.json()["code"]) == (403, "forbidden")
             assert "X-XSRFToken" in resp.json()["message"]
 
             xsrf = os.urandom(16).hex()
             http.cookies.set("_xsrf", xsrf)
-            resp = await http.post(base + "gpulease/reservations", json=booking, headers={"X-XSRFToken": xsrf})
+            resp = await http.post(base + "gpulease/bookings", json=booking, headers={"X-XSRFToken": xsrf})
             assert resp.status_code == 201, resp.text
-            url = base + f"gpulease/reservations/{resp.json()['id']}"
+            url = base + f"gpulease/bookings/{resp.json()['id']}"
             for method in ("PATCH", "DELETE"):
                 resp = await http.request(method, url, json={"note": "x"} if method == "PATCH" else None)
                 assert (resp.status_code, resp.json()["code"]) == (403, "forbidden")

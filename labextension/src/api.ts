@@ -112,8 +112,8 @@ export interface IInstance {
   used: boolean;
 }
 
-/** A booking of GPUs of a pool, as GET /gpulease/reservations lists it. */
-export interface IReservation {
+/** A booking of GPUs of a pool, as GET /gpulease/bookings lists it. */
+export interface IBooking {
   id: string;
   owner: string; // a user, or "team:NAME"
   pool: string;
@@ -134,8 +134,8 @@ export interface IReservation {
   instances: IInstance[];
 }
 
-/** What POST /gpulease/reservations takes (PATCH: any subset). Times: epoch seconds. */
-export interface IBooking {
+/** What POST /gpulease/bookings takes (PATCH: any subset). Times: epoch seconds. */
+export interface IBookingRequest {
   pool: string;
   gpus: number;
   start: number;

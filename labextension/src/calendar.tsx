@@ -13,7 +13,7 @@ import interactionPlugin from '@fullcalendar/interaction';
 import timeGridPlugin from '@fullcalendar/timegrid';
 import React, { useEffect, useRef, useState } from 'react';
 
-import { GpuLeaseError, IBooking, IClash, IInstance, IReservation } from './api';
+import { GpuLeaseError, IBooking, IBookingRequest, IClash, IInstance } from './api';
 import { confirmAction } from './confirm';
 import { GpuLeaseModel, describe } from './model';
 
@@ -84,7 +84,7 @@ const ZONE = Intl.DateTimeFormat().resolvedOptions().timeZone;
  * Ask, then cancel one of my bookings (every week of a weekly one): true once cancelled, false when
  * the cancel failed (model.bookingErrors says why), null when the user kept the booking.
  */
-export async function confirmCancelBooking(model: GpuLeaseModel, r: IReservation): Promise<boolean | null> {
+export async function confirmCancelBooking(model: GpuLeaseModel, r: IBooking): Promise<boolean | null> {
   const weekly = r.repeat === 'weekly' ? `, every week of it (${r.occurrences} weeks)` : '';
   const ok = await confirmAction(
     `Cancel booking ${r.id}?`,
@@ -96,9 +96,9 @@ export async function confirmCancelBooking(model: GpuLeaseModel, r: IReservation
 }
 
 /** One calendar event per occurrence of a booking. */
-function toEvents(reservations: IReservation[]): EventInput[] {
+function toEvents(bookings: IBooking[]): EventInput[] {
   const events: EventInput[] = [];
-  for (const r of reservations) {
+  for (const r of bookings) {
     if (r.state !== 'active') {
       continue;
     }
@@ -113,14 +113,14 @@ function toEvents(reservations: IReservation[]): EventInput[] {
           `jp-GpuLease-booking-${i.state}`,
           ...(r.mine ? ['jp-GpuLease-bookingMine'] : [])
         ],
-        extendedProps: { reservation: r, instance: i }
+        extendedProps: { booking: r, instance: i }
       });
     }
   }
   return events;
 }
 
-function bookingName(r: IReservation, i: IInstance): string {
+function bookingName(r: IBooking, i: IInstance): string {
   const parts = [`Booking ${r.id}: ${r.owner}, ${gpuCount(r.gpus)}, ${formatWindow(i.start, i.end)}`];
   if (r.repeat === 'weekly') {
     parts.push(`weekly, week ${i.k + 1} of ${r.occurrences}`);
@@ -140,7 +140,7 @@ function bookingName(r: IReservation, i: IInstance): string {
 /** What the dialog was opened for. */
 type DialogTarget =
   | { mode: 'new'; start: Date; end: Date; fromDrag: boolean }
-  | { mode: 'edit'; reservation: IReservation; instance: IInstance | null };
+  | { mode: 'edit'; booking: IBooking; instance: IInstance | null };
 
 export function BookingCalendar(props: {
   model: GpuLeaseModel;
@@ -195,7 +195,7 @@ export function BookingCalendar(props: {
           return;
         }
         model
-          .fetchReservations(wanted, info.start, info.end)
+          .fetchBookings(wanted, info.start, info.end)
           .then(rs => {
             setLoadError(null);
             success(toEvents(rs));
@@ -208,17 +208,17 @@ export function BookingCalendar(props: {
       select: info => setDialog({ mode: 'new', start: info.start, end: info.end, fromDrag: true }),
       eventClick: info => {
         info.jsEvent.preventDefault();
-        const { reservation, instance } = info.event.extendedProps as {
-          reservation?: IReservation;
+        const { booking, instance } = info.event.extendedProps as {
+          booking?: IBooking;
           instance?: IInstance;
         };
-        if (reservation) {
-          setDialog({ mode: 'edit', reservation, instance: instance ?? null });
+        if (booking) {
+          setDialog({ mode: 'edit', booking, instance: instance ?? null });
         }
       },
       eventContent: arg => {
         // The mirror of a selection being dragged is an event too, without a booking.
-        const r = arg.event.extendedProps.reservation as IReservation | undefined;
+        const r = arg.event.extendedProps.booking as IBooking | undefined;
         const nodes: Node[] = [];
         const time = document.createElement('div');
         time.className = 'jp-GpuLease-bookingTime';
@@ -236,14 +236,14 @@ export function BookingCalendar(props: {
         return { domNodes: nodes };
       },
       eventDidMount: arg => {
-        const { reservation, instance } = arg.event.extendedProps as {
-          reservation?: IReservation;
+        const { booking, instance } = arg.event.extendedProps as {
+          booking?: IBooking;
           instance?: IInstance;
         };
-        if (!reservation || !instance) {
+        if (!booking || !instance) {
           return; // the mirror of a selection
         }
-        const name = bookingName(reservation, instance);
+        const name = bookingName(booking, instance);
         arg.el.setAttribute('role', 'button');
         arg.el.setAttribute('aria-label', name);
         arg.el.setAttribute('title', name);
@@ -256,13 +256,13 @@ export function BookingCalendar(props: {
     calendar.current = cal;
     cal.render();
     const refetch = () => cal.refetchEvents();
-    model.reservationsChanged.connect(refetch);
+    model.bookingsChanged.connect(refetch);
     // The panel is a Lumino widget: FullCalendar sees window resizes, not the panel's.
     const observer = new ResizeObserver(() => cal.updateSize());
     observer.observe(host.current);
     return () => {
       observer.disconnect();
-      model.reservationsChanged.disconnect(refetch);
+      model.bookingsChanged.disconnect(refetch);
       cal.destroy();
       calendar.current = null;
     };
@@ -339,7 +339,7 @@ export function BookingCalendar(props: {
       <div ref={host} className="jp-GpuLease-fc" aria-label={`bookings of ${pool}`} />
       {dialog && (
         <BookingDialog
-          key={dialog.mode === 'edit' ? dialog.reservation.id : `new-${dialog.start.getTime()}`}
+          key={dialog.mode === 'edit' ? dialog.booking.id : `new-${dialog.start.getTime()}`}
           model={model}
           pools={pools}
           pool={pool}
@@ -370,7 +370,7 @@ type Check =
   | { state: 'clash'; message: string; clash: IClash | null; serverMessage?: string };
 
 /** The fields as a booking, or what is wrong with them. */
-function toBooking(f: IFields): IBooking | string {
+function toBooking(f: IFields): IBookingRequest | string {
   const gpus = Number(f.gpus);
   if (!Number.isInteger(gpus) || gpus < 1) {
     return 'GPUs must be a whole number, 1 or more';
@@ -383,7 +383,7 @@ function toBooking(f: IFields): IBooking | string {
   if (end <= start) {
     return 'the end must be after the start';
   }
-  const booking: IBooking = { pool: f.pool, gpus, start, end, repeat: f.repeat, colocate: f.colocate };
+  const booking: IBookingRequest = { pool: f.pool, gpus, start, end, repeat: f.repeat, colocate: f.colocate };
   if (f.repeat === 'weekly') {
     const n = Number(f.occurrences);
     if (!Number.isInteger(n) || n < 1 || n > 52) {
@@ -401,7 +401,7 @@ function toBooking(f: IFields): IBooking | string {
 }
 
 /** The fields of a booking that differ from an existing one (what a PATCH sends). */
-function changesOf(existing: IReservation, booking: IBooking): Partial<IBooking> {
+function changesOf(existing: IBooking, booking: IBookingRequest): Partial<IBookingRequest> {
   const before: Record<string, unknown> = {
     pool: existing.pool,
     gpus: existing.gpus,
@@ -420,7 +420,7 @@ function changesOf(existing: IReservation, booking: IBooking): Partial<IBooking>
       changes[key] = after[key];
     }
   }
-  return changes as Partial<IBooking>;
+  return changes as Partial<IBookingRequest>;
 }
 
 /**
@@ -428,7 +428,7 @@ function changesOf(existing: IReservation, booking: IBooking): Partial<IBooking>
  * UTC; the panel writes every time in the browser's zone (as the calendar does), so the headline is
  * made here from the booking and the details (the server's message stays as its tooltip).
  */
-function clashOf(error: unknown, booking: IBooking | null): Check {
+function clashOf(error: unknown, booking: IBookingRequest | null): Check {
   if (error instanceof GpuLeaseError && error.status === 409) {
     const d = error.details;
     const clash = d && Array.isArray(d.clashes) ? (d as IClash) : null;
@@ -452,7 +452,7 @@ function BookingDialog(props: {
   onClose: (message?: string) => void;
 }): JSX.Element {
   const { model, pools, target, onClose } = props;
-  const existing = target.mode === 'edit' ? target.reservation : null;
+  const existing = target.mode === 'edit' ? target.booking : null;
   const editable = !existing || existing.mine;
   const [fields, setFields] = useState<IFields>(() =>
     existing

@@ -1,7 +1,7 @@
 /**
  * The state behind the panel and the status bar item: the cluster, my leases, the queue and the
  * bookings, kept current by the lease server's event stream (GET /gpulease/events, an EventSource).
- * Calendars listen to reservationsChanged and refetch the window they show.
+ * Calendars listen to bookingsChanged and refetch the window they show.
  *
  * Each relevant event schedules one refetch (coalesced over a short delay, so a burst of grants
  * costs one round of requests). If the stream breaks, the model says so, reconnects with backoff,
@@ -13,9 +13,9 @@ import { ISignal, Signal } from '@lumino/signaling';
 import {
   GpuLeaseError,
   IBooking,
+  IBookingRequest,
   ICluster,
   ILease,
-  IReservation,
   IVersion,
   IWaiter,
   apiUrl,
@@ -31,7 +31,7 @@ export const INSTALL_HINT =
   'server extension missing: run pip install gpulease and restart JupyterLab';
 
 /**
- * Event types after which the board may have changed (with RESERVATION_EVENTS: bookings make GPUs
+ * Event types after which the board may have changed (with BOOKING_EVENTS: bookings make GPUs
  * reserved). New GPU states come with new event types: add them here and to
  * lease_server/protocol.py's BOARD_EVENTS (tests/test_protocol.py keeps the two lists equal).
  */
@@ -68,9 +68,9 @@ export const BOARD_EVENTS = [
 
 /**
  * Event types after which bookings changed: the calendar and My bookings refetch (the board too).
- * Equal to lease_server/protocol.py's RESERVATION_EVENTS (tests/test_protocol.py).
+ * Equal to lease_server/protocol.py's BOOKING_EVENTS (tests/test_protocol.py).
  */
-export const RESERVATION_EVENTS = [
+export const BOOKING_EVENTS = [
   'reservation_created',
   'reservation_changed',
   'reservation_cancelled',
@@ -96,8 +96,8 @@ export class GpuLeaseModel {
   }
 
   /** Emitted when bookings may have changed (an event, a booking made here): calendars refetch. */
-  get reservationsChanged(): ISignal<this, void> {
-    return this._reservationsChanged;
+  get bookingsChanged(): ISignal<this, void> {
+    return this._bookingsSignal;
   }
 
   version: IVersion | null = null;
@@ -120,17 +120,17 @@ export class GpuLeaseModel {
   keeping = new Set<string>();
   keepErrors = new Map<string, string>();
   /** Bookings in the lease server's default window (from a day ago to two weeks ahead). */
-  reservations: IReservation[] = [];
-  /** The last fetch of bookings failed (e.g. a lease server without reservations). */
-  reservationsError: string | null = null;
+  bookings: IBooking[] = [];
+  /** The last fetch of bookings failed (e.g. a lease server without bookings). */
+  bookingsError: string | null = null;
   /** Cancel / End now in flight, and the message of a failed one, per booking id. */
   bookingBusy = new Set<string>();
   bookingErrors = new Map<string, string>();
 
   /** My bookings (mine: I may change them) that are not over: the current or next occurrence first. */
-  get myBookings(): IReservation[] {
+  get myBookings(): IBooking[] {
     const now = this.serverNow();
-    return this.reservations
+    return this.bookings
       .filter(r => r.mine && r.state === 'active' && r.instances.some(i => i.end > now && i.state !== 'released'))
       .sort((a, b) => nextInstanceStart(a, now) - nextInstanceStart(b, now));
   }
@@ -182,7 +182,7 @@ export class GpuLeaseModel {
 
   /** Refetch the cluster, my leases and the queue (and, beside them, the bookings). */
   async refresh(): Promise<void> {
-    const bookings = this.refreshReservations();
+    const bookings = this.refreshBookings();
     try {
       const [cluster, mine, queue] = await Promise.all([
         requestAPI<ICluster>('cluster', {}, this._settings),
@@ -215,66 +215,66 @@ export class GpuLeaseModel {
   }
 
   /** Refetch the bookings in the lease server's default window (for My bookings). */
-  async refreshReservations(): Promise<void> {
+  async refreshBookings(): Promise<void> {
     try {
-      const answer = await requestAPI<{ reservations: IReservation[]; now: number }>(
-        'reservations',
+      const answer = await requestAPI<{ bookings: IBooking[]; now: number }>(
+        'bookings',
         {},
         this._settings
       );
-      this.reservations = answer.reservations;
-      this.reservationsError = null;
+      this.bookings = answer.bookings;
+      this.bookingsError = null;
       for (const id of this.bookingErrors.keys()) {
-        if (!this.reservations.some(r => r.id === id && r.state === 'active')) {
+        if (!this.bookings.some(r => r.id === id && r.state === 'active')) {
           this.bookingErrors.delete(id);
         }
       }
     } catch (error) {
-      this.reservationsError = describe(error);
+      this.bookingsError = describe(error);
     }
     this._emit();
   }
 
   /** Everyone's bookings of a pool that overlap [from, to) (for the calendar). */
-  async fetchReservations(pool: string, from: Date, to: Date): Promise<IReservation[]> {
+  async fetchBookings(pool: string, from: Date, to: Date): Promise<IBooking[]> {
     const query = new URLSearchParams({
       pool,
       from: String(Math.floor(from.getTime() / 1000)),
       to: String(Math.ceil(to.getTime() / 1000))
     });
-    const answer = await requestAPI<{ reservations: IReservation[] }>(
-      `reservations?${query.toString()}`,
+    const answer = await requestAPI<{ bookings: IBooking[] }>(
+      `bookings?${query.toString()}`,
       {},
       this._settings
     );
-    return answer.reservations;
+    return answer.bookings;
   }
 
   /**
    * Would this booking fit? Resolves when it would; rejects with the lease server's error otherwise
    * (a GpuLeaseError 409 reservation_clash whose details say what is in the way and what would fit).
    */
-  async checkBooking(booking: IBooking): Promise<{ fits: boolean; node: string }> {
-    return requestAPI('reservations?dry_run=true', jsonBody('POST', booking), this._settings);
+  async checkBooking(booking: IBookingRequest): Promise<{ fits: boolean; node: string }> {
+    return requestAPI('bookings?dry_run=true', jsonBody('POST', booking), this._settings);
   }
 
   /** Would this change of one of my bookings fit? Like checkBooking. */
-  async checkChange(id: string, changes: Partial<IBooking>): Promise<{ fits: boolean; node: string }> {
-    const path = `reservations/${encodeURIComponent(id)}?dry_run=true`;
+  async checkChange(id: string, changes: Partial<IBookingRequest>): Promise<{ fits: boolean; node: string }> {
+    const path = `bookings/${encodeURIComponent(id)}?dry_run=true`;
     return requestAPI(path, jsonBody('PATCH', changes), this._settings);
   }
 
   /** Book GPUs; rejects like checkBooking when the booking does not fit. */
-  async book(booking: IBooking): Promise<IReservation> {
-    const made = await requestAPI<IReservation>('reservations', jsonBody('POST', booking), this._settings);
+  async book(booking: IBookingRequest): Promise<IBooking> {
+    const made = await requestAPI<IBooking>('bookings', jsonBody('POST', booking), this._settings);
     this._bookingsChanged();
     return made;
   }
 
   /** Change one of my bookings (any subset of the fields; a weekly booking changes as a whole). */
-  async changeBooking(id: string, changes: Partial<IBooking>): Promise<IReservation> {
-    const changed = await requestAPI<IReservation>(
-      `reservations/${encodeURIComponent(id)}`,
+  async changeBooking(id: string, changes: Partial<IBookingRequest>): Promise<IBooking> {
+    const changed = await requestAPI<IBooking>(
+      `bookings/${encodeURIComponent(id)}`,
       jsonBody('PATCH', changes),
       this._settings
     );
@@ -284,12 +284,12 @@ export class GpuLeaseModel {
 
   /** Cancel one of my bookings (all its occurrences). The error, if any, is kept per booking. */
   async cancelBooking(id: string): Promise<boolean> {
-    return this._bookingAction(id, 'cancel', `reservations/${encodeURIComponent(id)}`, 'DELETE');
+    return this._bookingAction(id, 'cancel', `bookings/${encodeURIComponent(id)}`, 'DELETE');
   }
 
   /** "I'm done": end the current occurrence of one of my bookings; its GPUs go back to the pool. */
   async endBooking(id: string): Promise<boolean> {
-    return this._bookingAction(id, 'end', `reservations/${encodeURIComponent(id)}/end`, 'POST');
+    return this._bookingAction(id, 'end', `bookings/${encodeURIComponent(id)}/end`, 'POST');
   }
 
   private async _bookingAction(id: string, verb: string, path: string, method: string): Promise<boolean> {
@@ -310,7 +310,7 @@ export class GpuLeaseModel {
   }
 
   private _bookingsChanged(): void {
-    this._reservationsChanged.emit(undefined);
+    this._bookingsSignal.emit(undefined);
     void this.refresh(); // My bookings, and the board (reserved GPUs)
   }
 
@@ -396,7 +396,7 @@ export class GpuLeaseModel {
       this.live = 'live';
       this._retryDelay = RETRY_MIN;
       if (wasDown) {
-        this._reservationsChanged.emit(undefined);
+        this._bookingsSignal.emit(undefined);
         void this.refresh(); // events may have been missed while the stream was down
       } else {
         this._emit();
@@ -419,9 +419,9 @@ export class GpuLeaseModel {
     for (const type of BOARD_EVENTS) {
       source.addEventListener(type, () => this._scheduleRefresh());
     }
-    for (const type of RESERVATION_EVENTS) {
+    for (const type of BOOKING_EVENTS) {
       source.addEventListener(type, () => {
-        this._reservationsChanged.emit(undefined);
+        this._bookingsSignal.emit(undefined);
         this._scheduleRefresh();
       });
     }
@@ -451,7 +451,7 @@ export class GpuLeaseModel {
 
   private _settings: ServerConnection.ISettings;
   private _changed = new Signal<this, void>(this);
-  private _reservationsChanged = new Signal<this, void>(this);
+  private _bookingsSignal = new Signal<this, void>(this);
   private _source: EventSource | null = null;
   private _refreshTimer = 0;
   private _retryTimer = 0;
@@ -477,7 +477,7 @@ function jsonBody(method: string, body: unknown): RequestInit {
 }
 
 /** When the current or next occurrence of a booking starts (epoch seconds). */
-export function nextInstanceStart(r: IReservation, now: number): number {
+export function nextInstanceStart(r: IBooking, now: number): number {
   const next = r.instances.find(i => i.end > now && i.state !== 'released');
   return next ? next.start : r.start;
 }

@@ -8,7 +8,7 @@
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer, useRef, useState } from 'react';
 
-import { IGpu, IHolder, ILease, INode, IReservation } from './api';
+import { IBooking, IGpu, IHolder, ILease, INode } from './api';
 import { BookingCalendar, ICalendarPlace, confirmCancelBooking, formatWindow, gpuCount } from './calendar';
 import { confirmAction } from './confirm';
 import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
@@ -117,7 +117,7 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
   const state = idle && gpu.state === 'leased' ? 'idle' : gpu.state;
   const booking = gpu.reservation;
   const bookingMine =
-    !!booking && (model.reservations.find(r => r.id === booking.id)?.mine ?? booking.owner === model.user);
+    !!booking && (model.bookings.find(r => r.id === booking.id)?.mine ?? booking.owner === model.user);
   const parts = [`${node.name} GPU ${gpu.index}: ${stateLabel(gpu.state)}`];
   if (booking && !lease) {
     parts.push(`for ${booking.owner}${bookingMine ? ' (you)' : ''}`);
@@ -354,7 +354,7 @@ function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {
   );
 }
 
-function bookingText(r: IReservation, now: number): { when: string; state: string } {
+function bookingText(r: IBooking, now: number): { when: string; state: string } {
   const next = r.instances.find(i => i.end > now && i.state !== 'released');
   const i = next ?? { start: r.start, end: r.end, state: 'upcoming', k: 0 };
   const later = r.repeat === 'weekly' ? r.occurrences - 1 - ('k' in i ? i.k : 0) : 0;
@@ -366,10 +366,10 @@ function bookingText(r: IReservation, now: number): { when: string; state: strin
 function MyBookings(props: { model: GpuLeaseModel; now: number }): JSX.Element {
   const { model, now } = props;
   // With the lease server away, the alert above says so: the bookings last fetched stay shown.
-  if (model.reservationsError && !model.error) {
+  if (model.bookingsError && !model.error) {
     return (
       <div role="alert" className="jp-GpuLease-error">
-        could not load bookings: {model.reservationsError}
+        could not load bookings: {model.bookingsError}
       </div>
     );
   }
