@@ -10,9 +10,9 @@ simulator's replay and the benches all call scripts through these wrappers;
 ``tests/test_scripts.py`` checks every header against its wrapper and the Lua code table against
 :class:`Code`.
 
-Every state-changing script takes four common arguments first (:class:`Common`): the virtual
-"now" (only the simulator passes one), the event log's length, the fair-share half-life and how
-long ended leases stay readable.
+Every state-changing script takes five common arguments first (:class:`Common`): the virtual
+"now" (only the simulator passes one), the event log's length, the fair-share half-life, how
+long ended leases stay readable and the fencing epoch.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@
 -- ARGV[18] = the notebook the request comes from ("" if unknown)   ARGV[19] = the cell: its number, or a hash ("")
 -- ARGV[20] = the most requests one user may have in the queue at once (a request that waits
 --            beyond it is refused: {LIMIT, requests the user has queued})
--- {UNSATISFIABLE, largest node size, nodes that could hold a gang's share} when no node (or too
--- few nodes, for a gang) could ever serve the request
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
---         {UNKNOWN_POOL} | {UNSATISFIABLE, largest node size} | {DUPLICATE} | {LIMIT, queued}
+--         {UNKNOWN_POOL} | {DUPLICATE} | {LIMIT, queued} |
+--         {UNSATISFIABLE, largest node size, nodes that could hold a gang's share (0 unless a gang)}
+--         when no node (or too few nodes, for a gang) could ever serve the request
 local id, user, pool = ARGV[6], ARGV[7], ARGV[8]
 local n, ttl_ms, wait_ms = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local priority, n_min = tonumber(ARGV[15] or '1') or 1, tonumber(ARGV[16] or '') or tonumber(ARGV[9])
@@ -68,7 +68,7 @@ if n_nodes > 1 then
                           '(' .. pool .. '|~')
   if able < n_nodes then return {UNSATISFIABLE, size, able} end
 elseif n_min > size then
-  return {UNSATISFIABLE, size}
+  return {UNSATISFIABLE, size, 0}
 elseif n > size then
   w.gpus, n = size, size  -- elastic: no node could give more than its size
 end
