@@ -66,6 +66,7 @@ async def costs(group: Any, blocks: int, per_block: int) -> dict[str, float]:
     in interleaved blocks on one sentinel-managed client."""
     from lease_server.leasing.inventory import parse_simulate, register
     from lease_server.leasing.lease import LeaseStore
+    from lease_server.request import AcquireRequest
     from lease_server.store.engine import Engine, connect
 
     r = connect(group.url)
@@ -88,7 +89,7 @@ async def costs(group: Any, blocks: int, per_block: int) -> dict[str, float]:
                     await r.delete("{hacost}:lock")
                 else:
                     store = stores[int(name[-1])]
-                    rec = await store.acquire("bench", 1, "A100-80GB", 60.0, 0.0)
+                    rec = await store.acquire("bench", AcquireRequest(gpus=1, pool="A100-80GB", ttl=60.0, wait=0.0))
                     await store.release(rec["id"], "bench")
                 times[name].append((time.perf_counter() - t0) * 1000)
     await r.aclose()

@@ -183,6 +183,7 @@ async def register_nodes(redis_url: str, prefix: str, spec: str) -> None:
 
 async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
     from lease_server.leasing.lease import LeaseStore
+    from lease_server.request import AcquireRequest
     from lease_server.store.engine import Engine, connect
 
     r = connect(redis_url)  # the server's own client (hiredis packing), for the lease and the Lock alike
@@ -198,7 +199,7 @@ async def bench_client(redis_url: str, n: int, warmup: int) -> dict[str, float]:
 
         async def one_pair() -> float:
             t0 = pc()
-            rec = await store.acquire("alice", 1)
+            rec = await store.acquire("alice", AcquireRequest(gpus=1))
             await store.release(rec["id"], "alice")
             return pc() - t0
 
@@ -359,6 +360,7 @@ def bench_http_client(url: str, token: str, n: int, warmup: int) -> dict[str, fl
 async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
     from lease_server.leasing.inventory import parse_simulate, register
     from lease_server.leasing.lease import LeaseStore
+    from lease_server.request import AcquireRequest
     from lease_server.store.engine import Engine, connect
 
     r = connect(redis_url)  # the server's own client
@@ -376,7 +378,7 @@ async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
             # the next lease asks for, best fit puts that lease on the new node.
             for inv in invs[:busy]:
                 await register(store.engine, inv, alive_s=LONG)
-                await store.acquire("holder", rng.choice((5, 6, 7)), ttl=LONG)
+                await store.acquire("holder", AcquireRequest(gpus=rng.choice((5, 6, 7)), ttl=LONG))
             for inv in invs[busy:]:
                 await register(store.engine, inv, alive_s=LONG)
         setup_s = time.perf_counter() - t_setup
@@ -385,7 +387,7 @@ async def bench_scale(redis_url: str, n: int, warmup: int) -> dict[str, Any]:
 
         async def one(store: LeaseStore) -> float:
             t0 = pc()
-            rec = await store.acquire("alice", 1)
+            rec = await store.acquire("alice", AcquireRequest(gpus=1))
             dt = pc() - t0
             await store.release(rec["id"], "alice")
             return dt

@@ -30,6 +30,7 @@ import httpx
 
 from . import errors, protocol
 from .protocol import GpuJson, LeaseJson, LeaseState
+from .request import MAX_TEXT, AcquireRequest
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -241,21 +242,20 @@ class Client:
         request (default: a fresh one), e.g. to ask ``estimate`` about it while it waits.
         """
         lid = request_id or self.new_request_id()
-        body: dict[str, Any] = {"id": lid, "gpus": gpus, "wait": wait, "label": label, "session": session}
-        if pool:
-            body["pool"] = pool
-        if ttl:
-            body["ttl"] = ttl
-        if gpus_min is not None and gpus_min != gpus:
-            body["gpus_min"] = gpus_min
-        if priority:
-            body["priority"] = priority
-        if nodes and nodes > 1:
-            body["nodes"] = nodes
-        if notebook:
-            body["notebook"] = notebook[:200]
-        if cell:
-            body["cell"] = cell[:200]
+        body = AcquireRequest(
+            id=lid,
+            gpus=gpus,
+            gpus_min=None if gpus_min == gpus else gpus_min,
+            nodes=nodes if nodes and nodes > 1 else 1,
+            pool=pool or None,
+            ttl=ttl or None,
+            wait=wait,
+            label=label,
+            session=session,
+            notebook=notebook[:MAX_TEXT],
+            cell=cell[:MAX_TEXT],
+            priority=priority or "normal",
+        ).json()
         outcome: dict[str, Any] = {}  # "lease": Lease | "error": BaseException
 
         def post() -> None:

@@ -12,7 +12,6 @@ from .errors import ConfigurationError
 
 SCHEDULERS = ("fifo", "fair_share", "priority")
 SCHED_SETTINGS = ("scheduler", "preempt_notice", "idle_weight", "quota", "aging", "warm_max", "warm_evict_notice")
-PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 UNLEASED_ACTIONS = ("flag", "kill")  # what node agents do about a process on a GPU no lease covers
 # The HTTP edge's settings: (name, exclusive low, inclusive high)
 EDGE_BOUNDS = (

@@ -28,6 +28,9 @@ USER_HEADER = "X-Gpulease-User"  # the Jupyter server extension: whom it acts fo
 # JupyterHub) that acts for the logged-in user it names in the USER_HEADER.
 ROLES = ("user", "admin", "agent", "proxy")
 
+# The priority classes a request may name, and their rank in the scheduler (higher is served first).
+PRIORITIES = {"low": 0, "normal": 1, "high": 2}
+
 
 def bearer(token: str) -> dict[str, str]:
     return {AUTHORIZATION: f"Bearer {token}"}

@@ -20,6 +20,7 @@ from lease_server import errors, protocol
 from lease_server.leasing.bookings import WEEK_MS, Bookings
 from lease_server.leasing.inventory import parse_simulate, register
 from lease_server.leasing.lease import LeaseStore
+from lease_server.request import AcquireRequest
 from lease_server.store.engine import Engine
 from lease_server.store.keys import Keys
 from tests.api_helpers import API, EventWatcher, assert_error, http, unchanged
@@ -430,7 +431,7 @@ def test_no_show_releases_the_booking_and_tells_the_owner(store_factory):
             "alice", {"pool": "A100-80GB", "gpus": 1, "start": now / 1000, "end": now / 1000 + 3600}
         )
         used = await b.create("bob", {"pool": "A100-80GB", "gpus": 1, "start": now / 1000, "end": now / 1000 + 3600})
-        lease = await st.acquire("bob", 1)
+        lease = await st.acquire("bob", AcquireRequest(gpus=1))
         assert lease["resv"] == used["id"]
         await st.release(lease["id"], "bob")
         # Before the deadline nothing happens; after it, only the unused booking is released.

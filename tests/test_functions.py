@@ -13,6 +13,7 @@ from redis import Redis
 
 from lease_server import errors
 from lease_server.node.redis_proc import RedisProcess
+from lease_server.request import AcquireRequest
 from lease_server.store.scripts import library
 from tests.test_queue import store_for
 
@@ -24,7 +25,7 @@ def script_calls(r: Redis) -> dict[str, int]:
 
 async def lease_cycle(st: Any) -> None:
     """Acquire, renew and release through the store: the scripts a cell's lease runs."""
-    lease = await st.acquire("alice", 1)
+    lease = await st.acquire("alice", AcquireRequest(gpus=1))
     await st.renew(lease["id"], lease["token"], "alice")
     await st.release(lease["id"], "alice")
     with pytest.raises(errors.LeaseEnded):
@@ -67,12 +68,16 @@ def test_no_state_outlives_a_call_of_the_library(redis_server: RedisProcess, red
 
     async def main() -> None:
         async with store_for(redis_server.url, prefix, "a=4xA100-80GB", quota_per_user=1) as st:
-            assert not (await st.acquire("alice", 1)).get("preemptible")
-            assert (await st.acquire("alice", 1))["preemptible"]  # over her quota of 1: runs preemptible
+            assert not (await st.acquire("alice", AcquireRequest(gpus=1))).get("preemptible")
+            assert (await st.acquire("alice", AcquireRequest(gpus=1)))[
+                "preemptible"
+            ]  # over her quota of 1: runs preemptible
             sched = st.engine.keys.sched
             table = json.loads(redis_sync.hget(sched, "A100-80GB") or redis_sync.hget(sched, "*") or "{}")
             redis_sync.hset(sched, "A100-80GB", json.dumps({**table, "quota": {"*": 3}}))
-            assert not (await st.acquire("alice", 1)).get("preemptible")  # the new quota, not a cached one
+            assert not (await st.acquire("alice", AcquireRequest(gpus=1))).get(
+                "preemptible"
+            )  # the new quota, not a cached one
 
     asyncio.run(main())
 
@@ -95,9 +100,9 @@ def test_a_redis_without_functions_runs_the_scripts_with_evalsha(redis6: RedisPr
         async with store_for(redis6.url, prefix, "a=2xA100-80GB") as st:
             await lease_cycle(st)
             assert st.engine.scripts.functions is False
-            held = await st.acquire("alice", 2)
+            held = await st.acquire("alice", AcquireRequest(gpus=2))
             positions: list[int] = []
-            waiter = asyncio.create_task(st.acquire("bob", 1, wait=30, on_queued=positions.append))
+            waiter = asyncio.create_task(st.acquire("bob", AcquireRequest(gpus=1, wait=30), on_queued=positions.append))
             while not positions:
                 await asyncio.sleep(0)  # the waiter is in the queue
             await st.release(held["id"], "alice")

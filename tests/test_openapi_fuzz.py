@@ -10,7 +10,8 @@ Two kinds of answer are the contract and not a disagreement, and are let through
 
 * a 400 for one of the rules a JSON Schema cannot state (``gpus_min`` above ``gpus``, a booking that
   ends before it starts, ...): each is listed in its body's description in the document (``rules``
-  in ``lease_server.leasing.validate``), and the server's message names it (RULES below);
+  in ``lease_server.leasing.bodies``, ``RULES`` of ``lease_server.request``), and the server's message
+  names it (RULES below);
 * a lease or booking still readable after its DELETE: it ended (state released, revoked, withdrawn,
   cancelled) and stays readable with that state for a while, as the document says. Read back as
   active, it would still fail.
@@ -29,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from lease_server.leasing import bookings, validate
+from lease_server.leasing import bookings, values
+from lease_server.leasing.bodies import bodies
 from lease_server.protocol import ENDED_STATES
 
 schemathesis = pytest.importorskip("schemathesis")  # the test extra
@@ -99,16 +101,16 @@ def _read_as_ended(failure: Any, response: Any) -> bool:
 
 
 def test_declared_limits_agree_with_their_owners() -> None:
-    """The few constants validate.py cannot import (its importers own them) say the same."""
+    """The few constants values.py and bodies.py cannot import (their importers own them) say the same."""
     from lease_server.leasing import usage
     from lease_server.leasing.reclaim import Policy
 
-    # (A booking's time bounds live in validate.py alone now, with parse_time: nothing to compare.)
-    assert validate.MAX_OCCURRENCES == bookings.MAX_OCCURRENCES
-    assert validate.REPEATS == bookings.REPEATS
-    assert validate.USAGE_GROUPS == usage.GROUPS
-    assert set(validate.bodies().booking.allowed) == set(bookings.FIELDS)
-    assert validate.bodies().policy.allowed == tuple(Policy.__dataclass_fields__)
+    # (A booking's time bounds live in values.py alone now, with parse_time: nothing to compare.)
+    assert values.MAX_OCCURRENCES == bookings.MAX_OCCURRENCES
+    assert values.REPEATS == bookings.REPEATS
+    assert values.USAGE_GROUPS == usage.GROUPS
+    assert set(bodies().booking.allowed) == set(bookings.FIELDS)
+    assert bodies().policy.allowed == tuple(Policy.__dataclass_fields__)
 
 
 @pytest.mark.timeout(600)

@@ -14,6 +14,7 @@ from lease_server import errors
 from lease_server.leasing.inventory import parse_simulate, register
 from lease_server.leasing.lease import LeaseStore
 from lease_server.leasing.reclaim import GpuState, Policy, idle_verdict
+from lease_server.request import AcquireRequest
 from lease_server.store.engine import Engine
 from lease_server.store.keys import Keys
 from lease_server.store.scripts import IdleWarn, Keep, Reclaim
@@ -227,7 +228,7 @@ def test_reclaim_racing_release_renew_and_keep_never_double_frees(redis_server, 
             await register(store.engine, inv)
         outcomes: dict[str, int] = {}
         for i in range(150):
-            lease = await store.acquire("u", 1 + i % 2)
+            lease = await store.acquire("u", AcquireRequest(gpus=1 + i % 2))
             code, _ = await store.engine.raw(IdleWarn(lease["id"], str(lease["token"]), 0, json.dumps({"idle_s": 1})))
             results = await asyncio.gather(
                 store.engine.raw(Reclaim(lease["id"], str(lease["token"]), json.dumps({"idle_s": 1}))),

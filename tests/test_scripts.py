@@ -101,11 +101,12 @@ def _dummy(call: type[S.ScriptCall]) -> S.ScriptCall:
 
 
 def test_the_acquire_request_and_its_wrapper_agree() -> None:
-    """A field of the HTTP request (validate.py's one declaration, from which the OpenAPI schema is
-    made) is a field of the Acquire wrapper, and the free-text fields pass through by name."""
-    from lease_server.leasing.validate import bodies
+    """A field of the HTTP request (request.AcquireRequest, the one declaration from which the
+    OpenAPI schema is made) is a field of the Acquire wrapper, and the free-text fields pass through
+    by name."""
+    from lease_server.request import AcquireRequest
 
-    request = {f.name for f in bodies().acquire.fields}
+    request = {f.name for f in dataclasses.fields(AcquireRequest)}
     wrapper = {f.name for f in dataclasses.fields(S.Acquire)}
     renamed = {"ttl": "ttl_ms", "wait": "wait_ms"}  # seconds in the API, ms in Lua
     assert {renamed.get(n, n) for n in request} <= wrapper, request

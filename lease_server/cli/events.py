@@ -23,7 +23,7 @@ from rich.text import Text
 from .. import errors, protocol
 from ..client import Client
 from ..leasing.events import event_of_user
-from ..leasing.validate import EVENT_LOG_PAGE_CAP
+from ..leasing.values import EVENT_LOG_PAGE_CAP
 from ..protocol import BOOKING_EVENTS, EventType, escaped
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 

@@ -25,8 +25,7 @@ from ..store.engine import Engine
 from ..store.keys import NAME_RE
 from ..store.scripts import Book, Code, Unbook, fmt, span
 from .inventory import pool_sizes
-from .lease import check_gpus, check_name, check_text
-from .validate import check_owner, parse_time
+from .values import check_gpus, check_name, check_owner, check_text, parse_time
 
 log = logging.getLogger(__name__)
 

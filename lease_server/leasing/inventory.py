@@ -14,7 +14,7 @@ from .. import errors
 from ..store.engine import Engine
 from ..store.keys import NAME_RE
 from ..store.scripts import Register
-from .validate import check_name
+from .values import check_name
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,16 @@ from typing import Any
 from redis.asyncio import Redis
 
 from .. import errors
-from ..config import PRIORITIES, Settings
+from ..config import Settings
 from ..protocol import (  # the lease states: protocol owns them; importable from here too
+    PRIORITIES,
     EndCause,
     EndCauseJson,
     GpuJson,
     LeaseJson,
     LeaseState,
 )
+from ..request import AcquireRequest
 from ..store.engine import Engine
 from ..store.keys import Keys
 from ..store.scripts import (
@@ -50,7 +52,7 @@ from ..store.scripts import (
 )
 from .inventory import pool_sizes
 from .queue import GrantNotifier
-from .validate import check_gpus, check_name, check_nodes, check_priority, check_seconds, check_text, check_token
+from .values import check_gpus, check_seconds, check_text, check_token
 
 log = logging.getLogger(__name__)
 
@@ -233,43 +235,29 @@ class LeaseStore:
     async def acquire(
         self,
         user: str,
-        gpus: object,
-        pool: object = None,
-        ttl: object = None,
-        wait: object = None,
+        request: AcquireRequest,
         *,
-        lease_id: str | None = None,
         on_queued: Callable[[int], Awaitable[None] | None] | None = None,
         teams: tuple[str, ...] | list[str] = (),
-        priority: object = None,
-        gpus_min: object = None,
-        nodes: object = None,
-        **text: object,
     ) -> LeaseRecord:
-        """Grant ``gpus`` GPUs on one node of ``pool``, waiting up to ``wait`` seconds in its queue.
+        """Grant ``request.gpus`` GPUs on one node of its pool, waiting up to ``request.wait``
+        seconds in its queue. ``request.id`` becomes the lease id (default: a fresh one).
 
-        ``text``: the request's free-text fields (``Acquire.TEXT``: label, session, notebook, cell),
-        each checked here and passed to the script by name.
+        The request is held to its declaration (``AcquireRequest``) and this server's settings
+        (max_ttl, max_wait) before anything changes: a request built in Python meets the rules an
+        HTTP one does.
 
         Returns the lease record. Raises :class:`errors.NoCapacity` when nothing was free in time,
         :class:`errors.Unsatisfiable` when no node of the pool is big enough, and
-        :class:`errors.BadRequest` for malformed arguments (checked before anything changes).
+        :class:`errors.BadRequest` for a request its declaration refuses.
         """
         s = self.settings
-        n = check_gpus(gpus)
-        n_min = n if gpus_min is None else check_gpus(gpus_min, "gpus_min")
-        if n_min > n:
-            raise errors.BadRequest(f"gpus_min ({n_min}) must not exceed gpus ({n}): ask for gpus_min..gpus GPUs")
-        prio = check_priority(priority)
-        k = check_nodes(nodes, n, n_min)
-        unknown = sorted(set(text) - set(Acquire.TEXT))
-        if unknown:
-            raise TypeError(f"acquire() got unexpected field(s) {unknown}; text fields: {Acquire.TEXT}")
-        texts = {name: check_text(name, value) for name, value in text.items()}
-        ttl_s = check_seconds("ttl", ttl, low=1, high=s.max_ttl, default=s.default_ttl)
-        wait_s = check_seconds("wait", wait, low=0, high=s.max_wait, default=0.0)
-        pool_s = check_name("pool", pool) if pool is not None else await self.default_pool()
-        lid = lease_id or new_lease_id()
+        request.check(s)
+        n, n_min, prio = request.gpus, request.least, PRIORITIES[request.priority]
+        ttl_s = s.default_ttl if request.ttl is None else request.ttl
+        wait_s = request.wait
+        pool_s = request.pool if request.pool is not None else await self.default_pool()
+        lid = request.id or new_lease_id()
         waiter = self.notifier.expect(lid) if wait_s > 0 else None
         try:
             call = Acquire(
@@ -282,9 +270,9 @@ class LeaseStore:
                 teams=",".join(teams),
                 priority=prio,
                 gpus_min=n_min,
-                nodes=k,
+                nodes=request.nodes,
                 max_queued=s.max_queued_per_user,
-                **texts,  # type: ignore[arg-type]
+                **{name: getattr(request, name) for name in Acquire.TEXT},
             )
             try:
                 got = await self.engine.run(call)

@@ -32,7 +32,7 @@ from ..store.engine import Engine
 from ..store.scripts import Drained, GpuSample, IdleWarn, Keep, LeaseRecord, Reclaim, Samples, UnleasedHold
 from .inventory import pool_sizes
 from .lease import live_leases, read_lease
-from .validate import check_gpu_sample
+from .values import check_gpu_sample
 
 log = logging.getLogger(__name__)
 MAX_WINDOW = 240  # samples kept per GPU, whatever the timeout (bounds Redis memory per GPU)

@@ -38,7 +38,8 @@ from ..store.keys import NAME_RE
 
 log = logging.getLogger(__name__)
 
-LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # as validate.LEASE_ID_PATTERN (not imported: workers load this)
+# as leasing/values.py LEASE_ID_PATTERN (not imported: workers load this)
+LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_MESSAGE = 4096  # one claim: a lease id, two tokens, a user name, a few GPU indexes
 TIMEOUT_S = 5.0
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread

@@ -398,7 +398,7 @@ class Duplicate:
 class Acquire(ScriptCall[Granted | Queued | Duplicate]):
     script: ClassVar[str] = "acquire"
     # The free-text fields a request sets as it is (checked as text, passed on by name): a new one
-    # is a field here, its line in the script, and its entry in the request schema (validate.py).
+    # is a field here, its line in the script, and its field in the request (request.AcquireRequest).
     TEXT: ClassVar[tuple[str, ...]] = ("label", "session", "notebook", "cell")
     id: str
     user: str

@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, cast
 
 import tornado.httputil
@@ -25,19 +25,20 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from .. import __version__, errors, protocol
 from ..config import Settings
-from ..leasing import board, events, inventory, reclaim, usage, validate
+from ..leasing import board, events, inventory, params, reclaim, usage, values
+from ..leasing import bodies as request_bodies
 from ..leasing.bookings import MAX_LIST_SPAN_S, Bookings, public_booking
 from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from ..leasing.queue import queue_view
 from ..leasing.reaper import Reaper
-from ..leasing.validate import check_name
 from ..node import drain
 from ..node.claims import Claim, Peer
 from ..node.rayauth import info_token
 from ..protocol import LeaseJson
+from ..request import AcquireRequest
 from ..store import layout
 from ..store.engine import Engine, connect, not_now
-from ..store.scripts import Acquire, LeaseRecord
+from ..store.scripts import LeaseRecord
 from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, create_token, list_tokens, revoke_token, view_token
 from .limits import ReadLimits, hold, read_sliced, token_key
@@ -168,16 +169,16 @@ class BaseHandler(tornado.web.RequestHandler):
         """The request's token as the per-token limits know it."""
         return token_key(self.request.headers.get("Authorization"))
 
-    def body(self, declared: validate.Body | None = None) -> dict[str, Any]:
+    def body(self, declared: request_bodies.Body | None = None) -> dict[str, Any]:
         """The JSON object sent, checked against its declaration (unknown fields, types, bounds)."""
         data = self._json_body()
         return declared.check(data) if declared is not None else data
 
     @property
-    def bodies(self) -> validate.Bodies:
-        return validate.bodies(self.ctx.settings)
+    def bodies(self) -> request_bodies.Bodies:
+        return request_bodies.bodies(self.ctx.settings)
 
-    def query(self, param: validate.Param, default: Any = None) -> Any:
+    def query(self, param: params.Param, default: Any = None) -> Any:
         """A query parameter (or header) read as declared; ``default`` when absent."""
         raw = (
             self.request.headers.get(param.name)
@@ -266,21 +267,11 @@ class BaseHandler(tornado.web.RequestHandler):
 
 class LeasesHandler(BaseHandler):
     async def post(self) -> None:
-        body = self.body(self.bodies.acquire)
-        self._lease_id = body.get("id") or new_lease_id()
-        rec = await self.store.acquire(
-            self.identity.user,
-            body["gpus"],
-            body.get("pool"),
-            body.get("ttl"),
-            body.get("wait"),
-            lease_id=self._lease_id,
-            teams=self.teams,
-            priority=body.get("priority"),
-            gpus_min=body.get("gpus_min"),
-            nodes=body.get("nodes"),
-            **{name: body.get(name) for name in Acquire.TEXT},
-        )
+        request = AcquireRequest.parse(self._json_body(), self.ctx.settings)
+        if request.id is None:
+            request = replace(request, id=new_lease_id())
+        self._lease_id = request.id
+        rec = await self.store.acquire(self.identity.user, request, teams=self.teams)
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)
 
@@ -301,7 +292,7 @@ class LeasesHandler(BaseHandler):
             await self.store.release(lid, self.identity.user, reason="client went away before the grant arrived")
 
     async def get(self) -> None:
-        everyone = self.query(validate.ALL, False)
+        everyone = self.query(params.ALL, False)
         leases = await self.store.live_leases()
         if not everyone:
             leases = [rec for rec in leases if rec["user"] == self.identity.user]
@@ -317,9 +308,9 @@ class LeaseHandler(BaseHandler):
 
     async def delete(self, lease_id: str) -> None:
         body = self.body(self.bodies.release)
-        token = body.get("token", self.query(validate.TOKEN_ARG))
-        reason = body.get("reason", self.query(validate.REASON_ARG, ""))  # e.g. "kernel shut down"
-        verified = bool(body.get("verified", self.query(validate.VERIFIED_ARG, False)))
+        token = body.get("token", self.query(params.TOKEN_ARG))
+        reason = body.get("reason", self.query(params.REASON_ARG, ""))  # e.g. "kernel shut down"
+        verified = bool(body.get("verified", self.query(params.VERIFIED_ARG, False)))
         me = self.identity
         ended, changed = await self.store.release(
             lease_id, me.user, admin=me.admin, token=token, revoke=None, reason=reason, verified=verified
@@ -402,7 +393,7 @@ class BookingsHandler(BaseHandler):
 
     async def post(self) -> None:
         me = self.identity
-        dry = self.query(validate.DRY_RUN, False)
+        dry = self.query(params.DRY_RUN, False)
         body = self.body(self.bodies.booking)
         rec = await self.ctx.bookings.create(me.user, body, admin=me.admin, teams=self.teams, dry_run=dry)
         if dry:
@@ -412,10 +403,10 @@ class BookingsHandler(BaseHandler):
         self.reply(public_booking(rec, user=me.user, admin=me.admin, teams=self.teams), 201)
 
     async def get(self) -> None:
-        pool = self.query(validate.POOL)
+        pool = self.query(params.POOL)
         now = int(time.time() * 1000)
-        lo = self.query(validate.FROM, now - 86_400_000)
-        hi = self.query(validate.TO, now + 14 * 86_400_000)
+        lo = self.query(params.FROM, now - 86_400_000)
+        hi = self.query(params.TO, now + 14 * 86_400_000)
         if hi <= lo or hi - lo > MAX_LIST_SPAN_S * 1000:
             raise errors.BadRequest("to must be after from, and at most 366 days later")
         me = self.identity
@@ -441,7 +432,7 @@ class BookingHandler(BaseHandler):
 
     async def patch(self, booking_id: str) -> None:
         me = self.identity
-        dry = self.query(validate.DRY_RUN, False)
+        dry = self.query(params.DRY_RUN, False)
         body = self.body(self.bodies.booking_change)
         rec = await self.ctx.bookings.update(booking_id, me.user, body, admin=me.admin, teams=self.teams, dry_run=dry)
         self.reply(rec if dry else public_booking(rec, user=me.user, admin=me.admin, teams=self.teams))
@@ -493,11 +484,11 @@ class ReservationEndHandler(Deprecated, BookingEndHandler):
 
 class UsageHandler(BaseHandler):
     async def get(self) -> None:
-        by = self.query(validate.BY, "user")
-        pool = self.query(validate.POOL)
+        by = self.query(params.BY, "user")
+        pool = self.query(params.POOL)
         now = int(time.time() * 1000)
-        lo = self.query(validate.FROM, now - 7 * 86_400_000)
-        hi = self.query(validate.TO, now + 1)
+        lo = self.query(params.FROM, now - 7 * 86_400_000)
+        hi = self.query(params.TO, now + 1)
         if hi <= lo:
             raise errors.BadRequest("to must be after from")
         entries = await usage.ledger(self.engine, lo, hi)
@@ -513,12 +504,12 @@ class EstimateHandler(BaseHandler):
     then only the requests ahead of it count, and its own pool and size are the defaults."""
 
     async def get(self) -> None:
-        lease = self.query(validate.EST_LEASE)
-        alias = self.query(validate.EST_ID)
+        lease = self.query(params.EST_LEASE)
+        alias = self.query(params.EST_ID)
         if alias is not None and lease is not None and alias != lease:
             raise errors.BadRequest(f"id ({alias!r}) and lease ({lease!r}) name different requests; pass one")
-        pool = self.query(validate.EST_POOL)
-        gpus = self.query(validate.EST_GPUS)
+        pool = self.query(params.EST_POOL)
+        gpus = self.query(params.EST_GPUS)
         lease = lease or alias
         waiter: dict[str, Any] = {}
         if lease is not None:
@@ -552,7 +543,7 @@ class NodeHandler(AgentHandler):
 
     async def put(self, node: str) -> None:
         self._check_role()
-        check_name("node", node)
+        values.check_name("node", node)
         inv = inventory.NodeInventory.from_body(node, self.body(self.bodies.inventory))
         status = await inventory.register(self.engine, inv)
         self.reply({"node": node, "status": status})
@@ -563,7 +554,7 @@ class HeartbeatHandler(AgentHandler):
 
     async def post(self, node: str) -> None:
         self._check_role()
-        check_name("node", node)
+        values.check_name("node", node)
         status = await inventory.register(self.engine, None, node)
         self.reply({"node": node, "status": status})
 
@@ -593,7 +584,7 @@ class PolicyHandler(BaseHandler):
     async def put(self, pool: str) -> None:
         if not self.identity.admin:
             raise errors.Forbidden("only an admin can change the reclaim policy")
-        check_name("pool", pool)
+        values.check_name("pool", pool)
         new = await reclaim.set_policy(self.engine, pool, self.body(self.bodies.policy), self.identity.user)
         self.reply({"pool": pool, **asdict(new)})
 
@@ -603,7 +594,7 @@ class SamplesHandler(AgentHandler):
 
     async def post(self, node: str) -> None:
         self._check_role()
-        check_name("node", node)
+        values.check_name("node", node)
         body = self.body(self.bodies.samples)
         gpus = reclaim.check_samples_body(body)
         raw = await self.ctx.redis.hget(self.store.keys.nodes, node)
@@ -619,7 +610,7 @@ class DrainingHandler(AgentHandler):
 
     async def get(self, node: str) -> None:
         self._check_role()
-        raw = await self.ctx.redis.hget(self.store.keys.nodes, check_name("node", node))
+        raw = await self.ctx.redis.hget(self.store.keys.nodes, values.check_name("node", node))
         if raw is None:
             raise errors.UnknownNode(f"node {node!r} is not registered: PUT {API}/nodes/{node} first")
         indexes = [int(g["index"]) for g in json.loads(raw)["gpus"]]
@@ -634,7 +625,7 @@ class DrainedHandler(AgentHandler):
 
     async def post(self, node: str) -> None:
         self._check_role()
-        check_name("node", node)
+        values.check_name("node", node)
         body = self.body(self.bodies.drained)
         gone = body.get("abandoned")
         if gone:
@@ -655,7 +646,7 @@ class ClaimHandler(AgentHandler):
     async def post(self, node: str) -> None:
         if self.identity.role != "agent":
             raise errors.Forbidden("only a node agent records claims: a worker claims its lease through its agent")
-        check_name("node", node)
+        values.check_name("node", node)
         body = self.body(self.bodies.procs)
         ident = await self.ctx.auth.act_as(await self.ctx.auth.identify(f"Bearer {body['token']}"), body.get("user"))
         claim = Claim(node, body["lease"], int(body["fence"]), body["token"], ident.user, tuple(body.get("gpus") or ()))
@@ -679,7 +670,7 @@ class SimulateHandler(AgentHandler):
 
     async def get(self, node: str) -> None:
         self._check_role()
-        raw = await self.ctx.redis.hget(self.store.keys.nodes, check_name("node", node))
+        raw = await self.ctx.redis.hget(self.store.keys.nodes, values.check_name("node", node))
         if raw is None:
             raise errors.UnknownNode(f"node {node!r} is not registered")
         indexes = [g["index"] for g in json.loads(raw)["gpus"]]
@@ -688,11 +679,11 @@ class SimulateHandler(AgentHandler):
     async def put(self, node: str) -> None:
         if not self.identity.admin:
             raise errors.Forbidden("only an admin can set what simulated GPUs report")
-        check_name("node", node)
+        values.check_name("node", node)
         gpus = self.body(self.bodies.simulate)["gpus"]
         parsed: dict[int, dict[str, Any]] = {}
         for key, value in gpus.items():
-            g = validate.check_gpu_sample(value, int(key))
+            g = values.check_gpu_sample(value, int(key))
             parsed[int(key)] = {"util": g["util"], "mem_mb": g["mem_mb"], "procs": g["procs"]}
         await reclaim.set_simulated(self.engine, node, parsed)
         self.reply({"node": node, "gpus": {str(i): v for i, v in parsed.items()}})
@@ -713,7 +704,7 @@ class ClusterHandler(BaseHandler):
 
 class QueueHandler(BaseHandler):
     async def get(self) -> None:
-        self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, self.query(validate.POOL))})
+        self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, self.query(params.POOL))})
 
 
 class TokensHandler(BaseHandler):
@@ -788,16 +779,16 @@ class EventLogHandler(BaseHandler):
     under the token's read limits (web/limits.py)."""
 
     async def get(self) -> None:
-        asked = self.query(validate.LIMIT, 100)
-        cap = validate.EVENT_LOG_PAGE_CAP
+        asked = self.query(params.LIMIT, 100)
+        cap = values.EVENT_LOG_PAGE_CAP
         q = events.LogQuery(
-            since=self.query(validate.SINCE, "-"),
+            since=self.query(params.SINCE, "-"),
             limit=min(asked, cap),
-            lease=self.query(validate.LEASE),  # only the events whose `lease` field is this id
-            before=self.query(validate.BEFORE),
-            desc=self.query(validate.ORDER, "asc") == "desc",
-            types=self.query(validate.EVENT_TYPES, frozenset()),
-            user=self.query(validate.EVENT_USER),
+            lease=self.query(params.LEASE),  # only the events whose `lease` field is this id
+            before=self.query(params.BEFORE),
+            desc=self.query(params.ORDER, "asc") == "desc",
+            types=self.query(params.EVENT_TYPES, frozenset()),
+            user=self.query(params.EVENT_USER),
         )
         key = self.token_key
         parts: list[str] = []  # the page's slices, each encoded as it is read
@@ -878,9 +869,9 @@ class EventStreamHandler(BaseHandler):
 
     async def _stream(self, hub: Any) -> None:
         # Read before the stream starts, so a bad id is a plain 400.
-        resume_after, since = self.query(validate.LAST_EVENT_ID), self.query(validate.SINCE)
+        resume_after, since = self.query(params.LAST_EVENT_ID), self.query(params.SINCE)
         since = resume_after or since
-        lease = self.query(validate.LEASE)
+        lease = self.query(params.LEASE)
         key, limits = self.token_key, self.ctx.limits
         # The backlog is an expensive read: refused (429) before the stream starts, and its place
         # under the token's reads at once held only while it is sent.
@@ -896,7 +887,7 @@ class EventStreamHandler(BaseHandler):
             self.write(": gpulease event stream\nretry: 2000\n\n")
             await self.flush()
             if since:
-                backlog = events.LogQuery(since=since, limit=validate.EVENT_LOG_PAGE_CAP, lease=lease)
+                backlog = events.LogQuery(since=since, limit=values.EVENT_LOG_PAGE_CAP, lease=lease)
                 async for part in read_sliced(
                     self.ctx.redis, self.store.keys.events, backlog, lambda n: limits.charge(key, n, self.gone)
                 ):

@@ -42,7 +42,7 @@ from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
 from .. import errors
-from ..leasing.validate import ACTS_FOR_PATTERN
+from ..leasing.bodies import ACTS_FOR_PATTERN
 from ..protocol import ROLES
 from ..store.keys import NAME_RE, Keys
 

@@ -1,7 +1,9 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /api/v1/openapi.json.
 
 Request bodies and query parameters are not written here: they are generated from their one
-declaration in :mod:`lease_server.leasing.validate`, against which the server also checks every request.
+declaration, against which the server also checks every request: the acquire request in
+:mod:`lease_server.request`, the other bodies in :mod:`lease_server.leasing.bodies`, the query
+parameters in :mod:`lease_server.leasing.params`.
 Every status an operation can answer is listed: the operation's own, plus those any request may
 get (a bad ``X-Gpulease-User`` or token, a body over the limit, Redis away, a path parameter of the
 wrong shape).
@@ -15,8 +17,14 @@ from typing import Annotated, Any, NotRequired, Required, get_args, get_origin, 
 
 from .. import __version__
 from ..config import Settings
-from ..leasing import validate
+from ..leasing import bodies as request_bodies
+from ..leasing import params
+from ..leasing.bodies import Bodies, Body
+from ..leasing.params import Param
+from ..leasing.schema import NAME
+from ..leasing.values import LEASE_ID_PATTERN
 from ..protocol import ENDED_STATES, EndCauseJson, GpuJson, LeaseJson, TokenJson
+from ..request import AcquireRequest, Request
 
 # What the board says of a GPU (lease_server/leasing/inventory.py).
 GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
@@ -98,8 +106,8 @@ def _op(
     summary: str,
     ok: dict[str, Any],
     *codes: int,
-    body: validate.Body | None = None,
-    params: list[dict[str, Any]] | tuple[validate.Param, ...] = (),
+    body: Body | type[Request] | None = None,
+    params: list[dict[str, Any]] | tuple[Param, ...] = (),
     public: bool = False,
     ok_code: int = 200,
     more: dict[str, Any] | None = None,
@@ -110,11 +118,14 @@ def _op(
         statuses = sorted({*statuses, 404})  # a path parameter that matches no route
     responses = {str(ok_code): ok, **(more or {}), **{str(c): _json(_ref("Error"), ERRORS[c]) for c in statuses}}
     op: dict[str, Any] = {"summary": summary, "responses": responses}
-    if body is not None:
+    if isinstance(body, Body):
         required = any(f.required for f in body.fields)  # else an empty body is a valid one
         op["requestBody"] = {"required": required, "content": {"application/json": {"schema": _ref(body.name)}}}
+    elif body is not None:  # a typed request (lease_server.request): its schema is named after its class
+        schema = _ref(body.__name__)
+        op["requestBody"] = {"required": body.body_required(), "content": {"application/json": {"schema": schema}}}
     if params:
-        op["parameters"] = [p.openapi() if isinstance(p, validate.Param) else p for p in params]
+        op["parameters"] = [p.openapi() if isinstance(p, Param) else p for p in params]
     if public:
         op["security"] = []
     return op
@@ -128,11 +139,11 @@ def _path(name: str, schema: dict[str, Any], description: str = "") -> dict[str,
 
 
 # The route's shape for ids (a lease id, or a request id of an older client).
-LEASE_ID = _path("lease_id", {"type": "string", "pattern": validate.LEASE_ID_PATTERN})
-BOOKING_ID = _path("booking_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")
-RESERVATION_ID = _path("reservation_id", validate.NAME, "A booking id, e.g. r-1a2b3c4d5e6f")  # deprecated paths
-POOL = _path("pool", validate.NAME)
-NODE = _path("node", validate.NAME)
+LEASE_ID = _path("lease_id", {"type": "string", "pattern": LEASE_ID_PATTERN})
+BOOKING_ID = _path("booking_id", NAME, "A booking id, e.g. r-1a2b3c4d5e6f")
+RESERVATION_ID = _path("reservation_id", NAME, "A booking id, e.g. r-1a2b3c4d5e6f")  # deprecated paths
+POOL = _path("pool", NAME)
+NODE = _path("node", NAME)
 TOKEN_ID = _path("token_id", {"type": "string", "pattern": "^[0-9a-f]{12}$"}, "A token's id (GET /tokens lists them)")
 NUM = {"type": "number"}
 # A GPU as a node agent declares it (also part of every GPU in the cluster view).
@@ -291,7 +302,7 @@ def _response_schemas() -> dict[str, Any]:
     }
 
 
-def _booking_paths(bodies: validate.Bodies, base: str, id_param: dict[str, Any], listed_as: str) -> dict[str, Any]:
+def _booking_paths(bodies: Bodies, base: str, id_param: dict[str, Any], listed_as: str) -> dict[str, Any]:
     """The bookings' operations under ``base`` (its id parameter ``id_param``, GET's list ``listed_as``)."""
     one = "{" + id_param["name"] + "}"
     return {
@@ -304,7 +315,7 @@ def _booking_paths(bodies: validate.Bodies, base: str, id_param: dict[str, Any],
                 409,
                 422,
                 body=bodies.booking,
-                params=(validate.DRY_RUN,),
+                params=(params.DRY_RUN,),
                 ok_code=201,
                 more={"200": _json(_ref("BookingCheck"), "dry_run: it fits")},
             ),
@@ -315,7 +326,7 @@ def _booking_paths(bodies: validate.Bodies, base: str, id_param: dict[str, Any],
                     {"type": "object", "properties": {listed_as: {"type": "array", "items": _ref("Booking")}}},
                     "Bookings",
                 ),
-                params=(validate.POOL, validate.FROM, validate.TO),
+                params=(params.POOL, params.FROM, params.TO),
             ),
         },
         f"{base}/{one}": {
@@ -326,7 +337,7 @@ def _booking_paths(bodies: validate.Bodies, base: str, id_param: dict[str, Any],
                 409,
                 422,
                 body=bodies.booking_change,
-                params=[id_param, validate.DRY_RUN.openapi()],
+                params=[id_param, params.DRY_RUN.openapi()],
             ),
             "delete": _op("Cancel a booking", _json(_ref("Booking"), "Cancelled"), params=[id_param]),
         },
@@ -368,8 +379,9 @@ def _deprecated(paths: dict[str, Any], successor: str) -> dict[str, Any]:
 
 def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
     """The document; request bounds that are settings (max_ttl, max_wait) are ``settings``' own."""
-    bodies = validate.bodies(settings)
+    bodies = request_bodies.bodies(settings)
     schemas = _response_schemas()
+    schemas[AcquireRequest.__name__] = AcquireRequest.schema(settings or Settings())
     for body in bodies.all():
         schemas[body.name] = body.schema()
     schemas["PoolPolicy"] = {
@@ -377,7 +389,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "description": "A pool's reclaim policy in force",
         "properties": {"pool": {"type": "string"}, **schemas[bodies.policy.name]["properties"]},
     }
-    v = validate
+    v = params
     paths: dict[str, Any] = {
         **_booking_paths(bodies, "/api/v1/bookings", BOOKING_ID, "bookings"),
         # The paths of the first releases: the same operations, for one release more (deprecated).
@@ -419,7 +431,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 410,
                 422,
                 429,
-                body=bodies.acquire,
+                body=AcquireRequest,
                 ok_code=201,
             ),
             "get": _op(
