@@ -183,7 +183,6 @@ def _utilization(value: object) -> object:
     return value
 
 
-
 def _simulated_gpus(value: object) -> object:
     """What simulated GPUs report, with the messages of the sample checks (check_gpu_sample)."""
 

@@ -56,7 +56,6 @@ TIME_PATTERN = (
 )
 
 
-
 assert NAME_RE.pattern == NAME_PATTERN, "keys.NAME_RE and request.NAME_PATTERN must say the same"
 REQUEST_ID_RE = regex(REQUEST_ID_PATTERN)
 LEASE_ID_RE = regex(LEASE_ID_PATTERN)
@@ -73,9 +72,7 @@ def check_printable(kind: str, value: object) -> None:
 def check_name(kind: str, value: object) -> str:
     check_printable(kind, value)
     if not isinstance(value, str) or not matches(NAME_PATTERN, value):
-        raise errors.BadRequest(
-            f"{kind} {NAME_MESSAGE}, got {value!r}"
-        )
+        raise errors.BadRequest(f"{kind} {NAME_MESSAGE}, got {value!r}")
     return value
 
 
@@ -237,4 +234,3 @@ def check_gpu_sample(g: dict[str, Any], index: object = None) -> dict[str, Any]:
     ):
         raise errors.BadRequest(f"procs must be a list of process ids, got {procs!r}")
     return {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
-
