@@ -6,12 +6,15 @@ Each test gets its own key prefix, so tests share one Redis without seeing each 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +43,64 @@ def default_sigint() -> Iterator[None]:
     way; processes started then inherit an ignored SIGINT and can no longer be stopped with it."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
+
+
+# ---- running beside each other (pytest-xdist: addopts' -n, each module on one worker) --------------
+
+# The modules that take longest (stacks with Ray, kernels, a browser, many clients, faults under
+# load), longest first: handed out first, so that none of them starts last and alone. The rest keep
+# their order. A hint for scheduling only: a module missing here or in the wrong place still runs.
+# Those that start Ray alternate with those that do not, so that the workers' first modules do not
+# all start a Ray head at once.
+LONGEST_FIRST = (
+    "test_sim_sessions",
+    "test_openapi_fuzz",
+    "test_magics",
+    "test_failover",
+    "test_multihost",
+    "test_concurrency",
+    "test_elastic",
+    "test_ui",
+    "test_cell_edges",
+    "test_hub",
+    "test_sweep",
+    "test_faults",
+    "test_warm_cells",
+    "test_cli",
+    "test_gang",
+    "test_ray_auth",
+    "test_ui_stop",
+    "test_run_cell",
+    "test_elastic_drain",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's order stays
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.exclusive("load"))
+
+
+@contextlib.contextmanager
+def machine_lock(name: str) -> Iterator[None]:
+    """Held by one process of this machine at a time (a lock file; released when it is closed)."""
+    with open(Path(tempfile.gettempdir()) / f"gpulease-tests-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def exclusive(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``exclusive(NAME)`` runs while no other test marked with NAME runs on this
+    machine: for what is the machine's own, not a test's (the gpulease cgroup; a test that loads
+    the machine on purpose, as every ``slow`` one does)."""
+    names = sorted({str(m.args[0]) for m in request.node.iter_markers("exclusive")})
+    with contextlib.ExitStack() as held:
+        for name in names:
+            held.enter_context(machine_lock(name))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -279,6 +340,112 @@ class Up:
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(timeout=60)
         return self.proc.returncode, self.log.read_text()
+
+
+# ---- `gpulease up` stacks: one per inventory and settings, shared by the modules that ask for it ------
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What a module's ``gpulease up`` is: the simulated inventory, its extra arguments, its settings
+    (environment) and whether the gpulease kernelspec is on its JUPYTER_PATH (for kernels). Modules
+    that ask for equal stacks share one (:class:`Stacks`); ``own`` (the asking module's name) keeps
+    one apart for a module whose tests leave what another module's would see."""
+
+    simulate: str = "box=2xA100-80GB"
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    kernels: bool = False
+    own: str = ""
+
+    @classmethod
+    def of(
+        cls, simulate: str = "box=2xA100-80GB", *args: str, kernels: bool = False, own: str = "", **env: str
+    ) -> Stack:
+        return cls(simulate, args, tuple(sorted(env.items())), kernels, own)
+
+    def start(self, tmp: pytest.TempPathFactory) -> Up:
+        kernels = tmp.mktemp("kernels") if self.kernels else None
+        if kernels is not None:
+            from magics.kernel import install
+
+            install(prefix=str(kernels))
+        for attempt in (1, 2):
+            home = tmp.mktemp("gpulease-home")
+            # One Ray head starts at a time here: its agents must start within ~15 s of its raylet,
+            # which several heads starting together on two cores can miss.
+            with machine_lock("ray-start") if "--no-ray" not in self.args else contextlib.nullcontext():
+                up = Up(home, *self.args, simulate=self.simulate, **dict(self.env))
+            # `gpulease up` says so, and goes on, when its Ray head did not come up (a loaded machine
+            # can time out Ray's own start): a kernel or driver would then hang joining it. Once more.
+            said = up.log.read_text()
+            if "--no-ray" in self.args or "the Ray head at" not in said:
+                break
+            up.interrupt()
+            ray_log = (home / "ray.log").read_text()[-2000:] if (home / "ray.log").exists() else ""
+            assert attempt == 1, f"the Ray head of gpulease up did not start:\n{said[-1000:]}\n{ray_log}"
+        if kernels is not None:
+            up.env["JUPYTER_PATH"] = str(kernels / "share" / "jupyter")
+        return up
+
+
+class Stacks:
+    """The session's stacks, each started when a module first asks for it and stopped when the next
+    test to run here asks for another (or none), so that at most one idles while the next starts."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self.tmp = tmp
+        self.live: dict[Stack, Up] = {}
+
+    def get(self, spec: Stack) -> Up:
+        if spec not in self.live:
+            self.live[spec] = spec.start(self.tmp)
+        return self.live[spec]
+
+    def done(self, spec: Stack, wanted_next: Stack | None) -> None:
+        if spec != wanted_next and spec in self.live:
+            self.live.pop(spec).interrupt()
+
+    def stop_all(self) -> None:
+        while self.live:
+            self.live.popitem()[1].interrupt()
+
+
+@pytest.fixture(scope="session")
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
+    registry = Stacks(tmp_path_factory)
+    yield registry
+    registry.stop_all()
+
+
+_next_item: list[pytest.Item | None] = [None]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Note the test that runs next here, for the ``up`` fixture's teardown (runs inside this hook)."""
+    _next_item[0] = nextitem
+    yield
+
+
+def _stack_of(item: pytest.Item | None) -> Stack | None:
+    if item is None or "up" not in getattr(item, "fixturenames", ()):
+        return None
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "up" in callspec.params:
+        return callspec.params["up"]  # type: ignore[no-any-return]
+    return getattr(getattr(item, "module", None), "STACK", None)
+
+
+@pytest.fixture(scope="module")
+def up(request: pytest.FixtureRequest, stacks: Stacks) -> Iterator[Up]:
+    """The module's ``gpulease up``: the :class:`Stack` it names as ``STACK`` (or an indirect
+    parameter), shared with the other modules that name the same one."""
+    spec = getattr(request, "param", None) or request.module.STACK
+    yield stacks.get(spec)
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()  # this process joined the stack's Ray cluster as a driver
+    stacks.done(spec, _stack_of(_next_item[0]))
 
 
 # ---- what the stack tests share: a kernel's session on `up`, an admin client, the whole log ---------

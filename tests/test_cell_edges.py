@@ -18,14 +18,14 @@ import pytest
 from lease_server.client import Client
 from tests.api_helpers import EventWatcher
 from tests.conftest import Up
-from tests.test_magics import FRAMES, Kernel, _alive, displays, errors_of, stack_with_kernels, status, text
+from tests.test_magics import FRAMES, Kernel, _alive, displays, errors_of, kernel_stack, status, text
+
+STACK = kernel_stack("box=2xA100-80GB,pair=2xA100-80GB", GPULEASE_BORROW_NOTICE="3")  # conftest's `up`
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    up = stack_with_kernels(tmp_path_factory, "box=2xA100-80GB,pair=2xA100-80GB", GPULEASE_BORROW_NOTICE="3")
-    yield up
-    up.interrupt()
+def stack(up: Up) -> Up:
+    return up  # the module's `gpulease up` (conftest's `up` of STACK), by the name its tests use
 
 
 @pytest.fixture

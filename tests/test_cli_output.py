@@ -11,34 +11,26 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from lease_server import errors
 from lease_server.cli.events import Wanted, newest, parse_since, position, read_forward
 from lease_server.client import Client
 from lease_server.store.keys import Keys
-from tests.conftest import CLI, Up
+from tests.conftest import CLI, Stack, Up
 
 WIDTH = 80
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    stack = Up(tmp_path_factory.mktemp("cli-output") / "home", "--no-ray", simulate="box=2xA100-80GB,vm=4xA100-80GB")
-    stack.env["COLUMNS"] = str(WIDTH)
-    try:
-        yield stack
-    finally:
-        stack.interrupt()
+STACK = Stack.of("box=2xA100-80GB,vm=4xA100-80GB", "--no-ray", COLUMNS=str(WIDTH))  # conftest's `up`
 
 
 def client(up: Up, user: str | None = None) -> Client:
@@ -407,7 +399,7 @@ def test_an_evicted_warm_lease_reads_as_words_in_the_log(up: Up) -> None:
 # ---- acquire -- a missing program --------------------------------------------------------------
 
 
-def test_acquire_a_missing_program_says_so_like_a_shell(up: Up, tmp_path: Path) -> None:
+def test_acquire_a_missing_program_says_so_like_a_shell(up: Up) -> None:
     c = client(up)
     end_all(c)
     missing = run(up, "acquire", "--", "no-such-program-nvidia-smi", "-L", ok=False)
@@ -422,12 +414,18 @@ def test_acquire_a_missing_program_says_so_like_a_shell(up: Up, tmp_path: Path) 
     )
     assert c.leases(everyone=True) == []
 
-    script = tmp_path / "train.sh"
-    script.write_text("#!/bin/sh\necho hi\n")
-    script.chmod(0o644)
-    denied = run(up, "acquire", "--", str(script), ok=False)
-    assert denied.returncode == 126 and f"gpulease: {script}: Permission denied" in " ".join(denied.stderr.split())
-    assert c.leases(everyone=True) == []
+    # A short folder: the line names the path whole, and pytest's tmp_path (longer under xdist:
+    # .../popen-gw2/...) alone can pass 80 columns.
+    short = Path(tempfile.mkdtemp(prefix="gl-"))
+    try:
+        script = short / "train.sh"
+        script.write_text("#!/bin/sh\necho hi\n")
+        script.chmod(0o644)
+        denied = run(up, "acquire", "--", str(script), ok=False)
+        assert denied.returncode == 126 and f"gpulease: {script}: Permission denied" in " ".join(denied.stderr.split())
+        assert c.leases(everyone=True) == []
+    finally:
+        shutil.rmtree(short)
 
 
 def test_acquire_a_gang_over_nodes_as_the_refusal_suggests(up: Up) -> None:

@@ -20,7 +20,7 @@ from magics.elastic import efficiency
 from magics.runner import Options, run_call, run_cell
 from magics.session import Session
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up, all_events, ray_session
+from tests.conftest import Stack, Up, all_events, ray_session
 
 ray = pytest.importorskip("ray")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -102,12 +102,7 @@ def ddp_loop(steps: int, go: str, resume_state: Any = None) -> Any:
 # ---- the stack -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    stack = Up(tmp_path_factory.mktemp("gpulease-home"), simulate="box=5xA100-80GB", GPULEASE_DEFAULT_TTL="3")
-    yield stack
-    ray.shutdown()
-    stack.interrupt()
+STACK = Stack.of("box=5xA100-80GB", GPULEASE_DEFAULT_TTL="3")  # conftest's `up`
 
 
 @pytest.fixture(scope="module")

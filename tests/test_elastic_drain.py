@@ -23,7 +23,7 @@ from magics.calls import Call
 from magics.runner import Options, run_call
 from magics.session import Session
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up, ray_session
+from tests.conftest import Stack, Up, ray_session
 from tests.test_magics import _alive
 
 ray = pytest.importorskip("ray")
@@ -49,17 +49,7 @@ def stuck_loop(marks: str) -> Any:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    stack = Up(
-        tmp_path_factory.mktemp("gpulease-home"),
-        simulate="box=3xA100-80GB",
-        GPULEASE_DEFAULT_TTL="3",
-        GPULEASE_PREEMPT_NOTICE="1",
-    )
-    yield stack
-    ray.shutdown()
-    stack.interrupt()
+STACK = Stack.of("box=3xA100-80GB", GPULEASE_DEFAULT_TTL="3", GPULEASE_PREEMPT_NOTICE="1")  # conftest's `up`
 
 
 @pytest.fixture(scope="module")

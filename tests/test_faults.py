@@ -35,7 +35,7 @@ from lease_server.node.agent import run_remote
 from lease_server.node.redis_proc import RedisProcess
 from lease_server.store.keys import Keys
 from tests.api_helpers import EventWatcher
-from tests.conftest import ServerHandle, ServerProcess, make_settings, token_for
+from tests.conftest import ServerHandle, ServerProcess, all_events, make_settings, token_for
 
 API = "/api/v1"
 END_TYPES = ("released", "expired", "revoked")
@@ -90,18 +90,6 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         pause.wait(interval)
-
-
-def all_events(c: Client) -> list[dict[str, Any]]:
-    """The whole event log through GET /api/v1/events/log, paged with since=."""
-    out: list[dict[str, Any]] = []
-    since = "-"
-    while True:
-        page = c.request("GET", f"{API}/events/log", params={"since": since, "limit": 10_000})["events"]
-        out.extend(page)
-        if len(page) < 10_000:
-            return out
-        since = page[-1]["id"]
 
 
 def replay_grants(events: list[dict[str, Any]]) -> tuple[list[str], dict[tuple[str, int], str]]:

@@ -16,31 +16,26 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
-from magics.kernel import install
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up
+from tests.conftest import Stack, Up
 
 TTL = "3"  # seconds: short, so that a dead kernel's lease runs out quickly
 
 
-def stack_with_kernels(tmp_path_factory: pytest.TempPathFactory, simulate: str, **env: str) -> Up:
+def kernel_stack(simulate: str, **env: str) -> Stack:
     """`gpulease up` with short TTL and sweep, and the gpulease kernelspec on its JUPYTER_PATH."""
-    home = tmp_path_factory.mktemp("gpulease-home")
-    prefix = tmp_path_factory.mktemp("kernels")
-    install(prefix=str(prefix))
     # Warm cells (a finished cell's worker kept for the next) are tested in tests/test_warm_cells.py;
     # these tests are of the cold path, where every cell releases its GPUs as it ends.
-    env = {"GPULEASE_WARM": "off", **env}
-    up = Up(home, simulate=simulate, GPULEASE_DEFAULT_TTL=TTL, GPULEASE_SWEEP_INTERVAL="0.2", **env)
-    up.env["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
-    return up
+    env = {"GPULEASE_WARM": "off", "GPULEASE_DEFAULT_TTL": TTL, "GPULEASE_SWEEP_INTERVAL": "0.2", **env}
+    return Stack.of(simulate, kernels=True, **env)
+
+
+STACK = kernel_stack("box=2xA100-80GB,cpu=2xCPU", GPULEASE_BORROW_NOTICE="4")  # conftest's `up`
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    up = stack_with_kernels(tmp_path_factory, "box=2xA100-80GB,cpu=2xCPU", GPULEASE_BORROW_NOTICE="4")
-    yield up
-    up.interrupt()
+def stack(up: Up) -> Up:
+    return up  # the module's `gpulease up` (conftest's `up` of STACK), by the name its tests use
 
 
 def api(up: Up, method: str, path: str, token: str | None = None, **kw: Any) -> Any:

@@ -25,17 +25,12 @@ from magics.runner import (
     run_cell,
 )
 from magics.worker import _alive
-from tests.conftest import Up, ray_session
+from tests.conftest import Stack, Up, ray_session
 
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    stack = Up(tmp_path_factory.mktemp("gpulease-home"), simulate="box=2xA100-80GB", GPULEASE_DEFAULT_TTL="3")
-    yield stack
-    ray.shutdown()  # this process joined the stack's Ray cluster as a driver
-    stack.interrupt()
+STACK = Stack.of("box=2xA100-80GB", GPULEASE_DEFAULT_TTL="3")  # conftest's `up`
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from magics.space import grid, loguniform, parse_over, randint, sample, uniform
 from magics.sweep import MedianStopping, SweepDisplay, SweepResults, Trial, _Series, gpu_map, render_table
 from magics.worker import _alive
 from tests.api_helpers import EventWatcher
-from tests.conftest import Up, all_events, ray_session
+from tests.conftest import Stack, Up, all_events, ray_session
 
 ray = pytest.importorskip("ray")
 # The trial functions below travel to the workers by value (the workers cannot import tests/).
@@ -75,12 +75,7 @@ def descend(config: dict[str, Any]) -> int:
 # ---- the stack -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    stack = Up(tmp_path_factory.mktemp("gpulease-home"), simulate="box=4xA100-80GB", GPULEASE_DEFAULT_TTL="3")
-    yield stack
-    ray.shutdown()  # this process joined the stack's Ray cluster as a driver
-    stack.interrupt()
+STACK = Stack.of("box=4xA100-80GB", GPULEASE_DEFAULT_TTL="3")  # conftest's `up`
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from lease_server.client import Client
-from magics.kernel import DISPLAY_NAME, KERNEL_NAME, install
-from tests.conftest import Up
+from magics.kernel import DISPLAY_NAME, KERNEL_NAME
+from tests.conftest import Stack, Up
 from tests.test_ui import Lab, page, shots
 from tests.test_ui import pytestmark as pytestmark  # skipped with test_ui where Chromium is missing
 
@@ -39,26 +39,14 @@ STOPPED = "KeyboardInterrupt: gpu_train stopped; its GPUs are free"
 CODE_PATHS = ("magics/", "lease_server/", "ray/", "Traceback")
 
 
+# ``gpulease up`` with a Ray head and one simulated box of 2 GPUs, and the kernelspec installed under a
+# prefix of its own (up.env["JUPYTER_PATH"]): conftest's `up` of this STACK.
+STACK = Stack.of(f"box=2x{POOL}", kernels=True, GPULEASE_SWEEP_INTERVAL="0.2", GPULEASE_WARM="off")
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    """``gpulease up`` with a Ray head and one simulated box of 2 GPUs, and the kernelspec installed
-    under a prefix of its own (up.env["JUPYTER_PATH"])."""
-    kernels = tmp_path_factory.mktemp("kernels")
-    install(prefix=str(kernels))
-    for attempt in (1, 2):
-        home = tmp_path_factory.mktemp("gpulease-home")
-        up = Up(home, simulate=f"box=2x{POOL}", GPULEASE_SWEEP_INTERVAL="0.2", GPULEASE_WARM="off")
-        # `gpulease up` says so, and goes on, when its Ray head did not come up (a loaded machine can
-        # time out Ray's own startup): a kernel would then hang joining it. Once more, else fail here.
-        said = up.log.read_text()
-        if "the Ray head at" not in said:
-            break
-        up.interrupt()
-        ray_log = (home / "ray.log").read_text()[-2000:] if (home / "ray.log").exists() else ""
-        assert attempt == 1, f"the Ray head of gpulease up did not start:\n{said[-1000:]}\n{ray_log}"
-    up.env["JUPYTER_PATH"] = str(kernels / "share" / "jupyter")
-    yield up
-    up.interrupt()
+def stack(up: Up) -> Up:
+    return up  # by the name this module's tests use
 
 
 def _admin(stack: Up) -> Client:

@@ -15,16 +15,17 @@ import pytest
 from lease_server.client import Client
 from tests.api_helpers import EventWatcher
 from tests.conftest import Up
-from tests.test_magics import Kernel, _alive, api, displays, errors_of, stack_with_kernels, status, text
+from tests.test_magics import Kernel, _alive, api, displays, errors_of, kernel_stack, status, text
 
 WARM_MAX = "8"  # seconds: long enough for a test's cells, short enough to watch it run out
 
 
+STACK = kernel_stack("box=2xA100-80GB", GPULEASE_WARM="on", GPULEASE_WARM_MAX=WARM_MAX)  # conftest's `up`
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    up = stack_with_kernels(tmp_path_factory, "box=2xA100-80GB", GPULEASE_WARM="on", GPULEASE_WARM_MAX=WARM_MAX)
-    yield up
-    up.interrupt()
+def stack(up: Up) -> Up:
+    return up  # the module's `gpulease up` (conftest's `up` of STACK), by the name its tests use
 
 
 @pytest.fixture
@@ -104,6 +105,7 @@ def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_na
     assert notices and notices[0].endswith(
         "\n  ! warm worker on box GPU 0 ended: this cell asks for 2 GPUs (a cold start)"
     )
+    assert status(out).endswith("\n  ! warm worker on box GPU 0 ended: this cell asks for 2 GPUs (a cold start)")
     shown = text(kernel.run("%gpu_lease"))
     assert "kept warm " in shown and "s for your next cell (lent out if someone waits)" in shown, shown
     out = kernel.run("%gpu_lease release")
@@ -132,6 +134,10 @@ def test_another_users_request_evicts_the_warm_worker_and_is_granted_once_it_is_
     notice = "\n".join(displays(out))
     assert "the warm worker on box GPU 0 ended " in notice and "evicted for bob's request" in notice, notice
     assert "this cell starts cold" in notice
+    # ... and it stays under the closing line: the finished cell says its GPU state was lost.
+    final = status(out)
+    assert final.startswith("gpu_train: ran ") and "evicted for bob's request" in final, final
+    assert final.splitlines()[-1].endswith("this cell starts cold"), final
 
 
 def test_a_frozen_kernel_misses_the_notice_and_its_warm_worker_is_ended_before_the_grant(stack):
