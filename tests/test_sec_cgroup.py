@@ -27,7 +27,10 @@ import pytest
 
 from lease_server.node.cgroup import V1, V2, DeviceIsolation, Unavailable, gpu_minors
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and mknod need root: not root here")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and mknod need root: not root here"),
+    pytest.mark.exclusive("cgroup"),  # the host's gpulease cgroup: one test at a time (tests/conftest.py)
+]
 
 LEASE, OTHER = "l-00000000000000aa", "l-00000000000000bb"
 # Waits for "go" (the test places it first), tries each node, reports, forks a child that does the

@@ -168,6 +168,7 @@ def test_a_process_the_agent_must_not_end_is_given_up_and_flagged(srv: Any, redi
     check(srv, redis_sync)
 
 
+@pytest.mark.exclusive("cgroup")  # the host's gpulease cgroup: one test at a time (tests/conftest.py)
 def test_a_claimed_worker_and_its_children_share_the_leases_cgroup_and_end_with_it(
     server_factory: Any, redis_sync: Any
 ) -> None:
