@@ -51,7 +51,7 @@ from .options import Options
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError
 from .session import Worker
 from .worker import Resize, elastic_step
-from .world import Rank, wait_ranks_started
+from .world import Rank, World
 
 if TYPE_CHECKING:
     from .calls import Result
@@ -147,12 +147,12 @@ class _Controller:
                 return
             self.target, self.why = target, why
             self.asked_at = time.monotonic()
-        for rank in self.run.grant.ranks:
+        for rank in self.run.world.ranks:
             with contextlib.suppress(Exception):
                 rank.worker.handle.ask_resize.remote()
 
     def _watch(self) -> None:
-        client = self.run.grant.sess.client()
+        client = self.run.sess.client()
         lease_id = self.run.lease.id
         while not self._done.wait(WATCH_EVERY_S):
             try:
@@ -172,21 +172,18 @@ class _Controller:
     def _force(self) -> None:
         """The ranks did not stop by the shrink's deadline (no step() reached): end them, so that
         none runs on a GPU the lease no longer holds; the job restarts from its last checkpoint."""
-        import ray
-
         self.forced = True
-        for rank in self.run.grant.ranks:
-            with contextlib.suppress(Exception):
-                ray.kill(rank.worker.handle, no_restart=True)
+        self.run.world.kill()
 
 
 class ElasticRun:
-    """The elastic loop of one call on its grant: run the ranks, resize, repeat until the function
-    returns. See the module."""
+    """The elastic loop of one call on its grant and world: run the ranks, resize, repeat until the
+    function returns. See the module."""
 
-    def __init__(self, grant: Grant, opts: Options, ui: UI, pump: Pump) -> None:
+    def __init__(self, grant: Grant, world: World, opts: Options, ui: UI, pump: Pump) -> None:
         assert grant.lease is not None and opts.gpus is not None and opts.gpus_min is not None
-        self.grant, self.opts, self.ui, self.pump = grant, opts, ui, pump
+        self.grant, self.world, self.opts, self.ui, self.pump = grant, world, opts, ui, pump
+        self.sess = grant.sess
         self.lo, self.hi = opts.gpus_min, opts.gpus
         self.sizes = sorted(opts.sizes) if opts.sizes else list(range(self.lo, self.hi + 1))
         self.min_efficiency = opts.min_efficiency
@@ -259,7 +256,7 @@ class ElasticRun:
 
     def _room(self, size: int, more: int) -> bool:
         """``more`` GPUs free on the lease's node, and nobody waiting in its pool."""
-        client = self.grant.sess.client()
+        client = self.sess.client()
         try:
             if client.queue(self.lease.pool):
                 return False
@@ -319,7 +316,7 @@ class ElasticRun:
         then ends the ranks on them (draining), and the phase ends as a forced resize, not as a
         crash of the job."""
         try:
-            rec = self.grant.sess.client().get(self.lease.id)
+            rec = self.sess.client().get(self.lease.id)
         except errors.GpuLeaseError:
             return False
         return rec.get("state") == "active" and len(rec.get("gpus", [])) < size
@@ -328,27 +325,24 @@ class ElasticRun:
         """One rank per leased GPU, in index order: the process that stayed on that GPU through the
         resize (recycled), else a pre-started spare. Each rank sees exactly its own GPU (``cuda:0``,
         ``LOCAL_RANK=0``), so that a process keeps its device across resizes."""
-        sess, lease = self.grant.sess, self.lease
+        sess, lease, world = self.sess, self.lease, self.world
         gpus = sorted(lease.gpus, key=lambda g: int(g["index"]))
-        base = self.grant.env(lease.node)
         ranks = []
         for r, g in enumerate(gpus):
             worker = self._kept.pop(int(g["index"]), None) or sess.take_worker(lease.node, replenish=False)
-            env = {
-                **base,
-                "CUDA_VISIBLE_DEVICES": str(g["index"]),
-                "GPULEASE_GPU_UUIDS": g.get("uuid", ""),
-                "GPULEASE_ELASTIC": "1",
-                "RANK": str(r),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(len(gpus)),
-                "LOCAL_WORLD_SIZE": str(len(gpus)),
-            }
-            ranks.append(Rank(lease.node, r, env, worker))
+            rank = world.rank(lease.node, r, worker, gpus=[g])
+            rank.env.update(
+                GPULEASE_ELASTIC="1",
+                RANK=str(r),
+                LOCAL_RANK="0",
+                WORLD_SIZE=str(len(gpus)),
+                LOCAL_WORLD_SIZE=str(len(gpus)),
+            )
+            ranks.append(rank)
         self._end(list(self._kept.values()))  # a kept process whose GPU the lease no longer has
         self._kept = {}
-        self.grant.ranks = ranks
-        master = wait_ranks_started(sess, ranks)
+        world.ranks = ranks
+        master = world.wait_started()
         for rank in ranks:
             rank.env.update(MASTER_ADDR=str(master["ip"]), MASTER_PORT=str(master["port"]))
 
@@ -358,11 +352,10 @@ class ElasticRun:
         gone before the lease changes."""
         import ray
 
-        ranks, stay = self.grant.ranks, target
-        self.grant.ranks = []
+        stay = target
         leave: list[Rank] = []
-        for rank in ranks:
-            idx = int(rank.env["CUDA_VISIBLE_DEVICES"])
+        for rank in self.world.take():
+            idx = rank.indexes[0]
             ok = False
             if rank.local < stay:
                 with contextlib.suppress(Exception):
@@ -371,21 +364,20 @@ class ElasticRun:
                 self._kept[idx] = rank.worker
             else:
                 leave.append(rank)
-        self._end_ranks(leave)
+        if leave:
+            self.world.end(leave)
         for _ in leave:  # a spare for a later growth, started while the job runs on fewer GPUs
-            self.grant.sess.replenish(self.lease.node)
+            self.sess.replenish(self.lease.node)
 
     def _end(self, workers: list[Worker]) -> None:
-        self._end_ranks([Rank(self.lease.node, 0, {}, w) for w in workers])
+        """End processes kept for a phase that will not use them (seen gone, as any rank)."""
+        if workers:
+            self.world.end([Rank(self.lease.node, 0, {}, w) for w in workers])
 
-    def _end_ranks(self, ranks: list[Rank]) -> None:
-        if not ranks:
-            return
-        held, self.grant.ranks = self.grant.ranks, ranks
-        try:
-            self.grant.end_ranks()
-        finally:
-            self.grant.ranks = held
+    def _update(self, lease: Lease) -> None:
+        """The lease changed on the server (a resize): the grant and the world see it."""
+        self.grant.update(lease)
+        self.world.lease = lease
 
     def close(self) -> None:
         """End any process kept for a next phase that will not come (an error, Stop)."""
@@ -402,18 +394,18 @@ class ElasticRun:
         return replace(call, inputs={**call.inputs, "resume_state": self.state})
 
     def _resize(self, size: int, target: int, why: str) -> None:
-        client = self.grant.sess.client()
+        client = self.sess.client()
         # What the lease holds now: the server shrinks it itself once a shrink notice runs out.
-        self.grant.update(Lease.from_json(client.get(self.lease.id)))
+        self._update(Lease.from_json(client.get(self.lease.id)))
         if self.lease.state != "active":
             raise GpuLeaseEnded(f"the lease ended during a resize ({self.lease.raw.get('end_reason', '')})")
         now = len(self.lease.gpus)
         try:
             if target > now:
-                self.grant.update(client.grow(self.lease, target - now))
+                self._update(client.grow(self.lease, target - now))
                 self._grew_from = now
             elif target < now:
-                self.grant.update(client.shrink(self.lease, now - target))
+                self._update(client.shrink(self.lease, now - target))
                 self._grew_from = None
             elif now < size:
                 self._grew_from = None

@@ -1,8 +1,9 @@
 """A call's lease, from the request to the verified release.
 
 :class:`Grant` is the one place that takes a lease (showing the queue, withdrawing the request on
-Stop), keeps it renewed, follows it (ending the workers when someone else ends it) and, whatever
-happened, kills the workers, sees their processes gone and only then releases it.
+Stop), keeps it renewed, follows it (ending the call's world when someone else ends it) and,
+whatever happened, has the world end its workers and see them gone, and only then releases it.
+It holds the lease and nothing about processes: those are the :class:`magics.world.World`'s.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from typing import Any
 from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease, Lease
 
-from .calls import Where, event_client
+from .calls import event_client
 from .options import Options
 from .outcomes import UI, Running, Waiting, _join, describe_end, waiting_estimate
 from .relay import Relay
-from .session import READY_WAIT_S, Session
-from .worker import verify_gone
-from .world import Rank
+from .session import Session
+from .world import World
 
 log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
@@ -59,8 +59,8 @@ class Cancel:
 
 class Grant:
     """A call's lease (or, for a CPU call without a CPU pool, none) from the request to the
-    verified release. ``finish`` kills the workers, waits until their processes are gone, and only
-    then releases the lease."""
+    verified release. :meth:`finish` has the call's world end its workers and see their processes
+    gone, and only then releases the lease."""
 
     def __init__(self, sess: Session, lease: Lease | None, waited_s: float = 0.0, cpu: bool = False) -> None:
         self.sess = sess
@@ -69,16 +69,12 @@ class Grant:
         self.waited_s = waited_s
         self.t0 = time.monotonic()
         self.held: HeldLease | None = None
-        self.ranks: list[Rank] = []
-        self.pg: Any = None
-        self.verified = False
-        self.nvml = False
+        self.verified = False  # released once its world's processes were seen gone
         self._finished = False
         self._releasing = threading.Event()
         self.ended_elsewhere = threading.Event()
         self._follower: Any = None
-        self.relay: Relay | None = None  # a sweep's: the worker may go on to its next trial
-        self.clean = False  # the call returned normally (only then may its worker go on)
+        self._on_ended: Callable[[], None] = lambda: None
         self.handed_to = ""  # the request this lease and its worker were handed to
         if lease is not None:
             self.held = HeldLease(sess.client(), lease)
@@ -190,19 +186,9 @@ class Grant:
         )
         return Running(lease.id, where, 0 if self.cpu else len(lease.gpus), self.waited_s, note)
 
-    def env(self, node: str) -> dict[str, str]:
-        """What a worker on ``node`` sees: exactly the GPUs leased there, in NVML's order."""
-        if self.lease is None or self.cpu:
-            base = {"CUDA_VISIBLE_DEVICES": ""}
-            return base if self.lease is None else {**base, "GPULEASE_LEASE_ID": self.lease.id, "GPULEASE_NODE": node}
-        mine = [g for g in self.lease.gpus if g.get("node", self.lease.node) == node]
-        return {
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # CUDA's indexes = NVML's = the lease's
-            "CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in mine),
-            "GPULEASE_LEASE_ID": self.lease.id,
-            "GPULEASE_GPU_UUIDS": ",".join(g.get("uuid", "") for g in mine),
-            "GPULEASE_NODE": node,
-        }
+    def world(self) -> World:
+        """The world of workers a call on this lease runs on (not started yet)."""
+        return World(self.sess, self.lease, self.cpu)
 
     def watch(self) -> dict[str, Any]:
         """What a worker's watchdog follows: this lease, on the lease server."""
@@ -223,10 +209,12 @@ class Grant:
             "instance": self.sess.instance(),
         }
 
-    def follow(self) -> None:
+    def follow(self, on_ended: Callable[[], None]) -> None:
         """Follow this lease's own events (``GET /api/v1/events?lease=ID``) while the call runs:
-        once someone else ends it (the board, an admin, the reclaimer, a preemption), end the
-        workers through Ray at once, so the GPUs' next holder never meets them."""
+        once someone else ends it (the board, an admin, the reclaimer, a preemption), call
+        ``on_ended`` (the world kills its workers through Ray) at once, so the GPUs' next holder
+        never meets them."""
+        self._on_ended = on_ended
         if self.lease is None:
             return
         client = self.sess.client()
@@ -268,11 +256,7 @@ class Grant:
         if self._releasing.is_set():
             return
         self.ended_elsewhere.set()
-        import ray
-
-        for rank in list(self.ranks):
-            with contextlib.suppress(Exception):
-                ray.kill(rank.worker.handle, no_restart=True)
+        self._on_ended()
 
     def ended_by(self) -> str | None:
         """Who ended this lease and why, if it was not us ("revoked by alice: maintenance")."""
@@ -284,14 +268,16 @@ class Grant:
             return None
         return describe_end(rec, self.lease.user)
 
-    def finish(self) -> None:
-        """Kill every worker, wait until each process is gone, remove the placement group, then
-        release the lease. Idempotent, and carried through a second Stop press."""
+    def finish(self, world: World, relay: Relay | None = None) -> None:
+        """End the call on this lease: hand the lease and ``world``'s worker to ``relay``'s next
+        request (a sweep's call that returned normally), or else have ``world`` end its workers and
+        see each process gone, then release the lease (verified when they were). Idempotent, and
+        carried through a second Stop press."""
         if self._finished:
             return
         while True:
             try:
-                self._finish()
+                self._finish(world, relay)
                 break
             except KeyboardInterrupt:  # Stop pressed again during cleanup: finish it anyway
                 continue
@@ -310,88 +296,26 @@ class Grant:
         self._finished = False
         self._releasing = threading.Event()
         self.ended_elsewhere = threading.Event()
-        self.clean = False
         self.verified = False
         self.waited_s = 0.0
         self.t0 = time.monotonic()
         if self.held is not None:
             self.held.activity = {"executing": True, "source": "gpu_train"}
 
-    def _finish(self) -> None:
+    def _finish(self, world: World, relay: Relay | None) -> None:
         self.stop_following()
-
-        if (
-            self.relay is not None
-            and self.clean
-            and len(self.ranks) == 1
-            and self.pg is None
-            and not self.cpu
-            and not self.ended_elsewhere.is_set()
-        ):
-            handed = self.relay.pass_on(self)
+        held = self.held
+        if relay is not None and held is not None and not self.ended_elsewhere.is_set():
+            handed = relay.pass_on(held, world)
             if handed:
-                self.handed_to, self.verified, self.ranks = handed, True, []
-                if self.held is not None:
-                    self.sess.held.discard(self.held)
+                self.handed_to, self.verified = handed, True
+                self.sess.held.discard(held)
                 return
-        self.end_ranks()
-        if self.held is not None:
+        self.verified = world.end()
+        if held is not None:
             # Verified: the workers it named are gone, free at once; else the node agent makes sure.
-            self.held.release(verified=self.verified)
-            self.sess.held.discard(self.held)
-
-    def end_ranks(self) -> None:
-        """Kill every worker and wait until each process is gone (and, where NVML sees the GPUs,
-        off them); remove the placement group. The lease stays held: an elastic resize restarts
-        the ranks on it; :meth:`finish` releases it after this."""
-        import ray
-
-        wheres: list[tuple[Rank, Where | None]] = []
-        for rank in self.ranks:
-            try:
-                # Resolved long ago for a pre-started spare; a worker still starting is waited for,
-                # since its process may already hold a CUDA context.
-                where = rank.worker.where(timeout=READY_WAIT_S)
-            except Exception:  # noqa: BLE001 - it never started: nothing of it can hold a GPU
-                where = None
-            wheres.append((rank, where))
-            with contextlib.suppress(Exception):
-                ray.kill(rank.worker.handle, no_restart=True)
-        self.verified = all(w is not None for _, w in wheres) or not wheres
-        nvml = True
-        for rank, where in wheres:
-            if where is None:
-                continue
-            indexes = [int(i) for i in rank.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
-            uuids = [u for u in rank.env.get("GPULEASE_GPU_UUIDS", "").split(",") if u]
-            seen = self._verify(rank.node, where, uuids, indexes)
-            log.debug("worker %s on %s: %s", where.pid, rank.node, seen)
-            self.verified = self.verified and seen["gone"]
-            nvml = nvml and seen["nvml"]
-        self.nvml = nvml and bool(wheres) and not self.cpu
-        self.ranks = []
-        if self.pg is not None:
-            from ray.util import remove_placement_group
-
-            try:
-                remove_placement_group(self.pg)
-            except Exception as exc:  # noqa: BLE001 - Ray removes it with this driver anyway
-                log.warning("could not remove a placement group: %s", exc)
-            self.pg = None
-
-    def _verify(self, node: str, where: Where, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
-        """Is the process gone (and off its GPUs)? Watched from here when it shares our process
-        table, else by a spare worker on its node."""
-        if where.machine == self.sess.machine:
-            return verify_gone(where.pid, uuids, indexes)
-        import ray
-
-        try:
-            reaper = self.sess.spare(node)
-            return ray.get(reaper.handle.reap.remote(where.pid, uuids, indexes), timeout=30)  # type: ignore[no-any-return]
-        except Exception as exc:  # noqa: BLE001 - say so in the closing line; the lease is still released
-            log.warning("could not verify that worker %s on %s exited: %s", where.pid, node, exc)
-            return {"gone": False, "nvml": False}
+            held.release(verified=self.verified)
+            self.sess.held.discard(held)
 
 
 def _acquire_cancellable(
@@ -430,6 +354,3 @@ def _acquire_cancellable(
     if "error" in box:
         raise box["error"]
     return box["lease"]  # type: ignore[no-any-return]
-
-
-# ---- starting the world of workers ---------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""The IPython magics. Thin: they parse arguments, call :func:`magics.runner.run_cell`, and
-render its progress as one line per cell that is updated in place (:class:`CellDisplay`)."""
+"""The IPython magics. Thin: they parse arguments, call :func:`magics.runner.run_cell` (or
+:func:`magics.sweep.run_sweep`), and render its progress as one line per cell that is updated in
+place (:class:`CellDisplay`); what a call said while it ran and must outlive it stays under the
+closing line."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from lease_server import errors
 
 from . import cellcode, space
 from .elastic import DEFAULT_MIN_EFFICIENCY
-from .outcomes import GpuTrainStopped
 from .runner import (
     Ending,
     Options,
@@ -33,7 +34,9 @@ from .runner import (
     run_cell,
     session,
 )
-from .sweep import run_sweep, stop_live_sweeps
+from .sweep import SweepStopped, run_sweep, stop_live_sweeps
+from .warm import current as current_warm
+from .warm import end_warm
 
 # The cells running or queued right now, so that a kernel shutdown can close their lines.
 _LIVE: weakref.WeakSet[CellDisplay] = weakref.WeakSet()
@@ -361,9 +364,8 @@ class GpuMagics(Magics):
             user_ns[args.name] = run_sweep(
                 calls, opts, args.max_parallel, args.stop, args.metric, args.mode, display=None
             )
-        except GpuTrainStopped as exc:
-            if hasattr(exc, "results"):
-                user_ns[args.name] = exc.results
+        except SweepStopped as exc:
+            user_ns[args.name] = exc.results
             raise
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -391,10 +393,10 @@ class GpuMagics(Magics):
                     print("no lease of yours has an idle warning")
                 return
             if args.action == "release":
-                warm = session().warm
+                warm = current_warm(session())
                 ended_warm = warm is not None and args.lease_id in (None, warm.lease.id)
                 if warm is not None and ended_warm:
-                    session().end_warm("released with %gpu_lease release")
+                    end_warm(session(), "released with %gpu_lease release")
                     print(f"{warm.lease.id}: released; its warm worker ended")
                     if args.lease_id:
                         return
@@ -475,7 +477,7 @@ class GpuMagics(Magics):
         if args.warm is not None:
             d.warm = args.warm == "on"
             if not d.warm:
-                session().end_warm("%gpu_config --warm off")
+                end_warm(session(), "%gpu_config --warm off")
         if args.url is not None or args.token is not None:
             d.url = args.url or d.url
             d.token = args.token or d.token

@@ -1,11 +1,29 @@
-"""One call's options (:class:`Options`): what ``%%gpu_train``, ``%%gpu_sweep``, ``run_on_gpus`` and
-``gpu_map`` ask of :func:`magics.runner.run_call`, below every module that reads them."""
+"""What a call asks for: one call's :class:`Options` (what ``%%gpu_train``, ``%%gpu_sweep``,
+``run_on_gpus`` and ``gpu_map`` ask of :func:`magics.runner.run_call`) and the kernel's
+:class:`Defaults` they fall back on (``%gpu_config``). Plain data, below every module that reads it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 
-from .session import Defaults
+WARM_OFF = ("0", "off", "false", "no")
+
+
+@dataclass
+class Defaults:
+    """Session defaults, changed with %gpu_config."""
+
+    gpus: int = 1
+    pool: str | None = None
+    timeout: float | None = None
+    wait: float = 3600.0
+    url: str | None = None
+    token: str | None = None
+    ttl: float | None = None
+    # %%gpu_train cells keep their worker warm for the next cell (%gpu_config --warm off; an admin
+    # may turn it off for a kernelspec with GPULEASE_WARM=off in its env)
+    warm: bool = field(default_factory=lambda: os.environ.get("GPULEASE_WARM", "on").lower() not in WARM_OFF)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """How a call is seen from the notebook: its states (queued, running, ended), the UI that shows
-them, and the errors a call can end with. Each is one line for a person; none shows local frames."""
+them, and the errors a call can end with, each carrying the call's :class:`Checkpoint` when its
+hook saved one. Each is one line for a person; none shows local frames."""
 
 from __future__ import annotations
 
@@ -11,8 +12,19 @@ from lease_server import protocol
 from lease_server.protocol import EndCause, EndCauseJson, LeaseJson
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a call's ``magics.on_preempt`` hook returned last (``state`` may itself be None): the
+    notebook keeps it as ``gpu_checkpoint`` for ``--resume``."""
+
+    state: Any
+
+
 class GpuTrainError(Exception):
-    """The call failed on the worker (or the worker died). Shown as the remote traceback, once."""
+    """The call failed on the worker (or the worker died). Shown as the remote traceback, once.
+    ``checkpoint``: the call's last checkpoint, if its hook saved one."""
+
+    checkpoint: Checkpoint | None = None
 
     def __init__(
         self,
@@ -50,11 +62,13 @@ class GpuLeaseEnded(GpuTrainError):
 
 class GpuTrainStopped(KeyboardInterrupt):
     """Stop (a kernel interrupt) ended the call: the request was withdrawn or the GPUs released.
-    Still a KeyboardInterrupt, so code around the call stops as it would on any interrupt."""
+    Still a KeyboardInterrupt, so code around the call stops as it would on any interrupt.
+    ``checkpoint``: the call's last checkpoint, if its hook saved one."""
 
-    def __init__(self, summary: str) -> None:
+    def __init__(self, summary: str, checkpoint: Checkpoint | None = None) -> None:
         super().__init__(summary)
         self.summary = summary
+        self.checkpoint = checkpoint
 
     def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self.summary}"]
@@ -97,6 +111,7 @@ class Ending:
     handed_to: str = ""  # a sweep's: the lease and its worker went on to this next trial
     warm: bool = False  # the worker and its lease were kept warm for the notebook's next cell
     crossed: list[str] = field(default_factory=list)  # names over 100 MB that came back: "m (1.2 GB, 0.9s)"
+    notes: list[str] = field(default_factory=list)  # said while it ran and kept under the line ("! ...")
 
     def line(self) -> str:
         """One line for the notebook, at most 80 columns where the names allow."""
@@ -105,12 +120,14 @@ class Ending:
         if self.state == "refused":
             return f"gpu_train: {self.why}"
         big = f"; brought back {', '.join(self.crossed)}" if self.crossed else ""
+        notes = "".join(f"\n  ! {n}" for n in self.notes)
         if self.warm:
             lendable = "(lent out if someone waits)"
             mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory else ""
             if self.state == "failed":
-                return f"gpu_train: failed after {self.held_s:.1f}s; its worker kept warm on {self.where} {lendable}"
-            return f"gpu_train: ran {self.held_s:.1f}s; kept warm on {self.where} {lendable}{mem}{big}"
+                kept = f"its worker kept warm on {self.where} {lendable}"
+                return f"gpu_train: failed after {self.held_s:.1f}s; {kept}{notes}"
+            return f"gpu_train: ran {self.held_s:.1f}s; kept warm on {self.where} {lendable}{mem}{big}{notes}"
         if self.cpu:
             what = f"ran on {self.where} for {self.held_s:.1f}s"
         else:
@@ -133,7 +150,7 @@ class Ending:
         mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory and not self.hint else ""
         saved = " (checkpoint saved: %%gpu_train --resume)" if self.checkpoint else ""
         hint = f"\n  {self.hint}" if self.hint else ""
-        return f"{head}{tail}{mem}{big}{saved}{hint}"
+        return f"{head}{tail}{mem}{big}{saved}{hint}{notes}"
 
 
 class UI(Protocol):

@@ -12,6 +12,7 @@ from . import hostcopy
 from .calls import CHECKPOINT_STREAM, ELASTIC_STREAM, METRICS_STREAM, Call, Result
 from .grant import Cancel, Grant
 from .outcomes import UI, GpuLeaseEnded, GpuTrainError, GpuTrainTimeout, _first_line
+from .world import World
 
 POLL_S = 0.5  # a worker's output long poll
 WAKE_S = 0.05  # the pump wakes this often: Ray's wait does not give way to Stop (SIGINT) until it returns
@@ -23,8 +24,9 @@ class Pump:
     raises; the caller then ends every rank. ``cancel``, once requested, raises KeyboardInterrupt
     here as Stop would (a sweep ending a trial early, or stopping)."""
 
-    def __init__(self, grant: Grant, ui: UI, cancel: Cancel | None = None) -> None:
+    def __init__(self, grant: Grant, world: World, ui: UI, cancel: Cancel | None = None) -> None:
         self.grant = grant
+        self.world = world
         self.ui = ui
         self.cancel = cancel
         self.checkpoint: Any = None
@@ -38,7 +40,7 @@ class Pump:
     def run(self, call: Call, timeout: float | None) -> list[Result]:
         import ray
 
-        ranks = self.grant.ranks
+        ranks = self.world.ranks
         multi = len(ranks) > 1
         writer = _RankWriter(self.ui.output) if multi else None
         watch = self.grant.watch()
@@ -91,7 +93,7 @@ class Pump:
         return [results[i] for i in range(len(ranks))]
 
     def _nodes(self) -> str:
-        return ",".join(dict.fromkeys(r.node for r in self.grant.ranks))
+        return self.world.nodes()
 
     def _check_lease(self) -> None:
         held = self.grant.held
@@ -110,7 +112,7 @@ class Pump:
     def _collect(self, ref: Any, i: int, multi: bool) -> Result:
         import ray
 
-        node = self.grant.ranks[i].node
+        node = self.world.ranks[i].node
         try:
             result: Result = ray.get(ref)
         except ray.exceptions.RayActorError:
@@ -171,7 +173,7 @@ class Pump:
                 chunks, done = ray.get(ref, timeout=2)
                 self._emit(i, chunks, writer)
                 if not done:
-                    chunks, _ = ray.get(self.grant.ranks[i].worker.handle.read_output.remote(0), timeout=2)
+                    chunks, _ = ray.get(self.world.ranks[i].worker.handle.read_output.remote(0), timeout=2)
                     self._emit(i, chunks, writer)
             except Exception:  # noqa: BLE001 - the rank is gone; nothing more to show
                 pass

@@ -8,16 +8,13 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from lease_server import errors
-from lease_server.client import Lease
+from lease_server.client import HeldLease, Lease
 
 from .session import READY_WAIT_S, Session, Worker
 from .worker import verify_gone
-
-if TYPE_CHECKING:
-    from .grant import Grant
+from .world import World
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +40,15 @@ class Relay:
         self.handed = 0
         self.refused: collections.Counter[str] = collections.Counter()  # why not, by reason
 
-    def pass_on(self, grant: Grant) -> str | None:
-        """Hand ``grant``'s lease and its one worker to the next request; its id, or None (then the
-        caller ends the worker and releases the lease as usual)."""
+    def pass_on(self, held: HeldLease, world: World) -> str | None:
+        """Hand ``held`` and ``world``'s one worker to the next request; its id, or None (then the
+        caller ends the worker and releases the lease as usual). Handed on, the worker is no
+        longer ``world``'s."""
         import ray
 
-        held, rank = grant.held, grant.ranks[0]
-        if held is None:
+        if len(world.ranks) != 1 or world.pg is not None or world.cpu:
             return None
+        rank = world.ranks[0]
         rids = self.next_requests(held.lease.id)
         if not rids:
             return None
@@ -72,6 +70,7 @@ class Relay:
                 return None
             self._kept[new.id] = (rank.worker, held.lease.node, indexes)
             self.handed += 1
+        world.take()
         return new.id
 
     def claim(self, lease: Lease) -> Worker | None:

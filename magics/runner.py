@@ -6,12 +6,15 @@
 The lease server decides who holds which GPU; Ray only runs the call, on the node of the lease,
 in a pre-started single-use worker whose ``CUDA_VISIBLE_DEVICES`` is exactly the leased indexes.
 
-One path serves every kind of call. :func:`run_call` takes the lease (:class:`magics.grant.Grant`: the one
-place that acquires, renews and releases), starts a *world* of workers (one worker for a one-node
-call, one per GPU for a multi-node gang, one CPU worker for ``gpus=0``), pumps their output with
-one :class:`magics.pump.Pump`, and whatever happens (return, error, timeout, Stop, the lease ended by someone
-else) kills the workers, waits until their processes are gone (and, where NVML sees the GPUs, off
-them), and only then releases the lease: the next holder never meets the old process.
+One path serves every kind of call, and :func:`run_call` reads as its steps: **ask** (the kernel's
+warm worker, or a lease from the queue: :class:`magics.grant.Grant`, the one place that acquires,
+renews and releases), **place** (a :class:`magics.world.World` of workers: one for a one-node call,
+one per GPU for a multi-node gang, one CPU worker for ``gpus=0``), **run** (one
+:class:`magics.pump.Pump` streams their output), then **keep warm or release** and **bring back**.
+Whatever happens (return, error, timeout, Stop, the lease ended by someone else) the world's
+workers are killed and seen gone (and, where NVML sees the GPUs, off them) before the lease is
+released: the next holder never meets the old process. A failed call's checkpoint travels as the
+error's declared ``checkpoint`` field.
 
 Progress reaches the caller through a :class:`UI` (queued -> running -> ended), so the magic only
 parses options and renders; :func:`run_cell` is the whole cell loop with a plain dict namespace.
@@ -33,9 +36,10 @@ from . import cellcode
 from .calls import Call, CellValue, Result
 from .elastic import ElasticRun
 from .grant import Cancel, Grant
-from .options import Options
+from .options import Defaults, Options
 from .outcomes import (
     UI,
+    Checkpoint,
     Ending,
     GpuLeaseEnded,
     GpuTrainError,
@@ -55,13 +59,13 @@ from .session import (
     GANG_START_TIMEOUT_S,
     RESOURCE_PREFIX,
     SPARES_PER_NODE,
-    Defaults,
     Session,
     node_resource,
     session,
 )
-from .warm import keep_warm, take_warm, warmable
-from .world import start_world
+from .warm import WarmWorker, keep_warm, take_warm, warmable
+from .warm import current as current_warm
+from .world import World
 
 __all__ = [
     "GANG_BUNDLE_SHARE",
@@ -213,141 +217,198 @@ def run_call(
     ``gpus_min < gpus`` is an elastic request; ``nodes=k`` (k > 1) a multi-node gang whose value
     is rank 0's (``all_ranks``: every rank's, in rank order). ``ui`` sees queued -> running ->
     ended and the output. Raises :class:`GpuTrainError` (the call failed), its subclasses
-    :class:`GpuTrainTimeout` and :class:`GpuLeaseEnded`, or :class:`GpuTrainStopped` (Stop).
+    :class:`GpuTrainTimeout` and :class:`GpuLeaseEnded`, or :class:`GpuTrainStopped` (Stop);
+    each carries the call's last checkpoint (``exc.checkpoint``) if its hook saved one.
     ``cancel`` lets another thread end the call as Stop would (:class:`magics.grant.Cancel`);
     with it the call can run in any thread, once :meth:`Session.connect_ray` ran in the main one.
     ``relay`` (a sweep's :class:`magics.relay.Relay`) lets the call start on the worker of the
     same user's call that just ended on the same GPUs, and hand its own worker on when it ends."""
     sess = sess or session()
-    ui = ui or StreamUI()
+    run = _Run(sess, _resolved(options, sess), ui or StreamUI(), call, cancel, relay)
+    run.ask()
+    try:
+        run.place()
+        run.run()
+    except GpuTrainError as exc:
+        run.failed(exc)
+        exc.checkpoint = run.checkpoint()
+        raise
+    except KeyboardInterrupt:
+        run.ending.state = "stopped"
+        raise GpuTrainStopped(f"gpu_train stopped; {run.freed()}", run.checkpoint()) from None
+    finally:
+        run.keep_warm_or_release()
+    return run.bring_back()
+
+
+def _resolved(options: Options | None, sess: Session) -> Options:
+    """The call's options with the session's defaults filled in, refused before anything is leased
+    if they cannot run."""
     opts = (options or Options()).resolved(sess.defaults)
-    assert opts.gpus is not None
     if opts.elastic:
         check_elastic(opts)
     check_gang(opts.gpus_min, opts.gpus, opts.nodes)
-    sess.connect_ray()
-    cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
-    rid = Client.new_request_id()
-    elastic: ElasticRun | None = None
-    warm_ok = relay is None and cancel is None and warmable(opts, call)
-    call.keep_ns = warm_ok
-    warm, gone = take_warm(sess, opts, warm_ok) if call.kind == "cell" and opts.gpus else (None, "")
-    try:
-        if warm is not None:
-            grant = warm.grant
-            grant.reopen()
-            call = warm.strip(call)  # the names the worker holds already stay there
-        else:
-            grant = Grant.take(sess, opts, ui, cpu_pool, rid, cancel, relay)
-        grant.relay = relay
-        pump = Pump(grant, ui, cancel)
-        ending = Ending("failed", cpu=grant.cpu or grant.lease is None)
-    except KeyboardInterrupt:
-        # Stop may land after the grant arrived and before the call owns it: withdrawing the
-        # request id releases such a grant too, so it is never left to expire.
-        if relay is not None:
-            relay.drop(rid)  # a worker handed to this request ends before its lease is released
-        sess.client().withdraw(rid, reason="withdrawn: Stop pressed")
-        ui.ended(Ending("withdrawn"))
-        raise GpuTrainStopped("gpu_train stopped while queued; the request was withdrawn") from None
-    except errors.NoCapacity as exc:
-        ui.ended(Ending("refused", why=exc.message))
-        raise
-    except errors.Withdrawn as exc:  # withdrawn from elsewhere: a kernel shutdown, another terminal
-        ui.ended(Ending("withdrawn"))
-        raise GpuLeaseEnded(exc.message) from None
-    user_error = False  # the cell raised: its worker is fine, and may stay warm
-    try:
+    return opts
+
+
+class _Run:
+    """One call, step by step: :meth:`ask` (a warm worker, or a lease from the queue),
+    :meth:`place` (its world of workers), :meth:`run`, then :meth:`keep_warm_or_release` and
+    :meth:`bring_back` (its value, or :meth:`failed` and the error)."""
+
+    def __init__(
+        self, sess: Session, opts: Options, ui: UI, call: Call, cancel: Cancel | None, relay: Relay | None
+    ) -> None:
+        self.sess, self.opts, self.ui, self.call = sess, opts, ui, call
+        self.cancel, self.relay = cancel, relay
+        self.rid = Client.new_request_id()
+        self.warm_ok = relay is None and cancel is None and warmable(opts, call)
+        call.keep_ns = self.warm_ok
+        self.warm: WarmWorker | None = None
+        self.results: list[Result] = []
+        self.elastic: ElasticRun | None = None
+        self.user_error = False  # the cell raised: its worker is fine, and may stay warm
+
+    # ---- ask ----------------------------------------------------------------------------------------
+
+    def ask(self) -> None:
+        """The kernel's warm worker if it fits, else a lease: queued, shown, withdrawn on Stop."""
+        sess, opts, ui = self.sess, self.opts, self.ui
+        sess.connect_ray()
+        gone = ""
+        if self.call.kind == "cell" and opts.gpus:
+            self.warm, gone = take_warm(sess, opts, self.warm_ok)
         try:
-            running = grant.running(opts)
-            if warm is not None:
-                running.where += f" (warm worker, {time.monotonic() - warm.since:.0f}s since the last cell)"
-            ui.running(running)
-            if gone:
-                ui.notice(gone)
-            if opts.elastic:
-                elastic = ElasticRun(grant, opts, ui, pump)
-                grant.follow()
-                results = elastic.run(call)
+            if self.warm is not None:
+                self.grant, self.world = self.warm.grant, self.warm.world
+                self.grant.reopen()
+                self.call = self.warm.strip(self.call)  # the names the worker holds already stay there
             else:
-                if warm is None:
-                    start_world(sess, grant, opts)
-                grant.follow()
-                results = pump.run(call, opts.timeout)
-            grant.clean = True
-            ending.state = "released"
-            ending.peak_memory = _sum_memory(results)
-            ending.crossed = [c.text() for c in pump.crossed]
-        except GpuTrainError as exc:
-            user_error = bool(exc.remote_traceback) and not isinstance(exc, (GpuTrainTimeout, GpuLeaseEnded))
-            if isinstance(exc, GpuLeaseEnded):
-                ending.state, ending.why = "ended", exc.summary
-            elif isinstance(exc, GpuTrainTimeout):
-                ending.state = "timeout"
-                ending.why = f"{opts.timeout:g}s" if opts.timeout else ""  # the limit, beside the time held
-            raise
+                cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
+                self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay)
+                self.world = self.grant.world()
         except KeyboardInterrupt:
-            ending.state = "stopped"
-            freed = "its GPUs are free" if grant.lease is not None and not grant.cpu else "its worker is gone"
-            raise GpuTrainStopped(f"gpu_train stopped; {freed}") from None
-        finally:
-            if call.kind == "cell" and relay is None and not opts.elastic and not (opts.nodes and opts.nodes > 1):
-                # A spare preloads them for the notebook's next cold cell (not while a sweep's
-                # trials or an elastic job's ranks run: the imports would take CPU from them).
-                sess.note_imports(pump.imported)
-            kept = None
-            if warm_ok and (ending.state == "released" or user_error):
-                kept = keep_warm(sess, grant, warm)
-            later = opts.background_release and ending.state == "released" and kept is None
-            if kept is not None:
-                ending.warm = True
-                sent = {k: v for k, v in call.inputs.items()}
-                back = results[0].value.names if ending.state == "released" else {}
-                kept.crossed(sent, back)
-            elif not later:
-                grant.finish()
+            # Stop may land after the grant arrived and before the call owns it: withdrawing the
+            # request id releases such a grant too, so it is never left to expire.
+            if self.relay is not None:
+                self.relay.drop(self.rid)  # a worker handed to this request ends before its lease is released
+            sess.client().withdraw(self.rid, reason="withdrawn: Stop pressed")
+            ui.ended(Ending("withdrawn"))
+            raise GpuTrainStopped("gpu_train stopped while queued; the request was withdrawn") from None
+        except errors.NoCapacity as exc:
+            ui.ended(Ending("refused", why=exc.message))
+            raise
+        except errors.Withdrawn as exc:  # withdrawn from elsewhere: a kernel shutdown, another terminal
+            ui.ended(Ending("withdrawn"))
+            raise GpuLeaseEnded(exc.message) from None
+        self.pump = Pump(self.grant, self.world, ui, self.cancel)
+        self.ending = Ending("failed", cpu=self.grant.cpu or self.grant.lease is None, notes=[gone] if gone else [])
+
+    # ---- place and run ------------------------------------------------------------------------------
+
+    def place(self) -> None:
+        """Say where it runs, and start its workers (a warm worker is there already; an elastic
+        call starts its own ranks, phase by phase)."""
+        running = self.grant.running(self.opts)
+        if self.warm is not None:
+            running.where += f" (warm worker, {time.monotonic() - self.warm.since:.0f}s since the last cell)"
+        self.ui.running(running)
+        for note in self.ending.notes:
+            self.ui.notice(note)
+        if self.opts.elastic:
+            self.elastic = ElasticRun(self.grant, self.world, self.opts, self.ui, self.pump)
+        elif self.warm is None:
+            lease, relay = self.grant.lease, self.relay
+            kept = relay.claim(lease) if relay is not None and lease is not None and not self.grant.cpu else None
+            self.world.start(self.opts, kept)
+
+    def run(self) -> None:
+        """Run the call on its world while following the lease, until every rank returned."""
+        self.grant.follow(self.world.kill)
+        if self.elastic is not None:
+            self.results = self.elastic.run(self.call)
+        else:
+            self.results = self.pump.run(self.call, self.opts.timeout)
+        self.ending.state = "released"
+        self.ending.peak_memory = _sum_memory(self.results)
+        self.ending.crossed = [c.text() for c in self.pump.crossed]
+
+    def failed(self, exc: GpuTrainError) -> None:
+        """The call raised (in the cell's code: its worker may stay warm) or was ended."""
+        self.user_error = bool(exc.remote_traceback) and not isinstance(exc, (GpuTrainTimeout, GpuLeaseEnded))
+        if isinstance(exc, GpuLeaseEnded):
+            self.ending.state, self.ending.why = "ended", exc.summary
+        elif isinstance(exc, GpuTrainTimeout):
+            # the limit, beside the time held
+            self.ending.state, self.ending.why = "timeout", f"{self.opts.timeout:g}s" if self.opts.timeout else ""
+
+    def freed(self) -> str:
+        return "its GPUs are free" if self.grant.lease is not None and not self.grant.cpu else "its worker is gone"
+
+    def checkpoint(self) -> Checkpoint | None:
+        return Checkpoint(self.pump.checkpoint) if self.pump.has_checkpoint else None
+
+    # ---- keep warm or release, and bring back ---------------------------------------------------------
+
+    def keep_warm_or_release(self) -> None:
+        """Keep the worker warm for the notebook's next cell, hand it to a sweep's next trial, or
+        end it (seen gone) and release the lease; then the closing line (in the background, after
+        the value went back, for ``background_release``)."""
+        sess, opts, grant, ending, call = self.sess, self.opts, self.grant, self.ending, self.call
+        if call.kind == "cell" and self.relay is None and not opts.elastic and not (opts.nodes and opts.nodes > 1):
+            # A spare preloads them for the notebook's next cold cell (not while a sweep's
+            # trials or an elastic job's ranks run: the imports would take CPU from them).
+            sess.note_imports(self.pump.imported)
+        clean = ending.state == "released"
+        kept = None
+        if self.warm_ok and (clean or self.user_error):
+            kept = keep_warm(sess, grant, self.world, self.warm)
+        later = opts.background_release and clean and kept is None
+        if kept is not None:
+            ending.warm = True
+            kept.crossed(dict(call.inputs), self.results[0].value.names if clean else {})
+            assert grant.lease is not None
+            ending.where = f"{grant.lease.node} GPU {','.join(str(i) for i in grant.lease.indexes)}"
+        else:
             ending.where = grant.where
-            if ending.warm and grant.lease is not None:
-                ending.where = f"{grant.lease.node} GPU {','.join(str(i) for i in grant.lease.indexes)}"
-            ending.gpus = len(grant.lease.gpus) if grant.lease else 0
-            ending.held_s = time.monotonic() - grant.t0
-            ending.checkpoint = pump.has_checkpoint
-            if later:
-                # The value goes back now; the workers are ended, seen gone and the lease released
-                # in the background (its GPUs are granted again only after that), then the line.
-                sess.in_background(lambda: _close(sess, grant, ending, ui))
-            else:
-                _close(sess, grant, ending, ui, finished=True)
-    except BaseException as exc:
-        # The checkpoint hook's state travels with the error (the magic keeps it as gpu_checkpoint).
-        if pump.has_checkpoint:
-            exc.checkpoint = pump.checkpoint  # type: ignore[attr-defined]
-        raise
-    values = [r.value for r in results]
-    lease = grant.lease
-    return CallResult(
-        values if opts.all_ranks else values[0],
-        ending,
-        lease.id if lease else "",
-        ",".join(lease.parts()) if lease else "cpu",
-        lease.indexes if lease else [],
-        pump.checkpoint,
-        pump.has_checkpoint,
-        pump.metrics,
-        elastic.summary() if elastic is not None else [],
-    )
+            if not later:
+                grant.finish(self.world, self.relay if clean else None)
+        ending.gpus = len(grant.lease.gpus) if grant.lease else 0
+        ending.held_s = time.monotonic() - grant.t0
+        ending.checkpoint = self.pump.has_checkpoint
+        if later:
+            # The value goes back now; the workers are ended, seen gone and the lease released
+            # in the background (its GPUs are granted again only after that), then the line.
+            sess.in_background(lambda: _close(sess, grant, self.world, ending, self.ui))
+        else:
+            _close(sess, grant, self.world, ending, self.ui, finished=True)
+
+    def bring_back(self) -> CallResult:
+        values = [r.value for r in self.results]
+        lease, pump = self.grant.lease, self.pump
+        return CallResult(
+            values if self.opts.all_ranks else values[0],
+            self.ending,
+            lease.id if lease else "",
+            ",".join(lease.parts()) if lease else "cpu",
+            lease.indexes if lease else [],
+            pump.checkpoint,
+            pump.has_checkpoint,
+            pump.metrics,
+            self.elastic.summary() if self.elastic is not None else [],
+        )
 
 
-def _close(sess: Session, grant: Grant, ending: Ending, ui: UI, finished: bool = False) -> None:
+def _close(sess: Session, grant: Grant, world: World, ending: Ending, ui: UI, finished: bool = False) -> None:
     """The call's workers are gone and its lease released (``finish`` it unless ``finished``): say how it ended."""
     if not finished:
         try:
-            grant.finish()
+            grant.finish(world)
         except Exception:
             if grant.held is not None:  # not seen gone: an unverified release, the node agent makes sure
                 grant.held.release()
             raise
-    ending.verified, ending.nvml = grant.verified, grant.nvml
+    ending.verified, ending.nvml = grant.verified, world.nvml
     ending.handed_to = grant.handed_to
     if ending.state == "released" and grant.lease is not None and not grant.cpu:
         ending.hint = _right_size(sess, grant.lease, ending.peak_memory)
@@ -440,7 +501,7 @@ def run_cell(
     is returned. A checkpoint hook's state lands in ``user_ns["gpu_checkpoint"]``."""
     options = options or Options()
     sess = sess or session()
-    warm = sess.warm
+    warm = current_warm(sess)
     call = plan_call(source, user_ns, options, warm.sent if warm is not None and options.warm else None)
     if not options.label:
         options = replace(options, label=source.strip().splitlines()[0][:120])
@@ -448,9 +509,9 @@ def run_cell(
         options = replace(options, cell=hashlib.sha1(source.encode()).hexdigest()[:12])
     try:
         out = run_call(call, options, ui, sess)
-    except BaseException as exc:
-        if hasattr(exc, "checkpoint"):
-            user_ns["gpu_checkpoint"] = exc.checkpoint
+    except (GpuTrainError, GpuTrainStopped) as exc:
+        if exc.checkpoint is not None:
+            user_ns["gpu_checkpoint"] = exc.checkpoint.state
         raise
     if out.has_checkpoint:
         user_ns["gpu_checkpoint"] = out.checkpoint

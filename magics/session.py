@@ -1,6 +1,7 @@
 """The kernel's connections: the lease client, the Ray connection, the spare workers.
 
-Nothing about a particular call lives here (see :mod:`magics.grant` and :mod:`magics.pump`).
+Nothing about a particular call lives here: its lease is a :class:`magics.grant.Grant`, its
+processes a :class:`magics.world.World`, a warm cell's worker is :mod:`magics.warm`'s.
 """
 
 from __future__ import annotations
@@ -12,24 +13,21 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease
 from lease_server.node import rayauth
 
 from .calls import Where, this_machine
+from .options import Defaults
 from .worker import GpuWorker
-
-if TYPE_CHECKING:
-    from .warm import WarmWorker
 
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
 SPARES_PER_NODE = 2  # one for the next call, one for the call after it while the first is replaced
 GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
-WARM_OFF = ("0", "off", "false", "no")
 GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
 READY_WAIT_S = 5.0  # how long ending a worker waits to learn a starting one's pid
 
@@ -37,22 +35,6 @@ READY_WAIT_S = 5.0  # how long ending a worker waits to learn a starting one's p
 def node_resource(node: str) -> str:
     """The Ray custom resource that marks the Ray node serving lease-server node ``node``."""
     return RESOURCE_PREFIX + node
-
-
-@dataclass
-class Defaults:
-    """Session defaults, changed with %gpu_config."""
-
-    gpus: int = 1
-    pool: str | None = None
-    timeout: float | None = None
-    wait: float = 3600.0
-    url: str | None = None
-    token: str | None = None
-    ttl: float | None = None
-    # %%gpu_train cells keep their worker warm for the next cell (%gpu_config --warm off; an admin
-    # may turn it off for a kernelspec with GPULEASE_WARM=off in its env)
-    warm: bool = field(default_factory=lambda: os.environ.get("GPULEASE_WARM", "on").lower() not in WARM_OFF)
 
 
 @dataclass
@@ -98,8 +80,9 @@ class Session:
         self.machine = this_machine()
         self.held: set[HeldLease] = set()
         self.waiting: set[str] = set()  # request ids queued right now
-        self.warm: WarmWorker | None = None  # the last cell's worker, kept warm (magics.warm)
-        self.warm_gone: WarmWorker | None = None  # one evicted or ended while warm: the next cell says so
+        # What outlives a call and ends before the kernel gives its leases back (a warm worker,
+        # magics.warm): each is called with the reason at every release_all.
+        self.before_release: list[Callable[[str], None]] = []
         self.preload: set[str] = set()  # installed packages earlier GPU cells imported: spares import them
         self._background: set[threading.Thread] = set()  # releases running after their call returned
         # A multi-node gang: how long Ray may take to place every rank and start its process.
@@ -226,15 +209,6 @@ class Session:
                 for worker in spares:
                     worker.preloaded = worker.handle.preload.remote(sorted(self.preload))
 
-    def end_warm(self, why: str) -> bool:
-        """End the warm worker, if any, and release its lease; whether there was one."""
-        w = self.warm
-        if w is None:
-            return False
-        w.end(why)
-        self.warm = None
-        return True
-
     def prewarm(self, nodes: list[str]) -> None:
         """Start spare workers on ``nodes`` now, so that a call later costs no process start."""
         self.connect_ray()
@@ -315,8 +289,9 @@ class Session:
 
     def release_all(self, reason: str = "kernel shut down") -> None:
         """Kernel shutdown: withdraw every queued request and give back every lease held."""
-        with contextlib.suppress(Exception):
-            self.end_warm(reason)
+        for end in list(self.before_release):
+            with contextlib.suppress(Exception):
+                end(reason)
         self.wait_background()
         client = self._client
         for rid in list(self.waiting):

@@ -20,9 +20,10 @@ no GPU between trials. ``max_parallel`` caps the trials queued or running at onc
 
 While it runs, one table updated in place shows each trial (parameters, state, elapsed, last
 metrics); a trial's output is kept in its record (``results[i].output``), not printed. Stop
-withdraws every queued trial, stops the running ones and raises :class:`GpuTrainStopped` with the
-records so far (``exc.results``). ``early_stop="median"`` ends a trial whose metric is worse than
-the median of the others' at the same step (the median stopping rule), which frees its GPUs.
+withdraws every queued trial, stops the running ones and raises :class:`SweepStopped` (a
+:class:`GpuTrainStopped`) with the records so far (``exc.results``). ``early_stop="median"``
+ends a trial whose metric is worse than the median of the others' at the same step (the median
+stopping rule), which frees its GPUs.
 """
 
 from __future__ import annotations
@@ -203,6 +204,15 @@ class SweepResults(list[Trial]):
     # list's own repr would be a wall of records; the table is what a person wants to see
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(repr(self))
+
+
+class SweepStopped(GpuTrainStopped):
+    """Stop ended the sweep: every queued trial withdrawn, the running ones stopped. ``results``:
+    the trials' records so far."""
+
+    def __init__(self, summary: str, results: SweepResults) -> None:
+        super().__init__(summary)
+        self.results = results
 
 
 # ---- the median stopping rule --------------------------------------------------------------------
@@ -513,9 +523,7 @@ class Sweep:
                 self._drain()
                 line = _final_line(self.trials, 0.0, stopped=True)
                 self.display.show(self._table(line), final=True)
-                exc = GpuTrainStopped(line)
-                exc.results = self.trials  # type: ignore[attr-defined]
-                raise exc from None
+                raise SweepStopped(line, self.trials) from None
         finally:
             _LIVE.discard(self)
             self._relay.close()
@@ -781,8 +789,8 @@ def gpu_map(
     the others: its record holds the remote traceback. Inside ``fn``, ``magics.report(step=...,
     **metrics)`` streams metrics; ``early_stop="median"`` with ``metric=NAME`` (``mode`` "min" or
     "max") stops trials that fall behind the median of the others. Stop withdraws every queued
-    trial, stops the running ones and raises :class:`GpuTrainStopped` (``exc.results``: the
-    records so far)."""
+    trial, stops the running ones and raises :class:`SweepStopped`, a :class:`GpuTrainStopped`
+    (``exc.results``: the records so far)."""
     lo, hi = parse_gpus(gpus)
     opts = Options(
         gpus=hi,

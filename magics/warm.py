@@ -1,7 +1,8 @@
 """Warm cells: a finished ``%%gpu_train`` cell's worker stays on its GPUs for the notebook's next cell.
 
-When a one-node cell ends normally, its worker process and its namespace stay alive and its lease
-turns *warm* (``POST /leases/{id}/warm``): lendable. The next cell of the same kernel asking for the
+When a one-node cell ends normally (or its own code raised), its worker process and its namespace
+stay alive, the call's grant and world kept together as the kernel's one :class:`WarmWorker`, and
+its lease turns *warm* (``POST /leases/{id}/warm``): lendable. The next cell of the same kernel asking for the
 same GPUs (count, and pool if it names one) runs in that worker at once: no queue, no new process,
 whatever the last cell left on the GPU still there, and only the names that changed in the kernel
 since they last crossed are sent (:meth:`WarmWorker.strip`).
@@ -17,24 +18,67 @@ eviction ends the worker and the notebook's next cell starts cold; its line says
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+import weakref
+from dataclasses import dataclass
+from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.protocol import EndCause, EndCauseJson
 
 from .calls import Call, event_client
+from .grant import Grant
 from .options import Options
 from .outcomes import describe_cause, describe_end
-
-if TYPE_CHECKING:
-    from .grant import Grant
-    from .session import Session
+from .session import Session
+from .worker import _alive
+from .world import World
 
 log = logging.getLogger(__name__)
 _MISSING = object()
+
+
+@dataclass
+class _Slot:
+    """A kernel's warm worker, and the last one that ended while warm (the next cell says so)."""
+
+    current: WarmWorker | None = None
+    gone: WarmWorker | None = None
+
+
+_slots: weakref.WeakKeyDictionary[Session, _Slot] = weakref.WeakKeyDictionary()
+_slots_lock = threading.Lock()
+
+
+def _slot(sess: Session) -> _Slot:
+    with _slots_lock:
+        slot = _slots.get(sess)
+        if slot is None:
+            slot = _slots[sess] = _Slot()
+            sess.before_release.append(functools.partial(_end_for_release, sess))
+        return slot
+
+
+def _end_for_release(sess: Session, why: str) -> None:
+    end_warm(sess, why)
+
+
+def current(sess: Session) -> WarmWorker | None:
+    """The kernel's warm worker, if it keeps one."""
+    return _slot(sess).current
+
+
+def end_warm(sess: Session, why: str) -> bool:
+    """End the kernel's warm worker, if any, and release its lease; whether there was one."""
+    slot = _slot(sess)
+    w, slot.current = slot.current, None
+    if w is None:
+        return False
+    w.end(why)
+    return True
 
 
 def warmable(opts: Options, call: Call) -> bool:
@@ -53,10 +97,11 @@ def warmable(opts: Options, call: Call) -> bool:
 class WarmWorker:
     """A finished cell's worker kept on its lease, and what of the notebook it already holds."""
 
-    def __init__(self, sess: Session, grant: Grant) -> None:
+    def __init__(self, sess: Session, grant: Grant, world: World) -> None:
         assert grant.lease is not None
         self.sess = sess
         self.grant = grant
+        self.world = world
         self.lease = grant.lease
         self.since = time.monotonic()  # the last cell's end
         self.sent: dict[str, Any] = {}  # name -> the kernel's object the worker holds a copy of
@@ -95,10 +140,8 @@ class WarmWorker:
     def _worker_alive(self) -> bool:
         """False when the worker's process is known gone (crashed, OOM-killed while warm); where
         the driver cannot see its process table, the call finds out."""
-        from .worker import _alive
-
         try:
-            where = self.grant.ranks[0].worker.where(timeout=1)
+            where = self.world.ranks[0].worker.where(timeout=1)
         except Exception:  # noqa: BLE001 - it never answered: not fit for a cell
             return False
         return where.machine != self.sess.machine or _alive(where.pid)
@@ -199,7 +242,7 @@ class WarmWorker:
         with self._lock:
             if not self._stop.is_set():
                 self._end_locked(why)
-                self.sess.warm_gone = self  # the notebook's next cell says what became of it
+                _slot(self.sess).gone = self  # the notebook's next cell says what became of it
 
     # ---- ending ----------------------------------------------------------------------------------
 
@@ -216,11 +259,12 @@ class WarmWorker:
         self.gone, self.gone_at = why, time.monotonic()
         self._unfollow()
         try:
-            self.grant.finish()  # the worker seen gone, then a verified release: free at once
+            self.grant.finish(self.world)  # the worker seen gone, then a verified release: free at once
         except Exception as exc:  # noqa: BLE001 - the TTL and the node agent are the backstop
             log.warning("could not end the warm worker of lease %s: %s", self.lease.id, exc)
-        if self.sess.warm is self:
-            self.sess.warm = None
+        slot = _slot(self.sess)
+        if slot.current is self:
+            slot.current = None
 
 
 def _why(exc: errors.GpuLeaseError, w: WarmWorker) -> str:
@@ -238,13 +282,14 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
     """The kernel's warm worker for this GPU cell, if the cell may use it (``usable``), it fits
     and it is still there; else None, with a line saying what became of it ("" when there was
     none, or the notebook moved on: the warm worker is ended and its lease released first)."""
-    w = sess.warm
+    slot = _slot(sess)
+    w = slot.current
     if w is None:
-        gone, sess.warm_gone = sess.warm_gone, None
+        gone, slot.gone = slot.gone, None
         if gone is not None and usable and not opts.fresh and gone.fits(opts):
             return None, gone.ended_line()
         return None, ""
-    sess.warm = None
+    slot.current = None
     if not usable or opts.fresh or not w.fits(opts):
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
         if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there
@@ -256,27 +301,32 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
     return None, w.ended_line()
 
 
-def keep_warm(sess: Session, grant: Grant, last: WarmWorker | None) -> WarmWorker | None:
+def keep_warm(sess: Session, grant: Grant, world: World, last: WarmWorker | None) -> WarmWorker | None:
     """After a clean cell: keep its worker and lease for the notebook's next cell. None when the
     server will not (the lease is being recalled, ...) or the worker is not fit: the caller then
     ends the worker and releases as usual."""
     import ray
 
-    if grant.lease is None or len(grant.ranks) != 1 or grant.ended_elsewhere.is_set():
+    if grant.lease is None or len(world.ranks) != 1 or grant.ended_elsewhere.is_set():
         return None
     grant.stop_following()
     try:
-        if not ray.get(grant.ranks[0].worker.handle.recycle.remote(), timeout=5):
-            return None
+        # The worker readies itself while the lease server marks the lease warm (one round trip
+        # each, side by side); a worker that cannot is ended and the lease released as any cell's.
+        ready = world.ranks[0].worker.handle.recycle.remote(warm=True)
         sess.client().warm(grant.lease, on=True)
+        if not ray.get(ready, timeout=5):
+            with contextlib.suppress(errors.GpuLeaseError):
+                sess.client().warm(grant.lease, on=False)
+            return None
     except Exception as exc:  # noqa: BLE001 - not kept warm: ended and released as any cell
         log.debug("lease %s not kept warm: %s", grant.lease.id, exc)
         return None
     if grant.held is not None:
         grant.held.activity = {"executing": False, "source": "gpu_train warm"}
-    w = WarmWorker(sess, grant)
+    w = WarmWorker(sess, grant, world)
     if last is not None:
         w.sent = last.sent
-    sess.warm = w
+    _slot(sess).current = w
     w.follow()
     return w

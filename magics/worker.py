@@ -2,9 +2,11 @@
 
 A :class:`GpuWorker` actor is started ahead of time (imports done, no CUDA context), used for
 exactly one call with ``CUDA_VISIBLE_DEVICES`` set to the leased indexes, and then killed by the
-caller, so every byte of GPU memory the function took is freed with its process. The one exception
-is a sweep's next trial on the same GPUs, granted to the same user in the same step as the last
-one's lease ended (``lua/handoff.lua``): :meth:`GpuWorker.recycle` readies the process for it. While the call
+caller, so every byte of GPU memory the function took is freed with its process. The exceptions
+stay on the same GPUs for the same user, readied by :meth:`GpuWorker.recycle`: a warm cell's worker
+(its namespace kept for the notebook's next cell, :mod:`magics.warm`), a sweep's next trial granted
+in the same step as the last one's lease ended (``lua/handoff.lua``), and an elastic job's ranks on
+the GPUs a resize keeps. While the call
 runs, the actor captures stdout/stderr for the notebook to stream, and a watchdog thread follows
 the lease on the lease server's event stream: once the lease is released, expired or revoked, the
 process exits, so a revoked lease or an orphaned call (its kernel died) stops using the GPU.
@@ -331,12 +333,15 @@ class GpuWorker:
             self._chunks.append((stream, text))
             self._cond.notify_all()
 
-    def recycle(self) -> bool:
+    def recycle(self, warm: bool = False) -> bool:
         """Ready this process for one more call of the same user on the same GPUs (a sweep's next
         trial, handed the GPUs in the same step as this call's lease ended): forget this call's
         output, hooks and watchdog, free what Python and torch's caching allocator still hold, and
-        reset torch's peak-memory counters so the next call's peak is its own. False while a call
-        still runs (then the caller ends the process as usual)."""
+        reset torch's peak-memory counters so the next call's peak is its own. ``warm``: the
+        notebook's next cell runs here with what this one left, so nothing is freed (a full
+        garbage collection of a process holding torch alone takes tens of milliseconds, which
+        every warm cell's closing would pay). False while a call still runs (then the caller
+        ends the process as usual)."""
         with self._cond:
             if not self._done:
                 return False
@@ -353,14 +358,16 @@ class GpuWorker:
         _RESIZE.clear()
         import gc
 
-        gc.collect()
+        if not warm:
+            gc.collect()
         torch = sys.modules.get("torch")
         with contextlib.suppress(Exception):  # an elastic rank's next phase sets up its own group
             if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         with contextlib.suppress(Exception):
             if torch is not None and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
+                if not warm:
+                    torch.cuda.empty_cache()
                 for i in range(torch.cuda.device_count()):
                     torch.cuda.reset_peak_memory_stats(i)
         return True

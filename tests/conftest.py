@@ -331,7 +331,12 @@ class Up:
             except httpx.TransportError:
                 pass
             time.sleep(0.1)  # polling a process that is starting: there is no event to wait on
-        raise AssertionError("gpulease up did not answer")
+        # Stopped, not left behind: an orphaned stack (Redis, a Ray head) would slow every later test.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.interrupt()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        raise AssertionError(f"gpulease up did not answer within 120 s; its log: {self.log}")
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*CLI, *args], env=self.env, capture_output=True, text=True, timeout=60)
