@@ -280,8 +280,8 @@ def test_bookings_quotas_preemption_and_gangs_never_double_grant(server_factory,
     keys = Keys(srv.settings.prefix)
     now = _time.time()
     with Client(srv.url, srv.token("u0")) as c:
-        c.reserve("A100-80GB", 4, now - 1, now + 3600, owner="team:ml")
-        c.reserve("A100-80GB", 2, now - 1, now + 3600, colocate=True)
+        c.book("A100-80GB", 4, now - 1, now + 3600, owner="team:ml")
+        c.book("A100-80GB", 2, now - 1, now + 3600, colocate=True)
     results: list[dict[str, int] | str] = []
     lock = threading.Lock()
 
