@@ -104,7 +104,7 @@ def main() -> None:
     from tests.ha import REDIS_SETTINGS, SENTINEL_SETTINGS, SentinelGroup, run_load
 
     out: dict[str, Any] = {"sentinel": SENTINEL_SETTINGS}
-    duration, every = (30.0, 12.0) if args.quick else (60.0, 15.0)
+    kills, every = (2, 12.0) if args.quick else (3, 15.0)
     with tempfile.TemporaryDirectory(prefix="gpulease-ha-") as tmp:
         group = SentinelGroup(Path(tmp) / "a")
         try:
@@ -131,7 +131,7 @@ def main() -> None:
                 srv = server(group, "haload", 1)
                 try:
                     tokens = [srv.token(f"u{i}") for i in range(32)]
-                    rep = run_load(group, srv.url, tokens, duration, every, 1, Keys("haload"))
+                    rep = run_load(group, srv.url, tokens, kills, every, 1, Keys("haload"))
                 finally:
                     srv.stop()
                 med = statistics.median(rep.unavailable_s) if rep.unavailable_s else float("nan")
@@ -159,7 +159,7 @@ def main() -> None:
                 srv = server(group, "haload0", 0)
                 try:
                     tokens = [srv.token(f"u{i}") for i in range(32)]
-                    rep = run_load(group, srv.url, tokens, 20.0, 10.0, 0, Keys("haload0"))
+                    rep = run_load(group, srv.url, tokens, 1, 10.0, 0, Keys("haload0"))
                 finally:
                     srv.stop()
                 out.update(

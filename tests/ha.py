@@ -257,15 +257,17 @@ def run_load(
     group: SentinelGroup,
     url: str,
     tokens: list[str],
-    duration_s: float,
+    kills: int,
     kill_every_s: float,
     replicas_ack: int,
     prefix_keys: Any,
     replica_behind_s: float = 0.3,
 ) -> Report:
-    """``len(tokens)`` clients acquire (1 GPU, wait 0), renew and release for ``duration_s``, while
-    the primary is killed every ``kill_every_s`` (its replica held back ``replica_behind_s`` first).
-    Then check what they observed."""
+    """``len(tokens)`` clients acquire (1 GPU, wait 0), renew and release while the primary is killed
+    ``kills`` times, ``kill_every_s`` after the load starts and after each failover ends (its replica
+    held back ``replica_behind_s`` first); the load goes on ``kill_every_s`` after the last one.
+    Counted in failovers, not seconds: a slow machine gets as many as a fast one. Then check what
+    the clients observed."""
     report = Report(replicas_ack)
     lock = threading.Lock()
     holdings: list[Holding] = []
@@ -342,8 +344,11 @@ def run_load(
         t.start()
     pause = threading.Event()
     next_kill = t0 + kill_every_s
-    while time.monotonic() < t0 + duration_s:
-        if time.monotonic() >= next_kill:
+    while report.failovers < kills or time.monotonic() < next_kill:
+        if report.failovers < kills and time.monotonic() >= next_kill:
+            # Every sentinel must know the replica that the last failover restarted, or there is
+            # nothing to promote (they look for replicas every 10 s): waited for, not timed.
+            group.wait_ready(timeout=30.0)
             resume = group.hold_back_replicas()
             pause.wait(replica_behind_s)
             with lock:
