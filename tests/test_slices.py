@@ -21,7 +21,7 @@ from lease_server import errors
 from lease_server.client import Lease
 from lease_server.sizes import GpuMem, parse_gpu_mem
 from lease_server.store.keys import Keys
-from tests.conftest import ServerHandle
+from tests.conftest import ServerHandle, make_settings
 from tests.invariants import check_event_log, check_state, read_events
 
 A100 = "A100-80GB"
@@ -116,6 +116,20 @@ def test_the_api_documents_gpu_mem_mb(srv: ServerHandle) -> None:
     prop = doc["components"]["schemas"]["AcquireRequest"]["properties"]["gpu_mem_mb"]
     assert prop["type"] == ["integer", "null"] and prop["minimum"] == 1
     assert "gpu_mem_mb" in doc["components"]["schemas"]["Lease"]["properties"]
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        ({"share": "yes"}, "share of pool"),
+        ({"slice_unit_mb": 0}, "slice_unit_mb of pool"),
+        ({"max_sharers": 1.5}, "max_sharers"),
+    ],
+)
+def test_contradictory_sharing_settings_fail_fast(redis_server: Any, table: dict[str, Any], says: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match=says):
+        make_settings(redis_server.url, "cfg", scheduling={A100: table}).validate()
+    assert make_settings(redis_server.url, "cfg").sched_table(A100)["share"] is False  # off by default
 
 
 # ---- placement -------------------------------------------------------------------------------------
