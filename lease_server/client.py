@@ -31,6 +31,7 @@ import httpx
 from . import errors, protocol
 from .protocol import GpuJson, LeaseJson, LeaseState
 from .request import MAX_TEXT, AcquireRequest
+from .sizes import parse_gpu_mem
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -84,6 +85,7 @@ class Lease:
     booking: str = ""  # the booking it is served from, if any (the lease JSON's "reservation")
     borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
     nodes: list[str] = field(default_factory=list)  # a multi-node gang's nodes (else empty)
+    gpu_mem_mb: int = 0  # a slice: MB of its one GPU promised to it (0: whole GPUs)
     raw: LeaseJson = field(default_factory=lambda: cast(LeaseJson, {}), repr=False)
 
     @property
@@ -108,6 +110,7 @@ class Lease:
             booking=data.get("reservation", ""),
             borrowed=bool(data.get("borrowed", False)),
             nodes=list(data.get("nodes", [])),
+            gpu_mem_mb=int(data.get("gpu_mem_mb", 0)),
             raw=data,
         )
 
@@ -229,8 +232,14 @@ class Client:
         notebook: str = "",
         cell: str = "",
         request_id: str | None = None,
+        gpu_mem: str | int | float | None = None,
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
+
+        ``gpu_mem`` leases a slice of one GPU instead (``gpus`` 1): "10GB", "10240MB", an int of
+        MB, or a fraction of one GPU of the pool such as 0.25 (in a pool that shares its GPUs;
+        rounded up to the pool's unit: the lease's ``gpu_mem_mb`` says the size it got). A size
+        it cannot read raises ValueError before anything is sent.
 
         ``gpus_min`` makes the request elastic: granted as many as one node has free, between
         gpus_min and gpus. ``priority`` is a class: "low", "normal" or "high".
@@ -242,6 +251,7 @@ class Client:
         request (default: a fresh one), e.g. to ask ``estimate`` about it while it waits.
         """
         lid = request_id or self.new_request_id()
+        mem_mb = None if gpu_mem is None else self.gpu_mem_mb(gpu_mem, pool)
         body = AcquireRequest(
             id=lid,
             gpus=gpus,
@@ -255,6 +265,7 @@ class Client:
             notebook=notebook[:MAX_TEXT],
             cell=cell[:MAX_TEXT],
             priority=priority or "normal",
+            gpu_mem_mb=mem_mb,
         ).json()
         outcome: dict[str, Any] = {}  # "lease": Lease | "error": BaseException
 
@@ -294,6 +305,24 @@ class Client:
             raise outcome["error"]
         lease: Lease = outcome["lease"]
         return lease
+
+    def gpu_mem_mb(self, gpu_mem: str | int | float, pool: str | None = None) -> int:
+        """``gpu_mem`` as the API takes it, in whole MB: a fraction is of one GPU of ``pool`` (default:
+        the server's default pool), read from the board (GET /cluster) only then."""
+        size = parse_gpu_mem(gpu_mem)
+        if size.fraction is None:
+            return size.to_mb(0)
+        view = self.cluster()
+        name = pool or view.get("default_pool")
+        gpu_mb = max(
+            (int(g.get("memory_mb") or 0) for n in view["nodes"] if n["pool"] == name for g in n["gpus"]), default=0
+        )
+        if gpu_mb <= 0:
+            raise ValueError(
+                f"pool {name!r} lists no GPU memory, so a fraction ({gpu_mem}) cannot be sized: give a size such "
+                "as 10GB"
+            )
+        return size.to_mb(gpu_mb)
 
     @staticmethod
     def new_request_id() -> str:
@@ -565,9 +594,11 @@ class Client:
         label: str = "",
         session: str = "",
         progress: Callable[[int | None, float], None] | None = None,
+        gpu_mem: str | int | float | None = None,
     ) -> Iterator[HeldLease]:
-        """Hold a lease for the ``with`` block: renewed in the background, released on exit."""
-        held = HeldLease(self, self.acquire(gpus, pool, ttl, wait, label, session, progress))
+        """Hold a lease for the ``with`` block: renewed in the background, released on exit
+        (``gpu_mem``: a slice of one GPU, as :meth:`acquire` takes it)."""
+        held = HeldLease(self, self.acquire(gpus, pool, ttl, wait, label, session, progress, gpu_mem=gpu_mem))
         try:
             yield held
         finally:

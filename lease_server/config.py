@@ -11,7 +11,18 @@ from typing import Any
 from .errors import ConfigurationError
 
 SCHEDULERS = ("fifo", "fair_share", "priority")
-SCHED_SETTINGS = ("scheduler", "preempt_notice", "idle_weight", "quota", "aging", "warm_max", "warm_evict_notice")
+SCHED_SETTINGS = (
+    "scheduler",
+    "preempt_notice",
+    "idle_weight",
+    "quota",
+    "aging",
+    "warm_max",
+    "warm_evict_notice",
+    "share",
+    "slice_unit_mb",
+    "max_sharers",
+)
 UNLEASED_ACTIONS = ("flag", "kill")  # what node agents do about a process on a GPU no lease covers
 # The HTTP edge's settings: (name, exclusive low, inclusive high)
 EDGE_BOUNDS = (
@@ -122,6 +133,12 @@ class Settings:
     warm_max: float = 1800.0
     warm_evict_notice: float = 2.0
     quota_per_user: int = 0  # GPUs at once per user and pool within quota (0: no quota)
+    # GPU slices (a lease of part of one GPU's memory, gpu_mem_mb): off unless a pool's [scheduling.POOL]
+    # table (or this default for every pool) says share = true. A slice's size is rounded up to a
+    # multiple of slice_unit_mb; at most max_sharers slices (live or draining) share one GPU.
+    share: bool = False
+    slice_unit_mb: int = 1024
+    max_sharers: int = 4
     # GPU-seconds of fair-share credit per second waited, per GPU asked for: large requests are
     # not starved, yet a long backlog does not turn fair share into first-come-first-served
     aging: float = 0.1
@@ -137,6 +154,9 @@ class Settings:
             "warm_max": self.warm_max,
             "warm_evict_notice": self.warm_evict_notice,
             "quota": {"*": self.quota_per_user} if self.quota_per_user else {},
+            "share": self.share,
+            "slice_unit_mb": self.slice_unit_mb,
+            "max_sharers": self.max_sharers,
         }
         base.update(self.scheduling.get(pool, {}))
         return {
@@ -147,6 +167,9 @@ class Settings:
             "warm_max_ms": int(float(base["warm_max"]) * 1000),  # type: ignore[arg-type]
             "warm_evict_notice_ms": int(float(base["warm_evict_notice"]) * 1000),  # type: ignore[arg-type]
             "quota": dict(base["quota"]),  # type: ignore[call-overload]
+            "share": bool(base["share"]),
+            "slice_unit_mb": int(base["slice_unit_mb"]),  # type: ignore[call-overload]
+            "max_sharers": int(base["max_sharers"]),  # type: ignore[call-overload]
         }
 
     def teams_of(self, user: str) -> tuple[str, ...]:
@@ -198,7 +221,15 @@ class Settings:
             raise ConfigurationError(
                 "borrow_notice and on_demand_floor must not be negative, and no_show_after must be positive"
             )
-        checks: dict[str, dict[str, Any]] = {"*": {"scheduler": self.scheduler}, **self.scheduling}
+        checks: dict[str, dict[str, Any]] = {
+            "*": {
+                "scheduler": self.scheduler,
+                "share": self.share,
+                "slice_unit_mb": self.slice_unit_mb,
+                "max_sharers": self.max_sharers,
+            },
+            **self.scheduling,
+        }
         for pool, table in checks.items():
             unknown = set(table) - set(SCHED_SETTINGS)
             if unknown:
@@ -216,6 +247,14 @@ class Settings:
                 raise ConfigurationError(
                     f"scheduler of pool {pool} must be one of {', '.join(SCHEDULERS)}, got {table.get('scheduler')!r}"
                 )
+            if not isinstance(table.get("share", False), bool):
+                raise ConfigurationError(f"share of pool {pool} must be true or false, got {table['share']!r}")
+            for key, low, high in (("slice_unit_mb", 1, 1024 * 1024), ("max_sharers", 1, 1024)):
+                value = table.get(key, 1)
+                if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                    raise ConfigurationError(
+                        f"{key} of pool {pool} must be a whole number from {low} to {high}, got {value!r}"
+                    )
             quota = table.get("quota", {})
             if not isinstance(quota, dict) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in quota.values()

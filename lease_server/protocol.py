@@ -275,6 +275,10 @@ class LeaseJson(TypedDict, total=False):
     ]
     shrink_by: float
     shrink_reason: str
+    gpu_mem_mb: Annotated[
+        int, "A slice: MB of its one GPU's memory promised to it (what it asked for, rounded up to the pool's unit)"
+    ]
+    gpu_total_mb: Annotated[int, "A slice: the memory of its GPU, in MB"]
     ended_at: float
     end_reason: str
     ended_by: str

@@ -37,6 +37,7 @@ from .protocol import PRIORITIES, UNSAFE_CHARS
 MAX_GPUS_PER_REQUEST = 1024
 MAX_TEXT = 200
 MAX_NODES = 64
+MAX_GPU_MEM_MB = 16 * 1024 * 1024  # 16 TB: above any GPU's memory (the pool's own GPUs bound a slice)
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 REQUEST_ID_PATTERN = "^[A-Za-z0-9._-]{8,64}$"
 # Text a user sends (labels, notes, reasons): anything but protocol.UNSAFE_CHARS.
@@ -253,7 +254,9 @@ def _value(f: _Field, value: Any, limits: object) -> Any:
 
 
 def _num(bound: float | None) -> str:
-    return "" if bound is None else f"{bound:g}"
+    if bound is None:
+        return ""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 # ---- POST /api/v1/leases ---------------------------------------------------------------------------------
@@ -341,13 +344,31 @@ class AcquireRequest(Request):
             enum=tuple(PRIORITIES),
         ),
     ] = "normal"
+    gpu_mem_mb: Annotated[
+        int | None,
+        Spec(
+            "A slice of one GPU: this many MB of its memory, on a GPU that other slices may share (only in a "
+            "pool that shares; rounded up to the pool's slice unit, and the lease says the size it got). "
+            "Null: whole GPUs",
+            "gpu_mem_mb must be a whole number of MB from {minimum} to {maximum}, e.g. 10240 for 10 GB",
+            minimum=1,
+            maximum=MAX_GPU_MEM_MB,
+        ),
+    ] = None
 
     RULES = (
         "gpus_min above gpus",
         "nodes above 1 with gpus not a multiple of nodes, or with a gpus_min other than gpus",
+        "gpu_mem_mb with gpus other than 1, nodes above 1 or gpus_min",
+        "gpu_mem_mb in a pool that does not share, or above the memory of one of its GPUs",
     )
 
     def rules(self) -> None:
+        if self.gpu_mem_mb is not None and (self.gpus != 1 or self.nodes != 1 or self.gpus_min is not None):
+            raise errors.BadRequest(
+                "a slice (gpu_mem_mb) is part of one GPU: send gpus 1 with no nodes or gpus_min, or drop "
+                "gpu_mem_mb to lease whole GPUs"
+            )
         n, n_min, k = self.gpus, self.least, self.nodes
         if n_min > n:
             raise errors.BadRequest(f"gpus_min ({n_min}) must not exceed gpus ({n}): ask for gpus_min..gpus GPUs")

@@ -30,23 +30,44 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
     """Replay grants, resizes and ends in stream order: no GPU granted (or grown into) while held,
     tokens strictly rising and kept by a resize, a shrink gives back only GPUs its lease held, every
     end returns exactly the GPUs its lease held then. A GPU that the server took back (an end or a
-    shrink naming it ``draining``) is granted again only after its ``drained`` event. Returns counts
-    per event type."""
+    shrink naming it ``draining``) is granted again only after its ``drained`` event. Slices (a
+    grant with ``gpu_mem_mb``): no GPU is ever promised beyond its memory to the slices on it, live
+    or draining (an end with ``slice_draining`` keeps its memory until its ``drained``), and a GPU
+    with slices is never granted whole, nor a slice put on a GPU held whole. Returns counts per
+    event type."""
     held: dict[tuple[str, int], str] = {}
     draining: dict[tuple[str, int], str] = {}  # GPU -> the lease whose processes must be gone first
+    slices: dict[tuple[str, int], dict[str, int]] = {}  # GPU -> {slice lease: MB}, live and draining
+    slice_total: dict[tuple[str, int], int] = {}
     lease_gpus: dict[str, set[tuple[str, int]]] = {}
     lease_token: dict[str, int] = {}
     last_token = 0
     counts: dict[str, int] = {}
     for ev in events:
         counts[ev["type"]] = counts.get(ev["type"], 0) + 1
-        if ev["type"] == "grant":
+        if ev["type"] == "grant" and ev.get("gpu_mem_mb"):
+            assert ev["token"] > last_token, f"token {ev['token']} after {last_token}: reused or out of order"
+            last_token = ev["token"]
+            gpus = _gpus(ev)
+            assert len(gpus) == 1, f"slice {ev['lease']} granted on {gpus}"
+            (g,) = gpus
+            assert g not in held, f"slice {ev['lease']} put on {g}, held whole by {held[g]}"
+            assert g not in draining, f"slice {ev['lease']} put on {g} before {draining.get(g)} drained from it"
+            on = slices.setdefault(g, {})
+            slice_total[g] = int(ev["gpu_total_mb"])
+            on[ev["lease"]] = int(ev["gpu_mem_mb"])
+            assert sum(on.values()) <= slice_total[g], f"{g} promised {sum(on.values())} of {slice_total[g]} MB: {on}"
+            assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
+            lease_gpus[ev["lease"]] = gpus
+            lease_token[ev["lease"]] = ev["token"]
+        elif ev["type"] == "grant":
             assert ev["token"] > last_token, f"token {ev['token']} after {last_token}: reused or out of order"
             last_token = ev["token"]
             gpus = _gpus(ev)
             for g in gpus:
                 assert g not in held, f"double grant: {g} granted to {ev['lease']} while held by {held[g]}"
                 assert g not in draining, f"{g} granted to {ev['lease']} before {draining.get(g)} drained from it"
+                assert not slices.get(g), f"{g} granted whole to {ev['lease']} while slices hold it: {slices[g]}"
                 held[g] = ev["lease"]
             assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
             lease_gpus[ev["lease"]] = gpus
@@ -55,6 +76,7 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
             assert ev["token"] == lease_token.get(ev["lease"]), f"grown {ev['lease']} with token {ev['token']}"
             assert lease_gpus.get(ev["lease"]), f"grown {ev['lease']}, which holds nothing"
             for g in _gpus(ev):
+                assert not slices.get(g), f"{g} grown into {ev['lease']} while slices hold it"
                 assert g not in held, f"double grant: {g} grown into {ev['lease']} while held by {held[g]}"
                 assert g not in draining, f"{g} grown into {ev['lease']} before {draining.get(g)} drained from it"
                 held[g] = ev["lease"]
@@ -74,10 +96,24 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
                 g = (ev["node"], int(i))
                 assert g not in held and g not in draining, f"held {g} for unleased use, but it was not free"
                 draining[g] = ""
+        elif ev["type"] == "drained" and ev.get("gpu_mem_mb"):  # a slice's memory, free again
+            for i in ev["gpus"]:
+                g = (ev["node"], int(i))
+                mb = slices.get(g, {}).pop("~" + ev["lease"], None)
+                assert mb == ev["gpu_mem_mb"], f"drained slice {ev['lease']} of {g}, which was not draining"
         elif ev["type"] == "drained":
             for i in ev["gpus"]:
                 g = (ev["node"], int(i))
                 assert draining.pop(g, None) == ev["lease"], f"drained {g} of {ev['lease']}, which was not draining"
+        elif ev["type"] in END_TYPES and ev.get("gpu_mem_mb"):
+            gpus = _gpus(ev)
+            assert gpus == lease_gpus.get(ev["lease"]), f"{ev['type']} of slice {ev['lease']} returned {gpus}"
+            for g in gpus:
+                mb = slices.get(g, {}).pop(ev["lease"], None)
+                assert mb == ev["gpu_mem_mb"], f"{ev['type']} of slice {ev['lease']}: {g} held {mb} MB for it"
+                if ev.get("slice_draining"):  # its memory stays promised until its drained event
+                    slices[g]["~" + ev["lease"]] = mb
+            lease_gpus[ev["lease"]] = set()
         elif ev["type"] in END_TYPES:
             gpus = _gpus(ev)
             assert gpus == lease_gpus.get(ev["lease"]), f"{ev['type']} of {ev['lease']} returned {gpus}"
@@ -108,9 +144,24 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.hgetall(keys.draining)
         p.hgetall(keys.waiters)
         p.hgetall(keys.waiting_by)
-        nodes, free, holders, leases, fit, deadlines, held_by, elastic, shrink_due, draining, waiters, waiting_by = (
-            p.execute()
-        )
+        p.hgetall(keys.sliced)
+        p.zrange(keys.slice_fit, 0, -1)
+        (
+            nodes,
+            free,
+            holders,
+            leases,
+            fit,
+            deadlines,
+            held_by,
+            elastic,
+            shrink_due,
+            draining,
+            waiters,
+            waiting_by,
+            sliced,
+            slice_fit,
+        ) = p.execute()
     per_user: dict[str, int] = {}
     for raw in waiters.values():
         u = json.loads(raw)["user"]
@@ -132,23 +183,30 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         if lease.get("preemptible"):
             counted[f"{lease['pool']}|~preemptible"] = counted.get(f"{lease['pool']}|~preemptible", 0) + 1
         elif not lease.get("resv"):
+            # a slice counts its fraction of the GPU, in milli-GPUs ("|m"), whole leases their GPUs
+            size, suffix = len(lease["gpus"]), ""
+            if lease.get("gpu_mem_mb"):
+                size, suffix = max(1, int(lease["gpu_mem_mb"] * 1000 / lease["gpu_total_mb"] + 0.5)), "|m"
             for who in [lease["user"], *(f"team:{t}" for t in (lease.get("teams") or "").split(",") if t)]:
-                counted[f"{lease['pool']}|{who}"] = counted.get(f"{lease['pool']}|{who}", 0) + len(lease["gpus"])
+                field = f"{lease['pool']}|{who}{suffix}"
+                counted[field] = counted.get(field, 0) + size
     nonzero = {k: int(v) for k, v in held_by.items() if int(v) != 0}
     assert nonzero == counted, f"quota counts {nonzero} but the live leases hold {counted}"
     drain_marks = {slot for slot, lid in holders.items() if lid == "~"}
     assert drain_marks == set(draining), f"draining GPUs {sorted(draining)} but drain marks {sorted(drain_marks)}"
+    check_slices(sliced, slice_fit, holders, leases)
     for slot, lid in holders.items():
         node, idx = slot.split("/")
-        if lid == "~":
-            continue  # draining: held by no lease, not free
+        if lid in ("~", "~slices"):
+            continue  # draining, or shared by slices (check_slices): held by no one lease, not free
         assert lid in leases, f"{slot} held by {lid}, which is not live"
         mine = [(g.get("node", leases[lid]["node"]), g["index"]) for g in leases[lid]["gpus"]]
         assert (node, int(idx)) in mine, f"{slot} held by {lid}, which does not list it"
     for lid, lease in leases.items():
         for g in lease["gpus"]:
             slot = f"{g.get('node', lease['node'])}/{g['index']}"
-            assert holders.get(slot) == lid, f"{lid} lost its holder entry {slot}"
+            want = "~slices" if lease.get("gpu_mem_mb") else lid
+            assert holders.get(slot) == want, f"{lid} lost its holder entry {slot}"
     fit_by_node = {m.split("|", 2)[2]: int(m.split("|", 2)[1]) for m in fit}
     for node, raw in nodes.items():
         inv = json.loads(raw)
@@ -162,4 +220,35 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         if expect_all_free:
             assert set(free_idx) == all_idx, f"{node}: GPUs still held at the end"
     if expect_all_free:
-        assert not leases and not holders and not draining
+        assert not leases and not holders and not draining and not sliced and not slice_fit
+
+
+def check_slices(
+    sliced: dict[str, str], slice_fit: list[str], holders: dict[str, str], leases: dict[str, dict[str, Any]]
+) -> None:
+    """The GPUs shared by slices: no GPU promised beyond its memory (its ledger's used_mb is what its
+    live and draining slices hold, at most total_mb), never more sharers than its pool allows, every
+    live slice in the ledger of its GPU and nowhere else, a GPU is sliced exactly when its holders
+    entry says "~slices", and the best-fit index lists exactly the sliced GPUs with room left."""
+    assert {slot for slot, h in holders.items() if h == "~slices"} == set(sliced), "sliced GPUs and their marks"
+    want_fit = set()
+    in_ledgers: dict[str, str] = {}
+    for slot, raw in sliced.items():
+        s = json.loads(raw)
+        mine = {lid: int(mb) for lid, mb in (s["leases"] or {}).items()}
+        drains = {lid: int(d["mb"]) for lid, d in (s["draining"] or {}).items()}
+        used = sum(mine.values()) + sum(drains.values())
+        assert used == s["used_mb"], f"{slot}: ledger says {s['used_mb']} MB used, its slices hold {used}"
+        assert 0 < used <= s["total_mb"], f"{slot}: promised {used} of {s['total_mb']} MB"
+        assert len(mine) + len(drains) <= s["max"], f"{slot}: {len(mine) + len(drains)} sharers, max {s['max']}"
+        for lid, mb in mine.items():
+            lease = leases.get(lid)
+            assert lease is not None, f"{slot}: slice of {lid}, which is not live"
+            assert lease.get("gpu_mem_mb") == mb and lease["gpu_total_mb"] == s["total_mb"], (slot, lid, lease)
+            assert f"{lease['node']}/{lease['gpus'][0]['index']}" == slot, f"{lid} is in the ledger of {slot}"
+            in_ledgers[lid] = slot
+        if len(mine) + len(drains) < s["max"] and used < s["total_mb"]:
+            want_fit.add(f"{s['pool']}|{s['total_mb'] - used:08d}|{slot}")
+    assert set(slice_fit) == want_fit, f"slice fit index {sorted(slice_fit)} != {sorted(want_fit)}"
+    live_slices = {lid for lid, lease in leases.items() if lease.get("gpu_mem_mb")}
+    assert live_slices == set(in_ledgers), f"live slices {sorted(live_slices)} vs ledgers {sorted(in_ledgers)}"

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Client
+from ..sizes import parse_gpu_mem
 from ._common import (
     ago,
     console,
@@ -58,6 +59,8 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         "free",
         "leased",
         *(("warm",) if any(p.get("warm") for p in view["pools"].values()) else ()),
+        # sliced: GPUs shared by slices; slices: the slices on them (columns once there are any)
+        *(("sliced", "slices") if any(p.get("sliced") for p in view["pools"].values()) else ()),
         "down",
     )
     for col in ("pool", *counts, "waiting"):
@@ -123,6 +126,10 @@ def _lease_table(view: dict[str, Any]) -> None:
     by_id: dict[str, dict[str, Any]] = {}
     for n in view["nodes"]:
         for g in n["gpus"]:
+            for sl in g.get("slices") or []:  # a slice: its GPU and the memory it holds of it
+                lease = {"id": sl["lease"], "user": sl["user"], "label": sl.get("label", ""), "since": sl["since"]}
+                by_id[sl["lease"]] = {"lease": lease, "parts": {n["name"]: [int(g["index"])]}, "utils": []}
+                by_id[sl["lease"]]["slice"] = f" {mem_size(sl['gpu_mem_mb'])}/{mem_size(g.get('memory_mb') or 0)}"
             lease = g.get("lease")
             if not lease:
                 continue
@@ -140,7 +147,9 @@ def _lease_table(view: dict[str, Any]) -> None:
     table.add_column("lease", no_wrap=True)
     table.add_column("user", no_wrap=True)
     # Whole unless a gang's list of nodes is long: then it may be cut to fit.
-    table.add_column("GPUs", no_wrap=all(len(gpu_places(r["parts"])) <= 24 for r in by_id.values()))
+    table.add_column(
+        "GPUs", no_wrap=all(len(gpu_places(r["parts"]) + r.get("slice", "")) <= 24 for r in by_id.values())
+    )
     table.add_column("util", no_wrap=True, justify="right")
     table.add_column("held", no_wrap=True, justify="right")
     if states:
@@ -151,7 +160,7 @@ def _lease_table(view: dict[str, Any]) -> None:
         cells: list[Any] = [
             shown(lid),
             shown(lease.get("user", "")),
-            one_line(gpu_places(row["parts"])),
+            one_line(gpu_places(row["parts"]) + row.get("slice", "")),
             f"{sum(utils) / len(utils):.0f}%" if utils else "",
             ago(lease.get("since"), now),
         ]
@@ -170,6 +179,13 @@ def _lease_table(view: dict[str, Any]) -> None:
         console.print(
             Text.assemble((f"{short} idle", "magenta"), f": reclaimed in {left} unless used (gpulease keep {short})"),
         )
+
+
+def mem_size(mb: int) -> str:
+    """GPU memory, short: "10G" for 10240 MB, "1.5G", or "512M" under a GB."""
+    if mb >= 1024:
+        return f"{mb / 1024:.1f}".removesuffix(".0") + "G"
+    return f"{mb}M"
 
 
 def _gpu_table(view: dict[str, Any], out: Console) -> None:
@@ -273,6 +289,10 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
     type=int,
     help="K > 1: a gang of GPUS/K GPUs on each of K nodes, all or nothing (no COMMAND: it runs here)",
 )
+@click.option(
+    "--gpu-mem",
+    help="A slice of one GPU instead: 10GB, 10240MB or a fraction such as 0.25 (pools that share their GPUs)",
+)
 @server_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def acquire(
@@ -282,6 +302,7 @@ def acquire(
     wait: float,
     label: str,
     nodes: int | None,
+    gpu_mem: str | None,
     url: str | None,
     token: str | None,
     command: tuple[str, ...],
@@ -295,6 +316,13 @@ def acquire(
             f"a COMMAND runs on this machine only, not on {nodes} nodes: lease the gang without one "
             f"(gpulease acquire --gpus {gpus} --nodes {nodes}), or run it with %%gpu_train --nodes {nodes}"
         )
+    if gpu_mem is not None:
+        try:
+            parse_gpu_mem(gpu_mem)
+        except ValueError as exc:
+            raise click.UsageError(f"--gpu-mem: {exc}") from None
+        if gpus != 1 or (nodes or 1) > 1:
+            raise click.UsageError("--gpu-mem is a slice of one GPU: drop --gpus and --nodes, or drop --gpu-mem")
     if command:
         unrunnable = _unrunnable(command[0])
         if unrunnable:  # as a shell says it, and before any GPU is taken (or waited for)
@@ -304,8 +332,10 @@ def acquire(
             fail(why, code, prefix="gpulease")
     with Client(url, token) as c:
         if not command:
-            lease = c.acquire(gpus, pool, ttl, wait, label, nodes=nodes)
+            lease = c.acquire(gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem)
             click.echo(json.dumps(lease.raw, indent=2))
+            if lease.gpu_mem_mb:
+                err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {lease.node} GPU {lease.gpus[0]['index']}")
             err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed")
             err_console.print(f"release it with: gpulease release {lease.id}")
             return
@@ -316,7 +346,9 @@ def acquire(
                 where = f"position {position} in the queue" if position else "being granted"
                 spinner.update(f"waiting for {gpus} GPU(s) of {pool or 'the default pool'}: {where}, {elapsed:.0f}s")
 
-            held_cm = c.lease(gpus, pool, ttl, wait, label or " ".join(command)[:200], progress=progress)
+            held_cm = c.lease(
+                gpus, pool, ttl, wait, label or " ".join(command)[:200], progress=progress, gpu_mem=gpu_mem
+            )
             held = held_cm.__enter__()
         err_console.print(
             f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "

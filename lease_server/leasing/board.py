@@ -24,7 +24,8 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         p.hgetall(k.last)
         p.hgetall(k.unleased)
         p.hgetall(k.draining)
-        nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased, draining = await p.execute()
+        p.hgetall(k.sliced)
+        nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased, draining, sliced = await p.execute()
     now = await r.time()  # Redis's clock; not in the MULTI: a Redis Cluster pipeline takes only keyed commands
     now_s = now[0] + now[1] / 1e6
     alive_at = dict(alive)
@@ -48,6 +49,8 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 "borrowed": 0,
                 "draining": 0,
                 "warm": 0,
+                "sliced": 0,  # GPUs shared by slices
+                "slices": 0,  # the live slices on them
             },
         )
         counts["nodes"] += 1
@@ -56,7 +59,10 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
             holder = holders.get(f"{name}/{g['index']}")
             lease = leases.get(holder) if holder else None
             drain = draining.get(f"{name}/{g['index']}")
-            if lease is not None and lease.get("warm_since"):
+            shared = sliced.get(f"{name}/{g['index']}") if holder == "~slices" else None
+            if shared is not None:
+                state = "sliced"  # shared by slices: each holds part of its memory (lua/_lib_slice.lua)
+            elif lease is not None and lease.get("warm_since"):
                 state = "warm"  # a finished cell's worker kept for its next cell: lent out if someone waits
             elif lease is not None:
                 state = "borrowed" if lease.get("borrowed") else "leased"
@@ -84,6 +90,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                         "pid": d["abandoned"].get("pid"),
                         "why": d["abandoned"].get("why"),
                     }
+            if shared is not None:
+                entry.update(_slices(json.loads(shared), leases))
+                counts["slices"] += len(entry["slices"])
             if slot in unleased:
                 # Processes on a GPU that no live lease covers: someone bypasses the service.
                 entry["unleased_use"] = json.loads(unleased[slot])
@@ -131,6 +140,33 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
     for name, counts in pools.items():
         counts["kind"] = "cpu" if name == cpu_pool else "gpu"  # type: ignore[assignment]
     return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
+
+
+def _slices(ledger: dict[str, Any], leases: dict[str, Any]) -> dict[str, Any]:
+    """A sliced GPU's slices, each with its lease, holder and memory (largest first), the ones still
+    draining (memory promised until their processes are gone), and its memory promised in all."""
+    out: list[dict[str, Any]] = []
+    for lid, mb in (ledger.get("leases") or {}).items():
+        lease = leases.get(lid) or {}
+        out.append(
+            {
+                "lease": lid,
+                "user": lease.get("user", ""),
+                "label": lease.get("label", ""),
+                "gpu_mem_mb": int(mb),
+                "since": lease.get("created_at", 0) / 1000,
+                "expires_at": lease.get("expires_at", 0) / 1000,
+            }
+        )
+    drains = [
+        {"lease": lid, "user": d.get("user", ""), "gpu_mem_mb": int(d["mb"]), "since": d.get("since", 0) / 1000}
+        for lid, d in (ledger.get("draining") or {}).items()
+    ]
+    return {
+        "slices": sorted(out, key=lambda e: (-e["gpu_mem_mb"], e["lease"])),
+        "slices_draining": drains,
+        "slice_mem": {"total_mb": int(ledger["total_mb"]), "used_mb": int(ledger["used_mb"])},
+    }
 
 
 async def _mark_reserved(

@@ -122,6 +122,10 @@ def public_lease(rec: LeaseRecord, *, with_token: bool, detail: bool = False) ->
             out["recall_cause"] = EndCauseJson(
                 code=EndCause(rec["recall_code"]), by="server", why=rec.get("recall_why", "")
             )
+    if rec.get("gpu_mem_mb"):
+        # a slice: that much of its one GPU's memory (rounded up to the pool's unit), of gpu_total_mb
+        out["gpu_mem_mb"] = int(rec["gpu_mem_mb"])
+        out["gpu_total_mb"] = int(rec.get("gpu_total_mb", 0))
     if rec.get("warm_since"):
         # kept for its notebook's next cell: lent out if someone waits, ended at warm_until
         out["warm_since"] = rec["warm_since"] / 1000
@@ -272,6 +276,7 @@ class LeaseStore:
                 gpus_min=n_min,
                 nodes=request.nodes,
                 max_queued=s.max_queued_per_user,
+                gpu_mem_mb=request.gpu_mem_mb or 0,
                 **{name: getattr(request, name) for name in Acquire.TEXT},
             )
             try:

@@ -232,7 +232,7 @@ async def _holders_and_leases(
         for i, raw in zip(marked, raws, strict=True):
             if raw and json.loads(raw).get("state") == "unleased":
                 holders[i], kept_out[i] = None, True
-    ids = sorted({h for h in holders if h and h != "~"})
+    ids = sorted({h for h in holders if h and not h.startswith("~")})  # "~": draining, "~slices": sliced
     raws = await engine.redis.hmget(engine.keys.leases, ids) if ids else []
     return holders, {i: json.loads(r) for i, r in zip(ids, raws, strict=True) if r}, kept_out
 
@@ -246,7 +246,8 @@ def foreign_pids(
     one (a child of a worker, a command that ``gpulease acquire`` runs). It is covered only on the
     GPUs of that lease: on a free GPU, or on a GPU leased to someone else, it is foreign, whatever
     else it runs on (a cell that rewrote CUDA_VISIBLE_DEVICES to reach more GPUs than its lease's).
-    A draining GPU ("~") is the drain's business: nothing on it counts here."""
+    A draining GPU ("~") is the drain's business, and a GPU shared by slices ("~slices") its
+    slices': nothing on either counts here."""
     claimed: dict[int, str] = {}
     for lid, rec in leases.items():
         for p in rec.get("procs") or []:
@@ -254,12 +255,12 @@ def foreign_pids(
                 claimed[int(p["pid"])] = lid
     seen_in: dict[int, set[str]] = {}
     for g, holder in zip(gpus, holders, strict=True):
-        if holder and holder != "~":
+        if holder and not holder.startswith("~"):
             for pid in g.get("procs", []):
                 seen_in.setdefault(int(pid), set()).add(holder)
     out: list[list[int]] = []
     for g, holder in zip(gpus, holders, strict=True):
-        if holder == "~":
+        if holder and holder.startswith("~"):
             out.append([])
             continue
         pids = []

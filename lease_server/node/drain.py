@@ -67,6 +67,9 @@ class Draining:
     since_ms: int
     pids: tuple[Proc, ...]
     abandoned: dict[str, Any] | None = None  # {pid, why, at}: given up, flagged for an admin
+    # A slice's drain (its GPU is shared, lua/_lib_slice.lua): its MB stay promised until it is clean.
+    # Only the processes it named are ended; NVML's list of the GPU is its neighbours' too.
+    gpu_mem_mb: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -79,6 +82,8 @@ class Draining:
         }
         if self.abandoned:
             out["abandoned"] = self.abandoned
+        if self.gpu_mem_mb:
+            out["gpu_mem_mb"] = self.gpu_mem_mb
         return out
 
     @classmethod
@@ -91,6 +96,7 @@ class Draining:
             int(float(d.get("since", 0)) * 1000),
             _procs(d.get("pids")),
             d.get("abandoned") or None,
+            int(d.get("gpu_mem_mb") or 0),
         )
 
 
@@ -113,20 +119,39 @@ def _entry(index: int, raw: str) -> Draining:
     )
 
 
+def _slice_entries(index: int, raw: str) -> list[Draining]:
+    """The draining slices in the ledger of a GPU shared by slices (keys.py ``sliced``)."""
+    out = []
+    for lease, d in (json.loads(raw).get("draining") or {}).items():
+        since = int(d.get("since", 0))
+        out.append(Draining(index, lease, str(d.get("user", "")), str(d.get("state", "")), since,
+                            _procs(d.get("pids")), None, int(d["mb"])))  # fmt: skip
+    return out
+
+
 async def draining_of(engine: Engine, node: str, indexes: list[int]) -> list[Draining]:
-    """The draining GPUs among ``indexes`` of ``node``."""
+    """The draining GPUs among ``indexes`` of ``node``, and the draining slices on them."""
     if not indexes:
         return []
-    raws = await engine.redis.hmget(engine.keys.draining, [f"{node}/{i}" for i in indexes])
-    return [_entry(i, str(raw)) for i, raw in zip(indexes, raws, strict=True) if raw]
+    slots = [f"{node}/{i}" for i in indexes]
+    raws = await engine.redis.hmget(engine.keys.draining, slots)
+    out = [_entry(i, str(raw)) for i, raw in zip(indexes, raws, strict=True) if raw]
+    for i, raw in zip(indexes, await engine.redis.hmget(engine.keys.sliced, slots), strict=True):
+        if raw:
+            out += _slice_entries(i, str(raw))
+    return out
 
 
 async def all_draining(engine: Engine) -> list[dict[str, Any]]:
-    """Every draining GPU of the cluster (an admin's ``gpulease drain list``), oldest first."""
+    """Every draining GPU of the cluster (an admin's ``gpulease drain list``), and every draining
+    slice, oldest first."""
     out = []
     for slot, raw in (await engine.redis.hgetall(engine.keys.draining)).items():
         node, _, index = str(slot).rpartition("/")
         out.append({"node": node, **_entry(int(index), str(raw)).to_json()})
+    for slot, raw in (await engine.redis.hgetall(engine.keys.sliced)).items():
+        node, _, index = str(slot).rpartition("/")
+        out += [{"node": node, **e.to_json()} for e in _slice_entries(int(index), str(raw))]
     return sorted(out, key=lambda d: (d["since"], d["node"], d["index"]))
 
 
@@ -201,7 +226,18 @@ class Drainer:
             if e.state == "unleased":
                 continue  # held while a process no lease covers uses it: freed by a clean sample
             remaining: list[Proc] = []
-            if nvml_procs is not None:
+            if e.gpu_mem_mb:
+                # A slice: its GPU's other processes are its neighbours'. Only what it named (and its
+                # cgroup holds) is ended; naming none, it is clean once NVML lists nothing on the GPU.
+                remaining = [p for p in e.pids if still_runs(p)]
+                seen = {p.pid for p in remaining}
+                for pid in in_cgroup(e.lease) if in_cgroup is not None else []:
+                    start, uid = start_ticks(pid), process_uid(pid)
+                    if pid not in seen and start is not None and uid is not None and uid in {p.uid for p in e.pids}:
+                        remaining.append(Proc(pid, start, uid))
+                if not e.pids and nvml_procs is not None and nvml_procs(e.index):
+                    continue  # waited for, never signalled: whose they are is not known
+            elif nvml_procs is not None:
                 for pid in nvml_procs(e.index):
                     start, uid = start_ticks(pid), process_uid(pid)
                     # NVML lists it, /proc does not (yet): exiting, or in another pid namespace

@@ -17,6 +17,12 @@ state lives in a handful of global structures:
 ``draining``   hash   "node/index" -> JSON {lease, user, pool, since, state, pids:[{pid, start}]}: a GPU
                       whose lease the server ended (expiry, revoke, reclaim, preemption, shrink) and
                       that is not free until its node agent reports no process of that lease on it
+``sliced``     hash   "node/index" -> JSON {pool, total_mb, used_mb, max, leases:{id: MB}, draining:{id: {mb,
+                      user, state, since, pids}}, fit}: a GPU shared by slices (its holders entry is
+                      "~slices"); used_mb, what its live and draining slices are promised, never
+                      exceeds total_mb (lua/_lib_slice.lua)
+``slice_fit``  zset   lexicographic "pool|FFFFFFFF|node/index" (F = free MB, zero-padded) for every sliced
+                      GPU that can take one more slice: ZRANGEBYLEX from "[pool|<MB>|" is the best fit
 ``leases``     hash   lease id -> JSON lease record (live leases only)
 ``deadlines``  zset   lease id -> expires_at (ms)
 ``ended``      hash   lease id -> JSON record of a released / expired / revoked lease (kept a while)
@@ -50,9 +56,12 @@ Scheduling:
 
 ``lease_util`` hash   "<lease id>|n|busy|sum|peak" -> the agent's samples of a live lease's GPUs
 ``ledger``     stream one entry per ended lease: who, notebook, cell, pool, GPUs, held, utilization
-``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas); "pool|~preemptible" ->
-                      preemptible leases live (a blocked request looks for victims only if any)
-``sched``      hash   pool -> JSON {scheduler, quotas, preempt_notice_ms, idle_weight} from the config
+``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas), and "pool|user|m",
+                      "pool|team:NAME|m" -> milli-GPUs held now as slices (a slice counts its
+                      fraction of the GPU); "pool|~preemptible" -> preemptible leases live (a blocked
+                      request looks for victims only if any)
+``sched``      hash   pool -> JSON {scheduler, quotas, preempt_notice_ms, idle_weight, share, slice_unit_mb,
+                      max_sharers} from the config
 ``elastic``    zset   lexicographic "pool|lease id" for every live elastic lease (gpus_min < gpus), so a
                       blocked request finds the pool's leases it may ask to shrink without reading them all
 ``shrink_due`` zset   elastic lease id -> ms when the server shrinks it to its shrink_to (its owner was
@@ -121,6 +130,14 @@ class Keys:
     @property
     def draining(self) -> str:
         return self._k("draining")
+
+    @property
+    def sliced(self) -> str:
+        return self._k("sliced")
+
+    @property
+    def slice_fit(self) -> str:
+        return self._k("slice_fit")
 
     @property
     def leases(self) -> str:
@@ -286,6 +303,8 @@ class Keys:
             self.shrink_due,
             self.draining,
             self.waiting_by,
+            self.sliced,
+            self.slice_fit,
         ]
 
     def all(self) -> list[str]:

@@ -86,6 +86,7 @@ LIB_FILES = (
     "_lib",
     "_lib_bookings",
     "_lib_recall",
+    "_lib_slice",
     "_lib_schedule",
     "_lib_drain",
     "_lib_warm",
@@ -335,6 +336,8 @@ class LeaseRecord(TypedDict, total=False):
     shrink_to: int
     shrink_by: int
     shrink_reason: str
+    gpu_mem_mb: int  # a slice: MB of its GPU promised to it (lua/_lib_slice.lua)
+    gpu_total_mb: int  # a slice: the memory of its GPU
     warm_since: int
     warm_until: int
     warm_ms: float
@@ -415,6 +418,7 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
     notebook: str = ""
     cell: str = ""
     max_queued: int = 256  # the most requests one user may have waiting in the queue
+    gpu_mem_mb: int = 0  # a slice: MB of one GPU's memory (0: whole GPUs)
 
     def argv(self) -> list[Any]:
         out = super().argv()
@@ -428,6 +432,24 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
             return Queued(int(rest[0]))
         if code is Code.DUPLICATE:
             return Duplicate()
+        if code is Code.INVALID and rest and rest[0] == "share":
+            raise errors.BadRequest(
+                f"pool {self.pool!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask for whole "
+                "GPUs, or use a pool whose [scheduling.POOL] settings say share = true"
+            )
+        if code is Code.INVALID:  # "memory", the MB of one GPU of the pool
+            raise errors.BadRequest(
+                f"a slice of {self.gpu_mem_mb} MB is more than one GPU of pool {self.pool!r} has ({rest[1]} MB): "
+                f"ask for at most {rest[1]} MB, or for whole GPUs (drop gpu_mem_mb)"
+            )
+        if code is Code.BUSY and self.gpu_mem_mb:
+            raise errors.NoCapacity(
+                f"no GPU in pool {self.pool!r} has {self.gpu_mem_mb} MB free for a slice now; pass wait "
+                "(seconds) to queue for it, or ask for a smaller slice",
+                pool=self.pool,
+                most_free_on_a_node=int(rest[0]),
+                position=0,
+            )
         if code is Code.BUSY:
             lent = len(rest) > 1 and int(rest[1]) == 1
             hint = (

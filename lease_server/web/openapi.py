@@ -27,7 +27,7 @@ from ..protocol import ENDED_STATES, EndCauseJson, GpuJson, LeaseJson, TokenJson
 from ..request import AcquireRequest, Request
 
 # What the board says of a GPU (lease_server/leasing/inventory.py).
-GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "down"]
+GPU_STATES = ["free", "leased", "warm", "reserved", "borrowed", "draining", "sliced", "down"]
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -210,10 +210,26 @@ def _response_schemas() -> dict[str, Any]:
                                                 "reserved",
                                                 "borrowed",
                                                 "draining",
+                                                "sliced",
                                                 "down",
                                             ],
                                         },
                                         "lease": {"type": "object"},
+                                        "slices": {
+                                            "type": "array",
+                                            "description": "A sliced GPU's slices: lease, user, label, "
+                                            "gpu_mem_mb, since, expires_at",
+                                            "items": {"type": "object"},
+                                        },
+                                        "slices_draining": {"type": "array", "items": {"type": "object"}},
+                                        "slice_mem": {
+                                            "type": "object",
+                                            "description": "A sliced GPU's memory and what its slices are promised",
+                                            "properties": {
+                                                "total_mb": {"type": "integer"},
+                                                "used_mb": {"type": "integer"},
+                                            },
+                                        },
                                     },
                                 },
                             },

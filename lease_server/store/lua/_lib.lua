@@ -24,6 +24,8 @@ local LIMIT, NOT_DUE, CLASH, WARNED, INVALID = 13, 14, 15, 16, 17
 local WEEK_MS = 7 * 24 * 3600 * 1000
 -- The cause code (protocol.EndCause) of a lease that a recall of each kind ends.
 local RECALL_CODE = {borrow_recalled = 'recalled', preempt_notice = 'preempted', evicting = 'evicted'}
+-- The holders mark of a GPU shared by slices (_lib_slice.lua): held by no one lease, never free.
+local SLICED = '~slices'
 
 -- A call's own state, set by begin() before the script's body runs. Scripts sent with EVAL run
 -- begin() once; in the Functions library (scripts.py library()) these locals outlive a call, so
@@ -159,12 +161,13 @@ local function decayed_usage(pool, user)
 end
 
 -- Fold the time since the last change into the usage, add `extra` GPU-seconds, change the GPUs
--- running by dr.
+-- running by dr (a slice runs a fraction of one: r is kept to 1e-9, so fractions that were added
+-- and taken away again leave exactly 0).
 local function touch_usage(pool, user, dr, extra)
   local field = pool .. '|' .. user
   local v, r = decayed_of(redis.call('HGET', K_USAGE, field))
-  redis.call('HSET', K_USAGE, field,
-             string.format('{"v":%.17g,"t":%d,"r":%d}', v + extra, NOW, math.max(0, r + dr)))
+  r = math.max(0, math.floor((r + dr) * 1e9 + 0.5) / 1e9)
+  redis.call('HSET', K_USAGE, field, string.format('{"v":%.17g,"t":%d,"r":%.10g}', v + extra, NOW, r))
 end
 
 -- The user's count of requests in the queue now (acquire.lua caps it): +1 as a request joins the

@@ -35,7 +35,18 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     local old_count = #free
     for _, g in ipairs(by_node[node]) do
       local slot = node .. '/' .. g.index
-      if redis.call('HGET', K_HOLDERS, slot) == lease.id then
+      if lease.gpu_mem_mb then
+        -- a slice: its memory goes back to the GPU's ledger (or drains there); the GPU itself is
+        -- free once no slice is left on it
+        local pids = present[g.index] and drain_pids(lease, node, g.index, inv_raw, drain)
+        local held, whole = end_slice(lease, node, g.index, pids or nil, state)
+        if held then
+          if whole and present[g.index] then free[#free + 1] = g.index end
+          if pids then part.slice_draining = true end
+          returned[#returned + 1] = g.index
+          part.gpus[#part.gpus + 1] = g.index
+        end
+      elseif redis.call('HGET', K_HOLDERS, slot) == lease.id then
         local pids = present[g.index] and drain_pids(lease, node, g.index, inv_raw, drain)
         if pids then
           start_drain(lease, node, g.index, pids, state)
@@ -75,9 +86,10 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   end
   local held_s = (NOW - lease.created_at) / 1000
   -- GPU-seconds at each size it had (grown or shrunk: gpu_ms holds the time before sized_at)
-  -- (time kept warm is not use: it is charged apart, as warm_gpu_s)
+  -- (time kept warm is not use: it is charged apart, as warm_gpu_s; a slice counts its fraction)
   local warm_s = (lease.warm_ms or 0) / 1000
-  local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * #lease.gpus) / 1000 - warm_s
+  local size = gpu_share(lease)
+  local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * size) / 1000 - warm_s
   -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
   -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
   local util_fields = {lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak'}
@@ -91,7 +103,7 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     charged = gpu_s * (busy_frac + sched_of(lease.pool).idle_weight * (1 - busy_frac))
   end
   -- the held time itself was counted while the lease ran; add the idle surcharge
-  touch_usage(lease.pool, lease.user, -#lease.gpus, charged - gpu_s)
+  touch_usage(lease.pool, lease.user, -size, charged - gpu_s)
   redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode({
     lease = lease.id, user = lease.user, teams = lease.teams or '', session = lease.session, label = lease.label,
     notebook = lease.notebook or '', cell = lease.cell or '',
@@ -99,7 +111,7 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
     busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, gpu_s = gpu_s,
     charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
-    priority = lease.priority}))
+    priority = lease.priority, gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb}))
   lease.state = state
   lease.ended_at = NOW
   lease.end_reason = reason
@@ -121,7 +133,8 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   emit(state, {lease = lease.id, user = lease.user, pool = lease.pool, node = lease.node,
                gpus = returned, token = lease.token, held_s = held_s, reason = reason, by = by,
                parts = #order > 1 and returned_parts or nil, draining = #draining > 0 and draining or nil,
-               warm = was_warm or nil, cause = lease.cause})
+               warm = was_warm or nil, cause = lease.cause, gpu_mem_mb = lease.gpu_mem_mb,
+               slice_draining = returned_parts[1] and returned_parts[1].slice_draining or nil})
   return lease, ended_json
 end
 

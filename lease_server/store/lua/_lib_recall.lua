@@ -19,7 +19,8 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
   local flat = redis.call('HGETALL', K_LEASES)
   for i = 2, #flat, 2 do
     local l = cjson.decode(flat[i])
-    if l.pool == pool then
+    -- a slice is never recalled: ending it frees no whole GPU (its GPU keeps its other slices)
+    if l.pool == pool and not l.gpu_mem_mb then
       -- GPUs per node: a multi-node gang frees its share on each of its nodes (and all its work
       -- is lost wherever it is recalled).
       local on = {}

@@ -3,7 +3,9 @@
 
 -- A pool's scheduling, written by the server from its config: {scheduler = "fifo" | "fair_share"
 -- | "priority", quota = {user = GPUs, ["*"] = per-user default, ["team:NAME"] = GPUs},
--- preempt_notice_ms, idle_weight (how much a held-but-idle GPU-second counts in fair share)}.
+-- preempt_notice_ms, idle_weight (how much a held-but-idle GPU-second counts in fair share),
+-- share (its GPUs may be sliced: _lib_slice.lua), slice_unit_mb (a slice's size is rounded up to
+-- a multiple of it), max_sharers (the most slices, live or draining, on one GPU)}.
 local function sched_of(pool)
   local c = SCHED_CACHE[pool]
   if c then return c end
@@ -16,33 +18,49 @@ local function sched_of(pool)
   c.warm_max_ms = c.warm_max_ms or 1800000
   c.idle_weight = c.idle_weight or 1
   c.aging = c.aging or 0.1
+  c.share = c.share == true
+  c.slice_unit_mb = tonumber(c.slice_unit_mb) or 1024
+  c.max_sharers = tonumber(c.max_sharers) or 4
   SCHED_CACHE[pool] = c
   return c
 end
 
--- Whether k more GPUs keep the request's user, and each of its teams, within their quota of the
--- pool. Preemptible leases do not count against a quota.
+-- GPUs that `who` (a user or "team:NAME") holds in the pool against its quota: whole GPUs, plus
+-- the slices as their fractions (counted in milli-GPUs in the field "pool|who|m").
+local function held_of(pool, who)
+  local h = redis.call('HMGET', K_HELD_BY, pool .. '|' .. who, pool .. '|' .. who .. '|m')
+  return tonumber(h[1] or '0') + tonumber(h[2] or '0') / 1000
+end
+
+-- Whether k more GPUs (a fraction, for a slice) keep the request's user, and each of its teams,
+-- within their quota of the pool. Preemptible leases do not count against a quota.
 local function within_quota(w, pool, k)
   local q = sched_of(pool).quota
   local lim = q[w.user] or q['*']
-  if lim and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|' .. w.user) or '0') + k > lim then return false end
+  if lim and held_of(pool, w.user) + k > lim + 1e-9 then return false end
   for t in string.gmatch(w.teams or '', '[^,]+') do
     local tl = q['team:' .. t]
-    if tl and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|team:' .. t) or '0') + k > tl then return false end
+    if tl and held_of(pool, 'team:' .. t) + k > tl + 1e-9 then return false end
   end
   return true
 end
 
--- k more (or, negative, fewer) GPUs held against the quotas of the lease's user and its teams.
-local function count_held_k(lease, k)
-  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|' .. lease.user, k)
+-- k more (or, negative, fewer) GPUs held against the quotas of the lease's user and its teams;
+-- `suffix` "|m": k milli-GPUs of slices.
+local function count_held_k(lease, k, suffix)
+  suffix = suffix or ''
+  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|' .. lease.user .. suffix, k)
   for t in string.gmatch(lease.teams or '', '[^,]+') do
-    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|team:' .. t, k)
+    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|team:' .. t .. suffix, k)
   end
 end
 
 local function count_held(lease, sign)
-  count_held_k(lease, sign * #lease.gpus)
+  if lease.gpu_mem_mb then
+    count_held_k(lease, sign * slice_milli(lease), '|m')
+  else
+    count_held_k(lease, sign * #lease.gpus)
+  end
 end
 
 -- An elastic request (gpus_min < gpus) takes as many as one up node has free now, between its
@@ -83,27 +101,33 @@ local function next_token()
 end
 
 -- Grant waiter w the GPUs of `parts`: {{node, taken, rest, old_count}, ...}, one part per node
--- (several for a multi-node gang, whose GPUs then name their node). Returns the lease and its JSON.
+-- (several for a multi-node gang, whose GPUs then name their node), or, for a slice request
+-- (w.gpu_mem_mb), one part {node, slice = allocate_slice's answer}. Returns the lease and its JSON.
 local function grant_parts(w, parts)
   local gpus, taken, nodes, part_gpus = {}, {}, {}, {}
+  local total_mb
   for _, part in ipairs(parts) do
     local node = part.node
+    if part.slice then
+      part.taken = {part.slice.index}
+      total_mb = grant_slice(w.id, w.pool, w.gpu_mem_mb, part.slice)
+    end
     local uuid_of = inv_uuids(redis.call('HGET', K_NODES, node), part.taken)
     -- Invariant guard, checked before any write: a free GPU never has a holder. If one does, the
     -- state is corrupt, and granting it would be a double grant: fail the script loudly instead.
-    for _, idx in ipairs(part.taken) do
+    for _, idx in ipairs(part.slice and {} or part.taken) do
       if redis.call('HEXISTS', K_HOLDERS, node .. '/' .. idx) == 1 then
         error('invariant broken: free GPU ' .. node .. '/' .. idx .. ' has a holder')
       end
     end
     for _, idx in ipairs(part.taken) do
-      redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id)
+      if not part.slice then redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id) end
       local g = {index = idx, uuid = uuid_of[idx] or ''}
       if #parts > 1 then g.node = node end
       gpus[#gpus + 1] = g
       taken[#taken + 1] = idx
     end
-    set_free(node, w.pool, part.rest, part.old_count)
+    if not part.slice then set_free(node, w.pool, part.rest, part.old_count) end
     nodes[#nodes + 1] = node
     part_gpus[#part_gpus + 1] = {node = node, gpus = part.taken}
   end
@@ -130,10 +154,14 @@ local function grant_parts(w, parts)
   end
   lease.teams, lease.priority = w.teams, w.priority or 1
   if (w.gpus_min or w.gpus) < w.gpus then lease.elastic = {min = w.gpus_min, max = w.gpus} end
-  touch_usage(w.pool, w.user, #taken, 0)
+  if total_mb then
+    -- a slice: gpu_mem_mb of the GPU's gpu_total_mb (the size it got, rounded up to the pool's unit)
+    lease.gpu_mem_mb, lease.gpu_total_mb = w.gpu_mem_mb, total_mb
+  end
+  touch_usage(w.pool, w.user, gpu_share(lease), 0)
   if w.booking then
     -- served from a booking: booked GPUs do not count against a quota
-  elseif not within_quota(w, w.pool, #taken) then
+  elseif not within_quota(w, w.pool, gpu_share(lease)) then
     lease.preemptible = true
     redis.call('HINCRBY', K_HELD_BY, w.pool .. '|~preemptible', 1)
   else
@@ -147,7 +175,8 @@ local function grant_parts(w, parts)
   emit('grant', {lease = w.id, user = w.user, pool = w.pool, node = node, gpus = taken,
                  token = lease.token, label = w.label, session = w.session, waited_ms = lease.waited_ms,
                  reservation = lease.resv, borrowed = lease.borrowed, preemptible = lease.preemptible,
-                 priority = lease.priority, nodes = lease.nodes, parts = #parts > 1 and part_gpus or nil})
+                 priority = lease.priority, nodes = lease.nodes, parts = #parts > 1 and part_gpus or nil,
+                 gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb})
   return lease, lease_json
 end
 
@@ -279,7 +308,7 @@ local function queue_order(pool, members, acts, sched)
         w.key = decayed_usage(pool, w.user) - sched.aging * (NOW - w.enqueued_at) / 1000 * w.gpus
         if sched.scheduler == 'priority' then w.key = w.key - (w.priority or 1) * 1e15 end
       end
-      w.holder = #acts > 0 and booking_for(acts, w) ~= nil
+      w.holder = #acts > 0 and not w.gpu_mem_mb and booking_for(acts, w) ~= nil
       if w.holder then w.key = -1e300 end
       order[#order + 1] = w
     else
@@ -300,12 +329,23 @@ local function queue_order(pool, members, acts, sched)
   return order
 end
 
+-- Where slice request w goes (allocate_slice), as grant_parts' parts, or nil. A slice never takes
+-- a free GPU that the pool's bookings in force still owe (it is not served from a booking, and is
+-- never borrowed: what a recall frees is counted in whole GPUs), but may share a sliced one.
+local function slice_parts(w, pool, owed, sched, exclude)
+  local p = allocate_slice(pool, w.gpu_mem_mb, sched.max_sharers, exclude)
+  if not p or (p.fresh and owed > 0 and pool_free(pool) - 1 < owed) then return nil end
+  return {{node = p.node, slice = p}}
+end
+
 -- Dispatch, for a waiter that cannot be served now: recall what may be recalled for it
 -- (a booking's borrowed GPUs, warm leases, preemptible leases within quota, elastic leases
 -- above their minimum). Returns the node held for it while they come back, or nil.
 local function make_room(w, a, pool, sched, reserved)
   local hold
-  if (w.nodes or 1) > 1 then
+  if w.gpu_mem_mb then
+    return nil  -- a blocked slice recalls nothing (what a recall frees is counted in whole GPUs)
+  elseif (w.nodes or 1) > 1 then
     hold = nil  -- a blocked gang recalls nothing (recalls free GPUs one node at a time)
   elseif a then
     hold = recall_for_booking(w, a, pool)
@@ -352,7 +392,9 @@ local function serve_in_order(pool, order, acts, owed, sched)
     -- (asked again: grants to holders before this one may have used up what the booking owes)
     local a = w.holder and booking_for(acts, w) or nil
     local parts, count = nil, 0
-    if (w.nodes or 1) > 1 then
+    if w.gpu_mem_mb then
+      parts = slice_parts(w, pool, owed, sched, reserved)
+    elseif (w.nodes or 1) > 1 then
       parts = allocate_gang(pool, w.gpus / w.nodes, w.nodes, reserved)
       count = w.gpus
     else
@@ -370,7 +412,7 @@ local function serve_in_order(pool, order, acts, owed, sched)
       if a then
         w.booking = a
         owed = owed - w.gpus
-      elseif owed > 0 and pool_free(pool) - count < owed then
+      elseif owed > 0 and not w.gpu_mem_mb and pool_free(pool) - count < owed then
         w.borrowed = true
       end
       grant_parts(w, parts)

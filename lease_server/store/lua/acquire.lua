@@ -1,5 +1,5 @@
 -- acquire.lua: ask for GPUs; granted at once, queued, or refused.
--- KEYS: nodes alive free fit sizes holders leases deadlines ended queue waiters waiting_by usage fence events grants queue_seq bookings booking_idx recall held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit sizes holders sliced slice_fit leases deadlines ended queue waiters waiting_by usage fence events grants queue_seq bookings booking_idx recall held_by sched elastic shrink_due
 -- ARGV[6] = lease id (chosen by the caller; it is also the waiter id while queued)
 -- ARGV[7] = user      ARGV[8] = pool      ARGV[9] = gpus (int >= 1)     ARGV[10] = ttl ms
 -- ARGV[11] = wait ms (0: do not queue)   ARGV[12] = label    ARGV[13] = session
@@ -10,11 +10,15 @@
 -- ARGV[18] = the notebook the request comes from ("" if unknown)   ARGV[19] = the cell: its number, or a hash ("")
 -- ARGV[20] = the most requests one user may have in the queue at once (a request that waits
 --            beyond it is refused: {LIMIT, requests the user has queued})
+-- ARGV[21] = a slice: MB of one GPU's memory (0 or "": whole GPUs). Only in a pool that shares
+--            (sched_of(pool).share), with gpus = 1; rounded up to the pool's slice_unit_mb
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {DUPLICATE} | {LIMIT, queued} |
 --         {UNSATISFIABLE, largest node size, nodes that could hold a gang's share (0 unless a gang)}
---         when no node (or too few nodes, for a gang) could ever serve the request
+--         when no node (or too few nodes, for a gang) could ever serve the request |
+--         {INVALID, "share"} for a slice in a pool that does not share |
+--         {INVALID, "memory", MB of one GPU of the pool} for a slice larger than that
 local id, user, pool = ARGV[6], ARGV[7], ARGV[8]
 local n, ttl_ms, wait_ms = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local priority, n_min = tonumber(ARGV[15] or '1') or 1, tonumber(ARGV[16] or '') or tonumber(ARGV[9])
@@ -30,11 +34,28 @@ local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label =
            notebook = ARGV[18] or '', cell = ARGV[19] or '',
            priority = priority, gpus_min = n_min, nodes = n_nodes}
 
+-- A slice: refused (changing nothing) unless the pool shares and one of its GPUs has that much
+-- memory; its size is rounded up to the pool's unit (at most the whole GPU's memory).
+local mem = tonumber(ARGV[21] or '') or 0
+local sched = sched_of(pool)
+if mem > 0 then
+  local gpu_mb = pool_gpu_mb(pool)
+  if gpu_mb == 0 then return {UNKNOWN_POOL} end
+  if not sched.share then return {INVALID, 'share'} end
+  if mem > gpu_mb then return {INVALID, 'memory', gpu_mb} end
+  local unit = math.max(1, sched.slice_unit_mb)
+  w.gpu_mem_mb = math.min(gpu_mb, math.ceil(mem / unit) * unit)
+end
+
 -- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one. With a booking
 -- in force the request is served from it (its holder), or takes GPUs the bookings do not need, or
 -- else borrows them -- the same decision dispatch makes, without a trip through the queue.
 if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1] then
-  if n_nodes > 1 then
+  if w.gpu_mem_mb then
+    local _, owed = active_bookings(pool)
+    local parts = slice_parts(w, pool, owed, sched, nil)
+    if parts then return {OK, select(2, grant_parts(w, parts))} end
+  elseif n_nodes > 1 then
     if #active_bookings(pool) == 0 then
       local parts = allocate_gang(pool, n / n_nodes, n_nodes, nil)
       if parts then return {OK, select(2, grant_parts(w, parts))} end
@@ -103,5 +124,6 @@ if wait_ms <= 0 then
 end
 redis.call('SET', K_QUEUE_SEQ, seq)
 local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. pool .. '|', '[' .. member)
-emit('queued', {lease = id, user = user, pool = pool, gpus = n, position = position, label = ARGV[12]})
+emit('queued', {lease = id, user = user, pool = pool, gpus = n, position = position, label = ARGV[12],
+                gpu_mem_mb = w.gpu_mem_mb})
 return {QUEUED, position}

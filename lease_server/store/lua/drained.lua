@@ -1,10 +1,11 @@
 -- drained.lua: a node agent reports GPUs of its node clean: no process of the lease the server
 -- ended there remains on them. They become free, and the pool's queue is served in the same
--- script, so a waiter is granted the moment the GPUs are clean and never before.
--- KEYS: nodes alive free fit holders draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due
+-- script, so a waiter is granted the moment the GPUs are clean and never before. A slice's drain
+-- (named by its lease) frees its memory on its GPU (_lib_slice.lua, slice_drained).
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due
 -- ARGV[6] = node   ARGV[7] = the lease whose end the GPUs drain from ("" = any)
 -- ARGV[8] = JSON list of GPU indexes   ARGV[9] = processes the agent had to end (a count)
--- returns {OK, GPUs freed}
+-- returns {OK, GPUs freed} (a slice's memory freed counts no GPU)
 local node, lease_id, killed = ARGV[6], ARGV[7], tonumber(ARGV[9]) or 0
 local indexes = cjson.decode(ARGV[8])
 local inv_raw = redis.call('HGET', K_NODES, node)
@@ -12,11 +13,18 @@ local free = decode_list(redis.call('HGET', K_FREE, node))
 local old_count = #free
 local present = inv_raw and inv_present(inv_raw, indexes) or {}
 local by_lease, order = {}, {}
+local slices = {}  -- slices drained: {lease, user, pool, state, since, gpu, mb}
 for _, idx in ipairs(indexes) do
   local slot = node .. '/' .. idx
   local raw = redis.call('HGET', K_DRAINING, slot)
   local d = raw and cjson.decode(raw)
-  if d and (lease_id == '' or d.lease == lease_id) then
+  -- A slice drains in its GPU's ledger (_lib_slice.lua), named by its lease: never by "any".
+  local sd, whole = nil, false
+  if not d and lease_id ~= '' then sd, whole = slice_drained(node, idx, lease_id) end
+  if sd then
+    if whole and present[idx] then free[#free + 1] = idx end
+    slices[#slices + 1] = {d = sd, idx = idx}
+  elseif d and (lease_id == '' or d.lease == lease_id) then
     redis.call('HDEL', K_DRAINING, slot)
     if redis.call('HGET', K_HOLDERS, slot) == '~' then
       redis.call('HDEL', K_HOLDERS, slot)
@@ -31,10 +39,16 @@ for _, idx in ipairs(indexes) do
     e.gpus[#e.gpus + 1] = idx
   end
 end
-if #order == 0 then return {OK, 0} end
+if #order == 0 and #slices == 0 then return {OK, 0} end
 table.sort(free)
 if inv_raw then set_free(node, cjson.decode(inv_raw).pool, free, old_count) end
 local freed, pools = 0, {}
+for _, e in ipairs(slices) do
+  local pool = inv_raw and cjson.decode(inv_raw).pool
+  if pool then pools[pool] = true end
+  emit('drained', {lease = lease_id, user = e.d.user, pool = pool, node = node, gpus = {e.idx},
+                   gpu_mem_mb = e.d.mb, took_ms = NOW - e.d.since, ended = e.d.state, killed = killed})
+end
 for _, id in ipairs(order) do
   local e = by_lease[id]
   freed = freed + #e.gpus

@@ -5,7 +5,7 @@
 -- is one of the requests named, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
 -- lease is neither a booking's nor recalled, and its node is up. Otherwise nothing changes: the
 -- caller ends its process and releases as usual, and the scheduler decides.
--- KEYS: nodes alive free fit holders draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user
 -- ARGV[9] = the requests it may go to, comma-separated (the pool's oldest waiter must be one of them)
 -- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}
@@ -27,6 +27,7 @@ if not wraw then return {BUSY, 'request ' .. to .. ' is not queued'} end
 local w = cjson.decode(wraw)
 if w.user ~= user or w.pool ~= lease.pool then return {BUSY, 'request ' .. to .. ' is not yours in this pool'} end
 local n = #lease.gpus
+if lease.gpu_mem_mb or w.gpu_mem_mb then return {BUSY, 'a slice of a GPU is not handed on'} end
 if lease.nodes or (w.nodes or 1) > 1 or n > w.gpus or n < (w.gpus_min or w.gpus) then
   return {BUSY, 'the request does not fit in exactly these GPUs'}
 end

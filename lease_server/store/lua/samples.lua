@@ -45,6 +45,9 @@ while ARGV[i] do
   if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end
   local has_procs = pids ~= '[]' and pids ~= ''
   local holder = redis.call('HGET', KEYS[3], slot)  -- "~": draining, held by no lease
+  -- "~slices": shared by slices (lua/_lib_slice.lua): no one lease's samples, and its processes
+  -- are its slices' (judged per slice, not here): counted as a draining GPU is
+  if holder == '~slices' then holder = '~' end
   if holder == '~' then  -- held for unleased use: judged as the free GPU it is
     local d = redis.call('HGET', KEYS[8], slot)
     if d and string.find(d, '"state":"unleased"', 1, true) then holder = false end

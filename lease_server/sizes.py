@@ -1,0 +1,63 @@
+"""Sizes of GPU memory as people write them: ``10GB``, ``10240MB``, ``512M``, ``1.5GiB``, or a
+fraction of one GPU such as ``0.25`` (``--gpu-mem`` of the CLI, ``gpu_mem=`` of the Python
+client). The API itself takes whole MB (``gpu_mem_mb``); this turns what a person wrote into that.
+
+A GB is 1024 MB here, as GPU memory is counted (an "80GB" A100 has 81920 MiB; ``--simulate
+4xA100-80GB`` declares that much)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_UNITS = {"": None, "mb": 1, "m": 1, "mib": 1, "gb": 1024, "g": 1024, "gib": 1024, "tb": 1024**2, "t": 1024**2}
+EXAMPLES = "write a size such as 10GB or 10240MB, or a fraction of one GPU such as 0.25"
+
+
+@dataclass(frozen=True)
+class GpuMem:
+    """A slice's size as written: ``mb`` (an absolute size) or ``fraction`` (of one GPU of the pool)."""
+
+    mb: int | None = None
+    fraction: float | None = None
+
+    def to_mb(self, gpu_mb: int) -> int:
+        """Whole MB, given the memory of one GPU of the pool (a fraction is rounded up)."""
+        if self.mb is not None:
+            return self.mb
+        assert self.fraction is not None
+        return max(1, math.ceil(self.fraction * gpu_mb))
+
+
+def parse_gpu_mem(value: str | int | float) -> GpuMem:
+    """What ``value`` asks for, or ValueError with one line that says what would work. An int is MB;
+    a number in (0, 1] (or a string of one, with no unit) is a fraction of one GPU."""
+    if isinstance(value, bool):
+        raise ValueError(f"cannot read GPU memory {value!r}: {EXAMPLES}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"GPU memory must be at least 1 MB, got {value}: {EXAMPLES}")
+        return GpuMem(mb=value)
+    if isinstance(value, float):
+        return _fraction(value, repr(value))
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read GPU memory {value!r}: {EXAMPLES}")
+    number, unit = float(m.group(1)), _UNITS[m.group(2).lower()]
+    if unit is None:
+        return _fraction(number, repr(value))
+    mb = math.ceil(number * unit)
+    if mb < 1:
+        raise ValueError(f"GPU memory must be at least 1 MB, got {value!r}: {EXAMPLES}")
+    return GpuMem(mb=mb)
+
+
+def _fraction(number: float, shown: str) -> GpuMem:
+    if not (math.isfinite(number) and 0 < number <= 1):
+        raise ValueError(
+            f"GPU memory {shown} has no unit, so it is read as a fraction of one GPU, which must be above 0 and "
+            f"at most 1: {EXAMPLES}"
+        )
+    return GpuMem(fraction=number)

@@ -1,0 +1,161 @@
+-- _lib_slice.lua: GPU slices: several leases share one GPU, each promised part of its memory.
+-- Part of the library: see _lib.lua.
+--
+-- A pool whose scheduling says share = true (sched_of) takes slice requests (gpu_mem_mb). A free
+-- GPU becomes *sliced* when a slice request takes it from its node's free list: its holders entry
+-- is then SLICED (held by no one lease, so it is never free, never registered free again and never
+-- granted whole), and K_SLICED "node/idx" holds its memory ledger, JSON
+--   {pool, total_mb, used_mb, max, leases = {id = MB}, draining = {id = {mb, user, state, since, pids}},
+--    fit = its K_SLICE_FIT member or absent}
+-- used_mb is what the live and the draining slices are promised together: never above total_mb
+-- (the invariant; tests/invariants.py checks it). A draining slice is one the server ended whose
+-- processes the node agent has not yet seen gone: its memory stays promised until drained.lua.
+-- K_SLICE_FIT lists the sliced GPUs that can take one more slice (fewer than `max` sharers, live
+-- and draining, and free memory left) as "pool|FFFFFFFF|node/idx" (F = free MB, zero-padded):
+-- ZRANGEBYLEX from "[pool|<MB asked>|" finds the best fit by memory in O(log N). When its last
+-- slice (live or draining) is gone, the GPU goes back to its node's free list as a whole GPU.
+
+local function slice_member(pool, free_mb, slot)
+  return pool .. '|' .. string.format('%08d', free_mb) .. '|' .. slot
+end
+
+-- Memory of GPU idx of the inventory `raw`, in MB (0 when it does not list it). The canonical
+-- layout (see inv_find) puts memory_mb right after index; any other layout is decoded.
+local function inv_memory(raw, idx)
+  local at = inv_find(raw, idx)
+  local mb = at and string.match(raw, '^{"index":%d+,"memory_mb":(%d+)', at)
+  if mb then return tonumber(mb) end
+  for _, g in ipairs(cjson.decode(raw).gpus) do
+    if g.index == idx then return tonumber(g.memory_mb) or 0 end
+  end
+  return 0
+end
+
+-- The most memory one GPU of `pool` has (MB; 0 for an unknown pool): read from its largest node,
+-- one inventory, whatever the pool's size. A pool's GPUs are one model, so this is every GPU's.
+local function pool_gpu_mb(pool)
+  local m = redis.call('ZREVRANGEBYLEX', K_SIZES, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
+  if not m then return 0 end
+  local raw = redis.call('HGET', K_NODES, string.match(m, '^[^|]+|%d+|(.+)$'))
+  local best = 0
+  if raw then
+    for _, g in ipairs(cjson.decode(raw).gpus) do best = math.max(best, tonumber(g.memory_mb) or 0) end
+  end
+  return best
+end
+
+-- Write the ledger of sliced GPU `slot` and keep its fit entry in step. With no slice left on it
+-- (live or draining), the ledger and its SLICED mark go: returns true, and the caller puts the GPU
+-- back on its node's free list (it holds that list in hand, as end_lease and drained.lua do).
+local function save_slices(slot, s)
+  if s.fit then redis.call('ZREM', K_SLICE_FIT, s.fit) end
+  s.fit = nil
+  local sharers = 0
+  for _ in pairs(s.leases) do sharers = sharers + 1 end
+  for _ in pairs(s.draining) do sharers = sharers + 1 end
+  if sharers == 0 then
+    redis.call('HDEL', K_SLICED, slot)
+    if redis.call('HGET', K_HOLDERS, slot) == SLICED then redis.call('HDEL', K_HOLDERS, slot) end
+    return true
+  end
+  if sharers < s.max and s.used_mb < s.total_mb then
+    s.fit = slice_member(s.pool, s.total_mb - s.used_mb, slot)
+    redis.call('ZADD', K_SLICE_FIT, 0, s.fit)
+  end
+  -- cjson writes an empty table as {}: both maps stay objects
+  redis.call('HSET', K_SLICED, slot, cjson.encode(s))
+  return false
+end
+
+-- Where a slice of `mb` MB of `pool` goes: the sliced GPU of an up node with the least free memory
+-- that still has mb (best fit: slices pack, whole GPUs stay whole), else a free GPU taken whole from
+-- the best-fit node (allocate), skipping `exclude` (the node held back for a blocked head of the
+-- queue) and GPUs with less than mb. Returns {node, index, slot[, fresh, rest, old_count, total_mb]}
+-- or nil; changes nothing (grant_slice does).
+local function allocate_slice(pool, mb, max_sharers, exclude)
+  local lo = '[' .. pool .. '|' .. string.format('%08d', mb) .. '|'
+  local members = redis.call('ZRANGEBYLEX', K_SLICE_FIT, lo, '(' .. pool .. '|~', 'LIMIT', 0, 16)
+  for _, m in ipairs(members) do
+    local slot = string.match(m, '^[^|]+|%d+|(.+)$')
+    local node, idx = string.match(slot, '^(.+)/(%d+)$')
+    -- a down node's sliced GPUs keep their entries (their slices may come back with it): skipped
+    if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
+      return {node = node, index = tonumber(idx), slot = slot}
+    end
+  end
+  local node, taken, rest, old_count = allocate(pool, 1, exclude)
+  if not node then return nil end
+  local total = inv_memory(redis.call('HGET', K_NODES, node), taken[1])
+  if total < mb then return nil end
+  return {node = node, index = taken[1], slot = node .. '/' .. taken[1], fresh = true, rest = rest,
+          old_count = old_count, total_mb = total, max = max_sharers}
+end
+
+-- Promise lease `id` `mb` MB of the GPU `p` (allocate_slice's answer): a fresh GPU leaves its node's
+-- free list and becomes sliced. Returns the GPU's total memory (MB).
+local function grant_slice(id, pool, mb, p)
+  local s
+  if p.fresh then
+    -- Invariant guard, as in grant_parts: a free GPU never has a holder.
+    if redis.call('HEXISTS', K_HOLDERS, p.slot) == 1 or redis.call('HEXISTS', K_SLICED, p.slot) == 1 then
+      error('invariant broken: free GPU ' .. p.slot .. ' has a holder')
+    end
+    redis.call('HSET', K_HOLDERS, p.slot, SLICED)
+    set_free(p.node, pool, p.rest, p.old_count)
+    s = {pool = pool, total_mb = p.total_mb, used_mb = 0, max = p.max, leases = {}, draining = {}}
+  else
+    s = cjson.decode(redis.call('HGET', K_SLICED, p.slot))
+  end
+  if s.used_mb + mb > s.total_mb or redis.call('HGET', K_HOLDERS, p.slot) ~= SLICED then
+    error('invariant broken: GPU ' .. p.slot .. ' would be promised ' .. (s.used_mb + mb) .. ' of ' .. s.total_mb .. ' MB')
+  end
+  s.leases[id] = mb
+  s.used_mb = s.used_mb + mb
+  save_slices(p.slot, s)
+  return s.total_mb
+end
+
+-- Lease `lease` (a slice) ends on GPU idx of `node`: its memory is free again at once, or, with
+-- `pids` (drain_pids' answer), stays promised while its processes drain: the node agent sees the
+-- slice's draining entry (node/drain.py reads the ledgers) and reports it clean (drained.lua,
+-- slice_drained), ending only the processes the lease named, never a neighbour's. Returns
+-- (whether the lease held a slice there, whether the GPU is now whole and goes back to the free list).
+local function end_slice(lease, node, idx, pids, state)
+  local slot = node .. '/' .. idx
+  local raw = redis.call('HGET', K_SLICED, slot)
+  local s = raw and cjson.decode(raw)
+  local mb = s and s.leases[lease.id]
+  if not mb then return false, false end
+  s.leases[lease.id] = nil
+  if pids then
+    s.draining[lease.id] = {mb = mb, user = lease.user, state = state, since = NOW, pids = pids}
+  else
+    s.used_mb = s.used_mb - mb
+  end
+  return true, save_slices(slot, s)
+end
+
+-- The node agent saw the processes of slice `lease_id` gone from GPU idx of `node`: its memory is
+-- free. Returns the ledger's entry for it (nil when it was not draining there) and whether the GPU
+-- is now whole and goes back to the free list.
+local function slice_drained(node, idx, lease_id)
+  local slot = node .. '/' .. idx
+  local raw = redis.call('HGET', K_SLICED, slot)
+  local s = raw and cjson.decode(raw)
+  local d = s and s.draining[lease_id]
+  if not d then return nil, false end
+  s.draining[lease_id] = nil
+  s.used_mb = s.used_mb - d.mb
+  return d, save_slices(slot, s)
+end
+
+-- A live lease's size in GPUs for fair share and quotas: a slice counts as its fraction of the GPU.
+local function gpu_share(lease)
+  if lease.gpu_mem_mb then return lease.gpu_mem_mb / lease.gpu_total_mb end
+  return #lease.gpus
+end
+
+-- A slice's fraction in milli-GPUs (at least 1), the unit of its quota count (count_held).
+local function slice_milli(lease)
+  return math.max(1, math.floor(lease.gpu_mem_mb * 1000 / lease.gpu_total_mb + 0.5))
+end

@@ -1,0 +1,343 @@
+"""GPU slices (issue 35, item 1): a lease of part of one GPU's memory, on a GPU other slices share.
+
+A real lease server on a real Redis, simulated GPUs. The referee (tests/invariants.py) checks after
+every step that no GPU is ever promised beyond its memory and that a whole-GPU lease is exclusive;
+focused tests for each bad input (one line that says what would work, nothing leased or changed)
+and for whole GPUs and slices never landing on each other's GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from lease_server import errors
+from lease_server.client import Lease
+from lease_server.sizes import GpuMem, parse_gpu_mem
+from lease_server.store.keys import Keys
+from tests.conftest import ServerHandle, make_settings
+from tests.invariants import check_event_log, check_state, read_events
+
+A100 = "A100-80GB"
+GPU_MB = 80 * 1024
+SHARING = {A100: {"share": True, "max_sharers": 3, "slice_unit_mb": 1024}}
+
+
+@pytest.fixture
+def srv(server_factory: Any) -> ServerHandle:
+    return server_factory("n1=4xA100-80GB,n2=2xA100-80GB,t1=2xT4-16GB", scheduling=SHARING)  # type: ignore[no-any-return]
+
+
+def keys_of(srv: ServerHandle) -> Keys:
+    return Keys(srv.settings.prefix)
+
+
+def snapshot(r: Any, k: Keys) -> dict[str, Any]:
+    """What a refused request must leave as it was."""
+    return {
+        name: r.hgetall(getattr(k, name)) for name in ("leases", "holders", "free", "sliced", "held_by", "waiters")
+    } | {"slice_fit": r.zrange(k.slice_fit, 0, -1), "queue": r.zrange(k.queue, 0, -1)}
+
+
+# ---- sizes as people write them ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("10GB", GpuMem(mb=10240)),
+        ("10240MB", GpuMem(mb=10240)),
+        ("512M", GpuMem(mb=512)),
+        ("1.5 GiB", GpuMem(mb=1536)),
+        ("0.25", GpuMem(fraction=0.25)),
+        (0.5, GpuMem(fraction=0.5)),
+        (2048, GpuMem(mb=2048)),
+    ],
+)
+def test_sizes_are_read_as_people_write_them(text: Any, want: GpuMem) -> None:
+    assert parse_gpu_mem(text) == want
+    assert GpuMem(fraction=0.25).to_mb(GPU_MB) == 20480
+
+
+@pytest.mark.parametrize("text", ["10 parsecs", "", "GB", "-1GB", "1.5", "0", 0, -5, "0MB", True, "ten GB"])
+def test_an_unreadable_size_is_one_line_that_says_what_would_work(text: Any) -> None:
+    with pytest.raises(ValueError) as exc:
+        parse_gpu_mem(text)
+    assert "\n" not in str(exc.value) and ("10GB" in str(exc.value))
+
+
+# ---- bad input: a 400 with one line, nothing leased or changed ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"gpus": 1, "gpu_mem_mb": 0}, "gpu_mem_mb must be a whole number of MB from 1"),
+        ({"gpus": 1, "gpu_mem_mb": -10}, "gpu_mem_mb must be a whole number of MB from 1"),
+        ({"gpus": 1, "gpu_mem_mb": 1.5}, "gpu_mem_mb must be a whole number of MB"),
+        ({"gpus": 1, "gpu_mem_mb": "10GB"}, "gpu_mem_mb must be a whole number of MB"),
+        ({"gpus": 1, "gpu_mem_mb": GPU_MB + 1, "pool": A100}, f"ask for at most {GPU_MB} MB"),
+        ({"gpus": 1, "gpu_mem_mb": 1024, "pool": "T4-16GB"}, "does not share its GPUs"),
+        ({"gpus": 2, "gpu_mem_mb": 1024, "pool": A100}, "a slice (gpu_mem_mb) is part of one GPU"),
+        ({"gpus": 2, "nodes": 2, "gpu_mem_mb": 1024, "pool": A100}, "a slice (gpu_mem_mb) is part of one GPU"),
+        ({"gpus": 1, "gpus_min": 1, "gpu_mem_mb": 1024, "pool": A100}, "a slice (gpu_mem_mb) is part of one GPU"),
+        ({"gpus": 1, "gpu_mem_mb": 1024, "pool": "nope"}, "unknown pool"),
+    ],
+)
+def test_a_bad_slice_request_is_a_400_and_changes_nothing(
+    srv: ServerHandle, redis_sync: Any, body: dict[str, Any], says: str
+) -> None:
+    k = keys_of(srv)
+    held = srv.client("bob").acquire(1, A100, gpu_mem="1GB")  # something live to leave alone
+    before = snapshot(redis_sync, k)
+    resp = httpx.post(f"{srv.url}/api/v1/leases", json=body, headers={"Authorization": f"Bearer {srv.token('alice')}"})
+    assert resp.status_code in (400, 404), resp.text
+    message = resp.json()["message"]
+    assert says in message and "\n" not in message, message
+    assert snapshot(redis_sync, k) == before
+    srv.client("bob").release(held)
+    check_state(redis_sync, k, expect_all_free=True)
+
+
+def test_the_client_refuses_an_unreadable_size_before_sending(srv: ServerHandle, redis_sync: Any) -> None:
+    with srv.client() as c, pytest.raises(ValueError, match="cannot read GPU memory"):
+        c.acquire(1, A100, gpu_mem="lots")
+    assert redis_sync.hlen(keys_of(srv).leases) == 0
+
+
+def test_the_api_documents_gpu_mem_mb(srv: ServerHandle) -> None:
+    doc = httpx.get(f"{srv.url}/api/v1/openapi.json").json()
+    prop = doc["components"]["schemas"]["AcquireRequest"]["properties"]["gpu_mem_mb"]
+    assert prop["type"] == ["integer", "null"] and prop["minimum"] == 1
+    assert "gpu_mem_mb" in doc["components"]["schemas"]["Lease"]["properties"]
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        ({"share": "yes"}, "share of pool"),
+        ({"slice_unit_mb": 0}, "slice_unit_mb of pool"),
+        ({"max_sharers": 1.5}, "max_sharers"),
+    ],
+)
+def test_contradictory_sharing_settings_fail_fast(redis_server: Any, table: dict[str, Any], says: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match=says):
+        make_settings(redis_server.url, "cfg", scheduling={A100: table}).validate()
+    assert make_settings(redis_server.url, "cfg").sched_table(A100)["share"] is False  # off by default
+
+
+# ---- placement -------------------------------------------------------------------------------------
+
+
+def test_a_size_between_units_is_rounded_up_and_the_grant_says_so(srv: ServerHandle, redis_sync: Any) -> None:
+    with srv.client() as c:
+        lease = c.acquire(1, A100, gpu_mem=1500)
+        assert lease.gpu_mem_mb == 2048 and lease.raw["gpu_total_mb"] == GPU_MB
+        quarter = c.acquire(1, A100, gpu_mem=0.25)
+        assert quarter.gpu_mem_mb == GPU_MB // 4
+        assert (quarter.node, quarter.gpus) == (lease.node, lease.gpus)  # best fit: they share
+        check_state(redis_sync, keys_of(srv))
+        c.release(lease)
+        c.release(quarter)
+    check_state(redis_sync, keys_of(srv), expect_all_free=True)
+
+
+def test_whole_gpus_never_land_on_a_sliced_gpu_and_slices_never_on_a_leased_one(
+    server_factory: Any, redis_sync: Any
+) -> None:
+    srv = server_factory("box=2xA100-80GB", scheduling=SHARING)
+    k = keys_of(srv)
+    with srv.client("alice") as alice, srv.client("bob") as bob:
+        whole = alice.acquire(1, A100)
+        sl = bob.acquire(1, A100, gpu_mem="10GB")
+        assert sl.gpus[0]["index"] != whole.gpus[0]["index"]  # not on the GPU leased whole
+        with pytest.raises(errors.NoCapacity):  # the other GPU is sliced: not free for a whole lease
+            alice.acquire(1, A100)
+        more = [bob.acquire(1, A100, gpu_mem="10GB") for _ in range(2)]
+        assert {m.gpus[0]["index"] for m in more} == {sl.gpus[0]["index"]}  # packed on the sliced GPU
+        with pytest.raises(errors.NoCapacity, match="for a slice"):  # max_sharers 3, the other GPU is whole
+            bob.acquire(1, A100, gpu_mem="1GB")
+        check_state(redis_sync, k)
+        alice.release(whole)
+        spill = bob.acquire(1, A100, gpu_mem="70GB")  # too big for what is left: takes the freed GPU
+        assert spill.gpus[0]["index"] == whole.gpus[0]["index"]
+        board = alice.cluster()
+        gpus = {g["index"]: g for g in board["nodes"][0]["gpus"]}
+        assert gpus[sl.gpus[0]["index"]]["state"] == "sliced"
+        assert len(gpus[sl.gpus[0]["index"]]["slices"]) == 3
+        assert gpus[sl.gpus[0]["index"]]["slice_mem"] == {"total_mb": GPU_MB, "used_mb": 3 * 10240}
+        assert board["pools"][A100]["sliced"] == 2 and board["pools"][A100]["slices"] == 4
+        for lease in [sl, *more]:
+            bob.release(lease)
+        assert alice.acquire(1, A100).gpus[0]["index"] == sl.gpus[0]["index"]  # whole again once empty
+        bob.release(spill)
+    check_state(redis_sync, k)
+    check_event_log(read_events(redis_sync, k))
+
+
+def test_a_slice_waits_in_the_queue_and_is_granted_when_memory_comes_back(srv: ServerHandle, redis_sync: Any) -> None:
+    with srv.client("alice") as alice, srv.client("bob") as bob:
+        big = [alice.acquire(1, A100, gpu_mem="60GB") for _ in range(6)]  # every A100 sliced, 20 GB left
+        with pytest.raises(errors.NoCapacity):
+            bob.acquire(1, A100, gpu_mem="30GB")
+        granted: dict[str, Lease] = {}
+
+        def wait() -> None:
+            granted["lease"] = bob.acquire(1, A100, gpu_mem="30GB", wait=30)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        while not bob.queue(A100):
+            t.join(0.01)  # until it is queued (the queue is the event: nothing to wait on but it)
+        alice.release(big[3])
+        t.join(30)
+        lease = granted["lease"]
+        assert (lease.node, lease.gpus) == (big[3].node, big[3].gpus)
+        check_state(redis_sync, keys_of(srv))
+        for b in big:
+            if b is not big[3]:
+                alice.release(b)
+        bob.release(lease)
+    check_state(redis_sync, keys_of(srv), expect_all_free=True)
+    check_event_log(read_events(redis_sync, keys_of(srv)))
+
+
+def test_quotas_fair_share_and_the_ledger_count_a_slice_as_its_fraction(server_factory: Any, redis_sync: Any) -> None:
+    srv = server_factory("box=2xA100-80GB", scheduling={A100: {**SHARING[A100], "quota": {"*": 1}}})
+    k = keys_of(srv)
+    with srv.client("alice") as c:
+        a = c.acquire(1, A100, gpu_mem="40GB")
+        b = c.acquire(1, A100, gpu_mem="40GB")  # a half and a half: within a quota of 1 GPU
+        assert not a.raw.get("preemptible") and not b.raw.get("preemptible")
+        assert redis_sync.hget(k.held_by, f"{A100}|alice|m") == "1000"
+        usage = json.loads(redis_sync.hget(k.usage, f"{A100}|alice"))
+        assert usage["r"] == 1
+        over = c.acquire(1, A100, gpu_mem="1GB")  # above quota: preemptible, as a whole GPU would be
+        assert over.raw.get("preemptible") is True
+        check_state(redis_sync, k)
+        for lease in (a, b, over):
+            c.release(lease)
+    assert json.loads(redis_sync.hget(k.usage, f"{A100}|alice"))["r"] == 0
+    ledger = [json.loads(f["data"]) for _, f in redis_sync.xrange(k.ledger)]
+    assert sorted(e["gpu_mem_mb"] for e in ledger) == [1024, 40960, 40960]
+    for e in ledger:
+        assert e["gpu_s"] <= e["held_s"] * e["gpu_mem_mb"] / GPU_MB + 1e-6
+    check_state(redis_sync, k, expect_all_free=True)
+
+
+def test_a_slice_is_not_kept_warm_handed_on_or_resized(srv: ServerHandle) -> None:
+    with srv.client() as c:
+        sl = c.acquire(1, A100, gpu_mem="4GB")
+        with pytest.raises(errors.Conflict, match="a slice"):
+            c.warm(sl)
+        with pytest.raises(errors.Conflict):
+            c.shrink(sl, 1)
+        c.release(sl)
+
+
+def test_a_slice_ended_by_the_server_drains_only_its_own_memory(srv: ServerHandle, redis_sync: Any) -> None:
+    """A revoked slice whose holder named a process keeps its memory promised until its drain is
+    reported clean; its GPU's other slices are untouched, and the GPU is whole again after."""
+    from lease_server.store.scripts import Drained, Procs
+
+    k = keys_of(srv)
+    with srv.client("alice") as alice, srv.client("bob") as bob, srv.client("root", "admin") as admin:
+        mine = alice.acquire(1, A100, gpu_mem="30GB")
+        other = bob.acquire(1, A100, gpu_mem="30GB")
+        slot = f"{mine.node}/{mine.gpus[0]['index']}"
+        assert slot == f"{other.node}/{other.gpus[0]['index']}"
+
+        async def run(call: Any) -> Any:
+            from lease_server.store.engine import Engine, connect
+
+            r = connect(srv.settings.redis_url)
+            try:
+                return await Engine(r, srv.settings).run(call)
+            finally:
+                await r.aclose()
+
+        procs = [{"node": mine.node, "pid": 4_000_000, "start": 1, "gpus": [mine.gpus[0]["index"]]}]
+        asyncio.run(run(Procs(mine.id, str(mine.token), "alice", json.dumps(procs))))
+        admin.revoke(mine.id, "testing a slice's drain")
+        ledger = json.loads(redis_sync.hget(k.sliced, slot))
+        assert list(ledger["draining"]) == [mine.id] and ledger["used_mb"] == 2 * 30720
+        check_state(redis_sync, k)
+        drains = admin.draining()
+        assert [(d["lease"], d.get("gpu_mem_mb")) for d in drains] == [(mine.id, 30720)]
+        assert asyncio.run(run(Drained(mine.node, mine.id, json.dumps([mine.gpus[0]["index"]])))) == 0
+        ledger = json.loads(redis_sync.hget(k.sliced, slot))
+        assert ledger["draining"] == {} and ledger["used_mb"] == 30720 and list(ledger["leases"]) == [other.id]
+        check_state(redis_sync, k)
+        bob.release(other)
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(read_events(redis_sync, k))
+
+
+# ---- the randomized referee run --------------------------------------------------------------------
+
+
+def _size(rng: random.Random) -> str | int | float:
+    mb = rng.choice([rng.randint(1, 8192), rng.randint(1, 30000), rng.randint(1, GPU_MB)])
+    return rng.choice([mb, f"{mb}MB", f"{max(1, mb // 1024)}GB", round(max(mb, 1) / GPU_MB, 3) or 0.001])
+
+
+def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHandle, redis_sync: Any) -> None:
+    """240 random steps: slices of random sizes (MB, GB, fractions), whole-GPU leases, releases,
+    admin revokes and leases left to expire (ttl 1 s, never renewed: the server's sweep ends them),
+    on 6 shared A100s. The referee checks the whole state after every step, and the event log
+    at the end: no GPU promised past its memory, no whole GPU shared."""
+    rng = random.Random(35)
+    k = keys_of(srv)
+    users = ["ann", "ben", "cat", "dan"]
+    clients = {u: srv.client(u) for u in users}
+    admin = srv.client("root", "admin")
+    live: list[Lease] = []
+    short: list[Lease] = []
+    outcomes: dict[str, int] = {}
+    try:
+        for _ in range(240):
+            step = rng.choices(["slice", "whole", "release", "revoke", "expire"], [40, 15, 30, 5, 10])[0]
+            user = rng.choice(users)
+            c = clients[user]
+            try:
+                if step in ("slice", "expire"):
+                    size = _size(rng)
+                    lease = c.acquire(1, A100, ttl=1 if step == "expire" else 60, gpu_mem=size)
+                    asked = c.gpu_mem_mb(size, A100)
+                    assert lease.gpu_mem_mb >= asked and (lease.gpu_mem_mb % 1024 == 0 or lease.gpu_mem_mb == GPU_MB)
+                    (short if step == "expire" else live).append(lease)
+                elif step == "whole":
+                    live.append(c.acquire(rng.choice([1, 1, 2]), A100, ttl=60))
+                elif live:
+                    lease = live.pop(rng.randrange(len(live)))
+                    if step == "release":
+                        clients[lease.user].release(lease)
+                    else:
+                        admin.revoke(lease.id, "randomized test")
+                outcomes[step] = outcomes.get(step, 0) + 1
+            except errors.NoCapacity:
+                outcomes["busy"] = outcomes.get("busy", 0) + 1
+            check_state(redis_sync, k)
+        # The short leases end by expiry: wait for each one's expired event (the sweep's), not a clock.
+        for lease in short:
+            with admin.event_stream(since="0", lease=lease.id) as events:
+                for ev in events:
+                    if ev["type"] in ("expired", "released", "revoked"):
+                        assert ev["type"] == "expired"
+                        break
+            check_state(redis_sync, k)
+        for lease in live:
+            clients[lease.user].release(lease)
+    finally:
+        for c in [*clients.values(), admin]:
+            c.close()
+    assert outcomes.get("slice", 0) > 50 and outcomes.get("busy", 0) > 0 and outcomes.get("whole", 0) > 5, outcomes
+    check_state(redis_sync, k, expect_all_free=True)
+    counts = check_event_log(read_events(redis_sync, k))
+    assert counts.get("expired", 0) == len(short) > 5
