@@ -139,6 +139,10 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
     cpu_pool = engine.settings.cpu_pool
     for name, counts in pools.items():
         counts["kind"] = "cpu" if name == cpu_pool else "gpu"  # type: ignore[assignment]
+        sched = engine.settings.sched_table(name)
+        if sched["share"]:  # its GPUs may be sliced: in what unit (a client rounds --gpu-mem auto to it)
+            counts["share"] = True  # type: ignore[assignment]
+            counts["slice_unit_mb"] = int(sched["slice_unit_mb"])  # type: ignore[call-overload]
     return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
 
 
