@@ -249,7 +249,6 @@ async def heartbeat_local(
     s = engine.settings
     sharing = [inv for inv in inventories if s.sched_table(inv.pool)["share"]]
     slice_watch = {inv.node: MemWatch(s.slice_over_pct, s.slice_over_s) for inv in sharing}
-    whole_watch = {inv.node: MemWatch(s.slice_over_pct, s.slice_over_s) for inv in sharing}
     check_every = s.slice_check_interval
     loop = asyncio.get_running_loop()
     next_beat = next_sample = next_drain = next_check = loop.time()
@@ -275,7 +274,7 @@ async def heartbeat_local(
                     try:
                         await watch_pass(
                             engine, inv.node, [g.index for g in inv.gpus], slice_watch[inv.node],
-                            _measure(inv, nvml), isolation.pids if isolation.cgroups else None,
+                            _measure(inv, nvml), isolation.pids if isolation.cgroups else None, whole=True,
                         )  # fmt: skip
                     except Exception as exc:  # Redis away: the next pass measures again
                         log.warning("measuring the slices of %s failed: %s", inv.node, exc)
@@ -306,11 +305,6 @@ async def heartbeat_local(
                         killed = enforcer.act(inv.node, gpus, answer, verify)
                         if killed:
                             await record_kills(engine, inv.node, inv.pool, killed)
-                        if inv.node in whole_watch:  # whole GPUs of a sharing pool: their peak, for --gpu-mem auto
-                            await watch_pass(
-                                engine, inv.node, [g.index for g in inv.gpus], whole_watch[inv.node],
-                                _measure(inv, nvml), isolation.pids if isolation.cgroups else None, whole=True,
-                            )  # fmt: skip
                     except Exception as exc:
                         log.warning("sampling %s failed: %s", inv.node, exc)
             for node, report in enforcer.tick():

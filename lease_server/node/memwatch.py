@@ -16,9 +16,10 @@ allocator obeys; the node agent is what holds every slice to it:
    it is ended (``over_memory.lua``: cause ``over_memory``, with the peak and the ``--gpu-mem`` that
    would have held it). Its processes are then ended by the drain (drain.py), which ends only the
    processes the slice claimed, never a neighbour's, and its memory is free once they are gone;
-4. the peak each lease's processes reached is kept with the lease (``mem_peaks.lua``) and written
-   into its ledger line and ended record (``mem_peak_mb``): ``--gpu-mem auto`` sizes the notebook's
-   next cell by it. Whole-GPU leases are measured too (on the agent's sample pass), for that peak.
+4. what each lease's processes use now and their peak are kept with the lease (``mem_peaks.lua``):
+   the board shows them per slice, and the peak goes into its ledger line and ended record
+   (``mem_peak_mb``), by which ``--gpu-mem auto`` sizes the notebook's next cell. The whole-GPU
+   leases of a pool that shares are measured too, for that peak.
 """
 
 from __future__ import annotations
@@ -108,9 +109,8 @@ def resident_mb(pid: int) -> int:
 
 @dataclass
 class MemWatch:
-    """One agent's judgement of its leases' memory over time: who is over, since when, warned,
-    their peaks (and which of those the lease server has). One per pass kind: the slices' pass
-    and the whole-GPU leases' each forget the leases they no longer see."""
+    """One agent's judgement of one node's leases' memory over time: who is over, since when,
+    warned, and their peaks."""
 
     over_pct: float = 5.0
     over_s: float = 2.0
@@ -119,7 +119,6 @@ class MemWatch:
     warned: set[str] = field(default_factory=set)
     ended: set[str] = field(default_factory=set)
     peak: dict[str, int] = field(default_factory=dict)
-    sent: dict[str, int] = field(default_factory=dict)  # the peaks the lease server has
 
     def judge(self, w: Watched, used_mb: int) -> str | None:
         """ "warn" (it just went over), "end" (over for longer than ``over_s``) or None."""
@@ -140,12 +139,9 @@ class MemWatch:
             return "end"
         return None
 
-    def unsent_peaks(self) -> dict[str, int]:
-        return {lease: mb for lease, mb in self.peak.items() if mb > self.sent.get(lease, 0)}
-
     def forget(self, live: set[str]) -> None:
         """Drop what it knows of leases that are no longer watched (ended)."""
-        for table in (self.over_since, self.peak, self.sent):
+        for table in (self.over_since, self.peak):
             for lease in [k for k in table if k not in live]:
                 del table[lease]
         self.warned &= live
@@ -165,19 +161,18 @@ async def watch_pass(
     lease's processes (``measure(w, pids)``: MB, None when it cannot say), warn or end the slices
     over their memory, and record rising peaks. Returns the leases it ended."""
     watched = await watched_of(engine, node, indexes, whole)
-    ended = []
+    ended, measured = [], {}
     for w in watched:
         pids = running_pids(w, in_cgroup)
         used = measure(w, pids) if pids else None
         if used is None:
             continue
         verdict = watch.judge(w, used)
+        measured[w.lease] = [used, watch.peak[w.lease]]
         if verdict is not None and await _over(engine, node, w, verdict, used, watch):
             ended.append(w.lease)
-    peaks = watch.unsent_peaks()
-    if peaks:
-        await engine.run(MemPeaks(json.dumps(peaks)))
-        watch.sent.update(peaks)
+    if measured:  # what each uses now and its peak: the board shows them, the ledger keeps the peak
+        await engine.run(MemPeaks(json.dumps(measured)))
     watch.forget({w.lease for w in watched})
     return ended
 

@@ -833,8 +833,8 @@ class OverMemory(ScriptCall[dict[str, Any] | None]):
 
 @dataclass(frozen=True)
 class MemPeaks(ScriptCall[int]):
-    """A node agent's measured peak memory of live leases (``peaks``: JSON {lease: MB}), kept until
-    each ends (its ledger line and ended record carry it). Reply: leases whose peak rose."""
+    """A node agent's measure of live leases (``peaks``: JSON {lease: [MB now, peak MB]}), kept until
+    each ends (its ledger line and ended record carry the peak). Reply: leases recorded."""
 
     script: ClassVar[str] = "mem_peaks"
     peaks: str

@@ -94,9 +94,9 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
   -- |mpeak: the peak its own processes used, as its node agent measured them (mem_peaks.lua)
   local util_fields = {lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak',
-                       lease.id .. '|mpeak'}
+                       lease.id .. '|mpeak', lease.id .. '|mused'}
   local u = redis.call('HMGET', K_LEASE_UTIL, unpack(util_fields))
-  if u[1] or u[2] or u[3] or u[4] or u[5] then redis.call('HDEL', K_LEASE_UTIL, unpack(util_fields)) end
+  if u[1] or u[2] or u[3] or u[4] or u[5] or u[6] then redis.call('HDEL', K_LEASE_UTIL, unpack(util_fields)) end
   local samples = tonumber(u[1] or '0')
   -- A whole GPU's samples measure the GPU (all of it is the lease's); a slice's GPU is shared, so
   -- only what its own processes used counts. The larger of the two readings it has, if any.
