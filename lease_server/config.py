@@ -114,6 +114,12 @@ class Settings:
     # ... and per token: the streams of all the users a proxy token (JupyterHub) acts for together
     max_streams_per_token: int = 1024
     drain_kill_grace_s: float = 2.0
+    # Slices held to their memory (lease_server/node/memwatch.py): the node agent measures each
+    # slice's processes every slice_check_interval; one over its memory by more than slice_over_pct
+    # percent is warned, and ended if it stays over for more than slice_over_s seconds.
+    slice_check_interval: float = 0.5
+    slice_over_pct: float = 5.0
+    slice_over_s: float = 2.0
     policy_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
     # Bookings (GPUs of a pool booked for a time window)
     borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
@@ -216,6 +222,16 @@ class Settings:
             raise ConfigurationError(
                 f"drain_interval must be in (0, 10] seconds (got {self.drain_interval}) and "
                 f"drain_kill_grace_s between 0 and 600 seconds (got {self.drain_kill_grace_s})"
+            )
+        if (
+            not 0 < self.slice_check_interval <= 10
+            or not 0 <= self.slice_over_pct <= 100
+            or not 0 <= self.slice_over_s <= 600
+        ):
+            raise ConfigurationError(
+                f"slice_check_interval must be in (0, 10] seconds (got {self.slice_check_interval}), "
+                f"slice_over_pct from 0 to 100 (got {self.slice_over_pct}) and slice_over_s from 0 to 600 "
+                f"seconds (got {self.slice_over_s})"
             )
         if self.borrow_notice < 0 or self.no_show_after <= 0 or self.on_demand_floor < 0:
             raise ConfigurationError(

@@ -182,6 +182,7 @@ class EndCause(enum.StrEnum):
     RECALLED = "recalled"  # recalled for a booking's holder (a borrowed lease)
     PREEMPTED = "preempted"  # preempted for a request within quota (it ran above quota)
     EVICTED = "evicted"  # a warm lease lent out to a waiting request
+    OVER_MEMORY = "over_memory"  # a slice stayed over its memory past its grace: its node agent ended it
 
 
 # ---- the lease record ------------------------------------------------------------------------------
@@ -279,6 +280,16 @@ class LeaseJson(TypedDict, total=False):
         int, "A slice: MB of its one GPU's memory promised to it (what it asked for, rounded up to the pool's unit)"
     ]
     gpu_total_mb: Annotated[int, "A slice: the memory of its GPU, in MB"]
+    mem_peak_mb: Annotated[
+        int,
+        "An ended lease: the most GPU memory it used, in MB, as its node agent measured it (a slice: its "
+        "own processes, CUDA context included; on simulated GPUs their resident memory)",
+    ]
+    over_memory: Annotated[
+        dict[str, float],
+        "A slice its node agent ended for using more than it was promised: used_mb, limit_mb, peak_mb, "
+        "fit_mb (the --gpu-mem that would have held the peak) and over_s",
+    ]
     ended_at: float
     end_reason: str
     ended_by: str
@@ -345,6 +356,11 @@ class EventType(enum.StrEnum):
     # its node agent sent SIGTERM (or, after the grace, SIGKILL) to such a process: the pool's
     # unleased_action is "kill" (reclaim.record_kills)
     UNLEASED_KILLED = "unleased_killed"
+    # slices held to their memory (lease_server/node/memwatch.py; over_memory.lua): a slice's
+    # processes use more than it was promised (its cell says so), and then, still over past the
+    # grace, its node agent ended it (a "revoked" follows)
+    OVER_MEMORY_WARNING = "over_memory_warning"
+    OVER_MEMORY = "over_memory"
     # bookings (their values keep the word of the first release: the event log stores them, and
     # readers of the live feed and of exports match on them)
     BOOKING_CREATED = "reservation_created"  # a booking was made (book.lua)
@@ -410,7 +426,14 @@ BOOKING_EVENTS = frozenset(
 
 # In the log only: nothing any view shows changes with them.
 LOG_ONLY_EVENTS = frozenset(
-    e.value for e in (EventType.RENEW_MISS, EventType.POLICY_CHANGED, EventType.UNLEASED_KILLED)
+    e.value
+    for e in (
+        EventType.RENEW_MISS,
+        EventType.POLICY_CHANGED,
+        EventType.UNLEASED_KILLED,
+        EventType.OVER_MEMORY_WARNING,
+        EventType.OVER_MEMORY,
+    )
 )
 
 # A lease's own stream ends with one of these: the type is the lease's new state.

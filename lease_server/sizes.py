@@ -61,3 +61,28 @@ def _fraction(number: float, shown: str) -> GpuMem:
             f"at most 1: {EXAMPLES}"
         )
     return GpuMem(fraction=number)
+
+
+FIT_MARGIN = 0.2  # a size that fits a measured peak: the peak and this much more (at least one unit)
+
+
+def fitting_mb(peak_mb: int, unit_mb: int, margin: float = FIT_MARGIN) -> int:
+    """The slice that holds a measured ``peak_mb`` with room: the peak plus ``margin`` of it (at least
+    one ``unit_mb``), rounded up to the pool's unit. What ``--gpu-mem auto`` asks for after a cell
+    peaked at ``peak_mb``, and what an overrun slice is told would have fit."""
+    unit = max(1, int(unit_mb))
+    want = peak_mb + max(math.ceil(peak_mb * margin), unit)
+    return math.ceil(want / unit) * unit
+
+
+def show_mb(mb: int | float) -> str:
+    """MB as a person reads them: "512 MB", "7.9 GB", "80 GB" (a GB is 1024 MB)."""
+    if mb < 1024:
+        return f"{mb:.0f} MB"
+    gb = mb / 1024
+    return f"{gb:.0f} GB" if gb >= 100 or abs(gb - round(gb)) < 0.05 else f"{gb:.1f} GB"
+
+
+def as_option(mb: int) -> str:
+    """MB as ``--gpu-mem`` takes them: "10GB" when whole GB, else "10000MB"."""
+    return f"{mb // 1024}GB" if mb % 1024 == 0 else f"{mb}MB"

@@ -9,6 +9,7 @@ It holds the lease and nothing about processes: those are the :class:`magics.wor
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease, Lease
+from lease_server.sizes import show_mb
 
 from .calls import event_client
 from .options import Options
@@ -76,6 +78,9 @@ class Grant:
         self._follower: Any = None
         self._on_ended: Callable[[], None] = lambda: None
         self.handed_to = ""  # the request this lease and its worker were handed to
+        self.asked_mb = 0  # a slice: the MB asked for (the lease's gpu_mem_mb may be rounded up)
+        self._notes: list[str] = []  # said about the lease while it runs (a slice over its memory)
+        self._notes_lock = threading.Lock()
         if lease is not None:
             self.held = HeldLease(sess.client(), lease)
             self.held.activity = {"executing": True, "source": "gpu_train"}
@@ -114,6 +119,10 @@ class Grant:
         gpus, gpus_min, pool = (1, 1, cpu_pool) if cpu else (opts.gpus, opts.gpus_min, opts.pool)
         client = sess.client()
         asked = f"{gpus_min}-{gpus}" if gpus_min != gpus else str(gpus)
+        # A slice: its size in MB now (a fraction is of one GPU of the pool); ValueError before anything is sent
+        mem_mb = None if cpu or opts.gpu_mem is None else client.gpu_mem_mb(opts.gpu_mem, pool)
+        if mem_mb is not None:
+            asked = f"{show_mb(mem_mb)} slice"
         estimate = {"text": "", "at": -ESTIMATE_EVERY_S}
 
         shown_pool = {"name": pool or ""}
@@ -146,6 +155,8 @@ class Grant:
             cell=opts.cell,
             request_id=rid,
         )
+        if mem_mb is not None:
+            ask["gpu_mem"] = mem_mb
         try:
             if cancel is None:
                 lease = client.acquire(progress=progress, **ask)
@@ -155,7 +166,9 @@ class Grant:
         finally:
             sess.waiting.discard(rid)
         waited = lease.raw.get("waited")  # as the server measured it (seconds)
-        return cls(sess, lease, waited if waited is not None else time.monotonic() - t0, cpu=cpu)
+        grant = cls(sess, lease, waited if waited is not None else time.monotonic() - t0, cpu=cpu)
+        grant.asked_mb = mem_mb or 0
+        return grant
 
     @property
     def where(self) -> str:
@@ -163,6 +176,8 @@ class Grant:
             return "a CPU worker"
         if self.cpu:
             return f"a CPU slot of {self.lease.node}"
+        if self.lease.gpu_mem_mb:
+            return f"a {show_mb(self.lease.gpu_mem_mb)} slice of {self.lease.node} GPU {self.lease.indexes[0]}"
         parts = self.lease.parts()
         n = len(self.lease.gpus)
         gpus = f"{n} GPU{'s' if n != 1 else ''}"
@@ -184,6 +199,15 @@ class Grant:
             if self.cpu
             else " + ".join(f"{node} GPU {','.join(map(str, i))}" for node, i in lease.parts().items())
         )
+        if lease.gpu_mem_mb:  # a slice: its share of the GPU, and why that size
+            total = int(lease.raw.get("gpu_total_mb") or 0)
+            where += f", {show_mb(lease.gpu_mem_mb)}" + (f" of {show_mb(total)}" if total else "") + ", shared"
+            if opts.gpu_mem_why:
+                note = _join(note, opts.gpu_mem_why)
+            elif self.asked_mb and lease.gpu_mem_mb > self.asked_mb:
+                note = _join(note, f"{show_mb(self.asked_mb)} rounded up to the pool's unit")
+        elif opts.gpu_mem_why:  # --gpu-mem auto took a whole GPU: say why
+            note = _join(note, opts.gpu_mem_why)
         return Running(lease.id, where, 0 if self.cpu else len(lease.gpus), self.waited_s, note)
 
     def world(self) -> World:
@@ -234,16 +258,33 @@ class Grant:
                     if self._is_over():  # ended before we subscribed
                         self._ended()
                         return
+                    kind = ""
                     for line in s.iter_lines():
                         if self._releasing.is_set():
                             return
-                        if line.startswith("event:") and line.split(":", 1)[1].strip() in protocol.ENDED_EVENTS:
-                            self._ended()
-                            return
+                        if line.startswith("event:"):
+                            kind = line.split(":", 1)[1].strip()
+                            if kind in protocol.ENDED_EVENTS:
+                                self._ended()
+                                return
+                        elif line.startswith("data:") and kind == protocol.EventType.OVER_MEMORY_WARNING:
+                            self._over_memory(json.loads(line.split(":", 1)[1]))
             except Exception:  # noqa: BLE001 - closed by finish(), or the server is away: the renewal backs up
                 pass
 
         threading.Thread(target=run, name=f"gpulease-follow-{lease_id}", daemon=True).start()
+
+    def _over_memory(self, ev: dict[str, Any]) -> None:
+        """The node agent saw this slice over its memory: said under the cell's line (:meth:`notes`)."""
+        used, mb = int(ev.get("used_mb") or 0), int(ev.get("gpu_mem_mb") or 0)
+        with self._notes_lock:
+            self._notes.append(f"over its {show_mb(mb)} slice, using {show_mb(used)}: ended unless it drops back")
+
+    def notes(self) -> list[str]:
+        """What was said about the lease since the last call (from the follower's thread)."""
+        with self._notes_lock:
+            out, self._notes = self._notes, []
+        return out
 
     def _is_over(self) -> bool:
         try:

@@ -28,6 +28,8 @@ from .runner import (
     Waiting,
     check_elastic,
     check_gang,
+    check_slice,
+    is_fraction,
     parse_duration,
     parse_gpus,
     plan_call,
@@ -81,7 +83,7 @@ class CellDisplay:
         where = f"{_ordinal(w.position)} in line" if w.position else "being granted"
         pool = f" of {w.pool}" if w.pool else ""
         est = f"; {w.estimate}" if w.estimate and w.position else ""
-        gpus = f"{w.gpus} GPU{'' if w.gpus == '1' else 's'}"
+        gpus = f"a {w.gpus}" if w.gpus.endswith("slice") else f"{w.gpus} GPU{'' if w.gpus == '1' else 's'}"
         self.show(f"gpu_train: queued for {gpus}{pool}: {where}, {w.elapsed_s:.0f}s{est}")
 
     def running(self, r: Running) -> None:
@@ -202,9 +204,17 @@ class GpuMagics(Magics):
         those only %%gpu_train takes, absent elsewhere): the one place a magic builds them.
         ``warm``: the call may keep its worker warm (a %%gpu_train cell, not a sweep's trials)."""
         nodes = getattr(args, "nodes", None)
+        gpu_mem = getattr(args, "gpu_mem", None)
         try:
-            gpus_min, gpus = parse_gpus(args.gpus) if args.gpus is not None else (None, None)
+            gpus_arg = args.gpus
+            if gpus_arg is not None and is_fraction(gpus_arg):  # --gpus 0.25: a quarter of one GPU's memory
+                if gpu_mem is not None:
+                    raise ValueError(f"--gpus {gpus_arg} already asks for part of one GPU: drop --gpu-mem")
+                gpus_arg, gpu_mem = None, float(gpus_arg)
+            gpus_min, gpus = parse_gpus(gpus_arg) if gpus_arg is not None else (None, None)
             check_gang(gpus_min, gpus, nodes)
+            elastic_asked = bool(getattr(args, "elastic", False))
+            check_slice(gpu_mem, gpus_min, gpus, nodes, elastic_asked)
             elastic = bool(getattr(args, "elastic", False))
             min_eff = getattr(args, "min_efficiency", None)
             if min_eff is not None and not elastic:
@@ -234,13 +244,14 @@ class GpuMagics(Magics):
             min_efficiency=min_eff if min_eff is not None else DEFAULT_MIN_EFFICIENCY,
             warm=warm and session().defaults.warm and not getattr(args, "cold", False),
             fresh=bool(getattr(args, "fresh", False)),
+            gpu_mem=gpu_mem,
         )
 
     @magic_arguments()
     @_lease_arguments(
         "the call",
-        "GPUs to lease: 2; or 1-4 for as many as are free now, at least 1; 0 for a CPU worker "
-        "(default: %%gpu_config's, 1)",
+        "GPUs to lease: 2; or 1-4 for as many as are free now, at least 1; 0 for a CPU worker; "
+        "0.25 for a quarter of one GPU's memory (a slice, as --gpu-mem) (default: %%gpu_config's, 1)",
         "Comma-separated names to bring back (default: all the cell assigns)",
     )
     @argument(
@@ -264,6 +275,13 @@ class GpuMagics(Magics):
         default=None,
         help="--elastic grows again only while the last GPU added gave at least this fraction of a "
         "GPU's throughput (default: 0.5)",
+    )
+    @argument(
+        "--gpu-mem",
+        default=None,
+        help="Lease a slice of one GPU instead: this much of its memory, on a GPU other slices share "
+        "(10GB, 10240MB; 0.25 for a quarter of it, as --gpus 0.25), in a pool that shares its GPUs; "
+        "auto: a whole GPU for the first cell, then the last cell's peak + 20 %%",
     )
     @argument(
         "--resume",
@@ -358,6 +376,8 @@ class GpuMagics(Magics):
             raise UsageError(f"--over names {', '.join(unread)}, which the cell never reads")
         label = cell.strip().splitlines()[0][:60] if cell.strip() else "sweep"
         opts = self._options(args, label, warm=False)
+        if opts.gpu_mem is not None:
+            raise UsageError(f"a sweep's trials lease whole GPUs: give --gpus a count, not {args.gpus}")
         opts.outputs = opts.outputs or []  # a trial brings back its value, and only the names asked for
         try:
             calls = [(c, plan_call(cell, {**user_ns, **c}, opts)) for c in configs]

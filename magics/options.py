@@ -55,6 +55,11 @@ class Options:
     # seen gone, then the lease released) runs in the background, and the GPUs are granted again
     # only after it. run_on_gpus does; a cell's line waits for it.
     background_release: bool = False
+    # A slice of one GPU (docs/slices.md): "10GB", "10240MB", an int of MB, a fraction of one GPU
+    # (0.25), or "auto" (magics.slices.auto_size: a whole GPU first, then the last cell's peak and a
+    # margin). gpu_mem_why: the reason auto gave for the size it picked (said in the cell's line).
+    gpu_mem: str | int | float | None = None
+    gpu_mem_why: str = ""
 
     def resolved(self, d: Defaults) -> Options:
         gpus = d.gpus if self.gpus is None else self.gpus

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from lease_server import protocol
 from lease_server.protocol import EndCause, EndCauseJson, LeaseJson
+from lease_server.sizes import FIT_MARGIN, as_option, show_mb
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,14 @@ class Ending:
             "stopped": f"gpu_train: stopped after {self.held_s:.1f}s on {self.where}",
             "ended": f"gpu_train: {self.why}",
         }[self.state]
+        if self.state == "ended" and "\n" in head:  # the end's own advice goes under the line
+            head, more = head.split("\n", 1)
+            hint = f"\n{more}" + (f"\n  {self.hint}" if self.hint else "")
+        else:
+            hint = f"\n  {self.hint}" if self.hint else ""
         tail = "" if self.state == "ended" and self.cpu else f"; {released}"
         mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory and not self.hint else ""
         saved = " (checkpoint saved: %%gpu_train --resume)" if self.checkpoint else ""
-        hint = f"\n  {self.hint}" if self.hint else ""
         return f"{head}{tail}{mem}{big}{saved}{hint}{notes}"
 
 
@@ -247,6 +252,14 @@ def describe_end(rec: LeaseJson, me: str) -> str | None:
     cause = rec.get("cause") or EndCauseJson(
         code=EndCause(state), by=rec.get("ended_by") or "", why=rec.get("end_reason") or ""
     )
+    over = rec.get("over_memory")
+    if cause["code"] == EndCause.OVER_MEMORY and over:
+        # one line as the others, and under it what it used and the --gpu-mem that would have fit
+        # (Ending.line keeps that line under the closing one)
+        fit = f"; --gpu-mem {as_option(int(over['fit_mb']))} would fit" if over.get("fit_mb") else ""
+        peak = f" (peak {show_mb(over['peak_mb'])} + {FIT_MARGIN * 100:.0f} %)" if fit and over.get("peak_mb") else ""
+        used = f"used {show_mb(over.get('used_mb', 0))} for {over.get('over_s', 0):.1f}s"
+        return f"stopped: over its {show_mb(over.get('limit_mb', 0))} slice\n  {used}{fit}{peak}"
     return describe_cause(cause, me)
 
 
@@ -268,6 +281,8 @@ def describe_cause(cause: EndCauseJson, me: str) -> str:
         return why.replace("recalled for", "preempted for", 1)
     if code in (EndCause.PREEMPTED, EndCause.EVICTED):
         return why
+    if code == EndCause.OVER_MEMORY:
+        return f"stopped by the node agent: {why}" if why else "stopped by the node agent: over its slice's memory"
     return f"revoked by {who}: {why}" if why else f"revoked by {who}"
 
 

@@ -101,6 +101,8 @@ class Pump:
             return
         if held.lost is not None or self.grant.ended_elsewhere.is_set():  # someone else ended it
             raise GpuLeaseEnded(self.grant.ended_by() or f"the lease ended: {held.lost}", node=self._nodes())
+        for note in self.grant.notes():  # a slice over its memory: warned before it is ended
+            self.ui.notice(note)
         reclaim_at = held.lease.raw.get("reclaim_at")
         if reclaim_at and reclaim_at != self._warned_at:
             self._warned_at = reclaim_at

@@ -31,8 +31,9 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, Lease
+from lease_server.sizes import parse_gpu_mem
 
-from . import cellcode
+from . import cellcode, slices
 from .calls import Call, CellValue, Result
 from .elastic import ElasticRun
 from .grant import Cancel, Grant
@@ -89,6 +90,8 @@ __all__ = [
     "StreamUI",
     "Waiting",
     "check_gang",
+    "check_slice",
+    "is_fraction",
     "describe_end",
     "node_resource",
     "parse_duration",
@@ -136,6 +139,29 @@ def check_gang(gpus_min: int | None, gpus: int | None, nodes: int | None) -> Non
         raise ValueError("--nodes: a multi-node gang is all or nothing; give --gpus a count, not a range")
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} is not a multiple of --nodes {nodes}: each node gets the same share")
+
+
+def is_fraction(text: object) -> bool:
+    """Whether a --gpus value asks for part of one GPU ("0.25"), not a count or a range."""
+    return isinstance(text, float) or (isinstance(text, str) and "." in text and "-" not in text)
+
+
+def check_slice(
+    gpu_mem: str | int | float | None, gpus_min: int | None, gpus: int | None, nodes: int | None, elastic: bool
+) -> None:
+    """Refuse a slice request that cannot be one before anything is leased: a slice is part of one
+    GPU (no other count, range, gang or elastic), and its size must be readable (or ``auto``)."""
+    if gpu_mem is None:
+        return
+    if isinstance(gpu_mem, str) and gpu_mem.strip().lower() == slices.AUTO:
+        pass
+    else:
+        parse_gpu_mem(gpu_mem)  # ValueError: one line that says what would work
+    if (gpus is not None and gpus != 1) or (gpus_min is not None and gpus_min != gpus):
+        got = f"{gpus_min}-{gpus}" if gpus_min is not None and gpus_min != gpus else str(gpus)
+        raise ValueError(f"a slice (--gpu-mem) is part of one GPU, so --gpus {got} does not go with it: drop one")
+    if (nodes and nodes > 1) or elastic:
+        raise ValueError(f"a slice (--gpu-mem) is part of one GPU: drop {'--elastic' if elastic else '--nodes'}")
 
 
 def check_elastic(opts: Options) -> None:
@@ -224,7 +250,10 @@ def run_call(
     ``relay`` (a sweep's :class:`magics.relay.Relay`) lets the call start on the worker of the
     same user's call that just ended on the same GPUs, and hand its own worker on when it ends."""
     sess = sess or session()
-    run = _Run(sess, _resolved(options, sess), ui or StreamUI(), call, cancel, relay)
+    opts = _resolved(options, sess)
+    if opts.gpu_mem is not None:
+        sess.mem_peak_wanted = True  # this notebook sizes slices: keep each call's measured peak
+    run = _Run(sess, opts, ui or StreamUI(), call, cancel, relay)
     run.ask()
     try:
         run.place()
@@ -244,11 +273,32 @@ def run_call(
 def _resolved(options: Options | None, sess: Session) -> Options:
     """The call's options with the session's defaults filled in, refused before anything is leased
     if they cannot run."""
-    opts = (options or Options()).resolved(sess.defaults)
+    options = options or Options()
+    if options.gpu_mem is not None:  # a slice: one GPU, whatever the session's default count
+        check_slice(options.gpu_mem, options.gpus_min, options.gpus, options.nodes, options.elastic)
+        options = replace(options, gpus=1, gpus_min=1)
+    opts = options.resolved(sess.defaults)
     if opts.elastic:
         check_elastic(opts)
     check_gang(opts.gpus_min, opts.gpus, opts.nodes)
     return opts
+
+
+def _auto_size(sess: Session, opts: Options) -> Options:
+    """``--gpu-mem auto``: a whole GPU for the notebook's first GPU cell (or while the pool does
+    not share), then a slice of the last cell's measured peak plus a margin, in the pool's unit."""
+    if not (isinstance(opts.gpu_mem, str) and opts.gpu_mem.strip().lower() == slices.AUTO):
+        return opts
+    try:
+        view = sess.client().cluster()
+    except errors.GpuLeaseError:
+        view = {}
+    pool = opts.pool or view.get("default_pool") or ""
+    info = (view.get("pools") or {}).get(pool) or {}
+    if not info.get("share"):
+        return replace(opts, gpu_mem=None, gpu_mem_why=f"a whole GPU: pool {pool} does not share its GPUs")
+    mb, why = slices.auto_size(sess.mem_peak_mb, int(info.get("slice_unit_mb") or 1024))
+    return replace(opts, gpu_mem=mb, gpu_mem_why=why)
 
 
 class _Run:
@@ -262,12 +312,14 @@ class _Run:
         self.sess, self.opts, self.ui, self.call = sess, opts, ui, call
         self.cancel, self.relay = cancel, relay
         self.rid = Client.new_request_id()
-        self.warm_ok = relay is None and cancel is None and warmable(opts, call)
+        # a slice is not kept warm (not lendable yet: docs/slices.md), nor is an auto-sized cell
+        self.warm_ok = relay is None and cancel is None and warmable(opts, call) and opts.gpu_mem is None
         call.keep_ns = self.warm_ok
         self.warm: WarmWorker | None = None
         self.results: list[Result] = []
         self.elastic: ElasticRun | None = None
         self.user_error = False  # the cell raised: its worker is fine, and may stay warm
+        self.auto = False  # --gpu-mem auto: the lease's measured peak sizes the notebook's next cell
 
     # ---- ask ----------------------------------------------------------------------------------------
 
@@ -285,6 +337,8 @@ class _Run:
                 self.call = self.warm.strip(self.call)  # the names the worker holds already stay there
             else:
                 cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
+                self.auto = opts.gpu_mem is not None and str(opts.gpu_mem).strip().lower() == slices.AUTO
+                self.opts = opts = _auto_size(sess, opts)
                 self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay)
                 self.world = self.grant.world()
         except KeyboardInterrupt:
@@ -410,9 +464,29 @@ def _close(sess: Session, grant: Grant, world: World, ending: Ending, ui: UI, fi
             raise
     ending.verified, ending.nvml = grant.verified, world.nvml
     ending.handed_to = grant.handed_to
+    _note_peak(sess, grant, ending)
     if ending.state == "released" and grant.lease is not None and not grant.cpu:
         ending.hint = _right_size(sess, grant.lease, ending.peak_memory)
     ui.ended(ending)
+
+
+def _note_peak(sess: Session, grant: Grant, ending: Ending) -> None:
+    """Keep the peak GPU memory this call's lease used, for the notebook's next ``--gpu-mem auto``
+    cell: the larger of the worker's own reading (NVML and torch, where there is a GPU) and its node
+    agent's (the lease's ``mem_peak_mb``: NVML per process, CUDA context included; on simulated
+    GPUs the resident memory that stands in for it). A lease no one measured leaves the last peak."""
+    lease = grant.lease
+    if lease is None or grant.cpu or not sess.mem_peak_wanted:
+        return
+    peaks = [int(ending.peak_memory / 2**20)] if ending.peak_memory else []
+    try:
+        rec = sess.client().get(lease.id)
+        if rec.get("mem_peak_mb"):
+            peaks.append(int(rec["mem_peak_mb"]))
+    except errors.GpuLeaseError:
+        pass
+    if peaks:
+        sess.mem_peak_mb = max(peaks)
 
 
 def _right_size(sess: Session, lease: Lease, peak: int | None) -> str:
@@ -543,7 +617,7 @@ def check_picklable(inputs: dict[str, Any]) -> None:
 def run_on_gpus(
     fn: Callable[..., Any],
     *args: Any,
-    gpus: int | str | None = None,
+    gpus: int | float | str | None = None,
     pool: str | None = None,
     timeout: str | float | None = None,
     wait: str | float | None = None,
@@ -554,6 +628,7 @@ def run_on_gpus(
     elastic: bool = False,
     min_efficiency: float = 0.5,
     sizes: tuple[int, ...] | None = None,
+    gpu_mem: str | int | float | None = None,
     **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` on a worker holding ``gpus`` leased GPUs and return its value.
@@ -575,9 +650,19 @@ def run_on_gpus(
     each step, checkpoints with :func:`magics.on_preempt` and takes ``resume_state=None``, which
     holds the checkpoint when the ranks restart on a new size. ``sizes`` (e.g. ``(1, 2, 4)``) are
     the only gang sizes it may take.
+
+    ``gpu_mem`` leases a slice of one GPU instead (docs/slices.md): "10GB", "10240MB", an int of
+    MB, a fraction of one GPU such as 0.25 (``gpus=0.25`` says the same), or "auto" (a whole GPU
+    first, then the last call's measured peak + 20 %). The worker is held to it (torch's memory
+    fraction; MPS where an admin runs it) and its node agent ends it if it stays over.
     """
+    if gpus is not None and is_fraction(gpus):  # gpus=0.25: a quarter of one GPU's memory
+        if gpu_mem is not None:
+            raise ValueError(f"gpus={gpus!r} already asks for part of one GPU: drop gpu_mem")
+        gpus, gpu_mem = None, float(gpus)
     lo, hi = parse_gpus(gpus) if gpus is not None else (None, None)
     check_gang(lo, hi, nodes)
+    check_slice(gpu_mem, lo, hi, nodes, elastic)
     opts = Options(
         gpus=hi,
         gpus_min=lo,
@@ -592,5 +677,6 @@ def run_on_gpus(
         min_efficiency=min_efficiency,
         sizes=tuple(sorted(set(sizes))) if sizes else None,
         background_release=True,
+        gpu_mem=gpu_mem,
     )
     return run_call(Call.function(fn, *args, **kwargs), opts).value

@@ -84,6 +84,10 @@ class Session:
         # magics.warm): each is called with the reason at every release_all.
         self.before_release: list[Callable[[str], None]] = []
         self.preload: set[str] = set()  # installed packages earlier GPU cells imported: spares import them
+        # --gpu-mem auto: the last measured peak GPU memory (MB) of this kernel's calls, kept once a
+        # call asked for a slice (runner._note_peak)
+        self.mem_peak_mb: int | None = None
+        self.mem_peak_wanted = False
         self._background: set[threading.Thread] = set()  # releases running after their call returned
         # A multi-node gang: how long Ray may take to place every rank and start its process.
         self.gang_start_timeout = GANG_START_TIMEOUT_S

@@ -29,7 +29,7 @@ from typing import Any
 
 from lease_server import protocol
 
-from . import hostcopy
+from . import hostcopy, slices
 from .calls import (
     CHECKPOINT_STREAM,
     ELASTIC_STREAM,
@@ -417,6 +417,7 @@ class GpuWorker:
         _ACTIVE[:] = [self]
         os.environ.update(env)
         _claim(watch, env)  # before the cell's code: a forced end of the lease then ends this process
+        slices.hold_to(env)  # a slice: torch (and MPS, where it runs) held to its memory before CUDA starts
         _STEPS.clear()
         if watch.get("url"):
             threading.Thread(

@@ -20,6 +20,7 @@ from typing import Any
 from lease_server.client import Lease
 from lease_server.protocol import GpuJson
 
+from . import slices
 from .calls import Where
 from .options import Options
 from .outcomes import GpuTrainError, _first_line
@@ -67,13 +68,17 @@ class World:
             base = {"CUDA_VISIBLE_DEVICES": ""}
             return base if self.lease is None else {**base, "GPULEASE_LEASE_ID": self.lease.id, "GPULEASE_NODE": node}
         mine = self._gpus(node)
-        return {
+        env = {
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # CUDA's indexes = NVML's = the lease's
             "CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in mine),
             "GPULEASE_LEASE_ID": self.lease.id,
             "GPULEASE_GPU_UUIDS": ",".join(g.get("uuid", "") for g in mine),
             "GPULEASE_NODE": node,
         }
+        if self.lease.gpu_mem_mb:  # a slice: the worker holds itself to it (magics.slices.hold_to)
+            env[slices.MEM_ENV] = str(self.lease.gpu_mem_mb)
+            env[slices.TOTAL_ENV] = str(int(self.lease.raw.get("gpu_total_mb") or 0))
+        return env
 
     def rank(self, node: str, local: int, worker: Worker, gpus: list[GpuJson] | None = None) -> Rank:
         """A rank on ``node`` seeing ``gpus`` (default: every GPU the lease holds there)."""

@@ -31,6 +31,16 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
     alive_at = dict(alive)
     up = {m.split("|", 2)[2] for m in fit}
     leases = {lid: json.loads(v) for lid, v in leases_raw.items()}
+    # What each lease's own processes use now and their peak, as its node agent measured them
+    # (node/memwatch.py: in pools that share their GPUs), MB
+    if leases:
+        ids = sorted(leases)
+        got = await r.hmget(k.lease_util, [f"{lid}|{f}" for lid in ids for f in ("mused", "mpeak")])
+        for i, lid in enumerate(ids):
+            used, peak = got[2 * i], got[2 * i + 1]
+            if used is not None:
+                leases[lid]["mem_used_mb"] = int(float(used))
+                leases[lid]["mem_peak_mb"] = int(float(peak if peak is not None else used))
     nodes: list[dict[str, Any]] = []
     pools: dict[str, dict[str, int]] = {}
     for name in sorted(nodes_raw):
@@ -119,6 +129,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                     entry["lease"]["recall_at"] = lease["recall_at"] / 1000
                 if lease.get("warm_since"):
                     entry["lease"]["warm_since"] = lease["warm_since"] / 1000
+                if "mem_used_mb" in lease:
+                    entry["lease"]["mem_used_mb"] = lease["mem_used_mb"]
+                    entry["lease"]["mem_peak_mb"] = lease["mem_peak_mb"]
                 if lease.get("shrink_to"):  # asked to give GPUs back for a waiting request
                     entry["lease"]["shrink_to"] = int(lease["shrink_to"])
                     entry["lease"]["shrink_by"] = lease["shrink_by"] / 1000
@@ -139,6 +152,10 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
     cpu_pool = engine.settings.cpu_pool
     for name, counts in pools.items():
         counts["kind"] = "cpu" if name == cpu_pool else "gpu"  # type: ignore[assignment]
+        sched = engine.settings.sched_table(name)
+        if sched["share"]:  # its GPUs may be sliced: in what unit (a client rounds --gpu-mem auto to it)
+            counts["share"] = True  # type: ignore[assignment]
+            counts["slice_unit_mb"] = int(sched["slice_unit_mb"])  # type: ignore[call-overload]
     return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
 
 
@@ -158,6 +175,9 @@ def _slices(ledger: dict[str, Any], leases: dict[str, Any]) -> dict[str, Any]:
                 "expires_at": lease.get("expires_at", 0) / 1000,
             }
         )
+        if "mem_used_mb" in lease:  # its processes' memory now and at their peak, as its agent measured it
+            out[-1]["mem_used_mb"] = lease["mem_used_mb"]
+            out[-1]["mem_peak_mb"] = lease["mem_peak_mb"]
     drains = [
         {"lease": lid, "user": d.get("user", ""), "gpu_mem_mb": int(d["mb"]), "since": d.get("since", 0) / 1000}
         for lid, d in (ledger.get("draining") or {}).items()

@@ -143,6 +143,10 @@ def public_lease(rec: LeaseRecord, *, with_token: bool, detail: bool = False) ->
         out["ended_by"] = rec.get("ended_by", "")
         if rec.get("cause"):
             out["cause"] = rec["cause"]
+        if rec.get("mem_peak_mb") is not None:
+            out["mem_peak_mb"] = int(rec["mem_peak_mb"])
+        if rec.get("over_memory"):
+            out["over_memory"] = dict(rec["over_memory"])
     if with_token:
         out["token"] = int(rec["token"])
     return out

@@ -31,6 +31,7 @@ from .cgroup import DeviceIsolation, Unavailable
 from .claims import AsyncClaims, Claim, Peer, ThreadClaims
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, uses_gpu_device
+from .memwatch import MemWatch, Watched, resident_mb, watch_pass
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,22 @@ class NvmlSampler:
                 continue
         return pids
 
+    def proc_mem(self, index: int) -> dict[int, int] | None:
+        """MB of GPU ``index``'s memory each compute process uses now (CUDA context included); None
+        where NVML cannot say (not supported, or not allowed to read it here)."""
+        nvml = self.nvml
+        try:
+            running = nvml.nvmlDeviceGetComputeRunningProcesses(self.handles[index])
+        except (IndexError, nvml.NVMLError):
+            return None
+        out: dict[int, int] = {}
+        for p in running:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is None:  # NVML_VALUE_NOT_AVAILABLE: no reading to judge by
+                return None
+            out[int(p.pid)] = out.get(int(p.pid), 0) + int(used) // (1024 * 1024)
+        return out
+
     def has_process(self, index: int, pid: int) -> bool:
         """Whether ``pid`` runs on GPU ``index`` now, and is the process of that number that this
         agent sees (it has an NVIDIA device open): checked again just before it is killed."""
@@ -228,8 +245,13 @@ async def heartbeat_local(
 
     claims = AsyncClaims(await engine.instance(), [inv.node for inv in inventories], record)
     await claims.start()
+    # Slices held to their memory (memwatch.py), in the pools that share: one judge per node and kind.
+    s = engine.settings
+    sharing = [inv for inv in inventories if s.sched_table(inv.pool)["share"]]
+    slice_watch = {inv.node: MemWatch(s.slice_over_pct, s.slice_over_s) for inv in sharing}
+    check_every = s.slice_check_interval
     loop = asyncio.get_running_loop()
-    next_beat = next_sample = next_drain = loop.time()
+    next_beat = next_sample = next_drain = next_check = loop.time()
     try:
         while not stop.is_set():
             now = loop.time()
@@ -246,6 +268,16 @@ async def heartbeat_local(
                     except Exception as exc:  # Redis away: the next pass retries; the GPUs stay draining
                         log.warning("draining %s failed: %s", inv.node, exc)
                 isolation.sweep(now)
+            if sharing and now >= next_check:
+                next_check = now + check_every
+                for inv in sharing:
+                    try:
+                        await watch_pass(
+                            engine, inv.node, [g.index for g in inv.gpus], slice_watch[inv.node],
+                            _measure(inv, nvml), isolation.pids if isolation.cgroups else None, whole=True,
+                        )  # fmt: skip
+                    except Exception as exc:  # Redis away: the next pass measures again
+                        log.warning("measuring the slices of %s failed: %s", inv.node, exc)
             if now >= next_beat:
                 next_beat = now + interval
                 for inv in inventories:
@@ -284,6 +316,8 @@ async def heartbeat_local(
                     log.warning("recording a kill on %s failed: %s", node, exc)
             kill_due = enforcer.next_due()
             due = min(next_beat, next_sample, next_drain, math.inf if kill_due is None else kill_due)
+            if sharing:
+                due = min(due, next_check)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=max(0.01, due - loop.time()))
             except TimeoutError:
@@ -293,6 +327,26 @@ async def heartbeat_local(
         enforcer.close()
         if nvml is not None:
             nvml.close()
+
+
+def _measure(inv: NodeInventory, nvml: NvmlSampler | None) -> Callable[[Watched, list[int]], int | None]:
+    """How a lease's processes' memory is measured on this node (memwatch.py): their memory on the
+    lease's GPUs as NVML reads it per process (CUDA context included), or, on simulated GPUs, which
+    have no memory, their resident memory: the simulation's stand-in."""
+    if inv.source == "nvml" and nvml is not None:
+        sampler = nvml
+
+        def on_gpu(w: Watched, pids: list[int]) -> int | None:
+            total = 0
+            for index in w.indexes:
+                mem = sampler.proc_mem(index)
+                if mem is None:
+                    return None
+                total += sum(mem.get(pid, 0) for pid in pids)
+            return total
+
+        return on_gpu
+    return lambda _w, pids: sum(resident_mb(pid) for pid in pids)
 
 
 def _drain_step(

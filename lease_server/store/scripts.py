@@ -338,6 +338,8 @@ class LeaseRecord(TypedDict, total=False):
     shrink_reason: str
     gpu_mem_mb: int  # a slice: MB of its GPU promised to it (lua/_lib_slice.lua)
     gpu_total_mb: int  # a slice: the memory of its GPU
+    mem_peak_mb: int  # ended: the most memory it used, as its node agent measured it (_lib_end.lua)
+    over_memory: dict[str, float]  # a slice ended for using more than it was promised (over_memory.lua)
     warm_since: int
     warm_until: int
     warm_ms: float
@@ -803,6 +805,47 @@ class Drained(ScriptCall[int]):
 
 
 @dataclass(frozen=True)
+class OverMemory(ScriptCall[dict[str, Any] | None]):
+    """A node agent found slice ``id`` over its memory: ``what`` "warn" (an event its cell shows) or
+    "end" (ended with cause ``over_memory``; it drains). Reply: the ended record for "end", None
+    for "warn" or when the slice has ended or been granted anew meanwhile (nothing changed)."""
+
+    script: ClassVar[str] = "over_memory"
+    id: str
+    token: str
+    node: str
+    what: str
+    used_mb: int
+    limit_mb: int
+    peak_mb: int
+    fit_mb: int
+    over_s: float
+    reason: str
+    why: str
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any] | None:
+        if code is Code.OK:
+            return _json(rest[0]) if rest else None
+        if code in (Code.NO_SUCH, Code.STALE, Code.INVALID):
+            return None
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
+class MemPeaks(ScriptCall[int]):
+    """A node agent's measure of live leases (``peaks``: JSON {lease: [MB now, peak MB]}), kept until
+    each ends (its ledger line and ended record carry the peak). Reply: leases recorded."""
+
+    script: ClassVar[str] = "mem_peaks"
+    peaks: str
+
+    def reply(self, code: Code, rest: list[Any]) -> int:
+        if code is Code.OK:
+            return int(rest[0])
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
 class UnleasedHold(ScriptCall[int]):
     """Free ``gpus`` (JSON list of indexes) of ``node`` that a process no lease covers uses: held out
     of the pool (draining, of no lease) until a clean sample frees them. Reply: GPUs held now."""
@@ -1025,6 +1068,8 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Drained,
     DrainAbandon,
     UnleasedHold,
+    OverMemory,
+    MemPeaks,
 )
 SCRIPT_NAMES = tuple(c.script for c in CALLS) + (Samples.script,)
 STANDALONE = (Samples.script,)  # no prologue, no common ARGV: see its header

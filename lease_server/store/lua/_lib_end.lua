@@ -92,10 +92,17 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   local gpu_s = ((lease.gpu_ms or 0) + (NOW - (lease.sized_at or lease.created_at)) * size) / 1000 - warm_s
   -- Fair share counts GPU-seconds held, busy ones once and idle ones (per the agent's samples)
   -- idle_weight times: holding a GPU while looking at plots costs more than training on it.
-  local util_fields = {lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak'}
+  -- |mpeak: the peak its own processes used, as its node agent measured them (mem_peaks.lua)
+  local util_fields = {lease.id .. '|n', lease.id .. '|busy', lease.id .. '|sum', lease.id .. '|peak',
+                       lease.id .. '|mpeak', lease.id .. '|mused'}
   local u = redis.call('HMGET', K_LEASE_UTIL, unpack(util_fields))
-  if u[1] or u[2] or u[3] or u[4] then redis.call('HDEL', K_LEASE_UTIL, unpack(util_fields)) end
+  if u[1] or u[2] or u[3] or u[4] or u[5] or u[6] then redis.call('HDEL', K_LEASE_UTIL, unpack(util_fields)) end
   local samples = tonumber(u[1] or '0')
+  -- A whole GPU's samples measure the GPU (all of it is the lease's); a slice's GPU is shared, so
+  -- only what its own processes used counts. The larger of the two readings it has, if any.
+  local mem_peak = samples > 0 and not lease.gpu_mem_mb and tonumber(u[4]) or nil
+  if u[5] and (mem_peak == nil or tonumber(u[5]) > mem_peak) then mem_peak = tonumber(u[5]) end
+  if mem_peak then lease.mem_peak_mb = mem_peak end
   local charged, busy_frac, util_mean = gpu_s, nil, nil
   if samples > 0 then
     busy_frac = tonumber(u[2] or '0') / samples
@@ -109,7 +116,7 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     notebook = lease.notebook or '', cell = lease.cell or '',
     pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
     held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
-    busy_frac = busy_frac, mem_peak_mb = samples > 0 and tonumber(u[4]) or nil, gpu_s = gpu_s,
+    busy_frac = busy_frac, mem_peak_mb = mem_peak, gpu_s = gpu_s,
     charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
     priority = lease.priority, gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb}))
   lease.state = state
@@ -124,6 +131,7 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     if reason ~= nil then tail = tail .. ',"end_reason":' .. cjson.encode(reason) end
     if by ~= nil then tail = tail .. ',"ended_by":' .. cjson.encode(by) end
     tail = tail .. ',"cause":' .. cjson.encode(lease.cause)
+    if mem_peak then tail = tail .. ',"mem_peak_mb":' .. string.format('%d', mem_peak) end
     ended_json = string.sub(raw, 1, at + 7) .. cjson.encode(state) .. string.sub(raw, at + 16, -2) .. tail .. '}'
   else
     ended_json = cjson.encode(lease)

@@ -1,0 +1,198 @@
+"""Slices held to their memory: the node agent measures what each lease's own processes use.
+
+A slice (docs/slices.md) is promised part of one GPU's memory, and its neighbours the rest. Its
+worker is held to it by torch's per-process memory fraction (magics/slices.py), which only torch's
+allocator obeys; the node agent is what holds every slice to it:
+
+1. every ``slice_check_interval`` it reads the slices of its node's GPUs (the ``sliced`` ledgers)
+   and, for each, the processes that claimed the lease on this node (claims.py: named by the kernel,
+   never by a user; where the agent keeps a cgroup per lease, the processes in it too);
+2. it measures them: on an NVML node each process's memory on the slice's GPU
+   (``nvmlDeviceGetComputeRunningProcesses`` ``usedGpuMemory``, CUDA context included); on a
+   simulated node there is no GPU memory, so each process's resident memory (``/proc/PID/statm``)
+   stands in for it, so the path below runs for real without a GPU;
+3. a slice above its memory by more than ``slice_over_pct`` % is warned (event
+   ``over_memory_warning``: its cell shows one line); still over after ``slice_over_s`` seconds,
+   it is ended (``over_memory.lua``: cause ``over_memory``, with the peak and the ``--gpu-mem`` that
+   would have held it). Its processes are then ended by the drain (drain.py), which ends only the
+   processes the slice claimed, never a neighbour's, and its memory is free once they are gone;
+4. what each lease's processes use now and their peak are kept with the lease (``mem_peaks.lua``):
+   the board shows them per slice, and the peak goes into its ledger line and ended record
+   (``mem_peak_mb``), by which ``--gpu-mem auto`` sizes the notebook's next cell. The whole-GPU
+   leases of a pool that shares are measured too, for that peak.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..sizes import FIT_MARGIN, fitting_mb, show_mb
+from ..store.engine import Engine
+from ..store.scripts import MemPeaks, OverMemory
+from .claims import process_uid, start_ticks
+
+log = logging.getLogger(__name__)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A live lease with processes on this node: what the agent measures."""
+
+    lease: str
+    token: int  # its fencing token: an end is refused once the lease was granted anew
+    pool: str
+    indexes: tuple[int, ...]  # its GPUs on this node
+    limit_mb: int  # a slice: MB promised to it; 0: whole GPUs (measured for the peak only)
+    procs: tuple[tuple[int, int, int], ...]  # (pid, start ticks, uid) that claimed it here
+
+
+async def watched_of(engine: Engine, node: str, indexes: list[int], whole: bool = False) -> list[Watched]:
+    """The slices on ``node``'s GPUs ``indexes`` whose processes claimed them on this node (and,
+    with ``whole``, the whole-GPU leases there with claimed processes)."""
+    if not indexes:
+        return []
+    slots = [f"{node}/{i}" for i in indexes]
+    limits: dict[str, int] = {}
+    for raw in await engine.redis.hmget(engine.keys.sliced, slots):
+        if raw:
+            for lease, mb in (json.loads(raw).get("leases") or {}).items():
+                limits[lease] = int(mb)
+    if whole:
+        for holder in await engine.redis.hmget(engine.keys.holders, slots):
+            if holder and not str(holder).startswith("~"):
+                limits.setdefault(str(holder), 0)
+    if not limits:
+        return []
+    ids = sorted(limits)
+    out = []
+    for lease, raw in zip(ids, await engine.redis.hmget(engine.keys.leases, ids), strict=True):
+        if not raw:
+            continue
+        rec = json.loads(raw)
+        procs = tuple(
+            (int(p["pid"]), int(p.get("start") or 0), int(p.get("uid", -1)))
+            for p in rec.get("procs") or []
+            if (p.get("node") or rec.get("node")) == node and p.get("start")
+        )
+        gpus = tuple(int(g["index"]) for g in rec.get("gpus", []) if (g.get("node") or rec.get("node")) == node)
+        if procs and gpus:
+            out.append(Watched(lease, int(rec["token"]), str(rec["pool"]), gpus, limits[lease], procs))
+    return out
+
+
+def running_pids(w: Watched, in_cgroup: Callable[[str], list[int]] | None = None) -> list[int]:
+    """The lease's processes that still run: those that claimed it (the same process: its start
+    time checked), and those in its cgroup owned by a claimer's user."""
+    pids = [pid for pid, start, _uid in w.procs if start_ticks(pid) == start]
+    uids = {uid for _pid, _start, uid in w.procs}
+    for pid in in_cgroup(w.lease) if in_cgroup is not None else []:
+        if pid not in pids and process_uid(pid) in uids:
+            pids.append(pid)
+    return pids
+
+
+def resident_mb(pid: int) -> int:
+    """A process's resident memory in MB (0 once it is gone): the simulation's stand-in for the GPU
+    memory a process uses."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE // (1024 * 1024)
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass
+class MemWatch:
+    """One agent's judgement of one node's leases' memory over time: who is over, since when,
+    warned, and their peaks."""
+
+    over_pct: float = 5.0
+    over_s: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    over_since: dict[str, float] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+    ended: set[str] = field(default_factory=set)
+    peak: dict[str, int] = field(default_factory=dict)
+
+    def judge(self, w: Watched, used_mb: int) -> str | None:
+        """ "warn" (it just went over), "end" (over for longer than ``over_s``) or None."""
+        self.peak[w.lease] = max(self.peak.get(w.lease, 0), used_mb)
+        if not w.limit_mb or w.lease in self.ended:
+            return None
+        if used_mb <= w.limit_mb * (1 + self.over_pct / 100):
+            self.over_since.pop(w.lease, None)
+            self.warned.discard(w.lease)
+            return None
+        now = self.clock()
+        since = self.over_since.setdefault(w.lease, now)
+        if w.lease not in self.warned:
+            self.warned.add(w.lease)
+            return "warn"
+        if now - since > self.over_s:
+            self.ended.add(w.lease)
+            return "end"
+        return None
+
+    def forget(self, live: set[str]) -> None:
+        """Drop what it knows of leases that are no longer watched (ended)."""
+        for table in (self.over_since, self.peak):
+            for lease in [k for k in table if k not in live]:
+                del table[lease]
+        self.warned &= live
+        self.ended &= live
+
+
+async def watch_pass(
+    engine: Engine,
+    node: str,
+    indexes: list[int],
+    watch: MemWatch,
+    measure: Callable[[Watched, list[int]], int | None],
+    in_cgroup: Callable[[str], list[int]] | None = None,
+    whole: bool = False,
+) -> list[str]:
+    """One pass over ``node``'s slices (and, with ``whole``, its whole-GPU leases): measure each
+    lease's processes (``measure(w, pids)``: MB, None when it cannot say), warn or end the slices
+    over their memory, and record rising peaks. Returns the leases it ended."""
+    watched = await watched_of(engine, node, indexes, whole)
+    ended, measured = [], {}
+    for w in watched:
+        pids = running_pids(w, in_cgroup)
+        used = measure(w, pids) if pids else None
+        if used is None:
+            continue
+        verdict = watch.judge(w, used)
+        measured[w.lease] = [used, watch.peak[w.lease]]
+        if verdict is not None and await _over(engine, node, w, verdict, used, watch):
+            ended.append(w.lease)
+    if measured:  # what each uses now and its peak: the board shows them, the ledger keeps the peak
+        await engine.run(MemPeaks(json.dumps(measured)))
+    watch.forget({w.lease for w in watched})
+    return ended
+
+
+async def _over(engine: Engine, node: str, w: Watched, what: str, used: int, watch: MemWatch) -> bool:
+    """Tell the lease server: warn, or end the slice. Whether it ended it now."""
+    peak = watch.peak.get(w.lease, used)
+    unit = int(engine.settings.sched_table(w.pool)["slice_unit_mb"])  # type: ignore[call-overload]
+    fit = fitting_mb(peak, unit, FIT_MARGIN)
+    over_s = watch.clock() - watch.over_since.get(w.lease, watch.clock())
+    why = f"used {show_mb(used)} of its {show_mb(w.limit_mb)} slice for over {watch.over_s:g}s"
+    reason = f"ended by the node agent: it {why}"
+    got = await engine.run(
+        OverMemory(
+            w.lease, str(w.token), node, what, used, w.limit_mb, peak, fit, round(over_s, 2), reason, f"it {why}"
+        )
+    )
+    if what == "warn":
+        log.warning("slice %s on %s uses %s MB of its %s MB", w.lease, node, used, w.limit_mb)
+        return False
+    if got is not None:
+        log.warning("slice %s on %s ended: %s MB of its %s MB for %.1fs", w.lease, node, used, w.limit_mb, over_s)
+    return got is not None

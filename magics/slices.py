@@ -1,0 +1,144 @@
+"""A slice of one GPU from the notebook's side: what ``--gpu-mem`` asks for, the size ``--gpu-mem
+auto`` picks from the last cell's measured peak, and how a slice's worker is held to its memory.
+
+The lease server promises a slice its memory (docs/slices.md); this holds the worker to it without
+changing any GPU setting:
+
+* torch's caching allocator gets a per-process memory fraction of the slice's size over its GPU's
+  memory (``torch.cuda.set_per_process_memory_fraction``), set the moment CUDA starts in the
+  worker (torch imported later is armed on import), so torch itself stops at the limit with its
+  own out-of-memory error;
+* where an admin already runs the MPS control daemon on the node, ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+  caps every CUDA allocation of the process (torch's or not). It is detected, never started.
+
+The node agent enforces the rest (lease_server/node/memwatch.py): a slice over its memory is
+warned and then ended, never a neighbour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from lease_server.sizes import FIT_MARGIN, fitting_mb, show_mb
+
+AUTO = "auto"
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # noqa: S108 - nvidia-cuda-mps-control's default pipe directory
+MEM_ENV = "GPULEASE_GPU_MEM_MB"  # a slice's worker: MB of its GPU promised to it
+TOTAL_ENV = "GPULEASE_GPU_TOTAL_MB"  # and its GPU's memory
+
+
+def fraction(slice_mb: int, total_mb: int) -> float | None:
+    """The share of its GPU's memory a slice may use (torch's per-process memory fraction), in
+    (0, 1]; None when the sizes cannot say (a whole GPU, or a GPU of unknown memory)."""
+    if slice_mb <= 0 or total_mb <= 0:
+        return None
+    return min(1.0, slice_mb / total_mb)
+
+
+def mps_running(environ: dict[str, str] | None = None) -> bool:
+    """Whether an MPS control daemon runs for this process's clients: its control pipe exists in
+    ``CUDA_MPS_PIPE_DIRECTORY`` (default /tmp/nvidia-mps)."""
+    env = os.environ if environ is None else environ
+    pipe_dir = env.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
+def mps_limit(slice_mb: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that has MPS cap the slice's process at ``slice_mb`` on its one visible GPU
+    (device 0 of the process), where an MPS daemon already runs; else nothing."""
+    if slice_mb <= 0 or not mps_running(environ):
+        return {}
+    return {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={int(slice_mb)}M"}
+
+
+def limit_torch(frac: float) -> str:
+    """Hold torch in this process to ``frac`` of its GPU (device 0, the slice's one visible GPU).
+
+    Returns what was done: "set" (CUDA was up: set now), "armed" (set when CUDA starts, without
+    starting it), "on import" (torch not imported yet: armed when it is), or "no CUDA" (torch
+    sees no GPU here: nothing to hold)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        if not any(isinstance(f, _ArmOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ArmOnImport(frac))
+        return "on import"
+    return _arm(torch, frac)
+
+
+def _arm(torch: Any, frac: float) -> str:
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return "no CUDA"
+
+    def apply() -> None:
+        cuda.set_per_process_memory_fraction(frac, 0)
+
+    if cuda.is_initialized():
+        apply()
+        return "set"
+    lazy = getattr(cuda, "_lazy_call", None)  # run as CUDA starts in this process (torch's own queue)
+    if lazy is None:
+        apply()
+        return "set"
+    lazy(apply)
+    return "armed"
+
+
+class _ArmOnImport(importlib.abc.MetaPathFinder):
+    """Arms :func:`limit_torch` the moment ``torch`` has been imported by the call."""
+
+    def __init__(self, frac: float) -> None:
+        self.frac = frac
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader.exec_module = self._then_arm(spec.loader.exec_module)  # type: ignore[method-assign]
+            if spec is not None:
+                return spec
+        return None
+
+    def _then_arm(self, exec_module: Callable[[Any], None]) -> Callable[[Any], None]:
+        def run(module: Any) -> None:
+            exec_module(module)
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            _arm(module, self.frac)
+
+        return run
+
+
+def hold_to(environ: dict[str, str]) -> dict[str, str]:
+    """In a slice's worker, before the call runs: hold the process to its slice (``environ`` holds
+    :data:`MEM_ENV` and :data:`TOTAL_ENV`). Returns what it did, for the worker's log:
+    {"torch": ..., "mps": "0=10240M" or ""}; empty for a whole-GPU call."""
+    slice_mb, total_mb = int(environ.get(MEM_ENV) or 0), int(environ.get(TOTAL_ENV) or 0)
+    frac = fraction(slice_mb, total_mb)
+    if frac is None:
+        return {}
+    mps = mps_limit(slice_mb, environ)
+    os.environ.update(mps)  # before CUDA starts in this process: its MPS client reads it then
+    return {"torch": limit_torch(frac), "mps": mps.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")}
+
+
+# ---- --gpu-mem auto ------------------------------------------------------------------------------
+
+
+def auto_size(peak_mb: int | None, unit_mb: int, margin: float = FIT_MARGIN) -> tuple[int | None, str]:
+    """What ``--gpu-mem auto`` asks for, and why in a few words: a whole GPU (None) while no cell
+    of the notebook has a measured peak yet, else the last peak plus ``margin`` (at least one unit),
+    rounded up to the pool's unit: (10240, "10 GB: last cell peaked at 7.9 GB + 20 %")."""
+    if not peak_mb or peak_mb <= 0:
+        return None, "a whole GPU: no cell of this notebook has a measured peak yet"
+    mb = fitting_mb(peak_mb, unit_mb, margin)
+    return mb, f"{show_mb(mb)}: last cell peaked at {show_mb(peak_mb)} + {margin * 100:.0f} %"

@@ -1,0 +1,101 @@
+"""A slice's limits without a cluster (issue 35, items 3 and 4): the memory fraction its worker's
+torch gets, MPS's limit only where an MPS daemon already runs, ``--gpu-mem auto``'s size from a
+recorded peak, and the node agent's judgement of a slice over its memory (5 % for 2 s).
+
+Torch here is a CPU build and there is no GPU: the fraction is computed, and setting it is skipped
+cleanly; tests/gpu/slice_check.py sets it on a real GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lease_server.config import Settings
+from lease_server.errors import ConfigurationError
+from lease_server.node.memwatch import MemWatch, Watched, resident_mb
+from lease_server.sizes import as_option, fitting_mb, show_mb
+from magics import slices
+
+
+def test_the_fraction_is_the_slice_over_its_gpu() -> None:
+    assert slices.fraction(10240, 81920) == 0.125
+    assert slices.fraction(81920, 81920) == 1.0
+    assert slices.fraction(90000, 81920) == 1.0  # never above the whole GPU
+    assert slices.fraction(0, 81920) is None and slices.fraction(1024, 0) is None  # a whole GPU: no limit
+
+
+def test_mps_is_limited_only_where_its_daemon_already_runs(tmp_path) -> None:
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert slices.mps_limit(10240, env) == {}  # no daemon: nothing set, nothing started
+    (tmp_path / "control").touch()  # what nvidia-cuda-mps-control makes in its pipe directory
+    assert slices.mps_limit(10240, env) == {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M"}
+
+
+def test_a_worker_without_cuda_skips_the_torch_limit_cleanly() -> None:
+    """In a fresh process, as a worker: armed on torch's import, then skipped (no CUDA here)."""
+    code = (
+        "import os, sys\n"
+        "from magics import slices\n"
+        "env = {'GPULEASE_GPU_MEM_MB': '10240', 'GPULEASE_GPU_TOTAL_MB': '81920',"
+        " 'CUDA_MPS_PIPE_DIRECTORY': '/nonexistent'}\n"
+        "print(slices.hold_to(env))\n"
+        "import torch\n"
+        "print(slices.limit_torch(0.125), torch.cuda.is_available())\n"
+        "print(slices.hold_to({}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    torch_cuda = out.stdout.splitlines()[1].endswith("True")
+    assert out.stdout.splitlines()[0] == "{'torch': 'on import', 'mps': ''}"
+    assert out.stdout.splitlines()[1] == ("armed True" if torch_cuda else "no CUDA False")
+    assert out.stdout.splitlines()[2] == "{}"  # a whole GPU: nothing held
+
+
+def test_gpu_mem_auto_sizes_from_the_recorded_peak() -> None:
+    assert slices.auto_size(None, 1024) == (None, "a whole GPU: no cell of this notebook has a measured peak yet")
+    assert slices.auto_size(8090, 1024) == (10240, "10 GB: last cell peaked at 7.9 GB + 20 %")
+    # the margin is at least one unit, and the size a whole number of units
+    assert fitting_mb(100, 1024) == 2048 and fitting_mb(700, 256) == 1024 and fitting_mb(5000, 1) == 6000
+    assert show_mb(512) == "512 MB" and show_mb(81920) == "80 GB" and as_option(2048) == "2GB"
+
+
+def slice_of(limit_mb: int) -> Watched:
+    return Watched("L1", 7, "A100-80GB", (0,), limit_mb, ((1234, 99, 1000),))
+
+
+def test_a_slice_over_its_memory_is_warned_then_ended_after_the_grace() -> None:
+    now = [0.0]
+    w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
+    s = slice_of(1024)
+    assert w.judge(s, 1075) is None  # within 5 %
+    assert w.judge(s, 1100) == "warn"
+    now[0] = 1.9
+    assert w.judge(s, 1200) is None  # warned once, within its grace
+    now[0] = 2.1
+    assert w.judge(s, 1150) == "end"
+    assert w.judge(s, 1150) is None and w.peak["L1"] == 1200  # ended once; its peak kept
+    # back under its memory, the clock starts again
+    w2 = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
+    now[0] = 10.0
+    assert w2.judge(s, 2000) == "warn"
+    now[0] = 11.0
+    assert w2.judge(s, 500) is None
+    now[0] = 13.5
+    assert w2.judge(s, 2000) == "warn"  # a new overrun, warned again, not ended at once
+    assert w2.judge(slice_of(0), 50_000) is None  # a whole GPU: measured for its peak, never judged
+
+
+def test_resident_memory_stands_in_on_simulated_gpus() -> None:
+    import os
+
+    assert resident_mb(os.getpid()) > 0 and resident_mb(2**22 + 1) == 0
+
+
+@pytest.mark.parametrize("bad", [{"slice_over_pct": 150.0}, {"slice_over_s": -1.0}, {"slice_check_interval": 0.0}])
+def test_the_policy_numbers_are_settings_that_fail_fast(bad) -> None:
+    s = Settings()
+    assert (s.slice_over_pct, s.slice_over_s) == (5.0, 2.0)
+    with pytest.raises(ConfigurationError):
+        Settings.load(None, **bad)
