@@ -378,6 +378,7 @@ class Run:
         self.nvml: NvmlWatch | None = None
         self.no_cuda = "simulated GPUs: no CUDA here" if simulate else ""
         self.no_nvml = "simulated GPUs: no NVML here" if simulate else ""
+        self.reps = 3 if simulate else 5  # cells per start figure (the median is reported)
 
     def step(self, name: str, fn: Any) -> None:
         t0 = time.monotonic()
@@ -437,9 +438,10 @@ class Run:
     # -- cell starts: plain, cold (import torch + a CUDA context); before any worker is kept warm --
     def cold_starts(self) -> None:
         nb = self.nb
-        plain = [nb.started_ms(BODY)[0] for _ in range(5)]
+        plain = [nb.started_ms(BODY)[0] for _ in range(self.reps)]
         cold, cuda_ready = [], []
-        for _ in range(2):  # the first pays torch's import in the spare; the second finds it imported
+        # the first pays torch's import in the spare; the second finds it imported (simulate: one, for time)
+        for _ in range(1 if self.simulate else 2):
             ms, out = nb.started_ms(COLD_CUDA)
             cold.append(ms)
             t_cuda = nb.value("t_cuda")
@@ -458,7 +460,7 @@ class Run:
 
     # -- warm cell starts, in the worker that holds the model --
     def warm_starts(self) -> None:
-        warm = [self.nb.started_ms(WARM_CELL)[0] for _ in range(5)]
+        warm = [self.nb.started_ms(WARM_CELL)[0] for _ in range(self.reps)]
         starts = self.r.setdefault("starts", {})
         starts["warm_cell_start_ms"] = median(warm)
         starts["warm_cell_start_all_ms"] = [round(x, 1) for x in warm]
@@ -565,7 +567,9 @@ class Run:
         limit = IDLE["idle_timeout"] + IDLE["grace"] + 15
         warn = stack.wait_event(lambda e: e["type"] == "idle_warning" and e.get("lease") == lease.id, limit, mark)
         rec = stack.wait_event(lambda e: e["type"] == "reclaimed" and e.get("lease") == lease.id, limit, mark)
-        drained = stack.wait_event(lambda e: e["type"] == "drained" and e.get("lease") == lease.id, 15, mark)
+        drained = None  # simulated: no process to drain
+        if not self.simulate:
+            drained = stack.wait_event(lambda e: e["type"] == "drained" and e.get("lease") == lease.id, 15, mark)
         r: dict[str, Any] = {
             "thresholds": IDLE,
             "busy_s": BUSY_S,
@@ -640,10 +644,16 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks: stop what was started
-    r = Run(args.out, args.simulate).main()
-    r["total_s"] = round(time.monotonic() - T0, 1)
-    (args.out / "notebook.json").write_text(json.dumps(r, indent=1, default=str))
-    print(json.dumps(r, default=str))
+    run = Run(args.out, args.simulate)
+    try:
+        run.main()
+    except SystemExit:  # SIGTERM: what was measured so far is still reported
+        run.r["errors"]["interrupted"] = "stopped by run_all.sh's time limit (SIGTERM)"
+    finally:
+        r = run.r
+        r["total_s"] = round(time.monotonic() - T0, 1)
+        (args.out / "notebook.json").write_text(json.dumps(r, indent=1, default=str))
+        print(json.dumps(r, default=str))
     return 0
 
 
