@@ -210,7 +210,8 @@ class GpuMagics(Magics):
             if gpus_arg is not None and is_fraction(gpus_arg):  # --gpus 0.25: a quarter of one GPU's memory
                 if gpu_mem is not None:
                     raise ValueError(f"--gpus {gpus_arg} already asks for part of one GPU: drop --gpu-mem")
-                gpus_arg, gpu_mem = None, float(gpus_arg)
+                gpu_mem = float(gpus_arg)
+                gpus_arg = None
             gpus_min, gpus = parse_gpus(gpus_arg) if gpus_arg is not None else (None, None)
             check_gang(gpus_min, gpus, nodes)
             elastic_asked = bool(getattr(args, "elastic", False))

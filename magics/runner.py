@@ -109,7 +109,7 @@ __all__ = [
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
 
 
-def parse_gpus(text: int | str) -> tuple[int, int]:
+def parse_gpus(text: int | float | str) -> tuple[int, int]:
     """ "2" -> (2, 2); "1-4" -> (1, 4): an elastic request; "0" -> (0, 0): a CPU worker."""
     if isinstance(text, int) and not isinstance(text, bool):
         lo = hi = text
@@ -659,7 +659,8 @@ def run_on_gpus(
     if gpus is not None and is_fraction(gpus):  # gpus=0.25: a quarter of one GPU's memory
         if gpu_mem is not None:
             raise ValueError(f"gpus={gpus!r} already asks for part of one GPU: drop gpu_mem")
-        gpus, gpu_mem = None, float(gpus)
+        gpu_mem = float(gpus)
+        gpus = None
     lo, hi = parse_gpus(gpus) if gpus is not None else (None, None)
     check_gang(lo, hi, nodes)
     check_slice(gpu_mem, lo, hi, nodes, elastic)

@@ -103,7 +103,7 @@ class _ArmOnImport(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader.exec_module = self._then_arm(spec.loader.exec_module)  # type: ignore[method-assign]
+                spec.loader.exec_module = self._then_arm(spec.loader.exec_module)  # type: ignore[method-assign,assignment]
             if spec is not None:
                 return spec
         return None

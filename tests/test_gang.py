@@ -46,10 +46,20 @@ def cluster() -> Iterator[Any]:
 
     # The rank functions below travel by value: the Ray workers need not import this test module.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for node in ("n1", "n2"):
-        c.add_node(num_cpus=1, resources={runner.node_resource(node): 1000})
-    c.wait_for_nodes()
+    for attempt in (1, 2):
+        # Under load a raylet can miss Ray's own start-up wait ("the current node timed out during
+        # startup"): once more, from nothing, as `gpulease up` does with its head.
+        c = Cluster(initialize_head=False)
+        try:
+            c.add_node(num_cpus=1)
+            for node in ("n1", "n2"):
+                c.add_node(num_cpus=1, resources={runner.node_resource(node): 1000})
+            c.wait_for_nodes()
+            break
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
     yield c
     ray.shutdown()
     c.shutdown()

@@ -295,6 +295,10 @@ def test_cli_drives_simulated_gpus_and_explains_a_reclaim(fast):
     explain = cli("reclaim", "explain", lease.id)
     assert explain.returncode == 0, explain.stderr
     assert "reclaimed" in explain.stdout and "▁" in explain.stdout and "0 / 0.0 / 0" in explain.stdout
+    # Busy GPUs: a lease on them is never judged idle, however long the CLI takes to start (it used
+    # to race the 1 s idle timeout, and lose on a loaded machine).
+    set_util(fast, "n1", **{"0": {"util": 90}, "1": {"util": 90}})
+    set_util(fast, "n2", **{"0": {"util": 90}})
     never = fast.client("root", "admin").acquire(1)
     assert "never judged idle" in cli("reclaim", "explain", never.id).stdout
     shown = cli("policy", "show")

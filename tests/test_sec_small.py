@@ -115,9 +115,16 @@ def _unsafe(c: str) -> bool:
     return o < 0x20 or 0x7F <= o <= 0x9F or 0x2028 <= o <= 0x202E or 0x2066 <= o <= 0x2069
 
 
-def test_an_old_entry_reaches_the_terminal_escaped(server: ServerHandle, redis_sync: Redis) -> None:
+def test_an_old_entry_reaches_the_terminal_escaped(
+    server: ServerHandle, redis_sync: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A label and a name stored before they were refused: gpulease status, leases and events print
     them escaped."""
+    from lease_server.cli import _common
+
+    # The CLI's console took its width when this process imported it (COLUMNS then, else 80): as a
+    # new `gpulease` process would, it reads the COLUMNS given below instead.
+    monkeypatch.setattr(_common.console, "_width", None)
     srv = server
     keys = Keys(srv.settings.prefix)
     lease = _call(srv, "alice", "POST", "/leases", {"gpus": 1, "label": "plain"}).json()
