@@ -63,6 +63,11 @@ MULTI = ("whole", "slices")
 _END, _READY = 0, 1
 
 
+class Stuck(RuntimeError):
+    """The replay ended with leases still queued that nothing will ever free room for: cells on
+    several slices each holding part of what they need (``multi="slices"`` has no gang of slices)."""
+
+
 def share_inventories(nodes: Sequence[int], gpu_mem_mb: int = GPU_MEM_MB) -> list[NodeInventory]:
     """The cluster with its GPUs' memory (a slice is placed by it)."""
     return [
@@ -358,12 +363,15 @@ class _ShareReplay:
                 touched |= self._run(c, t)
             touched = {c for c in touched if c in self.cells and self.start[c] >= 0}
             self._repace(touched, t)
-            if not heap and self.waiting:
-                raise RuntimeError(f"{len(self.waiting)} leases were never granted (a request no node can hold?)")
             if progress is not None and t >= next_progress:
                 progress(t)
                 next_progress = t + 6 * 3_600_000
         wall = time.perf_counter() - t_wall
+        if self.waiting:
+            raise Stuck(
+                f"{len(self.waiting)} leases of {len({_cell_of(x) for x in self.waiting})} cells were never "
+                "granted: cells holding part of their slices wait for each other's"
+            )
         if (self.end < 0).any():
             raise RuntimeError(f"{int((self.end < 0).sum())} cells never ran (a replay bug)")
         return self._result(t_first, wall)
