@@ -37,6 +37,14 @@ adobe_sim_hours_per_wall_s   the lease replay's speed on this trace
 (and the same at p99 <= 60 s: adobe_min99_gpus_*, since p95 lets a policy keep 5 % of cells waiting
 for hours). ``--adobe-only`` skips the June trace.
 
+adobe_share_gpus         smallest cluster on which lease-share (slices of each cell's trace memory,
+                         co-tenants over 100 % busy stretching each other; multi-GPU cells on whole
+                         GPUs, as the server leases them) keeps p99 time-to-GPU no worse than whole-GPU
+                         lease on 56 GPUs                                            (target <= 32)
+adobe_share_slowdown_p50, adobe_share_slowdown_p95   its cells' run time over their trace duration
+                                                                             (target p95 <= 1.2)
+(adobe_share_slices_*: the same with one slice per GPU of a multi-GPU cell, a what-if.)
+
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
 replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see
 lease_server/sim/bookings.py) its utilization, waits, replay speed, re-runs of recalled cells and the

@@ -44,8 +44,13 @@ def template(tmp_path: Path, *cells: dict[str, Any]) -> workload.Workload:
     """Each cell its own notebook, open all day."""
     doc = {
         "sessions": [
-            {"id": f"n{i}", "start_tick": 0, "stop_tick": 600, "max_resource_request": {"gpus": t["gpus"]},
-             "trainings": [t]}
+            {
+                "id": f"n{i}",
+                "start_tick": 0,
+                "stop_tick": 600,
+                "max_resource_request": {"gpus": t["gpus"]},
+                "trainings": [t],
+            }
             for i, t in enumerate(cells)
         ]
     }
