@@ -37,6 +37,14 @@ adobe_sim_hours_per_wall_s   the lease replay's speed on this trace
 (and the same at p99 <= 60 s: adobe_min99_gpus_*, since p95 lets a policy keep 5 % of cells waiting
 for hours). ``--adobe-only`` skips the June trace.
 
+adobe_share_gpus         smallest cluster on which lease-share (slices of each cell's trace memory,
+                         co-tenants over 100 % busy stretching each other; multi-GPU cells on whole
+                         GPUs, as the server leases them) keeps p99 time-to-GPU no worse than whole-GPU
+                         lease on 56 GPUs                                            (target <= 32)
+adobe_share_slowdown_p50, adobe_share_slowdown_p95   its cells' run time over their trace duration
+                                                                             (target p95 <= 1.2)
+(adobe_share_slices_*: the same with one slice per GPU of a multi-GPU cell, a what-if.)
+
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
 replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see
 lease_server/sim/bookings.py) its utilization, waits, replay speed, re-runs of recalled cells and the
@@ -73,7 +81,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "adobe_min_gpus_lease_over_session": ("<=", 0.5),
     "adobe_saved_gpu_h_17_5": (">=", 1150.0),
     "adobe_p50_wait_s_lease": ("<=", 1.0),
+    "adobe_share_gpus": ("<=", 32.0),
+    "adobe_share_slowdown_p95": ("<=", 1.2),
 }
+SHARE_BASELINE_GPUS = 56  # issue 35: whole-GPU leases serve the Adobe sessions on 56 GPUs
 verdict = functools.partial(_common.verdict, TARGETS)
 
 
@@ -206,6 +217,9 @@ ADOBE_FIRST = (
     "adobe_min_gpus_session",
     "adobe_min_gpus_lease",
     "adobe_p50_wait_s_lease",
+    "adobe_share_gpus",
+    "adobe_share_slowdown_p50",
+    "adobe_share_slowdown_p95",
 )
 
 
@@ -270,6 +284,40 @@ def adobe(out: dict[str, Any]) -> None:
     p50 = out["adobe_p50_wait_s_lease"]
     say(f"adobe_p50_wait_s_lease {p50:.1f} {verdict('adobe_p50_wait_s_lease', p50)}")
     say(f"adobe_sim_hours_per_wall_s {out['adobe_sim_hours_per_wall_s']:.0f}")
+    adobe_share(out, w)
+
+
+def adobe_share(out: dict[str, Any], w: Any) -> None:
+    """lease-share on the Adobe sessions (issue 35 item 7): the smallest cluster whose p99 time-to-GPU
+    is no worse than whole-GPU lease on 56 GPUs, and what sharing cost in run time. ``adobe_share_*``:
+    multi-GPU cells on whole GPUs (what the server leases); ``adobe_share_slices_*``: the what-if of
+    one slice per GPU (the server has no gang of slices)."""
+    from lease_server.sim import command
+
+    with _common.private_redis("gpulease-simbench-share-") as (redis, _tmp):
+        base = command.baseline(w, SHARE_BASELINE_GPUS, redis_url=redis.url)
+        wait = base["wait_p99_s"]
+        out["adobe_share_baseline_p99_wait_s"] = wait
+        say(f"adobe lease (whole GPUs) on {SHARE_BASELINE_GPUS} GPUs: p99 time-to-GPU {wait:.0f} s")
+        for multi, tag in (("whole", "share"), ("slices", "share_slices")):
+            with section(out, f"adobe: {tag}"):
+                m = command.find_min_nodes(
+                    w, "lease-share", wait_s=wait, quantile=99, redis_url=redis.url, share_multi=multi
+                )
+            r = m.row
+            out[f"adobe_{tag}_gpus"] = m.gpus
+            out[f"adobe_{tag}_slowdown_p50"] = r["slowdown_p50"]
+            out[f"adobe_{tag}_slowdown_p95"] = r["slowdown_p95"]
+            out[f"adobe_{tag}_slowdown_max"] = r["slowdown_max"]
+            out[f"adobe_{tag}_p99_wait_s"] = r["wait_p99_s"]
+            say(
+                f"adobe lease-share (multi-GPU cells: {multi}) p99 time-to-GPU <= {wait:.0f} s on {m.gpus} GPUs "
+                f"({m.probes} replays): p99 {r['wait_p99_s']:.0f} s; slowdown p50 {r['slowdown_p50']:.2f}x "
+                f"p95 {r['slowdown_p95']:.2f}x worst {r['slowdown_max']:.2f}x ({r['slowed_cells']} cells stretched)"
+            )
+    for k in ("adobe_share_gpus", "adobe_share_slowdown_p95"):
+        say(f"{k} {out[k]:.3f} {verdict(k, out[k])}")
+    say(f"adobe_share_slowdown_p50 {out['adobe_share_slowdown_p50']:.3f} (no target)")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from ._common import console, server_options
 @click.option("--node-gpus", default=8, show_default=True, type=click.IntRange(min=1), help="GPUs per node")
 @click.option(
     "--policies",
-    help="Any of session, calendar, culler-10m, culler-60m, lease, lease+booking, lease-warm  "
-    "[default: all but session and lease-warm; for a session workload all but calendar and lease-warm]",
+    help="Any of session, calendar, culler-10m, culler-60m, lease, lease+booking, lease-warm, lease-share  "
+    "[default: all but session, lease-warm and lease-share; for a session workload all but calendar, "
+    "lease-warm and lease-share]",
 )
 @click.option("--seed", type=int, help="Seed of the session generator [default: 1]")
 @click.option("--think-median", type=float, help="Median think time between cells, s [default: 600]")
@@ -46,6 +47,20 @@ from ._common import console, server_options
     type=click.Choice(["95", "99"]),
     help="With --find-min-gpus: the time-to-GPU percentile held to --max-wait",
 )
+@click.option(
+    "--like-lease-on",
+    type=click.IntRange(min=1),
+    help="With --find-min-gpus: hold each policy to what whole-GPU lease gives on this many GPUs "
+    "(at --quantile), instead of --max-wait",
+)
+@click.option(
+    "--share-multi",
+    default="whole",
+    show_default=True,
+    type=click.Choice(["whole", "slices"]),
+    help="lease-share: a cell on several GPUs leases them whole (as the server does), or one slice per "
+    "GPU (a what-if: the server has no gang of slices)",
+)
 @click.pass_context
 def simulate(
     ctx: click.Context,
@@ -63,6 +78,8 @@ def simulate(
     find_min_gpus: bool,
     max_wait: float,
     quantile: str,
+    like_lease_on: int | None,
+    share_multi: str,
 ) -> None:
     """Compare GPU-sharing policies on a workload (--trace FILE --gpus N), replayed through the real
     scheduler under a virtual clock; find the smallest cluster for each (--trace FILE
@@ -84,7 +101,7 @@ def simulate(
             redis_url = resolve_primary(redis_url)  # the replay holds one plain connection to the primary
         if policies is None:
             # lease-warm on request (--policies lease,lease-warm): six columns do not fit 80
-            skip = ("calendar" if workload.is_session_trace(trace) else "session", "lease-warm")
+            skip = ("calendar" if workload.is_session_trace(trace) else "session", "lease-warm", "lease-share")
             policies = ",".join(p for p in POLICIES if p not in skip)
         names = parse_policies(policies)
         params = sim_command.session_params(seed=seed, think_median_s=think_median, users=users)
@@ -99,6 +116,8 @@ def simulate(
                 max_cell_hours=max_cell_hours,
                 redis_url=redis_url,
                 console=console,
+                like_lease_on=like_lease_on,
+                share_multi=share_multi,
             )
             return
         assert gpus is not None
@@ -113,6 +132,7 @@ def simulate(
             plot=not no_plot,
             redis_url=redis_url,
             console=console,
+            share_multi=share_multi,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -42,6 +42,7 @@ def run(
     plot: bool = True,
     redis_url: str | None = None,
     console: Console | None = None,
+    share_multi: str = "whole",
 ) -> list[dict[str, Any]]:
     """The whole command; returns the rows it printed."""
     console = console or Console()
@@ -66,10 +67,13 @@ def run(
             else:
                 bar.update(tasks[policy], completed=min(t, span), at=f"day {t / 86_400_000:.1f}")
 
-        results = simulate(w, nodes, policies, redis_url=redis_url, tick=tick)
+        results = simulate(w, nodes, policies, redis_url=redis_url, tick=tick, share_multi=share_multi)
     rows = [report.figures(w, r) for r in results]
     report.add_savings(rows)
     console.print(report.table(rows, title=f"{w.name} on {gpus} GPUs"))
+    for row in rows:
+        if "slowdown_p95" in row:
+            console.print(report.slowdown_line(row))
     if "session" in policies:
         console.print(
             f"saved: GPU-hours the session policy holds in the first {report.SAVED_WINDOW_H:g} h "
@@ -99,6 +103,9 @@ def describe(w: workload.Workload) -> str:
     )
 
 
+WAIT_KEYS = ("wait_p50_s", "wait_p95_s", "wait_p99_s", "wait_max_s")
+
+
 @dataclasses.dataclass
 class MinCluster:
     """The smallest cluster (in whole nodes) on which a policy keeps p95 time-to-GPU within a target."""
@@ -119,12 +126,16 @@ def find_min_nodes(
     quantile: int = 95,
     redis_url: str | None = None,
     on_probe: Callable[[str, int, dict[str, Any]], None] | None = None,
+    share_multi: str = "whole",
 ) -> MinCluster:
     """Search the fewest nodes of ``node_gpus`` on which ``policy`` keeps time-to-GPU per cell at
     its ``quantile`` (95 or 99; 100: the longest wait) at most ``wait_s``; each probe is a full
     replay. Doubling from the fewest nodes that can hold the biggest request, then bisection. One
     node per session is always enough (no session ever shares a node), so the search ends there at
-    the latest. Assumes more nodes never make the percentile worse."""
+    the latest. Assumes more nodes never make the percentile worse. A ``lease-share`` replay that
+    gets stuck (``share_multi="slices"``: cells holding part of their slices) fails its probe."""
+    from .share import Stuck
+
     lo = max(1, -(-int(w.session_request().max()) // node_gpus))
     hi_cap = max(lo, w.n_sessions)
     probes = 0
@@ -133,8 +144,13 @@ def find_min_nodes(
     def ok(n: int) -> bool:
         nonlocal probes
         if n not in seen:
-            (r,) = simulate(w, cluster(n * node_gpus, node_gpus), [policy], redis_url=redis_url)
-            seen[n] = report.figures(w, r)
+            try:
+                (r,) = simulate(
+                    w, cluster(n * node_gpus, node_gpus), [policy], redis_url=redis_url, share_multi=share_multi
+                )
+                seen[n] = report.figures(w, r)
+            except Stuck:
+                seen[n] = {"policy": policy, "stuck": 1, **{k: float("inf") for k in WAIT_KEYS}}
             probes += 1
             if on_probe:
                 on_probe(policy, n, seen[n])
@@ -168,15 +184,23 @@ def find_min(
     max_cell_hours: float | None = None,
     redis_url: str | None = None,
     console: Console | None = None,
+    like_lease_on: int | None = None,
+    share_multi: str = "whole",
 ) -> list[MinCluster]:
-    """``gpulease simulate --find-min-gpus``: the search for each policy, and its table."""
+    """``gpulease simulate --find-min-gpus``: the search for each policy, and its table. With
+    ``like_lease_on`` the bound is not ``wait_s`` but what whole-GPU ``lease`` gives at the same
+    percentile on that many GPUs."""
     console = console or Console()
     w = load_workload(trace, params or workload.SessionParams(), max_cell_hours)
-    want = f"p{quantile} time-to-GPU <= {wait_s:g} s"
-    console.print(describe(w) + f"; searching in nodes of {node_gpus} for {want}")
     found = []
     with contextlib.ExitStack() as stack:
         url = redis_url or stack.enter_context(private_redis())
+        if like_lease_on is not None:
+            base = baseline(w, like_lease_on, node_gpus=node_gpus, redis_url=url)
+            wait_s = base[f"wait_p{quantile}_s"]
+            console.print(f"lease (whole GPUs) on {like_lease_on} GPUs: p{quantile} time-to-GPU {wait_s:g} s")
+        want = f"p{quantile} time-to-GPU <= {wait_s:g} s"
+        console.print(describe(w) + f"; searching in nodes of {node_gpus} for {want}")
         for p in policies:
             with console.status(f"{p}: replaying") as st:
 
@@ -186,11 +210,27 @@ def find_min(
 
                 found.append(
                     find_min_nodes(
-                        w, p, node_gpus=node_gpus, wait_s=wait_s, quantile=quantile, redis_url=url, on_probe=probe
+                        w,
+                        p,
+                        node_gpus=node_gpus,
+                        wait_s=wait_s,
+                        quantile=quantile,
+                        redis_url=url,
+                        on_probe=probe,
+                        share_multi=share_multi,
                     )
                 )
     console.print(report.min_table(found, title=f"smallest cluster with {want}"))
+    for m in found:
+        if "slowdown_p95" in m.row:
+            console.print(report.slowdown_line(m.row))
     return found
+
+
+def baseline(w: workload.Workload, gpus: int, *, node_gpus: int = 8, redis_url: str | None = None) -> dict[str, Any]:
+    """Whole-GPU ``lease`` on ``gpus`` GPUs: the figures a sharing policy is held to."""
+    (r,) = simulate(w, cluster(gpus, node_gpus), ["lease"], redis_url=redis_url)
+    return report.figures(w, r)
 
 
 def session_params(**kw: Any) -> workload.SessionParams:

@@ -27,6 +27,7 @@ ROWS = (  # the figures the table shows, one line each (policies are its columns
     ("wait_p95_s", "wait p95"),
     ("wait_p99_s", "wait p99"),
     ("cells_waited_1m", "waited > 1 min"),
+    ("slowdown_p95", "slowdown p95"),
     ("culls_felt", "culled kernels"),
     ("saved_gpu_hours", "GPU-h saved"),
     ("top_user_share", "top user"),
@@ -148,6 +149,8 @@ def _cell(key: str, row: dict[str, Any]) -> str:
         return f"{v:,} ({v / max(1, row['cells']):.0%})"
     if key == "wall_s":
         return f"{v:.1f}"
+    if key.startswith("slowdown"):
+        return f"{v:.2f}x"
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
@@ -160,12 +163,21 @@ def table(rows: Sequence[dict[str, Any]], title: str = "") -> Table:
         t.add_column(row["policy"], justify="right", no_wrap=True)
     for key, head in ROWS:
         cells = [_cell(key, row) for row in rows]
-        if key in ("busy_util", "saved_gpu_hours") and all(c == "-" for c in cells):
+        if key in ("busy_util", "saved_gpu_hours", "slowdown_p95") and all(c == "-" for c in cells):
             continue
         if key == "culls_felt" and not any(row["policy"].startswith("culler") for row in rows):
             continue
         t.add_row(head, *cells)
     return t
+
+
+def slowdown_line(row: dict[str, Any]) -> str:
+    """What sharing GPUs cost ``lease-share``'s cells in run time (co-tenants over 100 % busy)."""
+    return (
+        f"{row['policy']} on {row['gpus']} GPUs: slowdown from sharing p50 {row['slowdown_p50']:.2f}x, "
+        f"p95 {row['slowdown_p95']:.2f}x, worst {row['slowdown_max']:.2f}x; {row['slowed_cells']:,} of "
+        f"{row['cells']:,} cells stretched, {row['sliced_cells']:,} on slices, {row['whole_cells']:,} on whole GPUs"
+    )
 
 
 def min_table(found: Sequence[Any], title: str = "") -> Table:

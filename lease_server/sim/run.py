@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..config import Settings
-from . import bookings, policies, replay
+from . import bookings, policies, replay, share
 from .result import Result
 from .workload import Workload
 
-POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+booking", "lease-warm")
-LUA_POLICIES = ("lease", "lease+booking", "lease-warm")
+POLICIES = ("session", "calendar", "culler-10m", "culler-60m", "lease", "lease+booking", "lease-warm", "lease-share")
+LUA_POLICIES = ("lease", "lease+booking", "lease-warm", "lease-share")
 RENAMED = {"lease+resv": "lease+booking"}  # policy names of earlier releases, still accepted
 
 
@@ -59,12 +59,16 @@ def simulate(
     settings: Settings | None = None,
     tick: Tick | None = None,
     booking_params: bookings.BookingParams | None = None,
+    share_multi: str = "whole",
 ) -> list[Result]:
     """Replay ``w`` on a cluster of ``nodes`` (GPUs per node) under each policy in ``names``.
 
     The lease policies need a Redis: ``redis_url`` (a key prefix of their own is used and removed
     afterwards), else a private redis-server is started for the run. ``lease+booking`` books
-    ``booking_params`` (default: 4 teams booking half the GPUs, see ``bookings``).
+    ``booking_params`` (default: 4 teams booking half the GPUs, see ``bookings``). ``lease-share``
+    leases each cell a slice of its trace memory (``share``; ``share_multi``: what a cell on several
+    GPUs leases, "whole" GPUs or "slices", one per GPU) in a pool that shares by ``settings``'
+    ``slice_unit_mb`` and ``max_sharers``.
     """
     biggest = int(w.gpus.max()) if w.n_sessions else 0
     if biggest > max(nodes):
@@ -93,6 +97,11 @@ def simulate(
                     s = dataclasses.replace(s, teams=bookings.teams_of(w, rp))
                     books = bookings.bookings(w, int(sum(nodes)), rp)
                 setup = replay.ReplaySetup(url, prefix, s)
+                if name == "lease-share":
+                    out.append(share.lease_share(w, nodes, setup, progress=progress, multi=share_multi))
+                    if tick:
+                        tick(name, -1)
+                    continue
                 r = replay.lease(w, nodes, setup, progress=progress, policy=name, bookings=books)
             else:
                 raise ValueError(f"unknown policy {name!r}")

@@ -82,6 +82,7 @@ class Workload:
     stop: np.ndarray | None = None  # per session: the notebook stops when nothing waited (ms)
     request: np.ndarray | None = None  # per session: the GPUs its pod asks for (>= gpus)
     util: np.ndarray | None = None  # per cell: mean GPU utilization while it ran (NVML %)
+    vram_mb: np.ndarray | None = None  # per cell: GPU memory it used per GPU (MB; 0: not in the trace)
     cpu: list[list[tuple[int, int]]] | None = None  # per cell: CPU-only cells after it (offset from its end, ms)
     dropped: int = 0  # sessions of the source without any GPU cell (left out)
 
@@ -263,6 +264,7 @@ def load_sessions(path: str | Path, tick_ms: int = TICK_MS) -> Workload:
                     max(1, int(t["duration_in_ticks"])) * tick_ms,
                     int(t.get("gpus", 0)),
                     [float(u["utilization"]) for u in t.get("gpu_utilizations") or []],
+                    float(t.get("vram") or 0.0),
                 )
                 for t in s.get("trainings") or []
             )
@@ -280,6 +282,7 @@ def load_sessions(path: str | Path, tick_ms: int = TICK_MS) -> Workload:
     gap: list[int] = []
     session: list[int] = []
     util: list[float] = []
+    vram_mb: list[int] = []
     cpu: list[list[tuple[int, int]]] = []
     label: list[str] = []
     for si, (t_open, t_stop, request, sid, runs) in enumerate(kept):
@@ -289,7 +292,7 @@ def load_sessions(path: str | Path, tick_ms: int = TICK_MS) -> Workload:
         s_open[si], s_req[si] = min(t_open, gpu_runs[0][0]), max(request, g)
         prev_end = None
         k = 0
-        for t0, d, rg, us in runs:
+        for t0, d, rg, us, vram in runs:
             if rg == 0:
                 if prev_end is not None:  # CPU work after a GPU cell: the culler sees it
                     cpu[-1].append((t0 - prev_end, d))
@@ -298,11 +301,12 @@ def load_sessions(path: str | Path, tick_ms: int = TICK_MS) -> Workload:
             gap.append(0 if prev_end is None else max(0, t0 - prev_end))
             session.append(si)
             util.append(sum(us) / len(us) if us else 100.0)
+            vram_mb.append(math.ceil(vram * 1024 / rg) if vram > 0 else 0)  # GB of all its GPUs -> MB per GPU
             cpu.append([])
             label.append(f"{sid[:8]}/{k}")
             prev_end = t0 + d
             k += 1
-        s_stop[si] = max(t_stop, prev_end or t_stop, max(t0 + d for t0, d, _, _ in runs))
+        s_stop[si] = max(t_stop, prev_end or t_stop, max(t0 + d for t0, d, _, _, _ in runs))
     users = [f"s{si:02d}-{x[3][:4]}" for si, x in enumerate(kept)]
     return Workload(
         p.name,
@@ -320,6 +324,7 @@ def load_sessions(path: str | Path, tick_ms: int = TICK_MS) -> Workload:
         stop=s_stop,
         request=s_req,
         util=np.asarray(util, dtype=np.float64),
+        vram_mb=np.asarray(vram_mb, dtype=np.int64),
         cpu=cpu,
         dropped=len(sessions) - ns,
     )

@@ -1,0 +1,425 @@
+"""``lease-share``: per-cell leases of GPU slices through the real Lua, with co-tenants slowing each other.
+
+Each GPU cell of a session trace asks for a slice of one GPU's memory: the memory its event used per
+GPU (the template's ``vram``, in GB for all its GPUs together, divided by its GPU count), rounded up
+by the pool's own ``slice_unit_mb`` in ``acquire.lua``. The pool shares (``share``, ``slice_unit_mb``,
+``max_sharers`` of the replay's settings are written where the scripts read them), so the slices are
+placed, queued and dispatched by ``_lib_slice.lua`` and dispatch exactly as on a live cluster.
+
+Cells the server cannot lease as one slice:
+
+* a cell whose memory the trace does not give takes whole GPUs (nothing says how much it needs);
+* a cell on more than one GPU (``multi``): ``"whole"`` (the default) leases its GPUs whole, as the
+  server does today (a slice is one GPU's memory; ``gpus`` above 1 with ``gpu_mem_mb`` is refused);
+  ``"slices"`` asks what sharing would be worth if it could: one slice per GPU, each its own lease
+  placed independently by the real scripts (so on any node, possibly two on one GPU), and the cell
+  runs once it holds all of them (the earlier ones wait idle, held). The server has no gang of
+  slices, so this is a what-if, not a figure of the system as built.
+
+The co-tenant model: a GPU on which the running cells' utilisations (the trace's NVML
+``gpu_utilizations``, per GPU) add up to ``S`` > 100 % runs each of them ``S / 100`` times slower
+for as long as that holds; it is recomputed whenever a cell starts or ends on the GPU. A cell on
+several GPUs goes at the pace of its slowest one. A cell's *slowdown* is the time it ran over its
+trace duration (1.0 when it was never crowded). Whole GPUs are never shared, so never stretched.
+
+The replay runs every virtual instant in one pipelined round trip (releases, acquires, then the
+event stream for grants from the queue); it is slower than the ``lease`` replay's speculation but
+the traces it is meant for (hundreds of cells) take well under a second per probe.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..leasing.inventory import Gpu, NodeInventory
+from ..store.keys import Keys
+from ..store.scripts import Acquire, Code, Common, Release, declared_keys, source
+from .replay import (
+    EPOCH_MS,
+    FOREVER_MS,
+    POOL,
+    Progress,
+    ReplaySetup,
+    _cell_of,
+    _command,
+    _pack,
+    _register,
+    _Script,
+    _Wire,
+)
+from .result import Result
+from .workload import Workload
+
+GPU_MEM_MB = 40_960  # the simulated GPUs' memory: the trace names no GPU model (an A100-40GB here)
+MULTI = ("whole", "slices")
+
+_END, _READY = 0, 1
+
+
+class Stuck(RuntimeError):
+    """The replay ended with leases still queued that nothing will ever free room for: cells on
+    several slices each holding part of what they need (``multi="slices"`` has no gang of slices)."""
+
+
+def share_inventories(nodes: Sequence[int], gpu_mem_mb: int = GPU_MEM_MB) -> list[NodeInventory]:
+    """The cluster with its GPUs' memory (a slice is placed by it)."""
+    return [
+        NodeInventory(f"n{i:04d}", POOL, [Gpu(k, f"sim-{i}-{k}", "sim", gpu_mem_mb) for k in range(n)])
+        for i, n in enumerate(nodes)
+    ]
+
+
+def slice_plan(w: Workload, multi: str = "whole") -> list[list[int]]:
+    """Per cell: the requests it makes, each the MB of one slice (0: its GPUs whole, one request)."""
+    if multi not in MULTI:
+        raise ValueError(f"multi must be one of {', '.join(MULTI)}, not {multi!r}")
+    mem = w.vram_mb
+    plan: list[list[int]] = []
+    for c, g in enumerate(w.cell_gpus.tolist()):
+        mb = int(mem[c]) if mem is not None else 0
+        if mb <= 0:
+            plan.append([0])  # memory unknown: whole GPUs
+        elif g == 1:
+            plan.append([mb])
+        elif multi == "slices":
+            plan.append([mb] * g)
+        else:
+            plan.append([0])
+    return plan
+
+
+class _Cell:
+    """One cell while it holds leases: the parts granted, and its progress once running."""
+
+    __slots__ = ("parts", "missing", "slots", "rem", "rate", "since", "version")
+
+    def __init__(self, n_parts: int) -> None:
+        self.parts: list[tuple[str, str, list[int], int]] = []  # (lease id, node, GPU indexes, MB or 0)
+        self.missing = n_parts
+        self.slots: list[str] = []  # the shared GPUs it runs on ("node/idx"), once running
+        self.rem = 0.0  # solo ms of work left
+        self.rate = 1.0  # work ms per wall ms (1 / stretch)
+        self.since = 0
+        self.version = 0
+
+
+def lease_share(
+    w: Workload,
+    nodes: Sequence[int],
+    setup: ReplaySetup,
+    progress: Progress | None = None,
+    *,
+    multi: str = "whole",
+    gpu_mem_mb: int = GPU_MEM_MB,
+) -> Result:
+    """Replay ``w`` as slices (see the module's docstring) on ``nodes``; ``setup.settings`` gives the
+    pool's ``slice_unit_mb`` and ``max_sharers`` (``share`` is turned on for the replay's pool)."""
+    if w.util is None:
+        raise ValueError("lease-share needs a session trace with per-cell GPU utilisation (a NotebookOS template)")
+    settings = setup.settings
+    keys = Keys(setup.prefix)
+    invs = share_inventories(nodes, gpu_mem_mb)
+    t0 = int(w.start.min()) if w.n_sessions else 0
+    _register_shared(setup, invs, EPOCH_MS + t0)
+    wire = _Wire(setup.redis_url)
+    try:
+        return _ShareReplay(w, nodes, wire, keys, settings, slice_plan(w, multi), multi).run(progress)
+    finally:
+        if not setup.keep:
+            wire.call([_command("DEL", *keys.all())])
+        wire.close()
+
+
+def _register_shared(setup: ReplaySetup, invs: list[NodeInventory], now_ms: int) -> None:
+    import asyncio
+    import dataclasses
+
+    from redis import Redis
+
+    asyncio.run(_register(setup, invs, (), now_ms))
+    table = dataclasses.replace(setup.settings, share=True).sched_table(POOL)
+    r = Redis.from_url(setup.redis_url)
+    try:
+        r.hset(Keys(setup.prefix).sched, mapping={"*": json.dumps(table), POOL: json.dumps(table)})
+    finally:
+        r.close()
+
+
+class _ShareReplay:
+    def __init__(
+        self,
+        w: Workload,
+        nodes: Sequence[int],
+        wire: _Wire,
+        keys: Keys,
+        settings: Any,
+        plan: list[list[int]],
+        multi: str,
+    ) -> None:
+        self.w, self.nodes, self.wire, self.keys, self.plan, self.multi = w, nodes, wire, keys, plan, multi
+        common_tail: list[object] = Common(
+            0, settings.event_log_max, settings.fair_share_half_life, int(settings.ended_retention * 1000)
+        ).argv()[1:]
+
+        def script(name: str, call: Any) -> _Script:
+            sha = wire.call([_command("SCRIPT", "LOAD", source(name))])[0].decode()
+            return _Script(sha, [getattr(keys, k) for k in declared_keys(name)], common_tail, call)
+
+        self.acq = script("acquire", Acquire)
+        self.rel = script("release", Release)
+        n = w.n_cells
+        self.users = list(w.users)
+        self.cell_user = w.cell_user.tolist()
+        self.cell_gpus = w.cell_gpus.tolist()
+        self.util = [float(u) for u in w.util.tolist()]  # type: ignore[union-attr]
+        self.dur = w.dur.tolist()
+        self.gap = w.gap.tolist()
+        self.session = w.session.tolist()
+        is_last = np.zeros(n, dtype=bool)
+        is_last[w.first + w.count - 1] = True
+        self.last = is_last.tolist()
+        self.ready = np.zeros(n, dtype=np.int64)
+        self.start = np.full(n, -1, dtype=np.int64)
+        self.end = np.full(n, -1, dtype=np.int64)
+        self.token = np.zeros(n, dtype=np.int64)
+        self.heap: list[tuple[int, int, int, int]] = [
+            (int(t), _READY, int(c), 0) for t, c in zip(w.start, w.first, strict=True)
+        ]
+        heapq.heapify(self.heap)
+        self.cells: dict[int, _Cell] = {}  # cells holding or waiting for leases
+        self.waiting: set[str] = set()  # lease ids queued
+        self.on_gpu: dict[str, set[int]] = {}  # shared GPU -> the running cells on it
+        self.last_id = b"0-0"
+        self.calls = self.round_trips = 0
+        # allocations: one interval per lease, its size in GPUs (a slice: its fraction)
+        self.a_s: list[int] = []
+        self.a_e: list[int] = []
+        self.a_g: list[float] = []
+        self.a_u: list[int] = []
+        self.granted_at: dict[str, int] = {}
+        self.sliced_cells = sum(1 for p in plan if p[0] > 0)
+        self.peak_sharers = 0
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def _lid(self, c: int, k: int) -> str:
+        return f"c{c}" if k == 0 else f"c{c}.{k}"
+
+    def _acquire(self, c: int, k: int, mb: int) -> bytes:
+        u = self.cell_user[c]
+        call = Acquire(
+            self._lid(c, k),
+            self.users[u],
+            POOL,
+            1 if mb else self.cell_gpus[c],
+            ttl_ms=FOREVER_MS,
+            wait_ms=FOREVER_MS,
+            label=self.w.label[c] if c < len(self.w.label) else "",
+            session=f"s{self.session[c]}",
+            max_queued=2**31 - 1,
+            gpu_mem_mb=mb,
+        )
+        return self.acq.pack(self._now, _pack(call.argv()))
+
+    def _release(self, c: int, lease_id: str) -> bytes:
+        user = self.users[self.cell_user[c]]
+        return self.rel.pack(self._now, _pack(Release(lease_id, "", user, False, "released", "cell returned").argv()))
+
+    # ---- the co-tenant model -----------------------------------------------------------
+
+    def _stretch(self, slot: str) -> float:
+        s = sum(self.util[c] for c in self.on_gpu.get(slot, ()))
+        return max(1.0, s / 100.0)
+
+    def _repace(self, cells: set[int], t: int) -> None:
+        """Cells whose GPUs changed tenants at ``t``: bank their progress, new rate, new end."""
+        for c in cells:
+            st = self.cells[c]
+            st.rem -= (t - st.since) * st.rate
+            st.since = t
+            stretch = max((self._stretch(s) for s in st.slots), default=1.0)
+            st.rate = 1.0 / stretch
+            st.version += 1
+            end = t + max(0, math.ceil(st.rem / st.rate - 1e-6))
+            heapq.heappush(self.heap, (end, _END, c, st.version))
+
+    def _run(self, c: int, t: int) -> set[int]:
+        """Cell ``c`` holds all its leases at ``t``: it starts; returns the cells to repace."""
+        st = self.cells[c]
+        self.start[c] = t
+        st.rem, st.since, st.rate = float(self.dur[c]), t, 1.0
+        touched = {c}
+        for _lid, node, idx, mb in st.parts:
+            if mb:
+                slot = f"{node}/{idx[0]}"
+                st.slots.append(slot)
+                on = self.on_gpu.setdefault(slot, set())
+                on.add(c)
+                self.peak_sharers = max(self.peak_sharers, len(on))
+                touched |= on
+        return touched
+
+    def _granted(self, c: int, lease_id: str, node: str, idx: list[int], mb: int, total: int, t: int) -> None:
+        st = self.cells[c]
+        st.parts.append((lease_id, node, idx, mb))
+        self.granted_at[lease_id] = t
+        st.missing -= 1
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self, progress: Progress | None) -> Result:
+        heap = self.heap
+        t_wall = time.perf_counter()
+        t_first = int(self.w.start.min()) if self.w.n_sessions else 0
+        next_progress = 0
+        while heap:
+            t = heap[0][0]
+            self._now = t + EPOCH_MS
+            ends: list[int] = []
+            asks: list[int] = []
+            while heap and heap[0][0] == t:
+                _, kind, c, version = heapq.heappop(heap)
+                if kind == _READY:
+                    asks.append(c)
+                elif c in self.cells and self.cells[c].version == version and self.start[c] >= 0:
+                    ends.append(c)
+            if not ends and not asks:
+                continue
+            cmds: list[bytes] = []
+            plan: list[tuple[int, int, int, str]] = []  # (kind, cell, part MB, lease id)
+            touched: set[int] = set()
+            for c in ends:
+                st = self.cells.pop(c)
+                self.end[c] = t
+                for slot in st.slots:
+                    self.on_gpu[slot].discard(c)
+                    touched |= self.on_gpu[slot]
+                for lid, _node, idx, mb in st.parts:
+                    cmds.append(self._release(c, lid))
+                    plan.append((_END, c, mb, lid))
+                    self.a_s.append(self.granted_at.pop(lid))
+                    self.a_e.append(t)
+                    self.a_g.append(mb / self._total if mb else len(idx))
+                    self.a_u.append(self.cell_user[c])
+                if not self.last[c]:
+                    if self.gap[c + 1] == 0:
+                        asks.append(c + 1)
+                    else:
+                        heapq.heappush(heap, (t + self.gap[c + 1], _READY, c + 1, 0))
+            for c in asks:
+                self.ready[c] = t
+                parts = self.plan[c]
+                self.cells[c] = _Cell(len(parts))
+                for k, mb in enumerate(parts):
+                    cmds.append(self._acquire(c, k, mb))
+                    plan.append((_READY, c, mb, self._lid(c, k)))
+            cmds.append(_command("XRANGE", self.keys.events, b"(" + self.last_id, "+"))
+            replies = self.wire.call(cmds)
+            self.round_trips += 1
+            self.calls += len(cmds) - 1
+            started: list[int] = []
+            for (kind, c, mb, lid), reply in zip(plan, replies, strict=False):
+                if kind == _END:
+                    if reply[0] != Code.OK:
+                        raise RuntimeError(f"release of {lid} at {t} ms answered {reply!r}")
+                    continue
+                if reply[0] == Code.OK:
+                    rec = json.loads(reply[1])
+                    self.token[c] = max(self.token[c], int(rec["token"]))
+                    got = int(rec.get("gpu_mem_mb") or 0)
+                    self._note_total(rec)
+                    self._granted(c, lid, rec["node"], [int(g["index"]) for g in rec["gpus"]], got, 0, t)
+                    if self.cells[c].missing == 0:
+                        started.append(c)
+                elif reply[0] == Code.QUEUED:
+                    self.waiting.add(lid)
+                else:
+                    raise RuntimeError(
+                        f"acquire {lid} ({self.cell_gpus[c]} GPUs, slice {mb} MB) at {t} ms answered {reply!r}"
+                    )
+            for entry_id, fields in replies[-1]:
+                self.last_id = entry_id
+                if fields[1] != b"grant":
+                    continue
+                d = json.loads(fields[3])
+                lid = d["lease"]
+                if lid not in self.waiting:
+                    continue  # granted at once: its reply said so
+                self.waiting.discard(lid)
+                c = _cell_of(lid)
+                at = int(d["ts"]) - EPOCH_MS
+                self.token[c] = max(self.token[c], int(d["token"]))
+                self._granted(c, lid, d["node"], [int(i) for i in d["gpus"]], int(d.get("gpu_mem_mb") or 0), 0, at)
+                if self.cells[c].missing == 0:
+                    started.append(c)
+            for c in started:
+                touched |= self._run(c, t)
+            touched = {c for c in touched if c in self.cells and self.start[c] >= 0}
+            self._repace(touched, t)
+            if progress is not None and t >= next_progress:
+                progress(t)
+                next_progress = t + 6 * 3_600_000
+        wall = time.perf_counter() - t_wall
+        if self.waiting:
+            raise Stuck(
+                f"{len(self.waiting)} leases of {len({_cell_of(x) for x in self.waiting})} cells were never "
+                "granted: cells holding part of their slices wait for each other's"
+            )
+        if (self.end < 0).any():
+            raise RuntimeError(f"{int((self.end < 0).sum())} cells never ran (a replay bug)")
+        return self._result(t_first, wall)
+
+    _total = GPU_MEM_MB
+
+    def _note_total(self, rec: dict[str, Any]) -> None:
+        if rec.get("gpu_total_mb"):
+            self._total = int(rec["gpu_total_mb"])
+
+    def _result(self, t_first: int, wall: float) -> Result:
+        w = self.w
+        ran = (self.end - self.start).astype(np.float64)
+        slowdown = ran / w.dur.astype(np.float64)
+        sliced = np.asarray([p[0] > 0 for p in self.plan], dtype=bool)
+        span_h = (int(self.end.max()) - t_first) / 3_600_000 if w.n_cells else 0.0
+
+        def q(x: np.ndarray, p: float) -> float:
+            from .report import pct
+
+            return pct(x, p) if x.size else float("nan")
+
+        extra: dict[str, Any] = {
+            "script_calls": self.calls,
+            "round_trips": self.round_trips,
+            "sim_hours": span_h,
+            "slowdown_p50": q(slowdown, 50),
+            "slowdown_p95": q(slowdown, 95),
+            "slowdown_p99": q(slowdown, 99),
+            "slowdown_max": float(slowdown.max()) if slowdown.size else float("nan"),
+            "slowed_cells": int(np.sum(slowdown > 1.0 + 1e-9)),
+            "sliced_cells": int(sliced.sum()),
+            "whole_cells": int((~sliced).sum()),
+            "peak_sharers": self.peak_sharers,
+            "multi_gpu": self.multi,
+            "slowdown": slowdown,
+            "end": self.end.copy(),
+        }
+        return Result(
+            "lease-share",
+            int(sum(self.nodes)),
+            self.ready,
+            self.start,
+            alloc_start=np.asarray(self.a_s, dtype=np.int64),
+            alloc_end=np.asarray(self.a_e, dtype=np.int64),
+            alloc_gpus=np.asarray(self.a_g, dtype=np.float64),
+            alloc_user=np.asarray(self.a_u, dtype=np.int64),
+            order=np.argsort(self.token, kind="stable"),
+            wall_s=wall,
+            extra=extra,
+        )
