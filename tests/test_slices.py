@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 
 from lease_server import errors
 from lease_server.client import Lease
+from lease_server.node.claims import start_ticks
 from lease_server.sizes import GpuMem, parse_gpu_mem
 from lease_server.store.keys import Keys
 from tests.conftest import ServerHandle, make_settings
@@ -241,10 +244,12 @@ def test_a_slice_is_not_kept_warm_handed_on_or_resized(srv: ServerHandle) -> Non
         c.release(sl)
 
 
-def test_a_slice_ended_by_the_server_drains_only_its_own_memory(srv: ServerHandle, redis_sync: Any) -> None:
+def test_a_slice_ended_by_the_server_drains_only_its_own_memory(server_factory: Any, redis_sync: Any) -> None:
     """A revoked slice whose holder named a process keeps its memory promised until its drain is
     reported clean; its GPU's other slices are untouched, and the GPU is whole again after."""
     from lease_server.store.scripts import Drained, Procs
+
+    srv = server_factory("n1=4xA100-80GB,n2=2xA100-80GB,t1=2xT4-16GB", scheduling=SHARING, drain_kill_grace_s=600)
 
     k = keys_of(srv)
     with srv.client("alice") as alice, srv.client("bob") as bob, srv.client("root", "admin") as admin:
@@ -262,7 +267,23 @@ def test_a_slice_ended_by_the_server_drains_only_its_own_memory(srv: ServerHandl
             finally:
                 await r.aclose()
 
-        procs = [{"node": mine.node, "pid": 4_000_000, "start": 1, "gpus": [mine.gpus[0]["index"]]}]
+        # A process that outlives the drain's SIGTERM (the server's own agent drains this node, with
+        # a grace of 600 s before SIGKILL here): the drain stays open until it is reported below,
+        # whenever the agent looks at it. (A pid that does not run was found gone, and the drain
+        # closed, before this test could look, on a loaded machine.)
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print(flush=True); time.sleep(600)",
+            ],
+            stdout=subprocess.PIPE,
+        )
+        assert holder.stdout is not None and holder.stdout.readline()  # SIGTERM is ignored from here on
+        procs = [
+            {"node": mine.node, "pid": holder.pid, "start": start_ticks(holder.pid), "gpus": [mine.gpus[0]["index"]]}
+        ]
         asyncio.run(run(Procs(mine.id, str(mine.token), "alice", json.dumps(procs))))
         admin.revoke(mine.id, "testing a slice's drain")
         ledger = json.loads(redis_sync.hget(k.sliced, slot))
@@ -275,6 +296,8 @@ def test_a_slice_ended_by_the_server_drains_only_its_own_memory(srv: ServerHandl
         assert ledger["draining"] == {} and ledger["used_mb"] == 30720 and list(ledger["leases"]) == [other.id]
         check_state(redis_sync, k)
         bob.release(other)
+        holder.kill()
+        holder.wait()
     check_state(redis_sync, k, expect_all_free=True)
     check_event_log(read_events(redis_sync, k))
 
