@@ -298,7 +298,7 @@ def test_kill_9_of_the_http_server_under_load_keeps_leases_and_clients_carry_on(
             for h in held:
                 rec = wait_until(
                     lambda h=h: (r := holder.get(h.id))["renewed_at"] > killed_at and r,
-                    8,
+                    30,  # a renewal every ttl/3 s; 30: a loaded machine (8 failed once beside the Ray tests)
                     f"lease {h.id} to be renewed by the new server",
                 )
                 assert rec["state"] == "active" and rec["token"] == h.token, rec
