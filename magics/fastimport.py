@@ -12,6 +12,7 @@ in every Ray worker the kernel starts. Self-contained: the workers load this fil
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 import types
@@ -55,3 +56,42 @@ def defer_slow_imports() -> bool:
     stub.is_valid_syntax = _is_valid_syntax  # type: ignore[attr-defined]
     sys.modules[DEFERRED] = stub
     return True
+
+
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` the moment module ``name`` has been imported, once (see :func:`when_imported`)."""
+
+    def __init__(self, name: str, then: Any, key: str) -> None:
+        self.name, self.then, self.key = name, then, key
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                setattr(spec.loader, "exec_module", self._then(spec.loader.exec_module))  # noqa: B010
+            if spec is not None:
+                return spec
+        return None
+
+    def _then(self, exec_module: Any) -> Any:
+        def run(module: Any) -> None:
+            exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            self.then(module)
+
+        return run
+
+
+def when_imported(name: str, then: Any, key: str) -> None:
+    """``then(module)`` now if ``name`` is imported already, else the moment it is (torch's, in a
+    worker: its memory limit, its process-group guard). ``key``: one hook per key is ever waiting."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+    elif not any(isinstance(f, _WhenImported) and f.key == key for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenImported(name, then, key))

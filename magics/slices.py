@@ -17,14 +17,13 @@ warned and then ended, never a neighbour.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from lease_server.sizes import FIT_MARGIN, fitting_mb, show_mb
+
+from .fastimport import when_imported
 
 AUTO = "auto"
 MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # noqa: S108 - nvidia-cuda-mps-control's default pipe directory
@@ -64,8 +63,7 @@ def limit_torch(frac: float) -> str:
     sees no GPU here: nothing to hold)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        if not any(isinstance(f, _ArmOnImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _ArmOnImport(frac))
+        when_imported("torch", lambda module: _arm(module, frac), key="slice-limit")
         return "on import"
     return _arm(torch, frac)
 
@@ -87,35 +85,6 @@ def _arm(torch: Any, frac: float) -> str:
         return "set"
     lazy(apply)
     return "armed"
-
-
-class _ArmOnImport(importlib.abc.MetaPathFinder):
-    """Arms :func:`limit_torch` the moment ``torch`` has been imported by the call."""
-
-    def __init__(self, frac: float) -> None:
-        self.frac = frac
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader.exec_module = self._then_arm(spec.loader.exec_module)  # type: ignore[method-assign,assignment]
-            if spec is not None:
-                return spec
-        return None
-
-    def _then_arm(self, exec_module: Callable[[Any], None]) -> Callable[[Any], None]:
-        def run(module: Any) -> None:
-            exec_module(module)
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self)
-            _arm(module, self.frac)
-
-        return run
 
 
 def hold_to(environ: dict[str, str]) -> dict[str, str]:

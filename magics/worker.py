@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
 import json
 import linecache
 import os
@@ -29,7 +28,7 @@ from typing import Any
 
 from lease_server import protocol
 
-from . import hostcopy, slices
+from . import fastimport, hostcopy, slices
 from .calls import (
     CHECKPOINT_STREAM,
     ELASTIC_STREAM,
@@ -178,40 +177,11 @@ def _guard_destroy(dist: Any) -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-class _GuardOnImport(importlib.abc.MetaPathFinder):
-    """Guards ``torch.distributed`` (:func:`_guard_destroy`) the moment it is imported, before any
-    ``from torch.distributed import destroy_process_group`` can bind the original. A worker
-    process installs it at its start; importing torch is the call's own business."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch.distributed":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                setattr(spec.loader, "exec_module", _then_guard(spec.loader.exec_module))  # noqa: B010
-            if spec is not None:
-                return spec
-        return None
-
-
-def _then_guard(exec_module: Callable[[Any], None]) -> Callable[[Any], None]:
-    def run(module: Any) -> None:
-        exec_module(module)
-        _guard_destroy(module)
-
-    return run
-
-
 def guard_process_groups() -> None:
-    """See :class:`_GuardOnImport`: now if torch.distributed is imported already, else on import."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None:
-        _guard_destroy(dist)
-    elif not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _GuardOnImport())
+    """Guards ``torch.distributed`` (:func:`_guard_destroy`) now if it is imported already, else the
+    moment it is, before any ``from torch.distributed import destroy_process_group`` can bind the
+    original. A worker process installs it at its start; importing torch is the call's own business."""
+    fastimport.when_imported("torch.distributed", _guard_destroy, key="process-group-guard")
 
 
 def _agree(flag: bool) -> bool:
