@@ -84,6 +84,10 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         _gpu_table(view, out)
     else:
         _lease_table(view)
+    for n in view["nodes"]:  # a GPU shared by slices: how many, and the memory left for another
+        for g in n["gpus"]:
+            if g.get("slice_mem"):
+                out.print(Text.assemble(("sliced", "blue"), ": ", shown(_sliced_line(n["name"], g))), soft_wrap=True)
     for (node, _), gs in draining.items():
         d, which = gs[0]["draining"], ",".join(str(g["index"]) for g in gs)
         line = f"{node} GPU {which}: {d['user']}'s lease {d['state']} {ago(d['since'], now)} ago, free once clean"
@@ -179,6 +183,16 @@ def _lease_table(view: dict[str, Any]) -> None:
         console.print(
             Text.assemble((f"{short} idle", "magenta"), f": reclaimed in {left} unless used (gpulease keep {short})"),
         )
+
+
+def _sliced_line(node: str, g: dict[str, Any]) -> str:
+    """'box GPU 0: 2 slices, 40G of 80G leased, 40G free' (and what ended slices still hold)."""
+    mem, live = g["slice_mem"], g.get("slices") or []
+    leased = sum(sl["gpu_mem_mb"] for sl in live)
+    line = f"{node} GPU {g['index']}: {len(live)} slice{'' if len(live) == 1 else 's'}, "
+    line += f"{mem_size(leased)} of {mem_size(mem['total_mb'])} leased, {mem_size(mem['free_mb'])} free"
+    held = sum(d["gpu_mem_mb"] for d in g.get("slices_draining") or [])
+    return line + (f", {mem_size(held)} draining" if held else "")
 
 
 def mem_size(mb: int) -> str:
