@@ -249,6 +249,51 @@ def test_a_slice_goes_where_it_fits_away_from_busy_gpus(server_factory: Any, red
     check_event_log(read_events(redis_sync, k))
 
 
+def test_a_booking_in_force_recalls_the_slices_on_the_gpus_it_needs(server_factory: Any, redis_sync: Any) -> None:
+    """A booking of whole GPUs recalls slices as it recalls whole leases: every slice of a GPU it
+    needs is recalled together (one alone frees no GPU), with the booking's notice; no new slice joins
+    a GPU being emptied meanwhile; once they are gone the holder gets the GPUs whole."""
+    import time
+
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory("box=2xA100-80GB", scheduling=SHARING, borrow_notice=1.0, default_ttl=60)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    with srv.client("alice") as alice, srv.client("bob") as bob, srv.client("carol") as carol:
+        small = [bob.acquire(1, A100, gpu_mem="10GB", ttl=60) for _ in range(2)]
+        big = bob.acquire(1, A100, gpu_mem="70GB", ttl=60)  # too big beside the two: the other GPU
+        assert {sl.gpus[0]["index"] for sl in small} != {big.gpus[0]["index"]}
+        now = time.time()
+        booking = alice.request(
+            "POST", "/api/v1/bookings", json={"pool": A100, "gpus": 2, "start": now - 60, "end": now + 3600}
+        )
+        got: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: got.update(lease=alice.acquire(2, A100, wait=30, ttl=60)))
+        waiter.start()
+        recalled = [
+            watcher.wait_for(lambda e, i=sl.id: e["type"] == "borrow_recalled" and e["lease"] == i, 10, sl.id)
+            for sl in (*small, big)
+        ]
+        assert all(e["reservation"] == booking["id"] and e["requested_by"] == "alice" for e in recalled)
+        assert bob.get(small[0].id)["recall_at"]
+        # While they are being emptied, a new slice finds no room (the free GPUs are owed, the sliced
+        # ones are being recalled) rather than landing on one of them.
+        with pytest.raises(errors.NoCapacity):
+            carol.acquire(1, A100, gpu_mem="1GB")
+        check_state(redis_sync, k)
+        waiter.join(30)
+        lease = got["lease"]
+        assert lease.booking == booking["id"] and len(lease.gpus) == 2
+        for sl in (*small, big):
+            ended = bob.get(sl.id)
+            assert ended["state"] == "revoked" and "recalled for alice's booking" in ended["end_reason"], ended
+        assert redis_sync.hlen(k.sliced) == 0
+        check_state(redis_sync, k)
+        alice.release(lease)
+    check_event_log(read_events(redis_sync, k))
+
+
 def test_a_slice_waits_in_the_queue_and_is_granted_when_memory_comes_back(srv: ServerHandle, redis_sync: Any) -> None:
     with srv.client("alice") as alice, srv.client("bob") as bob:
         big = [alice.acquire(1, A100, gpu_mem="60GB") for _ in range(6)]  # every A100 sliced, 20 GB left

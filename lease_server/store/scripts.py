@@ -85,8 +85,8 @@ def _code_only(text: str) -> str:
 LIB_FILES = (
     "_lib",
     "_lib_bookings",
-    "_lib_recall",
     "_lib_slice",
+    "_lib_recall",
     "_lib_schedule",
     "_lib_drain",
     "_lib_warm",
