@@ -525,3 +525,7 @@ def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: 
     assert f"box GPU {gpu} 10G/80G" in rows[small.id] and f"box GPU {gpu} 30G/80G" in rows[big.id], out
     assert rows[small.id].rstrip().endswith("…")
     assert f"sliced: box GPU {gpu}: 2 slices, 40G of 80G leased, 40G free" in out, out
+    wide = subprocess.run([*CLI, "status", "--wide"], env=env, capture_output=True, text=True, timeout=60).stdout
+    row = next(line for line in wide.splitlines() if "│" in line and " sliced " in line)  # --wide: its GPU's row
+    assert [w.strip() for w in row.split("│")][1:3] == ["box", str(gpu)], row
+    assert " 2 slices " in row and "40G of 80G leased, 40G free" in row, row

@@ -208,7 +208,7 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
     gpus = Table(title="GPUs")
     for col in ("node", "gpu", "model", "memory", "state", "util", "mem used", "holder", "label", "held", "lease"):
         gpus.add_column(col, no_wrap=True)
-    colors = {"free": "green", "leased": "yellow", "warm": "blue", "draining": "cyan", "down": "red"}
+    colors = {"free": "green", "leased": "yellow", "warm": "blue", "sliced": "blue", "draining": "cyan", "down": "red"}
     for n in view["nodes"]:
         for g in n["gpus"]:
             lease = g.get("lease") or {}
@@ -218,6 +218,8 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
             if g.get("unleased_use"):
                 state += " [bold red]unleased use[/]"
             sample = g.get("sample") or {}
+            if g.get("slice_mem"):  # shared by slices: how many, and the memory left (a line each below)
+                lease = {"user": f"{len(g.get('slices') or [])} slices", "label": _sliced_line(n["name"], g)}
             gpus.add_row(
                 shown(n["name"]),
                 str(g["index"]),
