@@ -43,7 +43,8 @@ adobe_share_gpus         smallest cluster on which lease-share (slices of each c
                          lease on 56 GPUs                                            (target <= 32)
 adobe_share_slowdown_p50, adobe_share_slowdown_p95   its cells' run time over their trace duration
                                                                              (target p95 <= 1.2)
-(adobe_share_slices_*: the same with one slice per GPU of a multi-GPU cell, a what-if.)
+(adobe_share_slices_*: the same with one slice per GPU of a multi-GPU cell, a what-if: 24 GPUs,
+p95 1.08x with placement away from busy GPUs; 16 GPUs, p95 1.84x by memory alone.)
 
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
 replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see

@@ -22,6 +22,7 @@ SCHED_SETTINGS = (
     "share",
     "slice_unit_mb",
     "max_sharers",
+    "slice_busy_pct",
 )
 UNLEASED_ACTIONS = ("flag", "kill")  # what node agents do about a process on a GPU no lease covers
 # The HTTP edge's settings: (name, exclusive low, inclusive high)
@@ -145,6 +146,9 @@ class Settings:
     share: bool = False
     slice_unit_mb: int = 1024
     max_sharers: int = 4
+    # A sliced GPU whose utilisation, averaged over its node agent's recent samples, is at or above
+    # this (%) is busy: a slice goes elsewhere while another GPU fits (docs/slices.md, Placement).
+    slice_busy_pct: int = 50
     # GPU-seconds of fair-share credit per second waited, per GPU asked for: large requests are
     # not starved, yet a long backlog does not turn fair share into first-come-first-served
     aging: float = 0.1
@@ -163,6 +167,7 @@ class Settings:
             "share": self.share,
             "slice_unit_mb": self.slice_unit_mb,
             "max_sharers": self.max_sharers,
+            "slice_busy_pct": self.slice_busy_pct,
         }
         base.update(self.scheduling.get(pool, {}))
         return {
@@ -176,6 +181,7 @@ class Settings:
             "share": bool(base["share"]),
             "slice_unit_mb": int(base["slice_unit_mb"]),  # type: ignore[call-overload]
             "max_sharers": int(base["max_sharers"]),  # type: ignore[call-overload]
+            "slice_busy_pct": int(base["slice_busy_pct"]),  # type: ignore[call-overload]
         }
 
     def teams_of(self, user: str) -> tuple[str, ...]:
@@ -243,6 +249,7 @@ class Settings:
                 "share": self.share,
                 "slice_unit_mb": self.slice_unit_mb,
                 "max_sharers": self.max_sharers,
+                "slice_busy_pct": self.slice_busy_pct,
             },
             **self.scheduling,
         }
@@ -265,7 +272,11 @@ class Settings:
                 )
             if not isinstance(table.get("share", False), bool):
                 raise ConfigurationError(f"share of pool {pool} must be true or false, got {table['share']!r}")
-            for key, low, high in (("slice_unit_mb", 1, 1024 * 1024), ("max_sharers", 1, 1024)):
+            for key, low, high in (
+                ("slice_unit_mb", 1, 1024 * 1024),
+                ("max_sharers", 1, 1024),
+                ("slice_busy_pct", 1, 101),  # 101: never busy (placement by memory alone)
+            ):
                 value = table.get(key, 1)
                 if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                     raise ConfigurationError(

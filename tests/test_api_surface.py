@@ -252,3 +252,82 @@ def test_event_log_and_stream_filter_by_lease(server: Any, monkeypatch: pytest.M
             for bad in ("bad id!", "x" * 65, ""):
                 resp = bob.get(f"{API}/{path}", params={"lease": bad})
                 assert_error(resp, 400, "bad_request", "lease must be", "letters, digits")
+
+
+# ---- the board's answer against its schema ---------------------------------------------------
+
+
+def _undeclared(doc: dict[str, Any], schema: dict[str, Any], value: Any, where: str) -> list[str]:
+    """Every field of ``value`` that ``schema`` (resolved through its $refs) does not declare."""
+    while "$ref" in schema:
+        schema = doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    out: list[str] = []
+    if isinstance(value, dict):
+        props, extra = schema.get("properties"), schema.get("additionalProperties")
+        for key, v in value.items():
+            if props is not None and key in props:
+                out += _undeclared(doc, props[key], v, f"{where}.{key}")
+            elif isinstance(extra, dict):
+                out += _undeclared(doc, extra, v, f"{where}[{key}]")
+            else:
+                out.append(f"{where}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for i, v in enumerate(value):
+            out += _undeclared(doc, schema["items"], v, f"{where}[{i}]")
+    return out
+
+
+def test_the_board_answers_only_declared_fields_slices_included(server_factory: Any, redis_sync: Any) -> None:
+    """GET /cluster with every kind of GPU the slices added (a sliced GPU with two slices, their
+    memory as the node agent measured it, a pool that shares) beside a whole lease:
+    every field it answers is declared in the OpenAPI document, all the way down."""
+    from lease_server.store.engine import Engine, connect
+    from lease_server.store.scripts import MemPeaks
+
+    srv = server_factory(scheduling={"A100-80GB": {"share": True, "slice_unit_mb": 1024}})
+    with http(srv, "alice") as alice, http(srv, "root", "admin") as root, http(srv) as anon:
+        doc = anon.get(f"{API}/openapi.json").json()
+        slices = [
+            alice.post(f"{API}/leases", json={"gpus": 1, "gpu_mem_mb": mb, "ttl": 600}).json() for mb in (10240, 20480)
+        ]
+        gone = alice.post(f"{API}/leases", json={"gpus": 1, "gpu_mem_mb": 4096, "ttl": 600}).json()
+        whole = alice.post(f"{API}/leases", json={"gpus": 1, "ttl": 600, "label": "whole"}).json()
+        assert all(r.get("gpu_mem_mb") for r in (*slices, gone)), slices
+        assert len({(r["node"], r["gpus"][0]["index"]) for r in (*slices, gone)}) == 1  # packed on one GPU
+
+        async def measured() -> None:  # what the node agent's memory watch reports (node/memwatch.py)
+            r = connect(srv.settings.redis_url)
+            try:
+                await Engine(r, srv.settings).run(
+                    MemPeaks(json.dumps({slices[0]["id"]: [3000, 4000], whole["id"]: [1, 2]}))
+                )
+            finally:
+                await r.aclose()
+
+        asyncio.run(measured())
+        # A revoked slice that named no process frees its memory at once: the board counts it out.
+        root.delete(f"{API}/leases/{gone['id']}")
+        view = alice.get(f"{API}/cluster").json()
+    sliced = [g for n in view["nodes"] for g in n["gpus"] if g["state"] == "sliced"]
+    assert len(sliced) == 1 and len(sliced[0]["slices"]) == 2, sliced
+    assert sliced[0]["slice_mem"] == {"total_mb": 81920, "used_mb": 30720, "free_mb": 51200}
+    mine = {s["lease"]: s for s in sliced[0]["slices"]}
+    assert (mine[slices[0]["id"]]["mem_used_mb"], mine[slices[0]["id"]]["mem_peak_mb"]) == (3000, 4000)
+    assert view["pools"]["A100-80GB"]["share"] is True and view["pools"]["A100-80GB"]["slices"] == 2
+    assert _undeclared(doc, doc["components"]["schemas"]["Cluster"], view, "cluster") == []
+    with http(srv) as anon:
+        samples = _samples(anon.get("/metrics").text)
+    a100 = (("pool", "A100-80GB"),)
+    assert samples[("gpulease_slices", a100)] == 2
+    assert samples[("gpulease_gpus", (*a100, ("state", "sliced")))] == 1
+    assert samples[("gpulease_gpus", (*a100, ("state", "leased")))] == 1
+    memory = {
+        state: samples[("gpulease_slice_memory_mb", (*a100, ("state", state)))]
+        for state in ("leased", "draining", "free")
+    }
+    assert memory == {"leased": 30720, "draining": 0, "free": 51200}
+    assert samples[("gpulease_slices", (("pool", "T4-16GB"),))] == 0
+    # ... and the check bites: a field the document does not declare is named.
+    sliced[0]["slices"][0]["surprise"] = 1
+    missing = _undeclared(doc, doc["components"]["schemas"]["Cluster"], view, "cluster")
+    assert len(missing) == 1 and missing[0].endswith("].slices[0].surprise"), missing

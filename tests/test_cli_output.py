@@ -500,3 +500,32 @@ def test_idle_lease_in_status_names_the_keep_command(up: Up) -> None:
     finally:
         run(up, "policy", "set", "A100-80GB", "idle_timeout=600", "min_age=120", "grace=120")
         end_all(c)
+
+
+def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: Any) -> None:
+    """A GPU shared by slices: the pools table counts it and its slices, each slice's line says its
+    size of its GPU, and a line per sliced GPU says its slices and the memory left."""
+    srv = server_factory("box=2xA100-80GB", scheduling={"A100-80GB": {"share": True}})
+    c = Client(srv.url, srv.token("alice"))
+    small = c.acquire(1, "A100-80GB", gpu_mem="10GB", label="a long label that will not fit in eighty columns at all")
+    big = c.acquire(1, "A100-80GB", gpu_mem="30GB", label="big")
+    env = {**os.environ, "COLUMNS": str(WIDTH), "GPULEASE_URL": srv.url, "GPULEASE_TOKEN": srv.token("alice")}
+    done = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    out = done.stdout
+    for line in (*out.splitlines(), *done.stderr.splitlines()):
+        assert len(line) <= WIDTH, f"{len(line)} columns: {line!r}"
+    pools_header = next(line for line in out.splitlines() if " pool " in line and " free " in line)
+    cols = [w for w in re.split(r"[┃│ ]+", pools_header) if w]
+    assert cols == ["pool", "nodes", "gpus", "free", "leased", "sliced", "slices", "down", "waiting"], pools_header
+    row = next(line for line in out.splitlines() if "A100-80GB" in line and "│" in line)
+    assert [w for w in re.split(r"[┃│ ]+", row) if w][1:8] == ["1", "2", "1", "0", "1", "2", "0"], row
+    gpu = small.gpus[0]["index"]
+    rows = {line.split()[0]: line for line in out.splitlines() if re.match(r"^l-[0-9a-f]{16} ", line)}
+    assert f"box GPU {gpu} 10G/80G" in rows[small.id] and f"box GPU {gpu} 30G/80G" in rows[big.id], out
+    assert rows[small.id].rstrip().endswith("…")
+    assert f"sliced: box GPU {gpu}: 2 slices, 40G of 80G leased, 40G free" in out, out
+    wide = subprocess.run([*CLI, "status", "--wide"], env=env, capture_output=True, text=True, timeout=60).stdout
+    row = next(line for line in wide.splitlines() if "│" in line and " sliced " in line)  # --wide: its GPU's row
+    assert [w.strip() for w in row.split("│")][1:3] == ["box", str(gpu)], row
+    assert " 2 slices " in row and "40G of 80G leased, 40G free" in row, row

@@ -59,9 +59,12 @@ def template(tmp_path: Path, *cells: dict[str, Any]) -> workload.Workload:
     return workload.load_sessions(path)
 
 
-def replay(w: workload.Workload, nodes: list[int], url: str, prefix: str, **kw: Any):
-    """lease-share kept in Redis, with the referee's view of its event log."""
-    settings = dataclasses.replace(Settings(), redis_url=url, prefix=prefix, event_log_max=10**6)
+def replay(w: workload.Workload, nodes: list[int], url: str, prefix: str, busy_pct: int = 50, **kw: Any):
+    """lease-share kept in Redis, with the referee's view of its event log (``busy_pct``: the pool's
+    slice_busy_pct; 101 places slices by memory alone)."""
+    settings = dataclasses.replace(
+        Settings(), redis_url=url, prefix=prefix, event_log_max=10**6, slice_busy_pct=busy_pct
+    )
     r = share.lease_share(w, nodes, ReplaySetup(url, prefix, settings, keep=True), **kw)
     red = Redis.from_url(url, decode_responses=True)
     try:
@@ -136,10 +139,18 @@ def test_cells_on_several_gpus_or_without_memory_take_whole_gpus(tmp_path, redis
     assert grants["c1"]["gpu_mem_mb"] == 1024 and "gpu_mem_mb" not in grants["c2"]
     assert r.wait_ms.tolist() == [0, 9 * MIN, 8 * MIN]
     assert (r.extra["sliced_cells"], r.extra["whole_cells"]) == (1, 2)
-    # as one slice per GPU (the what-if) the 2-GPU cell shares with the others and nobody waits
-    r2, events2, _ = replay(w, [2], redis_server.url, "shareslices", multi="slices")
+    # as one slice per GPU (the what-if), placed by memory alone, the 2-GPU cell shares with the
+    # others and nobody waits
+    r2, events2, _ = replay(w, [2], redis_server.url, "shareslices", multi="slices", busy_pct=101)
     assert r2.wait_ms.tolist() == [0, 0, 0]
     assert sum(1 for e in events2 if e["type"] == "grant" and e.get("gpu_mem_mb")) == 3
+    # away from busy GPUs (the default): the 2-GPU cell's slices keep GPU 0 90 % busy, so the slice
+    # takes GPU 1 rather than slow them, and the memoryless cell, which needs a whole GPU, waits
+    r3, events3, _ = replay(w, [2], redis_server.url, "shareaway", multi="slices")
+    places = {e["lease"]: e["gpus"] for e in events3 if e["type"] == "grant"}
+    assert places["c0"] == places["c0.1"] == [0] and places["c1"] == [1]
+    assert r3.wait_ms.tolist()[:2] == [0, 0] and r3.wait_ms.tolist()[2] > 0
+    assert minutes(r3)[1] == 10  # alone on GPU 1: not slowed
 
 
 @needs_adobe

@@ -174,13 +174,123 @@ def test_whole_gpus_never_land_on_a_sliced_gpu_and_slices_never_on_a_leased_one(
         gpus = {g["index"]: g for g in board["nodes"][0]["gpus"]}
         assert gpus[sl.gpus[0]["index"]]["state"] == "sliced"
         assert len(gpus[sl.gpus[0]["index"]]["slices"]) == 3
-        assert gpus[sl.gpus[0]["index"]]["slice_mem"] == {"total_mb": GPU_MB, "used_mb": 3 * 10240}
+        assert gpus[sl.gpus[0]["index"]]["slice_mem"] == {
+            "total_mb": GPU_MB,
+            "used_mb": 3 * 10240,
+            "free_mb": GPU_MB - 3 * 10240,
+        }
         assert board["pools"][A100]["sliced"] == 2 and board["pools"][A100]["slices"] == 4
         for lease in [sl, *more]:
             bob.release(lease)
         assert alice.acquire(1, A100).gpus[0]["index"] == sl.gpus[0]["index"]  # whole again once empty
         bob.release(spill)
     check_state(redis_sync, k)
+    check_event_log(read_events(redis_sync, k))
+
+
+def _set_util(srv: ServerHandle, node: str, **gpus: float) -> None:
+    """What the simulated GPUs of ``node`` report to its agent from now on (utilisation %)."""
+    with srv.client("root", "admin") as admin:
+        admin.request("PUT", f"/api/v1/simulate/{node}", json={"gpus": {i: {"util": u} for i, u in gpus.items()}})
+
+
+def _wait_util(redis_sync: Any, k: Keys, slot: str, busy: bool) -> None:
+    """Until the agent's samples made sliced GPU ``slot``'s average utilisation busy (>= 50 %) or not.
+    Samples leave no event to wait on: the ledger is read until then (sample_interval 0.05 s)."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        raw = redis_sync.hget(k.sliced, slot)
+        if raw is not None and (float(json.loads(raw).get("util_avg", 0)) >= 50) == busy:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{slot} never {'busy' if busy else 'calm'}: {redis_sync.hget(k.sliced, slot)}")
+
+
+@pytest.mark.parametrize("busy_pct", [50, 101])
+def test_a_slice_goes_where_it_fits_away_from_busy_gpus(server_factory: Any, redis_sync: Any, busy_pct: int) -> None:
+    """Best fit by memory first; among the GPUs where a slice fits, one whose recent samples are busy
+    is passed over while another fits (a sliced GPU that is not busy, else a free GPU), and taken
+    only when nothing else fits. With slice_busy_pct 101 (never busy) placement is by memory alone."""
+    table = {A100: {"share": True, "max_sharers": 4, "slice_busy_pct": busy_pct}}
+    srv = server_factory("n1=3xA100-80GB", scheduling=table, sample_interval=0.05)
+    k = keys_of(srv)
+    _set_util(srv, "n1", **{"0": 90, "1": 0, "2": 0})
+    with srv.client("alice") as alice:
+
+        def where(lease: Lease) -> int:
+            check_state(redis_sync, k)
+            return int(lease.gpus[0]["index"])
+
+        first = alice.acquire(1, A100, gpu_mem="10GB")
+        g0 = where(first)
+        assert g0 == 0, first.gpus  # a free GPU: the node's first
+        _wait_util(redis_sync, k, f"n1/{g0}", busy=True)
+        second = alice.acquire(1, A100, gpu_mem="10GB")
+        if busy_pct > 100:  # never busy: by memory alone, packed beside the busy cell
+            assert where(second) == g0
+            return
+        g1 = where(second)
+        assert g1 != g0  # the only sliced GPU is busy: a free GPU instead
+        _wait_util(redis_sync, k, f"n1/{g1}", busy=False)
+        assert where(alice.acquire(1, A100, gpu_mem="10GB")) == g1  # packed where it is calm
+        # Every GPU busy: the last free one is taken whole, then the best fit by memory, busy or not.
+        g2 = ({0, 1, 2} - {g0, g1}).pop()
+        _set_util(srv, "n1", **{str(g0): 90, str(g1): 95, str(g2): 80})
+        _wait_util(redis_sync, k, f"n1/{g1}", busy=True)
+        assert where(alice.acquire(1, A100, gpu_mem="10GB")) == g2
+        _wait_util(redis_sync, k, f"n1/{g2}", busy=True)
+        assert where(alice.acquire(1, A100, gpu_mem="10GB")) == g1  # 60 GB free: the best fit
+        # ... and a GPU that calms down is preferred again.
+        _set_util(srv, "n1", **{str(g0): 90, str(g1): 95, str(g2): 0})
+        _wait_util(redis_sync, k, f"n1/{g2}", busy=False)
+        assert where(alice.acquire(1, A100, gpu_mem="10GB")) == g2
+    check_event_log(read_events(redis_sync, k))
+
+
+def test_a_booking_in_force_recalls_the_slices_on_the_gpus_it_needs(server_factory: Any, redis_sync: Any) -> None:
+    """A booking of whole GPUs recalls slices as it recalls whole leases: every slice of a GPU it
+    needs is recalled together (one alone frees no GPU), with the booking's notice; no new slice joins
+    a GPU being emptied meanwhile; once they are gone the holder gets the GPUs whole."""
+    import time
+
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory("box=2xA100-80GB", scheduling=SHARING, borrow_notice=1.0, default_ttl=60)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    with srv.client("alice") as alice, srv.client("bob") as bob, srv.client("carol") as carol:
+        small = [bob.acquire(1, A100, gpu_mem="10GB", ttl=60) for _ in range(2)]
+        big = bob.acquire(1, A100, gpu_mem="70GB", ttl=60)  # too big beside the two: the other GPU
+        assert {sl.gpus[0]["index"] for sl in small} != {big.gpus[0]["index"]}
+        now = time.time()
+        booking = alice.request(
+            "POST", "/api/v1/bookings", json={"pool": A100, "gpus": 2, "start": now - 60, "end": now + 3600}
+        )
+        got: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: got.update(lease=alice.acquire(2, A100, wait=30, ttl=60)))
+        waiter.start()
+        recalled = [
+            watcher.wait_for(lambda e, i=sl.id: e["type"] == "borrow_recalled" and e["lease"] == i, 10, sl.id)
+            for sl in (*small, big)
+        ]
+        assert all(e["reservation"] == booking["id"] and e["requested_by"] == "alice" for e in recalled)
+        assert bob.get(small[0].id)["recall_at"]
+        # While they are being emptied, a new slice finds no room (the free GPUs are owed, the sliced
+        # ones are being recalled) rather than landing on one of them.
+        with pytest.raises(errors.NoCapacity):
+            carol.acquire(1, A100, gpu_mem="1GB")
+        check_state(redis_sync, k)
+        waiter.join(30)
+        lease = got["lease"]
+        assert lease.booking == booking["id"] and len(lease.gpus) == 2
+        for sl in (*small, big):
+            ended = bob.get(sl.id)
+            assert ended["state"] == "revoked" and "recalled for alice's booking" in ended["end_reason"], ended
+        assert redis_sync.hlen(k.sliced) == 0
+        check_state(redis_sync, k)
+        alice.release(lease)
     check_event_log(read_events(redis_sync, k))
 
 

@@ -787,3 +787,73 @@ def test_the_board_shows_a_warm_gpu_as_lendable_and_its_eviction(
         mine = granted.result(timeout=60)
     expect(board.get_by_role("cell", name=re.compile(rf"^t1 GPU {mine.indexes[0]}: leased, by alice"))).to_be_visible()
     alice.release(mine)
+
+
+def _measured(server: Any, lease_id: str, used_mb: int, peak_mb: int) -> None:
+    """What the node agent's memory watch reports of a lease (node/memwatch.py, mem_peaks.lua), sent
+    from a thread: asyncio.run cannot run inside the sync Playwright API's event loop."""
+    import asyncio
+    import json
+
+    from lease_server.store.engine import Engine, connect
+    from lease_server.store.scripts import MemPeaks
+
+    async def send() -> None:
+        r = connect(server.settings.redis_url)
+        try:
+            await Engine(r, server.settings).run(MemPeaks(json.dumps({lease_id: [used_mb, peak_mb]})))
+        finally:
+            await r.aclose()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, send()).result(timeout=30)
+
+
+@pytest.mark.parametrize("lease_server_settings", [{"scheduling": {"A100-80GB": {"share": True}}}])
+def test_the_board_draws_a_sliced_gpu_as_its_slices(
+    page: Any, lab: Lab, server: Any, clients: dict[str, Any], shots: Path
+) -> None:
+    """Two slices of one GPU: the tile is the GPU's slices, each with its holder, its memory of the
+    GPU's and what it uses at its peak where measured, and the memory left; the status bar counts
+    a slice as a slice, not a GPU held; a release shows at once."""
+    from playwright.sync_api import expect
+
+    alice, bob = clients["alice"], clients["bob"]
+    open_panel(page, lab)
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+    board = page.get_by_role("region", name="GPU board")
+    status = page.get_by_role("button", name=re.compile(r"^GPU: \d+ held"))
+    expect(status).to_have_text("GPU: 0 held · 8 free")
+
+    big = bob.acquire(1, "A100-80GB", ttl=120, label="big", gpu_mem="30GB")
+    _measured(server, big.id, 2900, 4000)  # before the next grant, whose event refetches the board
+    small = alice.acquire(1, "A100-80GB", ttl=120, label="small", gpu_mem="10GB")
+    node, index = small.node, small.gpus[0]["index"]
+    assert (big.node, big.gpus[0]["index"]) == (node, index)  # best fit packs them on one GPU
+    where = f"{node} GPU {index}"
+    cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 2 slices, 40 GB of 80 GB free")
+    expect(cell).to_have_attribute("data-state", "sliced")
+    slices = cell.get_by_role("list", name=f"slices of {where}").get_by_role("listitem")
+    expect(slices).to_have_count(2)
+    expect(slices.nth(0)).to_have_accessible_name(
+        re.compile(rf"^slice {big.id}: bob, 30 GB of 80 GB, using 2.8 GB, peak 3.9 GB, held \d+s, label big$")
+    )
+    expect(slices.nth(0)).to_have_text("bob · 30 GB of 80 GBusing 2.8 GB, peak 3.9 GB")  # two lines
+    expect(slices.nth(1)).to_have_accessible_name(
+        re.compile(rf"^slice {small.id}: alice \(you\), 10 GB of 80 GB, held \d+s, label small$")
+    )
+    expect(cell).to_contain_text("40 GB of 80 GB free")
+    expect(status).to_have_text("GPU: 0 held · 1 slice · 7 free")
+    mine = page.get_by_role("list", name="leases I hold")
+    expect(mine.get_by_text(f"{where} · 10 GB of 80 GB slice")).to_be_visible()
+    legend = page.get_by_role("list", name="legend")
+    expect(legend.get_by_role("listitem").filter(has_text=re.compile(r"^sliced · shared$"))).to_be_visible()
+    page.screenshot(path=str(shots / "1-two-slices.png"), full_page=True)
+
+    bob.release(big)
+    cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 1 slice, 70 GB of 80 GB free")
+    expect(cell.get_by_role("listitem")).to_have_count(1)
+    alice.release(small)
+    expect(board.get_by_role("cell", name=f"{where}: free")).to_be_visible()
+    expect(status).to_have_text("GPU: 0 held · 8 free")
+    print(f"screenshots: {shots}")

@@ -26,6 +26,22 @@ export interface IHolder {
   /** Where the lease comes from, when the client said (%%gpu_train sends them): a notebook's path, its cell. */
   notebook?: string;
   cell?: string;
+  /** What its processes use of the GPU's memory now and at their peak (MB), as its node agent measured them. */
+  mem_used_mb?: number;
+  mem_peak_mb?: number;
+}
+
+/** A slice of a GPU: a lease of part of its memory (docs/slices.md). */
+export interface ISlice {
+  lease: string;
+  user: string;
+  label: string;
+  gpu_mem_mb: number;
+  since: number;
+  expires_at: number;
+  /** What its processes use now and at their peak (MB), once its node agent measured them. */
+  mem_used_mb?: number;
+  mem_peak_mb?: number;
 }
 
 export interface IGpu {
@@ -33,7 +49,7 @@ export interface IGpu {
   uuid?: string;
   model?: string;
   memory_mb?: number;
-  /** free | leased | warm (kept for its notebook's next cell; lendable) | reserved (free, held back for a booking now) | borrowed | draining | down. */
+  /** free | leased | warm (kept for its notebook's next cell; lendable) | reserved (free, held back for a booking now) | borrowed | draining | sliced (shared by slices) | down. */
   state: string;
   lease?: IHolder;
   /** The booking a reserved GPU is held back for. */
@@ -51,6 +67,10 @@ export interface IGpu {
   };
   /** Processes on a GPU that no lease covers. */
   unleased_use?: Record<string, unknown>;
+  /** A sliced GPU: its live slices (largest first), those still draining, and its memory (MB). */
+  slices?: ISlice[];
+  slices_draining?: { lease: string; user: string; gpu_mem_mb: number; since: number }[];
+  slice_mem?: { total_mb: number; used_mb: number; free_mb: number };
 }
 
 export interface INode {
@@ -91,6 +111,9 @@ export interface ILease {
   /** The notebook (its path) and cell the lease was taken for, if the client said. */
   notebook?: string;
   cell?: string;
+  /** A slice: the memory it holds of its GPU, and the GPU's memory (MB). */
+  gpu_mem_mb?: number;
+  gpu_total_mb?: number;
 }
 
 export interface IWaiter {

@@ -140,9 +140,17 @@ export class GpuLeaseModel {
     return Date.now() / 1000 + this._clockOffset;
   }
 
+  /** Whole GPUs I hold (a slice is counted apart: heldSlices). */
   get heldGpus(): number {
     const cpu = this.cluster?.cpu_pool;
-    return this.leases.filter(lease => lease.pool !== cpu).reduce((n, lease) => n + lease.gpus.length, 0);
+    return this.leases
+      .filter(lease => lease.pool !== cpu && !lease.gpu_mem_mb)
+      .reduce((n, lease) => n + lease.gpus.length, 0);
+  }
+
+  /** Slices I hold: leases of part of one GPU's memory. */
+  get heldSlices(): number {
+    return this.leases.filter(lease => !!lease.gpu_mem_mb).length;
   }
 
   get freeGpus(): number {
@@ -512,4 +520,12 @@ export function duration(seconds: number): string {
     return `${Math.floor(s / 3600)}h${pad(Math.floor((s % 3600) / 60))}m`;
   }
   return `${Math.floor(s / 86400)}d${pad(Math.floor((s % 86400) / 3600))}h`;
+}
+
+/** GPU memory as people read it: "10 GB" (1024 MB each), "1.5 GB", "512 MB". */
+export function memSize(mb: number): string {
+  if (mb >= 1024) {
+    return `${(mb / 1024).toFixed(1).replace(/\.0$/, '')} GB`;
+  }
+  return `${Math.round(mb)} MB`;
 }

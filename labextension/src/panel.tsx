@@ -8,17 +8,18 @@
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer, useRef, useState } from 'react';
 
-import { IBooking, IGpu, IHolder, ILease, INode } from './api';
+import { IBooking, IGpu, IHolder, ILease, INode, ISlice } from './api';
 import { BookingCalendar, ICalendarPlace, confirmCancelBooking, formatWindow, gpuCount } from './calendar';
 import { confirmAction } from './confirm';
-import { GpuLeaseModel, LiveState, duration, reclaimCountdown } from './model';
+import { GpuLeaseModel, LiveState, duration, memSize, reclaimCountdown } from './model';
 
 /**
  * How each GPU state looks: free, leased, reserved (free but held back for a booking now), borrowed
  * (leased from a booking's capacity: revoked with a notice when the booking's holder asks), idle
  * (a leased GPU that idle reclaim warned), draining (the server ended its lease: free once its node
  * agent sees the old processes gone), warm (a finished cell's worker kept for its notebook's next
- * cell: lent out the moment someone waits), down.
+ * cell: lent out the moment someone waits), sliced (shared by slices, each a lease of part of its
+ * memory: drawn as its slices), down.
  */
 export const STATES: Record<string, { label: string; legend: boolean }> = {
   free: { label: 'free', legend: true },
@@ -28,6 +29,7 @@ export const STATES: Record<string, { label: string; legend: boolean }> = {
   borrowed: { label: 'borrowed', legend: true },
   idle: { label: 'idle', legend: false },
   draining: { label: 'draining', legend: true },
+  sliced: { label: 'sliced · shared', legend: false },
   down: { label: 'down', legend: true }
 };
 
@@ -106,8 +108,91 @@ function KeepButton(props: { model: GpuLeaseModel; id: string; where: string; sm
   );
 }
 
+/**
+ * What one slice's lines say: "bob · 10 GB of 80 GB", then "using 3 GB, peak 3.9 GB" once its node
+ * agent measured it; and its accessible name, with how long it is held and its label.
+ */
+export function sliceText(
+  s: ISlice,
+  totalMb: number,
+  you: boolean,
+  now: number
+): { head: string; used: string; name: string } {
+  const who = `${s.user}${you ? ' (you)' : ''}`;
+  const size = `${memSize(s.gpu_mem_mb)} of ${memSize(totalMb)}`;
+  const used =
+    s.mem_used_mb === undefined ? '' : `using ${memSize(s.mem_used_mb)}, peak ${memSize(s.mem_peak_mb ?? s.mem_used_mb)}`;
+  const name = [`${who}, ${size}`, used, `held ${duration(now - s.since)}`, s.label ? `label ${s.label}` : '']
+    .filter(Boolean)
+    .join(', ');
+  return { head: `${who} · ${size}`, used, name };
+}
+
+/**
+ * A GPU shared by slices: a line per slice (its holder, its memory of the GPU's, what it uses
+ * and its peak where known; a bar as wide as its share), the ones still draining, and the memory
+ * left for another slice.
+ */
+function SlicedCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: number }): JSX.Element {
+  const { model, node, gpu, now } = props;
+  const mem = gpu.slice_mem ?? { total_mb: gpu.memory_mb ?? 0, used_mb: 0, free_mb: 0 };
+  const slices = gpu.slices ?? [];
+  const draining = gpu.slices_draining ?? [];
+  const where = `${node.name} GPU ${gpu.index}`;
+  const mine = slices.some(s => s.user === model.user);
+  const count = `${slices.length} slice${slices.length === 1 ? '' : 's'}`;
+  const name = `${where}: ${stateLabel('sliced')}, ${count}, ${memSize(mem.free_mb)} of ${memSize(mem.total_mb)} free`;
+  const util = gpu.sample ? ` · ${Math.round(gpu.sample.util)}% busy` : '';
+  const width = (mb: number) => `${Math.max(2, Math.min(100, (100 * mb) / Math.max(1, mem.total_mb)))}%`;
+  return (
+    <td
+      role="cell"
+      className={`jp-GpuLease-cell jp-GpuLease-state-sliced${mine ? ' jp-GpuLease-mine' : ''}`}
+      aria-label={name}
+      title={`${gpu.model ?? ''} · shared by ${count}${util}`}
+      data-state="sliced"
+    >
+      <div className="jp-GpuLease-cellIndex">GPU {gpu.index} · sliced</div>
+      <ul className="jp-GpuLease-slices" aria-label={`slices of ${where}`}>
+        {slices.map(s => {
+          const { head, used, name } = sliceText(s, mem.total_mb, s.user === model.user, now);
+          return (
+            <li
+              key={s.lease}
+              className={`jp-GpuLease-slice${s.user === model.user ? ' jp-GpuLease-mine' : ''}`}
+              aria-label={`slice ${s.lease}: ${name}`}
+              title={`${s.lease}${s.label ? ` · ${s.label}` : ''} · expires in ${duration(s.expires_at - now)} unless renewed`}
+            >
+              <span className="jp-GpuLease-sliceBar" style={{ width: width(s.gpu_mem_mb) }} aria-hidden="true" />
+              <div className="jp-GpuLease-sliceText">{head}</div>
+              {used && <div className="jp-GpuLease-sliceText jp-GpuLease-sliceUsed">{used}</div>}
+            </li>
+          );
+        })}
+        {draining.map(d => (
+          <li
+            key={d.lease}
+            className="jp-GpuLease-slice jp-GpuLease-sliceDraining"
+            aria-label={`slice ${d.lease}: ${d.user}'s, ${memSize(d.gpu_mem_mb)} draining: free once its processes are gone`}
+          >
+            <div className="jp-GpuLease-sliceText">
+              {d.user} · {memSize(d.gpu_mem_mb)} · draining
+            </div>
+          </li>
+        ))}
+      </ul>
+      <div className="jp-GpuLease-cellLabel jp-GpuLease-sliceFree">
+        {memSize(mem.free_mb)} of {memSize(mem.total_mb)} free
+      </div>
+    </td>
+  );
+}
+
 function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: number }): JSX.Element {
   const { model, node, gpu, now } = props;
+  if (gpu.state === 'sliced') {
+    return <SlicedCell model={model} node={node} gpu={gpu} now={now} />;
+  }
   const lease = gpu.lease;
   const mine = !!lease && lease.user === model.user;
   const held = lease ? duration(now - lease.since) : '';
@@ -261,7 +346,10 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
 }
 
 function gpuList(lease: ILease): string {
-  return `${lease.node} GPU ${lease.gpus.map(g => g.index).join(', ')}`;
+  const slice = lease.gpu_mem_mb
+    ? ` · ${memSize(lease.gpu_mem_mb)}${lease.gpu_total_mb ? ` of ${memSize(lease.gpu_total_mb)}` : ''} slice`
+    : '';
+  return `${lease.node} GPU ${lease.gpus.map(g => g.index).join(', ')}${slice}`;
 }
 
 function MyLeases(props: { model: GpuLeaseModel; now: number }): JSX.Element {

@@ -1,5 +1,6 @@
 /**
- * The status bar item: "GPU: 2 held · 5 free". Clicking it opens the GPU Leases panel.
+ * The status bar item: "GPU: 2 held · 5 free" ("GPU: 0 held · 1 slice · 5 free" with a slice of a
+ * GPU). Clicking it opens the GPU Leases panel.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer } from 'react';
@@ -14,7 +15,10 @@ export function statusText(model: GpuLeaseModel): string {
     return model.error ? 'GPU: lease server unreachable' : 'GPU: …';
   }
   const stale = model.error ? ' (stale)' : '';
-  return `GPU: ${model.heldGpus} held · ${model.freeGpus} free${stale}`;
+  // A slice is part of one GPU: counted as slices, never as GPUs held.
+  const slices = model.heldSlices;
+  const sliced = slices ? ` · ${slices} slice${slices === 1 ? '' : 's'}` : '';
+  return `GPU: ${model.heldGpus} held${sliced} · ${model.freeGpus} free${stale}`;
 }
 
 function StatusView(props: { model: GpuLeaseModel; onClick: () => void }): JSX.Element {

@@ -84,6 +84,10 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         _gpu_table(view, out)
     else:
         _lease_table(view)
+    for n in view["nodes"]:  # a GPU shared by slices: how many, and the memory left for another
+        for g in n["gpus"]:
+            if g.get("slice_mem"):
+                out.print(Text.assemble(("sliced", "blue"), ": ", shown(_sliced_line(n["name"], g))), soft_wrap=True)
     for (node, _), gs in draining.items():
         d, which = gs[0]["draining"], ",".join(str(g["index"]) for g in gs)
         line = f"{node} GPU {which}: {d['user']}'s lease {d['state']} {ago(d['since'], now)} ago, free once clean"
@@ -181,6 +185,16 @@ def _lease_table(view: dict[str, Any]) -> None:
         )
 
 
+def _sliced_line(node: str, g: dict[str, Any]) -> str:
+    """'box GPU 0: 2 slices, 40G of 80G leased, 40G free' (and what ended slices still hold)."""
+    mem, live = g["slice_mem"], g.get("slices") or []
+    leased = sum(sl["gpu_mem_mb"] for sl in live)
+    line = f"{node} GPU {g['index']}: {len(live)} slice{'' if len(live) == 1 else 's'}, "
+    line += f"{mem_size(leased)} of {mem_size(mem['total_mb'])} leased, {mem_size(mem['free_mb'])} free"
+    held = sum(d["gpu_mem_mb"] for d in g.get("slices_draining") or [])
+    return line + (f", {mem_size(held)} draining" if held else "")
+
+
 def mem_size(mb: int) -> str:
     """GPU memory, short: "10G" for 10240 MB, "1.5G", or "512M" under a GB."""
     if mb >= 1024:
@@ -194,7 +208,7 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
     gpus = Table(title="GPUs")
     for col in ("node", "gpu", "model", "memory", "state", "util", "mem used", "holder", "label", "held", "lease"):
         gpus.add_column(col, no_wrap=True)
-    colors = {"free": "green", "leased": "yellow", "warm": "blue", "draining": "cyan", "down": "red"}
+    colors = {"free": "green", "leased": "yellow", "warm": "blue", "sliced": "blue", "draining": "cyan", "down": "red"}
     for n in view["nodes"]:
         for g in n["gpus"]:
             lease = g.get("lease") or {}
@@ -204,6 +218,8 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
             if g.get("unleased_use"):
                 state += " [bold red]unleased use[/]"
             sample = g.get("sample") or {}
+            if g.get("slice_mem"):  # shared by slices: how many, and the memory left (a line each below)
+                lease = {"user": f"{len(g.get('slices') or [])} slices", "label": _sliced_line(n["name"], g)}
             gpus.add_row(
                 shown(n["name"]),
                 str(g["index"]),

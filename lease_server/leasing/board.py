@@ -185,7 +185,11 @@ def _slices(ledger: dict[str, Any], leases: dict[str, Any]) -> dict[str, Any]:
     return {
         "slices": sorted(out, key=lambda e: (-e["gpu_mem_mb"], e["lease"])),
         "slices_draining": drains,
-        "slice_mem": {"total_mb": int(ledger["total_mb"]), "used_mb": int(ledger["used_mb"])},
+        "slice_mem": {
+            "total_mb": int(ledger["total_mb"]),
+            "used_mb": int(ledger["used_mb"]),
+            "free_mb": int(ledger["total_mb"]) - int(ledger["used_mb"]),  # what another slice may still take
+        },
     }
 
 

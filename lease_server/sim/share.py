@@ -22,6 +22,12 @@ for as long as that holds; it is recomputed whenever a cell starts or ends on th
 several GPUs goes at the pace of its slowest one. A cell's *slowdown* is the time it ran over its
 trace duration (1.0 when it was never crowded). Whole GPUs are never shared, so never stretched.
 
+Placement away from busy GPUs (``slice_busy_pct`` of the replay's settings, ``_lib_slice.lua``) sees
+what a node agent would report: whenever a shared GPU's running cells change, the replay sends the
+real ``samples.lua`` a sample of it (their utilisations added up, at most 100 %) before the
+instant's acquires, with a sampling gap so short that the newest sample is the GPU's average (a
+live agent averages about its last six, a few seconds apart; here a GPU's tenants hold for minutes).
+
 The replay runs every virtual instant in one pipelined round trip (releases, acquires, then the
 event stream for grants from the queue); it is slower than the ``lease`` replay's speculation but
 the traces it is meant for (hundreds of cells) take well under a second per probe.
@@ -40,7 +46,7 @@ import numpy as np
 
 from ..leasing.inventory import Gpu, NodeInventory
 from ..store.keys import Keys
-from ..store.scripts import Acquire, Code, Common, Release, declared_keys, source
+from ..store.scripts import Acquire, Code, Common, Release, Samples, declared_keys, source
 from .replay import (
     EPOCH_MS,
     FOREVER_MS,
@@ -60,7 +66,7 @@ from .workload import Workload
 GPU_MEM_MB = 40_960  # the simulated GPUs' memory: the trace names no GPU model (an A100-40GB here)
 MULTI = ("whole", "slices")
 
-_END, _READY = 0, 1
+_END, _READY, _SAMPLE = 0, 1, 2
 
 
 class Stuck(RuntimeError):
@@ -129,11 +135,14 @@ def lease_share(
     t0 = int(w.start.min()) if w.n_sessions else 0
     _register_shared(setup, invs, EPOCH_MS + t0)
     wire = _Wire(setup.redis_url)
+    replay: _ShareReplay | None = None
     try:
-        return _ShareReplay(w, nodes, wire, keys, settings, slice_plan(w, multi), multi).run(progress)
+        replay = _ShareReplay(w, nodes, wire, keys, settings, slice_plan(w, multi), multi)
+        return replay.run(progress)
     finally:
         if not setup.keep:
-            wire.call([_command("DEL", *keys.all())])
+            sampled = [keys.samples(slot) for slot in replay.sampled] if replay else []
+            wire.call([_command("DEL", *keys.all(), *sampled)])
         wire.close()
 
 
@@ -174,6 +183,10 @@ class _ShareReplay:
 
         self.acq = script("acquire", Acquire)
         self.rel = script("release", Release)
+        self.samples_sha = wire.call([_command("SCRIPT", "LOAD", source("samples"))])[0].decode()
+        self.event_log_max = settings.event_log_max
+        self.resample: set[str] = set()  # shared GPUs whose running cells changed since the last sample
+        self.sampled: set[str] = set()  # every GPU sampled (their sample lists are dropped at the end)
         n = w.n_cells
         self.users = list(w.users)
         self.cell_user = w.cell_user.tolist()
@@ -232,6 +245,17 @@ class _ShareReplay:
         user = self.users[self.cell_user[c]]
         return self.rel.pack(self._now, _pack(Release(lease_id, "", user, False, "released", "cell returned").argv()))
 
+    def _sample(self, slot: str) -> bytes:
+        """What a node agent reports of shared GPU ``slot`` now: its running cells' utilisation."""
+        node, idx = slot.split("/")
+        util = min(100.0, sum(self.util[c] for c in self.on_gpu.get(slot, ())))
+        call = Samples(self._now, self.event_log_max, 1, 5.0, node, 0, ())
+        keys = [getattr(self.keys, name) for name in Samples.FIXED_KEYS] + [self.keys.samples(slot)]
+        self.sampled.add(slot)
+        # gap 0.001 ms: the newest sample is the average (see the module's docstring)
+        argv = [*call.argv()[:5], 0.001, idx, round(util, 1), 0, "[]"]
+        return _command("EVALSHA", self.samples_sha, len(keys), *keys, *argv)
+
     # ---- the co-tenant model -----------------------------------------------------------
 
     def _stretch(self, slot: str) -> float:
@@ -260,6 +284,7 @@ class _ShareReplay:
             if mb:
                 slot = f"{node}/{idx[0]}"
                 st.slots.append(slot)
+                self.resample.add(slot)
                 on = self.on_gpu.setdefault(slot, set())
                 on.add(c)
                 self.peak_sharers = max(self.peak_sharers, len(on))
@@ -301,6 +326,7 @@ class _ShareReplay:
                 for slot in st.slots:
                     self.on_gpu[slot].discard(c)
                     touched |= self.on_gpu[slot]
+                    self.resample.add(slot)
                 for lid, _node, idx, mb in st.parts:
                     cmds.append(self._release(c, lid))
                     plan.append((_END, c, mb, lid))
@@ -313,6 +339,10 @@ class _ShareReplay:
                         asks.append(c + 1)
                     else:
                         heapq.heappush(heap, (t + self.gap[c + 1], _READY, c + 1, 0))
+            for slot in sorted(self.resample):  # what the agents saw change, before the acquires
+                cmds.append(self._sample(slot))
+                plan.append((_SAMPLE, -1, 0, slot))
+            self.resample.clear()
             for c in asks:
                 self.ready[c] = t
                 parts = self.plan[c]
@@ -329,6 +359,8 @@ class _ShareReplay:
                 if kind == _END:
                     if reply[0] != Code.OK:
                         raise RuntimeError(f"release of {lid} at {t} ms answered {reply!r}")
+                    continue
+                if kind == _SAMPLE:
                     continue
                 if reply[0] == Code.OK:
                     rec = json.loads(reply[1])

@@ -61,7 +61,7 @@ Scheduling:
                       fraction of the GPU); "pool|~preemptible" -> preemptible leases live (a blocked
                       request looks for victims only if any)
 ``sched``      hash   pool -> JSON {scheduler, quotas, preempt_notice_ms, idle_weight, share, slice_unit_mb,
-                      max_sharers} from the config
+                      max_sharers, slice_busy_pct} from the config
 ``elastic``    zset   lexicographic "pool|lease id" for every live elastic lease (gpus_min < gpus), so a
                       blocked request finds the pool's leases it may ask to shrink without reading them all
 ``shrink_due`` zset   elastic lease id -> ms when the server shrinks it to its shrink_to (its owner was

@@ -85,8 +85,8 @@ def _code_only(text: str) -> str:
 LIB_FILES = (
     "_lib",
     "_lib_bookings",
-    "_lib_recall",
     "_lib_slice",
+    "_lib_recall",
     "_lib_schedule",
     "_lib_drain",
     "_lib_warm",
@@ -1015,7 +1015,7 @@ class GpuSample:
 @dataclass(frozen=True)
 class Samples:
     """One node agent's sample of its GPUs. Standalone: own ARGV from 1, per-GPU keys after the fixed
-    seven; the reply is (samples recorded, GPUs in use by processes no lease holds)."""
+    nine; the reply is (samples recorded, GPUs in use by processes no lease holds)."""
 
     script: ClassVar[str] = "samples"
     FIXED_KEYS: ClassVar[tuple[str, ...]] = (
@@ -1027,6 +1027,7 @@ class Samples:
         "covered_since",
         "lease_util",
         "draining",
+        "sliced",
     )
     now_ms: int | None
     event_log_max: int

@@ -52,6 +52,15 @@ class Metrics:
         self.queued_gpus = Gauge(
             "gpulease_queue_gpus", "GPUs asked for by waiting requests, by pool", ["pool"], registry=self.registry
         )
+        # Slices (docs/slices.md): labels are pools and three fixed states, never leases or users.
+        self.slices = Gauge("gpulease_slices", "Live slices held, by pool", ["pool"], registry=self.registry)
+        self.slice_mem = Gauge(
+            "gpulease_slice_memory_mb",
+            "Memory of sliced GPUs, by pool and state: leased (promised to live slices), draining (promised "
+            "to ended slices whose processes are not seen gone), free (left for another slice)",
+            ["pool", "state"],
+            registry=self.registry,
+        )
         self.nodes = Gauge("gpulease_nodes", "Nodes by pool and state", ["pool", "state"], registry=self.registry)
 
     def observe(self, handler: Any, seconds: float) -> None:
@@ -82,8 +91,18 @@ class Metrics:
         """The page as of now: the cluster read from Redis, the request counters of this process."""
         view = await cluster_view(self.engine)
         for pool, counts in view["pools"].items():
-            for state in ("free", "leased", "down"):
+            for state in ("free", "leased", "sliced", "down"):
                 self.gpus.labels(pool, state).set(counts[state])
+            self.slices.labels(pool).set(counts["slices"])
+        mem = {(pool, state): 0 for pool in view["pools"] for state in ("leased", "draining", "free")}
+        for n in view["nodes"]:
+            for g in n["gpus"]:
+                if "slice_mem" in g:
+                    mem[(n["pool"], "leased")] += sum(s["gpu_mem_mb"] for s in g["slices"])
+                    mem[(n["pool"], "draining")] += sum(s["gpu_mem_mb"] for s in g["slices_draining"])
+                    mem[(n["pool"], "free")] += g["slice_mem"]["free_mb"]
+        for (pool, state), mb in mem.items():
+            self.slice_mem.labels(pool, state).set(mb)
         node_counts: dict[tuple[str, str], int] = {}
         for n in view["nodes"]:
             node_counts[(n["pool"], n["state"])] = node_counts.get((n["pool"], n["state"]), 0) + 1

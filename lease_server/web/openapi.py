@@ -186,7 +186,8 @@ def _response_schemas() -> dict[str, Any]:
             "properties": {
                 "now": num,
                 "default_pool": {"type": ["string", "null"]},
-                "pools": {"type": "object", "additionalProperties": {"type": "object"}},
+                "cpu_pool": {"type": ["string", "null"], "description": "The pool of CPU slots, if one is registered"},
+                "pools": {"type": "object", "additionalProperties": _ref("PoolCounts")},
                 "nodes": {
                     "type": "array",
                     "items": {
@@ -194,48 +195,133 @@ def _response_schemas() -> dict[str, Any]:
                         "properties": {
                             "name": {"type": "string"},
                             "pool": {"type": "string"},
+                            "source": {"type": "string", "description": "Where its GPUs come from: nvml, simulated"},
+                            "isolation": {"type": "string"},
                             "state": {"type": "string", "enum": ["up", "down"]},
-                            "gpus": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "properties": {
-                                        **GPU_PROPS,
-                                        "state": {
-                                            "type": "string",
-                                            "enum": [
-                                                "free",
-                                                "leased",
-                                                "warm",
-                                                "reserved",
-                                                "borrowed",
-                                                "draining",
-                                                "sliced",
-                                                "down",
-                                            ],
-                                        },
-                                        "lease": {"type": "object"},
-                                        "slices": {
-                                            "type": "array",
-                                            "description": "A sliced GPU's slices: lease, user, label, "
-                                            "gpu_mem_mb, since, expires_at",
-                                            "items": {"type": "object"},
-                                        },
-                                        "slices_draining": {"type": "array", "items": {"type": "object"}},
-                                        "slice_mem": {
-                                            "type": "object",
-                                            "description": "A sliced GPU's memory and what its slices are promised",
-                                            "properties": {
-                                                "total_mb": {"type": "integer"},
-                                                "used_mb": {"type": "integer"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
+                            "heartbeat_deadline": {"type": ["number", "null"]},
+                            "gpus": {"type": "array", "items": _ref("BoardGpu")},
                         },
                     },
                 },
+            },
+        },
+        "PoolCounts": {
+            "type": "object",
+            "description": "A pool's GPUs counted by state (a GPU shared by slices counts as sliced), its "
+            "live slices, and, where its GPUs may be sliced (share), the unit a slice is rounded up to",
+            "properties": {
+                **{c: {"type": "integer"} for c in ("gpus", "nodes", "slices", *GPU_STATES)},
+                "kind": {"type": "string", "enum": ["gpu", "cpu"]},
+                "share": {"type": "boolean"},
+                "slice_unit_mb": {"type": "integer"},
+            },
+        },
+        "BoardGpu": {
+            "type": "object",
+            "description": "A GPU on the board: as its agent declares it, its state and who holds it",
+            "properties": {
+                **GPU_PROPS,
+                "state": {"type": "string", "enum": GPU_STATES},
+                "lease": _ref("BoardHolder"),
+                "reservation": {
+                    "type": "object",
+                    "description": "The booking a reserved GPU is held back for",
+                    "properties": {"id": {"type": "string"}, "owner": {"type": "string"}, "note": {"type": "string"}},
+                },
+                "sample": {
+                    "type": "object",
+                    "description": "Its node agent's newest sample",
+                    "properties": {"at": num, "util": num, "mem_used_mb": {"type": "integer"}},
+                },
+                "draining": {
+                    "type": "object",
+                    "description": "The server ended its lease: free once its agent sees that lease's processes gone",
+                    "properties": {
+                        "lease": {"type": "string"},
+                        "user": {"type": "string"},
+                        "state": {"type": "string"},
+                        "since": num,
+                        "abandoned": {
+                            "type": "object",
+                            "properties": {"pid": {"type": ["integer", "null"]}, "why": {"type": ["string", "null"]}},
+                        },
+                    },
+                },
+                "unleased_use": {
+                    "type": "object",
+                    "description": "Processes on it that no live lease covers",
+                    "properties": {"pids": {"type": "array", "items": {"type": "integer"}}, "since": num},
+                },
+                "slices": {
+                    "type": "array",
+                    "description": "A sliced GPU's live slices, largest first",
+                    "items": _ref("Slice"),
+                },
+                "slices_draining": {
+                    "type": "array",
+                    "description": "A sliced GPU's slices that the server ended: their memory stays promised "
+                    "until their processes are gone",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "lease": {"type": "string"},
+                            "user": {"type": "string"},
+                            "gpu_mem_mb": {"type": "integer"},
+                            "since": num,
+                        },
+                    },
+                },
+                "slice_mem": {
+                    "type": "object",
+                    "description": "A sliced GPU's memory: its size, what its slices (live and draining) are "
+                    "promised, and what is left for another slice",
+                    "properties": {
+                        "total_mb": {"type": "integer"},
+                        "used_mb": {"type": "integer"},
+                        "free_mb": {"type": "integer"},
+                    },
+                },
+            },
+        },
+        "BoardHolder": {
+            "type": "object",
+            "description": "The lease that holds a GPU whole",
+            "properties": {
+                "id": {"type": "string"},
+                "user": {"type": "string"},
+                "label": {"type": "string"},
+                "since": num,
+                "expires_at": num,
+                "idle_warning": {"type": "boolean"},
+                "reclaim_at": num,
+                "notebook": {"type": "string"},
+                "cell": {"type": "string"},
+                "reservation": {"type": "string", "description": "The booking it is served from"},
+                "borrowed": {"type": "boolean"},
+                "recall_at": num,
+                "warm_since": num,
+                "mem_used_mb": {
+                    "type": "integer",
+                    "description": "Its processes' GPU memory now, as its node agent measured it (pools that share)",
+                },
+                "mem_peak_mb": {"type": "integer", "description": "... and at their peak"},
+                "shrink_to": {"type": "integer"},
+                "shrink_by": num,
+            },
+        },
+        "Slice": {
+            "type": "object",
+            "description": "A slice of a GPU: its lease, holder and the memory it is promised; what its processes "
+            "use now and at their peak, once its node agent measured them",
+            "properties": {
+                "lease": {"type": "string"},
+                "user": {"type": "string"},
+                "label": {"type": "string"},
+                "gpu_mem_mb": {"type": "integer"},
+                "since": num,
+                "expires_at": num,
+                "mem_used_mb": {"type": "integer"},
+                "mem_peak_mb": {"type": "integer"},
             },
         },
         "Queue": {"type": "object", "properties": {"waiting": {"type": "array", "items": {"type": "object"}}}},

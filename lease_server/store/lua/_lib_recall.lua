@@ -17,10 +17,14 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
     end
   end
   local flat = redis.call('HGETALL', K_LEASES)
+  local slices = {}
   for i = 2, #flat, 2 do
     local l = cjson.decode(flat[i])
-    -- a slice is never recalled: ending it frees no whole GPU (its GPU keeps its other slices)
-    if l.pool == pool and not l.gpu_mem_mb then
+    -- a slice alone frees no whole GPU (its GPU keeps its other slices): a booking recalls the
+    -- slices of a GPU together (slice_victims); nothing else recalls slices
+    if l.pool == pool and l.gpu_mem_mb then
+      slices[#slices + 1] = l
+    elseif l.pool == pool then
       -- GPUs per node: a multi-node gang frees its share on each of its nodes (and all its work
       -- is lost wherever it is recalled).
       local on = {}
@@ -44,6 +48,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
       end
     end
   end
+  if kind == 'borrow_recalled' then slice_victims(per, slices, rank) end
   local best, best_cost, best_list, best_over = nil, nil, nil, nil
   for node, p in pairs(per) do
     table.sort(p.victims, function(x, y)
@@ -56,6 +61,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
     for _, v in ipairs(p.victims) do
       if have >= n then break end
       list[#list + 1] = v.l
+      for _, o in ipairs(v.more or {}) do list[#list + 1] = o end  -- a sliced GPU's other slices
       have = have + v.count
       cost = cost + v.lost
     end

@@ -5,7 +5,8 @@
 -- | "priority", quota = {user = GPUs, ["*"] = per-user default, ["team:NAME"] = GPUs},
 -- preempt_notice_ms, idle_weight (how much a held-but-idle GPU-second counts in fair share),
 -- share (its GPUs may be sliced: _lib_slice.lua), slice_unit_mb (a slice's size is rounded up to
--- a multiple of it), max_sharers (the most slices, live or draining, on one GPU)}.
+-- a multiple of it), max_sharers (the most slices, live or draining, on one GPU), slice_busy_pct
+-- (a sliced GPU whose recent utilisation averages this much is busy: allocate_slice)}.
 local function sched_of(pool)
   local c = SCHED_CACHE[pool]
   if c then return c end
@@ -21,6 +22,7 @@ local function sched_of(pool)
   c.share = c.share == true
   c.slice_unit_mb = tonumber(c.slice_unit_mb) or 1024
   c.max_sharers = tonumber(c.max_sharers) or 4
+  c.slice_busy_pct = tonumber(c.slice_busy_pct) or 50
   SCHED_CACHE[pool] = c
   return c
 end
@@ -333,8 +335,9 @@ end
 -- a free GPU that the pool's bookings in force still owe (it is not served from a booking, and is
 -- never borrowed: what a recall frees is counted in whole GPUs), but may share a sliced one.
 local function slice_parts(w, pool, owed, sched, exclude)
-  local p = allocate_slice(pool, w.gpu_mem_mb, sched.max_sharers, exclude)
-  if not p or (p.fresh and owed > 0 and pool_free(pool) - 1 < owed) then return nil end
+  local p, busy = allocate_slice(pool, w.gpu_mem_mb, sched.max_sharers, sched.slice_busy_pct, exclude)
+  if p and p.fresh and owed > 0 and pool_free(pool) - 1 < owed then p = busy end
+  if not p then return nil end
   return {{node = p.node, slice = p}}
 end
 

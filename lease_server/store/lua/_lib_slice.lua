@@ -6,7 +6,8 @@
 -- is then SLICED (held by no one lease, so it is never free, never registered free again and never
 -- granted whole), and K_SLICED "node/idx" holds its memory ledger, JSON
 --   {pool, total_mb, used_mb, max, leases = {id = MB}, draining = {id = {mb, user, state, since, pids}},
---    fit = its K_SLICE_FIT member or absent}
+--    fit = its K_SLICE_FIT member or absent, util_avg = its utilisation (%) averaged over its node
+--    agent's recent samples and util_at = the newest one's ms (written by samples.lua) or absent}
 -- used_mb is what the live and the draining slices are promised together: never above total_mb
 -- (the invariant; tests/invariants.py checks it). A draining slice is one the server ended whose
 -- processes the node agent has not yet seen gone: its memory stays promised until drained.lua.
@@ -67,28 +68,99 @@ local function save_slices(slot, s)
   return false
 end
 
--- Where a slice of `mb` MB of `pool` goes: the sliced GPU of an up node with the least free memory
--- that still has mb (best fit: slices pack, whole GPUs stay whole), else a free GPU taken whole from
--- the best-fit node (allocate), skipping `exclude` (the node held back for a blocked head of the
--- queue) and GPUs with less than mb. Returns {node, index, slot[, fresh, rest, old_count, total_mb]}
--- or nil; changes nothing (grant_slice does).
-local function allocate_slice(pool, mb, max_sharers, exclude)
+-- Whether a slice of sliced GPU `s` (its ledger) is being recalled: its GPU is being emptied for a
+-- booking, so no new slice joins it. At most max_sharers reads.
+local function slices_recalled(s)
+  for id in pairs(s.leases) do
+    local raw = redis.call('HGET', K_LEASES, id)
+    if raw and string.find(raw, '"recall_at"', 1, true) then return true end
+  end
+  return false
+end
+
+-- How many of the best fits by memory allocate_slice looks at for one that is not busy: bounded
+-- work, whatever the pool's size (each is one HGET of its ledger).
+local SLICE_CANDIDATES = 16
+
+-- Where a slice of `mb` MB of `pool` goes. First key, memory: the sliced GPUs of up nodes that
+-- still have mb, least free memory first (best fit: slices pack, whole GPUs stay whole). Second,
+-- utilisation: of the first SLICE_CANDIDATES of those (less any on `exclude`, the node held for a
+-- blocked request, whose slices are being recalled), the best fit whose recent utilisation
+-- (util_avg, the node agent's samples averaged by samples.lua) is under busy_pct; if every one is
+-- busy, a free GPU taken whole from the best-fit node (allocate, skipping `exclude`, the node held
+-- back for a blocked head of the queue, and GPUs with less than mb): nobody runs there; with none,
+-- the best fit however busy. So two heavy cells meet on one GPU only when nothing else fits.
+-- Returns {node, index, slot[, fresh, rest, old_count, total_mb]} or nil, and, when that is a free
+-- GPU, the busy best fit it passed over (or nil: the caller's fallback when it may not take a free
+-- GPU); changes nothing (grant_slice does).
+local function allocate_slice(pool, mb, max_sharers, busy_pct, exclude)
   local lo = '[' .. pool .. '|' .. string.format('%08d', mb) .. '|'
-  local members = redis.call('ZRANGEBYLEX', K_SLICE_FIT, lo, '(' .. pool .. '|~', 'LIMIT', 0, 16)
+  local members = redis.call('ZRANGEBYLEX', K_SLICE_FIT, lo, '(' .. pool .. '|~', 'LIMIT', 0, SLICE_CANDIDATES)
+  local busy
   for _, m in ipairs(members) do
     local slot = string.match(m, '^[^|]+|%d+|(.+)$')
     local node, idx = string.match(slot, '^(.+)/(%d+)$')
     -- a down node's sliced GPUs keep their entries (their slices may come back with it): skipped
     if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
-      return {node = node, index = tonumber(idx), slot = slot}
+      local s = cjson.decode(redis.call('HGET', K_SLICED, slot))
+      local p = {node = node, index = tonumber(idx), slot = slot}
+      -- the node held for a blocked request may be the one whose slices a booking recalls
+      if node ~= exclude or not slices_recalled(s) then
+        if (tonumber(s.util_avg) or 0) < busy_pct then return p end
+        busy = busy or p
+      end
     end
   end
   local node, taken, rest, old_count = allocate(pool, 1, exclude)
-  if not node then return nil end
-  local total = inv_memory(redis.call('HGET', K_NODES, node), taken[1])
-  if total < mb then return nil end
-  return {node = node, index = taken[1], slot = node .. '/' .. taken[1], fresh = true, rest = rest,
-          old_count = old_count, total_mb = total, max = max_sharers}
+  if node then
+    local total = inv_memory(redis.call('HGET', K_NODES, node), taken[1])
+    if total >= mb then
+      return {node = node, index = taken[1], slot = node .. '/' .. taken[1], fresh = true, rest = rest,
+              old_count = old_count, total_mb = total, max = max_sharers}, busy
+    end
+  end
+  return busy
+end
+
+-- For a recall of whole GPUs for a booking's holder (recall in _lib_recall.lua): the GPUs that the
+-- live slices `slices` of the pool share, each a victim that frees one whole GPU once every slice
+-- on it is gone. per[node].victims gets {l = a slice, more = the GPU's other slices, count = 1,
+-- rank = the highest of their ranks, lost = their lost work, each weighed by its fraction}; a GPU
+-- whose live slices are all being recalled already counts as coming free (per[node].have), and
+-- one with a slice that rank(l) refuses is no victim.
+local function slice_victims(per, slices, rank)
+  local gpus, order = {}, {}
+  for _, l in ipairs(slices) do
+    local p = per[l.node]
+    if p then
+      local slot = l.node .. '/' .. l.gpus[1].index
+      local u = gpus[slot]
+      if not u then
+        u = {p = p, ls = {}, ok = true, lost = 0}
+        gpus[slot] = u
+        order[#order + 1] = slot
+      end
+      if not l.recall_at then
+        local r = rank(l)
+        if r == nil then
+          u.ok = false
+        else
+          u.ls[#u.ls + 1] = l
+          u.rank = math.max(u.rank or r, r)
+          u.lost = u.lost + (NOW - l.created_at) * l.gpu_mem_mb / l.gpu_total_mb
+        end
+      end
+    end
+  end
+  for _, slot in ipairs(order) do
+    local u = gpus[slot]
+    if u.ok and #u.ls == 0 then
+      u.p.have = u.p.have + 1
+    elseif u.ok then
+      table.sort(u.ls, function(x, y) return x.id < y.id end)
+      u.p.victims[#u.p.victims + 1] = {l = u.ls[1], more = {unpack(u.ls, 2)}, count = 1, rank = u.rank, lost = u.lost}
+    end
+  end
 end
 
 -- Promise lease `id` `mb` MB of the GPU `p` (allocate_slice's answer): a fresh GPU leaves its node's

@@ -11,7 +11,10 @@
 --           threshold, sum of utilization %, peak memory MB: what the usage ledger reports
 -- KEYS[8] = draining  hash node/index -> JSON entry (one of state "unleased" is a free GPU held out
 --           of the pool while a process no lease covers uses it: unleased_hold.lua)
--- KEYS[9..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
+-- KEYS[9] = sliced    hash node/index -> a sliced GPU's memory ledger (_lib_slice.lua): its
+--           util_avg (%, the samples averaged with a time constant of 2 * ARGV[6]) and util_at
+--           (ms of the newest), by which slice placement avoids busy GPUs
+-- KEYS[10..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
 -- ARGV[1] = virtual now ms or "" (Redis TIME)   ARGV[2] = event log max length
 -- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
 -- ARGV[5] = node                             ARGV[6] = longest gap (ms) between two samples that
@@ -28,8 +31,11 @@ else
 end
 local keep, threshold, node, gap = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local recorded, unleased = 0, 0
+-- The time constant of a sliced GPU's average utilisation: about the last six samples weigh (twice
+-- the longest gap of continuous sampling, three sample intervals: 30 s at the default 5 s).
+local util_tau = 2 * gap
 local i = 7
-local k = 9
+local k = 10
 while ARGV[i] do
   local index, util, mem, pids = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   local slot = node .. '/' .. index
@@ -47,7 +53,17 @@ while ARGV[i] do
   local holder = redis.call('HGET', KEYS[3], slot)  -- "~": draining, held by no lease
   -- "~slices": shared by slices (lua/_lib_slice.lua): no one lease's samples, and its processes
   -- are its slices' (judged per slice, not here): counted as a draining GPU is
-  if holder == '~slices' then holder = '~' end
+  if holder == '~slices' then
+    holder = '~'
+    local raw = redis.call('HGET', KEYS[9], slot)
+    if raw then  -- annotated only: the ledger's promises are _lib_slice.lua's
+      local s = cjson.decode(raw)
+      local avg, at = util, tonumber(s.util_at)
+      if at and NOW > at then avg = s.util_avg + (1 - math.exp((at - NOW) / util_tau)) * (util - s.util_avg) end
+      s.util_avg, s.util_at = math.floor(avg * 100 + 0.5) / 100, NOW
+      redis.call('HSET', KEYS[9], slot, cjson.encode(s))
+    end
+  end
   if holder == '~' then  -- held for unleased use: judged as the free GPU it is
     local d = redis.call('HGET', KEYS[8], slot)
     if d and string.find(d, '"state":"unleased"', 1, true) then holder = false end
