@@ -92,10 +92,29 @@ def _on_kernel_shutdown(ip: Any, hook: Any) -> None:
             hook()
         except Exception:  # noqa: BLE001 - never block a shutdown; the TTL is the backstop
             pass
+        _flush_iopub(kernel)
         return original(restart)
 
     kernel.do_shutdown = do_shutdown
     kernel._gpulease_hooked = True
+
+
+def _flush_iopub(kernel: Any, timeout: float = 2.0) -> None:
+    """Wait (at most ``timeout``) until the kernel's IOPub thread has sent what is queued for it:
+    the cells' last lines. ipykernel stops that thread at exit without draining its queue, and a
+    loaded machine can leave a line written just before a shutdown unsent: the cell would go on
+    saying it waits for a kernel that is gone."""
+    import threading
+
+    io_thread = getattr(getattr(kernel, "iopub_socket", None), "io_thread", None)
+    if io_thread is None or not hasattr(io_thread, "schedule"):
+        return
+    sent = threading.Event()
+    try:
+        io_thread.schedule(sent.set)  # runs after every send queued before it, in order
+    except Exception:  # noqa: BLE001 - a closed thread: nothing left to wait for
+        return
+    sent.wait(timeout)
 
 
 def unload_ipython_extension(ip: Any) -> None:

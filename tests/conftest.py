@@ -55,18 +55,21 @@ def default_sigint() -> Iterator[None]:
 # Lengths measured with `--durations=0` (seconds, 2-core VM, loaded): a hint for scheduling only; a
 # module missing from both lists still runs, after these.
 RAY_GROUP = (
+    # These join the one Ray head of the tests (conftest's RayHead, `gpulease up --ray-address`),
+    # one after the other, so it starts once...
     "test_magics",  # 234
-    "test_gang",  # 200
     "test_elastic",  # 194
     "test_run_cell",  # 166
     "test_cell_edges",  # 151
     "test_slice_cells",  # 150
     "test_warm_cells",  # 137
-    "test_multihost",  # 114
-    "test_sim_sessions",  # 112
     "test_ui_stop",  # 107
     "test_sweep",  # 89
     "test_elastic_drain",  # 72
+    # ... and these start Ray clusters of their own, once it has stopped.
+    "test_gang",  # 200
+    "test_multihost",  # 114
+    "test_sim_sessions",  # 112
     "test_ray_auth",  # 65
     "test_cli",  # 46
     "test_gpu_run",  # 88 (tests/gpu/run_all.sh --simulate: a `gpulease up`, a notebook)
@@ -86,6 +89,9 @@ _RANK = {m: k for k, m in enumerate(RAY_GROUP + LONGEST_FIRST)}
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: _RANK.get(item.path.stem, len(_RANK)))  # stable: a module's order stays
+    for spec in {_stack_of(item) for item in items} - {None}:
+        if spec is not None and spec.shares_ray:
+            _RAY_NODES.update(inv.node for inv in parse_simulate(spec.simulate))
     for item in items:
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.exclusive("load"))
@@ -399,13 +405,18 @@ class Stack:
     kernels: bool = False
     own: str = ""
 
+    @property
+    def shares_ray(self) -> bool:
+        """Whether it joins the session's one Ray head (:class:`RayHead`) rather than starting its own."""
+        return "--no-ray" not in self.args and "--ray-address" not in self.args
+
     @classmethod
     def of(
         cls, simulate: str = "box=2xA100-80GB", *args: str, kernels: bool = False, own: str = "", **env: str
     ) -> Stack:
         return cls(simulate, args, tuple(sorted(env.items())), kernels, own)
 
-    def start(self, tmp: pytest.TempPathFactory) -> Up:
+    def start(self, tmp: pytest.TempPathFactory, head: RayHead | None = None) -> Up:
         kernels = tmp.mktemp("kernels") if self.kernels else None
         if kernels is not None:
             from magics.kernel import install
@@ -415,8 +426,9 @@ class Stack:
             home = tmp.mktemp("gpulease-home")
             # One Ray head starts at a time here: its agents must start within ~15 s of its raylet,
             # which several heads starting together on two cores can miss.
+            joins = ("--ray-address", head.address, "--ray-token-file", str(head.token)) if head else ()
             with machine_lock("ray-start") if "--no-ray" not in self.args else contextlib.nullcontext():
-                up = Up(home, *self.args, simulate=self.simulate, **dict(self.env))
+                up = Up(home, *self.args, *joins, simulate=self.simulate, **dict(self.env))
             # `gpulease up` says so, and goes on, when its Ray head did not come up (a loaded machine
             # can time out Ray's own start): a kernel or driver would then hang joining it. Once more.
             said = up.log.read_text()
@@ -430,26 +442,68 @@ class Stack:
         return up
 
 
+_RAY_NODES: set[str] = set()  # every node of the stacks that share the Ray head: its resources
+
+
+class RayHead:
+    """One Ray head for every stack that runs Ray (``gpulease up --ray-address``), started as
+    ``gpulease up`` starts its own (the same ``ray start``, token auth on), with the node resources
+    of all of them: a head start and a first driver cost 20-40 s on two cores, once per module
+    before. Each stack still has its own Redis, lease server, agent and kernels; the workers of a
+    module's kernels end with those kernels."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        from lease_server.cli import service
+        from lease_server.node import rayauth
+
+        self.dir = tmp.mktemp("ray-head")
+        self.token = rayauth.ensure_token(self.dir)
+        env = rayauth.clean_env(dict(os.environ), self.token)
+        nodes = [parse_simulate(f"{n}=1xA100-80GB")[0] for n in sorted(_RAY_NODES | {"box"})]
+        self._stop = service._stop
+        for attempt in (1, 2, 3):
+            with machine_lock("ray-start"):
+                self.proc, self.address = service._start_ray(self.dir, nodes, env)
+                assert self.proc is not None, "ray is not installed"
+                if service._wait_for_ray(self.address, env=env, last=attempt == 3):
+                    return
+            service._stop(self.proc, "ray head")
+        raise AssertionError(f"the tests' Ray head did not start: {(self.dir / 'ray.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self._stop(self.proc, "ray head")
+
+
 class Stacks:
     """The session's stacks, each started when a module first asks for it and stopped when the next
-    test to run here asks for another (or none), so that at most one idles while the next starts."""
+    test to run here asks for another (or none), so that at most one idles while the next starts;
+    and the Ray head they share, stopped once no test to come here needs it."""
 
     def __init__(self, tmp: pytest.TempPathFactory) -> None:
         self.tmp = tmp
         self.live: dict[Stack, Up] = {}
+        self.head: RayHead | None = None
 
     def get(self, spec: Stack) -> Up:
         if spec not in self.live:
-            self.live[spec] = spec.start(self.tmp)
+            if spec.shares_ray and self.head is None:
+                self.head = RayHead(self.tmp)
+            self.live[spec] = spec.start(self.tmp, self.head if spec.shares_ray else None)
         return self.live[spec]
 
     def done(self, spec: Stack, wanted_next: Stack | None) -> None:
         if spec != wanted_next and spec in self.live:
             self.live.pop(spec).interrupt()
+        if self.head is not None and not (wanted_next is not None and wanted_next.shares_ray):
+            self.head.stop()
+            self.head = None
 
     def stop_all(self) -> None:
         while self.live:
             self.live.popitem()[1].interrupt()
+        if self.head is not None:
+            self.head.stop()
+            self.head = None
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
+import subprocess
 import sys
 import time
 
@@ -111,3 +113,16 @@ def test_up_starts_and_stops_a_ray_head(tmp_path):
         code, out = up.interrupt()
     assert code == 0, out
     assert "stopped ray head" in out and not port_open(int(port))
+
+
+def test_up_refuses_ray_options_that_contradict_each_other(tmp_path):
+    token = tmp_path / "ray_token"
+    token.write_text("t\n")
+    env = {**os.environ, "GPULEASE_HOME": str(tmp_path / "home")}
+    for args, said in (
+        (["--ray-token-file", str(token)], "--ray-token-file goes with --ray-address"),
+        (["--ray-address", "127.0.0.1:6380", "--no-ray"], "drop one of them"),
+    ):
+        done = subprocess.run([*CLI, "up", "--no-lab", *args], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert not (tmp_path / "home").exists()  # refused before anything started

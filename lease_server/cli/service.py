@@ -279,6 +279,19 @@ def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
     help="Redis AOF, token, logs",
 )
 @click.option("--ray/--no-ray", default=True, show_default=True, help="Start a local Ray head")
+@click.option(
+    "--ray-address",
+    metavar="HOST:PORT",
+    default=None,
+    help="Join this running Ray cluster instead of starting a head: its nodes need the resources "
+    "that `gpulease agent --simulate SPEC --print-ray-resources` prints",
+)
+@click.option(
+    "--ray-token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="With --ray-address: the cluster's auth token file (RAY_AUTH_MODE=token), handed to kernels",
+)
 @click.option("--lab/--no-lab", default=True, show_default=True, help="Start JupyterLab (if installed)")
 @click.option("--lab-port", default=8888, show_default=True)
 @click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
@@ -290,6 +303,8 @@ def up(
     port: int,
     data_dir: Path,
     ray: bool,
+    ray_address: str | None,
+    ray_token_file: Path | None,
     lab: bool,
     lab_port: int,
     config: str | None,
@@ -301,6 +316,10 @@ def up(
     from ..node.redis_proc import PASSWORD_FILE, for_data_dir
     from ..web.server import serve
 
+    if ray_token_file is not None and not ray_address:
+        raise click.UsageError("--ray-token-file goes with --ray-address (a head gpulease starts makes its own)")
+    if ray_address and not ray:
+        raise click.UsageError("--ray-address joins a Ray cluster and --no-ray starts none: drop one of them")
     _setup_logging(verbose)
     data_dir = data_dir.expanduser().resolve()
     nodes = _inventories(simulate, None, None, cpu_slots)
@@ -320,7 +339,18 @@ def up(
         url = f"http://127.0.0.1:{port}"
         (data_dir / "url").write_text(url + "\n")
         ray_token: Path | None = None
-        if ray:
+        if ray_address:
+            # A Ray cluster run by someone else (or shared by several stacks): joined, never
+            # started or stopped here; a driver must be accepted before the banner says so.
+            ray_token = ray_token_file.expanduser().resolve() if ray_token_file else None
+            ray_env = rayauth.clean_env(dict(os.environ), ray_token) if ray_token else None
+            if not _wait_for_ray(ray_address, timeout=60, env=ray_env):
+                raise click.ClickException(f"the Ray cluster at {ray_address} did not accept a driver; is it running?")
+            settings.ray_address = ray_address
+            (data_dir / "ray_address").write_text(ray_address + "\n")
+            if ray_token is not None:
+                settings.ray_auth_token_file = str(ray_token)
+        elif ray:
             # Token authentication: the head, its workers, JupyterLab's kernels and the lease
             # server's /info share the token in data_dir, through the environment (lease_server/node/rayauth.py).
             ray_token = rayauth.ensure_token(data_dir)
