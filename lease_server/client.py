@@ -671,6 +671,13 @@ class HeldLease:
             self._thread.join(timeout=5)
         return self.client.handoff(self.lease, to)
 
+    def suspend(self) -> dict[str, Any]:
+        """Hand this warm lease back with its worker suspended (:meth:`Client.suspend`); the
+        renewals stop once the server took it. Raises Conflict where it cannot be (they go on)."""
+        ended = self.client.suspend(self.lease)
+        self._stop.set()
+        return ended
+
     def release(self, verified: bool = False) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():

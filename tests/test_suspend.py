@@ -159,3 +159,80 @@ def test_suspend_off_ends_evicted_workers_as_before(server_factory, procs):  # n
     assert "suspend" not in srv.client("root").cluster()["nodes"][0]
     with pytest.raises(errors.Conflict, match="cannot suspend GPU state"):
         alice.suspend(lease)
+
+
+# ---- the suspenders (lease_server/node/suspend.py), where no GPU is needed ----------------------------
+
+
+def test_a_restore_needs_the_snapshot_plus_a_tenth_free_and_never_guesses() -> None:
+    from lease_server.node.suspend import fits
+
+    gib = 2**30
+    assert fits(10 * gib, 11 * gib) and not fits(10 * gib, 11 * gib - 1)
+    assert not fits(10 * gib, None)  # free memory unknown: never try and see (cuda-checkpoint#44)
+    assert fits(0, 0)
+
+
+def test_the_checkpoint_api_structures_have_the_drivers_layout() -> None:
+    import ctypes
+
+    from lease_server.node import suspend
+
+    # cuda.h: each argument struct is 64 bytes; a GPU pair is two 16-byte UUIDs
+    for struct in (suspend._LockArgs, suspend._Reserved8, suspend._RestoreArgs):
+        assert ctypes.sizeof(struct) == 64, struct
+    assert ctypes.sizeof(suspend._GpuPair) == 32
+    assert suspend._RestoreArgs.gpuPairsCount.offset == 8 and suspend._RestoreArgs.reserved1.offset == 56
+    uuid = "GPU-5b2c9d3e-1f4a-4c8e-9b7d-0a1b2c3d4e5f"
+    assert suspend.uuid_bytes(uuid) == bytes.fromhex("5b2c9d3e1f4a4c8e9b7d0a1b2c3d4e5f")
+    with pytest.raises(ValueError, match="not a GPU UUID"):
+        suspend.uuid_bytes("GPU-1234")
+    same, _ = suspend.restore_args([(uuid, uuid)])
+    assert same.gpuPairsCount == 0  # onto the GPU it left: no remapping
+    other = "GPU-00000000-0000-0000-0000-000000000001"
+    moved, keep = suspend.restore_args([(uuid, other)])
+    assert moved.gpuPairsCount == 1 and bytes(moved.gpuPairs[0].newUuid.bytes)[-1] == 1
+
+
+class Driver:
+    """libcuda's checkpoint entry points as a table of answers (CUresult per call), recording the calls."""
+
+    def __init__(self, **answers: int) -> None:
+        self.calls: list[str] = []
+        self.answers = answers
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*_args: Any) -> int:
+            self.calls.append(name)
+            return self.answers.get(name, 0)
+
+        return call
+
+
+def test_a_failed_checkpoint_unlocks_the_worker_so_that_the_drain_can_end_it() -> None:
+    from lease_server.node.suspend import CudaCheckpoint, SuspendFailed
+
+    ok = Driver()
+    snap = CudaCheckpoint(ok).suspend(4242, 7 * 2**30)
+    assert ok.calls == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint"] and snap.bytes == 7 * 2**30
+    CudaCheckpoint(ok).restore(4242, [])
+    assert ok.calls[2:] == ["cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
+    failing = Driver(cuCheckpointProcessCheckpoint=2)  # CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(SuspendFailed, match="cuCheckpointProcessCheckpoint.4242. answered CUresult 2"):
+        CudaCheckpoint(failing).suspend(4242, 0)
+    assert failing.calls[-1] == "cuCheckpointProcessUnlock"
+    locked_out = Driver(cuCheckpointProcessLock=1)
+    with pytest.raises(SuspendFailed):
+        CudaCheckpoint(locked_out).suspend(4242, 0)
+    assert locked_out.calls == ["cuCheckpointProcessLock"]  # never checkpointed what it could not lock
+
+
+def test_without_a_driver_the_node_says_why_it_does_not_suspend() -> None:
+    from lease_server.node.suspend import CudaCheckpoint, Simulated, detect
+
+    assert "no CUDA driver" in str(CudaCheckpoint.probe("libcuda-that-is-not-here.so"))
+    assert isinstance(detect("auto", nvml_node=False), Simulated)
+    assert detect("off", nvml_node=False) == "off (suspend = off)"

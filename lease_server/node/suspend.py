@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..sizes import show_mb
+
 log = logging.getLogger(__name__)
 
 RESTORE_HEADROOM = 1.10  # the target GPU's free memory must be the snapshot's size plus 10 %
@@ -58,14 +60,8 @@ def fits(size_bytes: int, free_bytes: int | None) -> bool:
 
 
 def show_bytes(n: int) -> str:
-    """A size as a person reads it in a cell's line: "3.2 GB", "512 MB", "0 B"."""
-    if n >= 10**9:
-        return f"{n / 10**9:.1f} GB"
-    if n >= 10**6:
-        return f"{n / 10**6:.0f} MB"
-    if n >= 10**3:
-        return f"{n / 10**3:.0f} kB"
-    return f"{n} B"
+    """A size as a person reads it in a cell's line: "3.2 GB", "512 MB" (as ``sizes.show_mb``)."""
+    return show_mb(n / 2**20)
 
 
 class Suspender(Protocol):
