@@ -46,6 +46,15 @@ adobe_share_slowdown_p50, adobe_share_slowdown_p95   its cells' run time over th
 (adobe_share_slices_*: the same with one slice per GPU of a multi-GPU cell, a what-if: 24 GPUs,
 p95 1.08x with placement away from busy GPUs; 16 GPUs, p95 1.84x by memory alone.)
 
+adobe_state_kept_share   lease-warm on 64 GPUs with suspend to host as the server does it (an evicted
+                         one-GPU warm worker suspended, restored by its session's next one-GPU cell on
+                         the same node within warm_max, at 4 GB/s of the trace's vram; suspend at
+                         2.5 GB/s holds the GPU): GPU cells that find their GPU state, warm or
+                         restored                                                   (target >= 0.85)
+adobe_warm_added_p99_wait_s   its p99 time-to-GPU minus lease's on 64 GPUs        (target <= 2)
+(adobe_state_kept_share_multi: workers of any GPU count suspended, a what-if; _keep2h: and warm_max
+suspending a warm worker for 2 h instead of ending it; adobe_warm_start_share: warm starts alone.)
+
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
 replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see
 lease_server/sim/bookings.py) its utilization, waits, replay speed, re-runs of recalled cells and the
@@ -84,7 +93,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "adobe_p50_wait_s_lease": ("<=", 1.0),
     "adobe_share_gpus": ("<=", 32.0),
     "adobe_share_slowdown_p95": ("<=", 1.2),
+    "adobe_state_kept_share": (">=", 0.85),
+    "adobe_warm_added_p99_wait_s": ("<=", 2.0),
 }
+SUSPEND_GPUS = 64  # issue 36: the state kept is judged at 64 GPUs
 SHARE_BASELINE_GPUS = 56  # issue 35: whole-GPU leases serve the Adobe sessions on 56 GPUs
 verdict = functools.partial(_common.verdict, TARGETS)
 
@@ -221,6 +233,8 @@ ADOBE_FIRST = (
     "adobe_share_gpus",
     "adobe_share_slowdown_p50",
     "adobe_share_slowdown_p95",
+    "adobe_state_kept_share",
+    "adobe_warm_added_p99_wait_s",
 )
 
 
@@ -286,6 +300,48 @@ def adobe(out: dict[str, Any]) -> None:
     say(f"adobe_p50_wait_s_lease {p50:.1f} {verdict('adobe_p50_wait_s_lease', p50)}")
     say(f"adobe_sim_hours_per_wall_s {out['adobe_sim_hours_per_wall_s']:.0f}")
     adobe_share(out, w)
+    adobe_suspend(out, w)
+
+
+def adobe_suspend(out: dict[str, Any], w: Any) -> None:
+    """lease-warm with suspend to host on 64 GPUs (issue 36 item 7): the share of GPU cells that find
+    their GPU state, and what the evictions add to the waiters' p99 time-to-GPU; then the what-ifs."""
+    from lease_server.sim import report
+    from lease_server.sim.replay import cluster
+    from lease_server.sim.run import simulate
+
+    with _common.private_redis("gpulease-simbench-suspend-") as (redis, _tmp):
+        with section(out, "adobe: suspend"):
+            nodes = cluster(SUSPEND_GPUS)
+            lease, warm = simulate(w, nodes, ["lease", "lease-warm"], redis_url=redis.url)
+            (multi,) = simulate(w, nodes, ["lease-warm"], redis_url=redis.url, suspend_gpus=8)
+            (keep,) = simulate(w, nodes, ["lease-warm"], redis_url=redis.url, suspend_gpus=8, suspend_keep_s=7200)
+    x = warm.extra
+    added = report.figures(w, warm)["wait_p99_s"] - report.figures(w, lease)["wait_p99_s"]
+    out["adobe_state_kept_share"] = x["state_kept_share"]
+    out["adobe_warm_start_share"] = x["warm_start_share"]
+    out["adobe_warm_added_p99_wait_s"] = added
+    out["adobe_suspends"], out["adobe_restores"], out["adobe_suspend_lost"] = (
+        x["suspends"],
+        x["restores"],
+        x["suspend_lost"],
+    )
+    out["adobe_state_kept_share_multi"] = multi.extra["state_kept_share"]
+    out["adobe_warm_added_p99_wait_s_multi"] = (
+        report.figures(w, multi)["wait_p99_s"] - report.figures(w, lease)["wait_p99_s"]
+    )
+    out["adobe_state_kept_share_keep2h"] = keep.extra["state_kept_share"]
+    say(
+        f"adobe lease-warm + suspend on {SUSPEND_GPUS} GPUs: {x['evictions']} evictions, {x['suspends']} suspended, "
+        f"{x['restores']} restored, {x['suspend_lost']} lost (other GPU count or node, past warm_max)"
+    )
+    say(
+        f"adobe what-ifs: any GPU count suspended {out['adobe_state_kept_share_multi']:.3f} "
+        f"(p99 +{out['adobe_warm_added_p99_wait_s_multi']:.1f} s); and warm_max suspends for 2 h "
+        f"{out['adobe_state_kept_share_keep2h']:.3f}"
+    )
+    for k in ("adobe_state_kept_share", "adobe_warm_added_p99_wait_s"):
+        say(f"{k} {out[k]:.3f} {verdict(k, out[k])}")
 
 
 def adobe_share(out: dict[str, Any], w: Any) -> None:

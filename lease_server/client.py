@@ -388,6 +388,11 @@ class Client:
         body = {"lease": "", "gpus": gpus}
         return int(self.request("POST", protocol.node_drained(node), json=body)["freed"])
 
+    def suspend(self, lease: Lease) -> dict[str, Any]:
+        """Hand back your warm one-GPU lease with its worker suspended to host memory (its node's
+        agent moves it off the GPU before the GPU is lent). Raises Conflict where it cannot be."""
+        return self.request("POST", protocol.lease_suspend(lease.id), json={"token": lease.token})
+
     def warm(self, lease: Lease, on: bool = True) -> dict[str, Any]:
         """Keep your one-node lease warm between cells (``on``): your worker stays, its GPUs are lent
         to whoever would otherwise wait (event ``evicting``, then revoked after the pool's notice);
@@ -665,6 +670,13 @@ class HeldLease:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         return self.client.handoff(self.lease, to)
+
+    def suspend(self) -> dict[str, Any]:
+        """Hand this warm lease back with its worker suspended (:meth:`Client.suspend`); the
+        renewals stop once the server took it. Raises Conflict where it cannot be (they go on)."""
+        ended = self.client.suspend(self.lease)
+        self._stop.set()
+        return ended
 
     def release(self, verified: bool = False) -> None:
         self._stop.set()

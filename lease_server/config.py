@@ -108,6 +108,13 @@ class Settings:
     # device rules allow only its GPUs. "auto": on NVML nodes where the agent can (root, cgroups);
     # "on": simulated nodes too (their cgroups then only track a lease's processes); "off".
     gpu_isolation: str = "auto"
+    # Suspend to host (lease_server/node/suspend.py): an evicted warm worker's GPU state goes to host
+    # memory and the worker lives on for its notebook's next cell. "auto": where the node can
+    # (simulated nodes; NVML nodes whose driver's checkpoint API answers); "off": ended, as before.
+    # Per node, the suspended workers together hold at most suspend_host_budget_gb of host memory:
+    # over it, the oldest is ended.
+    suspend: str = "auto"
+    suspend_host_budget_gb: float = 64.0
     # Per user: requests waiting in the queue at once, and event streams open on one server replica
     # (a running call follows its lease with two: the driver's and its worker's watchdog).
     max_queued_per_user: int = 256
@@ -222,6 +229,11 @@ class Settings:
                 raise ConfigurationError(f"{name} must be above {low:g} and at most {high:g}, got {value!r}")
         if not 0 <= self.refusal_hold_s <= 60:
             raise ConfigurationError(f"refusal_hold_s must be between 0 and 60 seconds (got {self.refusal_hold_s})")
+        if self.suspend not in ("auto", "off") or not 0 <= self.suspend_host_budget_gb <= 1_000_000:
+            raise ConfigurationError(
+                f"suspend must be auto or off (got {self.suspend!r}) and suspend_host_budget_gb between 0 and "
+                f"1000000 (got {self.suspend_host_budget_gb})"
+            )
         if self.gpu_isolation not in ("auto", "on", "off"):
             raise ConfigurationError(f"gpu_isolation must be auto, on or off (got {self.gpu_isolation!r})")
         if not 0 < self.drain_interval <= 10 or not 0 <= self.drain_kill_grace_s <= 600:

@@ -91,6 +91,10 @@ def lease_warm(lease_id: str) -> str:
     return f"{lease(lease_id)}/warm"
 
 
+def lease_suspend(lease_id: str) -> str:
+    return f"{lease(lease_id)}/suspend"
+
+
 def token(token_id: str) -> str:
     return f"{TOKENS}/{_seg(token_id)}"
 
@@ -183,6 +187,7 @@ class EndCause(enum.StrEnum):
     PREEMPTED = "preempted"  # preempted for a request within quota (it ran above quota)
     EVICTED = "evicted"  # a warm lease lent out to a waiting request
     OVER_MEMORY = "over_memory"  # a slice stayed over its memory past its grace: its node agent ended it
+    SUSPENDED = "suspended"  # its owner handed back a warm lease with its worker suspended to host memory
 
 
 # ---- the lease record ------------------------------------------------------------------------------
@@ -342,6 +347,11 @@ class EventType(enum.StrEnum):
     WARM = "warm"  # a lease was kept warm: it runs nothing, and whoever would otherwise wait evicts it
     RESUMED = "resumed"  # a warm lease runs a cell again
     EVICTING = "evicting"  # a warm lease evicted for a waiter: revoked at recall_at (_lib_recall.lua recall)
+    # suspend to host (suspend.lua, drained.lua, unsuspend.lua): an evicted warm lease's worker lives
+    # on off the GPU (bytes of GPU state to host, ms), restored onto its notebook's next lease, or ended
+    SUSPENDED = "suspended"
+    RESTORED = "restored"
+    SUSPEND_ENDED = "suspend_ended"
     # idle reclaim
     IDLE_WARNING = "idle_warning"  # a lease's GPUs have been idle: reclaimed at reclaim_at (idle_warn.lua)
     IDLE_CLEARED = "idle_cleared"  # a warned lease's GPUs got busy again (keep.lua)
@@ -408,6 +418,9 @@ BOARD_EVENTS = frozenset(
         EventType.WARM,
         EventType.RESUMED,
         EventType.EVICTING,
+        EventType.SUSPENDED,
+        EventType.RESTORED,
+        EventType.SUSPEND_ENDED,
     )
 )
 

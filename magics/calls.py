@@ -68,6 +68,7 @@ class Result:
     peak_memory: int | None = None  # bytes on the leased GPUs, where NVML could tell
     pid: int = 0
     imported: list[str] = field(default_factory=list)  # installed packages the call imported (a spare preloads them)
+    restored: dict[str, Any] | None = None  # a suspended worker restored for this call: {bytes, ms} (its node agent's)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class Grant:
         self._on_ended: Callable[[], None] = lambda: None
         self.handed_to = ""  # the request this lease and its worker were handed to
         self.asked_mb = 0  # a slice: the MB asked for (the lease's gpu_mem_mb may be rounded up)
+        self.restore = False  # its first call restores a worker suspended on eviction (magics/warm.py)
         self._notes: list[str] = []  # said about the lease while it runs (a slice over its memory)
         self._notes_lock = threading.Lock()
         if lease is not None:
@@ -231,6 +232,7 @@ class Grant:
             "user": user,
             "fence": self.lease.token,
             "instance": self.sess.instance(),
+            "restore": self.restore,
         }
 
     def follow(self, on_ended: Callable[[], None]) -> None:

@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from lease_server import errors
+from lease_server.sizes import show_mb
 
 from . import cellcode, space
 from .elastic import DEFAULT_MIN_EFFICIENCY
@@ -455,6 +456,14 @@ class GpuMagics(Magics):
                 )
         else:
             print("  no lease held")
+        for node in view["nodes"]:  # an evicted warm worker whose GPU state waits in host memory
+            for w in node.get("suspended") or []:
+                if w.get("user") == me:
+                    size = show_mb(w["bytes"] / 2**20)
+                    print(
+                        f"  suspended · on host ({size}, {now - w['since']:.0f}s): worker from {node['name']}; "
+                        "next cell restores it"
+                    )
         for w in waiting:
             print(
                 f"  waiting: {w['gpus']} GPU(s) of {w['pool']}, position {w['position']}, "

@@ -31,7 +31,7 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, Lease
-from lease_server.sizes import parse_gpu_mem
+from lease_server.sizes import parse_gpu_mem, show_mb
 
 from . import cellcode, slices
 from .calls import Call, CellValue, Result
@@ -316,6 +316,7 @@ class _Run:
         self.warm_ok = relay is None and cancel is None and warmable(opts, call) and opts.gpu_mem is None
         call.keep_ns = self.warm_ok
         self.warm: WarmWorker | None = None
+        self.resume: WarmWorker | None = None  # a worker suspended on eviction, restored onto this call's new lease
         self.results: list[Result] = []
         self.elastic: ElasticRun | None = None
         self.user_error = False  # the cell raised: its worker is fine, and may stay warm
@@ -330,6 +331,8 @@ class _Run:
         gone = ""
         if self.call.kind == "cell" and opts.gpus:
             self.warm, gone = take_warm(sess, opts, self.warm_ok)
+            if self.warm is not None and self.warm.suspend_state:
+                self.resume, self.warm = self.warm, None
         try:
             if self.warm is not None:
                 self.grant, self.world = self.warm.grant, self.warm.world
@@ -341,7 +344,10 @@ class _Run:
                 self.opts = opts = _auto_size(sess, opts)
                 self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay)
                 self.world = self.grant.world()
+                gone = self._resume_on(self.grant) or gone
         except KeyboardInterrupt:
+            if self.resume is not None:
+                self.resume.end("Stop pressed while its cell was queued")
             # Stop may land after the grant arrived and before the call owns it: withdrawing the
             # request id releases such a grant too, so it is never left to expire.
             if self.relay is not None:
@@ -358,6 +364,22 @@ class _Run:
         self.pump = Pump(self.grant, self.world, ui, self.cancel)
         self.ending = Ending("failed", cpu=self.grant.cpu or self.grant.lease is None, notes=[gone] if gone else [])
 
+    def _resume_on(self, grant: Grant) -> str:
+        """The suspended worker runs this call if the new lease is on its node (a process cannot
+        move): restored onto the lease's GPU by its node agent as it claims it. Else it is ended,
+        and the line says why the cell starts cold."""
+        w, lease = self.resume, grant.lease
+        if w is None or lease is None:
+            return ""
+        if lease.node != w.lease.node:
+            self.resume = None
+            w.end(f"its next lease is on {lease.node}")
+            return f"the worker suspended from {w.where()} ended: this cell's lease is on {lease.node} (a cold start)"
+        grant.restore = True
+        w.resumed()
+        self.call = w.strip(self.call)  # the names the worker holds already stay there
+        return ""
+
     # ---- place and run ------------------------------------------------------------------------------
 
     def place(self) -> None:
@@ -366,6 +388,8 @@ class _Run:
         running = self.grant.running(self.opts)
         if self.warm is not None:
             running.where += f" (warm worker, {time.monotonic() - self.warm.since:.0f}s since the last cell)"
+        elif self.resume is not None:
+            running.where += f" ({self.resume.resumed_note()})"
         self.ui.running(running)
         for note in self.ending.notes:
             self.ui.notice(note)
@@ -374,6 +398,8 @@ class _Run:
         elif self.warm is None:
             lease, relay = self.grant.lease, self.relay
             kept = relay.claim(lease) if relay is not None and lease is not None and not self.grant.cpu else None
+            if self.resume is not None:
+                kept = self.resume.world.ranks[0].worker
             self.world.start(self.opts, kept)
 
     def run(self) -> None:
@@ -385,6 +411,12 @@ class _Run:
             self.results = self.pump.run(self.call, self.opts.timeout)
         self.ending.state = "released"
         self.ending.peak_memory = _sum_memory(self.results)
+        restored = self.results[0].restored if self.results else None
+        if restored is not None and self.grant.lease is not None:
+            took = f"{restored['ms'] / 1000:.1f}s"
+            lease = self.grant.lease
+            where = f"{lease.node} GPU {','.join(str(i) for i in lease.indexes)}"
+            self.ending.restored = f"restored {show_mb(restored['bytes'] / 2**20)} to {where} in {took}"
         self.ending.crossed = [c.text() for c in self.pump.crossed]
 
     def failed(self, exc: GpuTrainError) -> None:
@@ -416,7 +448,7 @@ class _Run:
         clean = ending.state == "released"
         kept = None
         if self.warm_ok and (clean or self.user_error):
-            kept = keep_warm(sess, grant, self.world, self.warm)
+            kept = keep_warm(sess, grant, self.world, self.warm or self.resume)
         later = opts.background_release and clean and kept is None
         if kept is not None:
             ending.warm = True

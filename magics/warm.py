@@ -8,11 +8,16 @@ whatever the last cell left on the GPU still there, and only the names that chan
 since they last crossed are sent (:meth:`WarmWorker.strip`).
 
 Whoever would otherwise wait evicts a warm lease: the lease server says ``evicting`` on the lease's
-event stream, and :class:`WarmWorker` (following it while the notebook does other things) ends the
-worker, sees its process gone and releases at once, well inside the pool's notice (2 s). A kernel
-that misses the notice (paused, cut off) loses the lease and the node agent ends the worker before
-anyone is granted the GPUs. Without GPU-state suspend (simulated GPUs; see docs/gpu_train.md),
-eviction ends the worker and the notebook's next cell starts cold; its line says so.
+event stream, and :class:`WarmWorker` (following it while the notebook does other things) hands
+the lease back with its worker **suspended** (``POST /leases/{id}/suspend``): the node agent moves
+the worker's GPU state to host memory (lease_server/node/onhost.py), sees the GPU clean of it, and
+only then is the waiter granted. The worker process lives on with its namespace, holding no lease;
+the notebook's next cell takes a new lease of the same GPUs and, on the same node, runs in it
+again, restored onto the new GPU first (its line says ``restored 3.2 GB to box GPU 1 in 0.7s``).
+Where the node cannot suspend (no checkpoint API, several processes, suspend = off), the worker is
+ended, seen gone and the lease released at once, well inside the pool's notice (2 s), and the next
+cell starts cold; its line says so. A kernel that misses the notice (paused, cut off) loses the
+lease and the node agent ends the worker before anyone is granted the GPUs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .world import World
 
 log = logging.getLogger(__name__)
 _MISSING = object()
+SUSPEND_WAIT_S = 30.0  # the next cell waits this long at most for an eviction's suspend to land
 
 
 @dataclass
@@ -110,6 +116,14 @@ class WarmWorker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._http: Any = None
+        # Suspended on eviction: "suspending" (asked), "suspended" (the agent has it off the GPU);
+        # the snapshot is the `suspended` event (bytes, ms); settled once the agent answered.
+        self.suspend_state = ""
+        self.snapshot: dict[str, Any] = {}
+        self.evicted_why, self.evicted_at = "", 0.0
+        self._settled = threading.Event()
+        self._sus_stop = threading.Event()
+        self._sus_http: Any = None
 
     # ---- the notebook's side ----------------------------------------------------------------------
 
@@ -158,12 +172,31 @@ class WarmWorker:
         self.sent.update(back)
 
     def ended_line(self) -> str:
-        """What the notebook's next cell says of a warm worker that was ended while warm."""
+        """What the notebook's next cell says of a warm worker that was ended while warm (or suspended)."""
         ago = time.monotonic() - self.gone_at
+        if self.suspend_state == "suspended":
+            return f"the worker suspended from {self.where()} ended {ago:.0f}s ago ({self.gone}): this cell starts cold"
         return (
             f"the warm worker on {self.where()} ended {ago:.0f}s ago ({self.gone}; its GPU state was not "
-            "suspended: no CUDA checkpoint on these GPUs): this cell starts cold"
+            f"suspended: {self.not_suspended or 'no CUDA checkpoint on these GPUs'}): this cell starts cold"
         )
+
+    def resumed_note(self) -> str:
+        """The running line's note for a cell resumed in this suspended worker."""
+        return f"suspended worker, evicted {time.monotonic() - self.evicted_at:.0f}s ago"
+
+    def resumed(self) -> None:
+        """The notebook's next cell resumes in this suspended worker: stop following the old lease."""
+        self._sus_stop.set()
+        if self._sus_http is not None:
+            with contextlib.suppress(Exception):
+                self._sus_http.close()
+
+    def settle(self, timeout: float = SUSPEND_WAIT_S) -> bool:
+        """Wait until the node agent has suspended the worker (True) or it was ended (False: :attr:`gone`)."""
+        if not self._settled.wait(timeout):
+            self.end("its GPU state was not suspended in time")
+        return not self.gone
 
     def end(self, why: str) -> None:
         """End the worker now (seen gone) and release the lease: %gpu_lease release, a kernel
@@ -240,9 +273,94 @@ class WarmWorker:
         else:
             why = kind
         with self._lock:
-            if not self._stop.is_set():
-                self._end_locked(why)
-                _slot(self.sess).gone = self  # the notebook's next cell says what became of it
+            if self._stop.is_set():
+                return
+            if kind in protocol.RECALL_EVENTS and self._suspend_locked(why):
+                return  # lives on off the GPU: the notebook's next cell restores it
+            self._end_locked(why)
+            _slot(self.sess).gone = self  # the notebook's next cell says what became of it
+
+    # ---- suspended on eviction -----------------------------------------------------------------------
+
+    not_suspended = ""  # why the lease server refused to suspend it (the line says so)
+
+    def _suspend_locked(self, why: str) -> bool:
+        """Hand the lease back with the worker suspended, where its node can (one GPU, one process)."""
+        held = self.grant.held
+        if held is None or len(self.world.ranks) != 1 or len(self.lease.gpus) != 1:
+            return False
+        try:
+            held.suspend()
+        except errors.GpuLeaseError as exc:  # refused (the node cannot): ended, as before
+            self.not_suspended = exc.message.split(": ", 1)[-1].split(";")[0]
+            return False
+        self.suspend_state, self.evicted_why, self.evicted_at = "suspending", why, time.monotonic()
+        self._unfollow()
+        self.grant.stop_following()
+        self.sess.held.discard(held)
+        threading.Thread(target=self._follow_suspend, name=f"gpulease-suspended-{self.lease.id}", daemon=True).start()
+        return True
+
+    def _follow_suspend(self) -> None:
+        """Follow the old lease's events: ``suspended`` (the agent has the worker off the GPU),
+        ``drained`` without it (the agent could not: it ended the worker), ``suspend_ended``
+        (ended later: warm_max, the node's host-memory budget, its process gone)."""
+        import json
+
+        client = self.sess.client()
+        while not self._sus_stop.is_set():
+            http = self._sus_http = event_client(client.url, client.headers)
+            if self._sus_stop.is_set():
+                return
+            try:
+                with http.stream("GET", protocol.EVENTS, params={"lease": self.lease.id}) as s:
+                    # what came before the stream opened (the agent may have answered already)
+                    log_ = client.request("GET", protocol.EVENT_LOG, params={"lease": self.lease.id})
+                    for e in log_.get("events", []):
+                        if self._heard(str(e.get("type", "")), e):
+                            return
+                    kind = ""
+                    for line in s.iter_lines():
+                        if self._sus_stop.is_set():
+                            return
+                        if line.startswith("event:"):
+                            kind = line.split(":", 1)[1].strip()
+                        elif line.startswith("data:"):
+                            with contextlib.suppress(ValueError):
+                                if self._heard(kind, json.loads(line[5:])):
+                                    return
+            except Exception as exc:  # noqa: BLE001 - the server is away: follow again
+                log.debug("suspended worker of %s: event stream lost (%s)", self.lease.id, exc)
+                if self._sus_stop.wait(1.0):
+                    return
+            finally:
+                http.close()
+
+    def _heard(self, kind: str, body: dict[str, Any]) -> bool:
+        """One event of the old lease; True once nothing more can come of it."""
+        with self._lock:
+            if self.gone:
+                return True
+            if kind == protocol.EventType.SUSPENDED and self.suspend_state == "suspending":
+                self.suspend_state, self.snapshot = "suspended", body
+                self._settled.set()
+            elif kind == protocol.EventType.DRAINED and self.suspend_state == "suspending":
+                self.not_suspended = "its node agent could not, and ended it"
+                self._gone_locked(self.evicted_why)
+                return True
+            elif kind == protocol.EventType.SUSPEND_ENDED:
+                self._gone_locked(str(body.get("reason") or "ended while suspended"))
+                return True
+        return False
+
+    def _gone_locked(self, why: str) -> None:
+        """Ended elsewhere while suspended (or suspending): the next cell says so and starts cold."""
+        self.gone, self.gone_at = why, time.monotonic()
+        self._sus_stop.set()
+        self._settled.set()
+        slot = _slot(self.sess)
+        if slot.current is self:
+            slot.current, slot.gone = None, self
 
     # ---- ending ----------------------------------------------------------------------------------
 
@@ -258,6 +376,8 @@ class WarmWorker:
             return
         self.gone, self.gone_at = why, time.monotonic()
         self._unfollow()
+        self._sus_stop.set()
+        self._settled.set()
         try:
             self.grant.finish(self.world)  # the worker seen gone, then a verified release: free at once
         except Exception as exc:  # noqa: BLE001 - the TTL and the node agent are the backstop
@@ -290,6 +410,9 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
             return None, gone.ended_line()
         return None, ""
     slot.current = None
+    if w.suspend_state and usable and not opts.fresh and w.fits(opts):
+        # suspended on eviction: the caller takes a new lease and restores the worker onto it
+        return (w, "") if w.settle() else (None, w.ended_line())
     if not usable or opts.fresh or not w.fits(opts):
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
         if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there

@@ -386,7 +386,12 @@ class GpuWorker:
         self._used = True
         _ACTIVE[:] = [self]
         os.environ.update(env)
-        _claim(watch, env)  # before the cell's code: a forced end of the lease then ends this process
+        try:
+            # before the cell's code: a forced end of the lease then ends this process; a worker
+            # suspended on eviction is restored onto the lease's GPU first (lease_server/node/onhost.py)
+            restored = _claim(watch, env)
+        except NotRestored as exc:
+            return Result(False, error_type="NotRestored", message=str(exc), pid=os.getpid())
         slices.hold_to(env)  # a slice: torch (and MPS, where it runs) held to its memory before CUDA starts
         _STEPS.clear()
         if watch.get("url"):
@@ -407,6 +412,7 @@ class GpuWorker:
                 peak_memory=_peak_memory(),
                 pid=os.getpid(),
                 imported=self.imported(),
+                restored=restored,
             )
         except Resize:
             return Result(True, RESIZED, seconds=time.monotonic() - t0, peak_memory=_peak_memory(), pid=os.getpid())
@@ -549,27 +555,41 @@ def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
 _CLAIMED: set[tuple[str, str]] = set()  # (lease, node) this process claimed: a warm cell's next call skips it
 
 
-def _claim(watch: dict[str, Any], env: dict[str, str]) -> None:
+class NotRestored(Exception):
+    """This worker was suspended and its node agent did not restore it (the message says why)."""
+
+
+def _claim(watch: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
     """Tie this process to the call's lease at its node agent (lease_server/node/claims.py): the
     kernel names this process to the agent, so only it, never a pid anyone sends, is ended if the
     server ends the lease. Without an agent to answer (a lease server without one on this host),
-    the worker's watchdog is what stops it."""
+    the worker's watchdog is what stops it. ``watch["restore"]``: this worker was suspended on
+    eviction; the agent restores it onto the lease's GPU with the claim. Returns what the restore
+    measured ({bytes, ms}); raises NotRestored if it was refused."""
     node, lease_id = env.get("GPULEASE_NODE", ""), str(watch.get("id") or "")
     gpus = [int(i) for i in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip().isdigit()]
+    restore = bool(watch.get("restore"))
     if not (watch.get("instance") and node and lease_id and gpus) or (lease_id, node) in _CLAIMED:
-        return
+        if restore:
+            raise NotRestored(f"no node agent of {node or 'this node'} to restore it")
+        return None
     from lease_server.node import claims
 
     try:
-        claims.claim(
-            watch["instance"], node, lease_id, int(watch["fence"]), watch["token"], watch.get("user") or "", gpus
-        )
+        answer = claims.claim(
+            watch["instance"], node, lease_id, int(watch["fence"]), watch["token"], watch.get("user") or "", gpus,
+            restore=restore,
+        )  # fmt: skip
         _CLAIMED.add((lease_id, node))
+        return answer.get("restored")
     except (claims.ClaimRefused, OSError) as exc:
+        if restore:
+            raise NotRestored(str(exc)) from None
         if sys.__stderr__ is not None:
             sys.__stderr__.write(
                 f"gpulease: lease {lease_id}: the node agent of {node} did not tie this worker to it: {exc}\n"
             )
+        return None
 
 
 def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int = 0) -> None:

@@ -43,7 +43,14 @@ def test_run_all_in_simulate_mode_reports_every_check(tmp_path):
     assert s["plain_cell_start_ms"] < s["warm_cell_start_ms"] < s["cold_cell_start_ms"], s
     assert absent(s["cold_cell_cuda_ready_ms"]) and absent(s["cold_cell_cuda_context_ms"])
     e = nb["evict"]
-    assert e["grant_within_1s"] is True and e["worker_exited_before_grant"] is True, e
+    assert e["grant_within_1s"] is True and e["worker_off_gpu_before_grant"] is True, e
+    assert e["worker_suspended"] is True, e  # simulated nodes always suspend
+    sus = nb["suspend"]
+    assert len(sus["cycles"]) >= 1, sus
+    for c in sus["cycles"]:
+        assert c["suspended"] and c["restored"] and c["same_ptr"] and c["intact"] and c["same_pid"], c
+        assert absent(c["bytes"]) and absent(c["suspend_gbps"]) and absent(c["restore_gbps"]), c
+        assert "\n  restored " in c["line"], c
     assert absent(e["nvml_clear_before_grant"])
     p = nb["peak"]
     assert absent(p["peak_agrees_with_nvml"]) and absent(p["right_size_hint_ok"])

@@ -310,3 +310,24 @@ def test_lease_warm_keeps_most_cells_warm_and_lends_the_rest(redis_server):
     assert fig["gpu_hours_allocated"] == pytest.approx(lease["gpu_hours_allocated"])  # charged: the cells' own time
     assert fig["warm_gpu_hours"] > 0
     assert (warm.start >= warm.ready).all()
+
+
+@needs_adobe
+def test_lease_warm_suspends_evicted_workers_and_restores_them_on_their_node(redis_server):
+    """Suspend to host in lease-warm (issue 36 item 7): an evicted warm worker is suspended (one GPU,
+    as the server does; any size in the what-if), its session's next cell of that size on its node
+    restores it, and the state kept counts warm starts and restores; without suspend it is warm
+    starts alone."""
+    w = workload.load_sessions(ADOBE)
+    nodes, url = cluster(64), redis_server.url
+    (none,) = simulate(w, nodes, ["lease-warm"], redis_url=url, suspend_gpus=0)
+    (one,) = simulate(w, nodes, ["lease-warm"], redis_url=url)
+    (multi,) = simulate(w, nodes, ["lease-warm"], redis_url=url, suspend_gpus=8)
+    assert none.extra["suspends"] == 0 and none.extra["state_kept_share"] == none.extra["warm_start_share"]
+    assert one.extra["suspends"] <= one.extra["evictions"]
+    x = multi.extra
+    assert x["suspends"] == x["evictions"] > 0  # every evicted worker, whatever its size
+    assert 0 < x["restores"] and x["restores"] + x["suspend_lost"] <= x["suspends"]
+    assert x["state_kept_share"] == pytest.approx(x["warm_start_share"] + x["restores"] / w.n_cells)
+    assert x["restore_gpu_hours"] > 0  # a restore holds its new GPU before the cell runs
+    assert (multi.start >= multi.ready).all()

@@ -78,6 +78,8 @@ export interface INode {
   pool: string;
   state: string; // up | down
   gpus: IGpu[];
+  /** Evicted warm workers whose GPU state waits in host memory for their notebook's next cell. */
+  suspended?: { user: string; lease: string; bytes: number; since: number; until?: number }[];
 }
 
 export interface ICluster {

@@ -63,7 +63,10 @@ export const BOARD_EVENTS = [
   'unleased_held',
   'warm',
   'resumed',
-  'evicting'
+  'evicting',
+  'suspended',
+  'restored',
+  'suspend_ended'
 ];
 
 /**

@@ -325,6 +325,11 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
                   {node.pool}
                   {node.state === 'down' ? ' · down' : ''}
                 </div>
+                {(node.suspended ?? []).map(w => (
+                  <div key={w.lease} className="jp-GpuLease-nodePool" title={`left lease ${w.lease}`}>
+                    {`${w.user} · suspended · on host (${(w.bytes / 2 ** 30).toFixed(1)} GB)`}
+                  </div>
+                ))}
               </th>
               {node.gpus.map(gpu => (
                 <GpuCell key={gpu.index} model={model} node={node} gpu={gpu} now={now} />

@@ -25,7 +25,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         p.hgetall(k.unleased)
         p.hgetall(k.draining)
         p.hgetall(k.sliced)
-        nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased, draining, sliced = await p.execute()
+        p.hgetall(k.suspended)
+        got_all = await p.execute()
+    nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased, draining, sliced, suspended = got_all
     now = await r.time()  # Redis's clock; not in the MULTI: a Redis Cluster pipeline takes only keyed commands
     now_s = now[0] + now[1] / 1e6
     alive_at = dict(alive)
@@ -148,6 +150,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 "gpus": gpus,
             }
         )
+        if inv.get("suspend"):  # its agent suspends evicted warm workers to host memory (node/onhost.py)
+            nodes[-1]["suspend"] = inv["suspend"]
+            nodes[-1]["suspended"] = _suspended(suspended.get(name))
     await _mark_reserved(engine, nodes, pools, int(now_s * 1000))
     cpu_pool = engine.settings.cpu_pool
     for name, counts in pools.items():
@@ -157,6 +162,18 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
             counts["share"] = True  # type: ignore[assignment]
             counts["slice_unit_mb"] = int(sched["slice_unit_mb"])  # type: ignore[call-overload]
     return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
+
+
+def _suspended(raw: Any) -> list[dict[str, Any]]:
+    """A node's suspended workers, oldest first: whose, which lease they left, their GPU state on host."""
+    out = []
+    for w in (json.loads(raw) if raw else {}).values():
+        entry = {"user": w.get("user", ""), "lease": w.get("lease", ""), "bytes": int(w.get("bytes") or 0)}
+        entry["since"] = float(w.get("since") or 0) / 1000
+        if w.get("until"):
+            entry["until"] = float(w["until"]) / 1000
+        out.append(entry)
+    return sorted(out, key=lambda e: e["since"])
 
 
 def _slices(ledger: dict[str, Any], leases: dict[str, Any]) -> dict[str, Any]:

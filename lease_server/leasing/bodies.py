@@ -270,6 +270,7 @@ class Bodies:
     procs: Body
     drained: Body
     warm: Body
+    suspend: Body
 
     def all(self) -> list[Body]:
         return [getattr(self, name) for name in self.__dataclass_fields__]
@@ -413,6 +414,11 @@ def _bodies(max_ttl: float) -> Bodies:
                     '{"token": 7, "warm": true}',
                 ),
             ),
+        ),
+        suspend=Body(
+            "SuspendRequest",
+            (LEASE_TOKEN,),
+            description="Hand back your warm one-GPU lease with its worker suspended to host memory",
         ),
         grow=_resize_body("GrowRequest", "add", "to your elastic lease, up to the gpus it asked for at most"),
         shrink=_resize_body("ShrinkRequest", "give back", "(at least one stays: to give back all, release)"),

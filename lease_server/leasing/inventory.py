@@ -40,11 +40,16 @@ class NodeInventory:
     # How the agent keeps a lease's workers off other GPUs: "cgroup v1 devices", "cgroup v2 BPF",
     # or why it cannot ("off: not root ..."); "" from an agent that does not say.
     isolation: str = ""
+    # How its agent suspends an evicted warm worker's GPU state to host memory (node/suspend.py):
+    # "simulated", "cuda", or "" where it cannot (the worker is then ended, as before).
+    suspend: str = ""
 
     def to_json(self) -> str:
         body: dict[str, Any] = {"pool": self.pool, "source": self.source, "gpus": [asdict(g) for g in self.gpus]}
         if self.isolation:
             body["isolation"] = self.isolation
+        if self.suspend:
+            body["suspend"] = self.suspend
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
     @classmethod

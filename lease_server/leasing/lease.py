@@ -44,6 +44,7 @@ from ..store.scripts import (
     Removed,
     Renew,
     Resize,
+    Suspend,
     Sweep,
     SweepCounts,
     Warm,
@@ -510,6 +511,16 @@ class LeaseStore:
         tok = self._token(token, required=True)
         rec: LeaseRecord = await self.engine.run(Warm(lease_id, tok, user, bool(on)))
         log.info("%s %s user=%s", "warm" if on else "resumed", lease_id, user)
+        return rec
+
+    async def suspend(self, lease_id: str, user: str, token: object) -> LeaseRecord:
+        """End the owner's warm one-GPU lease with its worker suspended off the GPU, not ended: its
+        GPU drains as a suspend (the node agent suspends the one process that claimed it, then the
+        GPU is free), and the worker waits in host memory for its notebook's next cell. Refused
+        (409) where the node cannot suspend: release instead. See ``lua/suspend.lua``."""
+        tok = self._token(token, required=True)
+        rec: LeaseRecord = await self.engine.run(Suspend(lease_id, tok, user))
+        log.info("suspending %s user=%s", lease_id, user)
         return rec
 
     _token = staticmethod(check_token)

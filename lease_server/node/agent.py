@@ -32,6 +32,8 @@ from .claims import AsyncClaims, Claim, Peer, ThreadClaims
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, uses_gpu_device
 from .memwatch import MemWatch, Watched, resident_mb, watch_pass
+from .onhost import OnHost, Probes
+from .suspend import Suspender, detect
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,13 @@ class NvmlSampler:
             out[int(p.pid)] = out.get(int(p.pid), 0) + int(used) // (1024 * 1024)
         return out
 
+    def free_bytes(self, index: int) -> int | None:
+        """GPU ``index``'s free memory now (bytes); None where NVML cannot say."""
+        try:
+            return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handles[index]).free)
+        except (IndexError, self.nvml.NVMLError):
+            return None
+
     def has_process(self, index: int, pid: int) -> bool:
         """Whether ``pid`` runs on GPU ``index`` now, and is the process of that number that this
         agent sees (it has an NVIDIA device open): checked again just before it is killed."""
@@ -233,15 +242,28 @@ async def heartbeat_local(
     isolation = Isolation(engine.settings.gpu_isolation, inventories)
     if isolation.what:
         inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
+    suspenders = _suspenders(engine.settings.suspend, inventories, whose is not None)
+    inventories = [dataclasses.replace(inv, suspend=suspenders[inv.node].kind) if inv.node in suspenders else inv
+                   for inv in inventories]  # fmt: skip
+    onhost = OnHost(
+        engine, suspenders, enforcer, int(engine.settings.suspend_host_budget_gb * 10**9),
+        engine.settings.drain_kill_grace_s, {inv.node: _probes(inv, nvml) for inv in inventories}, inventories,
+    )  # fmt: skip
     for inv in inventories:
         await register(engine, inv)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
 
-    async def record(claim: Claim, peer: Peer) -> None:
+    async def record(claim: Claim, peer: Peer) -> dict[str, Any] | None:
         if whose is None:
             raise errors.Forbidden("this agent cannot check API tokens: it ties no process to a lease")
-        await record_claim(engine, claim, await whose(claim.token, claim.user), peer)
+        user = await whose(claim.token, claim.user)
+        if claim.restore:  # checked before the claim is recorded: a refused restore claims nothing
+            if claim.node not in suspenders:
+                raise errors.Conflict(f"the node agent of {claim.node} suspends no worker")
+            await onhost.check(claim, peer, user)
+        await record_claim(engine, claim, user, peer)
         isolation.place(claim, peer)
+        return await onhost.restore(claim, peer, user) if claim.restore else None
 
     claims = AsyncClaims(await engine.instance(), [inv.node for inv in inventories], record)
     await claims.start()
@@ -260,6 +282,9 @@ async def heartbeat_local(
                 for inv in inventories:
                     try:
                         entries = await draining_of(engine, inv.node, [g.index for g in inv.gpus])
+                        if inv.node in suspenders:
+                            entries = await onhost.drain(inv.node, entries)  # (suspended: off the list)
+                            await onhost.upkeep(inv.node)
                         done = _drain_step(drainer, inv, entries, nvml, isolation)
                         for lease, clean, ended in done.clean:
                             await drained(engine, inv.node, lease, clean, ended)
@@ -327,6 +352,32 @@ async def heartbeat_local(
         enforcer.close()
         if nvml is not None:
             nvml.close()
+
+
+def _suspenders(mode: str, inventories: list[NodeInventory], claims: bool) -> dict[str, Suspender]:
+    """Each node's suspender (suspend.py), where it has one: a worker must be able to claim its
+    lease here (``claims``) for the agent to know which process to suspend."""
+    out: dict[str, Suspender] = {}
+    for inv in inventories:
+        got = detect(mode, inv.source == "nvml") if claims else "no claims: the agent cannot tell its workers"
+        if isinstance(got, str):
+            log.info("node %s: evicted warm workers are ended, not suspended: %s", inv.node, got)
+        else:
+            out[inv.node] = got
+    return out
+
+
+def _probes(inv: NodeInventory, nvml: NvmlSampler | None) -> Probes:
+    """How the suspended workers' memory and GPUs are read on this node (onhost.py): through NVML,
+    or, on simulated GPUs, a process's resident memory stands in for its GPU memory."""
+    if inv.source == "nvml" and nvml is not None:
+        sampler = nvml
+
+        def mem_bytes(index: int, pid: int) -> int:
+            return (sampler.proc_mem(index) or {}).get(pid, 0) * 1024 * 1024
+
+        return Probes(mem_bytes, sampler.procs_on, sampler.free_bytes)
+    return Probes(lambda _index, pid: resident_mb(pid) * 1024 * 1024)
 
 
 def _measure(inv: NodeInventory, nvml: NvmlSampler | None) -> Callable[[Watched, list[int]], int | None]:

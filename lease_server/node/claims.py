@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # as leasing/values.py LEASE_ID_PATTERN (not imported: workers load this)
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-MAX_MESSAGE = 4096  # one claim: a lease id, two tokens, a user name, a few GPU indexes
+MAX_MESSAGE = 4096  # one claim: a lease id, two tokens, a user name, a few GPU indexes, a flag
 TIMEOUT_S = 5.0
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 
@@ -156,6 +156,8 @@ class Claim:
     token: str  # the owner's API token (never logged, never stored)
     user: str  # the user a proxy token acts for ("" otherwise)
     gpus: tuple[int, ...]  # the lease's GPUs of this node the process uses
+    # the claimer is a worker suspended at this agent (onhost.py) and asks to be restored onto them
+    restore: bool = False
 
     @classmethod
     def parse(cls, raw: bytes) -> Claim:
@@ -179,11 +181,15 @@ class Claim:
             raise ValueError("user must be a user name")
         if not isinstance(gpus, list) or len(gpus) > 64 or not all(type(g) is int and 0 <= g < 4096 for g in gpus):
             raise ValueError("gpus must be a list of GPU indexes")
-        return cls(node, lease, fence, token, user, tuple(gpus))
+        restore = d.get("restore", False)
+        if not isinstance(restore, bool):
+            raise ValueError("restore must be true or false")
+        return cls(node, lease, fence, token, user, tuple(gpus), restore)
 
 
 # What records a verified claim in the lease server; raises GpuLeaseError (its message is the answer).
-Record = Callable[[Claim, Peer], Awaitable[None]]
+# What it returns (a restore's figures) is added to the answer.
+Record = Callable[[Claim, Peer], Awaitable[dict[str, Any] | None]]
 
 
 async def answer(peer: Peer | None, raw: bytes, nodes: set[str], record: Record) -> dict[str, Any]:
@@ -201,11 +207,11 @@ async def answer(peer: Peer | None, raw: bytes, nodes: set[str], record: Record)
         log.warning("claim of lease %s by pid %s refused: %s", claim.lease, peer.pid, why)
         return {"error": f"pid {peer.pid} cannot be tied to a lease: {why}"}
     try:
-        await record(claim, peer)
+        extra = await record(claim, peer)
     except errors.GpuLeaseError as exc:
         return {"error": str(exc)}
     log.info("pid %s (uid %s) claimed lease %s on %s", peer.pid, peer.uid, claim.lease, claim.node)
-    return {"ok": True}
+    return {**(extra or {}), "ok": True}
 
 
 class AsyncClaims:
@@ -296,10 +302,17 @@ def claim(
     user: str = "",
     gpus: list[int] | None = None,
     timeout: float = TIMEOUT_S,
-) -> None:
+    restore: bool = False,
+) -> dict[str, Any]:
     """Tie this very process to ``lease`` at ``node``'s agent (run by the process that uses the
-    lease's GPUs, before it touches them). Raises ClaimRefused, or OSError when no agent answers."""
-    msg = {"node": node, "lease": lease, "fence": int(fence), "token": token, "user": user, "gpus": gpus or []}
+    lease's GPUs, before it touches them). ``restore``: this process was suspended there (its
+    GPU state on host) and asks to be restored onto the lease's GPU first. Returns the agent's
+    answer (a restore's ``{"restored": {bytes, ms}}``). Raises ClaimRefused, or OSError when no
+    agent answers."""
+    msg: dict[str, Any] = {"node": node, "lease": lease, "fence": int(fence), "token": token, "user": user}
+    msg["gpus"] = gpus or []
+    if restore:
+        msg["restore"] = True
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(address(instance, node))
@@ -323,3 +336,4 @@ def claim(
         reply = {}
     if not reply.get("ok"):
         raise ClaimRefused(str(reply.get("error") or "the node agent gave no answer"))
+    return dict(reply)

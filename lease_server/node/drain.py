@@ -155,9 +155,12 @@ async def all_draining(engine: Engine) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: (d["since"], d["node"], d["index"]))
 
 
-async def drained(engine: Engine, node: str, lease: str, indexes: list[int], killed: int = 0) -> int:
-    """Report ``indexes`` of ``node`` clean of ``lease``'s processes; returns the GPUs freed."""
-    return await engine.run(Drained(node, lease, json.dumps(sorted(set(indexes))), killed))
+async def drained(
+    engine: Engine, node: str, lease: str, indexes: list[int], killed: int = 0, suspended: str = ""
+) -> int:
+    """Report ``indexes`` of ``node`` clean of ``lease``'s processes; returns the GPUs freed.
+    ``suspended``: a suspend's drain, the worker the agent suspended (JSON, ``onhost.py``)."""
+    return await engine.run(Drained(node, lease, json.dumps(sorted(set(indexes))), killed, suspended))
 
 
 async def abandon(engine: Engine, node: str, lease: str, indexes: list[int], pid: int, why: str) -> int:

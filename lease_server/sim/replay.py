@@ -202,6 +202,8 @@ def lease(
     progress: Progress | None = None,
     policy: str = "lease",
     bookings: Sequence[Booking] = (),
+    suspend_gpus: int = 1,
+    suspend_keep_s: float = 0.0,
 ) -> Result:
     """Per-cell leases through the real acquire / release scripts and the real queue. With
     ``bookings`` (policy ``lease+booking``; their teams in ``setup.settings.teams``) the teams' bookings
@@ -214,7 +216,9 @@ def lease(
     asyncio.run(_register(setup, invs, bookings, EPOCH_MS + t0))
     wire = _Wire(setup.redis_url)
     try:
-        return _Replay(w, nodes, wire, keys, settings, policy, bool(bookings)).run(progress)
+        return _Replay(w, nodes, wire, keys, settings, policy, bool(bookings), suspend_gpus, suspend_keep_s).run(
+            progress
+        )
     finally:
         if not setup.keep:
             wire.call([_command("DEL", *keys.all())])
@@ -229,8 +233,21 @@ _END, _DROP, _READY = range(3)
 # lease-warm: how long a kernel takes from its warm lease's `evicting` to its release (it ends the
 # worker and sees it gone; bench/warm_bench.py measures the whole eviction at a few hundred ms).
 EVICT_MS = 300
+# lease-warm's suspend to host (magics/warm.py, lease_server/node/onhost.py): an evicted one-GPU warm
+# worker is suspended, not ended: its GPU is free once its GPU state is in host memory (EVICT_MS plus
+# the trace's vram at SUSPEND_GBPS), and its session's next cell restores it (at RESTORE_GBPS, the
+# cell holding its new GPU meanwhile) if that cell asks for one GPU, lands on the worker's node and
+# comes within warm_max of the worker's last cell. gpusched's published figures (H100) until ours are
+# measured on a GPU (tests/gpu/gpu_run.py's suspend step).
+SUSPEND_GBPS = 2.5
+RESTORE_GBPS = 4.0
 SWEEP_LIMIT = 500
 WINDOW = 4096  # most commands in one round trip
+
+
+def _transfer_ms(vram_mb: int, gbps: float) -> int:
+    """Milliseconds to move a cell's trace GPU memory (MB per GPU) at ``gbps`` GB/s."""
+    return int(vram_mb * 2**20 / (gbps * 1e9) * 1000)
 
 
 class _Replay:
@@ -248,7 +265,16 @@ class _Replay:
     """
 
     def __init__(
-        self, w: Workload, nodes: Sequence[int], wire: _Wire, keys: Keys, settings: Settings, policy: str, booked: bool
+        self,
+        w: Workload,
+        nodes: Sequence[int],
+        wire: _Wire,
+        keys: Keys,
+        settings: Settings,
+        policy: str,
+        booked: bool,
+        suspend_gpus: int = 1,
+        suspend_keep_s: float = 0.0,
     ) -> None:
         self.w, self.nodes, self.wire, self.keys, self.policy, self.booked = w, nodes, wire, keys, policy, booked
 
@@ -280,6 +306,18 @@ class _Replay:
         self.warm_starts = self.evictions = 0
         self.warm_ms = 0  # GPU-ms kept warm (lendable, not charged as use)
         self.warm_on: dict[str, int] = {}  # node -> its GPUs held by warm leases (allocate's fit counts them)
+        # suspend to host (workers of at most suspend_gpus GPUs): session -> (the node its suspended
+        # worker is on, until when it is kept, its GPUs)
+        self.suspend_gpus = suspend_gpus
+        # a what-if (0: what the server does, warm_max ends a suspended worker): warm_max suspends the
+        # warm worker instead of ending it, kept until this long after its last cell
+        self.suspend_keep_ms = int(suspend_keep_s * 1000)
+        self.suspended: dict[int, tuple[str, int, int]] = {}
+        self.restore_of: dict[int, str] = {}  # cell -> the node of the suspended worker it would restore
+        self.suspends = self.restores = self.suspend_lost = 0
+        self.restore_ms = 0  # GPU-ms spent restoring (held by the cells, beyond their trace duration)
+        vram = w.vram_mb if w.vram_mb is not None else np.zeros(w.n_cells, dtype=np.int64)
+        self.vram_mb = vram.tolist()
         self.sweep_args = _pack(Sweep(SWEEP_LIMIT, WAITER_GRACE_MS).argv())
         n = w.n_cells
         self.users = list(w.users)
@@ -391,8 +429,23 @@ class _Replay:
         self.start[c] = at
         self.token[c] = token
         self.node_of[c] = node
-        self.end_at[c] = at + self.dur[c]
-        heapq.heappush(self.heap, (at + self.dur[c], _END, c))
+        extra = 0
+        worker_on = self.restore_of.pop(c, None)
+        if worker_on is not None:
+            if worker_on == node:  # restored onto its new GPU before the cell runs
+                extra = _transfer_ms(self.vram_mb[c], RESTORE_GBPS)
+                self.restores += 1
+                self.restore_ms += extra
+            else:  # a process cannot move: ended, the cell starts cold
+                self.suspend_lost += 1
+        self.end_at[c] = at + self.dur[c] + extra
+        heapq.heappush(self.heap, (at + self.dur[c] + extra, _END, c))
+
+    def _suspend_ms(self, c0: int) -> int | None:
+        """How long the eviction of cell ``c0``'s warm worker takes if it is suspended (None: ended)."""
+        if not self.keep_warm or self.cell_gpus[c0] > self.suspend_gpus:
+            return None
+        return EVICT_MS + _transfer_ms(self.vram_mb[c0], SUSPEND_GBPS)
 
     def _take_events(self, entries: list[Any], t: int) -> None:
         for entry_id, fields in entries:
@@ -428,7 +481,13 @@ class _Replay:
                     self.evicting.add(s)
                     self.evictions += 1
                     at = int(d["ts"]) - EPOCH_MS
-                    heapq.heappush(self.heap, (at + EVICT_MS, _DROP, self.warm_of[s][1]))
+                    c0 = self.warm_of[s][1]
+                    took = self._suspend_ms(c0)
+                    if took is not None:  # off the GPU when its state is on the host; the worker lives on
+                        self.suspends += 1
+                        until = self.warm_of[s][2] + max(self.warm_max_ms, self.suspend_keep_ms)
+                        self.suspended[s] = (self.node_of[c0], until, self.cell_gpus[c0])
+                    heapq.heappush(self.heap, (at + (EVICT_MS if took is None else took), _DROP, c0))
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -500,6 +559,11 @@ class _Replay:
                 for c in drops:  # evicted (the kernel ended the worker), or warm_max ran out
                     s = self.session[c]
                     if s in self.warm_of and self.warm_of[s][1] == c:
+                        since = self.warm_of[s][2]
+                        if self.suspend_keep_ms and s not in self.evicting and cell_gpus[c] <= self.suspend_gpus:
+                            # the what-if: warm_max suspends the worker to host, kept suspend_keep longer
+                            self.suspends += 1
+                            self.suspended[s] = (node_of[c], since + self.suspend_keep_ms, cell_gpus[c])
                         lease_id, _ = self._drop_warm(s, t)
                         cmds.append(rel.pack(now, self._release_args(c, lease_id)))
                         plan.append((_REL, c, t))
@@ -517,6 +581,12 @@ class _Replay:
                     if self.attempt[c] == 0:
                         self.ready[c] = t
                     s = self.session[c]
+                    sus = self.suspended.pop(s, None)
+                    if sus is not None:  # its worker was suspended: restored if this cell fits it
+                        if cell_gpus[c] == sus[2] and t <= sus[1]:
+                            self.restore_of[c] = sus[0]
+                        else:  # other GPUs, or past warm_max: ended, a cold start
+                            self.suspend_lost += 1
                     if s in self.warm_of:
                         lease_id, c0, _ = self.warm_of[s]
                         if cell_gpus[c] == cell_gpus[c0] and s not in self.evicting:
@@ -654,6 +724,11 @@ class _Replay:
                 warm_start_share=self.warm_starts / n if n else float("nan"),
                 evictions=self.evictions,
                 warm_gpu_hours=self.warm_ms / 3_600_000,
+                suspends=self.suspends,
+                restores=self.restores,
+                suspend_lost=self.suspend_lost,
+                restore_gpu_hours=self.restore_ms / 3_600_000,
+                state_kept_share=(self.warm_starts + self.restores) / n if n else float("nan"),
             )
         if self.booked:
             extra.update(

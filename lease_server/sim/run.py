@@ -60,6 +60,8 @@ def simulate(
     tick: Tick | None = None,
     booking_params: bookings.BookingParams | None = None,
     share_multi: str = "whole",
+    suspend_gpus: int = 1,
+    suspend_keep_s: float = 0.0,
 ) -> list[Result]:
     """Replay ``w`` on a cluster of ``nodes`` (GPUs per node) under each policy in ``names``.
 
@@ -68,7 +70,10 @@ def simulate(
     ``booking_params`` (default: 4 teams booking half the GPUs, see ``bookings``). ``lease-share``
     leases each cell a slice of its trace memory (``share``; ``share_multi``: what a cell on several
     GPUs leases, "whole" GPUs or "slices", one per GPU) in a pool that shares by ``settings``'
-    ``slice_unit_mb`` and ``max_sharers``.
+    ``slice_unit_mb`` and ``max_sharers``. ``lease-warm`` suspends evicted warm workers of at most
+    ``suspend_gpus`` GPUs to host (1: what the server does; 0: none, they are ended; more: a what-if);
+    ``suspend_keep_s`` (a what-if; 0: warm_max ends them, as the server does) suspends a warm worker at
+    warm_max too and keeps it until that long after its last cell.
     """
     biggest = int(w.gpus.max()) if w.n_sessions else 0
     if biggest > max(nodes):
@@ -102,7 +107,10 @@ def simulate(
                     if tick:
                         tick(name, -1)
                     continue
-                r = replay.lease(w, nodes, setup, progress=progress, policy=name, bookings=books)
+                r = replay.lease(
+                    w, nodes, setup, progress=progress, policy=name, bookings=books, suspend_gpus=suspend_gpus,
+                    suspend_keep_s=suspend_keep_s,
+                )  # fmt: skip
             else:
                 raise ValueError(f"unknown policy {name!r}")
             if tick:

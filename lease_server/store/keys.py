@@ -17,6 +17,10 @@ state lives in a handful of global structures:
 ``draining``   hash   "node/index" -> JSON {lease, user, pool, since, state, pids:[{pid, start}]}: a GPU
                       whose lease the server ended (expiry, revoke, reclaim, preemption, shrink) and
                       that is not free until its node agent reports no process of that lease on it
+``suspended``  hash   node -> JSON {pid: {pid, start, uid, user, lease, pool, gpu, bytes, since, until}}: the
+                      workers of warm leases evicted with their GPU state suspended to host memory
+                      (lua/suspend.lua; the node agent records them, drained.lua, and ends or restores
+                      them, unsuspend.lua): alive, holding no GPU and no lease
 ``sliced``     hash   "node/index" -> JSON {pool, total_mb, used_mb, max, leases:{id: MB}, draining:{id: {mb,
                       user, state, since, pids}}, fit}: a GPU shared by slices (its holders entry is
                       "~slices"); used_mb, what its live and draining slices are promised, never
@@ -130,6 +134,10 @@ class Keys:
     @property
     def draining(self) -> str:
         return self._k("draining")
+
+    @property
+    def suspended(self) -> str:
+        return self._k("suspended")
 
     @property
     def sliced(self) -> str:

@@ -342,6 +342,7 @@ class LeaseRecord(TypedDict, total=False):
     over_memory: dict[str, float]  # a slice ended for using more than it was promised (over_memory.lua)
     warm_since: int
     warm_until: int
+    suspend_until: int  # ended with its worker suspended (suspend.lua): the worker ends then (warm_max)
     warm_ms: float
     ended_at: int
     end_reason: str
@@ -766,6 +767,45 @@ class Warm(ScriptCall[LeaseRecord]):
 
 
 @dataclass(frozen=True)
+class Suspend(ScriptCall[LeaseRecord]):
+    """The owner of a warm one-GPU lease hands it back with its worker suspended off the GPU, not
+    ended (``lua/suspend.lua``): the lease ends and its GPU drains as a suspend. Reply: the ended
+    record; refused (:class:`errors.Conflict`) where the worker cannot be suspended."""
+
+    script: ClassVar[str] = "suspend"
+    id: str
+    token: str
+    user: str
+
+    def reply(self, code: Code, rest: list[Any]) -> LeaseRecord:
+        if code is Code.OK:
+            return lease_record(rest[0])
+        if code is Code.BUSY:
+            raise errors.Conflict(f"lease {self.id} cannot be suspended: {rest[0]}; release it instead")
+        raise self.refused(code, rest)
+
+
+@dataclass(frozen=True)
+class Unsuspend(ScriptCall[dict[str, Any] | None]):
+    """A node agent is done with a suspended worker: ``what`` "restored" (``detail``: JSON
+    {lease, gpus, ms} of the new lease) or "ended" (``detail``: why). Reply: its entry, None
+    when there was none (``lua/unsuspend.lua``)."""
+
+    script: ClassVar[str] = "unsuspend"
+    node: str
+    pid: int
+    what: str
+    detail: str
+
+    def reply(self, code: Code, rest: list[Any]) -> dict[str, Any] | None:
+        if code is Code.OK:
+            return _json(rest[0])
+        if code is Code.NO_SUCH:
+            return None
+        raise self.unexpected(code)
+
+
+@dataclass(frozen=True)
 class Procs(ScriptCall[LeaseRecord]):
     """The holder names the processes on its lease's GPUs (``procs``: JSON list of
     ``{node, pid, start, gpus}``): what the node agent must see gone if the server ends the lease."""
@@ -797,6 +837,7 @@ class Drained(ScriptCall[int]):
     lease: str
     gpus: str
     killed: int = 0
+    suspended: str = ""  # a suspend's drain: JSON {pid, start, uid, bytes, ms} of the worker suspended
 
     def reply(self, code: Code, rest: list[Any]) -> int:
         if code is Code.OK:
@@ -1066,6 +1107,8 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Unbook,
     Procs,
     Warm,
+    Suspend,
+    Unsuspend,
     Drained,
     DrainAbandon,
     UnleasedHold,

@@ -374,6 +374,16 @@ class WarmHandler(BaseHandler):
         self.reply(public_lease(rec, with_token=True))
 
 
+class SuspendHandler(BaseHandler):
+    """The owner hands back a warm one-GPU lease with its worker suspended to host memory: the GPU
+    is free once the node agent has it off the GPU; the next cell restores it under a new lease."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.body(self.bodies.suspend)
+        rec = await self.store.suspend(lease_id, self.identity.user, body["token"])
+        self.reply(public_lease(rec, with_token=False))
+
+
 class RevokeHandler(BaseHandler):
     async def post(self, lease_id: str) -> None:
         me = self.identity
@@ -1012,6 +1022,7 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/leases/{lease_id}/shrink", ResizeHandler, {"grow": False}),
         (rf"{API}/leases/{lease_id}/keep", KeepHandler),
         (rf"{API}/leases/{lease_id}/warm", WarmHandler),
+        (rf"{API}/leases/{lease_id}/suspend", SuspendHandler),
         (rf"{API}/bookings", BookingsHandler),
         (rf"{API}/bookings/{lease_id}", BookingHandler),
         (rf"{API}/bookings/{lease_id}/end", BookingEndHandler),

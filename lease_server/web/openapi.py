@@ -198,6 +198,17 @@ def _response_schemas() -> dict[str, Any]:
                             "source": {"type": "string", "description": "Where its GPUs come from: nvml, simulated"},
                             "isolation": {"type": "string"},
                             "state": {"type": "string", "enum": ["up", "down"]},
+                            "suspend": {
+                                "type": "string",
+                                "description": "How its agent suspends evicted warm workers to host memory "
+                                "(simulated, cuda); absent: they are ended",
+                            },
+                            "suspended": {
+                                "type": "array",
+                                "description": "Its suspended workers (suspended · on host), oldest first: user, "
+                                "lease (the one they left), bytes (GPU state on host), since, until (ended then)",
+                                "items": {"type": "object"},
+                            },
                             "heartbeat_deadline": {"type": ["number", "null"]},
                             "gpus": {"type": "array", "items": _ref("BoardGpu")},
                         },
@@ -633,6 +644,19 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 _json(_ref("Lease"), "The lease, warm or running again"),
                 409,
                 body=bodies.warm,
+                params=[LEASE_ID],
+            ),
+        },
+        "/api/v1/leases/{lease_id}/suspend": {
+            "post": _op(
+                "Hand back your warm one-GPU lease with its worker suspended, not ended: the lease ends "
+                "(cause suspended), its GPU drains while the node agent moves the worker's GPU state to host "
+                "memory (event suspended, with bytes and ms), then it is free. The worker restores onto your "
+                "next lease of that node (event restored) or ends at warm_max or over the node's host-memory "
+                "budget (event suspend_ended). Refused (409) where the node cannot suspend: release instead",
+                _json(_ref("Lease"), "The ended lease"),
+                409,
+                body=bodies.suspend,
                 params=[LEASE_ID],
             ),
         },

@@ -360,6 +360,20 @@ HOLD = (
     "    buf = torch.empty(n, dtype=torch.uint8, device='cuda:0'); buf.fill_(1); torch.cuda.synchronize()\n"
     "    held = n; time.sleep(0.5)\n"
 )
+SUSPEND_GIB = 10  # the issue's target: a worker holding 10 GiB suspends in <= 3 s, restores in <= 2 s
+CYCLES = 3
+SUSPEND_HOLD = (
+    "%%gpu_train --gpus 1 --out hold_pid\nimport os, torch\nhold_pid = os.getpid()\n"
+    "if torch.cuda.is_available():\n"
+    "    hold = torch.arange({gib} * 2**28, dtype=torch.int32, device='cuda:0'); torch.cuda.synchronize()\n"
+    "else:\n    hold = torch.arange(1024, dtype=torch.int32)\n"
+    "hold_ptr = hold.data_ptr()\n"
+)
+SUSPEND_CHECK = (
+    "%%gpu_train --gpus 1 --out same_ptr,intact,same_pid\nimport os, torch\n"
+    "same_ptr = hold.data_ptr() == hold_ptr\nsame_pid = os.getpid() == hold_pid\n"
+    "intact = bool(hold[-1].item() == hold.numel() - 1 and hold[:1000].sum().item() == 499500)\n"
+)
 IDLE_CHILD = (
     "import os, sys, time, torch\n"
     "a = torch.randn(4096, 4096, device='cuda'); torch.cuda.synchronize()\n"
@@ -481,11 +495,15 @@ class Run:
         grant = stack.wait_event(lambda e: e["type"] == "grant" and e.get("lease") == lease.id, 5, mark) or {}
         evicting = stack.wait_event(lambda e: e["type"] == "evicting", 5, mark) or {}
         grant_ts = float(grant.get("ts", t1))
+        suspended = stack.wait_event(lambda e: e["type"] == "suspended", 0.5, mark)
         r: dict[str, Any] = {
             "evict_to_grant_ms": round((t1 - t0) * 1000, 1),
             "grant_within_1s": (t1 - t0) <= 1.0,
             "evicting_to_grant_ms": round((grant_ts - evicting["ts"]) * 1000, 1) if evicting else None,
-            "worker_exited_before_grant": gone.at is not None and gone.at <= grant_ts + 0.005,
+            # suspended to host (its GPU state off the GPU, the process lives on) or ended, before the grant
+            "worker_suspended": suspended is not None,
+            "worker_off_gpu_before_grant": (suspended is not None and float(suspended["ts"]) <= grant_ts)
+            or (gone.at is not None and gone.at <= grant_ts + 0.005),
             "worker_exit_to_grant_ms": round((grant_ts - gone.at) * 1000, 1) if gone.at else None,
             "granted_gpu": [g["index"] for g in lease.gpus],
         }
@@ -503,6 +521,44 @@ class Run:
         bob.release(lease)
         self.r["evict"] = r
         log(json.dumps(r))
+
+    # -- suspend to host: a worker holding GPU memory, evicted and restored, a few times --
+    def suspend(self) -> None:
+        """A worker holding SUSPEND_GIB of GPU memory (simulated: nothing) is evicted by another
+        user's request and restored on the notebook's next cell, CYCLES times: each cycle's bytes, ms
+        and GB/s of suspend and restore (the node agent's figures), the tensor's data_ptr and contents
+        after, NVML listing none of the worker while suspended, and nothing left locked."""
+        nb, stack = self.nb, self.stack
+        out, _ = nb.run(SUSPEND_HOLD.format(gib=SUSPEND_GIB))
+        if errors_of(out):
+            raise RuntimeError(f"the holding cell failed: {errors_of(out)}")
+        pid = int(nb.value("hold_pid"))
+        bob = stack.client_for("bob")
+        cycles = []
+        for _ in range(CYCLES):
+            mark = stack.mark()
+            lease = bob.acquire(1, wait=60)
+            sus = stack.wait_event(lambda e: e["type"] == "suspended", 5, mark)
+            on_gpu = None if self.nvml is None else pid in self.nvml.procs()
+            bob.release(lease)
+            out, _ = nb.run(SUSPEND_CHECK)
+            if errors_of(out):
+                raise RuntimeError(f"the restoring cell failed: {errors_of(out)}")
+            res = stack.wait_event(lambda e: e["type"] == "restored", 5, mark)
+            got = nb.value("{'same_ptr': same_ptr, 'intact': intact, 'same_pid': same_pid}")
+            c: dict[str, Any] = {"suspended": sus is not None, "restored": res is not None, **got}
+            c["line"] = closing_line(out)
+            if self.simulate:
+                for k in ("bytes", "suspend_ms", "restore_ms", "suspend_gbps", "restore_gbps", "nvml_empty"):
+                    c[k] = absent(self.no_cuda)
+            elif sus is not None and res is not None:
+                n = int(sus["bytes"])
+                c.update(bytes=n, suspend_ms=sus["ms"], restore_ms=res["ms"], nvml_empty=on_gpu is False)
+                c["suspend_gbps"] = round(n / 1e9 / max(sus["ms"] / 1000, 1e-6), 2)
+                c["restore_gbps"] = round(n / 1e9 / max(res["ms"] / 1000, 1e-6), 2)
+            cycles.append(c)
+        self.r["suspend"] = {"gib": SUSPEND_GIB, "cycles": cycles, "worker_pid": pid}
+        log(json.dumps(self.r["suspend"]))
 
     # -- the closing line's peak against NVML; the right-size hint --
     def peaks(self) -> None:
@@ -619,6 +675,7 @@ class Run:
             self.step("train_and_warm", self.train_and_warm)
             self.step("warm_starts", self.warm_starts)
             self.step("evict", self.evict)
+            self.step("suspend", self.suspend)
             self.step("peaks", self.peaks)
             self.step("idle", self.idle)
         except Exception as exc:  # noqa: BLE001

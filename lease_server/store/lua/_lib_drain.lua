@@ -29,6 +29,6 @@ local function start_drain(lease, node, idx, pids, state)
   local slot = node .. '/' .. idx
   redis.call('HSET', K_HOLDERS, slot, '~')
   local entry = cjson.encode({lease = lease.id, user = lease.user, pool = lease.pool, state = state,
-                              since = NOW, pids = pids})
+                              since = NOW, pids = pids, ['until'] = lease.suspend_until})
   redis.call('HSET', K_DRAINING, slot, (string.gsub(entry, '"pids":{}', '"pids":[]')))
 end

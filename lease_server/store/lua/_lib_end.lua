@@ -49,7 +49,8 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
       elseif redis.call('HGET', K_HOLDERS, slot) == lease.id then
         local pids = present[g.index] and drain_pids(lease, node, g.index, inv_raw, drain)
         if pids then
-          start_drain(lease, node, g.index, pids, state)
+          -- (a suspend's drain: the agent suspends the worker off the GPU instead of ending it)
+          start_drain(lease, node, g.index, pids, code == 'suspended' and 'suspend' or state)
           draining[#draining + 1] = g.index
           part.draining = part.draining or {}
           part.draining[#part.draining + 1] = g.index
@@ -118,7 +119,8 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     held_s = held_s, waited_s = (lease.waited_ms or 0) / 1000, state = state, util_mean = util_mean,
     busy_frac = busy_frac, mem_peak_mb = mem_peak, gpu_s = gpu_s,
     charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
-    priority = lease.priority, gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb}))
+    priority = lease.priority, gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb,
+    suspended = code == 'suspended' or nil}))
   lease.state = state
   lease.ended_at = NOW
   lease.end_reason = reason

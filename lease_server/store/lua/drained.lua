@@ -2,9 +2,13 @@
 -- ended there remains on them. They become free, and the pool's queue is served in the same
 -- script, so a waiter is granted the moment the GPUs are clean and never before. A slice's drain
 -- (named by its lease) frees its memory on its GPU (_lib_slice.lua, slice_drained).
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due
+-- A suspend's drain (suspend.lua) names the worker the agent suspended (ARGV[10]): it is recorded
+-- in suspended (the agent restores or ends it later: unsuspend.lua) and one `suspended` event
+-- says how much GPU memory went to host and how long it took.
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due suspended
 -- ARGV[6] = node   ARGV[7] = the lease whose end the GPUs drain from ("" = any)
 -- ARGV[8] = JSON list of GPU indexes   ARGV[9] = processes the agent had to end (a count)
+-- ARGV[10] = JSON {pid, start, uid, bytes, ms} of the worker the agent suspended ("" or absent: none)
 -- returns {OK, GPUs freed} (a slice's memory freed counts no GPU)
 local node, lease_id, killed = ARGV[6], ARGV[7], tonumber(ARGV[9]) or 0
 local indexes = cjson.decode(ARGV[8])
@@ -49,10 +53,20 @@ for _, e in ipairs(slices) do
   emit('drained', {lease = lease_id, user = e.d.user, pool = pool, node = node, gpus = {e.idx},
                    gpu_mem_mb = e.d.mb, took_ms = NOW - e.d.since, ended = e.d.state, killed = killed})
 end
+local sus = (ARGV[10] or '') ~= '' and cjson.decode(ARGV[10]) or nil
 for _, id in ipairs(order) do
   local e = by_lease[id]
   freed = freed + #e.gpus
   pools[e.d.pool] = true
+  if sus and e.d.state == 'suspend' then
+    local raw = redis.call('HGET', K_SUSPENDED, node)
+    local all = raw and cjson.decode(raw) or {}
+    all[tostring(sus.pid)] = {pid = sus.pid, start = sus.start, uid = sus.uid, user = e.d.user, lease = id,
+                              pool = e.d.pool, gpu = e.gpus[1], bytes = sus.bytes, since = NOW, ['until'] = e.d['until']}
+    redis.call('HSET', K_SUSPENDED, node, cjson.encode(all))
+    emit('suspended', {lease = id, user = e.d.user, pool = e.d.pool, node = node, gpus = e.gpus,
+                       bytes = sus.bytes, ms = sus.ms, ['until'] = e.d['until']})
+  end
   emit('drained', {lease = id, user = e.d.user, pool = e.d.pool, node = node, gpus = e.gpus,
                    took_ms = NOW - e.d.since, ended = e.d.state, killed = killed})
 end

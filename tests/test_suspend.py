@@ -1,0 +1,238 @@
+"""Suspend to host on the lease server and its node agent: a warm lease handed back with its worker
+suspended (lua/suspend.lua, lease_server/node/onhost.py), the waiter granted once the agent has it
+off the GPU, the worker restored onto its owner's next lease, or ended (warm_max, the node's
+host-memory budget).
+
+Real lease server, Redis and in-process node agent on simulated GPUs; a real process stands in for
+the warm worker and claims its leases at the agent's socket as a worker does (the magic's own path,
+through a kernel and Ray, is in tests/test_warm_cells.py).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from lease_server import errors
+from tests.api_helpers import EventWatcher
+from tests.test_drain import GRACE, claim_line, procs  # noqa: F401
+
+# A worker: claims what it reads on stdin (claims.claim's arguments, "restore" among them) and
+# prints the agent's answer, one JSON object a line.
+WORKER = (
+    "import json, sys\n"
+    "from lease_server.node.claims import ClaimRefused, claim\n"
+    "print('up', flush=True)\n"
+    "for line in sys.stdin:\n"
+    "    try:\n"
+    "        print(json.dumps(claim(**json.loads(line))), flush=True)\n"
+    "    except (ClaimRefused, OSError) as exc:\n"
+    "        print(json.dumps({'refused': str(exc)}), flush=True)\n"
+)
+
+
+def say(proc: Any, line: str) -> dict[str, Any]:
+    proc.proc.stdin.write(line + "\n")
+    proc.proc.stdin.flush()
+    out: dict[str, Any] = json.loads(proc.proc.stdout.readline())
+    return out
+
+
+def claim(client: Any, lease: Any, proc: Any, restore: bool = False) -> dict[str, Any]:
+    line = json.loads(claim_line(client, lease, lease.node))
+    if restore:
+        line["restore"] = True
+    return say(proc, json.dumps(line))
+
+
+def _srv(server_factory: Any, **kw: Any) -> Any:
+    return server_factory(
+        simulate="n1=1xA100-80GB",
+        drain_kill_grace_s=GRACE,
+        drain_interval=0.1,
+        scheduling={"A100-80GB": {"warm_evict_notice": 5, **kw.pop("sched", {})}},
+        **kw,
+    )
+
+
+@pytest.fixture
+def srv(server_factory: Any) -> Any:
+    return _srv(server_factory)
+
+
+def warm_claimed(srv: Any, procs: Any) -> tuple[Any, Any, Any]:  # noqa: F811
+    alice = srv.client("alice")
+    lease = alice.acquire(1)
+    worker = procs(WORKER)
+    assert claim(alice, lease, worker) == {"ok": True}
+    alice.warm(lease)
+    return alice, lease, worker
+
+
+def test_an_evicted_warm_worker_is_suspended_the_waiter_granted_and_the_worker_restored(srv, procs):  # noqa: F811
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, lease, worker = warm_claimed(srv, procs)
+    assert srv.client("root").cluster()["nodes"][0]["suspend"] == "simulated"
+    bob = srv.client("bob")
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.setdefault("lease", bob.acquire(1, wait=30)))
+    t.start()
+    watcher.wait_for(lambda e: e["type"] == "evicting" and e["lease"] == lease.id, 10, "evicting")
+    ended = alice.suspend(lease)
+    assert ended["state"] == "released" and ended["cause"]["code"] == "suspended"
+    t.join(30)
+    sus = watcher.wait_for(lambda e: e["type"] == "suspended" and e["lease"] == lease.id, 10, "suspended")
+    grant = watcher.wait_for(lambda e: e["type"] == "grant" and e["lease"] == got["lease"].id, 10, "grant")
+    assert sus["bytes"] > 0 and sus["ms"] >= 0 and sus["gpus"] == [0]  # (its resident memory: the stand-in)
+    assert grant["ts"] >= sus["ts"]  # granted only once the worker was off the GPU
+    assert worker.proc.poll() is None  # ... and it lives on, holding no lease
+    drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 10, "drained")
+    assert drained["ended"] == "suspend" and drained["killed"] == 0
+    # bob's lease on the worker's GPU: a restore onto it is refused (it is not the worker's lease)
+    refused = claim(bob, got["lease"], worker, restore=True)
+    assert "refused" in refused, refused
+    bob.release(got["lease"])
+    # alice's next lease: the worker claims it and is restored onto its GPU
+    again = alice.acquire(1, wait=10)
+    answer = claim(alice, again, worker, restore=True)
+    assert answer["ok"] and answer["restored"]["bytes"] == sus["bytes"], answer
+    ev = watcher.wait_for(lambda e: e["type"] == "restored" and e["lease"] == again.id, 10, "restored")
+    assert ev["suspended_lease"] == lease.id and ev["bytes"] == sus["bytes"] and ev["gpus"] == [0]
+    # restored once: asked again, it is not a suspended worker any more
+    assert "not a worker suspended" in claim(alice, again, worker, restore=True)["refused"]
+    assert worker.proc.poll() is None
+
+
+def test_a_lease_released_for_good_still_ends_its_worker(srv, procs):  # noqa: F811
+    """The drain of a lease that ends for good (not a suspend) ends its claimed worker, as before."""
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, lease, worker = warm_claimed(srv, procs)
+    srv.client("root").request("POST", f"/api/v1/leases/{lease.id}/revoke", json={"reason": "test"})
+    watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 10, "drained")
+    worker.wait(10)
+    assert not [e for e in watcher.events if e["type"] == "suspended"]
+
+
+def test_suspend_is_refused_with_what_to_do_and_changes_nothing(srv, procs):  # noqa: F811
+    alice = srv.client("alice")
+    lease = alice.acquire(1)
+    with pytest.raises(errors.Conflict, match="only a warm lease is suspended"):
+        alice.suspend(lease)
+    alice.warm(lease)
+    with pytest.raises(errors.Conflict, match="0 processes claimed it"):
+        alice.suspend(lease)  # nobody claimed it: there is no worker to keep
+    with pytest.raises(errors.GpuLeaseError):
+        srv.client("bob").suspend(lease)
+    r = httpx.post(f"{srv.url}/api/v1/leases/{lease.id}/suspend", json={}, headers=alice.headers)
+    assert r.status_code == 400 and "token is required" in r.json()["message"], r.text
+    assert alice.get(lease.id)["state"] == "active" and alice.get(lease.id)["warm_since"]
+
+
+def test_over_the_host_memory_budget_the_suspended_worker_is_ended(server_factory, procs):  # noqa: F811
+    srv = _srv(server_factory, suspend_host_budget_gb=0.001)  # 1 MB: less than any process
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, lease, worker = warm_claimed(srv, procs)
+    alice.suspend(lease)
+    ev = watcher.wait_for(lambda e: e["type"] == "suspend_ended" and e["lease"] == lease.id, 10, "suspend_ended")
+    assert "host memory for suspended workers on n1 (1 MB) was full" in ev["reason"], ev
+    worker.wait(10)
+
+
+def test_warm_max_ends_a_suspended_worker(server_factory, procs):  # noqa: F811
+    srv = _srv(server_factory, sched={"warm_max": 2})
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, lease, worker = warm_claimed(srv, procs)
+    alice.suspend(lease)
+    watcher.wait_for(lambda e: e["type"] == "suspended" and e["lease"] == lease.id, 10, "suspended")
+    ev = watcher.wait_for(lambda e: e["type"] == "suspend_ended" and e["lease"] == lease.id, 15, "suspend_ended")
+    assert "warm_max" in ev["reason"]
+    worker.wait(10)
+
+
+def test_suspend_off_ends_evicted_workers_as_before(server_factory, procs):  # noqa: F811
+    srv = _srv(server_factory, suspend="off")
+    alice, lease, _worker = warm_claimed(srv, procs)
+    assert "suspend" not in srv.client("root").cluster()["nodes"][0]
+    with pytest.raises(errors.Conflict, match="cannot suspend GPU state"):
+        alice.suspend(lease)
+
+
+# ---- the suspenders (lease_server/node/suspend.py), where no GPU is needed ----------------------------
+
+
+def test_a_restore_needs_the_snapshot_plus_a_tenth_free_and_never_guesses() -> None:
+    from lease_server.node.suspend import fits
+
+    gib = 2**30
+    assert fits(10 * gib, 11 * gib) and not fits(10 * gib, 11 * gib - 1)
+    assert not fits(10 * gib, None)  # free memory unknown: never try and see (cuda-checkpoint#44)
+    assert fits(0, 0)
+
+
+def test_the_checkpoint_api_structures_have_the_drivers_layout() -> None:
+    import ctypes
+
+    from lease_server.node import suspend
+
+    # cuda.h: each argument struct is 64 bytes; a GPU pair is two 16-byte UUIDs
+    for struct in (suspend._LockArgs, suspend._Reserved8, suspend._RestoreArgs):
+        assert ctypes.sizeof(struct) == 64, struct
+    assert ctypes.sizeof(suspend._GpuPair) == 32
+    assert suspend._RestoreArgs.gpuPairsCount.offset == 8 and suspend._RestoreArgs.reserved1.offset == 56
+    uuid = "GPU-5b2c9d3e-1f4a-4c8e-9b7d-0a1b2c3d4e5f"
+    assert suspend.uuid_bytes(uuid) == bytes.fromhex("5b2c9d3e1f4a4c8e9b7d0a1b2c3d4e5f")
+    with pytest.raises(ValueError, match="not a GPU UUID"):
+        suspend.uuid_bytes("GPU-1234")
+    same, _ = suspend.restore_args([(uuid, uuid)])
+    assert same.gpuPairsCount == 0  # onto the GPU it left: no remapping
+    other = "GPU-00000000-0000-0000-0000-000000000001"
+    moved, keep = suspend.restore_args([(uuid, other)])
+    assert moved.gpuPairsCount == 1 and bytes(moved.gpuPairs[0].newUuid.bytes)[-1] == 1
+
+
+class Driver:
+    """libcuda's checkpoint entry points as a table of answers (CUresult per call), recording the calls."""
+
+    def __init__(self, **answers: int) -> None:
+        self.calls: list[str] = []
+        self.answers = answers
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*_args: Any) -> int:
+            self.calls.append(name)
+            return self.answers.get(name, 0)
+
+        return call
+
+
+def test_a_failed_checkpoint_unlocks_the_worker_so_that_the_drain_can_end_it() -> None:
+    from lease_server.node.suspend import CudaCheckpoint, SuspendFailed
+
+    ok = Driver()
+    snap = CudaCheckpoint(ok).suspend(4242, 7 * 2**30)
+    assert ok.calls == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint"] and snap.bytes == 7 * 2**30
+    CudaCheckpoint(ok).restore(4242, [])
+    assert ok.calls[2:] == ["cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
+    failing = Driver(cuCheckpointProcessCheckpoint=2)  # CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(SuspendFailed, match="cuCheckpointProcessCheckpoint.4242. answered CUresult 2"):
+        CudaCheckpoint(failing).suspend(4242, 0)
+    assert failing.calls[-1] == "cuCheckpointProcessUnlock"
+    locked_out = Driver(cuCheckpointProcessLock=1)
+    with pytest.raises(SuspendFailed):
+        CudaCheckpoint(locked_out).suspend(4242, 0)
+    assert locked_out.calls == ["cuCheckpointProcessLock"]  # never checkpointed what it could not lock
+
+
+def test_without_a_driver_the_node_says_why_it_does_not_suspend() -> None:
+    from lease_server.node.suspend import CudaCheckpoint, Simulated, detect
+
+    assert "no CUDA driver" in str(CudaCheckpoint.probe("libcuda-that-is-not-here.so"))
+    assert isinstance(detect("auto", nvml_node=False), Simulated)
+    assert detect("off", nvml_node=False) == "off (suspend = off)"
