@@ -98,7 +98,8 @@ class Http:
 
         self.url = url
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=120),
+            # (kept-alive connections closed before the server's http_idle_timeout of 20 s closes them)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=10),
             timeout=aiohttp.ClientTimeout(total=120),
         )
 
@@ -110,9 +111,14 @@ class Http:
         if body is not None:
             data = json.dumps(body).encode()
             hdrs["Content-Type"] = "application/json"
-        async with self.session.request(method, self.url + path, data=data, headers=hdrs, params=params) as resp:
-            raw = await resp.read()
-            return resp.status, (json.loads(raw) if raw else None)
+        import aiohttp
+
+        try:
+            async with self.session.request(method, self.url + path, data=data, headers=hdrs, params=params) as resp:
+                raw = await resp.read()
+                return resp.status, (json.loads(raw) if raw else None)
+        except (aiohttp.ClientError, TimeoutError) as exc:  # counted as a failure by the caller
+            return 0, {"code": type(exc).__name__, "message": str(exc)}
 
     async def close(self) -> None:
         await self.session.close()
