@@ -150,14 +150,15 @@ class Agents:
         self.errors: collections.Counter[str] = collections.Counter()
         self.tasks: list[asyncio.Task[None]] = []
         self.poll_s = 0.5  # the drain poll period where the server has no long-poll
+        self.slow = 1.0  # heartbeats and samples this many times less often than the real agent's
 
     def start(self) -> None:
         rng = random.Random(SEED)
         for node in self.nodes:
             phase = rng.random()
             self.tasks += [
-                asyncio.create_task(self._every(node, "heartbeat", 2.0, phase * 2.0)),
-                asyncio.create_task(self._every(node, "samples", 5.0, phase * 5.0)),
+                asyncio.create_task(self._every(node, "heartbeat", 2.0 * self.slow, phase * 2.0 * self.slow)),
+                asyncio.create_task(self._every(node, "samples", 5.0 * self.slow, phase * 5.0 * self.slow)),
                 asyncio.create_task(self._drain(node, phase * 0.5)),
             ]
 
@@ -287,7 +288,13 @@ class Size:
             prefix,
             2,
             self.logdir,
-            env={"GPULEASE_MAX_CONNECTIONS": "8000", "GPULEASE_MAX_QUEUED_PER_USER": "4096"},
+            env={
+                "GPULEASE_MAX_CONNECTIONS": "8000",
+                "GPULEASE_MAX_QUEUED_PER_USER": "4096",
+                # heartbeats --agent-slow times rarer: the timeout as many times longer
+                "GPULEASE_HEARTBEAT_INTERVAL": str(2.0 * self.p["agent_slow"]),
+                "GPULEASE_HEARTBEAT_TIMEOUT": str(10.0 * self.p["agent_slow"]),
+            },
         ).start()
         http = Http(server.url)
         self.http = http
@@ -305,6 +312,7 @@ class Size:
             agents = Agents(http, self.nodes, node_tok, long_poll)
             agents.samples = self.samples
             agents.poll_s = self.p["poll_s"]
+            agents.slow = self.p["agent_slow"]
             if not long_poll:
                 self.fig["agent_drain"] = f"poll every {agents.poll_s:g} s"
             agents.start()
@@ -549,6 +557,8 @@ class Size:
         errs = [x for x in res if isinstance(x, BaseException)]
         if errs:
             raise errs[0]
+        for lease in picks:  # the pools as full as before, for the phases that follow
+            await self._acquire(http, self._user(), lease["pool"], len(lease["gpus"]))
         self.fig["drains"] = len(reach)
         self.fig["drain_reach_ms"] = pct(reach, 50) * 1e3
         self.fig["drain_reach_p99_ms"] = pct(reach, 99) * 1e3
@@ -623,6 +633,14 @@ def main() -> None:
         help="where the server has no long-poll: the agents' drain poll period (0.5 s, the old agent's; "
         "at 10,000 GPUs that is 2,500 requests a second, more than a 2-core machine serves beside the rest)",
     )
+    ap.add_argument(
+        "--agent-slow",
+        type=float,
+        default=1.0,
+        help="heartbeats and samples this many times rarer than the real agent's (2 s, 5 s), and the "
+        "heartbeat timeout as many times longer: 1,250 nodes at the real rates send 875 requests a "
+        "second, which a loaded 2-core machine may not serve beside the rest",
+    )
     args = ap.parse_args()
     q = args.quick
     p = {
@@ -634,6 +652,7 @@ def main() -> None:
         "open_s": 8.0 if q else 20.0,
         "rate": 100.0,
         "poll_s": args.poll_s,
+        "agent_slow": args.agent_slow,
     }
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()
@@ -642,7 +661,8 @@ def main() -> None:
 
     load = os.getloadavg()
     say(
-        f"scale bench ({'quick' if q else 'full'}): {args.gpus} GPUs against {args.base}, {os.cpu_count()} cores, "
+        f"scale bench ({'quick' if q else 'full'}): {args.gpus} GPUs against {args.base}, "
+        f"agents x{args.agent_slow:g} slower, {os.cpu_count()} cores, "
         f"load average {_common.load_text(load)} at start"
     )
     out["loadavg_start"] = round(load[0], 2)
