@@ -2,7 +2,7 @@
 -- ended there remains on them. They become free, and the pool's queue is served in the same
 -- script, so a waiter is granted the moment the GPUs are clean and never before. A slice's drain
 -- (named by its lease) frees its memory on its GPU (_lib_slice.lua, slice_drained).
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due victims
 -- ARGV[6] = node   ARGV[7] = the lease whose end the GPUs drain from ("" = any)
 -- ARGV[8] = JSON list of GPU indexes   ARGV[9] = processes the agent had to end (a count)
 -- returns {OK, GPUs freed} (a slice's memory freed counts no GPU)
