@@ -218,6 +218,11 @@ end
 -- A node whose heartbeat ran out is marked down here, so a dead agent's GPUs are never granted
 -- even between two sweeps.
 local function allocate(pool, n, exclude)
+  -- Within one dispatch nothing frees GPUs: a request that found no node for n is followed by no
+  -- luckier one for n or more (dispatch() starts the cache afresh).
+  local miss = SCHED_CACHE['~miss|' .. pool]
+  local mk = 'a|' .. (exclude or '')
+  if miss and miss[mk] and n >= miss[mk] then return nil end
   local lo = '[' .. pool .. '|' .. string.format('%05d', n) .. '|'
   local hi = '(' .. pool .. '|~'
   local warm = tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0') > 0
@@ -232,7 +237,10 @@ local function allocate(pool, n, exclude)
         if not best or k < best then node, best = cand, k end
       end
     end
-    if not node then return nil end
+    if not node then
+      if miss then miss[mk] = math.min(n, miss[mk] or n) end
+      return nil
+    end
     local deadline = tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1')
     if deadline >= NOW then
       local free = decode_list(redis.call('HGET', K_FREE, node))

@@ -7,12 +7,13 @@
 -- `classes`: the classes of the recall index that rank can accept. Leases already being recalled
 -- count as coming free. Runs once per waiter; returns the node held for it, or nil when no
 -- candidate node can be freed that way. A recall of warm leases (rank independent of the waiter)
--- that found nothing for n is not tried again for n or more in the same call.
+-- that found nothing for n is not tried again for n or more in the same dispatch.
 local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, classes)
   if w.recall_node then return w.recall_node end
   if w.deadline <= NOW then return nil end
-  local miss_key = (kind == 'evicting' and not only_node) and ('~recall_miss|' .. pool) or nil
-  if miss_key and SCHED_CACHE[miss_key] and n >= SCHED_CACHE[miss_key] then return nil end
+  -- (the dispatch's cache, as allocate's: nothing frees GPUs within one dispatch)
+  local miss = (kind == 'evicting' and not only_node) and SCHED_CACHE['~miss|' .. pool] or nil
+  if miss and miss.r and n >= miss.r then return nil end
   local nodes, seen = {}, {}
   local function consider(node)
     if node and node ~= '' and not seen[node] then seen[node] = true; nodes[#nodes + 1] = node end
@@ -96,7 +97,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
     end
   end
   if not best then
-    if miss_key then SCHED_CACHE[miss_key] = math.min(n, SCHED_CACHE[miss_key] or n) end
+    if miss then miss.r = math.min(n, miss.r or n) end
     return nil
   end
   local due = NOW + notice_ms

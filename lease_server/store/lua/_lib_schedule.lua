@@ -463,5 +463,10 @@ local function dispatch(pool)
   if #members == 0 then return 0 end
   local acts, owed = active_bookings(pool)
   local sched = sched_of(pool)
-  return serve_in_order(pool, queue_order(pool, members, acts, sched), acts, owed, sched)
+  -- What allocate and recall found impossible in this dispatch (nothing frees GPUs until it ends;
+  -- a script may end leases between two dispatches, so each starts afresh).
+  SCHED_CACHE['~miss|' .. pool] = {}
+  local granted = serve_in_order(pool, queue_order(pool, members, acts, sched), acts, owed, sched)
+  SCHED_CACHE['~miss|' .. pool] = nil
+  return granted
 end
