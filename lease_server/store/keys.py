@@ -68,7 +68,8 @@ Scheduling:
                       asked to give GPUs back for a waiting request and has not yet)
 ``victims``    zset   lexicographic "pool|C|R|node|lease id" for every live lease a recall may take back
                       (C: w warm, p preemptible, b borrowed, o other, r being recalled; R sorts the
-                      newest first): a recall reads the first few of each class, not every lease
+                      newest first, warm leases the largest first): a recall reads the first few of
+                      each class, not every lease
                       (lua/_lib.lua victim_member; layout 3)
 
 Idle-GPU reclaim (reclaim.py, samples.lua):

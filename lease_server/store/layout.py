@@ -279,7 +279,10 @@ def victim_member(lease: dict[str, Any]) -> str | None:
         c = "b"
     else:
         c = "o"
-    return f"{lease['pool']}|{c}|{9999999999999 - int(lease['created_at']):013d}|{lease['node']}|{lease['id']}"
+    r = f"{9999999999999 - int(lease['created_at']):013d}"
+    if c == "w":  # a warm lease loses no work when evicted: the largest first
+        r = f"{999 - len(lease['gpus']):03d}{r}"
+    return f"{lease['pool']}|{c}|{r}|{lease['node']}|{lease['id']}"
 
 
 async def _to_3(redis: Redis, keys: Keys) -> Step:

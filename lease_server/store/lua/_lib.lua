@@ -114,7 +114,8 @@ end
 -- first, so that a recall reads a bounded number of candidates (_lib_recall.lua) instead of every
 -- lease. Member "pool|C|R|node|id": C the class -- w warm, p preemptible, b borrowed, o any other
 -- whole-GPU lease not served from a booking, r being recalled (its GPUs are coming free) -- and
--- R = 9999999999999 - created_at (ms), so that the newest, which lose the least work, come first.
+-- R = 9999999999999 - created_at (ms), so that the newest, which lose the least work, come first
+-- (for a warm lease, which loses no work, led by 999 - its GPUs: the largest first).
 -- A slice, and a booking's lease that is not warm, are never recalled and not in it. Every script
 -- that grants a lease, ends one, turns one warm or cool or recalls one keeps it in step.
 local function victim_member(l)
@@ -126,7 +127,10 @@ local function victim_member(l)
   elseif l.preemptible then c = 'p'
   elseif l.borrowed then c = 'b'
   else c = 'o' end
-  return l.pool .. '|' .. c .. '|' .. string.format('%013d', 9999999999999 - l.created_at) .. '|' .. l.node .. '|' .. l.id
+  local r = string.format('%013d', 9999999999999 - l.created_at)
+  -- a warm lease loses no work when evicted: the largest first (the fewest evictions free a node)
+  if c == 'w' then r = string.format('%03d', 999 - #l.gpus) .. r end
+  return l.pool .. '|' .. c .. '|' .. r .. '|' .. l.node .. '|' .. l.id
 end
 
 -- How many entries of each class of the recall index (victims, above) a recall reads: the nodes
