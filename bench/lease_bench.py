@@ -114,10 +114,13 @@ class ServerProcess:
     """``python -m lease_server.cli server`` in its own session, so that its forked workers are
     stopped with it (tornado's parent does not pass SIGTERM on to its children)."""
 
-    def __init__(self, redis_url: str, prefix: str, workers: int, logdir: Path) -> None:
+    def __init__(
+        self, redis_url: str, prefix: str, workers: int, logdir: Path, env: dict[str, str] | None = None
+    ) -> None:
         from lease_server.node.redis_proc import free_port
 
         self.redis_url, self.prefix, self.workers = redis_url, prefix, workers
+        self.env = dict(env or {})  # more GPULEASE_* settings for the server (scale_bench.py)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logdir / f"server-{prefix}-w{workers}.log"
@@ -129,7 +132,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "lease_server.cli", *args],
-                env=_common.child_env(GPULEASE_PREFIX=self.prefix),
+                env=_common.child_env(GPULEASE_PREFIX=self.prefix, **self.env),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

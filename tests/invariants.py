@@ -8,6 +8,7 @@ from typing import Any
 from redis import Redis
 
 from lease_server.store.keys import Keys
+from lease_server.store.layout import victim_member
 
 END_TYPES = ("released", "expired", "revoked")
 
@@ -130,7 +131,8 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
 def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
     """One consistent snapshot (MULTI): holders, leases, free lists and the fit index agree; the
     quota counts (held_by) are the GPUs the live leases hold; the elastic index lists exactly the
-    live elastic leases, and the shrink deadlines exactly those asked to shrink."""
+    live elastic leases, the shrink deadlines exactly those asked to shrink, and the recall index
+    (victims) exactly the leases a recall may take back, each in its class."""
     with r.pipeline(transaction=True) as p:
         p.hgetall(keys.nodes)
         p.hgetall(keys.free)
@@ -146,6 +148,7 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.hgetall(keys.waiting_by)
         p.hgetall(keys.sliced)
         p.zrange(keys.slice_fit, 0, -1)
+        p.zrange(keys.victims, 0, -1)
         (
             nodes,
             free,
@@ -161,6 +164,7 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
             waiting_by,
             sliced,
             slice_fit,
+            victims,
         ) = p.execute()
     per_user: dict[str, int] = {}
     for raw in waiters.values():
@@ -171,6 +175,9 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
     assert set(deadlines) == set(leases), "deadline index and live leases differ"
     assert set(elastic) == {f"{v['pool']}|{k}" for k, v in leases.items() if v.get("elastic")}, "elastic index"
     assert set(shrink_due) == {k for k, v in leases.items() if v.get("shrink_to")}, "shrink deadlines"
+    # the recall index lists exactly the live leases a recall may take back, each in its class
+    want_victims = {m for m in (victim_member(v) for v in leases.values()) if m is not None}
+    assert set(victims) == want_victims, f"recall index {sorted(victims)} != {sorted(want_victims)}"
     for lease in leases.values():
         if lease.get("shrink_to"):
             assert lease["elastic"]["min"] <= lease["shrink_to"] < len(lease["gpus"]), lease

@@ -371,3 +371,38 @@ def test_the_http_agent_drains_its_node(server_factory: Any, procs: Any, redis_s
         agent.join(10)
         agent_client.close()
     check_invariants(srv, redis_sync)
+
+
+def test_an_idle_agent_long_polls_its_drains(server_factory: Any, redis_sync: Any) -> None:
+    """GET /nodes/{node}/draining?wait= holds an idle agent's request until a drain starts on its
+    node, then answers with it at once; with none, it answers an empty list when the wait ends. So
+    an idle agent asks about its drains once a wait (40 s), not twice a second. A wait out of range
+    is a 400 that says the range, and changes nothing."""
+    from lease_server.leasing.inventory import parse_simulate
+
+    srv = server_factory(simulate="")  # no agent in the server: the node is this test's
+    agent, poller = srv.client("agent-r1", "agent"), srv.client("agent-r1", "agent")
+    path = "/api/v1/nodes/r1/draining"
+    agent.request("PUT", "/api/v1/nodes/r1", json=json.loads(parse_simulate("r1=1xA100-80GB")[0].to_json()))
+    assert agent.request("GET", path, params={"wait": "1"}) == {"node": "r1", "draining": []}
+    for bad in ("-1", "61", "soon"):
+        with pytest.raises(errors.BadRequest, match="wait must be an integer between 0 and 60"):
+            agent.request("GET", path, params={"wait": bad})
+
+    alice, admin = srv.client("alice"), srv.client("root", "admin")
+    lease = alice.acquire(1)
+    answer: dict[str, Any] = {}
+    wait = {"wait": "60"}
+    poll = threading.Thread(target=lambda: answer.update(poller.request("GET", path, params=wait, timeout=90)))
+    poll.start()
+    claim = {"lease": lease.id, "fence": lease.token, "token": alice.token, "pid": os.getpid(),
+             "start": start_ticks(os.getpid()), "uid": os.getuid(), "gpus": lease.indexes}  # fmt: skip
+    agent.request("POST", "/api/v1/nodes/r1/procs", json=claim)  # (recorded only: nothing here signals it)
+    admin.revoke(lease.id)  # its GPU drains, and the waiting poll answers with it
+    poll.join(30)  # well inside its 60 s wait
+    assert not poll.is_alive() and [d["lease"] for d in answer["draining"]] == [lease.id], answer
+    freed = agent.request("POST", "/api/v1/nodes/r1/drained", json={"lease": lease.id, "gpus": lease.indexes})
+    assert freed["freed"] == 1 and agent.request("GET", path, params={"wait": "0"})["draining"] == []
+    for c in (agent, poller, alice, admin):
+        c.close()
+    check_invariants(srv, redis_sync)

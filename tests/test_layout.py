@@ -119,13 +119,13 @@ def test_layout_1_bookings_move_to_their_new_key_names(redis_server: RedisProces
         ServerHandle(settings, "box=2xA100-80GB").start()
     cli, env = CliRunner(), {"GPULEASE_PREFIX": prefix}
     dry = cli.invoke(main, ["migrate", "--redis-url", redis_server.url, "--dry-run"], env=env)
-    assert dry.exit_code == 0 and dry.output.splitlines()[0] == "would migrate layout 1 -> 2:", dry.output
+    assert dry.exit_code == 0 and dry.output.splitlines()[0] == f"would migrate layout 1 -> {LAYOUT}:", dry.output
     assert f"{old['bookings']} -> {keys.bookings}" in dry.output and "(2 booking(s))" in dry.output
     assert r.exists(*old.values()) == 3 and not r.exists(keys.bookings, keys.booking_idx, keys.booking_due)
 
     done = cli.invoke(main, ["migrate", "--redis-url", redis_server.url], env=env)
-    assert done.exit_code == 0 and done.output.startswith("migrated layout 1 -> 2:"), done.output
-    assert r.get(keys.layout) == "2" and not r.exists(*old.values())
+    assert done.exit_code == 0 and done.output.startswith(f"migrated layout 1 -> {LAYOUT}:"), done.output
+    assert r.get(keys.layout) == str(LAYOUT) and not r.exists(*old.values())
     assert r.hlen(keys.bookings) == 2 and r.zcard(keys.booking_idx) == 2 and r.zcard(keys.booking_due) == 2
     assert set(r.hkeys(keys.bookings)) == {weekly["id"], current["id"]}
 
@@ -151,4 +151,46 @@ def test_a_store_with_bookings_under_both_names_stops_the_migration(redis_server
     said = " ".join(done.output.split())
     assert done.exit_code != 0 and "both hold data" in said and "nothing was changed" in said, said
     assert r.get(keys.layout) == "1" and r.hkeys(f"{{{prefix}}}:resv") == ["r-0123456789ab"]
+    r.close()
+
+
+def test_layout_2_leases_get_their_recall_index(redis_server: RedisProcess, prefix: str) -> None:
+    """Layout 3 indexes the leases a recall may take back (victims): a layout-2 store with live
+    leases, one of them warm, is migrated to exactly the index the scripts keep, and a waiter then
+    evicts the warm lease through it."""
+    r = Redis.from_url(redis_server.url, decode_responses=True)
+    keys = Keys(prefix)
+    settings = make_settings(redis_server.url, prefix)
+    srv = ServerHandle(settings, "box=2xA100-80GB").start()
+    try:
+        alice = srv.client("alice")
+        warm, busy = alice.acquire(1, ttl=600), alice.acquire(1, ttl=600)
+        alice.warm(warm)
+    finally:
+        srv.stop()
+    built = r.zrange(keys.victims, 0, -1)
+    assert sorted(m.split("|")[1] for m in built) == ["o", "w"]
+    r.delete(keys.victims)  # what a layout-2 release left
+    r.set(keys.layout, 2)
+
+    with pytest.raises(RuntimeError, match="has layout 2, from an older gpulease"):
+        ServerHandle(settings, "box=2xA100-80GB").start()
+    cli, env = CliRunner(), {"GPULEASE_PREFIX": prefix}
+    dry = cli.invoke(main, ["migrate", "--redis-url", redis_server.url, "--dry-run"], env=env)
+    assert dry.exit_code == 0 and "index the live leases a recall may take back: 2 lease(s)" in dry.output, dry.output
+    assert not r.exists(keys.victims)
+    done = cli.invoke(main, ["migrate", "--redis-url", redis_server.url], env=env)
+    assert done.exit_code == 0 and done.output.startswith(f"migrated layout 2 -> {LAYOUT}:"), done.output
+    assert r.zrange(keys.victims, 0, -1) == built
+
+    srv = ServerHandle(settings, "box=2xA100-80GB").start()
+    try:
+        got = srv.client("bob").acquire(1, wait=30)  # only the warm lease's GPU can serve it: evicted
+        assert got.indexes == warm.indexes
+        kinds = [e["type"] for e in srv.client("root", "admin").events(lease=warm.id)]
+        assert "evicting" in kinds, kinds
+        alice = srv.client("alice")
+        alice.release(busy)
+    finally:
+        srv.stop()
     r.close()

@@ -173,3 +173,66 @@ class EventHub:
                             q.put_nowait(event)
                         except asyncio.QueueFull:  # a stalled client: drop it rather than grow
                             self._subs.discard(q)
+
+
+def event_nodes(ev: dict[str, Any]) -> set[str]:
+    """The nodes an event names: its ``node``, a gang's ``nodes`` and the nodes of its ``parts``."""
+    out: set[str] = set()
+    if isinstance(ev.get("node"), str):
+        out.add(ev["node"])
+    for node in ev.get("nodes") or ():
+        if isinstance(node, str):
+            out.add(node)
+    for part in ev.get("parts") or ():
+        if isinstance(part, dict) and isinstance(part.get("node"), str):
+            out.add(part["node"])
+    return out
+
+
+class NodeWatch:
+    """Wakes what waits on a node (a node agent's long-poll of its draining GPUs) when an event
+    names that node. One subscriber of the hub for every waiter of the process, so an event costs a
+    lookup by node, not a queue per waiting agent: 1,250 idle agents cost nothing between events.
+    A waiter re-reads the state it waits on after each wake-up; the events only say when to."""
+
+    def __init__(self, hub: EventHub) -> None:
+        self.hub = hub
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def watch(self, node: str) -> asyncio.Event:
+        """An event set at the next change on ``node`` from now on (unwatch it when done)."""
+        async with self._lock:
+            if self._task is None or self._task.done():
+                q = await self.hub.subscribe()  # before the caller's read: no change falls in between
+                self._task = asyncio.create_task(self._run(q), name="gpulease-node-watch")
+        woken = asyncio.Event()
+        self._waiters.setdefault(node, set()).add(woken)
+        return woken
+
+    def unwatch(self, node: str, woken: asyncio.Event) -> None:
+        waiters = self._waiters.get(node)
+        if waiters is not None:
+            waiters.discard(woken)
+            if not waiters:
+                del self._waiters[node]
+
+    async def _run(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
+        try:
+            while self.hub.is_subscribed(q):
+                try:
+                    ev = await asyncio.wait_for(q.get(), timeout=5.0)  # (and look whether the hub dropped us)
+                except TimeoutError:
+                    continue
+                if ev is None:
+                    break
+                for node in event_nodes(ev):
+                    for woken in self._waiters.get(node, ()):
+                        woken.set()
+        finally:
+            self.hub.unsubscribe(q)
+            # Stopped or dropped: every waiter re-reads now (the next watch() subscribes again).
+            for waiters in self._waiters.values():
+                for woken in waiters:
+                    woken.set()

@@ -191,3 +191,11 @@ REASON_ARG = Param(
     "Why (as the body's `reason`), e.g. kernel shut down",
     parse=lambda raw: check_text("reason", raw),
 )
+DRAIN_WAIT_MAX = 60  # seconds a node agent's GET /nodes/{node}/draining may wait for a drain
+DRAIN_WAIT = Param(
+    "wait",
+    {"type": "integer", "minimum": 0, "maximum": DRAIN_WAIT_MAX},
+    "Seconds to wait, while the node has no draining GPU, for a change on the node (a long-poll): the "
+    "answer comes as soon as one happens, else after this long (at most the server's max_wait), with what "
+    "drains then (default 0: at once)",
+)

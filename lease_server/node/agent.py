@@ -412,6 +412,60 @@ def _drain_step(
     return drainer.step(inv.node, entries, in_cgroup=isolation.pids if isolation.cgroups else None)
 
 
+DRAIN_WAIT_S = 40  # an idle agent asks about its node's drains once in this long (1.5 requests a minute)
+
+
+class DrainWatch:
+    """A node's draining GPUs, as the server answers its agent's long-poll
+    (``GET /nodes/{node}/draining?wait=``), asked by a thread of its own so that the agent's loop
+    (heartbeats, samples, kills) never blocks on it. While nothing drains, the server holds the
+    request until a change on the node (a drain reaches the agent at once) or the end of the wait;
+    while GPUs drain, the thread asks again every ``interval`` once the loop took the last answer.
+    Each answer sets ``wake``; the loop takes it with :meth:`take`."""
+
+    def __init__(self, client: Any, node: str, interval: float, stop: threading.Event, wake: threading.Event) -> None:
+        self.client, self.node, self.interval, self.stop, self.wake = client, node, interval, stop, wake
+        self._lock = threading.Lock()
+        self._answer: list[dict[str, Any]] | None = None
+        self._taken = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"gpulease-drain-watch-{node}", daemon=True)
+
+    def start(self) -> DrainWatch:
+        self.thread.start()
+        return self
+
+    def take(self) -> list[dict[str, Any]] | None:
+        """The server's newest answer not yet taken (its draining GPUs), or None."""
+        with self._lock:
+            got, self._answer = self._answer, None
+        if got is not None:
+            self._taken.set()
+        return got
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                got = self.client.request(
+                    "GET",
+                    protocol.node_draining(self.node),
+                    params={"wait": DRAIN_WAIT_S},
+                    timeout=DRAIN_WAIT_S + 30,
+                )["draining"]
+            except errors.GpuLeaseError as exc:  # the server away: ask again after a pause
+                log.warning("draining %s failed: %s", self.node, exc)
+                self.stop.wait(max(self.interval, 1.0))
+                continue
+            self._taken.clear()
+            with self._lock:
+                self._answer = got
+            self.wake.set()
+            while not self._taken.wait(0.5):
+                if self.stop.is_set():
+                    return
+            if got:  # GPUs drain: look again soon, as the loop acts on them (kills, then clean)
+                self.stop.wait(self.interval)
+
+
 def run_remote(
     client: Any,
     inventories: list[NodeInventory],
@@ -465,15 +519,16 @@ def run_remote(
 
     claims = ThreadClaims(str(info.get("instance", "")), [inv.node for inv in inventories], record)
     claims.start()
+    wake = threading.Event()  # set by a drain watch's answer: the loop acts on it at once
+    watches = {inv.node: DrainWatch(client, inv.node, drain_interval, stop, wake).start() for inv in inventories}
     next_beat = next_sample = next_drain = time.monotonic()
     try:
         while not stop.is_set():
             now = time.monotonic()
-            if now >= next_drain:
-                next_drain = now + drain_interval
-                for inv in inventories:
+            for inv in inventories:
+                got = watches[inv.node].take()
+                if got is not None:
                     try:
-                        got = client.request("GET", protocol.node_draining(inv.node))["draining"]
                         entries = [Draining.from_json(d) for d in got]
                         done = _drain_step(drainer, inv, entries, nvml, isolation)
                         for lease, clean, ended in done.clean:
@@ -484,6 +539,8 @@ def run_remote(
                             client.request("POST", protocol.node_drained(inv.node), json=report)
                     except errors.GpuLeaseError as exc:
                         log.warning("draining %s failed: %s", inv.node, exc)
+            if now >= next_drain:
+                next_drain = now + drain_interval
                 isolation.sweep(now)
             if now >= next_beat:
                 next_beat = now + interval
@@ -517,7 +574,9 @@ def run_remote(
                     unsent.setdefault(node, []).append(report)
             kill_due = enforcer.next_due()
             due = min(next_beat, next_sample, next_drain, math.inf if kill_due is None else kill_due)
-            stop.wait(max(0.01, due - time.monotonic()))
+            # (stop is looked at every quarter second: a drain watch's answer wakes the loop at once)
+            wake.wait(max(0.01, min(0.25, due - time.monotonic())))
+            wake.clear()
     finally:
         claims.close()
         enforcer.close()

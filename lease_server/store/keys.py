@@ -70,6 +70,11 @@ Scheduling:
                       blocked request finds the pool's leases it may ask to shrink without reading them all
 ``shrink_due`` zset   elastic lease id -> ms when the server shrinks it to its shrink_to (its owner was
                       asked to give GPUs back for a waiting request and has not yet)
+``victims``    zset   lexicographic "pool|C|R|node|lease id" for every live lease a recall may take back
+                      (C: w warm, p preemptible, b borrowed, o other, r being recalled; R sorts the
+                      newest first, warm leases the largest first): a recall reads the first few of
+                      each class, not every lease
+                      (lua/_lib.lua victim_member; layout 3)
 
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
@@ -218,6 +223,10 @@ class Keys:
     @property
     def recall(self) -> str:
         return self._k("recall")
+
+    @property
+    def victims(self) -> str:
+        return self._k("victims")
 
     @property
     def lease_util(self) -> str:

@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from ..errors import ConfigurationError
 from .keys import Keys
 
-LAYOUT = 2  # this release's
+LAYOUT = 3  # this release's
 NOT_DATA = ("tokens", "layout")  # keys that do not make a store "written by some release"
 
 
@@ -262,7 +262,56 @@ async def _to_2(redis: Redis, keys: Keys) -> Step:
     return Step(out, write)
 
 
-STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2}
+def victim_member(lease: dict[str, Any]) -> str | None:
+    """The lease's entry in the recall index (keys.py ``victims``), as lua/_lib.lua victim_member
+    writes it; None for a lease no recall takes back (a slice, a booking's lease that is not warm)."""
+    if lease.get("gpu_mem_mb"):
+        return None
+    if lease.get("recall_at"):
+        c = "r"
+    elif lease.get("warm_since"):
+        c = "w"
+    elif lease.get("resv"):
+        return None
+    elif lease.get("preemptible"):
+        c = "p"
+    elif lease.get("borrowed"):
+        c = "b"
+    else:
+        c = "o"
+    r = f"{9999999999999 - int(lease['created_at']):013d}"
+    if c == "w":  # a warm lease loses no work when evicted: the largest first
+        r = f"{999 - len(lease['gpus']):03d}{r}"
+    return f"{lease['pool']}|{c}|{r}|{lease['node']}|{lease['id']}"
+
+
+async def _to_3(redis: Redis, keys: Keys) -> Step:
+    """Layout 2 -> 3: the recall index (victims), built from the live leases, so that a recall
+    reads a few candidates of each class instead of every lease."""
+    leases = keys.leases if await redis.exists(keys.leases) else keys.untagged(keys.leases)
+    members: list[str] = []
+    if await _typed(redis, leases, "hash") != "none":
+        for lid, raw in (await redis.hgetall(leases)).items():
+            try:
+                lease = json.loads(raw)
+                member = victim_member(lease)
+            except (ValueError, KeyError, TypeError):
+                problem = "is not a lease record (JSON with pool, node, created_at)"
+                raise _bad(f"{leases} field {lid!r}", problem) from None
+            if member is not None:
+                members.append(member)
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=True) as p:
+            p.delete(keys.victims)
+            if members:
+                p.zadd(keys.victims, dict.fromkeys(members, 0))
+            await p.execute()
+
+    return Step([f"index the live leases a recall may take back: {len(members)} lease(s)"], write)
+
+
+STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2, 3: _to_3}
 
 
 async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, list[str]]:

@@ -69,6 +69,7 @@ class Context:
         self.bookings = Bookings(self.engine)
         self.auth = Authenticator(self.redis, self.store.keys, self.store.notifier)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
+        self.node_watch = events.NodeWatch(self.hub)  # node agents' long-polls of their draining GPUs
         self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s)
         self.limits = ReadLimits(settings)
         self.reaper = Reaper(self.store)
@@ -615,6 +616,16 @@ class SamplesHandler(AgentHandler):
         self.reply({"node": node, **answer})
 
 
+async def _first_of(flags: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Wait until one of ``flags`` is set, or ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(f.wait()) for f in flags]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 class DrainingHandler(AgentHandler):
     """A node's draining GPUs: the server ended their lease; its agent ends what remains of it."""
 
@@ -624,7 +635,27 @@ class DrainingHandler(AgentHandler):
         if raw is None:
             raise errors.UnknownNode(f"node {node!r} is not registered: PUT {API}/nodes/{node} first")
         indexes = [int(g["index"]) for g in json.loads(raw)["gpus"]]
-        entries = await drain.draining_of(self.engine, node, indexes)
+        wait = min(self.query(params.DRAIN_WAIT, 0), self.ctx.settings.max_wait)  # (max_wait bounds every wait)
+        if not wait:
+            entries = await drain.draining_of(self.engine, node, indexes)
+            self.reply({"node": node, "draining": [e.to_json() for e in entries]})
+            return
+        # A long-poll: an idle agent asks once per `wait` seconds instead of polling, and a drain
+        # still reaches it at once. Watched before the first read, so a drain that starts in
+        # between wakes it; every wake-up (an event naming the node) re-reads the drains.
+        watch = self.ctx.node_watch
+        woken = await watch.watch(node)
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                woken.clear()  # before the read: a change after it wakes the wait below
+                entries = await drain.draining_of(self.engine, node, indexes)
+                left = deadline - time.monotonic()
+                if entries or left <= 0 or self.gone.is_set():
+                    break
+                await _first_of((woken, self.gone), left)
+        finally:
+            watch.unwatch(node, woken)
         self.reply({"node": node, "draining": [e.to_json() for e in entries]})
 
 

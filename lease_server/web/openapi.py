@@ -748,9 +748,10 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         },
         "/api/v1/nodes/{node}/draining": {
             "get": _op(
-                "Agent: the node's draining GPUs, each with the lease the server ended and its processes",
+                "Agent: the node's draining GPUs, each with the lease the server ended and its processes; with "
+                "`wait`, a long-poll that answers once the node has any (or at the end of the wait)",
                 _json({"type": "object"}, "Draining GPUs"),
-                params=[NODE],
+                params=[NODE, params.DRAIN_WAIT.openapi()],
             )
         },
         "/api/v1/nodes/{node}/drained": {

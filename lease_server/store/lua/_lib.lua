@@ -110,6 +110,44 @@ local function fit_member(pool, node, count)
   return pool .. '|' .. string.format('%05d', count) .. '|' .. node
 end
 
+-- The recall index (victims): the live leases a recall may take back, by pool and class, newest
+-- first, so that a recall reads a bounded number of candidates (_lib_recall.lua) instead of every
+-- lease. Member "pool|C|R|node|id": C the class -- w warm, p preemptible, b borrowed, o any other
+-- whole-GPU lease not served from a booking, r being recalled (its GPUs are coming free) -- and
+-- R = 9999999999999 - created_at (ms), so that the newest, which lose the least work, come first
+-- (for a warm lease, which loses no work, led by 999 - its GPUs: the largest first).
+-- A slice, and a booking's lease that is not warm, are never recalled and not in it. Every script
+-- that grants a lease, ends one, turns one warm or cool or recalls one keeps it in step.
+local function victim_member(l)
+  if l.gpu_mem_mb then return nil end
+  local c
+  if l.recall_at then c = 'r'
+  elseif l.warm_since then c = 'w'
+  elseif l.resv then return nil
+  elseif l.preemptible then c = 'p'
+  elseif l.borrowed then c = 'b'
+  else c = 'o' end
+  local r = string.format('%013d', 9999999999999 - l.created_at)
+  -- a warm lease loses no work when evicted: the largest first (the fewest evictions free a node)
+  if c == 'w' then r = string.format('%03d', 999 - #l.gpus) .. r end
+  return l.pool .. '|' .. c .. '|' .. r .. '|' .. l.node .. '|' .. l.id
+end
+
+-- How many entries of each class of the recall index (victims, above) a recall reads: the nodes
+-- of those leases, the node with the most free GPUs and those where GPUs are coming free are the
+-- candidates. So a recall's work is bounded, however many leases the pool holds; the price is that
+-- with more candidates than that, it chooses among the newest of each class.
+local RECALL_READ = 16  -- entries of each class a recall reads
+
+-- Move lease l's entry of the recall index from `old` (its member before the change, or nil) to
+-- what l is now (l nil: the lease ended).
+local function index_victim(old, l)
+  local new = l and victim_member(l) or nil
+  if old == new then return end
+  if old then redis.call('ZREM', K_VICTIMS, old) end
+  if new then redis.call('ZADD', K_VICTIMS, 0, new) end
+end
+
 -- Replace a node's free list, keeping its fit entry in step when the node is up. "Up" is exactly
 -- "has a fit entry": mark_down removes it, a heartbeat after that adds it back.
 local function set_free(node, pool, list, old_count)
@@ -184,6 +222,11 @@ end
 -- A node whose heartbeat ran out is marked down here, so a dead agent's GPUs are never granted
 -- even between two sweeps.
 local function allocate(pool, n, exclude)
+  -- Within one dispatch nothing frees GPUs: a request that found no node for n is followed by no
+  -- luckier one for n or more (dispatch() starts the cache afresh).
+  local miss = SCHED_CACHE['~miss|' .. pool]
+  local mk = 'a|' .. (exclude or '')
+  if miss and miss[mk] and n >= miss[mk] then return nil end
   local lo = '[' .. pool .. '|' .. string.format('%05d', n) .. '|'
   local hi = '(' .. pool .. '|~'
   local warm = tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0') > 0
@@ -198,7 +241,10 @@ local function allocate(pool, n, exclude)
         if not best or k < best then node, best = cand, k end
       end
     end
-    if not node then return nil end
+    if not node then
+      if miss then miss[mk] = math.min(n, miss[mk] or n) end
+      return nil
+    end
     local deadline = tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1')
     if deadline >= NOW then
       local free = decode_list(redis.call('HGET', K_FREE, node))

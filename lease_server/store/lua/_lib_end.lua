@@ -65,6 +65,7 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     if inv_raw then set_free(node, lease.pool, free, old_count) end
   end
   redis.call('HDEL', K_LEASES, lease.id)
+  index_victim(victim_member(lease), nil)
   redis.call('ZREM', K_DEADLINES, lease.id)
   -- a lease is in recall exactly while its record has recall_at (_lib_recall.lua sets both)
   if lease.recall_at then redis.call('ZREM', K_RECALL, lease.id) end

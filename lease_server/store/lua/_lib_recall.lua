@@ -4,45 +4,87 @@
 -- Waiter w (wanting n GPUs) found none free: recall -- revoke after notice_ms -- leases that
 -- rank(l) accepts (it returns a number, lower recalled first, or nil), fewest GPU-seconds of lost
 -- work first, on the node where that frees n GPUs at the least cost (only `only_node` if given).
--- Leases already being recalled count as coming free. Runs once per waiter; returns the node
--- held for it, or nil when no node can be freed that way.
-local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
+-- `classes`: the classes of the recall index that rank can accept. Leases already being recalled
+-- count as coming free. Runs once per waiter; returns the node held for it, or nil when no
+-- candidate node can be freed that way. A recall of warm leases (rank independent of the waiter)
+-- that found nothing for n is not tried again for n or more in the same dispatch.
+local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, classes)
   if w.recall_node then return w.recall_node end
   if w.deadline <= NOW then return nil end
-  local per = {}
-  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
-    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
-    if not only_node or only_node == '' or only_node == node then
-      per[node] = {have = tonumber(cnt), victims = {}}
+  -- (the dispatch's cache, as allocate's: nothing frees GPUs within one dispatch)
+  local miss = (kind == 'evicting' and not only_node) and SCHED_CACHE['~miss|' .. pool] or nil
+  if miss and miss.r and n >= miss.r then return nil end
+  local nodes, seen = {}, {}
+  local function consider(node)
+    if node and node ~= '' and not seen[node] then seen[node] = true; nodes[#nodes + 1] = node end
+  end
+  if only_node and only_node ~= '' then
+    consider(only_node)
+  else
+    local cls = {'r'}
+    for _, c in ipairs(classes) do cls[#cls + 1] = c end
+    for _, c in ipairs(cls) do
+      local lo, hi = '[' .. pool .. '|' .. c .. '|', '(' .. pool .. '|' .. c .. '|~'
+      for _, m in ipairs(redis.call('ZRANGEBYLEX', K_VICTIMS, lo, hi, 'LIMIT', 0, RECALL_READ)) do
+        consider(string.match(m, '^[^|]+|%a|%d+|(.+)|[^|]+$'))
+      end
+    end
+    consider(fullest_node(pool))
+    if kind == 'borrow_recalled' then
+      -- a booking also recalls slices (slice_victims): the nodes of the pool's sliced GPUs that
+      -- have room left, as many as of each class above
+      for _, m in ipairs(redis.call('ZRANGEBYLEX', K_SLICE_FIT, '[' .. pool .. '|', '(' .. pool .. '|~',
+                                    'LIMIT', 0, RECALL_READ)) do
+        consider(string.match(m, '^[^|]+|%d+|(.+)/%d+$'))
+      end
     end
   end
-  local flat = redis.call('HGETALL', K_LEASES)
-  local slices = {}
-  for i = 2, #flat, 2 do
-    local l = cjson.decode(flat[i])
-    -- a slice alone frees no whole GPU (its GPU keeps its other slices): a booking recalls the
-    -- slices of a GPU together (slice_victims); nothing else recalls slices
-    if l.pool == pool and l.gpu_mem_mb then
-      slices[#slices + 1] = l
-    elseif l.pool == pool then
-      -- GPUs per node: a multi-node gang frees its share on each of its nodes (and all its work
-      -- is lost wherever it is recalled).
-      local on = {}
-      for _, g in ipairs(l.gpus) do
-        local node = g.node or l.node
-        on[node] = (on[node] or 0) + 1
+  -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs.
+  local per, decoded, ranks, slices = {}, {}, {}, {}
+  for _, node in ipairs(nodes) do
+    local inv_raw = redis.call('HGET', K_NODES, node)
+    local free = #decode_list(redis.call('HGET', K_FREE, node))
+    if inv_raw and redis.call('ZSCORE', K_FIT, fit_member(pool, node, free)) then
+      local p = {have = free, victims = {}}
+      per[node] = p
+      local slots = {}
+      for idx in string.gmatch(inv_raw, '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
+      local on, order = {}, {}
+      if #slots > 0 then
+        for i, h in ipairs(redis.call('HMGET', K_HOLDERS, unpack(slots))) do
+          -- "~": draining, "~slices": shared by slices; a slice alone frees no whole GPU (its GPU
+          -- keeps its other slices): a booking recalls the slices of a GPU together
+          -- (slice_victims); nothing else recalls slices
+          if h == SLICED and kind == 'borrow_recalled' then
+            local raw = redis.call('HGET', K_SLICED, slots[i])
+            for id in pairs(raw and cjson.decode(raw).leases or {}) do
+              local sl = redis.call('HGET', K_LEASES, id)
+              if sl then slices[#slices + 1] = cjson.decode(sl) end
+            end
+          elseif h and string.sub(h, 1, 1) ~= '~' then
+            if not on[h] then on[h] = 0; order[#order + 1] = h end
+            on[h] = on[h] + 1
+          end
+        end
       end
-      local r = (not l.recall_at) and rank(l) or nil
-      for node, count in pairs(on) do
-        local p = per[node]
-        if p then
+      for _, id in ipairs(order) do
+        local l = decoded[id]
+        if l == nil then
+          local raw = redis.call('HGET', K_LEASES, id)
+          l = raw and cjson.decode(raw) or false
+          if l and not l.recall_at then ranks[id] = rank(l) end
+          decoded[id] = l
+        end
+        if l and l.pool == pool and not l.gpu_mem_mb then
+          local count = on[id]
           if l.recall_at then
             p.have = p.have + count
-          elseif r then
+          elseif ranks[id] then
             -- a warm lease loses no work, only its warm state: each one evicted costs the same
-            -- (and of equal cost the larger go first: fewer evicted)
+            -- (and of equal cost the larger go first: fewer evicted). A multi-node gang frees its
+            -- share on each of its nodes (and all its work is lost wherever it is recalled).
             local lost = l.warm_since and 1 or (NOW - l.created_at) * #l.gpus
-            p.victims[#p.victims + 1] = {l = l, count = count, rank = r, lost = lost}
+            p.victims[#p.victims + 1] = {l = l, count = count, rank = ranks[id], lost = lost}
           end
         end
       end
@@ -72,9 +114,13 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
       best, best_cost, best_list, best_over = node, cost, list, over
     end
   end
-  if not best then return nil end
+  if not best then
+    if miss then miss.r = math.min(n, miss.r or n) end
+    return nil
+  end
   local due = NOW + notice_ms
   for _, l in ipairs(best_list) do
+    local old_member = victim_member(l)
     if kind == 'borrow_recalled' then l.borrowed = true end
     l.recall_at = due
     l.recall_code, l.recall_why = RECALL_CODE[kind], why
@@ -84,6 +130,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra)
       l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
     end
     redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
+    index_victim(old_member, l)
     redis.call('ZADD', K_RECALL, due, l.id)
     local ev = {lease = l.id, user = l.user, pool = pool, node = l.node, requested_by = w.user, recall_at = due,
                 reason = l.recall_reason, cause = {code = l.recall_code, by = 'server', why = why}}
@@ -110,5 +157,5 @@ local function recall_for_booking(w, a, pool)
   end
   local why = 'recalled for ' .. r.owner .. "'s booking " .. r.id .. ' (' .. r.gpus .. ' GPU(s) of ' .. pool .. ')'
   return recall(w, pool, w.gpus, r.colocate and r.node or nil, rank, r.notice_ms or 30000, 'borrow_recalled', why,
-                {reservation = r.id, owner = r.owner})
+                {reservation = r.id, owner = r.owner}, {'w', 'b', 'o', 'p'})
 end

@@ -171,6 +171,7 @@ local function grant_parts(w, parts)
   end
   local lease_json = cjson.encode(lease)
   redis.call('HSET', K_LEASES, w.id, lease_json)
+  index_victim(nil, lease)
   redis.call('ZADD', K_DEADLINES, lease.expires_at, w.id)
   -- An elastic lease may be asked to shrink for a blocked request (ask_to_shrink): index it by pool.
   if lease.elastic then redis.call('ZADD', K_ELASTIC, 0, w.pool .. '|' .. w.id) end
@@ -190,18 +191,23 @@ end
 -- fewest free GPUs that still have `per` first (best fit), skipping `exclude`.
 local function allocate_gang(pool, per, k, exclude)
   local chosen = {}
-  local members = redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|' .. string.format('%05d', per) .. '|',
-                             '(' .. pool .. '|~')
-  for _, m in ipairs(members) do
-    local node = string.match(m, '^[^|]+|%d+|(.+)$')
-    if node ~= exclude then
-      if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
-        chosen[#chosen + 1] = node
-        if #chosen == k then break end
-      else
-        mark_down(node, 'heartbeat missed')
+  -- read 64 entries of the fit index at a time, and only until k nodes are found
+  local from, hi = '[' .. pool .. '|' .. string.format('%05d', per) .. '|', '(' .. pool .. '|~'
+  while #chosen < k do
+    local members = redis.call('ZRANGEBYLEX', K_FIT, from, hi, 'LIMIT', 0, 64)
+    for _, m in ipairs(members) do
+      local node = string.match(m, '^[^|]+|%d+|(.+)$')
+      if node ~= exclude then
+        if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
+          chosen[#chosen + 1] = node
+          if #chosen == k then break end
+        else
+          mark_down(node, 'heartbeat missed')
+        end
       end
     end
+    if #members < 64 then break end
+    from = '(' .. members[#members]
   end
   if #chosen < k then return nil end
   local parts = {}
@@ -227,16 +233,24 @@ local function ask_to_shrink(w, pool, n, notice_ms)
   if w.deadline <= NOW then return nil end  -- a request that does not wait asks nobody
   local members = redis.call('ZRANGEBYLEX', K_ELASTIC, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 256)
   if #members == 0 then return nil end
+  -- The candidate nodes: those of the pool's elastic leases, and the one with the most free GPUs
+  -- (not the whole pool); each as it stands if it is up (has a fit entry), else false.
   local per = {}
-  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
-    local cnt, node = string.match(m, '^[^|]+|(%d+)|(.+)$')
-    per[node] = {have = tonumber(cnt), spare = 0, victims = {}}
+  local function node_entry(node)
+    if per[node] == nil then
+      local cnt = #decode_list(redis.call('HGET', K_FREE, node))
+      per[node] = redis.call('ZSCORE', K_FIT, fit_member(pool, node, cnt)) and {have = cnt, spare = 0, victims = {}}
+                  or false
+    end
+    return per[node]
   end
+  local top = fullest_node(pool)
+  if top ~= '' then node_entry(top) end
   local mine = w.priority or 1
   for _, m in ipairs(members) do
     local raw = redis.call('HGET', K_LEASES, string.match(m, '^[^|]+|(.+)$'))
     local l = raw and cjson.decode(raw)
-    local p = l and l.elastic and not l.nodes and per[l.node]
+    local p = l and l.elastic and not l.nodes and node_entry(l.node)
     if p then
       local size = #l.gpus
       if l.shrink_to then
@@ -249,8 +263,8 @@ local function ask_to_shrink(w, pool, n, notice_ms)
   end
   local best, best_need = nil, nil
   for node, p in pairs(per) do
-    local need = math.max(0, n - p.have)
-    if p.spare >= need and (best_need == nil or need < best_need or (need == best_need and node < best)) then
+    local need = p and math.max(0, n - p.have)
+    if p and p.spare >= need and (best_need == nil or need < best_need or (need == best_need and node < best)) then
       best, best_need = node, need
     end
   end
@@ -356,7 +370,7 @@ local function make_room(w, a, pool, sched, reserved)
     -- Warm leases are lendable: anyone who would otherwise wait evicts them, with a short notice
     -- in which the holder's kernel ends (or suspends) the worker and releases.
     hold = recall(w, pool, w.gpus_min or w.gpus, nil, warm_rank, sched.warm_evict_notice_ms, 'evicting',
-                  'evicted for ' .. w.user .. "'s request", {})
+                  'evicted for ' .. w.user .. "'s request", {}, {'w'})
   end
   if not hold and not a and (w.nodes or 1) <= 1
       and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0
@@ -367,7 +381,8 @@ local function make_room(w, a, pool, sched, reserved)
       return nil
     end
     hold = recall(w, pool, w.gpus_min or w.gpus, nil, rank, sched.preempt_notice_ms, 'preempt_notice',
-                  'preempted for ' .. w.user .. "'s request within quota (this lease ran above quota)", {})
+                  'preempted for ' .. w.user .. "'s request within quota (this lease ran above quota)", {},
+                  {'w', 'p'})
   end
   -- Nothing recalled for the first blocked request: elastic leases above their minimum may give
   -- some GPUs back for it (a request above its quota asks nobody, as for preemption).
@@ -451,5 +466,10 @@ local function dispatch(pool)
   if #members == 0 then return 0 end
   local acts, owed = active_bookings(pool)
   local sched = sched_of(pool)
-  return serve_in_order(pool, queue_order(pool, members, acts, sched), acts, owed, sched)
+  -- What allocate and recall found impossible in this dispatch (nothing frees GPUs until it ends;
+  -- a script may end leases between two dispatches, so each starts afresh).
+  SCHED_CACHE['~miss|' .. pool] = {}
+  local granted = serve_in_order(pool, queue_order(pool, members, acts, sched), acts, owed, sched)
+  SCHED_CACHE['~miss|' .. pool] = nil
+  return granted
 end

@@ -5,6 +5,7 @@
 -- (dispatch evicts it), and its time is charged as warm, not as use: fair share stops counting
 -- its GPUs while it is warm, and the ledger records warm_gpu_s apart from gpu_s.
 local function warm_lease(lease)
+  local old = victim_member(lease)
   lease.warm_since = NOW
   lease.warm_until = NOW + sched_of(lease.pool).warm_max_ms
   lease.warned_at, lease.reclaim_at = nil, nil  -- lendable, not idle: the reclaimer leaves it alone
@@ -15,6 +16,7 @@ local function warm_lease(lease)
   touch_usage(lease.pool, lease.user, -#lease.gpus, 0)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', 1)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)  -- (allocate's fit)
+  index_victim(old, lease)
 end
 
 -- Why a lease past its deadline expires: warm_max ran out for a warm lease, else its ttl.
@@ -35,6 +37,7 @@ end
 -- A warm lease runs a cell again (or ends): its warm time is booked, fair share counts it again.
 local function cool_lease(lease)
   if not lease.warm_since then return end
+  local old = victim_member(lease)
   lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * #lease.gpus
   lease.warm_since, lease.warm_until = nil, nil
   touch_usage(lease.pool, lease.user, #lease.gpus, 0)
@@ -43,4 +46,5 @@ local function cool_lease(lease)
       redis.call('HDEL', K_HELD_BY, lease.pool .. field)
     end
   end
+  index_victim(old, lease)
 end

@@ -1,11 +1,12 @@
 -- handoff.lua: end a lease and, in the same step, grant its GPUs to its owner's next queued request
 -- (a sweep's next trial), so that the worker process already on those GPUs can run that request
 -- too instead of a fresh one starting. Only when releasing could not have given the GPUs to anyone
--- else: every waiter of the pool (read up to 1,000 deep) is this user's, the pool's oldest waiter
+-- else: every waiter of the pool is this user's (read at most as deep as the user has requests
+-- queued, up to max_queued_per_user, and never when the pool holds more waiters than that), the pool's oldest waiter
 -- is one of the requests named, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
 -- lease is neither a booking's nor recalled, and its node is up. Otherwise nothing changes: the
 -- caller ends its process and releases as usual, and the scheduler decides.
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due victims
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user
 -- ARGV[9] = the requests it may go to, comma-separated (the pool's oldest waiter must be one of them)
 -- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}
@@ -13,10 +14,14 @@
 local id, token, user, named = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local lease, raw = owned_lease(id, token, user)
 if not lease then return raw end
-local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. lease.pool .. '|', '(' .. lease.pool .. '|~', 'LIMIT', 0, 1001)
-if #members == 0 then return {BUSY, 'no request of yours is queued'} end
-if #members > 1000 then return {BUSY, 'the queue is too long to read'} end
-local to = string.match(members[1], '|([^|]+)$')
+local lo, hi = '[' .. lease.pool .. '|', '(' .. lease.pool .. '|~'
+local first = redis.call('ZRANGEBYLEX', K_QUEUE, lo, hi, 'LIMIT', 0, 1)[1]
+if not first then return {BUSY, 'no request of yours is queued'} end
+-- More waiters in the pool than the user has queued anywhere: someone else waits (no need to read them).
+if redis.call('ZLEXCOUNT', K_QUEUE, lo, hi) > tonumber(redis.call('HGET', K_WAITING_BY, user) or '0') then
+  return {BUSY, 'another user waits in the pool'}
+end
+local to = string.match(first, '|([^|]+)$')
 local listed = false
 for r in string.gmatch(named, '[^,]+') do
   if r == to then listed = true end
@@ -35,11 +40,18 @@ if lease.resv or lease.borrowed or lease.recall_at or redis.call('ZSCORE', K_REC
   return {BUSY, 'the lease is a booking\'s, borrowed or recalled'}
 end
 if tonumber(redis.call('ZSCORE', K_ALIVE, lease.node) or '-1') < NOW then return {BUSY, 'the node is down'} end
-for _, m in ipairs(members) do
-  local other = redis.call('HGET', K_WAITERS, string.match(m, '|([^|]+)$'))
-  if other and string.match(other, '"user":"([^"\\]*)"') ~= user then
-    return {BUSY, 'another user waits in the pool'}
+-- (at most the user's own queued requests, read 64 at a time: the count above bounds them)
+local from = lo
+while true do
+  local members = redis.call('ZRANGEBYLEX', K_QUEUE, from, hi, 'LIMIT', 0, 64)
+  for _, m in ipairs(members) do
+    local other = redis.call('HGET', K_WAITERS, string.match(m, '|([^|]+)$'))
+    if other and string.match(other, '"user":"([^"\\]*)"') ~= user then
+      return {BUSY, 'another user waits in the pool'}
+    end
   end
+  if #members < 64 then break end
+  from = '(' .. members[#members]
 end
 if #active_bookings(lease.pool) > 0 then return {BUSY, 'a booking is in force in the pool'} end
 local indexes = {}
