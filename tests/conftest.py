@@ -66,8 +66,8 @@ RAY_GROUP = (
     "test_ui_stop",  # 107
     "test_sweep",  # 89
     "test_elastic_drain",  # 72
+    "test_gang",  # 200 (three raylets of its own before)
     # ... and these start Ray clusters of their own, once it has stopped.
-    "test_gang",  # 200
     "test_multihost",  # 114
     "test_sim_sessions",  # 112
     "test_ray_auth",  # 65
@@ -442,7 +442,7 @@ class Stack:
         return up
 
 
-_RAY_NODES: set[str] = set()  # every node of the stacks that share the Ray head: its resources
+_RAY_NODES: set[str] = {"n1", "n2"}  # the nodes on the shared Ray head: these (test_gang's), the stacks'
 
 
 class RayHead:
@@ -484,17 +484,20 @@ class Stacks:
         self.live: dict[Stack, Up] = {}
         self.head: RayHead | None = None
 
+    def ray_head(self) -> RayHead:
+        if self.head is None:
+            self.head = RayHead(self.tmp)
+        return self.head
+
     def get(self, spec: Stack) -> Up:
         if spec not in self.live:
-            if spec.shares_ray and self.head is None:
-                self.head = RayHead(self.tmp)
-            self.live[spec] = spec.start(self.tmp, self.head if spec.shares_ray else None)
+            self.live[spec] = spec.start(self.tmp, self.ray_head() if spec.shares_ray else None)
         return self.live[spec]
 
-    def done(self, spec: Stack, wanted_next: Stack | None) -> None:
-        if spec != wanted_next and spec in self.live:
+    def done(self, spec: Stack | None, next_item: pytest.Item | None) -> None:
+        if spec is not None and spec != _stack_of(next_item) and spec in self.live:
             self.live.pop(spec).interrupt()
-        if self.head is not None and not (wanted_next is not None and wanted_next.shares_ray):
+        if self.head is not None and not _needs_head(next_item):
             self.head.stop()
             self.head = None
 
@@ -532,6 +535,14 @@ def _stack_of(item: pytest.Item | None) -> Stack | None:
     return getattr(getattr(item, "module", None), "STACK", None)
 
 
+def _needs_head(item: pytest.Item | None) -> bool:
+    """Whether ``item`` runs on the tests' shared Ray head (:class:`RayHead`)."""
+    if item is None:
+        return False
+    spec = _stack_of(item)
+    return "ray_head" in getattr(item, "fixturenames", ()) or (spec is not None and spec.shares_ray)
+
+
 @pytest.fixture(scope="module")
 def up(request: pytest.FixtureRequest, stacks: Stacks) -> Iterator[Up]:
     """The module's ``gpulease up``: the :class:`Stack` it names as ``STACK`` (or an indirect
@@ -540,7 +551,18 @@ def up(request: pytest.FixtureRequest, stacks: Stacks) -> Iterator[Up]:
     yield stacks.get(spec)
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()  # this process joined the stack's Ray cluster as a driver
-    stacks.done(spec, _stack_of(_next_item[0]))
+    stacks.done(spec, _next_item[0])
+
+
+@pytest.fixture(scope="module")
+def ray_head(stacks: Stacks) -> Iterator[RayHead]:
+    """The tests' one Ray head, for a module that joins it without a ``gpulease up`` (its lease
+    servers in this process: ``server_factory(..., ray_address=ray_head.address,
+    ray_auth_token_file=str(ray_head.token))``)."""
+    yield stacks.ray_head()
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()  # this process joined it as a driver
+    stacks.done(None, _next_item[0])
 
 
 # ---- what the stack tests share: a kernel's session on `up`, an admin client, the whole log ---------

@@ -1,6 +1,6 @@
-"""Multi-node gangs on a real multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head and two
-worker nodes, each serving one lease-server node through its ``gpulease_node_<node>`` resource)
-and a real lease server with simulated GPUs: all ranks start or none, every rank sees its node's
+"""Multi-node gangs on a real Ray cluster (the tests' Ray head, serving two lease-server nodes
+through their ``gpulease_node_<node>`` resources; tests/test_multihost.py runs a gang across two
+real hosts) and a real lease server with simulated GPUs: all ranks start or none, every rank sees its node's
 leased GPUs and the torch.distributed variables, and one rank dying ends all and frees every GPU."""
 
 from __future__ import annotations
@@ -40,35 +40,21 @@ ENV_KEYS = (
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
+def cluster(ray_head: Any) -> Iterator[Any]:
+    """The tests' Ray head (conftest's ``ray_head``), which carries the ``gpulease_node_<node>``
+    resources of n1 and n2: each rank is placed by its node's resource, as on two hosts."""
     from ray import cloudpickle
-    from ray.cluster_utils import Cluster
 
     # The rank functions below travel by value: the Ray workers need not import this test module.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    for attempt in (1, 2):
-        # Under load a raylet can miss Ray's own start-up wait ("the current node timed out during
-        # startup"): once more, from nothing, as `gpulease up` does with its head.
-        c = Cluster(initialize_head=False)
-        try:
-            c.add_node(num_cpus=1)
-            for node in ("n1", "n2"):
-                c.add_node(num_cpus=1, resources={runner.node_resource(node): 1000})
-            c.wait_for_nodes()
-            break
-        except Exception:
-            c.shutdown()
-            if attempt == 2:
-                raise
-    yield c
+    yield ray_head
     ray.shutdown()
-    c.shutdown()
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture
 def srv(cluster: Any, server_factory: Any) -> Any:
-    return server_factory(NODES, ray_address=cluster.address)
+    return server_factory(NODES, ray_address=cluster.address, ray_auth_token_file=str(cluster.token))
 
 
 @pytest.fixture
@@ -385,6 +371,7 @@ def test_above_quota_call_is_preempted_and_its_checkpoint_hook_returns_state(clu
     srv = server_factory(
         "n1=2xA100-80GB",
         ray_address=cluster.address,
+        ray_auth_token_file=str(cluster.token),
         scheduling={"A100-80GB": {"quota": {"*": 1}, "preempt_notice": 15}},  # ample under load: it ends at notice
     )
     watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
