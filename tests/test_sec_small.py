@@ -166,7 +166,8 @@ def _snapshot(r: Redis, prefix: str) -> dict[str, Any]:
 def test_migrate_names_a_bad_entry_changes_nothing_and_reruns(redis_sync: Redis, prefix: str, tmp_path: Path) -> None:
     r, keys = redis_sync, Keys(prefix)
     # A layout-0 store from before keys carried the hash tag, with one queued request corrupted.
-    r.hset(f"{prefix}:leases", "l-1", json.dumps({"id": "l-1", "user": "alice"}))
+    lease = {"id": "l-1", "user": "alice", "pool": "A100-80GB", "node": "box", "created_at": 1, "gpus": [{"index": 0}]}
+    r.hset(f"{prefix}:leases", "l-1", json.dumps(lease))
     r.set(f"{prefix}:fence", "17")
     r.hset(f"{prefix}:waiters", mapping={"w-ok": json.dumps({"user": "bob"}), "w-bad": '{"user": "carol"'})
     config = tmp_path / "gpulease.toml"
