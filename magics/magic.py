@@ -432,7 +432,10 @@ class GpuMagics(Magics):
             view = c.cluster()
             mine = c.leases()
             waiting = [w for w in c.queue() if w["user"] == me]
-            balance = {b["pool"]: b["text"] for b in c.balance()["pools"]}
+            try:
+                balance = {b["pool"]: b["text"] for b in c.balance()["pools"]}
+            except errors.GpuLeaseError:  # a server from before GET /usage/balance: the rest still shows
+                balance = {}
         except errors.GpuLeaseError as exc:
             raise UsageError(exc.message) from None
         now = view["now"]
