@@ -72,7 +72,7 @@ def _line(name: str, f: dict[str, Any]) -> str:
             name,
             str(f["calls"]),
             _hours(f["held_gpu_s"]),
-            _hours(f["used_gpu_s"]),
+            _hours(f["used_gpu_s"]) if f["sampled_gpu_s"] else "-",  # nothing sampled: not measured, not 0
             util,
             _hours(f["warm_gpu_s"]),
             _hours(taken),
@@ -98,9 +98,10 @@ def text(out: dict[str, Any]) -> list[str]:
     lines += [_line(d["day"], d) for d in out["daily"]]
     lines += [
         "",
-        "held: GPU-hours held (warm time apart); used: busy by the GPU samples; util:",
-        "used / sampled; warm: kept warm, lendable; taken: reclaimed + evicted;",
-        "warm: share of cells that started warm. A lease counts on the day it ended.",
+        "held: GPU-hours held (warm time apart); used: busy by the GPU samples",
+        "(-: none sampled); util: used / sampled; warm h: kept warm, lendable;",
+        "taken: reclaimed + evicted; warm: share of cells that started warm.",
+        "A lease counts on the day it ended (UTC).",
     ]
     if not out["groups"]:
         lines.insert(2, "no lease ended in this period (gpulease usage --days 30 looks further back)")
