@@ -531,6 +531,23 @@ class Client:
         params = {k: v for k, v in (("by", by), ("from", start), ("to", end)) if v is not None}
         return self.request("GET", protocol.USAGE, params=params)
 
+    def usage_summary(
+        self,
+        by: str = "user",
+        start: float | str | None = None,
+        end: float | str | None = None,
+        pool: str | None = None,
+        user: str | None = None,
+    ) -> dict[str, Any]:
+        """Per-day series and totals of GPU use from the hourly rollups (GET /usage/summary; the
+        answer's shape is the OpenAPI document's UsageSummary, docs/usage.md)."""
+        given = (("by", by), ("from", start), ("to", end), ("pool", pool), ("user", user))
+        return self.request("GET", protocol.USAGE_SUMMARY, params={k: v for k, v in given if v is not None})
+
+    def balance(self, pool: str | None = None) -> dict[str, Any]:
+        """Your quota used and left, fair-share place and next wait, per pool (GET /usage/balance)."""
+        return self.request("GET", protocol.USAGE_BALANCE, params={"pool": pool} if pool else None)
+
     # ---- bookings --------------------------------------------------------------------------------
 
     def book(

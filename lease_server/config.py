@@ -80,6 +80,9 @@ class Settings:
     stream_connect_rate: float = 2.0
     stream_connect_burst: int = 256
     metrics_cache_s: float = 1.0  # GET /metrics is rendered (read from Redis) at most this often
+    # GET /api/v1/usage/summary (docs/usage.md): false, everyone sees the team's rows; true, a user
+    # who is not an admin sees only their own (and asking for another user's is a 403)
+    usage_own_rows_only: bool = False
     # Seconds a refusal at the edge waits before it is sent (a 429 of the limits above, a 401 or
     # 413 whose body goes unread): a client that asks again at once then costs a request a second.
     refusal_hold_s: float = 1.0

@@ -46,6 +46,8 @@ def _seg(value: str) -> str:
 LEASES = f"{API}/leases"
 BOOKINGS = f"{API}/bookings"
 USAGE = f"{API}/usage"
+USAGE_SUMMARY = f"{API}/usage/summary"
+USAGE_BALANCE = f"{API}/usage/balance"
 ESTIMATE = f"{API}/estimate"
 POLICIES = f"{API}/policy"
 CLUSTER = f"{API}/cluster"

@@ -432,6 +432,10 @@ class GpuMagics(Magics):
             view = c.cluster()
             mine = c.leases()
             waiting = [w for w in c.queue() if w["user"] == me]
+            try:
+                balance = {b["pool"]: b["text"] for b in c.balance()["pools"]}
+            except errors.GpuLeaseError:  # a server from before GET /usage/balance: the rest still shows
+                balance = {}
         except errors.GpuLeaseError as exc:
             raise UsageError(exc.message) from None
         now = view["now"]
@@ -472,6 +476,8 @@ class GpuMagics(Magics):
         for name, p in sorted(view["pools"].items()):
             default = " (default)" if name == view.get("default_pool") else ""
             print(f"  pool {name}{default}: {p['free']} free of {p['gpus']}")
+            if name in balance:  # quota used and left, place in fair share, next cell's wait
+                print(f"    {balance[name]}")
 
     @magic_arguments()
     @argument("--gpus", type=int, default=None)

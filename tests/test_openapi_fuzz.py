@@ -65,6 +65,14 @@ RULES: dict[str, tuple[str, ...]] = {
     "PATCH /api/v1/reservations/{reservation_id}": (*BOOKING_RULES, r"nothing to change"),
     "GET /api/v1/reservations": (r"to must be after from", r"is not an ISO 8601 time"),
     "GET /api/v1/usage": (r"to must be after from", r"is not an ISO 8601 time"),
+    "GET /api/v1/usage/summary": (
+        r"to must be after from",
+        r"is not an ISO 8601 time",
+        r"a summary covers at most",
+        r"unknown pool",
+        r"unknown user",
+    ),
+    "GET /api/v1/usage/balance": (r"unknown pool",),
     "GET /api/v1/estimate": (r"name different requests",),
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),
@@ -112,6 +120,7 @@ def test_declared_limits_agree_with_their_owners() -> None:
     assert values.MAX_OCCURRENCES == bookings.MAX_OCCURRENCES
     assert values.REPEATS == bookings.REPEATS
     assert values.USAGE_GROUPS == usage.GROUPS
+    assert values.SUMMARY_GROUPS == usage.SUMMARY_GROUPS
     assert set(bodies().booking.allowed) == set(bookings.FIELDS)
     assert bodies().policy.allowed == tuple(Policy.__dataclass_fields__)
 

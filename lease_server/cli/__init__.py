@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from .. import __version__, errors
-from . import admin, bookings, drains, events, leases, service, simulate
+from . import admin, bookings, drains, events, leases, report, service, simulate
 from ._common import fail
 
 
@@ -40,6 +40,7 @@ for _command in (
     leases.acquire,
     leases.release,
     leases.usage,
+    report.report,
     leases.keep,
     events.events,
     bookings.book,

@@ -19,6 +19,7 @@ from .values import (
     EVENT_TYPES_PATTERN,
     NUMBER_PATTERN,
     SINCE_PATTERN,
+    SUMMARY_GROUPS,
     USAGE_GROUPS,
     check_before,
     check_event_types,
@@ -107,6 +108,18 @@ FROM = Param(
 )
 TO = Param("to", TIME, "End of the window (exclusive)", parse=lambda raw: parse_time_arg("to", raw))
 BY = Param("by", {"enum": list(USAGE_GROUPS)}, "How to group (default user)")
+SUMMARY_BY = Param(
+    "by",
+    {"enum": list(SUMMARY_GROUPS)},
+    "How to group `groups` (default user); by team a user of two teams counts in both",
+)
+SUMMARY_USER = Param(
+    "user",
+    NAME,
+    "Only this user's rows (a user with no usage in the window is a 400 naming those with usage, unless it is "
+    "oneself or, to an admin, a user with a token)",
+    parse=lambda raw: check_name("user", raw),
+)
 EST_GPUS = Param("gpus", GPUS, "Default: the queued request's GPUs (with `lease`), else 1")
 EST_POOL = Param(
     "pool",

@@ -6,21 +6,30 @@ waited, GPU-seconds held (``gpu_s``: at each size, for an elastic lease that gre
 utilization and peak memory from the agent's samples, and the GPU-seconds fair share charged.
 :func:`report` sums it per user, team or pool over a period; :func:`estimate` uses it, with the
 queue, the running leases and the bookings in force, to say how long a request would wait.
+:func:`summary` answers the usage page and ``gpulease report`` from the hourly rollups that the
+same script keeps beside the ledger (``store/rollup.py``), never from the ledger lines themselves.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import time
 from collections import defaultdict
 from typing import Any
 
+from .. import errors
+from ..store import rollup
 from ..store.engine import Engine
 from .board import cluster_view
 from .bookings import Bookings
 
 GROUPS = ("user", "team", "pool", "notebook")
+SUMMARY_GROUPS = ("user", "team", "pool")
 DEFAULT_TYPICAL_S = 600.0
+MAX_SUMMARY_DAYS = rollup.KEEP_DAYS  # the longest range a summary covers: what the rollups keep
+NO_TEAM = "(no team)"
 
 
 async def ledger(engine: Engine, lo_ms: int, hi_ms: int, limit: int = 200_000) -> list[dict[str, Any]]:
@@ -187,3 +196,189 @@ def _human(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+# ---- the summary of the hourly rollups (GET /api/v1/usage/summary, gpulease report) ------------------
+
+
+def summary_window(lo_ms: int | None, hi_ms: int | None, now_ms: int) -> tuple[int, int]:
+    """The hours a summary covers: [from, to) widened to whole hours (the rollups' grain); default
+    the last 7 days up to the end of this hour. A range that is empty or longer than
+    :data:`MAX_SUMMARY_DAYS` is a 400 that says what would work."""
+    hi = hi_ms if hi_ms is not None else now_ms
+    lo = lo_ms if lo_ms is not None else hi - 7 * rollup.DAY_MS
+    if hi <= lo:
+        raise errors.BadRequest(
+            f"to must be after from (from {iso(lo)}, to {iso(hi)}): e.g. from={iso(hi - 7 * rollup.DAY_MS)}"
+        )
+    lo_h, hi_h = lo // rollup.HOUR_MS, -(-hi // rollup.HOUR_MS)
+    if hi_h - lo_h > MAX_SUMMARY_DAYS * 24:
+        raise errors.BadRequest(
+            f"from {iso(lo)} to {iso(hi)} spans {(hi - lo) / rollup.DAY_MS:.0f} days; a summary covers at most "
+            f"{MAX_SUMMARY_DAYS} days (what the rollups keep): e.g. from={iso(hi - MAX_SUMMARY_DAYS * rollup.DAY_MS)}"
+        )
+    return lo_h * rollup.HOUR_MS, hi_h * rollup.HOUR_MS
+
+
+def iso(ms: int) -> str:
+    """UTC milliseconds as a time the from/to parameters take back (2026-11-23T09:00:00Z)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
+def _day(ms: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(ms / 1000))
+
+
+async def rollup_rows(engine: Engine, lo_ms: int, hi_ms: int) -> list[tuple[int, str, str, dict[str, Any]]]:
+    """The rollup rows of the hours in [lo, hi) (hour-aligned), as (hour, pool, user, row): one
+    range read of the index, then the rows by name."""
+    keys = engine.keys
+    lo_h, hi_h = lo_ms // rollup.HOUR_MS, hi_ms // rollup.HOUR_MS
+    names: Any = await engine.redis.zrangebylex(
+        keys.rollup_idx, f"[{rollup.hour_name(lo_h)}|", f"({rollup.hour_name(hi_h)}|"
+    )
+    out = []
+    for i in range(0, len(names), 2000):
+        chunk = names[i : i + 2000]
+        raws: Any = await engine.redis.hmget(keys.rollup, chunk)
+        for name, raw in zip(chunk, raws, strict=True):
+            if raw:
+                hour, pool, user = rollup.parse_field(name)
+                out.append((hour, pool, user, json.loads(raw)))
+    return out
+
+
+def figures(row: dict[str, Any]) -> dict[str, Any]:
+    """A summed row (store/rollup.py) as the summary's figures (the OpenAPI UsageFigures)."""
+    n, warm_cells = int(row["n"]), int(row["warm_cells"])
+    cells = n + warm_cells
+    return {
+        "calls": n,
+        "cells": cells,
+        "warm_cells": warm_cells,
+        "warm_cell_share": round(warm_cells / cells, 4) if cells else None,
+        "held_gpu_s": round(row["held"], 3),
+        "sampled_gpu_s": round(row["sampled"], 3),
+        "used_gpu_s": round(row["used"], 3),
+        "util_pct": round(100 * row["used"] / row["sampled"], 2) if row["sampled"] else None,
+        "warm_gpu_s": round(row["warm"], 3),
+        "reclaimed_gpu_s": round(row["reclaimed"], 3),
+        "evicted_gpu_s": round(row["evicted"], 3),
+        "waits": n,
+        "wait_ms_sum": round(row["wait_ms"], 1),
+        "wait_mean_ms": round(row["wait_ms"] / n, 1) if n else None,
+        "wait_p50_ms": _rounded(rollup.quantile(row["wh"], 0.5)),
+        "wait_p95_ms": _rounded(rollup.quantile(row["wh"], 0.95)),
+    }
+
+
+def _rounded(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+def summarize_rollups(
+    rows: list[tuple[int, str, str, dict[str, Any]]],
+    lo_ms: int,
+    hi_ms: int,
+    by: str,
+    teams_of: Any = None,
+) -> dict[str, Any]:
+    """Per-day series and totals, overall and per ``by`` (user, team or pool), of rollup rows.
+    ``teams_of(user)``: the teams of a user whose rows name none (the server's settings)."""
+    days = [_day(d * rollup.DAY_MS) for d in range(lo_ms // rollup.DAY_MS, -(-hi_ms // rollup.DAY_MS))]
+    total, daily = rollup.empty(), {d: rollup.empty() for d in days}
+    groups: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {}
+    for hour, pool, user, row in rows:
+        day = _day(hour * rollup.HOUR_MS)
+        rollup.add(total, row)
+        rollup.add(daily[day], row)
+        if by == "team":
+            named = [t for t in (row.get("teams") or "").split(",") if t]
+            if not named and teams_of is not None:
+                named = list(teams_of(user))
+            group_keys = named or [NO_TEAM]
+        else:
+            group_keys = [pool if by == "pool" else user]
+        for key in group_keys:
+            if key not in groups:
+                groups[key] = (rollup.empty(), {d: rollup.empty() for d in days})
+            g_total, g_daily = groups[key]
+            rollup.add(g_total, row)
+            rollup.add(g_daily[day], row)
+    ordered = sorted(groups.items(), key=lambda kv: (-kv[1][0]["held"] - kv[1][0]["warm"], kv[0]))
+    return {
+        "from": lo_ms / 1000,
+        "to": hi_ms / 1000,
+        "by": by,
+        "days": days,
+        "total": figures(total),
+        "daily": [{"day": d, **figures(daily[d])} for d in days],
+        "groups": [
+            {"key": key, "total": figures(g_total), "daily": [{"day": d, **figures(g_daily[d])} for d in days]}
+            for key, (g_total, g_daily) in ordered
+        ],
+    }
+
+
+# ---- a user's balance (GET /api/v1/usage/balance, %gpu_lease) -------------------------------------------
+
+
+def _standing(raw: str, now_ms: int, half_life_s: float) -> float:
+    """A usage record's fair-share standing now, as decayed_usage in lua/_lib.lua computes it: the
+    decayed GPU-seconds, the time of the GPUs running since, and each GPU running now counted as
+    the GPU-time it would add if held on."""
+    u = json.loads(raw)
+    dt_ms = max(0, now_ms - int(u["t"]))
+    r = float(u.get("r", 0))
+    return float(u["v"]) * 0.5 ** (dt_ms / (half_life_s * 1000)) + r * dt_ms / 1000 + r * half_life_s / math.log(2)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+async def balance(engine: Engine, user: str, teams: tuple[str, ...], pools: list[str], now_ms: int) -> dict[str, Any]:
+    """What ``user`` has left in each of ``pools``: quota (GPUs at once) and held now, their place in
+    fair share (1st: the least recent use, served first among waiters) and how long their next
+    one-GPU cell would wait (:func:`estimate`), with a line in words per pool."""
+    keys, settings = engine.keys, engine.settings
+    out = []
+    for pool in pools:
+        sched = settings.sched_table(pool)
+        quotas: dict[str, int] = sched["quota"]  # type: ignore[assignment]
+        quota = quotas.get(user, quotas.get("*"))
+        h = await engine.redis.hmget(keys.held_by, [f"{pool}|{user}", f"{pool}|{user}|m"])  # type: ignore[misc]
+        held = int(h[0] or 0) + int(h[1] or 0) / 1000
+        mine, others = 0.0, []
+        async for field, raw in engine.redis.hscan_iter(keys.usage, match=f"{pool}|*"):
+            who = field.split("|", 1)[1]
+            value = _standing(raw, now_ms, settings.fair_share_half_life)
+            if who == user:
+                mine = value
+            else:
+                others.append(value)
+        rank = 1 + sum(1 for v in others if v < mine)
+        of = len(others) + 1
+        est = await estimate(engine, pool, 1, now_ms)
+        left = None if not quota else max(0.0, quota - held)
+        # (a short line: %gpu_lease shows it indented under the pool's, within 80 columns)
+        words = [f"{held:g} of {quota} GPUs yours, {left:g} left" if quota else f"{held:g} GPUs yours (no quota)"]
+        if sched["scheduler"] == "fair_share":
+            words.append(f"{_ordinal(rank)} of {of} in fair share")
+        if est["wait"] is not None:
+            words.append(f"next cell: {est['wait']}" if est["estimate_s"] else "next cell: now")
+        out.append(
+            {
+                "pool": pool,
+                "quota": quota,
+                "held": held,
+                "left": left,
+                "scheduler": sched["scheduler"],
+                "fair_share": {"rank": rank, "of": of, "usage_gpu_s": round(mine, 3)},
+                "next_wait_s": est["estimate_s"],
+                "next_wait": est["wait"],
+                "text": "; ".join(words),  # without the pool's name: the answer's pool says it
+            }
+        )
+    return {"user": user, "teams": list(teams), "pools": out}

@@ -35,6 +35,7 @@ EVENT_LOG_PAGE_CAP = 1000
 # 2000-01-01 .. 2100-01-01: a time outside is a unit mistake (milliseconds, or a duration).
 EPOCH_LOW, EPOCH_HIGH = 946684800, 4102444800
 USAGE_GROUPS = ("user", "team", "pool", "notebook")
+SUMMARY_GROUPS = ("user", "team", "pool")  # (leasing/usage.py owns them)
 REPEATS = ("none", "weekly")
 # Memory sizes (MB) and process ids: far above any real one, and exact through Lua's numbers (a larger
 # one would come back from a script as 1.1e+14 and break every reader of the node's samples).

@@ -60,6 +60,13 @@ Scheduling:
 
 ``lease_util`` hash   "<lease id>|n|busy|sum|peak" -> the agent's samples of a live lease's GPUs
 ``ledger``     stream one entry per ended lease: who, notebook, cell, pool, GPUs, held, utilization
+``rollup``     hash   "HHHHHHH|pool|user" (H: hours since the epoch, UTC, zero-padded) -> JSON {n, held,
+                      sampled, used, warm, wait_ms, wh:{bucket: count}, reclaimed, evicted, warm_cells,
+                      teams}: the hourly usage rollup, summed from the ledger lines of that hour (written
+                      with each line, lua/_lib_end.lua add_rollup; read by store/rollup.py). At most 5000
+                      rows an hour ("~other" beyond), kept 400 days (layout 4)
+``rollup_idx`` zset   lexicographic "HHHHHHH|pool|user" for every rollup row: a range of hours is one
+                      ZRANGEBYLEX, never a scan
 ``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas), and "pool|user|m",
                       "pool|team:NAME|m" -> milli-GPUs held now as slices (a slice counts its
                       fraction of the GPU); "pool|~preemptible" -> preemptible leases live (a blocked
@@ -237,6 +244,14 @@ class Keys:
         return self._k("ledger")
 
     @property
+    def rollup(self) -> str:
+        return self._k("rollup")
+
+    @property
+    def rollup_idx(self) -> str:
+        return self._k("rollup_idx")
+
+    @property
     def held_by(self) -> str:
         return self._k("held_by")
 
@@ -314,6 +329,8 @@ class Keys:
             self.recall,
             self.lease_util,
             self.ledger,
+            self.rollup,
+            self.rollup_idx,
             self.held_by,
             self.sched,
             self.elastic,

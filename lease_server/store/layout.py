@@ -27,9 +27,10 @@ from typing import Any
 from redis.asyncio import Redis
 
 from ..errors import ConfigurationError
+from . import rollup
 from .keys import Keys
 
-LAYOUT = 3  # this release's
+LAYOUT = 4  # this release's
 NOT_DATA = ("tokens", "layout")  # keys that do not make a store "written by some release"
 
 
@@ -311,7 +312,53 @@ async def _to_3(redis: Redis, keys: Keys) -> Step:
     return Step([f"index the live leases a recall may take back: {len(members)} lease(s)"], write)
 
 
-STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2, 3: _to_3}
+async def _to_4(redis: Redis, keys: Keys) -> Step:
+    """Layout 3 -> 4: the hourly usage rollups (rollup, rollup_idx), summed from the lines still in
+    the ledger (its length is capped at event_log_max) as the scripts sum each new line
+    (store/rollup.py): those of the rollup.KEEP_DAYS days up to the newest line, the rows the
+    scripts would hold had they written these lines."""
+    ledger = keys.ledger if await redis.exists(keys.ledger) else keys.untagged(keys.ledger)
+    lines: list[dict[str, Any]] = []
+    if await _typed(redis, ledger, "stream") != "none":
+        start = "-"
+        while True:
+            page: Any = await redis.xrange(ledger, start, "+", count=5000)
+            for entry_id, fields in page:
+                try:
+                    line = json.loads(fields["data"])
+                    int(line["end"]), str(line["pool"]), str(line["user"])
+                except (ValueError, KeyError, TypeError):
+                    problem = "is not a ledger line (JSON with end, pool, user, ...)"
+                    raise _bad(f"{ledger} entry {entry_id}", problem) from None
+                lines.append(line)
+            if len(page) < 5000:
+                break
+            start = "(" + str(page[-1][0])
+    rows: dict[str, dict[str, Any]] = {}
+    per_hour: dict[int, int] = {}
+    if lines:
+        newest = max(int(line["end"]) for line in lines) // rollup.HOUR_MS
+        for line in lines:
+            if int(line["end"]) // rollup.HOUR_MS >= newest - rollup.KEEP_DAYS * 24:
+                try:
+                    rollup.fold(rows, line, per_hour)
+                except (ValueError, KeyError, TypeError):
+                    raise _bad(
+                        f"{ledger} line of lease {line.get('lease')!r}", "lacks held_s, gpus or waited_s"
+                    ) from None
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=True) as p:
+            p.delete(keys.rollup, keys.rollup_idx)
+            if rows:
+                p.hset(keys.rollup, mapping={k: json.dumps(v) for k, v in rows.items()})
+                p.zadd(keys.rollup_idx, dict.fromkeys(rows, 0))
+            await p.execute()
+
+    return Step([f"sum the usage ledger into hourly rollups: {len(lines)} line(s) -> {len(rows)} row(s)"], write)
+
+
+STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2, 3: _to_3, 4: _to_4}
 
 
 async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, list[str]]:

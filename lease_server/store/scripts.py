@@ -344,6 +344,7 @@ class LeaseRecord(TypedDict, total=False):
     warm_until: int
     suspend_until: int  # ended with its worker suspended (suspend.lua): the worker ends then (warm_max)
     warm_ms: float
+    warm_cells: int  # cells run again on it while warm (warm.lua): the usage rollups count them
     ended_at: int
     end_reason: str
     ended_by: str

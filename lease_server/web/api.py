@@ -510,6 +510,67 @@ class UsageHandler(BaseHandler):
         )
 
 
+class UsageSummaryHandler(BaseHandler):
+    """Per-day series and totals of the hourly rollups (docs/usage.md): the usage page and
+    ``gpulease report``. Reads the rows of the window's hours, never the ledger lines. With
+    ``usage_own_rows_only`` a user who is not an admin sees only their own rows."""
+
+    async def get(self) -> None:
+        by = self.query(params.SUMMARY_BY, "user")
+        pool = self.query(params.POOL)
+        user = self.query(params.SUMMARY_USER)
+        lo, hi = usage.summary_window(self.query(params.FROM), self.query(params.TO), int(time.time() * 1000))
+        me = self.identity.user
+        own = self.ctx.settings.usage_own_rows_only and self.identity.role != "admin"
+        if own and user not in (None, me):
+            raise errors.Forbidden(
+                f"this server shows a user only their own usage (usage_own_rows_only): ask for user={me}, "
+                "or ask an admin for the team's"
+            )
+        rows = await usage.rollup_rows(self.engine, lo, hi)
+        if pool is not None:
+            pools = set(await self.store.pool_sizes()) | {r[1] for r in rows}
+            if pool not in pools:
+                raise errors.BadRequest(f"unknown pool {pool!r}: the pools are {_names(pools)}")
+        if own:
+            user = me
+        elif user is not None and user != me and not any(r[2] == user for r in rows):
+            # Known: a user with usage in the window, oneself, or (to an admin) a user with a token;
+            # whether a name holds a token is not a user's business.
+            admin = self.identity.role == "admin"
+            if not admin or user not in {t["user"] for t in await list_tokens(self.ctx.redis, self.store.keys)}:
+                raise errors.BadRequest(
+                    f"unknown user {user!r}: no usage from {usage.iso(lo)} to {usage.iso(hi)}; "
+                    f"users with usage then: {_names({r[2] for r in rows})} (or widen from/to)"
+                )
+        rows = [r for r in rows if (pool is None or r[1] == pool) and (user is None or r[2] == user)]
+        out = usage.summarize_rollups(rows, lo, hi, by, self.ctx.settings.teams_of)
+        self.reply({**out, "pool": pool, "user": user, "scope": "own" if own else "all"})
+
+
+class UsageBalanceHandler(BaseHandler):
+    """The calling user's quota used and left, fair-share place and next wait, per pool (all pools,
+    or ``?pool=``): what %gpu_lease shows. Only one's own: no parameter names another user."""
+
+    async def get(self) -> None:
+        pool = self.query(params.POOL)
+        pools = sorted(await self.store.pool_sizes())
+        if pool is not None:
+            if pool not in pools:
+                raise errors.BadRequest(f"unknown pool {pool!r}: the pools are {_names(set(pools))}")
+            pools = [pool]
+        now = int(time.time() * 1000)
+        self.reply(await usage.balance(self.engine, self.identity.user, self.teams, pools, now))
+
+
+def _names(names: set[str], most: int = 10) -> str:
+    """A few names for a message: sorted, at most ``most``, "none" for none."""
+    if not names:
+        return "none"
+    shown = sorted(names)[:most]
+    return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 class EstimateHandler(BaseHandler):
     """Time to GPUs. ``?lease=ID`` (or ``?id=``) names the asking request when it already waits:
     then only the requests ahead of it count, and its own pool and size are the defaults."""
@@ -1062,6 +1123,8 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/reservations/{lease_id}", ReservationHandler),
         (rf"{API}/reservations/{lease_id}/end", ReservationEndHandler),
         (rf"{API}/usage", UsageHandler),
+        (rf"{API}/usage/summary", UsageSummaryHandler),
+        (rf"{API}/usage/balance", UsageBalanceHandler),
         (rf"{API}/estimate", EstimateHandler),
         (rf"{API}/policy", PoliciesHandler),
         (rf"{API}/policy/{lease_id}", PolicyHandler),

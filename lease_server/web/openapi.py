@@ -156,6 +156,127 @@ GPU_PROPS = {
 ENDED = ", ".join(sorted(ENDED_STATES))
 
 
+def _usage_schemas() -> dict[str, Any]:
+    """What GET /usage/summary answers (docs/usage.md): figures, per day and in total."""
+    num: dict[str, Any] = {"type": "number"}
+    opt_num: dict[str, Any] = {"type": ["number", "null"]}
+    count: dict[str, Any] = {"type": "integer"}
+    figures: dict[str, tuple[dict[str, Any], str]] = {
+        "calls": (count, "Leases that ended (each one's first cell)"),
+        "cells": (count, "Cells run: calls + warm_cells"),
+        "warm_cells": (count, "Cells that started on a warm worker"),
+        "warm_cell_share": (opt_num, "warm_cells / cells (null: no cell)"),
+        "held_gpu_s": (num, "GPU-seconds held, warm time excluded"),
+        "sampled_gpu_s": (num, "Of held_gpu_s, those of leases the node agents sampled"),
+        "used_gpu_s": (num, "GPU-seconds busy by the samples (idle: sampled_gpu_s - used_gpu_s)"),
+        "util_pct": (opt_num, "100 x used_gpu_s / sampled_gpu_s (null: nothing sampled)"),
+        "warm_gpu_s": (num, "GPU-seconds kept warm: lendable, not charged as use"),
+        "reclaimed_gpu_s": (num, "GPU-seconds (held + warm) of leases taken back in use: reclaim, recall, preemption"),
+        "evicted_gpu_s": (num, "GPU-seconds (held + warm) of warm leases lent out to a waiting request"),
+        "waits": (count, "Waits counted (one per call; no wait counts as 0 ms)"),
+        "wait_ms_sum": (num, "Their sum, ms"),
+        "wait_mean_ms": (opt_num, "wait_ms_sum / waits (null: none)"),
+        "wait_p50_ms": (opt_num, "Median wait, ms, within 1 % (null: none)"),
+        "wait_p95_ms": (opt_num, "95th percentile wait, ms, within 1 % (null: none)"),
+    }
+    props = {name: {**schema, "description": text} for name, (schema, text) in figures.items()}
+    day = {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$", "description": "A UTC day"}
+    return {
+        "UsageFigures": {
+            "type": "object",
+            "description": "Usage of the leases that ended in a period (every figure always present)",
+            "required": list(figures),
+            "properties": props,
+        },
+        "UsageDay": {
+            "description": "One UTC day's figures",
+            "allOf": [_ref("UsageFigures"), {"type": "object", "required": ["day"], "properties": {"day": day}}],
+        },
+        "UsageGroup": {
+            "type": "object",
+            "description": "One user, team or pool: its total and its day-by-day series (one entry per day of `days`)",
+            "required": ["key", "total", "daily"],
+            "properties": {
+                "key": {"type": "string", "description": "The user, team ((no team) for none) or pool"},
+                "total": _ref("UsageFigures"),
+                "daily": {"type": "array", "items": _ref("UsageDay")},
+            },
+        },
+        "UsageBalance": {
+            "type": "object",
+            "description": "The calling user's balance, a pool each",
+            "required": ["user", "teams", "pools"],
+            "properties": {
+                "user": {"type": "string"},
+                "teams": {"type": "array", "items": {"type": "string"}},
+                "pools": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": [
+                            "pool",
+                            "quota",
+                            "held",
+                            "left",
+                            "scheduler",
+                            "fair_share",
+                            "next_wait_s",
+                            "next_wait",
+                            "text",
+                        ],
+                        "properties": {
+                            "pool": {"type": "string"},
+                            "quota": {"type": ["integer", "null"], "description": "GPUs at once (null: no quota)"},
+                            "held": {"type": "number", "description": "GPUs held now (a slice: its fraction)"},
+                            "left": {"type": ["number", "null"], "description": "quota - held (null: no quota)"},
+                            "scheduler": {"type": "string"},
+                            "fair_share": {
+                                "type": "object",
+                                "required": ["rank", "of", "usage_gpu_s"],
+                                "description": "rank 1 of `of`: the least recent use, served first among waiters",
+                                "properties": {
+                                    "rank": {"type": "integer"},
+                                    "of": {"type": "integer"},
+                                    "usage_gpu_s": {"type": "number", "description": "Decayed GPU-seconds"},
+                                },
+                            },
+                            "next_wait_s": {"type": ["number", "null"], "description": "A 1-GPU cell's wait now"},
+                            "next_wait": {"type": ["string", "null"], "description": "The same in words"},
+                            "text": {
+                                "type": "string",
+                                "description": "The balance in a short line, e.g. 1 of 4 GPUs yours, 3 left; 3rd of "
+                                "9 in fair share; next cell: about 40 s",
+                            },
+                        },
+                    },
+                },
+            },
+        },
+        "UsageSummary": {
+            "type": "object",
+            "description": "GET /usage/summary: the window, its totals and day-by-day series, overall and per group "
+            "(largest held + warm first). A lease counts in the hour it ended",
+            "required": ["from", "to", "by", "pool", "user", "scope", "days", "total", "daily", "groups"],
+            "properties": {
+                "from": {"type": "number", "description": "Start (epoch seconds, on the hour)"},
+                "to": {"type": "number", "description": "End, exclusive (epoch seconds, on the hour)"},
+                "by": {"type": "string", "enum": ["user", "team", "pool"]},
+                "pool": {"type": ["string", "null"], "description": "The pool asked for (null: all)"},
+                "user": {"type": ["string", "null"], "description": "The user whose rows these are (null: all)"},
+                "scope": {
+                    "type": "string",
+                    "enum": ["all", "own"],
+                    "description": "own: the server shows this user only their own rows (usage_own_rows_only)",
+                },
+                "days": {"type": "array", "items": day, "description": "The UTC days the window touches, in order"},
+                "total": _ref("UsageFigures"),
+                "daily": {"type": "array", "items": _ref("UsageDay")},
+                "groups": {"type": "array", "items": _ref("UsageGroup")},
+            },
+        },
+    }
+
+
 def _response_schemas() -> dict[str, Any]:
     num = NUM
     return {
@@ -165,6 +286,7 @@ def _response_schemas() -> dict[str, Any]:
             "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {"type": "object"}},
         },
         "Gpu": schema_of_record(GpuJson),
+        **_usage_schemas(),
         "Token": schema_of_record(TokenJson),
         "NewToken": {
             "description": "A token just made: the Token, and its secret (shown this once, stored only hashed)",
@@ -515,6 +637,25 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "to after from)",
                 _json({"type": "object"}, "Usage"),
                 params=(v.BY, v.POOL, v.FROM, v.TO),
+            )
+        },
+        "/api/v1/usage/summary": {
+            "get": _op(
+                "Per-day series and totals of GPU use over [from, to), overall and per user, team or pool, from the "
+                "hourly rollups (default: the last 7 days). The window is widened to whole hours; days are UTC. "
+                "With the server's usage_own_rows_only, a user who is not an admin gets only their own rows (and "
+                "a 403 for another user's). 400: to not after from, a window over 400 days, an unknown pool or "
+                "user (the message names what would work)",
+                _json(_ref("UsageSummary"), "UsageSummary"),
+                params=(v.SUMMARY_BY, v.POOL, v.SUMMARY_USER, v.FROM, v.TO),
+            )
+        },
+        "/api/v1/usage/balance": {
+            "get": _op(
+                "The calling user's balance per pool (all pools, or `pool`): GPUs held now against their quota, "
+                "their place in fair share and how long a 1-GPU cell would wait now; 400 for an unknown pool",
+                _json(_ref("UsageBalance"), "UsageBalance"),
+                params=(v.POOL,),
             )
         },
         "/api/v1/estimate": {

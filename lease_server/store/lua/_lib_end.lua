@@ -1,5 +1,51 @@
 -- _lib_end.lua: the end of a lease, whoever ends it. Part of the library: see _lib.lua.
 
+-- Add the ledger line `e` of a lease that ends now to its hourly rollup (keys.py rollup and
+-- rollup_idx; lease_server/store/rollup.py reads them, and folds old ledger lines the same way for
+-- gpulease migrate): the row of (this hour, pool, user) sums the lease's GPU-seconds held, busy by
+-- samples, sampled and warm, its wait (sum, and a sketch: bucket "0" for no wait, bucket k >= 1 for
+-- waits in (G^(k-2), G^(k-1)] ms, G = 1.02, so a percentile read from it is within 1 %), the
+-- GPU-seconds of leases taken back (reclaimed: idle reclaim, booking recall, preemption; evicted:
+-- a warm lease lent out) and the cells that started warm. Bounded: at most 5000 rows an hour (a
+-- new user past that is summed as "~other" of its pool), and rows older than 400 days go, a few
+-- for each row written, so the old ones never pile up.
+local function add_rollup(e, taken)
+  local hour = string.format('%07d', math.floor(NOW / 3600000))
+  local field = hour .. '|' .. e.pool .. '|' .. e.user
+  local raw = redis.call('HGET', K_ROLLUP, field)
+  if not raw and redis.call('ZLEXCOUNT', K_ROLLUP_IDX, '[' .. hour .. '|', '(' .. hour .. '|~') >= 5000 then
+    field = hour .. '|' .. e.pool .. '|~other'
+    raw = redis.call('HGET', K_ROLLUP, field)
+  end
+  local r = raw and cjson.decode(raw) or {n = 0, held = 0, sampled = 0, used = 0, warm = 0, wait_ms = 0,
+                                          wh = {}, reclaimed = 0, evicted = 0, warm_cells = 0}
+  local all = e.gpu_s + (e.warm_gpu_s or 0)
+  r.n = r.n + 1
+  r.held = r.held + e.gpu_s
+  if e.busy_frac then
+    r.sampled = r.sampled + e.gpu_s
+    r.used = r.used + e.gpu_s * e.busy_frac
+  end
+  r.warm = r.warm + (e.warm_gpu_s or 0)
+  local ms = e.waited_s * 1000
+  r.wait_ms = r.wait_ms + ms
+  local b = '0'
+  if ms >= 1 then b = tostring(math.ceil(math.log(ms) / math.log(1.02) - 1e-9) + 1) end
+  r.wh[b] = (r.wh[b] or 0) + 1
+  if taken == 'reclaimed' then r.reclaimed = r.reclaimed + all end
+  if taken == 'evicted' then r.evicted = r.evicted + all end
+  r.warm_cells = r.warm_cells + (e.warm_cells or 0)
+  r.teams = e.teams
+  if not raw then redis.call('ZADD', K_ROLLUP_IDX, 0, field) end
+  redis.call('HSET', K_ROLLUP, field, cjson.encode(r))
+  local cutoff = string.format('%07d', math.floor(NOW / 3600000) - 400 * 24)
+  local old = redis.call('ZRANGEBYLEX', K_ROLLUP_IDX, '-', '(' .. cutoff .. '|', 'LIMIT', 0, 4)
+  if #old > 0 then
+    redis.call('HDEL', K_ROLLUP, unpack(old))
+    redis.call('ZREM', K_ROLLUP_IDX, unpack(old))
+  end
+end
+
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
 -- Returns the ended record and its JSON. `raw`, if given, is the stored JSON that `lease` was
 -- decoded from, unchanged since: the ended record is then that text with the end's fields put in,
@@ -113,7 +159,11 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   end
   -- the held time itself was counted while the lease ran; add the idle surcharge
   touch_usage(lease.pool, lease.user, -size, charged - gpu_s)
-  redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode({
+  local cause = code or state
+  -- taken back by the server: the recall it was under when it ended, else its own end's cause
+  local taken = ({evicted = 'evicted', suspended = 'evicted', reclaimed = 'reclaimed', recalled = 'reclaimed',
+                  preempted = 'reclaimed'})[lease.recall_code or cause]
+  local line = {
     lease = lease.id, user = lease.user, teams = lease.teams or '', session = lease.session, label = lease.label,
     notebook = lease.notebook or '', cell = lease.cell or '',
     pool = lease.pool, node = lease.node, gpus = #lease.gpus, start = lease.created_at, ['end'] = NOW,
@@ -121,7 +171,10 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     busy_frac = busy_frac, mem_peak_mb = mem_peak, gpu_s = gpu_s,
     charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
     priority = lease.priority, gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb,
-    suspended = code == 'suspended' or nil}))
+    suspended = code == 'suspended' or nil, cause = cause, recall = lease.recall_code,
+    warm_cells = lease.warm_cells}
+  redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode(line))
+  add_rollup(line, taken)
   lease.state = state
   lease.ended_at = NOW
   lease.end_reason = reason

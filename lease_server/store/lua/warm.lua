@@ -32,6 +32,7 @@ if not lease.warm_since then return {OK, raw} end
 if lease.recall_at then return {BUSY, 'the lease is being evicted'} end
 local warm_s = (NOW - lease.warm_since) / 1000
 cool_lease(lease)
+lease.warm_cells = (lease.warm_cells or 0) + 1  -- a cell that started warm (the usage rollups count them)
 lease.expires_at = NOW + lease.ttl_ms
 redis.call('ZADD', K_DEADLINES, lease.expires_at, id)
 local out = cjson.encode(lease)

@@ -1,0 +1,367 @@
+"""The usage summary (GET /api/v1/usage/summary) against the raw ledger.
+
+A known workload is played into a real server's Redis: three days of notebook sessions of four
+users through the real scripts under the simulator's virtual clock (policy lease-warm: waits in
+the queue, warm leases, warm cells, evictions), and a live lease over HTTP whose GPU the test
+samples as its node agent would (busy and idle samples). Every figure the server answers (totals,
+each day, each user, team and pool, and their days) is then checked against a computation from
+the raw ledger lines, to within 1 %. Real Redis, real server, no mocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import math
+import random
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from redis import Redis
+
+from lease_server.cli import main
+from lease_server.config import Settings
+from lease_server.leasing.lease import WAITER_GRACE_MS
+from lease_server.sim import replay, workload
+from lease_server.store import layout, rollup
+from lease_server.store.engine import Engine
+from lease_server.store.keys import Keys
+from lease_server.store.scripts import Sweep
+from tests.api_helpers import API, assert_error, http
+from tests.conftest import ServerHandle, make_settings
+
+TEAMS = {"vision": ["ann", "bob"], "nlp": ["bob", "cy"]}  # dee has no team; bob counts in both
+DAY_MS = 86_400_000
+
+
+def _workload(seed: int = 7) -> workload.Workload:
+    """Three days, four users, two sessions each a day on 1, 2 or 4 GPUs: more than 8 GPUs' worth
+    at the busiest hours, so cells wait and warm leases are evicted."""
+    rng = random.Random(seed)
+    cells = []
+    for day in range(3):
+        for user in ("ann", "bob", "cy", "dee"):
+            for k in range(2):
+                t = day * DAY_MS + rng.randint(8, 14) * 3_600_000 + rng.randint(0, 59) * 60_000
+                gpus = rng.choice((1, 2, 4))
+                for c in range(rng.randint(3, 6)):
+                    dur = rng.randint(10, 90) * 60_000
+                    cells.append(workload.Cell(t, dur, gpus, f"{user}-{day}-{k}-{c}", user, f"{user}-{day}-{k}"))
+                    t += dur + rng.randint(1, 30) * 60_000
+    return workload.from_cells(cells, "usage-test")
+
+
+def _play(redis_url: str, prefix: str) -> None:
+    """The workload through the real scripts into ``prefix`` (which must hold no data yet), then a
+    sweep at the virtual clock a day after it, which ends the warm leases left: every lease ends
+    in virtual time. (A lease ending at the real clock would also drop rollup rows of 2021, over
+    400 days old by then, as the scripts drop expired rows: rightly, but not what is checked here.)"""
+    settings = Settings(redis_url=redis_url, prefix=prefix, teams=TEAMS)
+    setup = replay.ReplaySetup(redis_url, prefix, settings, keep=True)
+    replay.lease(_workload(), [4, 4], setup, policy="lease-warm")
+
+    async def sweep() -> None:
+        from redis.asyncio import Redis as AsyncRedis
+
+        r = AsyncRedis.from_url(redis_url, decode_responses=True)
+        try:
+            await Engine(r, settings).run(Sweep(500, WAITER_GRACE_MS), replay.EPOCH_MS + 4 * DAY_MS)
+        finally:
+            await r.aclose()
+
+    asyncio.run(sweep())
+    assert not Redis.from_url(redis_url).hlen(Keys(prefix).leases), "a lease of the replay is still live"
+
+
+def _ledger(r: Redis, keys: Keys) -> list[dict[str, Any]]:
+    return [json.loads(f["data"]) for _id, f in r.xrange(keys.ledger)]  # type: ignore[union-attr]
+
+
+def _exact_quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q * len(ordered) - 1e-9)) - 1]
+
+
+def _expected(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's figures, computed from ledger lines alone (independently of store/rollup.py)."""
+    n = len(lines)
+    gpu_s = [float(x["gpu_s"]) for x in lines]
+    warm = [float(x.get("warm_gpu_s") or 0) for x in lines]
+    sampled = sum(g for g, x in zip(gpu_s, lines, strict=True) if x.get("busy_frac") is not None)
+    used = sum(g * x["busy_frac"] for g, x in zip(gpu_s, lines, strict=True) if x.get("busy_frac") is not None)
+
+    def taken(x: dict[str, Any]) -> str | None:
+        how = x.get("recall") or x.get("cause")
+        return {"evicted": "e", "suspended": "e", "reclaimed": "r", "recalled": "r", "preempted": "r"}.get(how)
+
+    warm_cells = sum(int(x.get("warm_cells") or 0) for x in lines)
+    waits = [float(x["waited_s"]) * 1000 for x in lines]
+    return {
+        "calls": n,
+        "cells": n + warm_cells,
+        "warm_cells": warm_cells,
+        "warm_cell_share": warm_cells / (n + warm_cells) if n else None,
+        "held_gpu_s": sum(gpu_s),
+        "sampled_gpu_s": sampled,
+        "used_gpu_s": used,
+        "util_pct": 100 * used / sampled if sampled else None,
+        "warm_gpu_s": sum(warm),
+        "reclaimed_gpu_s": sum(g + w for g, w, x in zip(gpu_s, warm, lines, strict=True) if taken(x) == "r"),
+        "evicted_gpu_s": sum(g + w for g, w, x in zip(gpu_s, warm, lines, strict=True) if taken(x) == "e"),
+        "waits": n,
+        "wait_ms_sum": sum(waits),
+        "wait_mean_ms": sum(waits) / n if n else None,
+        "wait_p50_ms": _exact_quantile(waits, 0.5),
+        "wait_p95_ms": _exact_quantile(waits, 0.95),
+    }
+
+
+# what the answer's rounding may add to the 1 %: GPU-seconds to 0.001, util to 0.01 %, shares to
+# 1e-4, waits to 0.1 ms (and a wait under 1 ms reads as none)
+ROUNDING = {"util_pct": 0.006, "warm_cell_share": 0.0001}
+
+
+def _agree(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    """Every figure within 1 % of the ledger's, give or take the answer's rounding."""
+    for name, value in want.items():
+        have = got[name]
+        if value is None:
+            assert have is None, f"{where} {name}: {have!r}, expected none"
+            continue
+        assert have is not None, f"{where} {name}: none, expected {value!r}"
+        slack = ROUNDING.get(name, 1.0 if name.startswith("wait_p") else 0.06 if name.startswith("wait") else 0.0006)
+        assert math.isclose(have, value, rel_tol=0.01, abs_tol=slack), f"{where} {name}: {have} vs {value} (ledger)"
+
+
+def _check(answer: dict[str, Any], lines: list[dict[str, Any]], by: str) -> int:
+    """The answer's totals, days, groups and their days against ``lines``; returns figures checked."""
+    lo, hi = answer["from"] * 1000, answer["to"] * 1000
+    lines = [x for x in lines if lo <= x["end"] < hi]
+    day_of = {x["lease"]: _day(x["end"]) for x in lines}
+    checked = 0
+
+    def key_of(x: dict[str, Any]) -> list[str]:
+        if by == "team":  # the line's teams, else the server's [teams] (the replay's lines name none)
+            named = [t for t in (x.get("teams") or "").split(",") if t]
+            return named or sorted(t for t, members in TEAMS.items() if x["user"] in members) or ["(no team)"]
+        return [x[by]]
+
+    _agree(answer["total"], _expected(lines), "total")
+    for d in answer["daily"]:
+        _agree(d, _expected([x for x in lines if day_of[x["lease"]] == d["day"]]), f"day {d['day']}")
+        checked += 1
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for x in lines:
+        for k in key_of(x):
+            groups[k].append(x)
+    assert sorted(g["key"] for g in answer["groups"]) == sorted(groups), answer["groups"]
+    for g in answer["groups"]:
+        mine = groups[g["key"]]
+        _agree(g["total"], _expected(mine), f"{by} {g['key']}")
+        assert [d["day"] for d in g["daily"]] == answer["days"]
+        for d in g["daily"]:
+            _agree(d, _expected([x for x in mine if day_of[x["lease"]] == d["day"]]), f"{by} {g['key']} {d['day']}")
+            checked += 1
+    return checked + 1
+
+
+def _day(ms: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(ms / 1000))
+
+
+@pytest.mark.timeout(300)
+def test_the_summary_agrees_with_the_raw_ledger(redis_server: Any, redis_sync: Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    _play(redis_server.url, prefix)  # (into a prefix with no data: the replay refuses any other)
+    redis_sync.set(keys.layout, layout.LAYOUT)
+    settings = make_settings(redis_server.url, prefix, reclaim_enabled=False, teams=TEAMS)
+    server = ServerHandle(settings, "n1=2xA100-80GB").start()
+    try:
+        _check_replayed(server, keys, redis_sync)
+    finally:
+        server.stop()
+
+
+def test_a_sampled_lease_s_use_agrees_with_its_ledger_line(server_factory: Any, redis_sync: Redis) -> None:
+    """A live lease whose GPU is sampled busy three times and idle once, as its node agent reports."""
+    server = server_factory(simulate="n1=2xA100-80GB", teams=TEAMS)
+    with http(server, "cy") as cy, http(server, "root", "admin") as admin:
+        got = cy.post(f"{API}/leases", json={"gpus": 1, "pool": "A100-80GB", "label": "live"})
+        assert got.status_code == 201, got.text
+        lease = got.json()
+        index = lease["gpus"][0]["index"]
+        for util in (90, 95, 80, 0):
+            sent = admin.post(f"{API}/nodes/n1/samples", json={"gpus": [{"index": index, "util": util}]})
+            assert sent.status_code == 200, sent.text
+        assert cy.delete(f"{API}/leases/{lease['id']}", params={"verified": "true"}).status_code == 200
+        lines = _ledger(redis_sync, Keys(server.settings.prefix))
+        (live,) = [x for x in lines if x["lease"] == lease["id"]]
+        assert live["busy_frac"] > 0.5  # (the agent's own samples of the idle GPU may add idle ones)
+        body = cy.get(f"{API}/usage/summary", params={"pool": "A100-80GB", "by": "team"}).json()
+        assert body["total"]["calls"] == 1 and body["total"]["util_pct"] == pytest.approx(100 * live["busy_frac"])
+        assert [g["key"] for g in body["groups"]] == ["nlp"]
+        _check(body, lines, "team")
+
+
+def _check_replayed(server: ServerHandle, keys: Keys, redis_sync: Redis) -> None:
+    with http(server, "cy") as cy:
+        lines = _ledger(redis_sync, keys)
+        # what the workload must have produced for the check to mean something
+        assert len(lines) > 50
+        assert any(x["waited_s"] > 0 for x in lines), "no cell waited"
+        assert any(x.get("warm_cells") for x in lines), "no cell started warm"
+        assert any(x.get("recall") == "evicted" or x.get("cause") in ("evicted", "suspended") for x in lines), (
+            "no eviction"
+        )
+
+        checked = 0
+        start = replay.EPOCH_MS // 1000
+        for by in ("user", "team", "pool"):
+            answer = cy.get(f"{API}/usage/summary", params={"from": start, "to": start + 4 * 86400, "by": by})
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            assert body["scope"] == "all" and len(body["days"]) == 4 and body["total"]["calls"] > 30
+            checked += _check(body, lines, by)
+        # one pool, one user
+        body = cy.get(
+            f"{API}/usage/summary", params={"from": start, "to": start + 4 * 86400, "pool": "sim", "user": "bob"}
+        ).json()
+        assert {g["key"] for g in body["groups"]} == {"bob"} and body["user"] == "bob"
+        checked += _check(body, [x for x in lines if x["user"] == "bob" and x["pool"] == "sim"], "user")
+        assert checked > 40
+
+    # gpulease report: the same figures for those days, as text of 80 columns, JSON and CSV
+    def report(*args: str) -> str:
+        done = CliRunner().invoke(
+            main,
+            [
+                "report",
+                "--until",
+                "2021-06-05",
+                "--days",
+                "4",
+                *args,
+                "--url",
+                server.url,
+                "--token",
+                server.token("cy"),
+            ],
+        )
+        assert done.exit_code == 0, done.output
+        return done.output
+
+    as_json = json.loads(report("--json", "--by", "team"))
+    assert as_json["days"] == ["2021-06-01", "2021-06-02", "2021-06-03", "2021-06-04"]
+    _check(as_json, lines, "team")
+    shown = report().splitlines()
+    assert max(len(line) for line in shown) <= 80, shown
+    assert shown[0] == "GPU usage 2021-06-01 .. 2021-06-04 (UTC, 4 days), by user"
+    total = next(line for line in shown if line.startswith("total "))
+    assert total.split()[1] == str(as_json["total"]["calls"])
+    rows = list(csv.DictReader(io.StringIO(report("--csv", "--by", "pool"))))
+    assert len(rows) == 2 * 5 and {r["pool"] for r in rows} == {"sim", "(all)"}
+    sim_total = next(r for r in rows if r["pool"] == "sim" and r["day"] == "total")
+    assert int(sim_total["calls"]) == as_json["total"]["calls"]
+
+
+def test_bad_windows_pools_and_users_are_refused_naming_what_works(server_factory: Any, redis_sync: Redis) -> None:
+    server = server_factory(simulate="n1=2xA100-80GB", teams=TEAMS)
+    with http(server, "ann") as ann:
+        s = f"{API}/usage/summary"
+        assert_error(
+            ann.get(s, params={"from": 1_700_000_000, "to": 1_600_000_000}),
+            400,
+            "bad_request",
+            "to must be after from",
+            "e.g. from=",
+        )
+        assert_error(
+            ann.get(s, params={"from": 1_600_000_000, "to": 1_700_000_000}),
+            400,
+            "bad_request",
+            "at most 400 days",
+            "e.g. from=",
+        )
+        assert_error(ann.get(s, params={"pool": "H100"}), 400, "bad_request", "unknown pool 'H100'", "A100-80GB")
+        assert_error(ann.get(s, params={"user": "zed"}), 400, "bad_request", "unknown user 'zed'", "widen")
+        assert_error(ann.get(s, params={"by": "colour"}), 400, "bad_request")
+        # a user with no usage asks for their own (an admin for anyone's with a token): an empty
+        # summary, every day present; to another user, that name is as unknown as any
+        with http(server, "bob") as bob, http(server, "root", "admin") as admin:
+            assert_error(ann.get(s, params={"user": "bob"}), 400, "bad_request", "unknown user 'bob'")
+            for who in (bob, admin):
+                body = who.get(s, params={"user": "bob"}).json()
+                assert (
+                    body["total"]["calls"] == 0
+                    and body["groups"] == []
+                    and len(body["daily"]) == len(body["days"]) >= 7
+                )
+        assert body["total"]["wait_p50_ms"] is None and body["total"]["util_pct"] is None
+
+
+def test_own_rows_only_shows_a_user_their_own_usage(server_factory: Any) -> None:
+    server = server_factory(simulate="n1=2xA100-80GB", usage_own_rows_only=True)
+    with http(server, "ann") as ann, http(server, "bob") as bob, http(server, "root", "admin") as admin:
+        for who in (ann, bob):
+            lease = who.post(f"{API}/leases", json={"gpus": 1, "pool": "A100-80GB"}).json()
+            assert who.delete(f"{API}/leases/{lease['id']}", params={"verified": "true"}).status_code == 200
+        mine = ann.get(f"{API}/usage/summary", params={"by": "pool"}).json()
+        assert mine["scope"] == "own" and mine["user"] == "ann" and mine["total"]["calls"] == 1
+        assert_error(ann.get(f"{API}/usage/summary", params={"user": "bob"}), 403, "forbidden", "user=ann")
+        team = admin.get(f"{API}/usage/summary").json()
+        assert team["scope"] == "all" and {g["key"] for g in team["groups"]} == {"ann", "bob"}
+
+
+def test_migrate_builds_the_rollups_the_scripts_write(redis_server: Any, redis_sync: Redis, prefix: str) -> None:
+    """Layout 3 had no rollups: gpulease migrate sums them from the ledger, to what the scripts keep."""
+    keys = Keys(prefix)
+    _play(redis_server.url, prefix)
+    redis_sync.set(keys.layout, 3)
+    written = redis_sync.hgetall(keys.rollup)
+    assert len(written) > 20 and redis_sync.zcard(keys.rollup_idx) == len(written)
+    redis_sync.delete(keys.rollup, keys.rollup_idx)  # what a layout-3 release left
+
+    async def run() -> tuple[int | None, list[str]]:
+        from redis.asyncio import Redis as AsyncRedis
+
+        r = AsyncRedis.from_url(redis_server.url, decode_responses=True)
+        try:
+            return await layout.migrate(r, keys, dry_run=False)
+        finally:
+            await r.aclose()
+
+    found, changes = asyncio.run(run())
+    assert found == 3 and any("hourly rollups" in c for c in changes), changes
+    built = redis_sync.hgetall(keys.rollup)
+    assert sorted(built) == sorted(written) and redis_sync.zcard(keys.rollup_idx) == len(built)
+    for name, raw in written.items():
+        a, b = json.loads(raw), json.loads(built[name])
+        assert a["wh"] == b["wh"] and a.get("teams") == b.get("teams"), name
+        for f in rollup.FIGURES:
+            assert math.isclose(a[f], b[f], rel_tol=1e-9, abs_tol=1e-6), (name, f, a[f], b[f])
+
+
+def test_the_balance_says_quota_left_fair_share_place_and_next_wait(server_factory: Any) -> None:
+    server = server_factory(simulate="n1=2xA100-80GB", quota_per_user=4)
+    with http(server, "ann") as ann, http(server, "bob") as bob, http(server, "cy") as cy:
+        done = bob.post(f"{API}/leases", json={"gpus": 1, "pool": "A100-80GB"}).json()
+        assert bob.delete(f"{API}/leases/{done['id']}", params={"verified": "true"}).status_code == 200
+        held = ann.post(f"{API}/leases", json={"gpus": 1, "pool": "A100-80GB"})
+        assert held.status_code == 201, held.text
+        (mine,) = ann.get(f"{API}/usage/balance").json()["pools"]
+        # ann holds a GPU now: behind bob, who holds none (a GPU held counts as the time it would add)
+        assert (mine["quota"], mine["held"], mine["left"]) == (4, 1, 3)
+        assert mine["fair_share"]["rank"] == 2 and mine["fair_share"]["of"] == 2
+        assert mine["text"] == "1 of 4 GPUs yours, 3 left; 2nd of 2 in fair share; next cell: now"
+        (bobs,) = bob.get(f"{API}/usage/balance", params={"pool": "A100-80GB"}).json()["pools"]
+        assert bobs["fair_share"]["rank"] == 1 and bobs["held"] == 0 and bobs["left"] == 4
+        (new,) = cy.get(f"{API}/usage/balance").json()["pools"]
+        assert new["fair_share"] == {"rank": 1, "of": 3, "usage_gpu_s": 0.0}
+        assert_error(ann.get(f"{API}/usage/balance", params={"pool": "H100"}), 400, "bad_request", "A100-80GB")
