@@ -461,11 +461,13 @@ class RayHead:
         env = rayauth.clean_env(dict(os.environ), self.token)
         nodes = [parse_simulate(f"{n}=1xA100-80GB")[0] for n in sorted(_RAY_NODES | {"box"})]
         self._stop = service._stop
-        for attempt in (1, 2, 3):
+        # Ray gives its raylet a fixed 30 s to register (ray/_private/node.py), which a loaded
+        # machine can miss a few times in a row: the whole Ray group waits on this one head.
+        for attempt in range(1, 6):
             with machine_lock("ray-start"):
                 self.proc, self.address = service._start_ray(self.dir, nodes, env)
                 assert self.proc is not None, "ray is not installed"
-                if service._wait_for_ray(self.address, env=env, last=attempt == 3):
+                if service._wait_for_ray(self.address, env=env, last=attempt == 5):
                     return
             service._stop(self.proc, "ray head")
         raise AssertionError(f"the tests' Ray head did not start: {(self.dir / 'ray.log').read_text()[-2000:]}")
