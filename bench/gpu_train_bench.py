@@ -276,10 +276,8 @@ def settle(s: Any, full: bool = True) -> None:
     used spare is started in the background after its call); then a short pause for Ray."""
     import ray
 
-    from magics.runner import SPARES_PER_NODE
-
     deadline = time.monotonic() + 120
-    while full and any(len(dq) < SPARES_PER_NODE for dq in s._spares.values()) and time.monotonic() < deadline:
+    while full and any(len(dq) < s.spares_for(n) for n, dq in s._spares.items()) and time.monotonic() < deadline:
         time.sleep(0.05)  # replenish() runs in a thread of its own: nothing to wait on but its result
     with s._lock:
         spares = [w for dq in s._spares.values() for w in dq]

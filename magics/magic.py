@@ -22,6 +22,7 @@ from lease_server.sizes import show_mb
 
 from . import cellcode, space
 from .elastic import DEFAULT_MIN_EFFICIENCY
+from .options import SPARES_MAX
 from .runner import (
     Ending,
     Options,
@@ -493,6 +494,12 @@ class GpuMagics(Magics):
         choices=["on", "off"],
         help="Keep a finished cell's worker warm for the next cell (default: on)",
     )
+    @argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="Started workers kept ready per node, so a cold cell starts no process (0-8; default 2)",
+    )
     @line_magic
     def gpu_config(self, line: str) -> None:
         """Show or set this session's defaults for %%gpu_train."""
@@ -514,6 +521,13 @@ class GpuMagics(Magics):
             d.warm = args.warm == "on"
             if not d.warm:
                 end_warm(session(), "%gpu_config --warm off")
+        if args.spares is not None:
+            if not 0 <= args.spares <= SPARES_MAX:
+                raise UsageError(f"--spares must be from 0 to {SPARES_MAX} (each is a started worker process)")
+            d.spares = args.spares
+            s = session()
+            for node in s.spare_nodes():
+                s.set_spares(node, d.spares)
         if args.url is not None or args.token is not None:
             d.url = args.url or d.url
             d.token = args.token or d.token
@@ -522,6 +536,7 @@ class GpuMagics(Magics):
         print(
             f"gpus={d.gpus} pool={d.pool or '(server default)'} timeout={timeout} wait={d.wait:g}s "
             f"ttl={'(server default)' if d.ttl is None else f'{d.ttl:g}s'} warm={'on' if d.warm else 'off'} "
+            f"spares={d.spares} "
             f"url={d.url or os.environ.get('GPULEASE_URL') or '(gpulease up)'}"
         )
 

@@ -8,6 +8,23 @@ import os
 from dataclasses import dataclass, field, replace
 
 WARM_OFF = ("0", "off", "false", "no")
+SPARES_DEFAULT = 2  # one for the next call, one for the call after it while the first is replaced
+SPARES_MAX = 8
+
+
+def _spares_from_env() -> int:
+    """GPULEASE_SPARES in a kernelspec's env: how many started workers a kernel keeps ready per node
+    (0 to 8; default 2). Each is a process of a GB or so: an admin of a small machine lowers it."""
+    raw = os.environ.get("GPULEASE_SPARES", "").strip()
+    if not raw:
+        return SPARES_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= SPARES_MAX:
+        raise ValueError(f"GPULEASE_SPARES={raw!r}: give a whole number from 0 to {SPARES_MAX} (default 2)")
+    return value
 
 
 @dataclass
@@ -24,6 +41,9 @@ class Defaults:
     # %%gpu_train cells keep their worker warm for the next cell (%gpu_config --warm off; an admin
     # may turn it off for a kernelspec with GPULEASE_WARM=off in its env)
     warm: bool = field(default_factory=lambda: os.environ.get("GPULEASE_WARM", "on").lower() not in WARM_OFF)
+    # started workers kept ready per node, so a cold cell pays no process start (%gpu_config --spares;
+    # GPULEASE_SPARES in a kernelspec's env)
+    spares: int = field(default_factory=_spares_from_env)
 
 
 @dataclass

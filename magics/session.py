@@ -26,7 +26,6 @@ from .worker import GpuWorker
 
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
-SPARES_PER_NODE = 2  # one for the next call, one for the call after it while the first is replaced
 GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
 GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
 READY_WAIT_S = 5.0  # how long ending a worker waits to learn a starting one's pid
@@ -74,7 +73,7 @@ class Session:
         self._lock = threading.RLock()
         self._pinned: bool | None = None
         self._spares: dict[str, deque[Worker]] = {}
-        self._spare_count: dict[str, int] = {}  # spares kept per node, where not SPARES_PER_NODE
+        self._spare_count: dict[str, int] = {}  # spares kept per node, where not defaults.spares
         self._actor_cls: Any = None
         self._resources: set[str] = set()
         self.machine = this_machine()
@@ -231,9 +230,14 @@ class Session:
             while len(spares) < count:
                 spares.append(self.new_worker(node))
 
+    def spare_nodes(self) -> list[str]:
+        """The nodes this session keeps spare workers on (those it prewarmed or took one from)."""
+        with self._lock:
+            return list(self._spares)
+
     def spares_for(self, node: str) -> int:
         """How many pre-started workers this session keeps on ``node``."""
-        return self._spare_count.get(node, SPARES_PER_NODE)
+        return self._spare_count.get(node, self.defaults.spares)
 
     def set_spares(self, node: str, count: int) -> int:
         """Keep ``count`` pre-started workers on ``node`` from now on, starting the missing ones

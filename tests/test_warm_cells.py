@@ -207,13 +207,14 @@ def test_kernel_restart_ends_the_warm_worker(stack):
 
 
 def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
-    for line, expect in [("%gpu_config --warm maybe", "--warm"), ("%%gpu_train --fresh=1\nx = 1", "--fresh")]:
+    bad = [("%gpu_config --warm maybe", "--warm"), ("%gpu_config --spares 9", "--spares"), ("%%gpu_train --fresh=1\nx = 1", "--fresh")]
+    for line, expect in bad:
         out = kernel.run(line)
         assert "UsageError: " in text(out) and expect in text(out), (line, out)
         assert len(text(out).strip().splitlines()) == 1, out
     assert api(stack, "GET", "/api/v1/leases")["leases"] == []
     out = kernel.run("%gpu_config --warm off")
-    assert "warm=off" in text(out)
+    assert "warm=off" in text(out) and "spares=1" in text(out)  # the tests' kernels keep one (conftest)
     out = warm_cell(kernel, "x = 1")
     assert "released; GPU memory freed" in status(out) and board(stack) == {0: "free", 1: "free"}
     assert api(stack, "GET", "/api/v1/leases")["leases"] == []

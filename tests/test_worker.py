@@ -121,3 +121,16 @@ def test_a_destroyed_process_group_is_held_until_the_call_has_returned(monkeypat
     assert not dist.is_initialized() and [g is pg for g in w._GROUPS] == [True]
     w._release_groups()
     assert w._GROUPS == []
+
+
+def test_a_kernelspec_sets_how_many_spare_workers_a_kernel_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from magics.options import Defaults
+
+    monkeypatch.delenv("GPULEASE_SPARES", raising=False)
+    assert Defaults().spares == 2
+    monkeypatch.setenv("GPULEASE_SPARES", "0")
+    assert Defaults().spares == 0
+    for bad in ("two", "9", "-1"):
+        monkeypatch.setenv("GPULEASE_SPARES", bad)
+        with pytest.raises(ValueError, match=r"GPULEASE_SPARES=.*from 0 to 8"):
+            Defaults()
