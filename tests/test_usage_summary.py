@@ -11,6 +11,7 @@ the raw ledger lines, to within 1 %. Real Redis, real server, no mocks.
 from __future__ import annotations
 
 import asyncio
+import calendar
 import csv
 import io
 import json
@@ -89,11 +90,31 @@ def _exact_quantile(values: list[float], q: float) -> float | None:
     return ordered[max(1, math.ceil(q * len(ordered) - 1e-9)) - 1]
 
 
-def _expected(lines: list[dict[str, Any]]) -> dict[str, Any]:
+# A share of a ledger line: the line, the share of its lease's time inside a period, and whether
+# the lease itself (and its wait, its warm cells) counts there: it does in the period it was granted.
+Share = tuple[dict[str, Any], float, bool]
+
+
+def _within(lines: list[dict[str, Any]], lo: float, hi: float) -> list[Share]:
+    """Each line's share of [lo, hi): the part of its time held in it (a lease is spread evenly
+    over the time it was held), counted there if it was granted in it."""
+    out = []
+    for x in lines:
+        begin, end = min(x["start"], x["end"]), x["end"]
+        share = (min(end, hi) - max(begin, lo)) / (end - begin) if end > begin else float(lo <= end < hi)
+        counted = lo <= begin < hi
+        if share > 0 or counted:
+            out.append((x, max(share, 0.0), counted))
+    return out
+
+
+def _expected(shares: list[Share]) -> dict[str, Any]:
     """The summary's figures, computed from ledger lines alone (independently of store/rollup.py)."""
-    n = len(lines)
-    gpu_s = [float(x["gpu_s"]) for x in lines]
-    warm = [float(x.get("warm_gpu_s") or 0) for x in lines]
+    counted = [x for x, _, c in shares if c]
+    n = len(counted)
+    gpu_s = [float(x["gpu_s"]) * w for x, w, _ in shares]
+    warm = [float(x.get("warm_gpu_s") or 0) * w for x, w, _ in shares]
+    lines = [x for x, _, _ in shares]
     sampled = sum(g for g, x in zip(gpu_s, lines, strict=True) if x.get("busy_frac") is not None)
     used = sum(g * x["busy_frac"] for g, x in zip(gpu_s, lines, strict=True) if x.get("busy_frac") is not None)
 
@@ -101,8 +122,8 @@ def _expected(lines: list[dict[str, Any]]) -> dict[str, Any]:
         how = x.get("recall") or x.get("cause")
         return {"evicted": "e", "suspended": "e", "reclaimed": "r", "recalled": "r", "preempted": "r"}.get(how)
 
-    warm_cells = sum(int(x.get("warm_cells") or 0) for x in lines)
-    waits = [float(x["waited_s"]) * 1000 for x in lines]
+    warm_cells = sum(int(x.get("warm_cells") or 0) for x in counted)
+    waits = [float(x["waited_s"]) * 1000 for x in counted]
     return {
         "calls": n,
         "cells": n + warm_cells,
@@ -143,8 +164,7 @@ def _agree(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
 def _check(answer: dict[str, Any], lines: list[dict[str, Any]], by: str) -> int:
     """The answer's totals, days, groups and their days against ``lines``; returns figures checked."""
     lo, hi = answer["from"] * 1000, answer["to"] * 1000
-    lines = [x for x in lines if lo <= x["end"] < hi]
-    day_of = {x["lease"]: _day(x["end"]) for x in lines}
+    day_lo = {d["day"]: _day_start(d["day"]) for d in answer["daily"]}
     checked = 0
 
     def key_of(x: dict[str, Any]) -> list[str]:
@@ -153,23 +173,30 @@ def _check(answer: dict[str, Any], lines: list[dict[str, Any]], by: str) -> int:
             return named or sorted(t for t, members in TEAMS.items() if x["user"] in members) or ["(no team)"]
         return [x[by]]
 
-    _agree(answer["total"], _expected(lines), "total")
+    def in_day(mine: list[dict[str, Any]], day: str) -> list[Share]:
+        return _within(mine, max(lo, day_lo[day]), min(hi, day_lo[day] + DAY_MS))
+
+    _agree(answer["total"], _expected(_within(lines, lo, hi)), "total")
     for d in answer["daily"]:
-        _agree(d, _expected([x for x in lines if day_of[x["lease"]] == d["day"]]), f"day {d['day']}")
+        _agree(d, _expected(in_day(lines, d["day"])), f"day {d['day']}")
         checked += 1
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for x in lines:
+    for x, _, _ in _within(lines, lo, hi):
         for k in key_of(x):
             groups[k].append(x)
     assert sorted(g["key"] for g in answer["groups"]) == sorted(groups), answer["groups"]
     for g in answer["groups"]:
         mine = groups[g["key"]]
-        _agree(g["total"], _expected(mine), f"{by} {g['key']}")
+        _agree(g["total"], _expected(_within(mine, lo, hi)), f"{by} {g['key']}")
         assert [d["day"] for d in g["daily"]] == answer["days"]
         for d in g["daily"]:
-            _agree(d, _expected([x for x in mine if day_of[x["lease"]] == d["day"]]), f"{by} {g['key']} {d['day']}")
+            _agree(d, _expected(in_day(mine, d["day"])), f"{by} {g['key']} {d['day']}")
             checked += 1
     return checked + 1
+
+
+def _day_start(day: str) -> int:
+    return calendar.timegm(time.strptime(day, "%Y-%m-%d")) * 1000
 
 
 def _day(ms: int) -> str:
@@ -216,6 +243,8 @@ def _check_replayed(server: ServerHandle, keys: Keys, redis_sync: Redis) -> None
         # what the workload must have produced for the check to mean something
         assert len(lines) > 50
         assert any(x["waited_s"] > 0 for x in lines), "no cell waited"
+        assert any(_day(x["start"]) != _day(x["end"]) for x in lines), "no lease held over midnight"
+        assert any(x["end"] // 3_600_000 - x["start"] // 3_600_000 == 1 for x in lines), "none over an hour's end"
         assert any(x.get("warm_cells") for x in lines), "no cell started warm"
         assert any(x.get("recall") == "evicted" or x.get("cause") in ("evicted", "suspended") for x in lines), (
             "no eviction"

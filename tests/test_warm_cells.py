@@ -207,7 +207,11 @@ def test_kernel_restart_ends_the_warm_worker(stack):
 
 
 def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
-    bad = [("%gpu_config --warm maybe", "--warm"), ("%gpu_config --spares 9", "--spares"), ("%%gpu_train --fresh=1\nx = 1", "--fresh")]
+    bad = [
+        ("%gpu_config --warm maybe", "--warm"),
+        ("%gpu_config --spares 9", "--spares"),
+        ("%%gpu_train --fresh=1\nx = 1", "--fresh"),
+    ]
     for line, expect in bad:
         out = kernel.run(line)
         assert "UsageError: " in text(out) and expect in text(out), (line, out)

@@ -1,5 +1,8 @@
 """The hourly usage rollups: one row per (hour, pool, user), summed from the ledger lines of the
-leases that ended in that hour.
+leases held in that hour: each lease's GPU-seconds spread evenly over the hours it was held (at
+most :data:`SPLIT_HOURS`; a longer lease puts its earlier share in the first of them), the lease
+itself, its wait and its warm cells counted in the hour it was granted. A row is written when its
+lease ends: a lease still held is in no row yet.
 
 ``lua/_lib_end.lua`` (``add_rollup``) adds each ledger line to its row in the same script that
 writes the line, so the rollups and the ledger never disagree; :func:`fold` is the same sum in
@@ -7,14 +10,14 @@ Python, by which ``gpulease migrate`` builds the rows of an older store from its
 and :func:`quantile` reads the wait sketch. Keys: ``keys.py`` ``rollup`` (the rows) and
 ``rollup_idx`` (their names in order, so a range of hours is one range read).
 
-A row (JSON) holds, for the leases that ended in its hour:
+A row (JSON) holds, for the leases held in its hour (shares: of each lease's time, in that hour):
 
-``n``          leases ended (each one's first cell)
-``held``       GPU-seconds held, warm time excluded (the ledger's ``gpu_s``)
+``n``          leases granted in that hour (each one's first cell)
+``held``       GPU-seconds held, warm time excluded (its share of the ledger's ``gpu_s``)
 ``sampled``    of those, GPU-seconds of leases the node agent sampled
 ``used``       GPU-seconds busy by the samples (``gpu_s`` x ``busy_frac``, the ledger's estimate)
 ``warm``       warm GPU-seconds (kept warm, lendable: not use)
-``wait_ms``    the sum of their waits, ms
+``wait_ms``    the sum of the waits of the leases granted in that hour, ms
 ``wh``         the waits as a sketch {bucket: count}: "0" for no wait (under 1 ms), bucket k >= 1
                for waits in (G^(k-2), G^(k-1)] ms with G = 1.02, so a percentile read back is
                within 1 % of the exact one
@@ -38,6 +41,7 @@ HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS
 KEEP_DAYS = 400
 ROWS_PER_HOUR = 5000
+SPLIT_HOURS = 336  # a lease held longer puts its earlier share in the first of these (lua: the same)
 GAMMA = 1.02  # the wait sketch's bucket ratio: relative error (G - 1) / (G + 1) < 1 %
 OTHER = "~other"
 FIGURES = ("n", "held", "sampled", "used", "warm", "wait_ms", "reclaimed", "evicted", "warm_cells")
@@ -102,34 +106,52 @@ def empty() -> dict[str, Any]:
     return {**dict.fromkeys(FIGURES, 0), "wh": {}}
 
 
+def spread(line: dict[str, Any]) -> list[tuple[int, float]]:
+    """The hours ledger line ``line``'s lease was held, each with its share of the time (as
+    add_rollup spreads it): the first of them is where the lease itself is counted."""
+    last = int(line["end"]) // HOUR_MS
+    begin = min(int(line.get("start", line["end"])), int(line["end"]))
+    first = max(begin // HOUR_MS, last - SPLIT_HOURS + 1)
+    span = int(line["end"]) - begin
+    if span <= 0:
+        return [(last, 1.0)]
+    out = []
+    for hour in range(first, last + 1):
+        lo = begin if hour == first else hour * HOUR_MS
+        hi = int(line["end"]) if hour == last else (hour + 1) * HOUR_MS
+        out.append((hour, (hi - lo) / span))
+    return out
+
+
 def fold(rows: dict[str, dict[str, Any]], line: dict[str, Any], per_hour: dict[int, int]) -> None:
-    """Add ledger line ``line`` to its row of ``rows`` (name -> row), as add_rollup does in Lua;
+    """Add ledger line ``line`` to its rows of ``rows`` (name -> row), as add_rollup does in Lua;
     ``per_hour`` counts the rows of each hour (for the bound), kept by this function."""
-    hour = int(line["end"]) // HOUR_MS
-    name = field(hour, line["pool"], line["user"])
-    if name not in rows and per_hour.get(hour, 0) >= ROWS_PER_HOUR:
-        name = field(hour, line["pool"], OTHER)
-    if name not in rows:
-        rows[name] = empty()
-        per_hour[hour] = per_hour.get(hour, 0) + 1
-    row = rows[name]
     gpu_s = float(line.get("gpu_s", line["held_s"] * line["gpus"]))
     warm = float(line.get("warm_gpu_s") or 0)
-    row["n"] += 1
-    row["held"] += gpu_s
-    if line.get("busy_frac") is not None:
-        row["sampled"] += gpu_s
-        row["used"] += gpu_s * line["busy_frac"]
-    row["warm"] += warm
-    ms = float(line.get("waited_s") or 0) * 1000
-    row["wait_ms"] += ms
-    b = wait_bucket(ms)
-    row["wh"][b] = row["wh"].get(b, 0) + 1
     how = taken(line)
-    if how:
-        row[how] += gpu_s + warm
-    row["warm_cells"] += int(line.get("warm_cells") or 0)
-    row["teams"] = line.get("teams") or ""
+    for k, (hour, share) in enumerate(spread(line)):
+        name = field(hour, line["pool"], line["user"])
+        if name not in rows and per_hour.get(hour, 0) >= ROWS_PER_HOUR:
+            name = field(hour, line["pool"], OTHER)
+        if name not in rows:
+            rows[name] = empty()
+            per_hour[hour] = per_hour.get(hour, 0) + 1
+        row = rows[name]
+        row["held"] += gpu_s * share
+        if line.get("busy_frac") is not None:
+            row["sampled"] += gpu_s * share
+            row["used"] += gpu_s * share * line["busy_frac"]
+        row["warm"] += warm * share
+        if how:
+            row[how] += (gpu_s + warm) * share
+        if k == 0:
+            row["n"] += 1
+            ms = float(line.get("waited_s") or 0) * 1000
+            row["wait_ms"] += ms
+            b = wait_bucket(ms)
+            row["wh"][b] = row["wh"].get(b, 0) + 1
+            row["warm_cells"] += int(line.get("warm_cells") or 0)
+        row["teams"] = line.get("teams") or ""
 
 
 def add(into: dict[str, Any], row: dict[str, Any]) -> None:

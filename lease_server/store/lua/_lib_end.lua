@@ -1,44 +1,66 @@
 -- _lib_end.lua: the end of a lease, whoever ends it. Part of the library: see _lib.lua.
 
--- Add the ledger line `e` of a lease that ends now to its hourly rollup (keys.py rollup and
+-- Add the ledger line `e` of a lease that ends now to the hourly rollups (keys.py rollup and
 -- rollup_idx; lease_server/store/rollup.py reads them, and folds old ledger lines the same way for
--- gpulease migrate): the row of (this hour, pool, user) sums the lease's GPU-seconds held, busy by
--- samples, sampled and warm, its wait (sum, and a sketch: bucket "0" for no wait, bucket k >= 1 for
--- waits in (G^(k-2), G^(k-1)] ms, G = 1.02, so a percentile read from it is within 1 %), the
--- GPU-seconds of leases taken back (reclaimed: idle reclaim, booking recall, preemption; evicted:
--- a warm lease lent out) and the cells that started warm. Bounded: at most 5000 rows an hour (a
+-- gpulease migrate). A row (hour, pool, user) sums what its leases did in that hour: the GPU-seconds
+-- held, busy by samples, sampled and warm, and those of leases taken back (reclaimed: idle
+-- reclaim, booking recall, preemption; evicted: a warm lease lent out), each lease's spread evenly
+-- over the hours it was held (a lease held over midnight counts on both days); and, in the hour it
+-- was granted, the lease itself, its wait (sum, and a sketch: bucket "0" for no wait, bucket k >= 1
+-- for waits in (G^(k-2), G^(k-1)] ms, G = 1.02, so a percentile read from it is within 1 %) and the
+-- cells that started warm on it. A lease held longer than SPLIT_HOURS puts its earlier share in the
+-- first of them (one script writes at most SPLIT_HOURS rows). Bounded: at most 5000 rows an hour (a
 -- new user past that is summed as "~other" of its pool), and rows older than 400 days go, a few
--- for each row written, so the old ones never pile up.
-local function add_rollup(e, taken)
-  local hour = string.format('%07d', math.floor(NOW / 3600000))
-  local field = hour .. '|' .. e.pool .. '|' .. e.user
+-- for each row written, so the old ones never pile up. (SPLIT_HOURS: _lib.lua)
+
+local function add_rollup_row(hour, e, share, first, taken)
+  local name = string.format('%07d', hour)
+  local field = name .. '|' .. e.pool .. '|' .. e.user
   local raw = redis.call('HGET', K_ROLLUP, field)
-  if not raw and redis.call('ZLEXCOUNT', K_ROLLUP_IDX, '[' .. hour .. '|', '(' .. hour .. '|~') >= 5000 then
-    field = hour .. '|' .. e.pool .. '|~other'
+  if not raw and redis.call('ZLEXCOUNT', K_ROLLUP_IDX, '[' .. name .. '|', '(' .. name .. '|~') >= 5000 then
+    field = name .. '|' .. e.pool .. '|~other'
     raw = redis.call('HGET', K_ROLLUP, field)
   end
   local r = raw and cjson.decode(raw) or {n = 0, held = 0, sampled = 0, used = 0, warm = 0, wait_ms = 0,
                                           wh = {}, reclaimed = 0, evicted = 0, warm_cells = 0}
-  local all = e.gpu_s + (e.warm_gpu_s or 0)
-  r.n = r.n + 1
-  r.held = r.held + e.gpu_s
+  local held, warm = e.gpu_s * share, (e.warm_gpu_s or 0) * share
+  r.held = r.held + held
   if e.busy_frac then
-    r.sampled = r.sampled + e.gpu_s
-    r.used = r.used + e.gpu_s * e.busy_frac
+    r.sampled = r.sampled + held
+    r.used = r.used + held * e.busy_frac
   end
-  r.warm = r.warm + (e.warm_gpu_s or 0)
-  local ms = e.waited_s * 1000
-  r.wait_ms = r.wait_ms + ms
-  local b = '0'
-  if ms >= 1 then b = tostring(math.ceil(math.log(ms) / math.log(1.02) - 1e-9) + 1) end
-  r.wh[b] = (r.wh[b] or 0) + 1
-  if taken == 'reclaimed' then r.reclaimed = r.reclaimed + all end
-  if taken == 'evicted' then r.evicted = r.evicted + all end
-  r.warm_cells = r.warm_cells + (e.warm_cells or 0)
+  r.warm = r.warm + warm
+  if taken == 'reclaimed' then r.reclaimed = r.reclaimed + held + warm end
+  if taken == 'evicted' then r.evicted = r.evicted + held + warm end
+  if first then
+    r.n = r.n + 1
+    local ms = e.waited_s * 1000
+    r.wait_ms = r.wait_ms + ms
+    local b = '0'
+    if ms >= 1 then b = tostring(math.ceil(math.log(ms) / math.log(1.02) - 1e-9) + 1) end
+    r.wh[b] = (r.wh[b] or 0) + 1
+    r.warm_cells = r.warm_cells + (e.warm_cells or 0)
+  end
   r.teams = e.teams
   if not raw then redis.call('ZADD', K_ROLLUP_IDX, 0, field) end
   redis.call('HSET', K_ROLLUP, field, cjson.encode(r))
-  local cutoff = string.format('%07d', math.floor(NOW / 3600000) - 400 * 24)
+end
+
+local function add_rollup(e, taken)
+  local last = math.floor(NOW / 3600000)
+  local begin = math.min(e.start, NOW)
+  local first = math.max(math.floor(begin / 3600000), last - SPLIT_HOURS + 1)
+  local span = NOW - begin
+  for hour = first, last do
+    local share = 1  -- (a lease of no time: one hour, this one)
+    if span > 0 then
+      local lo = hour == first and begin or hour * 3600000
+      local hi = hour == last and NOW or (hour + 1) * 3600000
+      share = (hi - lo) / span
+    end
+    add_rollup_row(hour, e, share, hour == first, taken)
+  end
+  local cutoff = string.format('%07d', last - 400 * 24)
   local old = redis.call('ZRANGEBYLEX', K_ROLLUP_IDX, '-', '(' .. cutoff .. '|', 'LIMIT', 0, 4)
   if #old > 0 then
     redis.call('HDEL', K_ROLLUP, unpack(old))
