@@ -354,7 +354,15 @@ def test_migrate_builds_the_rollups_the_scripts_write(redis_server: Any, redis_s
     _play(redis_server.url, prefix)
     redis_sync.set(keys.layout, 3)
     written = redis_sync.hgetall(keys.rollup)
-    assert len(written) > 20 and redis_sync.zcard(keys.rollup_idx) == len(written)
+    totals = {name for name in written if name.startswith(rollup.TOTAL)}
+    assert len(written) > 20 and redis_sync.zcard(keys.rollup_idx) == len(written) - len(totals)
+    # each pool's running totals (what /metrics counts): every lease ended, whole
+    lines = _ledger(redis_sync, keys)
+    assert totals == {rollup.total_field(pool) for pool in {x["pool"] for x in lines}}
+    for pool in {x["pool"] for x in lines}:
+        mine = [x for x in lines if x["pool"] == pool]
+        t = json.loads(written[rollup.total_field(pool)])
+        assert t["n"] == len(mine) and math.isclose(t["held"], sum(x["gpu_s"] for x in mine), rel_tol=1e-9)
     redis_sync.delete(keys.rollup, keys.rollup_idx)  # what a layout-3 release left
 
     async def run() -> tuple[int | None, list[str]]:
@@ -369,7 +377,7 @@ def test_migrate_builds_the_rollups_the_scripts_write(redis_server: Any, redis_s
     found, changes = asyncio.run(run())
     assert found == 3 and any("hourly rollups" in c for c in changes), changes
     built = redis_sync.hgetall(keys.rollup)
-    assert sorted(built) == sorted(written) and redis_sync.zcard(keys.rollup_idx) == len(built)
+    assert sorted(built) == sorted(written) and redis_sync.zcard(keys.rollup_idx) == len(built) - len(totals)
     for name, raw in written.items():
         a, b = json.loads(raw), json.loads(built[name])
         assert a["wh"] == b["wh"] and a.get("teams") == b.get("teams"), name

@@ -352,7 +352,7 @@ async def _to_4(redis: Redis, keys: Keys) -> Step:
             p.delete(keys.rollup, keys.rollup_idx)
             if rows:
                 p.hset(keys.rollup, mapping={k: json.dumps(v) for k, v in rows.items()})
-                p.zadd(keys.rollup_idx, dict.fromkeys(rows, 0))
+                p.zadd(keys.rollup_idx, dict.fromkeys((k for k in rows if not k.startswith(rollup.TOTAL)), 0))
             await p.execute()
 
     return Step([f"sum the usage ledger into hourly rollups: {len(lines)} line(s) -> {len(rows)} row(s)"], write)

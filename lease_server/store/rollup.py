@@ -44,6 +44,7 @@ ROWS_PER_HOUR = 5000
 SPLIT_HOURS = 336  # a lease held longer puts its earlier share in the first of these (lua: the same)
 GAMMA = 1.02  # the wait sketch's bucket ratio: relative error (G - 1) / (G + 1) < 1 %
 OTHER = "~other"
+TOTAL = "~total"  # the field prefix of a pool's running totals (total_field)
 FIGURES = ("n", "held", "sampled", "used", "warm", "wait_ms", "reclaimed", "evicted", "warm_cells")
 TAKEN = {
     "evicted": "evicted",
@@ -123,12 +124,35 @@ def spread(line: dict[str, Any]) -> list[tuple[int, float]]:
     return out
 
 
-def fold(rows: dict[str, dict[str, Any]], line: dict[str, Any], per_hour: dict[int, int]) -> None:
-    """Add ledger line ``line`` to its rows of ``rows`` (name -> row), as add_rollup does in Lua;
-    ``per_hour`` counts the rows of each hour (for the bound), kept by this function."""
+def total_field(pool: str) -> str:
+    """The field of ``pool``'s running totals in the rollup hash (every lease ended, whole, as it
+    ended; not in the index, so no range of rows includes it): /metrics' counters read it."""
+    return f"{TOTAL}|{pool}"
+
+
+def _add_line(row: dict[str, Any], line: dict[str, Any], share: float, first: bool) -> None:
     gpu_s = float(line.get("gpu_s", line["held_s"] * line["gpus"]))
     warm = float(line.get("warm_gpu_s") or 0)
     how = taken(line)
+    row["held"] += gpu_s * share
+    if line.get("busy_frac") is not None:
+        row["sampled"] += gpu_s * share
+        row["used"] += gpu_s * share * line["busy_frac"]
+    row["warm"] += warm * share
+    if how:
+        row[how] += (gpu_s + warm) * share
+    if first:
+        row["n"] += 1
+        ms = float(line.get("waited_s") or 0) * 1000
+        row["wait_ms"] += ms
+        b = wait_bucket(ms)
+        row["wh"][b] = row["wh"].get(b, 0) + 1
+        row["warm_cells"] += int(line.get("warm_cells") or 0)
+
+
+def fold(rows: dict[str, dict[str, Any]], line: dict[str, Any], per_hour: dict[int, int]) -> None:
+    """Add ledger line ``line`` to its rows of ``rows`` (name -> row) and to its pool's totals, as
+    add_rollup does in Lua; ``per_hour`` counts the rows of each hour (for the bound), kept here."""
     for k, (hour, share) in enumerate(spread(line)):
         name = field(hour, line["pool"], line["user"])
         if name not in rows and per_hour.get(hour, 0) >= ROWS_PER_HOUR:
@@ -136,22 +160,9 @@ def fold(rows: dict[str, dict[str, Any]], line: dict[str, Any], per_hour: dict[i
         if name not in rows:
             rows[name] = empty()
             per_hour[hour] = per_hour.get(hour, 0) + 1
-        row = rows[name]
-        row["held"] += gpu_s * share
-        if line.get("busy_frac") is not None:
-            row["sampled"] += gpu_s * share
-            row["used"] += gpu_s * share * line["busy_frac"]
-        row["warm"] += warm * share
-        if how:
-            row[how] += (gpu_s + warm) * share
-        if k == 0:
-            row["n"] += 1
-            ms = float(line.get("waited_s") or 0) * 1000
-            row["wait_ms"] += ms
-            b = wait_bucket(ms)
-            row["wh"][b] = row["wh"].get(b, 0) + 1
-            row["warm_cells"] += int(line.get("warm_cells") or 0)
-        row["teams"] = line.get("teams") or ""
+        _add_line(rows[name], line, share, k == 0)
+        rows[name]["teams"] = line.get("teams") or ""
+    _add_line(rows.setdefault(total_field(line["pool"]), empty()), line, 1.0, True)
 
 
 def add(into: dict[str, Any], row: dict[str, Any]) -> None:

@@ -9,20 +9,18 @@
 -- was granted, the lease itself, its wait (sum, and a sketch: bucket "0" for no wait, bucket k >= 1
 -- for waits in (G^(k-2), G^(k-1)] ms, G = 1.02, so a percentile read from it is within 1 %) and the
 -- cells that started warm on it. A lease held longer than SPLIT_HOURS puts its earlier share in the
--- first of them (one script writes at most SPLIT_HOURS rows). Bounded: at most 5000 rows an hour (a
+-- first of them (one script writes at most SPLIT_HOURS rows). Beside the rows, each pool's running
+-- totals of every lease ended (field "~total|<pool>", not in the index). Bounded: at most 5000 rows an hour (a
 -- new user past that is summed as "~other" of its pool), and rows older than 400 days go, a few
 -- for each row written, so the old ones never pile up. (SPLIT_HOURS: _lib.lua)
 
-local function add_rollup_row(hour, e, share, first, taken)
-  local name = string.format('%07d', hour)
-  local field = name .. '|' .. e.pool .. '|' .. e.user
-  local raw = redis.call('HGET', K_ROLLUP, field)
-  if not raw and redis.call('ZLEXCOUNT', K_ROLLUP_IDX, '[' .. name .. '|', '(' .. name .. '|~') >= 5000 then
-    field = name .. '|' .. e.pool .. '|~other'
-    raw = redis.call('HGET', K_ROLLUP, field)
-  end
-  local r = raw and cjson.decode(raw) or {n = 0, held = 0, sampled = 0, used = 0, warm = 0, wait_ms = 0,
-                                          wh = {}, reclaimed = 0, evicted = 0, warm_cells = 0}
+local function empty_rollup()
+  return {n = 0, held = 0, sampled = 0, used = 0, warm = 0, wait_ms = 0, wh = {}, reclaimed = 0, evicted = 0,
+          warm_cells = 0}
+end
+
+-- Add `share` of ledger line `e`'s time to row `r`; `first`: the lease itself, its wait, its warm cells.
+local function add_figures(r, e, share, first, taken)
   local held, warm = e.gpu_s * share, (e.warm_gpu_s or 0) * share
   r.held = r.held + held
   if e.busy_frac then
@@ -41,6 +39,18 @@ local function add_rollup_row(hour, e, share, first, taken)
     r.wh[b] = (r.wh[b] or 0) + 1
     r.warm_cells = r.warm_cells + (e.warm_cells or 0)
   end
+end
+
+local function add_rollup_row(hour, e, share, first, taken)
+  local name = string.format('%07d', hour)
+  local field = name .. '|' .. e.pool .. '|' .. e.user
+  local raw = redis.call('HGET', K_ROLLUP, field)
+  if not raw and redis.call('ZLEXCOUNT', K_ROLLUP_IDX, '[' .. name .. '|', '(' .. name .. '|~') >= 5000 then
+    field = name .. '|' .. e.pool .. '|~other'
+    raw = redis.call('HGET', K_ROLLUP, field)
+  end
+  local r = raw and cjson.decode(raw) or empty_rollup()
+  add_figures(r, e, share, first, taken)
   r.teams = e.teams
   if not raw then redis.call('ZADD', K_ROLLUP_IDX, 0, field) end
   redis.call('HSET', K_ROLLUP, field, cjson.encode(r))
@@ -60,6 +70,13 @@ local function add_rollup(e, taken)
     end
     add_rollup_row(hour, e, share, hour == first, taken)
   end
+  -- The pool's running totals (every lease ended, whole, when it ends): what /metrics' counters
+  -- read, one field per pool, never in the index (rollup rows' readers do not see it).
+  local total = '~total|' .. e.pool
+  local traw = redis.call('HGET', K_ROLLUP, total)
+  local t = traw and cjson.decode(traw) or empty_rollup()
+  add_figures(t, e, 1, true, taken)
+  redis.call('HSET', K_ROLLUP, total, cjson.encode(t))
   local cutoff = string.format('%07d', last - 400 * 24)
   local old = redis.call('ZRANGEBYLEX', K_ROLLUP_IDX, '-', '(' .. cutoff .. '|', 'LIMIT', 0, 4)
   if #old > 0 then
