@@ -70,7 +70,7 @@ class Context:
         self.auth = Authenticator(self.redis, self.store.keys, self.store.notifier)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
         self.node_watch = events.NodeWatch(self.hub)  # node agents' long-polls of their draining GPUs
-        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s)
+        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s, top_users=settings.metrics_top_users)
         self.limits = ReadLimits(settings)
         self.reaper = Reaper(self.store)
 
