@@ -107,8 +107,7 @@ class Usage:
         r, k = self.engine.redis, self.engine.keys
         now_h = now_ms // rollup.HOUR_MS
         final = now_h - 1  # the hours before it no script writes any more (a margin of an hour)
-        raw = await r.get(k.metrics_totals)
-        sums: dict[str, Any] | None = json.loads(raw) if raw else None
+        sums = _stored_sums(await r.get(k.metrics_totals))
         if sums is None or now_h - int(sums["to"]) > CATCH_UP_H:
             # No counters yet, or none read for a day: they (re)start with this hour, rather than one
             # page reading every hour since (Prometheus takes a counter that starts again as a reset).
@@ -145,6 +144,18 @@ class Usage:
             if hour >= final:
                 rollup.add(users.setdefault(user, rollup.empty()), row)
         return pools, users
+
+
+def _stored_sums(raw: str | bytes | None) -> dict[str, Any] | None:
+    """The counters' sums as stored (``metrics_totals``), or None for none or not readable (they
+    then start again: the key holds nothing that is not in the rollups)."""
+    try:
+        sums = json.loads(raw) if raw else None
+        if sums is not None and not (isinstance(sums["to"], int) and isinstance(sums["pools"], dict)):
+            sums = None
+    except (ValueError, KeyError, TypeError):
+        sums = None
+    return sums
 
 
 def top(values: dict[str, float], n: int) -> tuple[list[str], list[str]]:
