@@ -80,6 +80,9 @@ class Settings:
     stream_connect_rate: float = 2.0
     stream_connect_burst: int = 256
     metrics_cache_s: float = 1.0  # GET /metrics is rendered (read from Redis) at most this often
+    # GET /metrics names at most this many users in its per-user series (the top ones; the rest
+    # summed as user "~other"), so a Prometheus keeps a bounded number of series (docs/usage.md)
+    metrics_top_users: int = 20
     # GET /api/v1/usage/summary (docs/usage.md): false, everyone sees the team's rows; true, a user
     # who is not an admin sees only their own (and asking for another user's is a 403)
     usage_own_rows_only: bool = False
@@ -230,6 +233,8 @@ class Settings:
             value = getattr(self, name)
             if not low < value <= high:
                 raise ConfigurationError(f"{name} must be above {low:g} and at most {high:g}, got {value!r}")
+        if not 0 <= self.metrics_top_users <= 1000:
+            raise ConfigurationError(f"metrics_top_users must be between 0 and 1000 (got {self.metrics_top_users})")
         if not 0 <= self.refusal_hold_s <= 60:
             raise ConfigurationError(f"refusal_hold_s must be between 0 and 60 seconds (got {self.refusal_hold_s})")
         if self.suspend not in ("auto", "off") or not 0 <= self.suspend_host_budget_gb <= 1_000_000:

@@ -67,6 +67,10 @@ Scheduling:
                       rows an hour ("~other" beyond), kept 400 days (layout 4)
 ``rollup_idx`` zset   lexicographic "HHHHHHH|pool|user" for every rollup row: a range of hours is one
                       ZRANGEBYLEX, never a scan
+``metrics_totals`` string JSON {from, to, pools: {pool: row}}: the rollup rows of the hours [from, to)
+                      summed per pool, so that GET /metrics counts GPU-seconds since ``from`` by
+                      reading only the hours since ``to`` (web/metrics.py; written by the server, not
+                      by a script; no data of its own: deleting it restarts the counters)
 ``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas), and "pool|user|m",
                       "pool|team:NAME|m" -> milli-GPUs held now as slices (a slice counts its
                       fraction of the GPU); "pool|~preemptible" -> preemptible leases live (a blocked
@@ -252,6 +256,10 @@ class Keys:
         return self._k("rollup_idx")
 
     @property
+    def metrics_totals(self) -> str:
+        return self._k("metrics_totals")
+
+    @property
     def held_by(self) -> str:
         return self._k("held_by")
 
@@ -352,4 +360,5 @@ class Keys:
             self.unleased,
             self.sim,
             self.policy,
+            self.metrics_totals,
         ]

@@ -70,7 +70,9 @@ class Context:
         self.auth = Authenticator(self.redis, self.store.keys, self.store.notifier)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
         self.node_watch = events.NodeWatch(self.hub)  # node agents' long-polls of their draining GPUs
-        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s)
+        # /metrics needs no token: where users may see only their own usage, it names no user
+        top = 0 if settings.usage_own_rows_only else settings.metrics_top_users
+        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s, top_users=top)
         self.limits = ReadLimits(settings)
         self.reaper = Reaper(self.store)
 

@@ -7,31 +7,185 @@ most :data:`FRESH_BURST` in a row and then one per ``metrics_cache_s``. Past tha
 for the next render and shares it with every other request waiting (as does a request that comes
 while a render is under way): a scraper every few seconds always reads a fresh page at once; a
 flood reads Redis once a second, and each of its connections gets one page a second.
+
+**Usage** (docs/usage.md, "Metrics and Grafana"): counters per pool that only go up, summed from the
+hourly rollups (``store/rollup.py``) of the hours since the counters began, and gauges of "now"
+(GPUs held, warm, sampled and busy; the oldest wait) and of the last 24 hours per user. What a page
+reads of the rollups stays small: the hours that can still change (this one and the one before)
+on every render, and each older hour once. The per-pool sums of the older hours are kept in Redis
+(``keys.py`` ``metrics_totals``), so every replica counts the same and a restart does not reset
+the counters; the 24 hours per user are kept by each process. Labels are bounded: ``pool`` takes
+the pools' names; ``user`` at most ``metrics_top_users`` users (the top ones) and ``~other``, the
+rest summed. No label names a lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..leasing.board import cluster_view
 from ..leasing.queue import queue_view
+from ..leasing.reclaim import policies
+from ..leasing.usage import rollup_rows
+from ..store import rollup
 from ..store.engine import Engine
 from .limits import Bucket
 
 FRESH_BURST = 5  # renders in a row before the cache serves
+USER_WINDOW_H = 24  # the per-user gauges sum the last 24 hours (this hour so far and the 23 before)
+CATCH_UP_H = 24  # counters whose sums lag more hours than this start again (a counter reset)
+# The time-to-GPU histogram's buckets, seconds (each wait is placed by its sketch bucket: within 1 %)
+WAIT_BUCKETS_S = (0.1, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 14400.0)
+# Counters per pool: (name without _total, rollup figure, help)
+COUNTERS = (
+    ("gpulease_held_gpu_seconds", "held", "GPU-seconds held by leases that ended, warm time excluded"),
+    ("gpulease_sampled_gpu_seconds", "sampled", "Of the GPU-seconds held, those of leases the node agent sampled"),
+    ("gpulease_used_gpu_seconds", "used", "GPU-seconds busy by the samples (at or above the pool's idle threshold)"),
+    ("gpulease_warm_gpu_seconds", "warm", "GPU-seconds kept warm: lendable to whoever waits, not charged as use"),
+    (
+        "gpulease_reclaimed_gpu_seconds",
+        "reclaimed",
+        "GPU-seconds (held + warm) of leases the server took back: idle reclaim, a booking's recall, preemption",
+    ),
+    ("gpulease_evicted_gpu_seconds", "evicted", "GPU-seconds (held + warm) of warm leases lent out to a waiter"),
+    ("gpulease_leases_ended", "n", "Leases ended"),
+    ("gpulease_warm_cells", "warm_cells", "Cells that started on a warm worker"),
+)
+# Per-user gauges of the last 24 hours: (name, rollup figure or "wait_s", help)
+USER_GAUGES = (
+    ("gpulease_user_held_gpu_seconds_24h", "held", "GPU-seconds held (warm excluded)"),
+    ("gpulease_user_sampled_gpu_seconds_24h", "sampled", "GPU-seconds held and sampled"),
+    ("gpulease_user_used_gpu_seconds_24h", "used", "GPU-seconds busy by the samples"),
+    ("gpulease_user_warm_gpu_seconds_24h", "warm", "GPU-seconds kept warm"),
+    ("gpulease_user_leases_ended_24h", "n", "Leases ended"),
+    ("gpulease_user_wait_seconds_24h", "wait_s", "Seconds waited for a GPU, summed over the leases ended"),
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class Metrics:
-    def __init__(self, engine: Engine, cache_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
-        """``cache_s``: the least time between two renders once :data:`FRESH_BURST` were had in a row."""
+class _Families(Collector):
+    """The usage families of the latest render (their label values change from render to render:
+    a user leaves the top, a pool is added), collected as they are."""
+
+    def __init__(self) -> None:
+        self.families: list[Metric] = []
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self.families)
+
+
+class Usage:
+    """The rollups as a page needs them: per pool, the sums since the counters began; per user, the
+    last :data:`USER_WINDOW_H` hours. Reads the hours that can still change on every call, each
+    older hour once (see the module's docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._hours: dict[int, dict[str, dict[str, Any]]] = {}  # final hours of the window: user -> row
+        self.rows_read = 0  # rollup rows read so far (what a page costs; the tests and bench/ read it)
+
+    async def _rows(self, lo_h: int, hi_h: int) -> list[tuple[int, str, str, dict[str, Any]]]:
+        if lo_h >= hi_h:
+            return []
+        rows = await rollup_rows(self.engine, lo_h * rollup.HOUR_MS, hi_h * rollup.HOUR_MS)
+        self.rows_read += len(rows)
+        return rows
+
+    async def read(self, now_ms: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """(pool -> summed row of the hours since the counters began, user -> summed row of the last
+        24 hours) as of ``now_ms`` (Redis's clock, which the scripts write the rows by)."""
+        r, k = self.engine.redis, self.engine.keys
+        now_h = now_ms // rollup.HOUR_MS
+        final = now_h - 1  # the hours before it no script writes any more (a margin of an hour)
+        sums = _stored_sums(await r.get(k.metrics_totals))
+        if sums is None or now_h - int(sums["to"]) > CATCH_UP_H:
+            # No counters yet, or none read for a day: they (re)start with this hour, rather than one
+            # page reading every hour since (Prometheus takes a counter that starts again as a reset).
+            sums = {"from": now_h, "to": now_h, "pools": {}}
+            await r.set(k.metrics_totals, json.dumps(sums))
+        elif int(sums["to"]) < final:
+            for _h, pool, _user, row in await self._rows(int(sums["to"]), final):
+                rollup.add(sums["pools"].setdefault(pool, rollup.empty()), row)
+            sums["to"] = final
+            # (another replica may write the same sums at once, or ones to an hour less: both are
+            # right, as the page adds the hours from "to" on)
+            await r.set(k.metrics_totals, json.dumps(sums))
+        live = await self._rows(min(int(sums["to"]), final), now_h + 1)
+        pools: dict[str, dict[str, Any]] = sums["pools"]
+        for hour, pool, _user, row in live:
+            if hour >= int(sums["to"]):
+                rollup.add(pools.setdefault(pool, rollup.empty()), row)
+        # the last 24 hours per user: the final ones kept here, the two that can change read above
+        lo = now_h - USER_WINDOW_H + 1
+        for hour in [h for h in self._hours if h < lo or h >= final]:
+            del self._hours[hour]
+        missing = [h for h in range(lo, final) if h not in self._hours]
+        if missing:
+            got: dict[int, dict[str, dict[str, Any]]] = {h: {} for h in missing}
+            for hour, _pool, user, row in await self._rows(missing[0], missing[-1] + 1):
+                if hour in got:
+                    rollup.add(got[hour].setdefault(user, rollup.empty()), row)
+            self._hours.update(got)
+        users: dict[str, dict[str, Any]] = {}
+        for by_user in self._hours.values():
+            for user, row in by_user.items():
+                rollup.add(users.setdefault(user, rollup.empty()), row)
+        for hour, _pool, user, row in live:
+            if hour >= final:
+                rollup.add(users.setdefault(user, rollup.empty()), row)
+        return pools, users
+
+
+def _stored_sums(raw: str | bytes | None) -> dict[str, Any] | None:
+    """The counters' sums as stored (``metrics_totals``), or None for none or not readable (they
+    then start again: the key holds nothing that is not in the rollups)."""
+    try:
+        sums = json.loads(raw) if raw else None
+        if sums is not None and not (isinstance(sums["to"], int) and isinstance(sums["pools"], dict)):
+            sums = None
+    except (ValueError, KeyError, TypeError):
+        sums = None
+    return sums
+
+
+def top(values: dict[str, float], n: int) -> tuple[list[str], list[str]]:
+    """The ``n`` names of the largest values (ties by name) and the rest; ``~other`` is always rest."""
+    ranked = sorted((name for name in values if name != rollup.OTHER), key=lambda name: (-values[name], name))
+    return ranked[:n], ranked[n:] + ([rollup.OTHER] if rollup.OTHER in values else [])
+
+
+def wait_buckets(sketch: dict[str, int]) -> list[tuple[str, float]]:
+    """The wait sketch (store/rollup.py) as a Prometheus histogram's cumulative buckets, seconds:
+    each wait counts under every bound at or above its bucket's value (within 1 % of the wait)."""
+    values = [(rollup.bucket_value(b) / 1000, c) for b, c in sketch.items()]
+    out = [(floatToGoString(le), float(sum(c for v, c in values if v <= le))) for le in WAIT_BUCKETS_S]
+    return out + [("+Inf", float(sum(sketch.values())))]
+
+
+class Metrics:
+    def __init__(
+        self,
+        engine: Engine,
+        cache_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        top_users: int = 20,
+    ) -> None:
+        """``cache_s``: the least time between two renders once :data:`FRESH_BURST` were had in a
+        row; ``top_users``: how many users the per-user series name (the rest are ``~other``)."""
+        self.engine = engine
+        self.top_users = top_users
+        self.usage = Usage(engine)
+        self._families = _Families()
         self.renders = 0  # pages rendered (reads of the cluster from Redis)
         self._fresh = Bucket(1 / cache_s, FRESH_BURST, clock)
         self._page = b""
@@ -62,6 +216,7 @@ class Metrics:
             registry=self.registry,
         )
         self.nodes = Gauge("gpulease_nodes", "Nodes by pool and state", ["pool", "state"], registry=self.registry)
+        self.registry.register(self._families)
 
     def observe(self, handler: Any, seconds: float) -> None:
         route = type(handler).__name__.removesuffix("Handler").lower()
@@ -114,4 +269,104 @@ class Metrics:
             ws = [w for w in waiting if w["pool"] == pool]
             self.queued.labels(pool).set(len(ws))
             self.queued_gpus.labels(pool).set(sum(w["gpus"] for w in ws))
+        self._families.families = await self.usage_families(view, waiting)
         return generate_latest(self.registry)
+
+    async def usage_families(self, view: dict[str, Any], waiting: list[dict[str, Any]]) -> list[Metric]:
+        """The usage series: counters per pool, "now" per pool and user, the last 24 h per user."""
+        now_s = float(view["now"])
+        pools, users = await self.usage.read(int(now_s * 1000))
+        names = sorted(set(view["pools"]) | set(pools))
+        out: list[Metric] = []
+        for name, figure, doc in COUNTERS:
+            fam = CounterMetricFamily(name, doc + ", by pool (counted when each lease ends)", labels=["pool"])
+            for pool in names:
+                fam.add_metric([pool], float(pools[pool][figure]) if pool in pools else 0.0)
+            out.append(fam)
+        waits = HistogramMetricFamily(
+            "gpulease_wait_seconds",
+            "Time to GPU: each ended lease's wait from request to grant, by pool (counted when it ends)",
+            labels=["pool"],
+        )
+        for pool in names:
+            row = pools.get(pool) or rollup.empty()
+            waits.add_metric([pool], wait_buckets(row["wh"]), float(row["wait_ms"]) / 1000)
+        out.append(waits)
+        out += await self._now(view, waiting, names)
+        # the last 24 hours per user: the top users by GPU-seconds held + warm, the rest as ~other
+        kept, rest = top({u: float(row["held"]) + float(row["warm"]) for u, row in users.items()}, self.top_users)
+        other = rollup.empty()
+        for user in rest:
+            rollup.add(other, users[user])
+        shown = [(u, users[u]) for u in kept] + [(rollup.OTHER, other)]
+        for name, figure, doc in USER_GAUGES:
+            gauge = GaugeMetricFamily(
+                name,
+                f"{doc} in the last 24 hours, by user: the top {self.top_users} by GPU-seconds held + warm, "
+                "the rest summed as ~other",
+                labels=["user"],
+            )
+            for user, row in shown:
+                gauge.add_metric([user], float(row["wait_ms"]) / 1000 if figure == "wait_s" else float(row[figure]))
+            out.append(gauge)
+        return out
+
+    async def _now(self, view: dict[str, Any], waiting: list[dict[str, Any]], names: list[str]) -> list[Metric]:
+        """Gauges of now: GPUs held, warm, sampled and busy per pool, the oldest wait per pool, and
+        GPUs held per user (the top users, the rest as ~other)."""
+        now_s = float(view["now"])
+        fresh_s = 3 * self.engine.settings.sample_interval  # a sample older than this says nothing of now
+        pols = await policies(self.engine)
+        counts = {pool: dict.fromkeys(("held", "warm", "sampled", "busy"), 0) for pool in names}
+        by_user: dict[str, float] = {}
+        for node in view["nodes"]:
+            pool = node["pool"]
+            threshold = pols[pool].idle_threshold if pool in pols else self.engine.settings.idle_threshold
+            for g in node["gpus"]:
+                state = g["state"]
+                if state == "warm":
+                    counts[pool]["warm"] += 1
+                if state not in ("leased", "borrowed", "sliced"):
+                    continue
+                counts[pool]["held"] += 1
+                sample = g.get("sample")
+                if sample and sample["at"] >= now_s - fresh_s:
+                    counts[pool]["sampled"] += 1
+                    counts[pool]["busy"] += sample["util"] >= threshold
+                if "lease" in g:
+                    by_user[g["lease"]["user"]] = by_user.get(g["lease"]["user"], 0.0) + 1
+                for piece in g.get("slices", []):  # a slice holds its share of the GPU's memory
+                    share = piece["gpu_mem_mb"] / g["memory_mb"] if g.get("memory_mb") else 0.0
+                    by_user[piece["user"]] = by_user.get(piece["user"], 0.0) + share
+        out: list[Metric] = []
+        for key, name, doc in (
+            ("held", "gpulease_held_gpus", "GPUs held now by live leases (leased, borrowed or sliced), warm excluded"),
+            ("warm", "gpulease_warm_gpus", "GPUs kept warm now: lendable to whoever waits"),
+            ("sampled", "gpulease_sampled_gpus", "Of the GPUs held now, those with a fresh sample of their node agent"),
+            ("busy", "gpulease_busy_gpus", "Of the GPUs held and sampled now, those at or above the idle threshold"),
+        ):
+            fam = GaugeMetricFamily(name, doc + ", by pool", labels=["pool"])
+            for pool in names:
+                fam.add_metric([pool], float(counts[pool][key]))
+            out.append(fam)
+        oldest = GaugeMetricFamily(
+            "gpulease_queue_oldest_wait_seconds",
+            "How long the request waiting longest has waited so far, by pool (0 when none waits)",
+            labels=["pool"],
+        )
+        for pool in names:
+            since = [w["enqueued_at"] for w in waiting if w["pool"] == pool]
+            oldest.add_metric([pool], max(0.0, now_s - min(since)) if since else 0.0)
+        out.append(oldest)
+        kept, rest = top(by_user, self.top_users)
+        held = GaugeMetricFamily(
+            "gpulease_user_held_gpus",
+            f"GPUs held now (warm excluded; a slice counts its share), by user: the top {self.top_users}, "
+            "the rest summed as ~other",
+            labels=["user"],
+        )
+        for user in kept:
+            held.add_metric([user], by_user[user])
+        held.add_metric([rollup.OTHER], sum(by_user[u] for u in rest))
+        out.append(held)
+        return out
