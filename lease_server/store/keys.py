@@ -64,13 +64,11 @@ Scheduling:
                       sampled, used, warm, wait_ms, wh:{bucket: count}, reclaimed, evicted, warm_cells,
                       teams}: the hourly usage rollup, summed from the ledger lines of that hour (written
                       with each line, lua/_lib_end.lua add_rollup; read by store/rollup.py). At most 5000
-                      rows an hour ("~other" beyond), kept 400 days (layout 4)
+                      rows an hour ("~other" beyond), kept 400 days (layout 4); and "~total|pool" ->
+                      the pool's running totals of every lease ended (GET /metrics' counters; not in
+                      rollup_idx)
 ``rollup_idx`` zset   lexicographic "HHHHHHH|pool|user" for every rollup row: a range of hours is one
                       ZRANGEBYLEX, never a scan
-``metrics_totals`` string JSON {from, to, pools: {pool: row}}: the rollup rows of the hours [from, to)
-                      summed per pool, so that GET /metrics counts GPU-seconds since ``from`` by
-                      reading only the hours since ``to`` (web/metrics.py; written by the server, not
-                      by a script; no data of its own: deleting it restarts the counters)
 ``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas), and "pool|user|m",
                       "pool|team:NAME|m" -> milli-GPUs held now as slices (a slice counts its
                       fraction of the GPU); "pool|~preemptible" -> preemptible leases live (a blocked
@@ -256,10 +254,6 @@ class Keys:
         return self._k("rollup_idx")
 
     @property
-    def metrics_totals(self) -> str:
-        return self._k("metrics_totals")
-
-    @property
     def held_by(self) -> str:
         return self._k("held_by")
 
@@ -360,5 +354,4 @@ class Keys:
             self.unleased,
             self.sim,
             self.policy,
-            self.metrics_totals,
         ]

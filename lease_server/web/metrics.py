@@ -8,14 +8,14 @@ for the next render and shares it with every other request waiting (as does a re
 while a render is under way): a scraper every few seconds always reads a fresh page at once; a
 flood reads Redis once a second, and each of its connections gets one page a second.
 
-**Usage** (docs/usage.md, "Metrics and Grafana"): counters per pool that only go up, summed from the
-hourly rollups (``store/rollup.py``) of the hours since the counters began, and gauges of "now"
-(GPUs held, warm, sampled and busy; the oldest wait) and of the last 24 hours per user. What a page
-reads of the rollups stays small: the hours that can still change (this one and the one before)
-on every render, and each older hour once. The per-pool sums of the older hours are kept in Redis
-(``keys.py`` ``metrics_totals``), so every replica counts the same and a restart does not reset
-the counters; the 24 hours per user are kept by each process. Labels are bounded: ``pool`` takes
-the pools' names; ``user`` at most ``metrics_top_users`` users (the top ones) and ``~other``, the
+**Usage** (docs/usage.md, "Metrics and Grafana"): counters per pool that only go up, read from the
+running totals the scripts keep beside the hourly rollups (``store/rollup.py`` ``total_field``:
+every lease ended, whole, as it ended), and gauges of "now" (GPUs held, warm, sampled and busy; the
+oldest wait) and of the last 24 hours per user, summed from the rollups. What a page reads stays
+small: one field per pool for the counters; for the users, the two newest hours on every render
+and the older ones of the window every :data:`USER_REFRESH_MS` (a lease that ends adds its share
+to every hour it was held). Labels are bounded: ``pool`` takes the pools' names; ``user`` at most
+``metrics_top_users`` users (the top ones) and ``~other``, the
 rest summed. No label names a lease.
 """
 
@@ -42,7 +42,7 @@ from .limits import Bucket
 
 FRESH_BURST = 5  # renders in a row before the cache serves
 USER_WINDOW_H = 24  # the per-user gauges sum the last 24 hours (this hour so far and the 23 before)
-CATCH_UP_H = 24  # counters whose sums lag more hours than this start again (a counter reset)
+USER_REFRESH_MS = 300_000  # the per-user hours older than the two newest are read again this often
 # The time-to-GPU histogram's buckets, seconds (each wait is placed by its sketch bucket: within 1 %)
 WAIT_BUCKETS_S = (0.1, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 14400.0)
 # Counters per pool: (name without _total, rollup figure, help)
@@ -85,13 +85,13 @@ class _Families(Collector):
 
 
 class Usage:
-    """The rollups as a page needs them: per pool, the sums since the counters began; per user, the
-    last :data:`USER_WINDOW_H` hours. Reads the hours that can still change on every call, each
-    older hour once (see the module's docstring)."""
+    """The usage as a page needs it: per pool, the running totals; per user, the last
+    :data:`USER_WINDOW_H` hours of the rollups (see the module's docstring)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._hours: dict[int, dict[str, dict[str, Any]]] = {}  # final hours of the window: user -> row
+        self._hours: dict[int, dict[str, dict[str, Any]]] = {}  # older hours of the window: user -> row
+        self._refreshed_ms = 0  # when they were last all read (Redis's clock)
         self.rows_read = 0  # rollup rows read so far (what a page costs; the tests and bench/ read it)
 
     async def _rows(self, lo_h: int, hi_h: int) -> list[tuple[int, str, str, dict[str, Any]]]:
@@ -101,35 +101,28 @@ class Usage:
         self.rows_read += len(rows)
         return rows
 
-    async def read(self, now_ms: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-        """(pool -> summed row of the hours since the counters began, user -> summed row of the last
-        24 hours) as of ``now_ms`` (Redis's clock, which the scripts write the rows by)."""
+    async def read(self, now_ms: int, pools: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """(pool -> its running totals: every lease ended, whole, as the scripts keep them; user ->
+        summed rows of the last 24 hours) as of ``now_ms`` (Redis's clock, which the scripts write
+        the rows by)."""
         r, k = self.engine.redis, self.engine.keys
+        totals: dict[str, dict[str, Any]] = {}
+        if pools:
+            raws: Any = await r.hmget(k.rollup, [rollup.total_field(p) for p in pools])
+            for pool, raw in zip(pools, raws, strict=True):
+                if raw:
+                    totals[pool] = json.loads(raw)
+        # the last 24 hours per user. A lease that ends adds its share to every hour it was held
+        # (up to 14 days back), so no hour is final: the two newest are read on every call, the
+        # older ones kept here and read again every USER_REFRESH_MS.
         now_h = now_ms // rollup.HOUR_MS
-        final = now_h - 1  # the hours before it no script writes any more (a margin of an hour)
-        sums = _stored_sums(await r.get(k.metrics_totals))
-        if sums is None or now_h - int(sums["to"]) > CATCH_UP_H:
-            # No counters yet, or none read for a day: they (re)start with this hour, rather than one
-            # page reading every hour since (Prometheus takes a counter that starts again as a reset).
-            sums = {"from": now_h, "to": now_h, "pools": {}}
-            await r.set(k.metrics_totals, json.dumps(sums))
-        elif int(sums["to"]) < final:
-            for _h, pool, _user, row in await self._rows(int(sums["to"]), final):
-                rollup.add(sums["pools"].setdefault(pool, rollup.empty()), row)
-            sums["to"] = final
-            # (another replica may write the same sums at once, or ones to an hour less: both are
-            # right, as the page adds the hours from "to" on)
-            await r.set(k.metrics_totals, json.dumps(sums))
-        live = await self._rows(min(int(sums["to"]), final), now_h + 1)
-        pools: dict[str, dict[str, Any]] = sums["pools"]
-        for hour, pool, _user, row in live:
-            if hour >= int(sums["to"]):
-                rollup.add(pools.setdefault(pool, rollup.empty()), row)
-        # the last 24 hours per user: the final ones kept here, the two that can change read above
-        lo = now_h - USER_WINDOW_H + 1
-        for hour in [h for h in self._hours if h < lo or h >= final]:
+        lo, recent = now_h - USER_WINDOW_H + 1, now_h - 1
+        if now_ms - self._refreshed_ms >= USER_REFRESH_MS or now_ms < self._refreshed_ms:
+            self._hours.clear()
+            self._refreshed_ms = now_ms
+        for hour in [h for h in self._hours if h < lo or h >= recent]:
             del self._hours[hour]
-        missing = [h for h in range(lo, final) if h not in self._hours]
+        missing = [h for h in range(lo, recent) if h not in self._hours]
         if missing:
             got: dict[int, dict[str, dict[str, Any]]] = {h: {} for h in missing}
             for hour, _pool, user, row in await self._rows(missing[0], missing[-1] + 1):
@@ -140,22 +133,9 @@ class Usage:
         for by_user in self._hours.values():
             for user, row in by_user.items():
                 rollup.add(users.setdefault(user, rollup.empty()), row)
-        for hour, _pool, user, row in live:
-            if hour >= final:
-                rollup.add(users.setdefault(user, rollup.empty()), row)
-        return pools, users
-
-
-def _stored_sums(raw: str | bytes | None) -> dict[str, Any] | None:
-    """The counters' sums as stored (``metrics_totals``), or None for none or not readable (they
-    then start again: the key holds nothing that is not in the rollups)."""
-    try:
-        sums = json.loads(raw) if raw else None
-        if sums is not None and not (isinstance(sums["to"], int) and isinstance(sums["pools"], dict)):
-            sums = None
-    except (ValueError, KeyError, TypeError):
-        sums = None
-    return sums
+        for _hour, _pool, user, row in await self._rows(recent, now_h + 1):
+            rollup.add(users.setdefault(user, rollup.empty()), row)
+        return totals, users
 
 
 def top(values: dict[str, float], n: int) -> tuple[list[str], list[str]]:
@@ -275,7 +255,7 @@ class Metrics:
     async def usage_families(self, view: dict[str, Any], waiting: list[dict[str, Any]]) -> list[Metric]:
         """The usage series: counters per pool, "now" per pool and user, the last 24 h per user."""
         now_s = float(view["now"])
-        pools, users = await self.usage.read(int(now_s * 1000))
+        pools, users = await self.usage.read(int(now_s * 1000), sorted(view["pools"]))
         names = sorted(set(view["pools"]) | set(pools))
         out: list[Metric] = []
         for name, figure, doc in COUNTERS:
