@@ -424,6 +424,7 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
                 onChange={e => set({ last: e.target.value })}
               />
             </label>
+            <span className="jp-GpuLease-hint">(UTC days, both included)</span>
           </span>
         )}
         {!q.user && (
@@ -600,7 +601,12 @@ function HeldByGroup(props: { s: IUsageSummary; by: By; unit: IUnit; onUser?: (u
           },
           { title: 'calls', show: g => g.total.calls, numeric: true },
           { title: `held (${unit.name})`, show: g => gpuTime(g.total.held_gpu_s, unit), numeric: true },
-          { title: `used`, show: g => gpuTime(g.total.used_gpu_s, unit), numeric: true },
+          {
+            // nothing sampled: not measured, not 0 (as gpulease report shows it)
+            title: 'used',
+            show: g => (g.total.sampled_gpu_s ? gpuTime(g.total.used_gpu_s, unit) : '-'),
+            numeric: true
+          },
           { title: 'util', show: g => pct(g.total.util_pct), numeric: true },
           { title: `warm`, show: g => gpuTime(g.total.warm_gpu_s, unit), numeric: true },
           { title: 'wait p95', show: g => waitText(g.total.wait_p95_ms), numeric: true }
