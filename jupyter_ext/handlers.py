@@ -26,6 +26,7 @@ from jupyter_server.utils import url_path_join
 
 from lease_server import errors
 from lease_server.protocol import BOARD_RELEASE_REASON
+from lease_server.store.keys import NAME_RE
 
 from . import __version__
 from .upstream import LeaseApi
@@ -36,6 +37,7 @@ NAMESPACE = "gpulease"
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 BOOKING_ID_RE = LEASE_ID_RE
 POOL_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+USAGE_BY = ("user", "team", "pool")
 NUMBER_RE = re.compile(r"^-?\d{1,12}(\.\d{1,6})?$")
 # The fields of a booking (POST /bookings; PATCH takes any subset) and the JSON types each one takes.
 # Values are checked by the lease server (a pool that exists, start < end, 1..52 occurrences, ...).
@@ -447,6 +449,63 @@ class QueueHandler(GpuLeaseHandler):
         self.reply(await self.api.request("GET", "/queue", params={"pool": pool} if pool is not None else None))
 
 
+class UsageSummaryHandler(GpuLeaseHandler):
+    """Per-day GPU use from the lease server's hourly rollups (its GET /usage/summary), for the Usage tab.
+
+    The lease server decides what this Jupyter server's lease user may see (with
+    ``usage_own_rows_only``, only their own rows): the arguments are checked for form and passed on,
+    never widened. Its 400s (a range over 400 days, ``to`` before ``from``, an unknown pool or user)
+    come back as they are, with its message that says what would work.
+    """
+
+    allowed_args = frozenset({"from", "to", "by", "pool", "user"})
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        params: dict[str, str] = {}
+        for name in ("from", "to"):
+            value = self.time_arg(name)
+            if value is not None:
+                params[name] = value
+        by = self.get_query_argument("by", None)
+        if by is not None:
+            if by not in USAGE_BY:
+                raise errors.BadRequest(f"by must be one of {', '.join(USAGE_BY)}, got {by!r}")
+            params["by"] = by
+        pool = self.get_query_argument("pool", None)
+        if pool is not None:
+            if not POOL_RE.match(pool):
+                raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
+            params["pool"] = pool
+        user = self.get_query_argument("user", None)
+        if user is not None:
+            if not NAME_RE.match(user):
+                raise errors.BadRequest(
+                    f"user must be a lease user name (a letter or digit, then letters, digits, '.', '_', '-'), "
+                    f"got {user!r}"
+                )
+            params["user"] = user
+        self.reply(await self.api.request("GET", "/usage/summary", params=params or None))
+
+
+class UsageBalanceHandler(GpuLeaseHandler):
+    """This Jupyter server's lease user's balance (quota left, place in fair share, next wait), per
+    pool or ``?pool=``: the lease server's GET /usage/balance, which answers only for the caller."""
+
+    allowed_args = frozenset({"pool"})
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.check_args()
+        pool = self.get_query_argument("pool", None)
+        if pool is not None and not POOL_RE.match(pool):
+            raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
+        self.reply(await self.api.request("GET", "/usage/balance", params={"pool": pool} if pool is not None else None))
+
+
 class EventsHandler(GpuLeaseHandler):
     """The lease server's event stream, passed through as server-sent events.
 
@@ -506,7 +565,8 @@ class NotFoundHandler(GpuLeaseHandler):
             self.get_login_url()  # raises 401, as @authenticated would
         raise errors.NotFound(
             f"no such endpoint {self.request.method} {self.request.path}; the gpulease API has "
-            "GET version, cluster, leases, queue, events, bookings, bookings/<id>, DELETE leases/<id>, "
+            "GET version, cluster, leases, queue, events, bookings, bookings/<id>, usage/summary, "
+            "usage/balance, DELETE leases/<id>, "
             "POST leases/<id>/keep, POST bookings, PATCH and DELETE bookings/<id>, "
             "POST bookings/<id>/end"
         )
@@ -526,6 +586,8 @@ def routes(base_url: str) -> list[tuple[str, type[GpuLeaseHandler]]]:
         (at("bookings", "([^/]+)"), BookingHandler),
         (at("bookings", "([^/]+)", "end"), BookingEndHandler),
         (at("queue"), QueueHandler),
+        (at("usage", "summary"), UsageSummaryHandler),
+        (at("usage", "balance"), UsageBalanceHandler),
         (at("events"), EventsHandler),
         (at("(.*)"), NotFoundHandler),
     ]

@@ -78,6 +78,7 @@ RAY_GROUP = (
 )
 LONGEST_FIRST = (
     "test_ui",  # 237 (a browser)
+    "test_ui_usage",  # a browser, one JupyterLab for the module
     "test_openapi_fuzz",  # 75
     "test_cli_output",  # 65
     "test_concurrency",  # 65

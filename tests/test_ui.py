@@ -57,7 +57,11 @@ pytestmark = pytest.mark.skipif(
 class Lab:
     """``jupyter lab`` as a child process, isolated from the user's Jupyter settings."""
 
-    def __init__(self, tmp: Path, lease_url: str, lease_token: str) -> None:
+    def __init__(
+        self, tmp: Path, lease_url: str, lease_token: str, *, mute_news: bool = True, env: dict[str, str] | None = None
+    ) -> None:
+        """``mute_news``: turn Jupyter's news prompt off in the user's settings (off: the test sees
+        whatever ``env``, more environment of the Lab, makes of it)."""
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}/"
         dirs = {name: tmp / name for name in ("root", "config", "data", "runtime", "settings", "workspaces")}
@@ -72,11 +76,12 @@ class Lab:
             "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
             "JUPYTERLAB_SETTINGS_DIR": str(dirs["settings"]),
             "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
+            **(env or {}),
         }
-        # No "would you like news?" toast over the page.
-        notification = dirs["settings"] / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-        notification.parent.mkdir(parents=True)
-        notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')
+        if mute_news:  # no "would you like news?" toast over the page
+            notification = dirs["settings"] / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+            notification.parent.mkdir(parents=True)
+            notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')
         # The bundle built from this tree wins over the installed copy: extra paths come first.
         extra = []
         if (BUILT / "package.json").exists():

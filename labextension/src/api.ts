@@ -116,6 +116,70 @@ export interface ILease {
   /** A slice: the memory it holds of its GPU, and the GPU's memory (MB). */
   gpu_mem_mb?: number;
   gpu_total_mb?: number;
+  /** Kept warm since (epoch s): its cell ended, its worker waits for the notebook's next cell; lent out if someone waits. */
+  warm_since?: number;
+}
+
+/**
+ * The figures of one row of GET /gpulease/usage/summary (the lease server's UsageFigures): GPU
+ * figures in GPU-seconds, waits in milliseconds; null where a figure cannot be computed (nothing
+ * sampled, no calls, no cells). docs/usage.md says what each one is.
+ */
+export interface IUsageFigures {
+  calls: number;
+  cells: number;
+  warm_cells: number;
+  warm_cell_share: number | null;
+  held_gpu_s: number;
+  sampled_gpu_s: number;
+  used_gpu_s: number;
+  util_pct: number | null;
+  warm_gpu_s: number;
+  reclaimed_gpu_s: number;
+  evicted_gpu_s: number;
+  waits: number;
+  wait_ms_sum: number;
+  wait_mean_ms: number | null;
+  wait_p50_ms: number | null;
+  wait_p95_ms: number | null;
+}
+
+export interface IUsageDay extends IUsageFigures {
+  day: string; // a UTC day, 2026-11-27
+}
+
+/** GET /gpulease/usage/summary: per-day series and totals, overall and per user, team or pool. */
+export interface IUsageSummary {
+  from: number; // epoch seconds, widened to whole hours
+  to: number;
+  by: 'user' | 'team' | 'pool';
+  pool: string | null;
+  user: string | null;
+  /** "own": this server shows a user only their own rows (usage_own_rows_only). */
+  scope: 'all' | 'own';
+  days: string[];
+  total: IUsageFigures;
+  daily: IUsageDay[];
+  /** Largest first (GPU-seconds held + warm). */
+  groups: { key: string; total: IUsageFigures; daily: IUsageDay[] }[];
+}
+
+/** GET /gpulease/usage/balance: the lease user's quota left, fair-share place and next wait, per pool. */
+export interface IBalance {
+  user: string;
+  teams: string[];
+  pools: {
+    pool: string;
+    quota: number | null;
+    held: number;
+    left: number | null;
+    scheduler: string;
+    fair_share: { rank: number; of: number; usage_gpu_s: number };
+    next_wait_s: number | null;
+    next_wait: string | null;
+    /** All of it in a short line, without the pool's name. */
+    text: string;
+  }[];
 }
 
 export interface IWaiter {

@@ -12,9 +12,11 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import {
   GpuLeaseError,
+  IBalance,
   IBooking,
   IBookingRequest,
   ICluster,
+  IUsageSummary,
   ILease,
   IVersion,
   IWaiter,
@@ -85,6 +87,8 @@ export const BOOKING_EVENTS = [
 const REFRESH_DELAY = 100;
 const RETRY_MIN = 1000;
 const RETRY_MAX = 30000;
+/** How often my balance is refetched at most (ms). */
+const BALANCE_EVERY = 5000;
 
 export type LiveState = 'connecting' | 'live' | 'reconnecting' | 'stopped';
 
@@ -126,6 +130,9 @@ export class GpuLeaseModel {
   bookings: IBooking[] = [];
   /** The last fetch of bookings failed (e.g. a lease server without bookings). */
   bookingsError: string | null = null;
+  /** My balance per pool (GET /gpulease/usage/balance), or why it could not be read. */
+  balance: IBalance | null = null;
+  balanceError: string | null = null;
   /** Cancel / End now in flight, and the message of a failed one, per booking id. */
   bookingBusy = new Set<string>();
   bookingErrors = new Map<string, string>();
@@ -143,11 +150,23 @@ export class GpuLeaseModel {
     return Date.now() / 1000 + this._clockOffset;
   }
 
-  /** Whole GPUs I hold (a slice is counted apart: heldSlices). */
+  /** Whole GPUs I hold for a running call (a slice is counted apart: heldSlices; a warm one: warmGpus). */
   get heldGpus(): number {
+    return this._wholeGpus(false);
+  }
+
+  /**
+   * Whole GPUs of mine kept warm: a finished cell's worker waits on them for the notebook's next
+   * cell, and anyone who waits gets them within seconds. Not "held": nobody waits on them.
+   */
+  get warmGpus(): number {
+    return this._wholeGpus(true);
+  }
+
+  private _wholeGpus(warm: boolean): number {
     const cpu = this.cluster?.cpu_pool;
     return this.leases
-      .filter(lease => lease.pool !== cpu && !lease.gpu_mem_mb)
+      .filter(lease => lease.pool !== cpu && !lease.gpu_mem_mb && !!lease.warm_since === warm)
       .reduce((n, lease) => n + lease.gpus.length, 0);
   }
 
@@ -188,12 +207,14 @@ export class GpuLeaseModel {
     this._disconnect();
     window.clearTimeout(this._refreshTimer);
     window.clearTimeout(this._retryTimer);
+    window.clearTimeout(this._balanceTimer);
     Signal.clearData(this);
   }
 
-  /** Refetch the cluster, my leases and the queue (and, beside them, the bookings). */
+  /** Refetch the cluster, my leases and the queue (and, beside them, the bookings and my balance). */
   async refresh(): Promise<void> {
     const bookings = this.refreshBookings();
+    const balance = this._throttledBalance();
     try {
       const [cluster, mine, queue] = await Promise.all([
         requestAPI<ICluster>('cluster', {}, this._settings),
@@ -222,7 +243,40 @@ export class GpuLeaseModel {
       this.error = describe(error);
     }
     this._emit();
-    await bookings;
+    await Promise.all([bookings, balance]);
+  }
+
+  /**
+   * My balance, refetched with the board but at most every BALANCE_EVERY ms (the lease server
+   * estimates each pool's next wait for it: not a thing to ask at every event of a busy cluster).
+   */
+  private _throttledBalance(): Promise<void> {
+    const wait = this._balanceAt + BALANCE_EVERY - Date.now();
+    if (wait <= 0) {
+      this._balanceAt = Date.now();
+      return this.refreshBalance();
+    }
+    if (!this._balanceTimer) {
+      this._balanceTimer = window.setTimeout(() => {
+        this._balanceTimer = 0;
+        this._balanceAt = Date.now();
+        void this.refreshBalance();
+      }, wait);
+    }
+    return Promise.resolve();
+  }
+
+  /** Refetch my balance (quota left, place in fair share, next cell's wait; the status bar's tooltip). */
+  async refreshBalance(): Promise<void> {
+    try {
+      this.balance = await requestAPI<IBalance>('usage/balance', {}, this._settings);
+      this.balanceError = null;
+    } catch (error) {
+      // A lease server without the endpoint (older than the usage rollups) leaves the balance out.
+      this.balance = null;
+      this.balanceError = describe(error);
+    }
+    this._emit();
   }
 
   /** Refetch the bookings in the lease server's default window (for My bookings). */
@@ -244,6 +298,11 @@ export class GpuLeaseModel {
       this.bookingsError = describe(error);
     }
     this._emit();
+  }
+
+  /** GET /gpulease/usage/summary with these arguments (the Usage tab): what the lease server lets this user see. */
+  async usageSummary(args: URLSearchParams): Promise<IUsageSummary> {
+    return requestAPI<IUsageSummary>(`usage/summary?${args.toString()}`, {}, this._settings);
   }
 
   /** Everyone's bookings of a pool that overlap [from, to) (for the calendar). */
@@ -466,6 +525,8 @@ export class GpuLeaseModel {
   private _source: EventSource | null = null;
   private _refreshTimer = 0;
   private _retryTimer = 0;
+  private _balanceTimer = 0;
+  private _balanceAt = 0;
   private _retryDelay = RETRY_MIN;
   private _clockOffset = 0;
   private _stopped = false;

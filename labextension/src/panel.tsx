@@ -1,6 +1,7 @@
 /**
- * The "GPU Leases" panel, in two tabs. Board: the GPU board (nodes x GPUs, live), my leases with
+ * The "GPU Leases" panel, in three tabs. Board: the GPU board (nodes x GPUs, live), my leases with
  * Release buttons and my bookings with Cancel / End now. Calendar: everyone's bookings (calendar.tsx).
+ * Usage: charts and tables of who held the GPUs, used them and waited (usage.tsx).
  * A lease that idle reclaim warned shows its countdown, and (if it is mine) a "Still using it" button;
  * a recalled lease (borrowed from a booking whose holder now wants it, or preempted for a request
  * within quota) shows when it is revoked.
@@ -12,6 +13,7 @@ import { IBooking, IGpu, IHolder, ILease, INode, ISlice } from './api';
 import { BookingCalendar, ICalendarPlace, confirmCancelBooking, formatWindow, gpuCount } from './calendar';
 import { confirmAction } from './confirm';
 import { GpuLeaseModel, LiveState, duration, memSize, reclaimCountdown } from './model';
+import { UsagePanel } from './usage';
 
 /**
  * How each GPU state looks: free, leased, reserved (free but held back for a booking now), borrowed
@@ -618,7 +620,7 @@ function GpuLeaseView(props: { model: GpuLeaseModel; request: IShowRequest | nul
           </div>
           <Queue model={model} now={now} />
         </div>
-      ) : (
+      ) : tab === 'calendar' ? (
         <div role="tabpanel" id="jp-GpuLease-tabpanel-calendar" aria-labelledby="jp-GpuLease-tab-calendar">
           {model.cluster ? (
             <BookingCalendar model={model} place={place.current} newBooking={newBooking} />
@@ -626,18 +628,23 @@ function GpuLeaseView(props: { model: GpuLeaseModel; request: IShowRequest | nul
             <p className="jp-GpuLease-empty">Loading…</p>
           )}
         </div>
+      ) : (
+        <div role="tabpanel" id="jp-GpuLease-tabpanel-usage" aria-labelledby="jp-GpuLease-tab-usage">
+          <UsagePanel model={model} />
+        </div>
       )}
     </div>
   );
 }
 
-export type Tab = 'board' | 'calendar';
+export type Tab = 'board' | 'calendar' | 'usage';
 const TABS: { id: Tab; label: string }[] = [
   { id: 'board', label: 'Board' },
-  { id: 'calendar', label: 'Calendar' }
+  { id: 'calendar', label: 'Calendar' },
+  { id: 'usage', label: 'Usage' }
 ];
 
-/** The two views, as ARIA tabs (arrow keys move between them). */
+/** The three views, as ARIA tabs (arrow keys move between them). */
 function Tabs(props: { tab: Tab; onTab: (tab: Tab) => void }): JSX.Element {
   const { tab, onTab } = props;
   const refs = useRef<Record<string, HTMLButtonElement | null>>({});

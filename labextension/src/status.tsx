@@ -1,6 +1,8 @@
 /**
  * The status bar item: "GPU: 2 held · 5 free" ("GPU: 0 held · 1 slice · 5 free" with a slice of a
- * GPU). Clicking it opens the GPU Leases panel.
+ * GPU, "GPU: 0 held · 1 warm · 5 free" while a finished cell's GPU is kept warm for the notebook's
+ * next cell: lendable, so not held). Its tooltip adds my balance per pool. Clicking it opens the
+ * GPU Leases panel.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer } from 'react';
@@ -18,7 +20,28 @@ export function statusText(model: GpuLeaseModel): string {
   // A slice is part of one GPU: counted as slices, never as GPUs held.
   const slices = model.heldSlices;
   const sliced = slices ? ` · ${slices} slice${slices === 1 ? '' : 's'}` : '';
-  return `GPU: ${model.heldGpus} held${sliced} · ${model.freeGpus} free${stale}`;
+  // A warm GPU is the notebook's for its next cell, but lent to anyone who waits: counted apart.
+  const warm = model.warmGpus ? ` · ${model.warmGpus} warm` : '';
+  return `GPU: ${model.heldGpus} held${sliced}${warm} · ${model.freeGpus} free${stale}`;
+}
+
+/** The tooltip: what the item counts, then my balance, a line per pool ("A100-80GB: 1 of 4 GPUs yours, 3 left; ..."). */
+export function statusTitle(model: GpuLeaseModel): string {
+  if (model.problem || model.error) {
+    return (model.problem ?? model.error) as string;
+  }
+  const lines = [
+    model.warmGpus
+      ? 'GPUs you hold, yours kept warm for your next cell (lent out if someone waits), and GPUs free: open GPU Leases'
+      : 'GPUs you hold, and GPUs free in the cluster: open GPU Leases'
+  ];
+  const cpu = model.cluster?.cpu_pool;
+  for (const p of model.balance?.pools ?? []) {
+    if (p.pool !== cpu) {
+      lines.push(`${p.pool}: ${p.text}`);
+    }
+  }
+  return lines.join('\n');
 }
 
 function StatusView(props: { model: GpuLeaseModel; onClick: () => void }): JSX.Element {
@@ -32,7 +55,7 @@ function StatusView(props: { model: GpuLeaseModel; onClick: () => void }): JSX.E
     };
   }, [model]);
   const text = statusText(model);
-  const title = model.problem ?? model.error ?? 'GPUs you hold, and GPUs free in the cluster: open GPU Leases';
+  const title = statusTitle(model);
   return (
     <button className="jp-GpuLease-status" title={title} aria-label={`${text}: open GPU Leases`} onClick={onClick}>
       {text}

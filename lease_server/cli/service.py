@@ -207,6 +207,26 @@ def _lab_command(jupyter: str, port: int) -> list[str]:
     ]
 
 
+# Defaults of the JupyterLab that ``gpulease up`` starts (a plugin's settings, as in JupyterLab's
+# Settings editor): no "Would you like to get notified about official Jupyter news?" prompt over the
+# notebook on its first page. Defaults only: a user who turns news on in Settings gets them.
+LAB_SETTING_DEFAULTS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+
+
+def lab_config_path(data_dir: Path, env: Mapping[str, str]) -> str:
+    """The ``JUPYTER_CONFIG_PATH`` of the JupyterLab that ``gpulease up`` starts: a folder of its own
+    under ``data_dir`` (its ``labconfig/default_setting_overrides.json`` holds
+    :data:`LAB_SETTING_DEFAULTS`) first, then any path the environment already names. The user's own
+    ``~/.jupyter`` is left as it is, and still wins over these defaults."""
+    folder = data_dir / "jupyter-config"
+    (folder / "labconfig").mkdir(parents=True, exist_ok=True)
+    (folder / "labconfig" / "default_setting_overrides.json").write_text(
+        json.dumps(LAB_SETTING_DEFAULTS, indent=2) + "\n"
+    )
+    given = env.get("JUPYTER_CONFIG_PATH", "")
+    return os.pathsep.join([str(folder), *([given] if given else [])])
+
+
 def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
     jupyter = _tool("jupyter")
     try:
@@ -223,7 +243,7 @@ def _start_lab(data_dir: Path, port: int, env: dict[str, str]) -> subprocess.Pop
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=env,
+        env={**env, "JUPYTER_CONFIG_PATH": lab_config_path(data_dir, env)},
         start_new_session=True,
     )
 
