@@ -84,6 +84,9 @@ Scheduling:
                       newest first, warm leases the largest first): a recall reads the first few of
                       each class, not every lease
                       (lua/_lib.lua victim_member; layout 3)
+``evict_miss`` hash   pool -> "n|at_ms|warm": the last warm eviction that found no node where n GPUs
+                      could be freed, and the pool's warm leases then; another for n or more is not
+                      tried again within a second while they are the same (lua/_lib_recall.lua)
 
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
@@ -238,6 +241,10 @@ class Keys:
         return self._k("victims")
 
     @property
+    def evict_miss(self) -> str:
+        return self._k("evict_miss")
+
+    @property
     def lease_util(self) -> str:
         return self._k("lease_util")
 
@@ -341,6 +348,8 @@ class Keys:
             self.waiting_by,
             self.sliced,
             self.slice_fit,
+            self.victims,
+            self.evict_miss,
         ]
 
     def all(self) -> list[str]:

@@ -138,6 +138,7 @@ end
 -- candidates. So a recall's work is bounded, however many leases the pool holds; the price is that
 -- with more candidates than that, it chooses among the newest of each class.
 local RECALL_READ = 16  -- entries of each class a recall reads
+local EVICT_RETRY_MS = 1000  -- a warm eviction that found no node waits this long before the next try
 local SPLIT_HOURS = 336  -- the most hours a lease's usage rollups spread it over (_lib_end.lua; rollup.py)
 
 -- Move lease l's entry of the recall index from `old` (its member before the change, or nil) to

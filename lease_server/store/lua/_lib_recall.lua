@@ -14,6 +14,20 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
   -- (the dispatch's cache, as allocate's: nothing frees GPUs within one dispatch)
   local miss = (kind == 'evicting' and not only_node) and SCHED_CACHE['~miss|' .. pool] or nil
   if miss and miss.r and n >= miss.r then return nil end
+  -- ... and across calls: a warm eviction that found no node for n GPUs is not tried again for n
+  -- or more within EVICT_RETRY_MS while the pool's warm leases are the same (key evict_miss). Each
+  -- try reads up to 33 nodes and their leases; under a queue every grant and release dispatched it
+  -- again (10 ms a call at 10,000 GPUs). What a release frees meanwhile is seen a second later.
+  local warm_now
+  if miss then
+    warm_now = redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0'
+    local memo = redis.call('HGET', K_EVICT_MISS, pool)
+    local mn, mat, mwarm = string.match(memo or '', '^(%d+)|(%d+)|(%d+)$')
+    if mn and n >= tonumber(mn) and NOW - tonumber(mat) < EVICT_RETRY_MS and mwarm == warm_now then
+      miss.r = math.min(n, miss.r or n)
+      return nil
+    end
+  end
   local nodes, seen = {}, {}
   local function consider(node)
     if node and node ~= '' and not seen[node] then seen[node] = true; nodes[#nodes + 1] = node end
@@ -115,7 +129,10 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
     end
   end
   if not best then
-    if miss then miss.r = math.min(n, miss.r or n) end
+    if miss then
+      miss.r = math.min(n, miss.r or n)
+      redis.call('HSET', K_EVICT_MISS, pool, string.format('%d|%d|%s', n, NOW, warm_now))
+    end
     return nil
   end
   local due = NOW + notice_ms

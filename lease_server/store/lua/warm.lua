@@ -3,7 +3,7 @@
 -- (dispatch, with the pool's warm_evict_notice), and it ends by itself warm_max after it went
 -- warm (its deadline is capped there; renew.lua keeps the cap). Going warm serves the queue at
 -- once, so a request already waiting evicts it in this same script.
--- KEYS: nodes alive free fit holders sliced slice_fit leases deadlines ended queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due victims
+-- KEYS: nodes alive free fit holders sliced slice_fit leases deadlines ended queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token ("" = not given: ownership alone suffices; the simulator's
 -- replay, which drives leases by id)   ARGV[8] = user   ARGV[9] = "1": warm | "0": run again
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE}
