@@ -53,6 +53,10 @@ def discover(url: str | None = None, token: str | None = None) -> tuple[str, str
     return url.rstrip("/"), token or ""
 
 
+# A request that got no answer because its connection closed under it: sent once more.
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 def retry_after(resp: httpx.Response) -> float | None:
     """How long to wait before sending again a request answered 503 with Retry-After (capped at
     5 s); None for any other answer."""
@@ -183,6 +187,7 @@ class Client:
         """One API call: its answer, a JSON object (every endpoint answers one), or the typed error
         of errors.py that the server's error body names. A 503 is resent after its Retry-After."""
         give_up = time.monotonic() + self.resend_503_s
+        dropped = 0
         while True:
             try:
                 resp = self._http.request(
@@ -192,6 +197,18 @@ class Client:
                     params=params,
                     timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
                 )
+            except DROPPED as exc:
+                # The connection closed under the request with no answer: most often a kept-alive
+                # connection the server closed (idle) just as this request went out. Sent once more
+                # on a new connection, as browsers and curl do: every request is safe to send again
+                # (a resent acquire finds its own id; a resent release finds the lease ended).
+                dropped += 1
+                if dropped > 1:
+                    raise errors.ServerUnavailable(
+                        f"the lease server at {self.url} closed the connection twice without an answer "
+                        f"({exc.__class__.__name__}: {exc}); is it overloaded or restarting? (gpulease status)"
+                    ) from exc
+                continue
             except httpx.TransportError as exc:
                 raise errors.ServerUnavailable(
                     f"cannot reach the lease server at {self.url} ({exc.__class__.__name__}: {exc}); "

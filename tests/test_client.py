@@ -1,3 +1,5 @@
+import pytest
+
 from lease_server import errors
 
 
@@ -67,3 +69,60 @@ def test_owner_release_records_a_reason(server):
     assert out["state"] == "released" and out["end_reason"] == "kernel shut down"
     ended = [e for e in c.events(limit=1000) if e["type"] == "released" and e["lease"] == lease.id]
     assert ended[0]["reason"] == "kernel shut down"
+
+
+def test_a_request_whose_connection_closes_unanswered_is_sent_once_more(server):
+    """A kept-alive connection the server closes (idle) just as a request goes out gets no answer:
+    the client sends it once more on a new connection, to the real server here; a peer that drops
+    it twice is an error that says what to check."""
+    import socket
+    import threading
+
+    from lease_server.client import Client
+
+    def dropper(times: int) -> tuple[str, list[int]]:
+        """A TCP peer in front of the server that reads the first ``times`` requests and closes
+        each unanswered, then passes each later connection through to the real server."""
+        lsock = socket.create_server(("127.0.0.1", 0))
+        seen = [0]
+        host, port = server.url.removeprefix("http://").split(":")
+
+        def pipe(a: socket.socket, b: socket.socket) -> None:
+            try:
+                while data := a.recv(65536):
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (a, b):
+                    s.close()
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = lsock.accept()
+                except OSError:
+                    return
+                seen[0] += 1
+                if seen[0] <= times:
+                    conn.recv(65536)
+                    conn.close()
+                    continue
+                up = socket.create_connection((host, int(port)))
+                threading.Thread(target=pipe, args=(conn, up), daemon=True).start()
+                threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"http://127.0.0.1:{lsock.getsockname()[1]}", seen
+
+    url, seen = dropper(1)
+    with Client(url, server.token("alice")) as c:
+        lease = c.acquire(1, request_id="r-dropped-once")  # sent twice, granted once
+        assert seen[0] == 2 and [x["id"] for x in c.leases()] == [lease.id]
+        c.release(lease)
+    url, seen = dropper(2)
+    with (
+        Client(url, server.token("alice")) as c,
+        pytest.raises(errors.ServerUnavailable, match="twice without an answer"),
+    ):
+        c.leases()
