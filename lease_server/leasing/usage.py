@@ -288,8 +288,20 @@ def summarize_rollups(
     days = [_day(d * rollup.DAY_MS) for d in range(lo_ms // rollup.DAY_MS, -(-hi_ms // rollup.DAY_MS))]
     total, daily = rollup.empty(), {d: rollup.empty() for d in days}
     groups: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {}
+    # The hours of a (day, pool, user) summed first: a month is ~12,000 hourly rows and ~1,500 of
+    # these, and each is then added to its day, the total, its group and its group's day.
+    by_day: dict[tuple[int, str, str], dict[str, Any]] = {}
     for hour, pool, user, row in rows:
-        day = _day(hour * rollup.HOUR_MS)
+        at = (hour // 24, pool, user)
+        acc = by_day.get(at)
+        if acc is None:
+            acc = by_day[at] = rollup.empty()
+            acc["teams"] = ""
+        rollup.add(acc, row)
+        if row.get("teams"):
+            acc["teams"] = row["teams"]
+    for (day_n, pool, user), row in by_day.items():
+        day = _day(day_n * rollup.DAY_MS)
         rollup.add(total, row)
         rollup.add(daily[day], row)
         if by == "team":
