@@ -120,6 +120,13 @@ class GpuLeaseHandler(APIHandler):
             raise errors.BadRequest(f"{name} must be {TIME}, got {raw!r}")
         return raw
 
+    def pool_arg(self) -> str | None:
+        """The ``pool`` query argument, if given: a pool name in form (the lease server says if it exists)."""
+        pool = self.get_query_argument("pool", None)
+        if pool is not None and not POOL_RE.match(pool):
+            raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
+        return pool
+
     def json_object(self) -> dict[str, Any]:
         """The request body: one JSON object, or a 400 that says what is wrong with it."""
         try:
@@ -354,10 +361,8 @@ class BookingsHandler(BookingBase):
     async def get(self) -> None:
         self.check_args()
         params = {}
-        pool = self.get_query_argument("pool", None)
+        pool = self.pool_arg()
         if pool is not None:
-            if not POOL_RE.match(pool):
-                raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
             params["pool"] = pool
         for name in ("from", "to"):
             value = self.time_arg(name)
@@ -474,10 +479,8 @@ class UsageSummaryHandler(GpuLeaseHandler):
             if by not in USAGE_BY:
                 raise errors.BadRequest(f"by must be one of {', '.join(USAGE_BY)}, got {by!r}")
             params["by"] = by
-        pool = self.get_query_argument("pool", None)
+        pool = self.pool_arg()
         if pool is not None:
-            if not POOL_RE.match(pool):
-                raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
             params["pool"] = pool
         user = self.get_query_argument("user", None)
         if user is not None:
@@ -500,9 +503,7 @@ class UsageBalanceHandler(GpuLeaseHandler):
     @authorized
     async def get(self) -> None:
         self.check_args()
-        pool = self.get_query_argument("pool", None)
-        if pool is not None and not POOL_RE.match(pool):
-            raise errors.BadRequest(f"pool must be a pool name like A100-80GB, got {pool!r}")
+        pool = self.pool_arg()
         self.reply(await self.api.request("GET", "/usage/balance", params={"pool": pool} if pool is not None else None))
 
 
