@@ -57,6 +57,13 @@ def discover(url: str | None = None, token: str | None = None) -> tuple[str, str
 DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
+def _resendable(method: str, path: str) -> bool:
+    """Whether a request whose answer was lost may be sent again without doing twice what it does."""
+    if method.upper() != "POST":
+        return True
+    return path.rstrip("/") == protocol.LEASES or path.endswith(("/renew", "/warm", "/keep"))
+
+
 def retry_after(resp: httpx.Response) -> float | None:
     """How long to wait before sending again a request answered 503 with Retry-After (capped at
     5 s); None for any other answer."""
@@ -200,13 +207,21 @@ class Client:
             except DROPPED as exc:
                 # The connection closed under the request with no answer: most often a kept-alive
                 # connection the server closed (idle) just as this request went out. Sent once more
-                # on a new connection, as browsers and curl do: every request is safe to send again
-                # (a resent acquire finds its own id; a resent release finds the lease ended).
+                # on a new connection, as browsers and curl do, if sending it twice changes nothing
+                # more than once: GET, PUT, DELETE (a release finds the lease ended), an acquire
+                # (found again by its id), a renew. A POST that makes something (a booking, a
+                # token) is not: the server may have made it before the connection closed.
                 dropped += 1
+                why = f"({exc.__class__.__name__}: {exc})"
+                if not _resendable(method, path):
+                    raise errors.ServerUnavailable(
+                        f"the lease server at {self.url} closed the connection without an answer {why}: "
+                        f"{method} {path} may have been done; look before sending it again (gpulease status)"
+                    ) from exc
                 if dropped > 1:
                     raise errors.ServerUnavailable(
-                        f"the lease server at {self.url} closed the connection twice without an answer "
-                        f"({exc.__class__.__name__}: {exc}); is it overloaded or restarting? (gpulease status)"
+                        f"the lease server at {self.url} closed the connection twice without an answer {why}; "
+                        "is it overloaded or restarting? (gpulease status)"
                     ) from exc
                 continue
             except httpx.TransportError as exc:

@@ -126,3 +126,9 @@ def test_a_request_whose_connection_closes_unanswered_is_sent_once_more(server):
         pytest.raises(errors.ServerUnavailable, match="twice without an answer"),
     ):
         c.leases()
+    # a POST that makes something is not sent twice: the server may have made it already
+    url, seen = dropper(1)
+    with Client(url, server.token("root", "admin")) as c:
+        with pytest.raises(errors.ServerUnavailable, match="may have been done; look before sending it again"):
+            c.request("POST", "/api/v1/tokens", json={"user": "bob"})
+        assert seen[0] == 1
