@@ -99,7 +99,7 @@ def _on_kernel_shutdown(ip: Any, hook: Any) -> None:
     kernel._gpulease_hooked = True
 
 
-def _flush_iopub(kernel: Any, timeout: float = 2.0) -> None:
+def _flush_iopub(kernel: Any, timeout: float = 10.0) -> None:
     """Wait (at most ``timeout``) until the kernel's IOPub thread has sent what is queued for it:
     the cells' last lines. ipykernel stops that thread at exit without draining its queue, and a
     loaded machine can leave a line written just before a shutdown unsent: the cell would go on
@@ -111,6 +111,9 @@ def _flush_iopub(kernel: Any, timeout: float = 2.0) -> None:
         return
     sent = threading.Event()
     try:
+        # The socket's own linger (1 s in ipykernel) is how long its close waits for what it has
+        # taken but not yet written; a loaded machine can need longer.
+        io_thread.socket.linger = int(timeout * 1000)
         io_thread.schedule(sent.set)  # runs after every send queued before it, in order
     except Exception:  # noqa: BLE001 - a closed thread: nothing left to wait for
         return

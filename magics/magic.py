@@ -66,6 +66,9 @@ class CellDisplay:
         self.text = ""
         self.state = "new"
         self._running = ""
+        # The kernel's shutdown hook (control thread) and the cell's own ending (main thread) can
+        # meet: one of them says the last word, and only after the other has decided.
+        self._lock = threading.Lock()
         _LIVE.add(self)
 
     def show(self, text: str) -> None:
@@ -81,19 +84,25 @@ class CellDisplay:
             print(text)
 
     def waiting(self, w: Waiting) -> None:
-        self.state = "queued"
-        where = f"{_ordinal(w.position)} in line" if w.position else "being granted"
-        pool = f" of {w.pool}" if w.pool else ""
-        est = f"; {w.estimate}" if w.estimate and w.position else ""
-        gpus = f"a {w.gpus}" if w.gpus.endswith("slice") else f"{w.gpus} GPU{'' if w.gpus == '1' else 's'}"
-        self.show(f"gpu_train: queued for {gpus}{pool}: {where}, {w.elapsed_s:.0f}s{est}")
+        with self._lock:
+            if self.state == "shut down":
+                return
+            self.state = "queued"
+            where = f"{_ordinal(w.position)} in line" if w.position else "being granted"
+            pool = f" of {w.pool}" if w.pool else ""
+            est = f"; {w.estimate}" if w.estimate and w.position else ""
+            gpus = f"a {w.gpus}" if w.gpus.endswith("slice") else f"{w.gpus} GPU{'' if w.gpus == '1' else 's'}"
+            self.show(f"gpu_train: queued for {gpus}{pool}: {where}, {w.elapsed_s:.0f}s{est}")
 
     def running(self, r: Running) -> None:
-        self.state = "running"
         waited = f" (waited {r.waited_s:.1f}s)" if r.waited_s >= 1 else ""
         note = f"; {r.note}" if r.note else ""
-        self._running = f"gpu_train: running on {r.where}{waited}{note}"
-        self.show(self._running)
+        with self._lock:
+            if self.state == "shut down":
+                return
+            self.state = "running"
+            self._running = f"gpu_train: running on {r.where}{waited}{note}"
+            self.show(self._running)
 
     def notice(self, text: str) -> None:
         self.show(f"{self._running}\n  ! {text}")
@@ -104,18 +113,20 @@ class CellDisplay:
         target.flush()
 
     def ended(self, e: Ending) -> None:
-        if self.state == "shut down":  # the kernel's last word stays
-            return
-        self.state = e.state
-        self.show(e.line())
+        with self._lock:
+            if self.state == "shut down":  # the kernel's last word stays
+                return
+            self.state = e.state
+            self.show(e.line())
         _LIVE.discard(self)
 
     def kernel_shutdown(self) -> None:
-        if self.state == "queued":
-            self.show("gpu_train: the kernel shut down; the request was withdrawn")
-        elif self.state == "running":
-            self.show("gpu_train: the kernel shut down; the call was stopped and its GPUs released")
-        self.state = "shut down"
+        with self._lock:
+            if self.state == "queued":
+                self.show("gpu_train: the kernel shut down; the request was withdrawn")
+            elif self.state == "running":
+                self.show("gpu_train: the kernel shut down; the call was stopped and its GPUs released")
+            self.state = "shut down"
 
 
 def close_live_cells() -> None:
