@@ -463,7 +463,7 @@ class UsageSummaryHandler(GpuLeaseHandler):
     come back as they are, with its message that says what would work.
     """
 
-    allowed_args = frozenset({"from", "to", "by", "pool", "user"})
+    allowed_args = frozenset({"from", "to", "by", "also_by", "pool", "user"})
 
     @tornado.web.authenticated
     @authorized
@@ -474,11 +474,12 @@ class UsageSummaryHandler(GpuLeaseHandler):
             value = self.time_arg(name)
             if value is not None:
                 params[name] = value
-        by = self.get_query_argument("by", None)
-        if by is not None:
-            if by not in USAGE_BY:
-                raise errors.BadRequest(f"by must be one of {', '.join(USAGE_BY)}, got {by!r}")
-            params["by"] = by
+        for name in ("by", "also_by"):
+            by = self.get_query_argument(name, None)
+            if by is not None:
+                if by not in USAGE_BY:
+                    raise errors.BadRequest(f"{name} must be one of {', '.join(USAGE_BY)}, got {by!r}")
+                params[name] = by
         pool = self.pool_arg()
         if pool is not None:
             params["pool"] = pool

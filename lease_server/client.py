@@ -570,10 +570,12 @@ class Client:
         end: float | str | None = None,
         pool: str | None = None,
         user: str | None = None,
+        also_by: str | None = None,
     ) -> dict[str, Any]:
         """Per-day series and totals of GPU use from the hourly rollups (GET /usage/summary; the
-        answer's shape is the OpenAPI document's UsageSummary, docs/usage.md)."""
-        given = (("by", by), ("from", start), ("to", end), ("pool", pool), ("user", user))
+        answer's shape is the OpenAPI document's UsageSummary, docs/usage.md). ``also_by``: the same
+        rows grouped a second way too, in the answer's ``also``."""
+        given = (("by", by), ("also_by", also_by), ("from", start), ("to", end), ("pool", pool), ("user", user))
         return self.request("GET", protocol.USAGE_SUMMARY, params={k: v for k, v in given if v is not None})
 
     def balance(self, pool: str | None = None) -> dict[str, Any]:

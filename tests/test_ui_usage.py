@@ -340,12 +340,16 @@ def test_the_proxy_passes_the_usage_endpoints_on_and_refuses_bad_arguments(
     assert got.status_code == 200, got.text
     assert got.json() == _summary(clients["alice"], by="team", **window)
     assert {g["key"] for g in got.json()["groups"]} == {"vision", "nlp"}
+    both = get("usage/summary", by="user", also_by="pool", **window)  # what the tab asks: one request
+    assert both.status_code == 200 and both.json() == _summary(clients["alice"], by="user", also_by="pool", **window)
+    assert {g["key"] for g in both.json()["also"]["groups"]} == {A100, T4}
     balance = get("usage/balance", pool=A100).json()
     assert balance["user"] == "alice" and [p["pool"] for p in balance["pools"]] == [A100]
     assert "in fair share" in balance["pools"][0]["text"]
     cases: list[tuple[dict[str, Any], str]] = [
         ({"colour": "red"}, "unknown query argument(s) colour"),
         ({"by": "colour"}, "by must be one of user, team, pool"),
+        ({"also_by": "colour"}, "also_by must be one of user, team, pool"),
         ({"from": "yesterday"}, "from must be a time"),
         ({"user": "../admin"}, "user must be a lease user name"),
         ({"pool": "A100 80GB"}, "pool must be a pool name"),

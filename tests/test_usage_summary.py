@@ -252,12 +252,25 @@ def _check_replayed(server: ServerHandle, keys: Keys, redis_sync: Redis) -> None
 
         checked = 0
         start = replay.EPOCH_MS // 1000
+        alone: dict[str, Any] = {}
         for by in ("user", "team", "pool"):
             answer = cy.get(f"{API}/usage/summary", params={"from": start, "to": start + 4 * 86400, "by": by})
             assert answer.status_code == 200, answer.text
             body = answer.json()
             assert body["scope"] == "all" and len(body["days"]) == 4 and body["total"]["calls"] > 30
+            assert "also" not in body
             checked += _check(body, lines, by)
+            alone[by] = body
+        # also_by: a second grouping of the same rows in one answer (the usage page's per-pool series)
+        for by, also in (("user", "pool"), ("team", "user"), ("pool", "team")):
+            params = {"from": start, "to": start + 4 * 86400, "by": by, "also_by": also}
+            body = cy.get(f"{API}/usage/summary", params=params).json()
+            assert body["groups"] == alone[by]["groups"] and body["also"] == {
+                "by": also,
+                "groups": alone[also]["groups"],
+            }
+        refused = cy.get(f"{API}/usage/summary", params={"also_by": "notebook"})
+        assert refused.status_code == 400 and "also_by" in refused.json()["message"], refused.text
         # one pool, one user
         body = cy.get(
             f"{API}/usage/summary", params={"from": start, "to": start + 4 * 86400, "pool": "sim", "user": "bob"}

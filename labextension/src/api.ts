@@ -162,6 +162,8 @@ export interface IUsageSummary {
   daily: IUsageDay[];
   /** Largest first (GPU-seconds held + warm). */
   groups: { key: string; total: IUsageFigures; daily: IUsageDay[] }[];
+  /** With also_by: the same rows grouped a second way. */
+  also?: { by: 'user' | 'team' | 'pool'; groups: IUsageSummary['groups'] };
 }
 
 /** GET /gpulease/usage/balance: the lease user's quota left, fair-share place and next wait, per pool. */

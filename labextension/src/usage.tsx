@@ -5,7 +5,8 @@
  * each chart a table of the same figures for keyboard and screen-reader users, with a CSV download
  * of the server's figures as they are (GPU-seconds, milliseconds).
  *
- * Days are UTC days, as the summary counts them: a lease counts whole on the day it ended.
+ * Days are UTC days, as the summary counts them: a lease's GPU time is spread over the hours it was
+ * held, and shows once the lease has ended.
  */
 import * as Plot from '@observablehq/plot';
 import React, { useCallback, useEffect, useRef, useState } from 'react';
@@ -353,13 +354,16 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
     const started = performance.now();
     setBusy(true);
     const by: By = q.user ? 'user' : q.by;
-    const main = model.usageSummary(queryArgs(q, by, window_));
-    // Utilisation per pool: the same rows by pool (the same answer when already by pool).
-    const pools =
-      by === 'pool' ? main : model.usageSummary(queryArgs(q, 'pool', window_));
-    Promise.all([main, pools])
-      .then(([m, p]) => {
+    // Utilisation per pool: the same rows by pool, in the same answer (one read of them).
+    const args = queryArgs(q, by, window_);
+    if (by !== 'pool') {
+      args.set('also_by', 'pool');
+    }
+    model
+      .usageSummary(args)
+      .then(m => {
         if (current) {
+          const p = m.also ? { ...m, by: m.also.by, groups: m.also.groups } : m;
           setLoaded({ main: m, pools: p, ms: performance.now() - started });
           setError(null);
         }

@@ -101,7 +101,7 @@ def text(out: dict[str, Any]) -> list[str]:
         "held: GPU-hours held (warm time apart); used: busy by the GPU samples",
         "(-: none sampled); util: used / sampled; warm h: kept warm, lendable;",
         "taken: reclaimed + evicted; warm: share of cells that started warm.",
-        "A lease counts on the day it ended (UTC).",
+        "GPU time counts in the hours it was held (UTC days), once the lease ends.",
     ]
     if not out["groups"]:
         lines.insert(2, "no lease ended in this period (gpulease usage --days 30 looks further back)")

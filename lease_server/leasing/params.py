@@ -113,6 +113,12 @@ SUMMARY_BY = Param(
     {"enum": list(SUMMARY_GROUPS)},
     "How to group `groups` (default user); by team a user of two teams counts in both",
 )
+SUMMARY_ALSO_BY = Param(
+    "also_by",
+    {"enum": list(SUMMARY_GROUPS)},
+    "Also group the same rows this way, in `also` (the usage page's per-pool series beside its per-user ones, "
+    "in one request)",
+)
 SUMMARY_USER = Param(
     "user",
     NAME,

@@ -282,12 +282,15 @@ def summarize_rollups(
     hi_ms: int,
     by: str,
     teams_of: Any = None,
+    also_by: str | None = None,
 ) -> dict[str, Any]:
     """Per-day series and totals, overall and per ``by`` (user, team or pool), of rollup rows.
-    ``teams_of(user)``: the teams of a user whose rows name none (the server's settings)."""
+    ``teams_of(user)``: the teams of a user whose rows name none (the server's settings).
+    ``also_by``: the same rows grouped a second way too, in ``also`` (one read of the rows for both)."""
     days = [_day(d * rollup.DAY_MS) for d in range(lo_ms // rollup.DAY_MS, -(-hi_ms // rollup.DAY_MS))]
     total, daily = rollup.empty(), {d: rollup.empty() for d in days}
-    groups: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]] = {}
+    groupings = [by] if also_by is None else [by, also_by]
+    groups: list[dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]]] = [{} for _ in groupings]
     # The hours of a (day, pool, user) summed first: a month is ~12,000 hourly rows and ~1,500 of
     # these, and each is then added to its day, the total, its group and its group's day.
     by_day: dict[tuple[int, str, str], dict[str, Any]] = {}
@@ -304,32 +307,46 @@ def summarize_rollups(
         day = _day(day_n * rollup.DAY_MS)
         rollup.add(total, row)
         rollup.add(daily[day], row)
-        if by == "team":
-            named = [t for t in (row.get("teams") or "").split(",") if t]
-            if not named and teams_of is not None:
-                named = list(teams_of(user))
-            group_keys = named or [NO_TEAM]
-        else:
-            group_keys = [pool if by == "pool" else user]
-        for key in group_keys:
-            if key not in groups:
-                groups[key] = (rollup.empty(), {d: rollup.empty() for d in days})
-            g_total, g_daily = groups[key]
-            rollup.add(g_total, row)
-            rollup.add(g_daily[day], row)
-    ordered = sorted(groups.items(), key=lambda kv: (-kv[1][0]["held"] - kv[1][0]["warm"], kv[0]))
-    return {
+        for grouping, into in zip(groupings, groups, strict=True):
+            for key in _group_keys(grouping, pool, user, row, teams_of):
+                if key not in into:
+                    into[key] = (rollup.empty(), {d: rollup.empty() for d in days})
+                g_total, g_daily = into[key]
+                rollup.add(g_total, row)
+                rollup.add(g_daily[day], row)
+    out: dict[str, Any] = {
         "from": lo_ms / 1000,
         "to": hi_ms / 1000,
         "by": by,
         "days": days,
         "total": figures(total),
         "daily": [{"day": d, **figures(daily[d])} for d in days],
-        "groups": [
-            {"key": key, "total": figures(g_total), "daily": [{"day": d, **figures(g_daily[d])} for d in days]}
-            for key, (g_total, g_daily) in ordered
-        ],
+        "groups": _ordered_groups(groups[0], days),
     }
+    if also_by is not None:
+        out["also"] = {"by": also_by, "groups": _ordered_groups(groups[1], days)}
+    return out
+
+
+def _group_keys(by: str, pool: str, user: str, row: dict[str, Any], teams_of: Any) -> list[str]:
+    """The groups a (day, pool, user) row counts in: its pool, its user, or each of its user's teams."""
+    if by == "team":
+        named = [t for t in (row.get("teams") or "").split(",") if t]
+        if not named and teams_of is not None:
+            named = list(teams_of(user))
+        return named or [NO_TEAM]
+    return [pool if by == "pool" else user]
+
+
+def _ordered_groups(
+    groups: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]]]], days: list[str]
+) -> list[dict[str, Any]]:
+    """The groups as the answer lists them: largest held + warm first."""
+    ordered = sorted(groups.items(), key=lambda kv: (-kv[1][0]["held"] - kv[1][0]["warm"], kv[0]))
+    return [
+        {"key": key, "total": figures(g_total), "daily": [{"day": d, **figures(g_daily[d])} for d in days]}
+        for key, (g_total, g_daily) in ordered
+    ]
 
 
 # ---- a user's balance (GET /api/v1/usage/balance, %gpu_lease) -------------------------------------------

@@ -519,6 +519,7 @@ class UsageSummaryHandler(BaseHandler):
 
     async def get(self) -> None:
         by = self.query(params.SUMMARY_BY, "user")
+        also_by = self.query(params.SUMMARY_ALSO_BY)
         pool = self.query(params.POOL)
         user = self.query(params.SUMMARY_USER)
         lo, hi = usage.summary_window(self.query(params.FROM), self.query(params.TO), int(time.time() * 1000))
@@ -546,7 +547,7 @@ class UsageSummaryHandler(BaseHandler):
                     f"users with usage then: {_names({r[2] for r in rows})} (or widen from/to)"
                 )
         rows = [r for r in rows if (pool is None or r[1] == pool) and (user is None or r[2] == user)]
-        out = usage.summarize_rollups(rows, lo, hi, by, self.ctx.settings.teams_of)
+        out = usage.summarize_rollups(rows, lo, hi, by, self.ctx.settings.teams_of, also_by=also_by)
         self.reply({**out, "pool": pool, "user": user, "scope": "own" if own else "all"})
 
 

@@ -255,7 +255,8 @@ def _usage_schemas() -> dict[str, Any]:
         "UsageSummary": {
             "type": "object",
             "description": "GET /usage/summary: the window, its totals and day-by-day series, overall and per group "
-            "(largest held + warm first). A lease counts in the hour it ended",
+            "(largest held + warm first). A lease's GPU time is spread over the hours it was held; the lease, its "
+            "wait and warm cells count in the hour it was granted; a lease still held is in no row yet",
             "required": ["from", "to", "by", "pool", "user", "scope", "days", "total", "daily", "groups"],
             "properties": {
                 "from": {"type": "number", "description": "Start (epoch seconds, on the hour)"},
@@ -272,6 +273,15 @@ def _usage_schemas() -> dict[str, Any]:
                 "total": _ref("UsageFigures"),
                 "daily": {"type": "array", "items": _ref("UsageDay")},
                 "groups": {"type": "array", "items": _ref("UsageGroup")},
+                "also": {
+                    "type": "object",
+                    "description": "Only with `also_by`: the same rows grouped that way",
+                    "required": ["by", "groups"],
+                    "properties": {
+                        "by": {"type": "string", "enum": ["user", "team", "pool"]},
+                        "groups": {"type": "array", "items": _ref("UsageGroup")},
+                    },
+                },
             },
         },
     }
@@ -647,7 +657,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "a 403 for another user's). 400: to not after from, a window over 400 days, an unknown pool or "
                 "user (the message names what would work)",
                 _json(_ref("UsageSummary"), "UsageSummary"),
-                params=(v.SUMMARY_BY, v.POOL, v.SUMMARY_USER, v.FROM, v.TO),
+                params=(v.SUMMARY_BY, v.SUMMARY_ALSO_BY, v.POOL, v.SUMMARY_USER, v.FROM, v.TO),
             )
         },
         "/api/v1/usage/balance": {
