@@ -87,6 +87,31 @@ def test_a_waiter_evicts_a_warm_lease_and_is_granted_when_its_holder_releases(sr
     check_invariants(srv, redis_sync)
 
 
+def test_gpus_freed_beside_a_warm_lease_let_a_waiter_evict_it_at_once(srv: Any, redis_sync: Any) -> None:
+    """Carol waits for 2 GPUs: one is alice's warm lease, the other bob's running one. Evicting
+    alice alone would not serve carol, so the eviction finds no node, and the lease server does not
+    look again for a second unless GPUs are freed. Bob's release frees one: alice is evicted then,
+    not whenever something else happens in the pool (here: her lease's expiry, half an hour on)."""
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    alice, bob, carol = srv.client("alice"), srv.client("bob"), srv.client("carol")
+    warm = alice.acquire(1)
+    alice.warm(warm)
+    running = bob.acquire(1)
+    rid = carol.new_request_id()
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(carol.acquire(2, wait=30, request_id=rid)), daemon=True)
+    t.start()
+    watcher.wait_for(lambda e: e["type"] == "queued" and e["lease"] == rid, 10, "carol queued")
+    assert not any(e["type"] == "evicting" for e in watcher.events)  # one warm GPU would not do
+    bob.release(running, verified=True)
+    ev = watcher.wait_for(lambda e: e["type"] == "evicting" and e["lease"] == warm.id, 10, "evicting")
+    assert ev["requested_by"] == "carol"
+    alice.release(warm, verified=True)
+    t.join(10)
+    assert got and len(got[0].gpus) == 2
+    check_invariants(srv, redis_sync)
+
+
 def test_a_holder_that_misses_the_eviction_notice_loses_the_lease_and_its_worker(
     srv: Any,
     procs: Any,  # noqa: F811 - test_drain's fixture

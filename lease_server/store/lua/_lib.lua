@@ -160,6 +160,10 @@ local function set_free(node, pool, list, old_count)
   if redis.call('ZREM', K_FIT, old_member) == 1 then
     redis.call('ZADD', K_FIT, 0, fit_member(pool, node, #list))
   end
+  -- GPUs freed: a warm eviction that found no node a moment ago may find one now (evict_miss in
+  -- _lib_recall.lua); the dispatch that follows must try it, or the waiter would wait on for
+  -- whatever comes next, perhaps only the warm lease's own expiry.
+  if #list > old_count then redis.call('HDEL', K_EVICT_MISS, pool) end
 end
 
 local function mark_down(node, why)
