@@ -18,7 +18,7 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease
-from lease_server.node import rayauth
+from lease_server.node import rayauth, rayworkers
 
 from .calls import Where, this_machine
 from .options import Defaults
@@ -51,15 +51,8 @@ class Worker:
         return ray.get(self.ready_ref, timeout=timeout)  # type: ignore[no-any-return]
 
 
-BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
-
-
-def worker_pythonpath(base: str | None = None) -> str:
-    """The PYTHONPATH of this kernel's Ray workers: ``magics/_boot`` first, whose sitecustomize
-    defers at the worker's start what ``import ray`` need not pay (``magics/fastimport.py``: 1.6 of
-    its 2.2 CPU-seconds), then what the kernel has."""
-    rest = os.environ.get("PYTHONPATH", "") if base is None else base
-    return os.pathsep.join(p for p in (BOOT_DIR, rest) if p)
+BOOT_DIR = rayworkers.BOOT_DIR
+worker_pythonpath = rayworkers.worker_pythonpath
 
 
 class Session:
@@ -76,6 +69,8 @@ class Session:
         self._spare_count: dict[str, int] = {}  # spares kept per node, where not defaults.spares
         self._actor_cls: Any = None
         self._resources: set[str] = set()
+        self._booted: tuple[set[str], bool] | None = None  # see _boots
+        self._worker_pythonpath = worker_pythonpath()
         self.machine = this_machine()
         self.held: set[HeldLease] = set()
         self.waiting: set[str] = set()  # request ids queued right now
@@ -140,7 +135,6 @@ class Session:
                     log_to_driver=False,
                     logging_level=logging.WARNING,
                     configure_logging=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
                 )
             self._actor_cls = ray.remote(GpuWorker)
             self._pinned = any(k.startswith(RESOURCE_PREFIX) for k in self._refresh_resources())
@@ -149,7 +143,24 @@ class Session:
         import ray
 
         self._resources = set(ray.cluster_resources())
+        self._booted = None
         return self._resources
+
+    def _boots(self, node: str | None) -> bool:
+        """Whether the Ray node of ``node`` (None: every node) starts workers with this kernel's
+        worker PYTHONPATH already (lease_server/node/rayworkers.py), so that they need no runtime
+        environment: a worker then starts for a quarter of the CPU."""
+        import ray
+
+        if self._booted is None:
+            mark = rayworkers.boot_resource(self._worker_pythonpath)
+            alive = [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")]
+            self._booted = (
+                {r for res in alive if mark in res for r in res if r.startswith(RESOURCE_PREFIX)},
+                bool(alive) and all(mark in res for res in alive),
+            )
+        nodes, everywhere = self._booted
+        return everywhere or (node is not None and self._pinned is True and node_resource(node) in nodes)
 
     def node_share(self, node: str) -> dict[str, float]:
         """What one worker takes of ``node``'s Ray resource ({} if Ray nodes are not pinned)."""
@@ -169,6 +180,8 @@ class Session:
             share = self.node_share(node)
             if share:
                 merged["resources"] = share
+        if not self._boots(node):
+            merged["runtime_env"] = {"env_vars": {"PYTHONPATH": self._worker_pythonpath}}
         handle = self._actor_cls.options(**merged).remote()
         worker = Worker(handle, handle.ready.remote())
         if self.preload:

@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from ..client import DEFAULT_HOME, Client
+from ..node import rayworkers
 from ._common import console, err_console
 
 
@@ -118,6 +119,15 @@ def _start_ray(
 
     port = free_port()
     log = open(data_dir / "ray.log", "ab")
+    # Ray starts one idle Python worker per CPU when the first driver joins, for tasks; gpulease runs
+    # only actors, each with its lease's environment, which never reuse those workers: on a 64-core
+    # GPU host that was 64 idle processes (~100 MB each) from `gpulease up`'s own readiness check on.
+    env = {**(os.environ if env is None else env), "RAY_prestart_worker_first_driver": "0"}
+    # Its workers start with the PYTHONPATH a kernel of this environment gives them, so a kernel
+    # starts them without a runtime environment: a quarter of the CPU each (node/rayworkers.py).
+    env["PYTHONPATH"] = rayworkers.worker_pythonpath(env.get("PYTHONPATH", ""))
+    resources: dict[str, float] = {f"gpulease_node_{n.node}": 1000 for n in nodes}
+    resources[rayworkers.boot_resource(env["PYTHONPATH"])] = 1
     proc = subprocess.Popen(
         [
             ray,
@@ -130,7 +140,7 @@ def _start_ray(
             "--num-gpus=0",
             # Every lease-server node this machine serves is a Ray resource, so that a call is
             # placed on the Ray node of its lease (magics.runner.node_resource).
-            "--resources=" + json.dumps({f"gpulease_node_{n.node}": 1000 for n in nodes}),
+            "--resources=" + json.dumps(resources),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
