@@ -35,10 +35,11 @@ from lease_server.web.auth import create_token
 
 _prefixes = itertools.count()
 
-# The kernels of the test stacks (and their sessions) keep one started worker per node ready, not
-# two: a started worker costs ~2 s of CPU, and two per node per kernel made a third of the Ray
-# tests' CPU on two cores. What a cold cell does is the same with one.
-os.environ.setdefault("GPULEASE_SPARES", "1")
+# The kernels of the test stacks (and their sessions) keep no started worker ready, unless a
+# module asks for spares (ray_session(up, spares=N)): a started worker costs ~2.5 s of CPU, and Ray
+# workers were a third of the suite's CPU on two cores. A cold cell then starts its worker itself:
+# what it does is the same, only later.
+os.environ.setdefault("GPULEASE_SPARES", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -72,9 +73,9 @@ RAY_GROUP = (
     "test_sweep",  # 89
     "test_elastic_drain",  # 72
     "test_gang",  # 200 (three raylets of its own before)
-    # ... and these start Ray clusters of their own, once it has stopped.
+    "test_sim_sessions",  # 112 (its live replay, where the traces are)
+    # ... and this starts Ray clusters of its own, once it has stopped.
     "test_multihost",  # 114 (two network namespaces, a raylet in each)
-    "test_sim_sessions",  # 112 (its live replay needs the traces: skipped in CI)
 )
 LONGEST_FIRST = (
     "test_ui",  # 237 (a browser)

@@ -218,7 +218,7 @@ def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
         assert len(text(out).strip().splitlines()) == 1, out
     assert api(stack, "GET", "/api/v1/leases")["leases"] == []
     out = kernel.run("%gpu_config --warm off")
-    assert "warm=off" in text(out) and "spares=1" in text(out)  # the tests' kernels keep one (conftest)
+    assert "warm=off" in text(out) and "spares=0" in text(out)  # the tests' kernels keep none (conftest)
     out = warm_cell(kernel, "x = 1")
     assert "released; GPU memory freed" in status(out) and board(stack) == {0: "free", 1: "free"}
     assert api(stack, "GET", "/api/v1/leases")["leases"] == []
