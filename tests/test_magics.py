@@ -124,6 +124,8 @@ def test_kernel_is_cpu_only_and_the_cell_sees_exactly_its_lease(stack, kernel):
         "seen = os.environ['CUDA_VISIBLE_DEVICES']\n"
         "lease_id = os.environ['GPULEASE_LEASE_ID']\n"
         "uuids = os.environ['GPULEASE_GPU_UUIDS']\n"
+        "import ray\n"
+        "boot = ray.get_runtime_context().runtime_env.get('env_vars'), os.environ['PYTHONPATH'].split(':')[0]\n"
         "for epoch in range(3):\n"
         "    print('epoch', epoch, flush=True)\n"
         "losses = [epoch * scale for epoch in range(4)]\n"
@@ -144,6 +146,10 @@ def test_kernel_is_cpu_only_and_the_cell_sees_exactly_its_lease(stack, kernel):
     # The lease names the cell as the notebook numbers it (In [n]): the board's tile says "cell n".
     assert lease["cell"] == str(int(count) - 2), (lease, count)
     assert free_gpus(stack) == 2
+    # The head that `gpulease up` starts gives its workers the kernel's worker PYTHONPATH (with
+    # magics/_boot first): they start without a runtime environment, for a quarter of the CPU.
+    env_vars, first = text(kernel.run("print(*boot, sep='|')")).strip().split("|")
+    assert env_vars == "None" and first.endswith(os.path.join("magics", "_boot")), (env_vars, first)
 
 
 def test_line_form_and_out_names(stack, kernel):
