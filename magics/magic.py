@@ -105,7 +105,9 @@ class CellDisplay:
             self.show(self._running)
 
     def notice(self, text: str) -> None:
-        self.show(f"{self._running}\n  ! {text}")
+        with self._lock:
+            if self.state != "shut down":
+                self.show(f"{self._running}\n  ! {text}")
 
     def output(self, stream: str, text: str) -> None:
         target = sys.stderr if stream == "stderr" else sys.stdout

@@ -122,10 +122,9 @@ def _start_ray(
     # Ray starts one idle Python worker per CPU when the first driver joins, for tasks; gpulease runs
     # only actors, each with its lease's environment, which never reuse those workers: on a 64-core
     # GPU host that was 64 idle processes (~100 MB each) from `gpulease up`'s own readiness check on.
-    env = {**(os.environ if env is None else env), "RAY_prestart_worker_first_driver": "0"}
     # Its workers start with the PYTHONPATH a kernel of this environment gives them, so a kernel
     # starts them without a runtime environment: a quarter of the CPU each (node/rayworkers.py).
-    env["PYTHONPATH"] = rayworkers.worker_pythonpath(env.get("PYTHONPATH", ""))
+    env = {**rayworkers.with_worker_pythonpath(env), "RAY_prestart_worker_first_driver": "0"}
     resources: dict[str, float] = {f"gpulease_node_{n.node}": 1000 for n in nodes}
     resources[rayworkers.boot_resource(env["PYTHONPATH"])] = 1
     proc = subprocess.Popen(
@@ -161,8 +160,7 @@ def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | No
         "ray.shutdown()"
     )
     # With magics/_boot first on its path, as the head's workers: its `import ray` costs a third.
-    env = {**(os.environ if env is None else env)}
-    env["PYTHONPATH"] = rayworkers.worker_pythonpath(env.get("PYTHONPATH", ""))
+    env = rayworkers.with_worker_pythonpath(env)
     with console.status("waiting for the Ray head…"):
         try:
             done = subprocess.run(

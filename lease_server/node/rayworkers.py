@@ -28,6 +28,14 @@ def worker_pythonpath(base: str | None = None) -> str:
     return os.pathsep.join(p for p in (BOOT_DIR, rest) if p)
 
 
+def with_worker_pythonpath(env: dict[str, str] | None) -> dict[str, str]:
+    """A copy of ``env`` (default: this process's environment) whose PYTHONPATH is the workers':
+    for the Ray head's processes and anything else that imports Ray the way a worker does."""
+    out = dict(os.environ if env is None else env)
+    out["PYTHONPATH"] = worker_pythonpath(out.get("PYTHONPATH", ""))
+    return out
+
+
 def boot_resource(pythonpath: str) -> str:
     """The Ray resource of a node whose raylet starts workers with ``pythonpath`` already: a
     kernel that would give its workers the same needs no runtime environment there."""
