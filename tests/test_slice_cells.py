@@ -33,6 +33,7 @@ from magics.runner import (
     run_call,
     run_cell,
 )
+from tests.api_helpers import EventWatcher
 from tests.conftest import Stack, Up, all_events, ray_session
 
 ray = pytest.importorskip("ray")
@@ -84,7 +85,8 @@ def lines_fit(text: str) -> bool:
 # ---- two slices on one GPU: only the one over its memory is ended ---------------------------------------
 
 
-def test_two_slices_share_a_gpu_and_only_the_one_over_its_memory_is_ended(sess, admin, tmp_path):
+def test_two_slices_share_a_gpu_and_only_the_one_over_its_memory_is_ended(up, sess, admin, tmp_path):
+    watcher = EventWatcher(up.url, sess.defaults.token).start()
     go = tmp_path / "go"
     os.mkfifo(go)  # the neighbour's cell blocks reading it: it runs until the test writes
     neighbour_ui, hog_ui = Seen(), Seen()
@@ -138,6 +140,8 @@ def test_two_slices_share_a_gpu_and_only_the_one_over_its_memory_is_ended(sess, 
     assert admin.get(neighbour_id)["cause"]["code"] == "released"
     assert [e["lease"] for e in all_events(admin) if e["type"] == "over_memory"] == [hog_id]
     assert admin.get(hog_id)["over_memory"]["peak_mb"] > 512 * 1.05
+    # A forced end drains: the hog's memory stays promised until its node agent saw the worker gone
+    watcher.wait_for(lambda e: e["type"] == "drained" and e.get("lease") == hog_id, 60, "the hog drained")
     assert nothing_leased(admin)
 
 
