@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import secrets
 import threading
 import time
@@ -741,18 +742,26 @@ class HeldLease:
 
 
 def _renew_loop(ref: weakref.ref[HeldLease], stop: threading.Event, ttl: float) -> None:
+    # Every ttl/3 while renewals land. After one failed (the server restarting, Redis failing over),
+    # every quarter of that, with jitter: a lease whose server is back 5 s into a 6 s ttl is renewed
+    # in time instead of waiting out a whole interval, and many clients do not come back in step.
     interval = max(ttl / 3, 0.2)
-    while not stop.wait(interval):
+    wait = interval
+    while not stop.wait(wait):
         held = ref()
         if held is None:
             return
+        failed = wait != interval  # the last try failed: say so once, not at every retry
+        wait = max(interval / 4, 0.2) * random.uniform(0.8, 1.2)
         try:
             held.renew_once()
+            wait = interval
         except errors.GpuLeaseError as exc:
             if exc.status < 500:  # refused for good (renew_once handles the usual ones)
                 held.lost = exc
                 return
-            log.warning("renewal failed, retrying: %s", exc)  # server or Redis away: the TTL decides
+            # server or Redis away: the TTL decides
+            log.log(logging.DEBUG if failed else logging.WARNING, "renewal failed, retrying: %s", exc)
         except Exception as exc:  # never let the renewal thread die silently
-            log.warning("renewal failed, retrying: %s", exc)
+            log.log(logging.DEBUG if failed else logging.WARNING, "renewal failed, retrying: %s", exc)
         del held

@@ -273,10 +273,11 @@ def test_kill_9_of_the_http_server_under_load_keeps_leases_and_clients_carry_on(
                     failures.append(f"client {i}: {exc!r}")
 
         with contextlib.ExitStack() as held_stack:
-            # Long-lived leases held through the crash: renewed in the background every ttl/3.
+            # Long-lived leases held through the crash: renewed in the background every ttl/3 (ttl 12: a
+            # restart that takes 10 s on a loaded machine must not expire them; 6 did, once).
             holder = Client(srv.url, token_for(redis_server.url, prefix, "holder"), timeout=5)
             held_stack.callback(holder.close)
-            held = [held_stack.enter_context(holder.lease(1, ttl=6, label=f"held-{k}")) for k in range(2)]
+            held = [held_stack.enter_context(holder.lease(1, ttl=12, label=f"held-{k}")) for k in range(2)]
 
             for i in range(4):
                 t = threading.Thread(target=churn, args=(i, token_for(redis_server.url, prefix, f"u{i}")), daemon=True)
