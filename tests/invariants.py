@@ -185,8 +185,9 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
     for lease in leases.values():
         if lease.get("warm_since"):  # warm leases per pool (dispatch: whom it may evict), GPUs per node (the fit)
             counted[f"{lease['pool']}|~warm"] = counted.get(f"{lease['pool']}|~warm", 0) + 1
-            on = f"{lease['pool']}|~warm@{lease['node']}"
-            counted[on] = counted.get(on, 0) + len(lease["gpus"])
+            if not lease.get("gpu_mem_mb"):  # a warm slice lends memory, not a whole GPU: not in the fit
+                on = f"{lease['pool']}|~warm@{lease['node']}"
+                counted[on] = counted.get(on, 0) + len(lease["gpus"])
         if lease.get("preemptible"):
             counted[f"{lease['pool']}|~preemptible"] = counted.get(f"{lease['pool']}|~preemptible", 0) + 1
         elif not lease.get("resv"):

@@ -344,14 +344,147 @@ def test_quotas_fair_share_and_the_ledger_count_a_slice_as_its_fraction(server_f
     check_state(redis_sync, k, expect_all_free=True)
 
 
-def test_a_slice_is_not_kept_warm_handed_on_or_resized(srv: ServerHandle) -> None:
+def test_a_slice_is_not_handed_on_or_resized(srv: ServerHandle) -> None:
     with srv.client() as c:
         sl = c.acquire(1, A100, gpu_mem="4GB")
-        with pytest.raises(errors.Conflict, match="a slice"):
-            c.warm(sl)
         with pytest.raises(errors.Conflict):
             c.shrink(sl, 1)
         c.release(sl)
+
+
+# ---- warm slices: kept for the notebook's next cell, lent to whoever waits --------------------------
+
+WARM_SHARING = {A100: {**SHARING[A100], "warm_evict_notice": 0.5}}
+
+
+def test_a_warm_slice_is_lent_as_memory_to_a_slice_request_that_needs_it(server_factory: Any, redis_sync: Any) -> None:
+    """alice's 40 GB slice goes warm beside carol's running 30 GB slice: bob's 20 GB request finds
+    10 GB free there, so alice's warm slice (not carol's) is evicted for it, with the warm notice;
+    once alice releases, bob gets that GPU. While warm, alice's slice counts its fraction as warm,
+    not as use, in fair share and the ledger."""
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory("box=1xA100-80GB", scheduling=WARM_SHARING, default_ttl=60)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    with srv.client("alice") as alice, srv.client("bob") as bob, srv.client("carol") as carol:
+        mine = alice.acquire(1, A100, gpu_mem="40GB")
+        theirs = carol.acquire(1, A100, gpu_mem="30GB")
+        assert json.loads(redis_sync.hget(k.usage, f"{A100}|alice"))["r"] == 0.5
+        rec = alice.warm(mine)
+        assert rec["warm_since"] and rec["gpu_mem_mb"] == 40960
+        assert json.loads(redis_sync.hget(k.usage, f"{A100}|alice"))["r"] == 0  # warm is not use
+        assert redis_sync.hget(k.held_by, f"{A100}|~warm@box") is None  # it lends memory, not a GPU
+        check_state(redis_sync, k)
+        got: dict[str, Lease] = {}
+        t = threading.Thread(target=lambda: got.update(lease=bob.acquire(1, A100, gpu_mem="20GB", wait=30)))
+        t.start()
+        ev = watcher.wait_for(lambda e: e["type"] == "evicting", 10, "evicting")
+        assert (ev["lease"], ev["requested_by"]) == (mine.id, "bob"), ev
+        assert "warm lease is lent out" in ev["reason"]
+        assert "recall_at" not in carol.get(theirs.id)  # a running slice is never lent
+        assert not got
+        check_state(redis_sync, k)
+        with pytest.raises(errors.Conflict, match="being evicted"):
+            alice.warm(mine, on=False)  # its next cell cannot run there any more
+        alice.release(mine)
+        t.join(30)
+        lease = got["lease"]
+        assert (lease.node, lease.gpus, lease.gpu_mem_mb) == (mine.node, mine.gpus, 20480)
+        check_state(redis_sync, k)
+        ended = alice.get(mine.id)
+        assert ended["state"] == "released", ended
+        bob.release(lease)
+        carol.release(theirs)
+    check_state(redis_sync, k, expect_all_free=True)
+    entry = next(
+        json.loads(f["data"]) for _, f in redis_sync.xrange(k.ledger) if json.loads(f["data"])["lease"] == mine.id
+    )
+    assert entry["warm_gpu_s"] > 0 and entry["recall"] == "evicted"
+    # a slice's warm time counts its fraction of the GPU, as its held time does
+    assert entry["gpu_s"] + entry["warm_gpu_s"] == pytest.approx(entry["held_s"] / 2, abs=0.01)
+    check_event_log(read_events(redis_sync, k))
+
+
+def test_a_slice_request_evicts_a_whole_warm_lease_when_no_slice_would_make_room(
+    server_factory: Any, redis_sync: Any
+) -> None:
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory("box=1xA100-80GB", scheduling=WARM_SHARING, default_ttl=60)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    with srv.client("alice") as alice, srv.client("bob") as bob:
+        whole = alice.acquire(1, A100)
+        alice.warm(whole)
+        got: dict[str, Lease] = {}
+        t = threading.Thread(target=lambda: got.update(lease=bob.acquire(1, A100, gpu_mem="10GB", wait=30)))
+        t.start()
+        ev = watcher.wait_for(lambda e: e["type"] == "evicting", 10, "evicting")
+        assert (ev["lease"], ev["requested_by"]) == (whole.id, "bob")
+        check_state(redis_sync, k)
+        alice.release(whole)
+        t.join(30)
+        assert got["lease"].gpu_mem_mb == 10240 and got["lease"].gpus == whole.gpus
+        check_state(redis_sync, k)
+        bob.release(got["lease"])
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(read_events(redis_sync, k))
+
+
+def test_a_whole_gpu_request_evicts_a_gpu_whose_slices_are_all_warm_and_none_other(
+    server_factory: Any, redis_sync: Any
+) -> None:
+    """GPU a holds two warm slices, GPU b a warm slice beside a running one: a request for a whole
+    GPU evicts both of a's (one alone frees no GPU) and leaves b's alone; it gets a, whole."""
+    from tests.api_helpers import EventWatcher
+
+    srv = server_factory("box=2xA100-80GB", scheduling=WARM_SHARING, default_ttl=60)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("admin", "admin")).start()
+    users = ("alice", "dan", "carol", "erin", "bob")
+    cs = {u: srv.client(u) for u in users}
+    try:
+        big = {u: cs[u].acquire(1, A100, gpu_mem="50GB") for u in ("alice", "carol")}  # one on each GPU
+        assert big["alice"].gpus != big["carol"].gpus
+        small = {u: cs[u].acquire(1, A100, gpu_mem="20GB") for u in ("dan", "erin")}
+        by_gpu: dict[int, list[Lease]] = {}
+        for lease in (*big.values(), *small.values()):
+            by_gpu.setdefault(lease.gpus[0]["index"], []).append(lease)
+        # the GPU whose slices all go warm, and the one that keeps a running slice
+        warm_gpu = big["alice"].gpus[0]["index"]
+        for lease in by_gpu[warm_gpu]:
+            cs[lease.user].warm(lease)
+        other = [x for x in by_gpu[1 - warm_gpu] if x.user != "carol"]
+        for lease in other:
+            cs[lease.user].warm(lease)
+        check_state(redis_sync, k)
+        got: dict[str, Lease] = {}
+        t = threading.Thread(target=lambda: got.update(lease=cs["bob"].acquire(1, A100, wait=30)))
+        t.start()
+        evicted = {
+            watcher.wait_for(lambda e, i=x.id: e["type"] == "evicting" and e["lease"] == i, 10, x.id)["lease"]
+            for x in by_gpu[warm_gpu]
+        }
+        assert evicted == {x.id for x in by_gpu[warm_gpu]}
+        for x in by_gpu[1 - warm_gpu]:
+            assert "recall_at" not in cs[x.user].get(x.id), x.user
+        check_state(redis_sync, k)
+        for x in by_gpu[warm_gpu]:
+            cs[x.user].release(x)
+        t.join(30)
+        lease = got["lease"]
+        assert lease.gpus[0]["index"] == warm_gpu and lease.gpu_mem_mb == 0
+        assert sorted(e["lease"] for e in watcher.events if e["type"] == "evicting") == sorted(evicted)
+        check_state(redis_sync, k)
+        cs["bob"].release(lease)
+        for x in by_gpu[1 - warm_gpu]:
+            cs[x.user].release(x)
+    finally:
+        for c in cs.values():
+            c.close()
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(read_events(redis_sync, k))
 
 
 def test_a_slice_ended_by_the_server_drains_only_its_own_memory(server_factory: Any, redis_sync: Any) -> None:

@@ -265,10 +265,13 @@ async def _to_2(redis: Redis, keys: Keys) -> Step:
 
 def victim_member(lease: dict[str, Any]) -> str | None:
     """The lease's entry in the recall index (keys.py ``victims``), as lua/_lib.lua victim_member
-    writes it; None for a lease no recall takes back (a slice, a booking's lease that is not warm)."""
+    writes it; None for a lease no recall takes back (a slice that is not warm, or is being evicted;
+    a booking's lease that is not warm). A warm slice is class "v"."""
     if lease.get("gpu_mem_mb"):
-        return None
-    if lease.get("recall_at"):
+        if not lease.get("warm_since") or lease.get("recall_at"):
+            return None
+        c = "v"
+    elif lease.get("recall_at"):
         c = "r"
     elif lease.get("warm_since"):
         c = "w"

@@ -116,12 +116,16 @@ end
 -- whole-GPU lease not served from a booking, r being recalled (its GPUs are coming free) -- and
 -- R = 9999999999999 - created_at (ms), so that the newest, which lose the least work, come first
 -- (for a warm lease, which loses no work, led by 999 - its GPUs: the largest first).
--- A slice, and a booking's lease that is not warm, are never recalled and not in it. Every script
--- that grants a lease, ends one, turns one warm or cool or recalls one keeps it in step.
+-- A slice is in it only while warm and not yet evicted, in class v (a warm slice: evicted for a
+-- slice request that needs its memory, or with its GPU's other slices for a whole GPU); a booking's
+-- lease that is not warm is never recalled and not in it. Every script that grants a lease, ends
+-- one, turns one warm or cool or recalls one keeps it in step.
 local function victim_member(l)
-  if l.gpu_mem_mb then return nil end
   local c
-  if l.recall_at then c = 'r'
+  if l.gpu_mem_mb then
+    if not l.warm_since or l.recall_at then return nil end
+    c = 'v'
+  elseif l.recall_at then c = 'r'
   elseif l.warm_since then c = 'w'
   elseif l.resv then return nil
   elseif l.preemptible then c = 'p'

@@ -1,6 +1,39 @@
 -- _lib_recall.lua: taking leases back with notice, for a booking's holder, a request within
 -- quota (preemption) or anyone who waits (warm leases). Part of the library: see _lib.lua.
 
+-- Recall the leases `list` for waiter w, all on `node`, which is then held for w: each gets
+-- recall_at (revoked then unless released), leaves its class of the recall index and is told
+-- (event `kind`). Returns node.
+local function recall_these(w, pool, node, list, notice_ms, kind, why, extra)
+  local due = NOW + notice_ms
+  for _, l in ipairs(list) do
+    local old_member = victim_member(l)
+    if kind == 'borrow_recalled' then l.borrowed = true end
+    l.recall_at = due
+    l.recall_code, l.recall_why = RECALL_CODE[kind], why
+    if kind == 'evicting' then  -- a warm lease runs nothing: its kernel ends or suspends the worker
+      l.recall_reason = why .. ' (a warm lease is lent out when someone waits)'
+    else
+      l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
+    end
+    redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
+    index_victim(old_member, l)
+    redis.call('ZADD', K_RECALL, due, l.id)
+    local ev = {lease = l.id, user = l.user, pool = pool, node = l.node, requested_by = w.user, recall_at = due,
+                reason = l.recall_reason, cause = {code = l.recall_code, by = 'server', why = why}}
+    for k, v in pairs(extra) do ev[k] = v end
+    emit(kind, ev)
+  end
+  w.recall_node = node
+  local raw = redis.call('HGET', K_WAITERS, w.id)
+  if raw then
+    local stored = cjson.decode(raw)
+    stored.recall_node = node
+    redis.call('HSET', K_WAITERS, w.id, cjson.encode(stored))
+  end
+  return node
+end
+
 -- Waiter w (wanting n GPUs) found none free: recall -- revoke after notice_ms -- leases that
 -- rank(l) accepts (it returns a number, lower recalled first, or nil), fewest GPU-seconds of lost
 -- work first, on the node where that frees n GPUs at the least cost (only `only_node` if given).
@@ -67,9 +100,10 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       if #slots > 0 then
         for i, h in ipairs(redis.call('HMGET', K_HOLDERS, unpack(slots))) do
           -- "~": draining, "~slices": shared by slices; a slice alone frees no whole GPU (its GPU
-          -- keeps its other slices): a booking recalls the slices of a GPU together
-          -- (slice_victims); nothing else recalls slices
-          if h == SLICED and kind == 'borrow_recalled' then
+          -- keeps its other slices): a booking recalls the slices of a GPU together, and a warm
+          -- eviction a GPU whose slices are all warm (slice_victims; evict_for_slice lends a warm
+          -- slice's memory to a slice request)
+          if h == SLICED and (kind == 'borrow_recalled' or kind == 'evicting') then
             local raw = redis.call('HGET', K_SLICED, slots[i])
             for id in pairs(raw and cjson.decode(raw).leases or {}) do
               local sl = redis.call('HGET', K_LEASES, id)
@@ -104,7 +138,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       end
     end
   end
-  if kind == 'borrow_recalled' then slice_victims(per, slices, rank) end
+  if kind == 'borrow_recalled' or kind == 'evicting' then slice_victims(per, slices, rank) end
   local best, best_cost, best_list, best_over = nil, nil, nil, nil
   for node, p in pairs(per) do
     table.sort(p.victims, function(x, y)
@@ -135,33 +169,76 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
     end
     return nil
   end
-  local due = NOW + notice_ms
-  for _, l in ipairs(best_list) do
-    local old_member = victim_member(l)
-    if kind == 'borrow_recalled' then l.borrowed = true end
-    l.recall_at = due
-    l.recall_code, l.recall_why = RECALL_CODE[kind], why
-    if kind == 'evicting' then  -- a warm lease runs nothing: its kernel ends or suspends the worker
-      l.recall_reason = why .. ' (a warm lease is lent out when someone waits)'
-    else
-      l.recall_reason = why .. '; save your work: the GPUs go back in ' .. math.floor(notice_ms / 1000) .. ' s'
+  return recall_these(w, pool, best, best_list, notice_ms, kind, why, extra)
+end
+
+-- A warm lease (warm.lua) may be evicted for any waiter; nothing else is, by that rule.
+local function warm_rank(l)
+  if l.warm_since then return 0 end
+  return nil
+end
+
+-- A slice request w (w.gpu_mem_mb MB) found no room: warm leases are lent to it as to anyone who
+-- waits. First the newest RECALL_READ warm slices (class v of the recall index): on a sliced GPU
+-- whose free memory, plus what its slices already being evicted give back, plus its warm slices'
+-- would hold w, the fewest of those warm slices (largest first) that make room, on the GPU where
+-- that evicts the fewest, then the least memory. Failing that, a whole GPU from warm leases
+-- (recall with warm_rank), where the slice then takes a fresh GPU. A GPU whose slices a booking is
+-- recalling is passed over (it is being emptied for its holder). Returns the node held for w, or
+-- nil. Bounded: at most RECALL_READ leases and their GPUs' ledgers (max_sharers reads each).
+local function evict_for_slice(w, pool, notice_ms)
+  if w.recall_node then return w.recall_node end
+  if w.deadline <= NOW then return nil end
+  local miss = SCHED_CACHE['~miss|' .. pool]
+  if miss and miss.v and w.gpu_mem_mb >= miss.v then return nil end
+  local on, slots = {}, {}
+  local lo, hi = '[' .. pool .. '|v|', '(' .. pool .. '|v|~'
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_VICTIMS, lo, hi, 'LIMIT', 0, RECALL_READ)) do
+    local node, id = string.match(m, '^[^|]+|v|%d+|(.+)|([^|]+)$')
+    local raw = redis.call('HGET', K_LEASES, id)
+    if raw and tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
+      local l = cjson.decode(raw)
+      local slot = node .. '/' .. l.gpus[1].index
+      if not on[slot] then on[slot] = {node = node, ls = {}}; slots[#slots + 1] = slot end
+      table.insert(on[slot].ls, l)
     end
-    redis.call('HSET', K_LEASES, l.id, cjson.encode(l))
-    index_victim(old_member, l)
-    redis.call('ZADD', K_RECALL, due, l.id)
-    local ev = {lease = l.id, user = l.user, pool = pool, node = l.node, requested_by = w.user, recall_at = due,
-                reason = l.recall_reason, cause = {code = l.recall_code, by = 'server', why = why}}
-    for k, v in pairs(extra) do ev[k] = v end
-    emit(kind, ev)
   end
-  w.recall_node = best
-  local raw = redis.call('HGET', K_WAITERS, w.id)
-  if raw then
-    local stored = cjson.decode(raw)
-    stored.recall_node = best
-    redis.call('HSET', K_WAITERS, w.id, cjson.encode(stored))
+  local best, best_list, best_n, best_mb
+  for _, slot in ipairs(slots) do
+    local u = on[slot]
+    local sraw = redis.call('HGET', K_SLICED, slot)
+    local s = sraw and cjson.decode(sraw)
+    local room, ok = s and (s.total_mb - s.used_mb) or 0, s ~= nil
+    for id, mb in pairs(s and s.leases or {}) do
+      local lraw = redis.call('HGET', K_LEASES, id)
+      if lraw and string.find(lraw, '"recall_at"', 1, true) then
+        if string.find(lraw, '"recall_code":"evicted"', 1, true) then room = room + mb else ok = false end
+      end
+    end
+    if ok then
+      table.sort(u.ls, function(x, y)
+        if x.gpu_mem_mb ~= y.gpu_mem_mb then return x.gpu_mem_mb > y.gpu_mem_mb end
+        return x.id < y.id
+      end)
+      local list, mb = {}, 0
+      for _, l in ipairs(u.ls) do
+        if room >= w.gpu_mem_mb then break end
+        list[#list + 1] = l
+        room, mb = room + l.gpu_mem_mb, mb + l.gpu_mem_mb
+      end
+      if room >= w.gpu_mem_mb and #list > 0
+          and (best == nil or #list < best_n or (#list == best_n and mb < best_mb)) then
+        best, best_list, best_n, best_mb = u.node, list, #list, mb
+      end
+    end
   end
-  return best
+  if best then
+    return recall_these(w, pool, best, best_list, notice_ms, 'evicting', 'evicted for ' .. w.user .. "'s request", {})
+  end
+  local hold = recall(w, pool, 1, nil, warm_rank, notice_ms, 'evicting', 'evicted for ' .. w.user .. "'s request",
+                      {}, {'w', 'v'})
+  if not hold and miss then miss.v = math.min(w.gpu_mem_mb, miss.v or w.gpu_mem_mb) end
+  return hold
 end
 
 -- A booking holder's request: recall leases not served from a booking, borrowed ones first.
@@ -174,5 +251,5 @@ local function recall_for_booking(w, a, pool)
   end
   local why = 'recalled for ' .. r.owner .. "'s booking " .. r.id .. ' (' .. r.gpus .. ' GPU(s) of ' .. pool .. ')'
   return recall(w, pool, w.gpus, r.colocate and r.node or nil, rank, r.notice_ms or 30000, 'borrow_recalled', why,
-                {reservation = r.id, owner = r.owner}, {'w', 'b', 'o', 'p'})
+                {reservation = r.id, owner = r.owner}, {'w', 'v', 'b', 'o', 'p'})
 end

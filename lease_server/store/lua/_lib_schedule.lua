@@ -293,12 +293,6 @@ local function ask_to_shrink(w, pool, n, notice_ms)
   return best
 end
 
--- A warm lease (warm.lua) may be evicted for any waiter; nothing else is, by that rule.
-local function warm_rank(l)
-  if l.warm_since then return 0 end
-  return nil
-end
-
 -- Dispatch, step 1: the waiters of the pool's queue (``members``, its first entries) in the order
 -- they are served: booking holders first, then by the scheduler's key; a user's waiters beyond
 -- 4 (fair share, no booking in force) after all the others, oldest first.
@@ -361,7 +355,10 @@ end
 local function make_room(w, a, pool, sched, reserved)
   local hold
   if w.gpu_mem_mb then
-    return nil  -- a blocked slice recalls nothing (what a recall frees is counted in whole GPUs)
+    -- a blocked slice evicts warm leases (warm slices for their memory, else a whole GPU) and
+    -- recalls nothing else (what a booking or a preemption frees is counted in whole GPUs)
+    if tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm') or '0') == 0 then return nil end
+    return evict_for_slice(w, pool, sched.warm_evict_notice_ms)
   elseif (w.nodes or 1) > 1 then
     hold = nil  -- a blocked gang recalls nothing (recalls free GPUs one node at a time)
   elseif a then
@@ -370,7 +367,7 @@ local function make_room(w, a, pool, sched, reserved)
     -- Warm leases are lendable: anyone who would otherwise wait evicts them, with a short notice
     -- in which the holder's kernel ends (or suspends) the worker and releases.
     hold = recall(w, pool, w.gpus_min or w.gpus, nil, warm_rank, sched.warm_evict_notice_ms, 'evicting',
-                  'evicted for ' .. w.user .. "'s request", {}, {'w'})
+                  'evicted for ' .. w.user .. "'s request", {}, {'w', 'v'})
   end
   if not hold and not a and (w.nodes or 1) <= 1
       and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0

@@ -122,7 +122,8 @@ local function allocate_slice(pool, mb, max_sharers, busy_pct, exclude)
   return busy
 end
 
--- For a recall of whole GPUs for a booking's holder (recall in _lib_recall.lua): the GPUs that the
+-- For a recall of whole GPUs (recall in _lib_recall.lua: a booking's holder, or a warm eviction with
+-- rank warm_rank, which takes only a GPU whose slices are all warm): the GPUs that the
 -- live slices `slices` of the pool share, each a victim that frees one whole GPU once every slice
 -- on it is gone. per[node].victims gets {l = a slice, more = the GPU's other slices, count = 1,
 -- rank = the highest of their ranks, lost = their lost work, each weighed by its fraction}; a GPU
@@ -147,7 +148,8 @@ local function slice_victims(per, slices, rank)
         else
           u.ls[#u.ls + 1] = l
           u.rank = math.max(u.rank or r, r)
-          u.lost = u.lost + (NOW - l.created_at) * l.gpu_mem_mb / l.gpu_total_mb
+          -- (a warm slice loses no work, only its warm state: each evicted costs 1, as a warm lease)
+          u.lost = u.lost + (l.warm_since and 1 or (NOW - l.created_at) * l.gpu_mem_mb / l.gpu_total_mb)
         end
       end
     end

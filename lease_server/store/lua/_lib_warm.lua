@@ -13,9 +13,11 @@ local function warm_lease(lease)
     lease.expires_at = lease.warm_until
     redis.call('ZADD', K_DEADLINES, lease.expires_at, lease.id)
   end
-  touch_usage(lease.pool, lease.user, -#lease.gpus, 0)
+  touch_usage(lease.pool, lease.user, -gpu_share(lease), 0)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', 1)
-  redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)  -- (allocate's fit)
+  if not lease.gpu_mem_mb then  -- (allocate's fit: a warm slice lends memory, not a whole GPU)
+    redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)
+  end
   index_victim(old, lease)
 end
 
@@ -38,10 +40,12 @@ end
 local function cool_lease(lease)
   if not lease.warm_since then return end
   local old = victim_member(lease)
-  lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * #lease.gpus
+  lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * gpu_share(lease)
   lease.warm_since, lease.warm_until = nil, nil
-  touch_usage(lease.pool, lease.user, #lease.gpus, 0)
-  for field, k in pairs({['|~warm'] = 1, ['|~warm@' .. lease.node] = #lease.gpus}) do
+  touch_usage(lease.pool, lease.user, gpu_share(lease), 0)
+  local counts = {['|~warm'] = 1}
+  if not lease.gpu_mem_mb then counts['|~warm@' .. lease.node] = #lease.gpus end
+  for field, k in pairs(counts) do
     if redis.call('HINCRBY', K_HELD_BY, lease.pool .. field, -k) <= 0 then
       redis.call('HDEL', K_HELD_BY, lease.pool .. field)
     end

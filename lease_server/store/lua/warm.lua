@@ -2,12 +2,14 @@
 -- cell on it again ("0"). A warm lease is lendable: anyone who would otherwise wait evicts it
 -- (dispatch, with the pool's warm_evict_notice), and it ends by itself warm_max after it went
 -- warm (its deadline is capped there; renew.lua keeps the cap). Going warm serves the queue at
--- once, so a request already waiting evicts it in this same script.
+-- once, so a request already waiting evicts it in this same script. A slice goes warm as a whole
+-- GPU does; it is lent as memory (_lib_slice.lua evict_for_slice) or, with every other slice of
+-- its GPU warm too, as that whole GPU (recall).
 -- KEYS: nodes alive free fit holders sliced slice_fit leases deadlines ended queue waiters waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token ("" = not given: ownership alone suffices; the simulator's
 -- replay, which drives leases by id)   ARGV[8] = user   ARGV[9] = "1": warm | "0": run again
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE}
---       | {BUSY, why}: it cannot go warm (it spans nodes, is elastic or a slice, or is being recalled or
+--       | {BUSY, why}: it cannot go warm (it spans nodes, is elastic, or is being recalled or
 --         shrunk), or cannot run again (it is being evicted: release it and ask again)
 local id, token, user, on = ARGV[6], ARGV[7], ARGV[8], ARGV[9] == '1'
 local lease, raw = owned_lease(id, token, user)
@@ -15,7 +17,6 @@ if not lease then return raw end
 if on then
   if lease.warm_since then return {OK, raw} end
   if lease.elastic then return {BUSY, 'an elastic lease'} end
-  if lease.gpu_mem_mb then return {BUSY, 'a slice of a GPU (slices are not lent out yet)'} end
   for _, g in ipairs(lease.gpus) do
     if (g.node or lease.node) ~= lease.node then return {BUSY, 'a lease that spans nodes'} end
   end
