@@ -5,6 +5,7 @@ hook saved one. Each is one line for a person; none shows local frames."""
 from __future__ import annotations
 
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -122,16 +123,24 @@ class Ending:
         if self.state == "refused":
             return f"gpu_train: {self.why}"
         big = f"; brought back {', '.join(self.crossed)}" if self.crossed else ""
-        notes = "".join(f"\n  ! {n}" for n in self.notes)
+        # each note under the line, wrapped to 80 columns
+        notes = "".join(
+            "\n" + textwrap.fill(n, 80, initial_indent="  ! ", subsequent_indent="    ") for n in self.notes
+        )
         if self.restored:
             notes = f"\n  {self.restored}{notes}"
         if self.warm:
             lendable = "(lent out if someone waits)"
             mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory else ""
             if self.state == "failed":
-                kept = f"its worker kept warm on {self.where} {lendable}"
-                return f"gpu_train: failed after {self.held_s:.1f}s; {kept}{notes}"
-            return f"gpu_train: ran {self.held_s:.1f}s; kept warm on {self.where} {lendable}{mem}{big}{notes}"
+                head, tail = (
+                    f"gpu_train: failed after {self.held_s:.1f}s; its worker kept warm on {self.where}",
+                    lendable,
+                )
+            else:
+                head, tail = f"gpu_train: ran {self.held_s:.1f}s; kept warm on {self.where}", f"{lendable}{mem}{big}"
+            # one line where it fits in 80 columns (a slice's place is longer), else two
+            return f"{head} {tail}{notes}" if len(head) + 1 + len(tail) <= 80 else f"{head}\n  {tail}{notes}"
         if self.cpu:
             what = f"ran on {self.where} for {self.held_s:.1f}s"
         else:

@@ -151,9 +151,7 @@ def check_slice(
     GPU (no other count, range, gang or elastic), and its size must be readable (or ``auto``)."""
     if gpu_mem is None:
         return
-    if isinstance(gpu_mem, str) and gpu_mem.strip().lower() == slices.AUTO:
-        pass
-    else:
+    if not slices.is_auto(gpu_mem):
         parse_gpu_mem(gpu_mem)  # ValueError: one line that says what would work
     if (gpus is not None and gpus != 1) or (gpus_min is not None and gpus_min != gpus):
         got = f"{gpus_min}-{gpus}" if gpus_min is not None and gpus_min != gpus else str(gpus)
@@ -285,7 +283,7 @@ def _resolved(options: Options | None, sess: Session) -> Options:
 def _auto_size(sess: Session, opts: Options) -> Options:
     """``--gpu-mem auto``: a whole GPU for the notebook's first GPU cell (or while the pool does
     not share), then a slice of the last cell's measured peak plus a margin, in the pool's unit."""
-    if not (isinstance(opts.gpu_mem, str) and opts.gpu_mem.strip().lower() == slices.AUTO):
+    if not slices.is_auto(opts.gpu_mem):
         return opts
     try:
         view = sess.client().cluster()
@@ -310,8 +308,9 @@ class _Run:
         self.sess, self.opts, self.ui, self.call = sess, opts, ui, call
         self.cancel, self.relay = cancel, relay
         self.rid = Client.new_request_id()
-        # a slice is not kept warm (not lendable yet: docs/slices.md), nor is an auto-sized cell
-        self.warm_ok = relay is None and cancel is None and warmable(opts, call) and opts.gpu_mem is None
+        # a slice of a size asked is kept warm as a whole GPU is; an auto-sized cell is not (the
+        # next cell's size comes from this one's peak, so it would not fit)
+        self.warm_ok = relay is None and cancel is None and warmable(opts, call) and not slices.is_auto(opts.gpu_mem)
         call.keep_ns = self.warm_ok
         self.warm: WarmWorker | None = None
         self.resume: WarmWorker | None = None  # a worker suspended on eviction, restored onto this call's new lease
@@ -338,7 +337,7 @@ class _Run:
                 self.call = self.warm.strip(self.call)  # the names the worker holds already stay there
             else:
                 cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
-                self.auto = opts.gpu_mem is not None and str(opts.gpu_mem).strip().lower() == slices.AUTO
+                self.auto = slices.is_auto(opts.gpu_mem)
                 self.opts = opts = _auto_size(sess, opts)
                 self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay)
                 self.world = self.grant.world()
@@ -446,13 +445,13 @@ class _Run:
         clean = ending.state == "released"
         kept = None
         if self.warm_ok and (clean or self.user_error):
-            kept = keep_warm(sess, grant, self.world, self.warm or self.resume)
+            kept = keep_warm(sess, grant, self.world, self.warm or self.resume, opts.gpu_mem)
         later = opts.background_release and clean and kept is None
         if kept is not None:
             ending.warm = True
             kept.crossed(dict(call.inputs), self.results[0].value.names if clean else {})
             assert grant.lease is not None
-            ending.where = f"{grant.lease.node} GPU {','.join(str(i) for i in grant.lease.indexes)}"
+            ending.where = kept.where()
         else:
             ending.where = grant.where
             if not later:

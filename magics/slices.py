@@ -31,6 +31,11 @@ MEM_ENV = "GPULEASE_GPU_MEM_MB"  # a slice's worker: MB of its GPU promised to i
 TOTAL_ENV = "GPULEASE_GPU_TOTAL_MB"  # and its GPU's memory
 
 
+def is_auto(gpu_mem: Any) -> bool:
+    """Whether a cell asked ``--gpu-mem auto`` (sized from the notebook's last measured peak)."""
+    return isinstance(gpu_mem, str) and gpu_mem.strip().lower() == AUTO
+
+
 def fraction(slice_mb: int, total_mb: int) -> float | None:
     """The share of its GPU's memory a slice may use (torch's per-process memory fraction), in
     (0, 1]; None when the sizes cannot say (a whole GPU, or a GPU of unknown memory)."""

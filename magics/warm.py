@@ -33,6 +33,7 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.protocol import EndCause, EndCauseJson
+from lease_server.sizes import parse_gpu_mem, show_mb
 
 from .calls import Call, event_client
 from .grant import Grant
@@ -111,6 +112,7 @@ class WarmWorker:
         self.lease = grant.lease
         self.since = time.monotonic()  # the last cell's end
         self.sent: dict[str, Any] = {}  # name -> the kernel's object the worker holds a copy of
+        self.asked: Any = None  # a slice: the size its cell asked for (parse_gpu_mem's), for fits
         self.gone: str = ""  # why it ended while warm ("evicted for bob's request"), once it did
         self.gone_at = 0.0
         self._lock = threading.Lock()
@@ -128,11 +130,23 @@ class WarmWorker:
     # ---- the notebook's side ----------------------------------------------------------------------
 
     def fits(self, opts: Options) -> bool:
-        """The next cell asks for what this lease holds."""
-        return opts.gpus == len(self.lease.gpus) and opts.pool in (None, self.lease.pool)
+        """The next cell asks for what this lease holds: as many whole GPUs, or a slice of the
+        size the last cell asked for (or got: "1GB" after "1000MB" rounded up to 1 GB)."""
+        if opts.pool not in (None, self.lease.pool):
+            return False
+        if not self.lease.gpu_mem_mb:
+            return opts.gpu_mem is None and opts.gpus == len(self.lease.gpus)
+        if opts.gpu_mem is None:
+            return False
+        try:
+            size = parse_gpu_mem(opts.gpu_mem)
+        except ValueError:
+            return False
+        return size in (self.asked, parse_gpu_mem(self.lease.gpu_mem_mb))
 
     def where(self) -> str:
-        return f"{self.lease.node} GPU {','.join(str(g['index']) for g in self.lease.gpus)}"
+        gpus = f"{self.lease.node} GPU {','.join(str(g['index']) for g in self.lease.gpus)}"
+        return f"a {show_mb(self.lease.gpu_mem_mb)} slice of {gpus}" if self.lease.gpu_mem_mb else gpus
 
     def take(self) -> bool:
         """Run the next cell here: the lease runs again (``warm: false``). False once it was
@@ -416,7 +430,10 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
     if not usable or opts.fresh or not w.fits(opts):
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
         if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there
-            asked = f"{opts.gpus} GPU{'' if opts.gpus == 1 else 's'}" + (f" of {opts.pool}" if opts.pool else "")
+            if opts.gpu_mem is not None:
+                asked = f"--gpu-mem {opts.gpu_mem}" + (f" of {opts.pool}" if opts.pool else "")
+            else:
+                asked = f"{opts.gpus} GPU{'' if opts.gpus == 1 else 's'}" + (f" of {opts.pool}" if opts.pool else "")
             return None, f"warm worker on {w.where()} ended: this cell asks for {asked} (a cold start)"
         return None, ""
     if w.take():
@@ -424,10 +441,12 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
     return None, w.ended_line()
 
 
-def keep_warm(sess: Session, grant: Grant, world: World, last: WarmWorker | None) -> WarmWorker | None:
-    """After a clean cell: keep its worker and lease for the notebook's next cell. None when the
-    server will not (the lease is being recalled, ...) or the worker is not fit: the caller then
-    ends the worker and releases as usual."""
+def keep_warm(
+    sess: Session, grant: Grant, world: World, last: WarmWorker | None, gpu_mem: Any = None
+) -> WarmWorker | None:
+    """After a clean cell: keep its worker and lease for the notebook's next cell (``gpu_mem``:
+    the slice size the cell asked for). None when the server will not (the lease is being
+    recalled, ...) or the worker is not fit: the caller then ends the worker and releases as usual."""
     import ray
 
     if grant.lease is None or len(world.ranks) != 1 or grant.ended_elsewhere.is_set():
@@ -448,6 +467,8 @@ def keep_warm(sess: Session, grant: Grant, world: World, last: WarmWorker | None
     if grant.held is not None:
         grant.held.activity = {"executing": False, "source": "gpu_train warm"}
     w = WarmWorker(sess, grant, world)
+    if gpu_mem is not None:
+        w.asked = parse_gpu_mem(gpu_mem)
     if last is not None:
         w.sent = last.sent
     _slot(sess).current = w

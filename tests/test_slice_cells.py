@@ -249,3 +249,49 @@ def peak_on_board(c: Client, lease_id: str) -> int:
             if lease.get("id") == lease_id:
                 return int(lease.get("mem_peak_mb") or 0)
     return 0
+
+
+# ---- warm slices ------------------------------------------------------------------------------------
+
+
+def test_a_slice_stays_warm_for_the_next_cell_of_its_size_and_is_lent_to_a_slice_that_needs_it(up, sess, admin):
+    """A 40 GB slice cell keeps its worker warm; the next cell of the same size (written another
+    way) runs in it. bob, with the other GPU taken, asks for 50 GB: the warm slice is evicted for
+    him (its worker ended, its lease released) and our next cell starts cold, saying why."""
+    from dataclasses import replace
+
+    from tests.test_warm_cells import other_user
+
+    ns: dict[str, Any] = {}
+    opts = Options(gpu_mem="40GB", pool=A100, warm=True)
+    first = RecordingUI()
+    run_cell("import os\npid = os.getpid()\nmodel = [1.0, 2.0]", ns, opts, first, sess)
+    assert first.ending.warm and first.ending.where == "a 40 GB slice of box GPU 0", first.ending
+    line = first.ending.line()
+    assert "kept warm on a 40 GB slice of box GPU 0" in line and lines_fit(line), line
+    again = RecordingUI()
+    run_cell("import os\nsame = os.getpid() == pid\nn = len(model)", ns, replace(opts, gpu_mem="40960MB"), again, sess)
+    assert ns["same"] is True and ns["n"] == 2 and again.ending.warm
+    # bob: the other GPU whole, then a slice that fits only where the warm slice is
+    bob = other_user(up)
+    try:
+        whole = bob.acquire(1, A100)
+        assert whole.gpus[0]["index"] == 1
+        got = bob.acquire(1, A100, gpu_mem="50GB", wait=60)
+        assert got.gpus[0]["index"] == 0 and got.gpu_mem_mb == 51200
+        bob.release(got)
+        bob.release(whole)
+    finally:
+        bob.close()
+    third = RecordingUI()
+    run_cell("import os\nsame = os.getpid() == pid", ns, opts, third, sess)
+    assert ns["same"] is False
+    notes = " ".join(third.ending.notes)
+    assert "a 40 GB slice of box GPU 0" in notes and "evicted for bob's request" in notes, third.ending.notes
+    assert lines_fit(third.ending.line()), third.ending.line()
+    # the third cell left its slice warm; a whole-GPU cell ends it (a cold start, one line)
+    fourth = RecordingUI()
+    run_cell("x = 1", ns, replace(opts, gpu_mem=None, gpus=1), fourth, sess)
+    assert any("this cell asks for 1 GPU" in n for n in fourth.ending.notes), fourth.ending.notes
+    run_cell("x = 1", ns, replace(opts, gpu_mem=None, gpus=1, warm=False), RecordingUI(), sess)
+    assert nothing_leased(admin)

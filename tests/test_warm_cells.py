@@ -174,7 +174,7 @@ def test_a_frozen_kernel_misses_the_notice_and_its_warm_worker_is_ended_before_t
         os.kill(k.km.provisioner.process.pid, signal.SIGCONT)
         out = k.run("%%gpu_train --gpus 1\n1 + 1")
         assert text(out, "execute_result") == "2" and not errors_of(out), out
-        assert "this cell starts cold" in "\n".join(displays(out))
+        assert "this cell starts cold" in " ".join(" ".join(displays(out)).split())
     finally:
         os.kill(k.km.provisioner.process.pid, signal.SIGCONT)
         k.shutdown()
@@ -241,5 +241,5 @@ def test_a_warm_worker_that_died_while_warm_is_replaced_with_one_line(stack, ker
     os.close(fd)
     out = kernel.run("%%gpu_train --gpus 1\n2 * 21")
     assert not errors_of(out) and text(out, "execute_result") == "42", out
-    shown = "\n".join(displays(out))
+    shown = " ".join(" ".join(displays(out)).split())  # (a long note wraps at 80 columns)
     assert "ended 0s ago (its worker process exited" in shown and "this cell starts cold" in shown, shown

@@ -14,7 +14,8 @@ local id, token, user = ARGV[6], ARGV[7], ARGV[8]
 local lease, raw = owned_lease(id, token, user)
 if not lease then return raw end
 if not lease.warm_since then return {BUSY, 'only a warm lease is suspended (its cell still runs)'} end
-if #lease.gpus ~= 1 or lease.gpu_mem_mb then return {BUSY, 'only a one-GPU lease is suspended'} end
+if lease.gpu_mem_mb then return {BUSY, 'a slice is not suspended'} end
+if #lease.gpus ~= 1 then return {BUSY, 'only a one-GPU lease is suspended'} end
 local node = lease.node
 local inv_raw = redis.call('HGET', K_NODES, node)
 if not inv_raw or not string.find(inv_raw, '"suspend":"', 1, true) then
