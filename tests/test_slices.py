@@ -9,6 +9,7 @@ and for whole GPUs and slices never landing on each other's GPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import subprocess
@@ -555,9 +556,10 @@ def _size(rng: random.Random) -> str | int | float:
 
 def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHandle, redis_sync: Any) -> None:
     """240 random steps: slices of random sizes (MB, GB, fractions), whole-GPU leases, releases,
-    admin revokes and leases left to expire (ttl 1 s, never renewed: the server's sweep ends them),
-    on 6 shared A100s. The referee checks the whole state after every step, and the event log
-    at the end: no GPU promised past its memory, no whole GPU shared."""
+    admin revokes, leases left to expire (ttl 1 s, never renewed: the server's sweep ends them),
+    leases kept warm and requests that wait a moment (and so may evict warm slices or GPUs, which
+    the sweep then revokes), on 6 shared A100s. The referee checks the whole state after every
+    step, and the event log at the end: no GPU promised past its memory, no whole GPU shared."""
     rng = random.Random(35)
     k = keys_of(srv)
     users = ["ann", "ben", "cat", "dan"]
@@ -568,7 +570,9 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
     outcomes: dict[str, int] = {}
     try:
         for _ in range(240):
-            step = rng.choices(["slice", "whole", "release", "revoke", "expire"], [40, 15, 30, 5, 10])[0]
+            step = rng.choices(
+                ["slice", "whole", "release", "revoke", "expire", "warm", "wait"], [40, 15, 30, 5, 10, 10, 5]
+            )[0]
             user = rng.choice(users)
             c = clients[user]
             try:
@@ -580,12 +584,24 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
                     (short if step == "expire" else live).append(lease)
                 elif step == "whole":
                     live.append(c.acquire(rng.choice([1, 1, 2]), A100, ttl=60))
+                elif step == "wait":  # queued for a moment: a warm lease may be evicted for it
+                    size = rng.choice([_size(rng), None])
+                    live.append(c.acquire(1, A100, ttl=60, gpu_mem=size, wait=0.3))
+                elif step == "warm" and live:
+                    lease = rng.choice(live)
+                    try:
+                        clients[lease.user].warm(lease)
+                    except errors.Conflict:  # ended meanwhile (evicted, expired) or being evicted
+                        live.remove(lease)
                 elif live:
                     lease = live.pop(rng.randrange(len(live)))
-                    if step == "release":
-                        clients[lease.user].release(lease)
-                    else:
-                        admin.revoke(lease.id, "randomized test")
+                    try:
+                        if step == "release":
+                            clients[lease.user].release(lease)
+                        else:
+                            admin.revoke(lease.id, "randomized test")
+                    except errors.LeaseEnded:  # evicted while warm: the sweep revoked it
+                        outcomes["evicted"] = outcomes.get("evicted", 0) + 1
                 outcomes[step] = outcomes.get(step, 0) + 1
             except errors.NoCapacity:
                 outcomes["busy"] = outcomes.get("busy", 0) + 1
@@ -599,7 +615,8 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
                         break
             check_state(redis_sync, k)
         for lease in live:
-            clients[lease.user].release(lease)
+            with contextlib.suppress(errors.LeaseEnded):
+                clients[lease.user].release(lease)
     finally:
         for c in [*clients.values(), admin]:
             c.close()
@@ -607,3 +624,4 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
     check_state(redis_sync, k, expect_all_free=True)
     counts = check_event_log(read_events(redis_sync, k))
     assert counts.get("expired", 0) == len(short) > 5
+    assert counts.get("warm", 0) > 5 and counts.get("evicting", 0) > 0, counts  # warm leases were lent
