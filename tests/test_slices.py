@@ -614,6 +614,21 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
                         assert ev["type"] == "expired"
                         break
             check_state(redis_sync, k)
+        # Whatever the steps left: the pool full and every lease warm, a request that waits evicts.
+        while True:
+            try:
+                live.append(clients["ann"].acquire(1, A100, ttl=60))
+            except errors.NoCapacity:
+                break
+        for lease in list(live):
+            try:
+                clients[lease.user].warm(lease)
+            except errors.Conflict:
+                live.remove(lease)
+        check_state(redis_sync, k)
+        with contextlib.suppress(errors.NoCapacity):
+            live.append(clients["ben"].acquire(1, A100, ttl=60, wait=0.3))
+        check_state(redis_sync, k)
         for lease in live:
             with contextlib.suppress(errors.LeaseEnded):
                 clients[lease.user].release(lease)
