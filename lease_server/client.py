@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,11 +139,17 @@ class Lease:
 
     @property
     def cuda_visible_devices(self) -> str:
-        return ",".join(str(i) for i in self.indexes)
+        return visible_devices(self.gpus)
 
     @property
     def uuids(self) -> list[str]:
         return [g.get("uuid", "") for g in self.gpus]
+
+
+def visible_devices(gpus: Iterable[Mapping[str, Any]]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for leased GPUs: their NVML indexes, and a MIG instance by its UUID
+    (``MIG-...``: CUDA knows an instance only by that)."""
+    return ",".join(str(g["uuid"]) if str(g.get("uuid", "")).startswith("MIG-") else str(g["index"]) for g in gpus)
 
 
 class Client:

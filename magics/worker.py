@@ -502,10 +502,15 @@ def _peak_memory() -> int | None:
     except Exception:
         return None
     try:
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip().isdigit()]
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
         total = 0
-        for idx in visible:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(idx))
+        for d in visible:
+            if d.startswith("MIG-"):  # a MIG instance: its own handle lists its processes
+                handle = pynvml.nvmlDeviceGetHandleByUUID(d)
+            elif d.isdigit():
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(d))
+            else:
+                continue
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if proc.pid == os.getpid() and proc.usedGpuMemory:
                     total += int(proc.usedGpuMemory)
@@ -567,7 +572,9 @@ def _claim(watch: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
     eviction; the agent restores it onto the lease's GPU with the claim. Returns what the restore
     measured ({bytes, ms}); raises NotRestored if it was refused."""
     node, lease_id = env.get("GPULEASE_NODE", ""), str(watch.get("id") or "")
-    gpus = [int(i) for i in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip().isdigit()]
+    # the lease's indexes on this node (CUDA_VISIBLE_DEVICES names a MIG instance by its UUID)
+    indexes = env.get("GPULEASE_GPU_INDEXES") or env.get("CUDA_VISIBLE_DEVICES", "")
+    gpus = [int(i) for i in indexes.split(",") if i.strip().isdigit()]
     restore = bool(watch.get("restore"))
     if not (watch.get("instance") and node and lease_id and gpus) or (lease_id, node) in _CLAIMED:
         if restore:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lease_server.client import Lease
+from lease_server.client import Lease, visible_devices
 from lease_server.protocol import GpuJson
 
 from . import slices
@@ -70,7 +70,8 @@ class World:
         mine = self._gpus(node)
         env = {
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # CUDA's indexes = NVML's = the lease's
-            "CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in mine),
+            "CUDA_VISIBLE_DEVICES": visible_devices(mine),
+            "GPULEASE_GPU_INDEXES": ",".join(str(g["index"]) for g in mine),
             "GPULEASE_LEASE_ID": self.lease.id,
             "GPULEASE_GPU_UUIDS": ",".join(g.get("uuid", "") for g in mine),
             "GPULEASE_NODE": node,
@@ -87,7 +88,8 @@ class World:
             gpus = [] if self.lease is None or self.cpu else self._gpus(node)
         else:
             env.update(
-                CUDA_VISIBLE_DEVICES=",".join(str(g["index"]) for g in gpus),
+                CUDA_VISIBLE_DEVICES=visible_devices(gpus),
+                GPULEASE_GPU_INDEXES=",".join(str(g["index"]) for g in gpus),
                 GPULEASE_GPU_UUIDS=",".join(g.get("uuid", "") for g in gpus),
             )
         return Rank(

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pynvml
 import pytest
 
 from lease_server import errors
-from lease_server.leasing.inventory import parse_simulate
-from lease_server.node.agent import nvml_inventory, pool_name
+from lease_server.leasing.inventory import NodeInventory, parse_simulate
+from lease_server.node.agent import nvml_inventories, nvml_inventory, pool_name
 
 
 def nvml_like(gpus: list[tuple[str, str, int]]) -> types.SimpleNamespace:
@@ -147,3 +149,146 @@ def test_nvml_sampler_reads_utilization_memory_and_processes():
     del nvml.nvmlMemory_v2  # an nvidia-ml-py without v2: the v1 reading, reservation and all
     assert [g["mem_mb"] for g in sampler.sample()] == [30 * 1024 + 480, 480]
     sampler.close()
+
+
+# ---- MIG: instances an admin made, leased whole as their own pool ----------------------------------
+
+
+def nvml_with_mig(gpus: list[tuple[str, str, int]], migs: dict[int, list[tuple[str, str, int] | None]]) -> Any:
+    """nvml_like, where GPU i of ``migs`` is in MIG mode with those instances (uuid, name, bytes;
+    None: an empty place), as NVML answers: the MIG functions exist in pynvml with these
+    parameters, a GPU without MIG answers NOT_SUPPORTED, an empty place NOT_FOUND, and a MIG
+    instance has no utilisation (NOT_SUPPORTED). A MIG handle is ("mig", gpu, place)."""
+    nvml = nvml_like(gpus)
+    base_uuid, base_name, base_mem = nvml.nvmlDeviceGetUUID, nvml.nvmlDeviceGetName, nvml.nvmlDeviceGetMemoryInfo
+
+    def nvmlDeviceGetMigMode(device):  # noqa: ANN001, ANN202, N802
+        if device not in migs:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE]
+
+    def nvmlDeviceGetMaxMigDeviceCount(device):  # noqa: ANN001, ANN202, N802
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(device, index):  # noqa: ANN001, ANN202, N802
+        places = migs[device]
+        if index >= len(places) or places[index] is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return ("mig", device, index)
+
+    def inst(handle):  # noqa: ANN001, ANN202
+        return migs[handle[1]][handle[2]]
+
+    def nvmlDeviceGetUUID(handle):  # noqa: ANN001, ANN202, N802
+        return inst(handle)[0] if isinstance(handle, tuple) else base_uuid(handle)
+
+    def nvmlDeviceGetName(handle):  # noqa: ANN001, ANN202, N802
+        return inst(handle)[1] if isinstance(handle, tuple) else base_name(handle)
+
+    def nvmlDeviceGetMemoryInfo(handle, version=None):  # noqa: ANN001, ANN202, N802
+        if not isinstance(handle, tuple):
+            return base_mem(handle)
+        mem = pynvml.c_nvmlMemory_t()
+        mem.total = inst(handle)[2]
+        return mem
+
+    def nvmlDeviceGetUtilizationRates(handle):  # noqa: ANN001, ANN202, N802
+        if isinstance(handle, tuple):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        rates = pynvml.c_nvmlUtilization_t()
+        rates.gpu = 50
+        return rates
+
+    def nvmlDeviceGetComputeRunningProcesses(handle):  # noqa: ANN001, ANN202, N802
+        pid = 7000 + handle[2] if isinstance(handle, tuple) else 6000 + handle
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=2**30)]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(handle):  # noqa: ANN001, ANN202, N802
+        return []
+
+    for fn in (
+        nvmlDeviceGetMigMode,
+        nvmlDeviceGetMaxMigDeviceCount,
+        nvmlDeviceGetMigDeviceHandleByIndex,
+        nvmlDeviceGetUUID,
+        nvmlDeviceGetName,
+        nvmlDeviceGetMemoryInfo,
+        nvmlDeviceGetUtilizationRates,
+        nvmlDeviceGetComputeRunningProcesses,
+        nvmlDeviceGetGraphicsRunningProcesses,
+    ):
+        real = getattr(pynvml, fn.__name__)
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(real).parameters), fn.__name__
+        setattr(nvml, fn.__name__, fn)
+    nvml.NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
+    return nvml
+
+
+GIB = 1024**3
+A100 = "NVIDIA A100-SXM4-80GB"
+MIG_BOX = (
+    [("GPU-a", A100, 80 * GIB), ("GPU-b", A100, 80 * GIB), ("GPU-c", A100, 80 * GIB)],
+    {
+        1: [
+            ("MIG-1a", f"{A100} MIG 1g.10gb", 9728 * 2**20),
+            None,  # an empty place
+            ("MIG-1b", f"{A100} MIG 1g.10gb", 9728 * 2**20),
+            ("MIG-1c", f"{A100} MIG 3g.40gb", 40192 * 2**20),
+        ],
+        2: [("MIG-2a", "NVIDIA A100-SXM4-80GB MIG", 40192 * 2**20)],  # an older driver's name
+    },
+)
+
+
+def test_mig_instances_are_their_own_pools_and_their_gpus_are_not_leased_whole():
+    invs = {inv.node: inv for inv in nvml_inventories("box", nvml=nvml_with_mig(*MIG_BOX))}
+    whole, one_g, three_g, by_mem = (invs[n] for n in ("box", "box-mig-1g.10gb", "box-mig-3g.40gb", "box-mig-39gb"))
+    assert (whole.node, whole.pool, [g.index for g in whole.gpus]) == ("box", "A100-SXM4-80GB", [0])
+    assert (one_g.node, one_g.pool) == ("box-mig-1g.10gb", "A100-SXM4-80GB-MIG-1g.10gb")
+    assert [(g.index, g.uuid, g.memory_mb) for g in one_g.gpus] == [(0, "MIG-1a", 9728), (1, "MIG-1b", 9728)]
+    assert one_g.extra["mig_parent"] == {0: 1, 1: 1} and one_g.source == "nvml"
+    assert (three_g.node, three_g.pool, [g.uuid for g in three_g.gpus]) == (
+        "box-mig-3g.40gb",
+        "A100-SXM4-80GB-MIG-3g.40gb",
+        ["MIG-1c"],
+    )
+    assert (by_mem.pool, by_mem.extra["mig_parent"]) == ("A100-SXM4-80GB-MIG-39gb", {0: 2})
+    # every name is one the server takes (what an agent sends is checked as any other)
+    for inv in (whole, one_g, three_g, by_mem):
+        assert NodeInventory.from_body(inv.node, json.loads(inv.to_json())).gpus == inv.gpus
+
+
+def test_a_host_of_mig_gpus_only_has_no_whole_gpu_inventory():
+    gpus, migs = MIG_BOX
+    invs = nvml_inventories("box", nvml=nvml_with_mig(gpus[1:], {0: migs[1], 1: migs[2]}))
+    assert sorted(inv.node for inv in invs) == ["box-mig-1g.10gb", "box-mig-39gb", "box-mig-3g.40gb"]
+    with pytest.raises(errors.ConfigurationError, match="no GPU"):
+        nvml_inventories("box", nvml=nvml_with_mig(gpus[:1], {0: [None, None]}))
+
+
+def test_the_sampler_reads_a_mig_node_by_its_instances_and_reports_no_utilisation_for_them():
+    from lease_server.node.agent import NvmlSampler
+
+    nvml = nvml_with_mig(*MIG_BOX)
+    whole, one_g = nvml_inventories("box", nvml=nvml)[:2]
+    assert one_g.node == "box-mig-1g.10gb"
+    sampler = NvmlSampler(nvml)
+    mig = sampler.view(one_g)
+    # processes and memory by the instance's own handle; no utilisation sample: no idle evidence
+    assert mig.procs_on(0) == [7000] and mig.procs_on(1) == [7002]
+    assert mig.proc_mem(1) == {7002: 1024} and mig.sample() == []
+    assert [g["index"] for g in sampler.view(whole).sample()] == [0]
+    mig.close()  # a view does not shut NVML down; its root does
+    sampler.close()
+
+
+def test_a_mig_lease_shows_cuda_its_instance_by_uuid_and_the_claim_its_indexes():
+    from lease_server.client import Lease, visible_devices
+
+    gpus = [{"index": 0, "uuid": "MIG-1a"}, {"index": 1, "uuid": "MIG-1b"}]
+    assert visible_devices(gpus) == "MIG-1a,MIG-1b"
+    assert visible_devices([{"index": 3, "uuid": "GPU-x"}]) == "3"
+    lease = Lease.from_json(
+        {"id": "l-1", "user": "ann", "pool": "p", "node": "n-mig-1g.10gb", "gpus": gpus, "expires_at": 0, "ttl": 60}
+    )
+    assert lease.cuda_visible_devices == "MIG-1a,MIG-1b"

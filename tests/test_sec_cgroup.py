@@ -278,3 +278,29 @@ def test_unavailable_says_why(tmp_path: Any) -> None:
         said = f.read()
     os.waitpid(pid, 0)
     assert said.startswith("not root: GPU device isolation is off"), said
+
+
+def test_a_mig_instances_process_opens_its_gpus_node_and_not_another(
+    iso: DeviceIsolation, nodes: str, workers: Any
+) -> None:
+    """A MIG node's GPU indexes are its instances': the agent confines a process that claims one to
+    the device node of the instance's GPU (its parent), not to the node of the same number."""
+    from lease_server.leasing.inventory import Gpu, NodeInventory
+    from lease_server.node.agent import Isolation
+    from lease_server.node.claims import Claim, Peer
+
+    mig = NodeInventory(
+        "box-mig-1g.10gb",
+        "A100-MIG-1g.10gb",
+        [Gpu(0, "MIG-a", "m", 9728), Gpu(1, "MIG-b", "m", 9728)],
+        "nvml",
+        extra={"mig_parent": {0: 1, 1: 1}},
+    )
+    isolation = Isolation("off", [mig])
+    isolation.cgroups = iso
+    w = workers()
+    isolation.place(Claim(mig.node, LEASE, 1, "token", "", (0,)), Peer(w.pid, os.getuid(), 0))
+    opens = w.go()["worker"]["opens"]
+    assert not refused(opens["nvidia1"]) and refused(opens["nvidia0"]), opens
+    w.finish()
+    iso.remove(LEASE)

@@ -33,7 +33,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_slots: int = 0) -> list[Any]:
     from ..leasing.inventory import parse_simulate
-    from ..node.agent import nvml_inventory
+    from ..node.agent import nvml_inventories
 
     if simulate:
         invs = parse_simulate(simulate, default_node=node)
@@ -41,7 +41,7 @@ def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_s
             for inv in invs:
                 inv.pool = pool
     else:
-        invs = [nvml_inventory(node, pool)]
+        invs = nvml_inventories(node, pool)
     if cpu_slots:
         # CPU slots for %%gpu_train --gpus 0: a node of their own in the CPU pool, on this machine.
         invs += parse_simulate(f"{invs[0].node}-cpu={cpu_slots}xCPU")

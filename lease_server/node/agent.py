@@ -13,6 +13,7 @@ heartbeats stop is marked down and its free GPUs are not granted.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import math
@@ -60,6 +61,10 @@ class Isolation:
     def __init__(self, mode: str, inventories: list[NodeInventory]) -> None:
         self.cgroups: DeviceIsolation | None = None
         self._swept = 0.0
+        # a MIG node's instances: the cgroup allows their GPU's device node (node -> index -> NVML's)
+        self.parent_of: dict[str, dict[int, int]] = {
+            inv.node: inv.extra["mig_parent"] for inv in inventories if inv.extra.get("mig_parent")
+        }
         if mode == "off":
             self.what = "off (gpu_isolation = off)"
         elif mode == "auto" and not any(inv.source == "nvml" for inv in inventories):
@@ -79,10 +84,19 @@ class Isolation:
         """Put a process that claimed a lease in the lease's cgroup (only its GPUs; its children too)."""
         if self.cgroups is None or not claim.gpus:
             return
+        gpus = list(claim.gpus)
+        if claim.node in self.parent_of:  # MIG instances: their GPU's node (the caps are not filtered)
+            gpus = sorted({self.parent_of[claim.node][g] for g in gpus if g in self.parent_of[claim.node]})
         try:
-            self.cgroups.place(claim.lease, peer.pid, list(claim.gpus))
+            self.cgroups.place(claim.lease, peer.pid, gpus)
         except (OSError, ValueError) as exc:
             log.warning("pid %s of lease %s not put in its cgroup: %s", peer.pid, claim.lease, exc)
+
+    def of(self, inv: NodeInventory) -> str:
+        """What this agent's isolation is for ``inv`` (a MIG node's says what it does not cover)."""
+        if self.cgroups is not None and inv.node in self.parent_of:
+            return f"{self.what}; MIG: to the instance's GPU, not from its other instances"
+        return self.what
 
     def pids(self, lease: str) -> list[int]:
         if self.cgroups is None:
@@ -105,8 +119,53 @@ class Isolation:
             log.warning("removing lease cgroups: %s", exc)
 
 
-def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: ModuleType | Any = None) -> NodeInventory:
-    """Read this node's GPUs through NVML. Raises ConfigurationError when NVML is not available."""
+@dataclasses.dataclass(frozen=True)
+class MigInstance:
+    """A MIG instance an admin made on GPU ``parent`` (NVML's index): leased whole, as its own GPU."""
+
+    parent: int
+    handle: Any
+    uuid: str  # "MIG-...": what CUDA_VISIBLE_DEVICES names it by
+    name: str
+    memory_mb: int
+    profile: str  # "1g.10gb"
+
+
+_MIG_PROFILE = re.compile(r"\bMIG\s+(\d+g\.\d+gb)\b", re.IGNORECASE)
+
+
+def mig_instances(nvml: Any, parent: int, handle: Any) -> list[MigInstance] | None:
+    """The MIG instances of GPU ``parent``, or None when it is not in MIG mode (or NVML cannot say:
+    a GPU without MIG). Only reads: no MIG setting is ever changed here."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except (AttributeError, nvml.NVMLError):
+        return None
+    if current != nvml.NVML_DEVICE_MIG_ENABLE:
+        return None
+    out: list[MigInstance] = []
+    for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+        except nvml.NVMLError:  # no instance in that place
+            continue
+        name = _text(nvml.nvmlDeviceGetName(mig))
+        mb = int(nvml.nvmlDeviceGetMemoryInfo(mig).total // (1024 * 1024))
+        m = _MIG_PROFILE.search(name)
+        # the profile as nvidia-smi names it (from the device's name; older drivers: its memory)
+        profile = m.group(1).lower() if m else f"{max(1, round(mb / 1024))}gb"
+        out.append(MigInstance(parent, mig, _text(nvml.nvmlDeviceGetUUID(mig)), name, mb, profile))
+    return out
+
+
+def nvml_inventories(
+    node: str | None = None, pool: str | None = None, nvml: ModuleType | Any = None
+) -> list[NodeInventory]:
+    """Read this node's GPUs through NVML: one inventory of the GPUs leased whole (pool ``pool``,
+    default the model's), and for GPUs an admin put in MIG mode, one per MIG profile, a node
+    ``<node>-mig-<profile>`` in pool ``<model>-MIG-<profile>`` whose GPUs are the instances (index
+    in that node, their MIG UUID; ``extra["mig_parent"]``: index -> the GPU's NVML index). Raises
+    ConfigurationError when NVML is not available or finds nothing to lease."""
     if nvml is None:
         import pynvml  # nvidia-ml-py
 
@@ -117,24 +176,52 @@ def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: Modul
         raise errors.ConfigurationError(
             f"NVML is not available on this machine ({exc}); without GPUs use --simulate 4xA100-80GB"
         ) from exc
+    gpus: list[Gpu] = []
+    migs: dict[str, list[tuple[Gpu, MigInstance]]] = {}
     try:
-        gpus: list[Gpu] = []
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(
-                Gpu(
-                    index=i,
-                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-                    model=_text(nvml.nvmlDeviceGetName(handle)),
-                    memory_mb=int(mem.total // (1024 * 1024)),
-                )
+            gpu = Gpu(
+                index=i,
+                uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                model=_text(nvml.nvmlDeviceGetName(handle)),
+                memory_mb=int(mem.total // (1024 * 1024)),
             )
+            instances = mig_instances(nvml, i, handle)
+            if instances is None:
+                gpus.append(gpu)
+            elif not instances:
+                log.warning("GPU %d is in MIG mode with no instances: nothing to lease on it", i)
+            for inst in instances or []:
+                migs.setdefault(inst.profile, []).append((gpu, inst))
     finally:
         nvml.nvmlShutdown()
-    if not gpus:
+    name = node or default_node_name()
+    invs: list[NodeInventory] = []
+    if gpus:
+        invs.append(NodeInventory(name, pool or pool_name(gpus[0].model, gpus[0].memory_mb), gpus, "nvml"))
+    for profile, found in sorted(migs.items()):
+        parent = found[0][0]
+        suffix = f"-mig-{profile}"
+        mig_gpus = [Gpu(k, inst.uuid, inst.name, inst.memory_mb) for k, (_, inst) in enumerate(found)]
+        invs.append(
+            NodeInventory(
+                name[: 63 - len(suffix)] + suffix,
+                (pool_name(parent.model, parent.memory_mb)[: 63 - len(suffix)] + f"-MIG-{profile}"),
+                mig_gpus,
+                "nvml",
+                extra={"mig_parent": {k: inst.parent for k, (_, inst) in enumerate(found)}},
+            )
+        )
+    if not invs:
         raise errors.ConfigurationError("NVML found no GPU on this machine; use --simulate to declare some")
-    return NodeInventory(node or default_node_name(), pool or pool_name(gpus[0].model, gpus[0].memory_mb), gpus, "nvml")
+    return invs
+
+
+def nvml_inventory(node: str | None = None, pool: str | None = None, nvml: ModuleType | Any = None) -> NodeInventory:
+    """This node's first NVML inventory (:func:`nvml_inventories`): its GPUs leased whole, if any."""
+    return nvml_inventories(node, pool, nvml)[0]
 
 
 class NvmlSampler:
@@ -150,7 +237,27 @@ class NvmlSampler:
             nvml = pynvml
         self.nvml = nvml
         nvml.nvmlInit()
-        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        # index -> handle: NVML's indexes here; an inventory's own in a view (view())
+        self.handles: dict[int, Any] = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())}
+        self.migs: dict[str, Any] = {}  # MIG UUID -> its handle
+        for i, handle in self.handles.items():
+            for inst in mig_instances(nvml, i, handle) or []:
+                self.migs[inst.uuid] = inst.handle
+        self.root = True
+
+    def view(self, inv: NodeInventory) -> NvmlSampler:
+        """This sampler as ``inv``'s GPUs by their index in it: NVML's index for GPUs leased whole,
+        the MIG handle for a MIG node's instances (by UUID). A view is not closed (its root is)."""
+        v = copy.copy(self)
+        v.root = False
+        v.handles = {}
+        for g in inv.gpus:
+            if g.uuid.startswith("MIG-"):
+                if g.uuid in self.migs:
+                    v.handles[g.index] = self.migs[g.uuid]
+            elif g.index in self.handles:
+                v.handles[g.index] = self.handles[g.index]
+        return v
 
     def used_mb(self, handle: Any) -> int:
         """Memory the processes use, in MiB. NVML's v1 reading counts what the driver reserves for
@@ -164,8 +271,11 @@ class NvmlSampler:
 
     def sample(self) -> list[dict[str, Any]]:
         nvml, out = self.nvml, []
-        for index, handle in enumerate(self.handles):
-            util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        for index, handle in self.handles.items():
+            try:
+                util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            except nvml.NVMLError:  # a MIG instance: NVML has no utilisation of one, so no evidence
+                continue
             mem = self.used_mb(handle)
             try:
                 procs = [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
@@ -181,7 +291,7 @@ class NvmlSampler:
         for get in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
             try:
                 pids += [int(p.pid) for p in get(self.handles[index]) if int(p.pid) not in pids]
-            except (IndexError, nvml.NVMLError):
+            except (KeyError, nvml.NVMLError):
                 continue
         return pids
 
@@ -191,7 +301,7 @@ class NvmlSampler:
         nvml = self.nvml
         try:
             running = nvml.nvmlDeviceGetComputeRunningProcesses(self.handles[index])
-        except (IndexError, nvml.NVMLError):
+        except (KeyError, nvml.NVMLError):
             return None
         out: dict[int, int] = {}
         for p in running:
@@ -205,7 +315,7 @@ class NvmlSampler:
         """GPU ``index``'s free memory now (bytes); None where NVML cannot say."""
         try:
             return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handles[index]).free)
-        except (IndexError, self.nvml.NVMLError):
+        except (KeyError, self.nvml.NVMLError):
             return None
 
     def has_process(self, index: int, pid: int) -> bool:
@@ -214,12 +324,13 @@ class NvmlSampler:
         nvml = self.nvml
         try:
             running = nvml.nvmlDeviceGetComputeRunningProcesses(self.handles[index])
-        except (IndexError, nvml.NVMLError):
+        except (KeyError, nvml.NVMLError):
             return False
         return any(p.pid == pid for p in running) and uses_gpu_device(pid)
 
     def close(self) -> None:
-        self.nvml.nvmlShutdown()
+        if self.root:
+            self.nvml.nvmlShutdown()
 
 
 async def heartbeat_local(
@@ -235,19 +346,21 @@ async def heartbeat_local(
     interval = engine.settings.heartbeat_interval
     sample_every = engine.settings.sample_interval
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
+    views = _views(nvml, inventories)
     enforcer = Enforcer()
     drainer = Drainer(enforcer, engine.settings.drain_kill_grace_s)
     drain_every = engine.settings.drain_interval
     pool_of = {inv.node: inv.pool for inv in inventories}
     isolation = Isolation(engine.settings.gpu_isolation, inventories)
     if isolation.what:
-        inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
+        inventories = [dataclasses.replace(inv, isolation=isolation.of(inv)) for inv in inventories]
     suspenders = _suspenders(engine.settings.suspend, inventories, whose is not None)
     inventories = [dataclasses.replace(inv, suspend=suspenders[inv.node].kind) if inv.node in suspenders else inv
                    for inv in inventories]  # fmt: skip
+    probes = {inv.node: _probes(inv, views.get(inv.node)) for inv in inventories}
     onhost = OnHost(
         engine, suspenders, enforcer, int(engine.settings.suspend_host_budget_gb * 10**9),
-        engine.settings.drain_kill_grace_s, {inv.node: _probes(inv, nvml) for inv in inventories}, inventories,
+        engine.settings.drain_kill_grace_s, probes, inventories,
     )  # fmt: skip
     for inv in inventories:
         await register(engine, inv)
@@ -285,7 +398,7 @@ async def heartbeat_local(
                         if inv.node in suspenders:
                             entries = await onhost.drain(inv.node, entries)  # (suspended: off the list)
                             await onhost.upkeep(inv.node)
-                        done = _drain_step(drainer, inv, entries, nvml, isolation)
+                        done = _drain_step(drainer, inv, entries, views.get(inv.node), isolation)
                         for lease, clean, ended in done.clean:
                             await drained(engine, inv.node, lease, clean, ended)
                         for lease, index, pid, why in done.abandoned:
@@ -299,7 +412,8 @@ async def heartbeat_local(
                     try:
                         await watch_pass(
                             engine, inv.node, [g.index for g in inv.gpus], slice_watch[inv.node],
-                            _measure(inv, nvml), isolation.pids if isolation.cgroups else None, whole=True,
+                            _measure(inv, views.get(inv.node)), isolation.pids if isolation.cgroups else None,
+                            whole=True,
                         )  # fmt: skip
                     except Exception as exc:  # Redis away: the next pass measures again
                         log.warning("measuring the slices of %s failed: %s", inv.node, exc)
@@ -322,8 +436,8 @@ async def heartbeat_local(
                 for inv in inventories:
                     try:
                         verify = None
-                        if inv.source == "nvml" and nvml is not None:
-                            gpus, verify = nvml.sample(), nvml.has_process
+                        if (view := views.get(inv.node)) is not None:
+                            gpus, verify = view.sample(), view.has_process
                         else:
                             gpus = await simulated_sample(engine, inv.node, [g.index for g in inv.gpus])
                         answer = await agent_samples(engine, inv.node, inv.pool, gpus, pols=pols)
@@ -365,6 +479,13 @@ def _suspenders(mode: str, inventories: list[NodeInventory], claims: bool) -> di
         else:
             out[inv.node] = got
     return out
+
+
+def _views(nvml: NvmlSampler | None, inventories: list[NodeInventory]) -> dict[str, NvmlSampler]:
+    """The sampler as each NVML inventory's GPUs (NvmlSampler.view): node -> view."""
+    if nvml is None:
+        return {}
+    return {inv.node: nvml.view(inv) for inv in inventories if inv.source == "nvml"}
 
 
 def _probes(inv: NodeInventory, nvml: NvmlSampler | None) -> Probes:
@@ -492,9 +613,10 @@ def run_remote(
             "install the same gpulease release on both (pip install -U gpulease), then start the agent again"
         )
     nvml = NvmlSampler() if any(inv.source == "nvml" for inv in inventories) else None
+    views = _views(nvml, inventories)
     isolation = Isolation(gpu_isolation, inventories)
     if isolation.what:
-        inventories = [dataclasses.replace(inv, isolation=isolation.what) for inv in inventories]
+        inventories = [dataclasses.replace(inv, isolation=isolation.of(inv)) for inv in inventories]
     enforcer = Enforcer()
     drainer = Drainer(enforcer, drain_grace_s)
     unsent: dict[str, list[dict[str, Any]]] = {}  # node -> kill reports the next sample carries
@@ -530,7 +652,7 @@ def run_remote(
                 if got is not None:
                     try:
                         entries = [Draining.from_json(d) for d in got]
-                        done = _drain_step(drainer, inv, entries, nvml, isolation)
+                        done = _drain_step(drainer, inv, entries, views.get(inv.node), isolation)
                         for lease, clean, ended in done.clean:
                             report = {"lease": lease, "gpus": clean, "killed": ended}
                             client.request("POST", protocol.node_drained(inv.node), json=report)
@@ -556,8 +678,8 @@ def run_remote(
                 for inv in inventories:
                     try:
                         verify = None
-                        if inv.source == "nvml" and nvml is not None:
-                            gpus, verify = nvml.sample(), nvml.has_process
+                        if (view := views.get(inv.node)) is not None:
+                            gpus, verify = view.sample(), view.has_process
                         else:
                             gpus = client.request("GET", protocol.simulate(inv.node))["gpus"]
                         body: dict[str, Any] = {"gpus": gpus}
