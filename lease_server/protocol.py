@@ -152,6 +152,10 @@ def node_procs(name: str) -> str:
     return f"{node(name)}/procs"
 
 
+def node_memory(name: str) -> str:
+    return f"{node(name)}/memory"
+
+
 def simulate(name: str) -> str:
     return f"{API}/simulate/{_seg(name)}"
 

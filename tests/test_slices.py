@@ -640,3 +640,93 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
     counts = check_event_log(read_events(redis_sync, k))
     assert counts.get("expired", 0) == len(short) > 5
     assert counts.get("warm", 0) > 5 and counts.get("evicting", 0) > 0, counts  # warm leases were lent
+
+
+# ---- a remote agent (gpulease agent, over HTTP) holds its node's slices to their memory ---------------
+
+
+def test_the_http_agent_ends_only_the_slice_over_its_memory(server_factory: Any, redis_sync: Any) -> None:
+    """gpulease agent on its own host (over HTTP, not in the server) measures the processes that
+    claimed each slice on its node, warns then ends the one over its memory, and its neighbour on
+    the same GPU runs on, measured. Bad reports are 400s that change nothing; another node's agent
+    and a user are refused."""
+    from lease_server.leasing.inventory import parse_simulate
+    from lease_server.node.agent import run_remote
+    from tests.api_helpers import EventWatcher
+    from tests.test_drain import GRACE, STUBBORN, Watched, name
+
+    srv = server_factory(
+        simulate="",  # no agent in the server: r1 is this test's remote agent's
+        scheduling={A100: {"share": True, "slice_unit_mb": 256, "max_sharers": 4}},
+        slice_check_interval=0.2,
+        drain_kill_grace_s=GRACE,
+    )
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    stop = threading.Event()
+    agent_client = srv.client("agent-r1", "agent")
+    agent = threading.Thread(
+        target=run_remote,
+        args=(agent_client, parse_simulate("r1=1xA100-80GB"), 0.5, stop, 5.0, 0.1, GRACE),
+        daemon=True,
+    )
+    agent.start()
+    made: list[Watched] = []
+    alice, bob, admin = srv.client("alice"), srv.client("bob"), srv.client("root", "admin")
+    try:
+        watcher.wait_for(lambda e: e["type"] == "node_registered" and e["node"] == "r1", 10, "r1 declared")
+        mem = "/api/v1/nodes/r1/memory"
+        assert agent_client.request("GET", mem)["watched"] == []  # nothing claimed: nothing to measure
+        hog_lease = alice.acquire(1, A100, gpu_mem="256MB")
+        calm_lease = bob.acquire(1, A100, gpu_mem="512MB")
+        assert hog_lease.gpus == calm_lease.gpus  # one GPU, shared
+        # 600 MB resident (written, so resident) in a 256 MB slice: the simulation's GPU memory
+        made.append(Watched("hog = b'x' * (600 * 2**20)\n" + STUBBORN))
+        made.append(Watched())
+        name(alice, hog_lease, made[0])
+        name(bob, calm_lease, made[1])
+        warned = watcher.wait_for(lambda e: e["type"] == "over_memory_warning", 20, "the warning")
+        ended = watcher.wait_for(lambda e: e["type"] == "over_memory", 20, "the end")
+        assert warned["lease"] == ended["lease"] == hog_lease.id
+        watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == hog_lease.id, 20, "its drain")
+        made[0].wait(5)  # the drain ended the hog's process, and nobody else's
+        assert made[1].proc.poll() is None
+        rec = alice.get(hog_lease.id)
+        assert rec["cause"]["code"] == "over_memory" and rec["over_memory"]["peak_mb"] > 256 * 1.05, rec
+        assert bob.get(calm_lease.id)["state"] == "active"
+        # the neighbour is measured (what it uses now and its peak), as the board shows it
+        watched = agent_client.request("GET", mem)["watched"]
+        assert [w["lease"] for w in watched] == [calm_lease.id] and watched[0]["limit_mb"] == 512
+        # bad reports: a 400 naming what to fix, nothing recorded
+        before = redis_sync.hgetall(k.lease_util)
+        for bad in (
+            {"measured": {calm_lease.id: [1]}},
+            {"over": [{"lease": calm_lease.id, "what": "explode", "used_mb": 1}]},
+            {"measured": {"not a lease id!": [1, 2]}},
+            {"surprise": 1},
+        ):
+            with pytest.raises(errors.BadRequest):
+                agent_client.request("POST", mem, json=bad)
+        assert redis_sync.hgetall(k.lease_util) == before
+        # a lease with no process claimed on r1 is ignored, and not ended
+        got = agent_client.request(
+            "POST", mem, json={"over": [{"lease": "l-00000000000000ff", "what": "end", "used_mb": 9999}]}
+        )
+        assert got["ignored"] == ["l-00000000000000ff"] and got["ended"] == []
+        other = srv.client("agent-r2", "agent")
+        with pytest.raises(errors.UnknownNode):  # its first node binds its token: r2, not registered
+            other.request("GET", "/api/v1/nodes/r2/memory")
+        for who in (other, alice):
+            with pytest.raises(errors.Forbidden):
+                who.request("GET", mem)
+            with pytest.raises(errors.Forbidden):
+                who.request("POST", mem, json={"measured": {}})
+        bob.release(calm_lease)
+    finally:
+        stop.set()
+        agent.join(10)
+        for p in made:
+            p.kill()
+        for c in (agent_client, alice, bob, admin):
+            c.close()
+    check_event_log(read_events(redis_sync, k))

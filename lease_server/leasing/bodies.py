@@ -269,6 +269,7 @@ class Bodies:
     token: Body
     procs: Body
     drained: Body
+    memory: Body
     warm: Body
     suspend: Body
 
@@ -645,6 +646,47 @@ def _bodies(max_ttl: float) -> Bodies:
                 ),
             ),
             rules=("a node the lease does not hold GPUs on", "a GPU of that node the lease does not hold"),
+        ),
+        memory=Body(
+            "MemoryReport",
+            (
+                Field(
+                    "measured",
+                    {
+                        "type": "object",
+                        "maxProperties": 10000,
+                        "propertyNames": LEASE_ID,
+                        "additionalProperties": {
+                            "type": "array",
+                            "minItems": 2,
+                            "maxItems": 2,
+                            "items": {"type": "integer", "minimum": 0, "maximum": MAX_MB},
+                        },
+                        "description": "Lease id -> [MB its processes use now, their peak], as the agent measured",
+                    },
+                ),
+                Field(
+                    "over",
+                    {
+                        "type": "array",
+                        "maxItems": 1000,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["lease", "what", "used_mb"],
+                            "properties": {
+                                "lease": LEASE_ID,
+                                "what": {"enum": ["warn", "end"], "description": "warn: just went over; end"},
+                                "used_mb": {"type": "integer", "minimum": 0, "maximum": MAX_MB},
+                                "peak_mb": {"type": "integer", "minimum": 0, "maximum": MAX_MB},
+                                "over_s": {"type": "number", "minimum": 0, "maximum": 86400},
+                            },
+                        },
+                        "description": "Slices over their memory: warned, or ended (still over after the grace)",
+                    },
+                ),
+            ),
+            description="A remote node agent's pass over its node's leases' memory (GET /nodes/{node}/memory)",
         ),
         drained=Body(
             "DrainedRequest",

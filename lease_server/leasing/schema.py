@@ -198,6 +198,8 @@ def _object(schema: Mapping[str, Any], value: dict[str, Any], path: str) -> None
                 raise errors.BadRequest(f"{path} keys must match {names['pattern']}, got {short(key)}")
     if len(value) < schema.get("minProperties", 0):
         raise errors.BadRequest(f"{path} must have at least {schema['minProperties']} entries")
+    if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+        raise errors.BadRequest(f"{path} must have at most {schema['maxProperties']} entries")
     for key in schema.get("required", ()):
         if key not in value:
             raise errors.BadRequest(f"{path}.{key} is required")

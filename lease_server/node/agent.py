@@ -32,7 +32,7 @@ from .cgroup import DeviceIsolation, Unavailable
 from .claims import AsyncClaims, Claim, Peer, ThreadClaims
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, uses_gpu_device
-from .memwatch import MemWatch, Watched, resident_mb, watch_pass
+from .memwatch import MemWatch, Watched, judge_pass, resident_mb, watch_pass, watched_from_json
 from .onhost import OnHost, Probes
 from .suspend import Suspender, detect
 
@@ -638,15 +638,58 @@ def run_remote(
             body["user"] = claim.user
         await asyncio.to_thread(client.request, "POST", protocol.node_procs(claim.node), json=body)
         isolation.place(claim, peer)
+        measuring.add(claim.node)  # its leases' memory is measured from now on (memory_pass)
+        wake.set()
+
+    # Nodes with claimed processes to measure: a claim adds its node, and a pass that finds nothing
+    # to measure there takes it off, so an idle agent asks nothing about memory.
+    measuring: set[str] = set()
+    mem_watch: dict[str, MemWatch] = {}
+    by_node = {inv.node: inv for inv in inventories}
+    mem_every = [0.5]
+
+    def memory_pass(node: str) -> None:
+        """GET what to measure on ``node``, measure it, judge it, POST the result (memwatch.py)."""
+        ans = client.request("GET", protocol.node_memory(node))
+        mem_every[0] = float(ans.get("check_interval_s") or 0.5)
+        watched = [watched_from_json(d) for d in ans.get("watched") or []]
+        if not watched:
+            measuring.discard(node)
+            mem_watch.pop(node, None)
+            return
+        watch = mem_watch.setdefault(node, MemWatch(float(ans["over_pct"]), float(ans["over_s"])))
+        inv = by_node[node]
+        measured, verdicts = judge_pass(
+            watched, watch, _measure(inv, views.get(node)), isolation.pids if isolation.cgroups else None
+        )
+        over = [
+            {
+                "lease": w.lease,
+                "what": what,
+                "used_mb": used,
+                "peak_mb": watch.peak.get(w.lease, used),
+                "over_s": round(watch.clock() - watch.over_since.get(w.lease, watch.clock()), 2),
+            }
+            for w, what, used in verdicts
+        ]
+        if measured or over:
+            client.request("POST", protocol.node_memory(node), json={"measured": measured, "over": over})
 
     claims = ThreadClaims(str(info.get("instance", "")), [inv.node for inv in inventories], record)
+    wake = threading.Event()  # set by a drain watch's answer or a claim: the loop acts on it at once
     claims.start()
-    wake = threading.Event()  # set by a drain watch's answer: the loop acts on it at once
     watches = {inv.node: DrainWatch(client, inv.node, drain_interval, stop, wake).start() for inv in inventories}
-    next_beat = next_sample = next_drain = time.monotonic()
+    next_beat = next_sample = next_drain = next_memory = time.monotonic()
     try:
         while not stop.is_set():
             now = time.monotonic()
+            if measuring and now >= next_memory:
+                for node in sorted(measuring):
+                    try:
+                        memory_pass(node)
+                    except errors.GpuLeaseError as exc:
+                        log.warning("measuring the leases of %s failed: %s", node, exc)
+                next_memory = time.monotonic() + mem_every[0]
             for inv in inventories:
                 got = watches[inv.node].take()
                 if got is not None:
@@ -696,6 +739,8 @@ def run_remote(
                     unsent.setdefault(node, []).append(report)
             kill_due = enforcer.next_due()
             due = min(next_beat, next_sample, next_drain, math.inf if kill_due is None else kill_due)
+            if measuring:
+                due = min(due, next_memory)
             # (stop is looked at every quarter second: a drain watch's answer wakes the loop at once)
             wake.wait(max(0.01, min(0.25, due - time.monotonic())))
             wake.clear()

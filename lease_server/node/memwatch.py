@@ -30,7 +30,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from .. import errors
 from ..sizes import FIT_MARGIN, fitting_mb, show_mb
 from ..store.engine import Engine
 from ..store.scripts import MemPeaks, OverMemory
@@ -84,6 +86,57 @@ async def watched_of(engine: Engine, node: str, indexes: list[int], whole: bool 
         if procs and gpus:
             out.append(Watched(lease, int(rec["token"]), str(rec["pool"]), gpus, limits[lease], procs))
     return out
+
+
+async def node_watch(engine: Engine, node: str) -> tuple[str, list[Watched]]:
+    """What a remote agent measures on ``node`` (GET /nodes/{node}/memory): its pool, and its leases
+    with claimed processes there (slices and whole GPUs) while its pool shares; none otherwise."""
+    raw = await engine.redis.hget(engine.keys.nodes, node)
+    if raw is None:
+        raise errors.UnknownNode(f"node {node!r} is not registered: PUT /api/v1/nodes/{node} first")
+    inv = json.loads(raw)
+    pool = str(inv["pool"])
+    if not engine.settings.sched_table(pool)["share"]:  # type: ignore[call-overload]
+        return pool, []
+    return pool, await watched_of(engine, node, [int(g["index"]) for g in inv["gpus"]], whole=True)
+
+
+def watched_json(w: Watched) -> dict[str, Any]:
+    return {
+        "lease": w.lease,
+        "token": w.token,
+        "pool": w.pool,
+        "gpus": list(w.indexes),
+        "limit_mb": w.limit_mb,
+        "procs": [{"pid": pid, "start": start, "uid": uid} for pid, start, uid in w.procs],
+    }
+
+
+def watched_from_json(d: dict[str, Any]) -> Watched:
+    procs = tuple((int(p["pid"]), int(p["start"]), int(p["uid"])) for p in d["procs"])
+    return Watched(str(d["lease"]), int(d["token"]), str(d["pool"]), tuple(d["gpus"]), int(d["limit_mb"]), procs)
+
+
+async def agent_report(engine: Engine, node: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A remote agent's pass (POST /nodes/{node}/memory): record what each lease uses and its peak,
+    and warn or end the slices it found over their memory. Only leases with claimed processes on
+    ``node`` count (the server's records, not the report, say each one's token, pool and limit);
+    the others are answered as ignored and change nothing."""
+    _, watched = await node_watch(engine, node)
+    by_id = {w.lease: w for w in watched}
+    ignored = sorted({*body.get("measured", {}), *(o["lease"] for o in body.get("over", []))} - set(by_id))
+    measured = {k: v for k, v in body.get("measured", {}).items() if k in by_id}
+    ended = []
+    for o in body.get("over", []):
+        w = by_id.get(o["lease"])
+        if w is None or not w.limit_mb:  # not watched here, or a whole GPU: nothing to hold it to
+            continue
+        used, peak = int(o["used_mb"]), max(int(o.get("peak_mb", 0)), int(o["used_mb"]))
+        if await over_memory(engine, node, w, o["what"], used, peak, float(o.get("over_s", 0))):
+            ended.append(w.lease)
+    if measured:
+        await engine.run(MemPeaks(json.dumps(measured)))
+    return {"node": node, "recorded": sorted(measured), "ended": ended, "ignored": ignored}
 
 
 def running_pids(w: Watched, in_cgroup: Callable[[str], list[int]] | None = None) -> list[int]:
@@ -148,6 +201,30 @@ class MemWatch:
         self.ended &= live
 
 
+def judge_pass(
+    watched: list[Watched],
+    watch: MemWatch,
+    measure: Callable[[Watched, list[int]], int | None],
+    in_cgroup: Callable[[str], list[int]] | None = None,
+) -> tuple[dict[str, list[int]], list[tuple[Watched, str, int]]]:
+    """One pass over ``watched``: measure each lease's running processes (``measure(w, pids)``:
+    MB, None when it cannot say) and judge it. Returns (lease -> [MB now, peak], the verdicts
+    [(lease, "warn" or "end", MB now)]). Talks to nobody: the caller tells the server."""
+    measured: dict[str, list[int]] = {}
+    verdicts: list[tuple[Watched, str, int]] = []
+    for w in watched:
+        pids = running_pids(w, in_cgroup)
+        used = measure(w, pids) if pids else None
+        if used is None:
+            continue
+        verdict = watch.judge(w, used)
+        measured[w.lease] = [used, watch.peak[w.lease]]
+        if verdict is not None:
+            verdicts.append((w, verdict, used))
+    watch.forget({w.lease for w in watched})
+    return measured, verdicts
+
+
 async def watch_pass(
     engine: Engine,
     node: str,
@@ -157,33 +234,30 @@ async def watch_pass(
     in_cgroup: Callable[[str], list[int]] | None = None,
     whole: bool = False,
 ) -> list[str]:
-    """One pass over ``node``'s slices (and, with ``whole``, its whole-GPU leases): measure each
-    lease's processes (``measure(w, pids)``: MB, None when it cannot say), warn or end the slices
-    over their memory, and record rising peaks. Returns the leases it ended."""
+    """One pass over ``node``'s slices (and, with ``whole``, its whole-GPU leases), by the agent in
+    the server: measure, warn or end the slices over their memory, and record rising peaks.
+    Returns the leases it ended. (A remote agent does the same over HTTP: GET and POST
+    /nodes/{node}/memory.)"""
     watched = await watched_of(engine, node, indexes, whole)
-    ended, measured = [], {}
-    for w in watched:
-        pids = running_pids(w, in_cgroup)
-        used = measure(w, pids) if pids else None
-        if used is None:
-            continue
-        verdict = watch.judge(w, used)
-        measured[w.lease] = [used, watch.peak[w.lease]]
-        if verdict is not None and await _over(engine, node, w, verdict, used, watch):
+    measured, verdicts = judge_pass(watched, watch, measure, in_cgroup)
+    ended = []
+    for w, what, used in verdicts:
+        over_s = watch.clock() - watch.over_since.get(w.lease, watch.clock())
+        if await over_memory(engine, node, w, what, used, watch.peak.get(w.lease, used), over_s):
             ended.append(w.lease)
     if measured:  # what each uses now and its peak: the board shows them, the ledger keeps the peak
         await engine.run(MemPeaks(json.dumps(measured)))
-    watch.forget({w.lease for w in watched})
     return ended
 
 
-async def _over(engine: Engine, node: str, w: Watched, what: str, used: int, watch: MemWatch) -> bool:
-    """Tell the lease server: warn, or end the slice. Whether it ended it now."""
-    peak = watch.peak.get(w.lease, used)
+async def over_memory(engine: Engine, node: str, w: Watched, what: str, used: int, peak: int, over_s: float) -> bool:
+    """Tell the lease server that slice ``w`` is over its memory: warn, or end it (cause
+    ``over_memory``, with the ``--gpu-mem`` that would have held its peak, in its pool's unit).
+    Whether it ended it now."""
     unit = int(engine.settings.sched_table(w.pool)["slice_unit_mb"])  # type: ignore[call-overload]
     fit = fitting_mb(peak, unit, FIT_MARGIN)
-    over_s = watch.clock() - watch.over_since.get(w.lease, watch.clock())
-    why = f"used {show_mb(used)} of its {show_mb(w.limit_mb)} slice for over {watch.over_s:g}s"
+    grace = engine.settings.slice_over_s
+    why = f"used {show_mb(used)} of its {show_mb(w.limit_mb)} slice for over {grace:g}s"
     reason = f"ended by the node agent: it {why}"
     got = await engine.run(
         OverMemory(

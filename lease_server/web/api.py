@@ -31,7 +31,7 @@ from ..leasing.bookings import MAX_LIST_SPAN_S, Bookings, public_booking
 from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, public_withdrawal
 from ..leasing.queue import queue_view
 from ..leasing.reaper import Reaper
-from ..node import drain
+from ..node import drain, memwatch
 from ..node.claims import Claim, Peer
 from ..node.rayauth import info_token
 from ..protocol import LeaseJson
@@ -761,6 +761,33 @@ class ClaimHandler(AgentHandler):
         self.reply({"node": node, "lease": rec["id"], "pid": body["pid"]})
 
 
+class MemoryHandler(AgentHandler):
+    """A remote node agent holds its node's slices to their memory (the agent inside the server
+    reads Redis: node/memwatch.py): GET what to measure, POST what it measured."""
+
+    async def get(self, node: str) -> None:
+        self._check_role()
+        values.check_name("node", node)
+        pool, watched = await memwatch.node_watch(self.engine, node)
+        s = self.ctx.settings
+        self.reply(
+            {
+                "node": node,
+                "pool": pool,
+                "check_interval_s": s.slice_check_interval,
+                "over_pct": s.slice_over_pct,
+                "over_s": s.slice_over_s,
+                "watched": [memwatch.watched_json(w) for w in watched],
+            }
+        )
+
+    async def post(self, node: str) -> None:
+        self._check_role()
+        values.check_name("node", node)
+        body = self.body(self.bodies.memory)
+        self.reply(await memwatch.agent_report(self.engine, node, body))
+
+
 class DrainsHandler(BaseHandler):
     """Every draining GPU of the cluster, and those whose agent gave up a process (admin)."""
 
@@ -1142,6 +1169,7 @@ def make_app(ctx: Context) -> tornado.web.Application:
         (rf"{API}/nodes/{lease_id}/draining", DrainingHandler),
         (rf"{API}/nodes/{lease_id}/drained", DrainedHandler),
         (rf"{API}/nodes/{lease_id}/procs", ClaimHandler),
+        (rf"{API}/nodes/{lease_id}/memory", MemoryHandler),
         (rf"{API}/draining", DrainsHandler),
         (rf"{API}/tokens", TokensHandler),
         (rf"{API}/tokens/{lease_id}", TokenHandler),

@@ -924,6 +924,22 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 body=bodies.procs,
             )
         },
+        "/api/v1/nodes/{node}/memory": {
+            "get": _op(
+                "Agent: what to measure on the node: its leases with claimed processes there (slices and, while "
+                "its pool shares, whole GPUs), and the server's rule (over_pct for over_s; every check_interval_s)",
+                _json({"type": "object"}, "The leases to measure"),
+                params=[NODE],
+            ),
+            "post": _op(
+                "Agent: what each lease's processes use now and their peak, and the slices over their memory: "
+                "warned, or ended (cause over_memory). Only leases with processes claimed on the node count; the "
+                "others are answered as ignored",
+                _json({"type": "object"}, "Recorded, ended and ignored leases"),
+                params=[NODE],
+                body=bodies.memory,
+            ),
+        },
         "/api/v1/draining": {
             "get": _op(
                 "Admin: every draining GPU, with the processes its agent gave up (abandoned: flagged, out of "
