@@ -305,6 +305,9 @@ def test_the_board_answers_only_declared_fields_slices_included(server_factory: 
                 await r.aclose()
 
         asyncio.run(measured())
+        # one slice kept warm (its notebook's next cell): the board says since when
+        warm = alice.post(f"{API}/leases/{slices[1]['id']}/warm", json={"token": slices[1]["token"], "warm": True})
+        assert warm.status_code == 200, warm.text
         # A revoked slice that named no process frees its memory at once: the board counts it out.
         root.delete(f"{API}/leases/{gone['id']}")
         view = alice.get(f"{API}/cluster").json()
@@ -313,6 +316,7 @@ def test_the_board_answers_only_declared_fields_slices_included(server_factory: 
     assert sliced[0]["slice_mem"] == {"total_mb": 81920, "used_mb": 30720, "free_mb": 51200}
     mine = {s["lease"]: s for s in sliced[0]["slices"]}
     assert (mine[slices[0]["id"]]["mem_used_mb"], mine[slices[0]["id"]]["mem_peak_mb"]) == (3000, 4000)
+    assert "warm_since" in mine[slices[1]["id"]] and "warm_since" not in mine[slices[0]["id"]]
     assert view["pools"]["A100-80GB"]["share"] is True and view["pools"]["A100-80GB"]["slices"] == 2
     assert _undeclared(doc, doc["components"]["schemas"]["Cluster"], view, "cluster") == []
     with http(srv) as anon:

@@ -509,6 +509,7 @@ def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: 
     c = Client(srv.url, srv.token("alice"))
     small = c.acquire(1, "A100-80GB", gpu_mem="10GB", label="a long label that will not fit in eighty columns at all")
     big = c.acquire(1, "A100-80GB", gpu_mem="30GB", label="big")
+    c.warm(big)  # kept for its notebook's next cell: its state says warm
     env = {**os.environ, "COLUMNS": str(WIDTH), "GPULEASE_URL": srv.url, "GPULEASE_TOKEN": srv.token("alice")}
     done = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
@@ -524,6 +525,7 @@ def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: 
     rows = {line.split()[0]: line for line in out.splitlines() if re.match(r"^l-[0-9a-f]{16} ", line)}
     assert f"box GPU {gpu} 10G/80G" in rows[small.id] and f"box GPU {gpu} 30G/80G" in rows[big.id], out
     assert rows[small.id].rstrip().endswith("…")
+    assert " warm " in rows[big.id] and " active " in rows[small.id], out
     assert f"sliced: box GPU {gpu}: 2 slices, 40G of 80G leased, 40G free" in out, out
     wide = subprocess.run([*CLI, "status", "--wide"], env=env, capture_output=True, text=True, timeout=60).stdout
     row = next(line for line in wide.splitlines() if "│" in line and " sliced " in line)  # --wide: its GPU's row

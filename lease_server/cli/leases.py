@@ -132,6 +132,8 @@ def _lease_table(view: dict[str, Any]) -> None:
         for g in n["gpus"]:
             for sl in g.get("slices") or []:  # a slice: its GPU and the memory it holds of it
                 lease = {"id": sl["lease"], "user": sl["user"], "label": sl.get("label", ""), "since": sl["since"]}
+                if sl.get("warm_since"):  # kept warm for its notebook's next cell: the state column says so
+                    lease["warm_since"] = sl["warm_since"]
                 by_id[sl["lease"]] = {"lease": lease, "parts": {n["name"]: [int(g["index"])]}, "utils": []}
                 by_id[sl["lease"]]["slice"] = f" {mem_size(sl['gpu_mem_mb'])}/{mem_size(g.get('memory_mb') or 0)}"
             lease = g.get("lease")

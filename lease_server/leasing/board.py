@@ -195,6 +195,10 @@ def _slices(ledger: dict[str, Any], leases: dict[str, Any]) -> dict[str, Any]:
         if "mem_used_mb" in lease:  # its processes' memory now and at their peak, as its agent measured it
             out[-1]["mem_used_mb"] = lease["mem_used_mb"]
             out[-1]["mem_peak_mb"] = lease["mem_peak_mb"]
+        if lease.get("warm_since"):  # kept for its notebook's next cell: lent out if someone waits
+            out[-1]["warm_since"] = lease["warm_since"] / 1000
+        if lease.get("recall_at"):  # being evicted (or recalled for a booking): ends then
+            out[-1]["recall_at"] = lease["recall_at"] / 1000
     drains = [
         {"lease": lid, "user": d.get("user", ""), "gpu_mem_mb": int(d["mb"]), "since": d.get("since", 0) / 1000}
         for lid, d in (ledger.get("draining") or {}).items()

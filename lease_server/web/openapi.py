@@ -455,7 +455,9 @@ def _response_schemas() -> dict[str, Any]:
         "Slice": {
             "type": "object",
             "description": "A slice of a GPU: its lease, holder and the memory it is promised; what its processes "
-            "use now and at their peak, once its node agent measured them",
+            "use now and at their peak, once its node agent measured them; since when it is warm (its worker "
+            "kept for its notebook's next cell, lent out if someone waits), and when it is taken back if it is "
+            "being evicted or recalled",
             "properties": {
                 "lease": {"type": "string"},
                 "user": {"type": "string"},
@@ -465,6 +467,8 @@ def _response_schemas() -> dict[str, Any]:
                 "expires_at": num,
                 "mem_used_mb": {"type": "integer"},
                 "mem_peak_mb": {"type": "integer"},
+                "warm_since": num,
+                "recall_at": num,
             },
         },
         "Queue": {"type": "object", "properties": {"waiting": {"type": "array", "items": {"type": "object"}}}},
