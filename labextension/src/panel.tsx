@@ -10,7 +10,9 @@ import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer, useRef, useState } from 'react';
 
 import { IBooking, IGpu, IHolder, ILease, INode, ISlice } from './api';
-import { BookingCalendar, ICalendarPlace, confirmCancelBooking, formatWindow, gpuCount } from './calendar';
+import { confirmCancelBooking } from './bookingform';
+import { BookingCalendar, ICalendarPlace } from './calendar';
+import { formatWindow, gpuCount } from './clock';
 import { confirmAction } from './confirm';
 import { GpuLeaseModel, LiveState, duration, memSize, reclaimCountdown } from './model';
 import { UsagePanel } from './usage';
