@@ -267,7 +267,7 @@ export class GpuLeaseError extends Error {
     readonly code: string,
     message: string,
     /** The error's details, e.g. the clash of a 409 reservation_clash. */
-    readonly details: any = null
+    readonly details: unknown = null
   ) {
     super(message);
   }
@@ -295,16 +295,17 @@ export async function requestAPI<T>(
     throw new GpuLeaseError(0, 'network', `cannot reach the Jupyter server: ${String(error)}`);
   }
   const text = await response.text();
-  let data: any = null;
+  let data: unknown = null;
   try {
     data = text ? JSON.parse(text) : null;
   } catch {
     data = null;
   }
   if (!response.ok) {
-    const code = data?.code ?? 'http_error';
-    const message = data?.message ?? `HTTP ${response.status} ${response.statusText} from ${url}`;
-    throw new GpuLeaseError(response.status, code, message, data?.details ?? null);
+    const body = data as { code?: string; message?: string; details?: unknown } | null;
+    const code = body?.code ?? 'http_error';
+    const message = body?.message ?? `HTTP ${response.status} ${response.statusText} from ${url}`;
+    throw new GpuLeaseError(response.status, code, message, body?.details ?? null);
   }
   if (data === null) {
     throw new GpuLeaseError(response.status, 'bad_answer', `${url} did not answer with JSON`);

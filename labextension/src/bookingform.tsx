@@ -107,7 +107,7 @@ export function BookingDialog(props: {
       );
     }, 250);
     return () => window.clearTimeout(timer);
-  }, [fields]);
+  }, [fields, editable, existing, model]);
 
   const save = async () => {
     const booking = toBooking(fields);

@@ -200,7 +200,7 @@ export function BookingCalendar(props: {
       cal.destroy();
       calendar.current = null;
     };
-  }, [model]);
+  }, [model, place]);
 
   const shownPool = useRef(pool);
   useEffect(() => {
@@ -230,7 +230,7 @@ export function BookingCalendar(props: {
       place.newBookingSeen = newBooking;
       openNew();
     }
-  }, [newBooking]);
+  }, [newBooking, place]);
 
   const capacity = model.cluster?.pools[pool];
   return (

@@ -25,7 +25,7 @@ import {
   serverSettings
 } from './api';
 
-declare function require(path: string): any;
+declare function require(path: '../package.json'): { version: string };
 /** This front end's version; the server extension's must match (the handshake). */
 export const VERSION: string = require('../package.json').version;
 

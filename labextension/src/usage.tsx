@@ -219,41 +219,45 @@ function useWidth(ref: React.RefObject<HTMLElement>): number {
     const observer = new ResizeObserver(seen);
     observer.observe(el);
     return () => observer.disconnect();
-  }, [ref.current]);
+  }, [ref]);
   return width;
 }
 
 /**
- * An Observable Plot chart: `make(width)` draws it (again when the width or `deps` change). Its
- * pointer value, when the chart has one, is passed to `onPick` on a click (the drill-down).
+ * An Observable Plot chart: `make(width)` draws it (again when the width or `data`, what it draws,
+ * change). Its pointer value, when the chart has one, is passed to `onPick` on a click (the
+ * drill-down).
  */
 function Chart(props: {
   label: string;
   make: (width: number) => (SVGSVGElement | HTMLElement) & Plot.Plot;
-  deps: unknown[];
-  onPick?: (value: any) => void;
+  data: unknown;
+  onPick?: (value: Record<string, unknown>) => void;
 }): JSX.Element {
-  const { label, make, deps, onPick } = props;
+  const { label, make, data, onPick } = props;
   const box = useRef<HTMLDivElement>(null);
   const width = useWidth(box);
+  // make and onPick are new functions at every render: the newest are used, but the chart is drawn
+  // again only when what it draws (data) or its width changes.
+  const latest = useRef({ make, onPick });
+  useEffect(() => {
+    latest.current = { make, onPick };
+  });
   useEffect(() => {
     const el = box.current;
     if (!el) {
       return;
     }
-    const chart = make(width);
+    const chart = latest.current.make(width);
     el.replaceChildren(chart);
-    if (!onPick) {
-      return;
-    }
     const pick = () => {
       if (chart.value) {
-        onPick(chart.value);
+        latest.current.onPick?.(chart.value);
       }
     };
     chart.addEventListener('click', pick);
     return () => chart.removeEventListener('click', pick);
-  }, [width, ...deps]);
+  }, [width, data]);
   // The table under the chart carries its figures for screen readers; the drawing is an image.
   return <div ref={box} className="jp-GpuLease-chart" role="img" aria-label={label} />;
 }
@@ -297,7 +301,7 @@ function topGroups(summary: IUsageSummary): { keys: string[]; of: (key: string) 
   return { keys: [...keys.slice(0, MOST_GROUPS), OTHERS], of: k => (shown.has(k) ? k : OTHERS) };
 }
 
-interface IQuery {
+export interface IQuery {
   range: Range;
   first: string;
   last: string;
@@ -318,6 +322,20 @@ function queryArgs(q: IQuery, by: By, window: { from: number; to: number | null 
     args.set('user', q.user);
   }
   return args;
+}
+
+/**
+ * The query of GET /gpulease/usage/summary for the controls and the range's window: grouped as
+ * asked (by user once one user is picked), with the same rows by pool in the same answer for the
+ * utilisation per pool (one read of them).
+ */
+export function summaryQuery(q: IQuery, window: { from: number; to: number | null }): string {
+  const by: By = q.user ? 'user' : q.by;
+  const args = queryArgs(q, by, window);
+  if (by !== 'pool') {
+    args.set('also_by', 'pool');
+  }
+  return args.toString();
 }
 
 interface ILoaded {
@@ -343,24 +361,19 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
   const [busy, setBusy] = useState(false);
   const [seq, setSeq] = useState(0);
   const window_ = rangeWindow(q.range, model.serverNow() * 1000, q.first, q.last);
-  const windowKey = 'error' in window_ ? window_.error : `${window_.from}-${window_.to}`;
+  // What to ask for (null: a range that cannot be asked for): fetched again when it changes.
+  const query = 'error' in window_ ? null : summaryQuery(q, window_);
 
   useEffect(() => {
-    if ('error' in window_) {
+    if (query === null) {
       setBusy(false); // (a fetch of the range before was dropped)
       return;
     }
     let current = true;
     const started = performance.now();
     setBusy(true);
-    const by: By = q.user ? 'user' : q.by;
-    // Utilisation per pool: the same rows by pool, in the same answer (one read of them).
-    const args = queryArgs(q, by, window_);
-    if (by !== 'pool') {
-      args.set('also_by', 'pool');
-    }
     model
-      .usageSummary(args)
+      .usageSummary(new URLSearchParams(query))
       .then(m => {
         if (current) {
           const p = m.also ? { ...m, by: m.also.by, groups: m.also.groups } : m;
@@ -381,10 +394,10 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
     return () => {
       current = false;
     };
-  }, [windowKey, q.by, q.pool, q.user, seq]);
+  }, [model, query, seq]);
 
   const set = useCallback((change: Partial<IQuery>) => setQ(prev => ({ ...prev, ...change })), []);
-  const onUser = useCallback((user: string) => set({ user }), []);
+  const onUser = useCallback((user: string) => set({ user }), [set]);
   const pools = Object.keys(model.cluster?.pools ?? {}).filter(p => p !== model.cluster?.cpu_pool);
   const shown = loaded?.main;
   return (
@@ -464,7 +477,7 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
       {q.user && (
         <div className="jp-GpuLease-drill">
           <span role="status">
-            Showing <strong>{q.user}</strong>'s usage only.
+            Showing <strong>{q.user}</strong>&apos;s usage only.
           </span>
           <button className="jp-mod-styled" onClick={() => set({ user: null })}>
             Back to everyone
@@ -558,11 +571,19 @@ function HeldByGroup(props: { s: IUsageSummary; by: By; unit: IUnit; onUser?: (u
   return (
     <section className="jp-GpuLease-usageSection" aria-label={title}>
       <h3 className="jp-GpuLease-heading">{title}</h3>
-      {drillable && <p className="jp-GpuLease-hint">Click a user's bars, or their name in the table, for their usage.</p>}
+      {drillable && <p className="jp-GpuLease-hint">Click a user&apos;s bars, or their name in the table, for their usage.</p>}
       <Chart
         label={`${title}: stacked bars, the figures are in the table below`}
-        deps={[s, unit.name]}
-        onPick={drillable ? v => v.key && v.key !== '~other' && onUser?.(v.key) : undefined}
+        data={s}
+        onPick={
+          drillable
+            ? v => {
+                if (typeof v.key === 'string' && v.key && v.key !== '~other') {
+                  onUser?.(v.key);
+                }
+              }
+            : undefined
+        }
         make={width =>
           Plot.plot({
             ...base(width),
@@ -645,11 +666,11 @@ function HeldSplit(props: { s: IUsageSummary; unit: IUnit }): JSX.Element {
       <h3 className="jp-GpuLease-heading">{title}</h3>
       <p className="jp-GpuLease-hint">
         Used: busy by the GPU samples; held idle: sampled, not busy; not measured: no sample; warm: kept for the
-        notebook's next cell, lent to anyone who waits.
+        notebook&apos;s next cell, lent to anyone who waits.
       </p>
       <Chart
         label={`${title}: stacked bars per day, the figures are in the table below`}
-        deps={[s, unit.name]}
+        data={s}
         make={width =>
           Plot.plot({
             ...base(width),
@@ -705,12 +726,12 @@ function Utilisation(props: { pools: IUsageSummary }): JSX.Element {
       <h3 className="jp-GpuLease-heading">{title}</h3>
       {data.length === 0 ? (
         <p className="jp-GpuLease-empty">
-          No GPU was sampled in this range: utilisation needs a node agent's samples (gpulease agent).
+          No GPU was sampled in this range: utilisation needs a node agent&apos;s samples (gpulease agent).
         </p>
       ) : (
         <Chart
           label={`${title}: lines per pool, the figures are in the table below`}
-          deps={[s]}
+          data={s}
           make={width =>
             Plot.plot({
               ...base(width, 200),
@@ -768,7 +789,7 @@ function Waits(props: { s: IUsageSummary; by: By }): JSX.Element {
       <h3 className="jp-GpuLease-heading">{title}</h3>
       <Chart
         label={`${title}: two lines, the figures are in the table below`}
-        deps={[s]}
+        data={s}
         make={width =>
           Plot.plot({
             ...base(width, 200),
@@ -840,13 +861,13 @@ function TakenBack(props: { s: IUsageSummary; unit: IUnit }): JSX.Element {
     <section className="jp-GpuLease-usageSection" aria-label="Taken back and warm cells">
       <h3 className="jp-GpuLease-heading">{title}</h3>
       <p className="jp-GpuLease-hint">
-        Reclaimed: idle reclaim, a booking's recall or a preemption; evicted: a warm lease lent to a waiting request.
-        Warm share: cells that ran on their notebook's warm worker. In total {pct(share(s.total))} of{' '}
+        Reclaimed: idle reclaim, a booking&apos;s recall or a preemption; evicted: a warm lease lent to a waiting request.
+        Warm share: cells that ran on their notebook&apos;s warm worker. In total {pct(share(s.total))} of{' '}
         {s.total.cells} cells started warm.
       </p>
       <Chart
         label={`${title}: stacked bars per day, the figures are in the table below`}
-        deps={[s, unit.name]}
+        data={s}
         make={width =>
           Plot.plot({
             ...base(width, 180),
