@@ -192,11 +192,26 @@ function SlicedCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: 
   );
 }
 
-function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: number }): JSX.Element {
-  const { model, node, gpu, now } = props;
-  if (gpu.state === 'sliced') {
-    return <SlicedCell model={model} node={node} gpu={gpu} now={now} />;
-  }
+/**
+ * What a (whole) GPU's tile says: the state it is drawn in (a leased GPU that idle reclaim warned
+ * is drawn idle), its accessible name (state, holder or booking, countdowns, draining) and its
+ * tooltip, with what the tile shows besides.
+ */
+export function gpuTileText(
+  model: GpuLeaseModel,
+  node: INode,
+  gpu: IGpu,
+  now: number
+): {
+  state: string;
+  name: string;
+  title: string;
+  mine: boolean;
+  held: string;
+  idle: boolean;
+  origin: { text: string; title: string } | null;
+  bookingMine: boolean;
+} {
   const lease = gpu.lease;
   const mine = !!lease && lease.user === model.user;
   const held = lease ? duration(now - lease.since) : '';
@@ -247,11 +262,22 @@ function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: num
   const title = lease
     ? `${lease.id}${lease.label ? ` · ${lease.label}` : ''} · expires in ${duration(lease.expires_at - now)} unless renewed${util}`
     : `${gpu.model ?? ''}${util}`;
+  return { state, name: parts.join(', '), title, mine, held, idle, origin, bookingMine };
+}
+
+function GpuCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: number }): JSX.Element {
+  const { model, node, gpu, now } = props;
+  if (gpu.state === 'sliced') {
+    return <SlicedCell model={model} node={node} gpu={gpu} now={now} />;
+  }
+  const lease = gpu.lease;
+  const booking = gpu.reservation;
+  const { state, name, title, mine, held, idle, origin, bookingMine } = gpuTileText(model, node, gpu, now);
   return (
     <td
       role="cell"
       className={`jp-GpuLease-cell jp-GpuLease-state-${state}${mine ? ' jp-GpuLease-mine' : ''}${gpu.unleased_use ? ' jp-GpuLease-unleased' : ''}`}
-      aria-label={parts.join(', ')}
+      aria-label={name}
       title={title}
       data-state={state}
     >
@@ -564,7 +590,7 @@ function GpuLeaseView(props: { model: GpuLeaseModel; request: IShowRequest | nul
     if (request) {
       setTab(request.tab);
     }
-  }, [request?.seq]);
+  }, [request]); // a new request (showView) is a new object
   const newBooking = request?.newBooking ? request.seq : 0;
   if (model.problem) {
     return (

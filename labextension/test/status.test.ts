@@ -1,0 +1,103 @@
+// status.tsx: what the status bar item says ("GPU: 2 held · 5 free") and its tooltip, for each
+// state of the model. @jupyterlab/ui-components needs a browser: its ReactWidget is stubbed.
+import { ServerConnection } from '@jupyterlab/services';
+import { beforeEach, describe, expect, test, vi } from 'vitest';
+
+import { IBalance, ICluster, ILease } from '../src/api';
+import { GpuLeaseModel, INSTALL_HINT } from '../src/model';
+import { statusText, statusTitle } from '../src/status';
+
+vi.mock('@jupyterlab/ui-components', () => ({ ReactWidget: class {} }));
+
+const lease = (id: string, gpus: number, more: Partial<ILease> = {}): ILease => ({
+  id,
+  user: 'alice',
+  pool: 'A100',
+  node: 'n1',
+  gpus: Array.from({ length: gpus }, (_, index) => ({ index, uuid: `GPU-${index}` })),
+  state: 'active',
+  label: '',
+  session: 's',
+  ttl: 60,
+  created_at: 0,
+  expires_at: 60,
+  ...more
+});
+
+let model: GpuLeaseModel;
+beforeEach(() => {
+  model = new GpuLeaseModel({ baseUrl: 'http://localhost:8888/' } as ServerConnection.ISettings);
+});
+
+const cluster = { now: 0, nodes: [], pools: { A100: { free: 5 }, cpu: { free: 8 } }, cpu_pool: 'cpu' } as ICluster;
+
+describe('statusText', () => {
+  test('before the first answer, and when there is none', () => {
+    expect(statusText(model)).toBe('GPU: …');
+    model.error = 'lease server unreachable';
+    expect(statusText(model)).toBe('GPU: lease server unreachable');
+  });
+
+  test('the server extension missing, or another problem', () => {
+    model.problem = INSTALL_HINT;
+    expect(statusText(model)).toBe('GPU: server extension missing');
+    model.problem = 'gpulease: 500';
+    expect(statusText(model)).toBe('GPU: unavailable');
+  });
+
+  test('GPUs held and free', () => {
+    model.cluster = cluster;
+    model.leases = [lease('a', 2)];
+    expect(statusText(model)).toBe('GPU: 2 held · 5 free');
+  });
+
+  test('a slice and a warm GPU are counted apart from the GPUs held', () => {
+    model.cluster = cluster;
+    model.leases = [lease('a', 2), lease('s', 1, { gpu_mem_mb: 1024 }), lease('w', 1, { warm_since: 5 })];
+    expect(statusText(model)).toBe('GPU: 2 held · 1 slice · 1 warm · 5 free');
+    model.leases.push(lease('s2', 1, { gpu_mem_mb: 2048 }));
+    expect(statusText(model)).toBe('GPU: 2 held · 2 slices · 1 warm · 5 free');
+  });
+
+  test('stale after a failed refresh', () => {
+    model.cluster = cluster;
+    model.error = 'lease server unreachable';
+    expect(statusText(model)).toBe('GPU: 0 held · 5 free (stale)');
+  });
+});
+
+describe('statusTitle', () => {
+  test('the problem or the error as it is', () => {
+    model.error = 'lease server http://ls:8000: refused';
+    expect(statusTitle(model)).toBe('lease server http://ls:8000: refused');
+  });
+
+  test('what it counts, then my balance per GPU pool (not the CPU pool)', () => {
+    model.cluster = cluster;
+    const pool = (name: string, text: string): IBalance['pools'][number] => ({
+      pool: name,
+      quota: 4,
+      held: 1,
+      left: 3,
+      scheduler: 'fair',
+      fair_share: { rank: 1, of: 2, usage_gpu_s: 0 },
+      next_wait_s: null,
+      next_wait: null,
+      text
+    });
+    model.balance = {
+      user: 'alice',
+      teams: [],
+      pools: [pool('A100', '1 of 4 GPUs yours, 3 left'), pool('cpu', 'no quota')]
+    };
+    expect(statusTitle(model)).toBe(
+      'GPUs you hold, and GPUs free in the cluster: open GPU Leases\nA100: 1 of 4 GPUs yours, 3 left'
+    );
+  });
+
+  test('says what warm means once I have a warm GPU', () => {
+    model.cluster = cluster;
+    model.leases = [lease('w', 1, { warm_since: 5 })];
+    expect(statusTitle(model)).toContain('kept warm for your next cell (lent out if someone waits)');
+  });
+});
