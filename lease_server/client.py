@@ -97,7 +97,7 @@ class Lease:
     booking: str = ""  # the booking it is served from, if any (the lease JSON's "reservation")
     borrowed: bool = False  # taken from booked capacity: recalled with notice when the holder asks
     nodes: list[str] = field(default_factory=list)  # a multi-node gang's nodes (else empty)
-    gpu_mem_mb: int = 0  # a slice: MB of its one GPU promised to it (0: whole GPUs)
+    gpu_mem_mb: int = 0  # a slice: MB of each of its GPUs promised to it (0: whole GPUs)
     raw: LeaseJson = field(default_factory=lambda: cast(LeaseJson, {}), repr=False)
 
     @property
@@ -275,7 +275,8 @@ class Client:
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
 
-        ``gpu_mem`` leases a slice of one GPU instead (``gpus`` 1): "10GB", "10240MB", an int of
+        ``gpu_mem`` leases a slice of one GPU instead (with ``gpus`` k > 1, one such slice on each of k
+        GPUs of one node): "10GB", "10240MB", an int of
         MB, or a fraction of one GPU of the pool such as 0.25 (in a pool that shares its GPUs;
         rounded up to the pool's unit: the lease's ``gpu_mem_mb`` says the size it got). A size
         it cannot read raises ValueError before anything is sent.

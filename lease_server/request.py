@@ -359,15 +359,15 @@ class AcquireRequest(Request):
     RULES = (
         "gpus_min above gpus",
         "nodes above 1 with gpus not a multiple of nodes, or with a gpus_min other than gpus",
-        "gpu_mem_mb with gpus other than 1, nodes above 1 or gpus_min",
+        "gpu_mem_mb with nodes above 1 or gpus_min (k slices are one on each of k GPUs of one node)",
         "gpu_mem_mb in a pool that does not share, or above the memory of one of its GPUs",
     )
 
     def rules(self) -> None:
-        if self.gpu_mem_mb is not None and (self.gpus != 1 or self.nodes != 1 or self.gpus_min is not None):
+        if self.gpu_mem_mb is not None and (self.nodes != 1 or self.gpus_min is not None):
             raise errors.BadRequest(
-                "a slice (gpu_mem_mb) is part of one GPU: send gpus 1 with no nodes or gpus_min, or drop "
-                "gpu_mem_mb to lease whole GPUs"
+                "a slice (gpu_mem_mb) is part of one GPU, and gpus k slices on k GPUs of one node: send no nodes "
+                "or gpus_min, or drop gpu_mem_mb to lease whole GPUs"
             )
         n, n_min, k = self.gpus, self.least, self.nodes
         if n_min > n:

@@ -59,6 +59,15 @@ class Cancel:
             self._cond.wait_for(lambda: self.requested or done())
 
 
+def slice_place(lease: Lease) -> str:
+    """Where a slice lease is, as the cell's lines say it: "a 10 GB slice of box GPU 0", or for k
+    slices "10 GB slices of box GPU 0,1"."""
+    indexes = ",".join(str(i) for i in lease.indexes)
+    if len(lease.indexes) > 1:
+        return f"{show_mb(lease.gpu_mem_mb)} slices of {lease.node} GPU {indexes}"
+    return f"a {show_mb(lease.gpu_mem_mb)} slice of {lease.node} GPU {indexes}"
+
+
 class Grant:
     """A call's lease (or, for a CPU call without a CPU pool, none) from the request to the
     verified release. :meth:`finish` has the call's world end its workers and see their processes
@@ -178,7 +187,7 @@ class Grant:
         if self.cpu:
             return f"a CPU slot of {self.lease.node}"
         if self.lease.gpu_mem_mb:
-            return f"a {show_mb(self.lease.gpu_mem_mb)} slice of {self.lease.node} GPU {self.lease.indexes[0]}"
+            return slice_place(self.lease)
         parts = self.lease.parts()
         n = len(self.lease.gpus)
         gpus = f"{n} GPU{'s' if n != 1 else ''}"
@@ -202,7 +211,8 @@ class Grant:
         )
         if lease.gpu_mem_mb:  # a slice: its share of the GPU, and why that size
             total = int(lease.raw.get("gpu_total_mb") or 0)
-            where += f", {show_mb(lease.gpu_mem_mb)}" + (f" of {show_mb(total)}" if total else "") + ", shared"
+            each = " each" if len(lease.gpus) > 1 else ""  # k slices: that much of each of its k GPUs
+            where += f", {show_mb(lease.gpu_mem_mb)}" + (f" of {show_mb(total)}" if total else "") + f"{each}, shared"
             if opts.gpu_mem_why:
                 note = _join(note, opts.gpu_mem_why)
             elif self.asked_mb and lease.gpu_mem_mb > self.asked_mb:

@@ -148,14 +148,19 @@ def check_slice(
     gpu_mem: str | int | float | None, gpus_min: int | None, gpus: int | None, nodes: int | None, elastic: bool
 ) -> None:
     """Refuse a slice request that cannot be one before anything is leased: a slice is part of one
-    GPU (no other count, range, gang or elastic), and its size must be readable (or ``auto``)."""
+    GPU, and ``--gpus k`` k of them on k GPUs of one node (no range, gang or elastic); its size must
+    be readable (or ``auto``, which sizes one GPU's slice)."""
     if gpu_mem is None:
         return
     if not slices.is_auto(gpu_mem):
         parse_gpu_mem(gpu_mem)  # ValueError: one line that says what would work
-    if (gpus is not None and gpus != 1) or (gpus_min is not None and gpus_min != gpus):
-        got = f"{gpus_min}-{gpus}" if gpus_min is not None and gpus_min != gpus else str(gpus)
-        raise ValueError(f"a slice (--gpu-mem) is part of one GPU, so --gpus {got} does not go with it: drop one")
+    if gpus_min is not None and gpus_min != gpus:
+        raise ValueError(
+            f"a slice (--gpu-mem) is part of each GPU of a fixed count, so --gpus {gpus_min}-{gpus} does not go "
+            "with it: drop one"
+        )
+    if slices.is_auto(gpu_mem) and gpus is not None and gpus != 1:
+        raise ValueError(f"--gpu-mem auto sizes one GPU's slice, so --gpus {gpus} does not go with it: give a size")
     if (nodes and nodes > 1) or elastic:
         raise ValueError(f"a slice (--gpu-mem) is part of one GPU: drop {'--elastic' if elastic else '--nodes'}")
 
@@ -270,9 +275,10 @@ def _resolved(options: Options | None, sess: Session) -> Options:
     """The call's options with the session's defaults filled in, refused before anything is leased
     if they cannot run."""
     options = options or Options()
-    if options.gpu_mem is not None:  # a slice: one GPU, whatever the session's default count
+    if options.gpu_mem is not None:  # a slice: of one GPU, or of each of --gpus k, whatever the default count
         check_slice(options.gpu_mem, options.gpus_min, options.gpus, options.nodes, options.elastic)
-        options = replace(options, gpus=1, gpus_min=1)
+        k = options.gpus if isinstance(options.gpus, int) and options.gpus > 1 else 1
+        options = replace(options, gpus=k, gpus_min=k)
     opts = options.resolved(sess.defaults)
     if opts.elastic:
         check_elastic(opts)

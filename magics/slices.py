@@ -52,34 +52,36 @@ def mps_running(environ: dict[str, str] | None = None) -> bool:
     return os.path.exists(os.path.join(pipe_dir, "control"))
 
 
-def mps_limit(slice_mb: int, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment that has MPS cap the slice's process at ``slice_mb`` on its one visible GPU
-    (device 0 of the process), where an MPS daemon already runs; else nothing."""
+def mps_limit(slice_mb: int, environ: dict[str, str] | None = None, devices: int = 1) -> dict[str, str]:
+    """The environment that has MPS cap the slice's process at ``slice_mb`` on each of its visible
+    GPUs (devices 0..devices-1 of the process), where an MPS daemon already runs; else nothing."""
     if slice_mb <= 0 or not mps_running(environ):
         return {}
-    return {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={int(slice_mb)}M"}
+    return {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ",".join(f"{d}={int(slice_mb)}M" for d in range(devices))}
 
 
-def limit_torch(frac: float) -> str:
-    """Hold torch in this process to ``frac`` of its GPU (device 0, the slice's one visible GPU).
+def limit_torch(frac: float, devices: int = 1) -> str:
+    """Hold torch in this process to ``frac`` of each of its GPUs (devices 0..devices-1: the
+    slices' visible GPUs, one slice on each).
 
     Returns what was done: "set" (CUDA was up: set now), "armed" (set when CUDA starts, without
     starting it), "on import" (torch not imported yet: armed when it is), or "no CUDA" (torch
     sees no GPU here: nothing to hold)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        when_imported("torch", lambda module: _arm(module, frac), key="slice-limit")
+        when_imported("torch", lambda module: _arm(module, frac, devices), key="slice-limit")
         return "on import"
-    return _arm(torch, frac)
+    return _arm(torch, frac, devices)
 
 
-def _arm(torch: Any, frac: float) -> str:
+def _arm(torch: Any, frac: float, devices: int = 1) -> str:
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_available():
         return "no CUDA"
 
     def apply() -> None:
-        cuda.set_per_process_memory_fraction(frac, 0)
+        for d in range(min(devices, cuda.device_count())):
+            cuda.set_per_process_memory_fraction(frac, d)
 
     if cuda.is_initialized():
         apply()
@@ -100,9 +102,11 @@ def hold_to(environ: dict[str, str]) -> dict[str, str]:
     frac = fraction(slice_mb, total_mb)
     if frac is None:
         return {}
-    mps = mps_limit(slice_mb, environ)
+    # k slices: one on each GPU the worker sees
+    devices = max(1, len([d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]))
+    mps = mps_limit(slice_mb, environ, devices)
     os.environ.update(mps)  # before CUDA starts in this process: its MPS client reads it then
-    return {"torch": limit_torch(frac), "mps": mps.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")}
+    return {"torch": limit_torch(frac, devices), "mps": mps.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")}
 
 
 # ---- --gpu-mem auto ------------------------------------------------------------------------------

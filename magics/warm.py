@@ -33,10 +33,10 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.protocol import EndCause, EndCauseJson
-from lease_server.sizes import parse_gpu_mem, show_mb
+from lease_server.sizes import parse_gpu_mem
 
 from .calls import Call, event_client
-from .grant import Grant
+from .grant import Grant, slice_place
 from .options import Options
 from .outcomes import describe_cause, describe_end
 from .session import Session
@@ -136,7 +136,7 @@ class WarmWorker:
             return False
         if not self.lease.gpu_mem_mb:
             return opts.gpu_mem is None and opts.gpus == len(self.lease.gpus)
-        if opts.gpu_mem is None:
+        if opts.gpu_mem is None or (opts.gpus or 1) != len(self.lease.gpus):
             return False
         try:
             size = parse_gpu_mem(opts.gpu_mem)
@@ -145,8 +145,9 @@ class WarmWorker:
         return size in (self.asked, parse_gpu_mem(self.lease.gpu_mem_mb))
 
     def where(self) -> str:
-        gpus = f"{self.lease.node} GPU {','.join(str(g['index']) for g in self.lease.gpus)}"
-        return f"a {show_mb(self.lease.gpu_mem_mb)} slice of {gpus}" if self.lease.gpu_mem_mb else gpus
+        if self.lease.gpu_mem_mb:
+            return slice_place(self.lease)
+        return f"{self.lease.node} GPU {','.join(str(g['index']) for g in self.lease.gpus)}"
 
     def take(self) -> bool:
         """Run the next cell here: the lease runs again (``warm: false``). False once it was

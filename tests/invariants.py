@@ -50,14 +50,16 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
             assert ev["token"] > last_token, f"token {ev['token']} after {last_token}: reused or out of order"
             last_token = ev["token"]
             gpus = _gpus(ev)
-            assert len(gpus) == 1, f"slice {ev['lease']} granted on {gpus}"
-            (g,) = gpus
-            assert g not in held, f"slice {ev['lease']} put on {g}, held whole by {held[g]}"
-            assert g not in draining, f"slice {ev['lease']} put on {g} before {draining.get(g)} drained from it"
-            on = slices.setdefault(g, {})
-            slice_total[g] = int(ev["gpu_total_mb"])
-            on[ev["lease"]] = int(ev["gpu_mem_mb"])
-            assert sum(on.values()) <= slice_total[g], f"{g} promised {sum(on.values())} of {slice_total[g]} MB: {on}"
+            # a slice is part of one GPU; k slices of one lease, one on each of k GPUs of one node
+            assert gpus and len({node for node, _ in gpus}) == 1, f"slice {ev['lease']} granted on {gpus}"
+            for g in gpus:
+                assert g not in held, f"slice {ev['lease']} put on {g}, held whole by {held[g]}"
+                assert g not in draining, f"slice {ev['lease']} put on {g} before {draining.get(g)} drained from it"
+                on = slices.setdefault(g, {})
+                slice_total[g] = int(ev["gpu_total_mb"])
+                on[ev["lease"]] = int(ev["gpu_mem_mb"])
+                total = sum(on.values())
+                assert total <= slice_total[g], f"{g} promised {total} of {slice_total[g]} MB: {on}"
             assert ev["lease"] not in lease_gpus, f"lease id {ev['lease']} granted twice"
             lease_gpus[ev["lease"]] = gpus
             lease_token[ev["lease"]] = ev["token"]
@@ -194,7 +196,8 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
             # a slice counts its fraction of the GPU, in milli-GPUs ("|m"), whole leases their GPUs
             size, suffix = len(lease["gpus"]), ""
             if lease.get("gpu_mem_mb"):
-                size, suffix = max(1, int(lease["gpu_mem_mb"] * 1000 / lease["gpu_total_mb"] + 0.5)), "|m"
+                milli = max(1, int(lease["gpu_mem_mb"] * 1000 / lease["gpu_total_mb"] + 0.5))
+                size, suffix = milli * len(lease["gpus"]), "|m"
             for who in [lease["user"], *(f"team:{t}" for t in (lease.get("teams") or "").split(",") if t)]:
                 field = f"{lease['pool']}|{who}{suffix}"
                 counted[field] = counted.get(field, 0) + size
@@ -240,7 +243,7 @@ def check_slices(
     entry says "~slices", and the best-fit index lists exactly the sliced GPUs with room left."""
     assert {slot for slot, h in holders.items() if h == "~slices"} == set(sliced), "sliced GPUs and their marks"
     want_fit = set()
-    in_ledgers: dict[str, str] = {}
+    in_ledgers: dict[str, set[str]] = {}
     for slot, raw in sliced.items():
         s = json.loads(raw)
         mine = {lid: int(mb) for lid, mb in (s["leases"] or {}).items()}
@@ -253,10 +256,14 @@ def check_slices(
             lease = leases.get(lid)
             assert lease is not None, f"{slot}: slice of {lid}, which is not live"
             assert lease.get("gpu_mem_mb") == mb and lease["gpu_total_mb"] == s["total_mb"], (slot, lid, lease)
-            assert f"{lease['node']}/{lease['gpus'][0]['index']}" == slot, f"{lid} is in the ledger of {slot}"
-            in_ledgers[lid] = slot
+            mine_slots = {f"{lease['node']}/{g['index']}" for g in lease["gpus"]}
+            assert slot in mine_slots, f"{lid} is in the ledger of {slot}"
+            in_ledgers.setdefault(lid, set()).add(slot)
         if len(mine) + len(drains) < s["max"] and used < s["total_mb"]:
             want_fit.add(f"{s['pool']}|{s['total_mb'] - used:08d}|{slot}")
     assert set(slice_fit) == want_fit, f"slice fit index {sorted(slice_fit)} != {sorted(want_fit)}"
     live_slices = {lid for lid, lease in leases.items() if lease.get("gpu_mem_mb")}
     assert live_slices == set(in_ledgers), f"live slices {sorted(live_slices)} vs ledgers {sorted(in_ledgers)}"
+    for lid, slots in in_ledgers.items():  # k slices of a lease: one in the ledger of each of its k GPUs
+        lease = leases[lid]
+        assert slots == {f"{lease['node']}/{g['index']}" for g in lease["gpus"]}, f"{lid} in ledgers {slots}"

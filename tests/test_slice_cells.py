@@ -155,7 +155,8 @@ def test_two_slices_share_a_gpu_and_only_the_one_over_its_memory_is_ended(up, se
         (Options(gpu_mem="ten GB", pool=A100), "write a size such as 10GB"),
         (Options(gpu_mem="100GB", pool=A100), "more than one GPU of pool"),
         (Options(gpu_mem="2GB", pool="T4-16GB"), "does not share its GPUs"),
-        (Options(gpu_mem="2GB", gpus=2, pool=A100), "a slice (--gpu-mem) is part of one GPU"),
+        (Options(gpu_mem="2GB", gpus=2, nodes=2, pool=A100), "a slice (--gpu-mem) is part of one GPU: drop --nodes"),
+        (Options(gpu_mem="auto", gpus=2, pool=A100), "--gpu-mem auto sizes one GPU's slice"),
     ],
 )
 def test_bad_slice_requests_are_one_line_and_lease_nothing(sess, admin, options, says):
@@ -171,7 +172,8 @@ def test_bad_slice_requests_are_one_line_and_lease_nothing(sess, admin, options,
     [
         ("--gpu-mem 0", "must be above 0"),
         ("--gpu-mem 10parsecs", "write a size such as 10GB"),
-        ("--gpus 2 --gpu-mem 1GB", "a slice (--gpu-mem) is part of one GPU"),
+        ("--gpus 1-2 --gpu-mem 1GB", "part of each GPU of a fixed count"),
+        ("--gpus 2 --gpu-mem auto", "--gpu-mem auto sizes one GPU's slice"),
         ("--gpus 0.25 --gpu-mem 1GB", "already asks for part of one GPU"),
         ("--gpus 1.5", "fraction of one GPU"),
     ],
@@ -295,3 +297,22 @@ def test_a_slice_stays_warm_for_the_next_cell_of_its_size_and_is_lent_to_a_slice
     assert any("this cell asks for 1 GPU" in n for n in fourth.ending.notes), fourth.ending.notes
     run_cell("x = 1", ns, replace(opts, gpu_mem=None, gpus=1, warm=False), RecordingUI(), sess)
     assert nothing_leased(admin)
+
+
+def test_k_slices_run_one_cell_on_a_slice_of_each_of_k_gpus(sess, admin):
+    """--gpus 2 --gpu-mem 1GB: one worker sees two GPUs, each held to its 1 GB slice (the env the
+    worker's torch limit and MPS read), and the lines say so."""
+    ui = RecordingUI()
+    got = run_cell(
+        "import os\nseen = (os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPULEASE_GPU_MEM_MB'])",
+        {},
+        Options(gpu_mem="1GB", gpus=2, pool=A100),
+        ui,
+        sess,
+    )
+    visible, mb = got.names["seen"]
+    assert len(visible.split(",")) == 2 and mb == "1024", got.names
+    r = running(ui)
+    assert re.fullmatch(r"box GPU \d,\d, 1 GB of 80 GB each, shared", r.where), r
+    assert re.fullmatch(r"1 GB slices of box GPU \d,\d", ui.ending.where), ui.ending
+    assert lines_fit(ui.ending.line()) and nothing_leased(admin)

@@ -88,7 +88,6 @@ def test_an_unreadable_size_is_one_line_that_says_what_would_work(text: Any) -> 
         ({"gpus": 1, "gpu_mem_mb": "10GB"}, "gpu_mem_mb must be a whole number of MB"),
         ({"gpus": 1, "gpu_mem_mb": GPU_MB + 1, "pool": A100}, f"ask for at most {GPU_MB} MB"),
         ({"gpus": 1, "gpu_mem_mb": 1024, "pool": "T4-16GB"}, "does not share its GPUs"),
-        ({"gpus": 2, "gpu_mem_mb": 1024, "pool": A100}, "a slice (gpu_mem_mb) is part of one GPU"),
         ({"gpus": 2, "nodes": 2, "gpu_mem_mb": 1024, "pool": A100}, "a slice (gpu_mem_mb) is part of one GPU"),
         ({"gpus": 1, "gpus_min": 1, "gpu_mem_mb": 1024, "pool": A100}, "a slice (gpu_mem_mb) is part of one GPU"),
         ({"gpus": 1, "gpu_mem_mb": 1024, "pool": "nope"}, "unknown pool"),
@@ -150,6 +149,39 @@ def test_a_size_between_units_is_rounded_up_and_the_grant_says_so(srv: ServerHan
         c.release(lease)
         c.release(quarter)
     check_state(redis_sync, keys_of(srv), expect_all_free=True)
+
+
+def test_k_slices_take_one_slice_on_each_of_k_gpus_of_one_node(server_factory: Any, redis_sync: Any) -> None:
+    """gpus=2 with gpu_mem: a slice on each of two GPUs of one node, sliced GPUs first (best fit),
+    then free ones; counted as twice the fraction; every GPU's memory back when it ends. A request
+    that no node has k GPUs for is refused; gpus_min or nodes with a slice are 400s."""
+    srv = server_factory("n1=4xA100-80GB,n2=2xA100-80GB", scheduling=SHARING)
+    k = keys_of(srv)
+    with srv.client("alice") as alice, srv.client("bob") as bob:
+        one = bob.acquire(1, A100, gpu_mem="60GB")  # a sliced GPU with 20 GB left
+        pair = alice.acquire(2, A100, gpu_mem="20GB")
+        assert len(pair.gpus) == 2 and pair.gpu_mem_mb == 20480 and pair.raw["gpu_total_mb"] == GPU_MB
+        assert pair.node == one.node and one.gpus[0] in pair.gpus  # it joined the sliced GPU first
+        for g in pair.gpus:
+            ledger = json.loads(redis_sync.hget(k.sliced, f"{pair.node}/{g['index']}"))
+            assert ledger["leases"][pair.id] == 20480
+        assert redis_sync.hget(k.held_by, f"{A100}|alice|m") == "500"  # 2 x 250 milli-GPUs
+        check_state(redis_sync, k)
+        four = bob.acquire(4, A100, gpu_mem="70GB")  # only the other node has 4 GPUs with room: whole ones
+        assert four.node != pair.node and len(four.gpus) == 4
+        check_state(redis_sync, k)
+        with pytest.raises(errors.NoCapacity):  # now no node has 2 GPUs with 30 GB free
+            bob.acquire(2, A100, gpu_mem="30GB")
+        bob.release(four)
+        for bad in ({"gpus": 2, "gpus_min": 1}, {"gpus": 2, "nodes": 2}):
+            with pytest.raises(errors.BadRequest, match="k slices on k GPUs of one node"):
+                alice.request("POST", "/api/v1/leases", json={**bad, "gpu_mem_mb": 1024, "pool": A100})
+        alice.release(pair)
+        assert redis_sync.hget(k.held_by, f"{A100}|alice|m") in (None, "0")
+        check_state(redis_sync, k)
+        bob.release(one)
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(read_events(redis_sync, k))
 
 
 def test_whole_gpus_never_land_on_a_sliced_gpu_and_slices_never_on_a_leased_one(
@@ -571,14 +603,16 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
     try:
         for _ in range(240):
             step = rng.choices(
-                ["slice", "whole", "release", "revoke", "expire", "warm", "wait"], [40, 15, 30, 5, 10, 10, 5]
+                ["slice", "whole", "release", "revoke", "expire", "warm", "wait"], [40, 20, 35, 5, 10, 10, 5]
             )[0]
             user = rng.choice(users)
             c = clients[user]
             try:
                 if step in ("slice", "expire"):
                     size = _size(rng)
-                    lease = c.acquire(1, A100, ttl=1 if step == "expire" else 60, gpu_mem=size)
+                    k_gpus = rng.choice([1, 1, 1, 2])  # now and then a slice on each of two GPUs
+                    lease = c.acquire(k_gpus, A100, ttl=1 if step == "expire" else 60, gpu_mem=size)
+                    assert len(lease.gpus) == k_gpus
                     asked = c.gpu_mem_mb(size, A100)
                     assert lease.gpu_mem_mb >= asked and (lease.gpu_mem_mb % 1024 == 0 or lease.gpu_mem_mb == GPU_MB)
                     (short if step == "expire" else live).append(lease)
@@ -586,7 +620,7 @@ def test_randomized_slices_and_whole_gpus_never_overpromise_a_gpu(srv: ServerHan
                     live.append(c.acquire(rng.choice([1, 1, 2]), A100, ttl=60))
                 elif step == "wait":  # queued for a moment: a warm lease may be evicted for it
                     size = rng.choice([_size(rng), None])
-                    live.append(c.acquire(1, A100, ttl=60, gpu_mem=size, wait=0.3))
+                    live.append(c.acquire(rng.choice([1, 1, 2]), A100, ttl=60, gpu_mem=size, wait=0.3))
                 elif step == "warm" and live:
                     lease = rng.choice(live)
                     try:

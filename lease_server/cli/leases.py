@@ -134,8 +134,9 @@ def _lease_table(view: dict[str, Any]) -> None:
                 lease = {"id": sl["lease"], "user": sl["user"], "label": sl.get("label", ""), "since": sl["since"]}
                 if sl.get("warm_since"):  # kept warm for its notebook's next cell: the state column says so
                     lease["warm_since"] = sl["warm_since"]
-                by_id[sl["lease"]] = {"lease": lease, "parts": {n["name"]: [int(g["index"])]}, "utils": []}
-                by_id[sl["lease"]]["slice"] = f" {mem_size(sl['gpu_mem_mb'])}/{mem_size(g.get('memory_mb') or 0)}"
+                row = by_id.setdefault(sl["lease"], {"lease": lease, "parts": {}, "utils": []})
+                row["parts"].setdefault(n["name"], []).append(int(g["index"]))  # k slices: each of its GPUs
+                row["slice"] = f" {mem_size(sl['gpu_mem_mb'])}/{mem_size(g.get('memory_mb') or 0)}"
             lease = g.get("lease")
             if not lease:
                 continue
@@ -339,8 +340,10 @@ def acquire(
             parse_gpu_mem(gpu_mem)
         except ValueError as exc:
             raise click.UsageError(f"--gpu-mem: {exc}") from None
-        if gpus != 1 or (nodes or 1) > 1:
-            raise click.UsageError("--gpu-mem is a slice of one GPU: drop --gpus and --nodes, or drop --gpu-mem")
+        if (nodes or 1) > 1:
+            raise click.UsageError(
+                "--gpu-mem is a slice of each GPU, on one node (--gpus k: k GPUs): drop --nodes, or drop --gpu-mem"
+            )
     if command:
         unrunnable = _unrunnable(command[0])
         if unrunnable:  # as a shell says it, and before any GPU is taken (or waited for)

@@ -50,7 +50,7 @@ class Watched:
     token: int  # its fencing token: an end is refused once the lease was granted anew
     pool: str
     indexes: tuple[int, ...]  # its GPUs on this node
-    limit_mb: int  # a slice: MB promised to it; 0: whole GPUs (measured for the peak only)
+    limit_mb: int  # a slice: MB promised to it (k slices: on all k GPUs); 0: whole GPUs (for the peak only)
     procs: tuple[tuple[int, int, int], ...]  # (pid, start ticks, uid) that claimed it here
 
 
@@ -62,9 +62,9 @@ async def watched_of(engine: Engine, node: str, indexes: list[int], whole: bool 
     slots = [f"{node}/{i}" for i in indexes]
     limits: dict[str, int] = {}
     for raw in await engine.redis.hmget(engine.keys.sliced, slots):
-        if raw:
+        if raw:  # k slices of one lease (one per GPU): it is held to all k together
             for lease, mb in (json.loads(raw).get("leases") or {}).items():
-                limits[lease] = int(mb)
+                limits[lease] = limits.get(lease, 0) + int(mb)
     if whole:
         for holder in await engine.redis.hmget(engine.keys.holders, slots):
             if holder and not str(holder).startswith("~"):

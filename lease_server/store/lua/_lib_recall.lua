@@ -87,7 +87,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
     end
   end
   -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs.
-  local per, decoded, ranks, slices = {}, {}, {}, {}
+  local per, decoded, ranks, slices, slice_seen = {}, {}, {}, {}, {}
   for _, node in ipairs(nodes) do
     local inv_raw = redis.call('HGET', K_NODES, node)
     local free = #decode_list(redis.call('HGET', K_FREE, node))
@@ -106,8 +106,11 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
           if h == SLICED and (kind == 'borrow_recalled' or kind == 'evicting') then
             local raw = redis.call('HGET', K_SLICED, slots[i])
             for id in pairs(raw and cjson.decode(raw).leases or {}) do
-              local sl = redis.call('HGET', K_LEASES, id)
-              if sl then slices[#slices + 1] = cjson.decode(sl) end
+              local sl = not slice_seen[id] and redis.call('HGET', K_LEASES, id)  -- (k slices: once)
+              if sl then
+                slice_seen[id] = true
+                slices[#slices + 1] = cjson.decode(sl)
+              end
             end
           elseif h and string.sub(h, 1, 1) ~= '~' then
             if not on[h] then on[h] = 0; order[#order + 1] = h end
@@ -147,11 +150,13 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       if x.count ~= y.count then return x.count > y.count end
       return x.l.id < y.l.id
     end)
-    local have, cost, list = p.have, 0, {}
+    local have, cost, list, listed = p.have, 0, {}, {}
     for _, v in ipairs(p.victims) do
       if have >= n then break end
-      list[#list + 1] = v.l
-      for _, o in ipairs(v.more or {}) do list[#list + 1] = o end  -- a sliced GPU's other slices
+      -- a sliced GPU's other slices too; a lease of k slices once, however many of its GPUs count
+      for _, l in ipairs({v.l, unpack(v.more or {})}) do
+        if not listed[l.id] then listed[l.id] = true; list[#list + 1] = l end
+      end
       have = have + v.count
       cost = cost + v.lost
     end
@@ -193,14 +198,19 @@ local function evict_for_slice(w, pool, notice_ms)
   if miss and miss.v and w.gpu_mem_mb >= miss.v then return nil end
   local on, slots = {}, {}
   local lo, hi = '[' .. pool .. '|v|', '(' .. pool .. '|v|~'
-  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_VICTIMS, lo, hi, 'LIMIT', 0, RECALL_READ)) do
+  -- (k slices on k GPUs: the warm slices of one GPU make room for one slice only; a request for
+  -- several takes whole GPUs from warm leases, below)
+  local members = (w.gpus or 1) == 1 and redis.call('ZRANGEBYLEX', K_VICTIMS, lo, hi, 'LIMIT', 0, RECALL_READ) or {}
+  for _, m in ipairs(members) do
     local node, id = string.match(m, '^[^|]+|v|%d+|(.+)|([^|]+)$')
     local raw = redis.call('HGET', K_LEASES, id)
     if raw and tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
       local l = cjson.decode(raw)
-      local slot = node .. '/' .. l.gpus[1].index
-      if not on[slot] then on[slot] = {node = node, ls = {}}; slots[#slots + 1] = slot end
-      table.insert(on[slot].ls, l)
+      for _, g in ipairs(l.gpus) do  -- a warm lease of k slices gives memory back on each of its GPUs
+        local slot = node .. '/' .. g.index
+        if not on[slot] then on[slot] = {node = node, ls = {}}; slots[#slots + 1] = slot end
+        table.insert(on[slot].ls, l)
+      end
     end
   end
   local best, best_list, best_n, best_mb
@@ -235,8 +245,8 @@ local function evict_for_slice(w, pool, notice_ms)
   if best then
     return recall_these(w, pool, best, best_list, notice_ms, 'evicting', 'evicted for ' .. w.user .. "'s request", {})
   end
-  local hold = recall(w, pool, 1, nil, warm_rank, notice_ms, 'evicting', 'evicted for ' .. w.user .. "'s request",
-                      {}, {'w', 'v'})
+  local hold = recall(w, pool, w.gpus or 1, nil, warm_rank, notice_ms, 'evicting',
+                      'evicted for ' .. w.user .. "'s request", {}, {'w', 'v'})
   if not hold and miss then miss.v = math.min(w.gpu_mem_mb, miss.v or w.gpu_mem_mb) end
   return hold
 end

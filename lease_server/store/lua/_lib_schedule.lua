@@ -110,26 +110,29 @@ local function grant_parts(w, parts)
   local total_mb
   for _, part in ipairs(parts) do
     local node = part.node
-    if part.slice then
-      part.taken = {part.slice.index}
-      total_mb = grant_slice(w.id, w.pool, w.gpu_mem_mb, part.slice)
+    if part.slices then  -- a slice on each of these GPUs (grant_slice: in order, a free one taken whole)
+      part.taken = {}
+      for _, p in ipairs(part.slices) do
+        part.taken[#part.taken + 1] = p.index
+        total_mb = grant_slice(w.id, w.pool, w.gpu_mem_mb, p)
+      end
     end
     local uuid_of = inv_uuids(redis.call('HGET', K_NODES, node), part.taken)
     -- Invariant guard, checked before any write: a free GPU never has a holder. If one does, the
     -- state is corrupt, and granting it would be a double grant: fail the script loudly instead.
-    for _, idx in ipairs(part.slice and {} or part.taken) do
+    for _, idx in ipairs(part.slices and {} or part.taken) do
       if redis.call('HEXISTS', K_HOLDERS, node .. '/' .. idx) == 1 then
         error('invariant broken: free GPU ' .. node .. '/' .. idx .. ' has a holder')
       end
     end
     for _, idx in ipairs(part.taken) do
-      if not part.slice then redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id) end
+      if not part.slices then redis.call('HSET', K_HOLDERS, node .. '/' .. idx, w.id) end
       local g = {index = idx, uuid = uuid_of[idx] or ''}
       if #parts > 1 then g.node = node end
       gpus[#gpus + 1] = g
       taken[#taken + 1] = idx
     end
-    if not part.slice then set_free(node, w.pool, part.rest, part.old_count) end
+    if not part.slices then set_free(node, w.pool, part.rest, part.old_count) end
     nodes[#nodes + 1] = node
     part_gpus[#part_gpus + 1] = {node = node, gpus = part.taken}
   end
@@ -343,10 +346,18 @@ end
 -- a free GPU that the pool's bookings in force still owe (it is not served from a booking, and is
 -- never borrowed: what a recall frees is counted in whole GPUs), but may share a sliced one.
 local function slice_parts(w, pool, owed, sched, exclude)
+  if (w.gpus or 1) > 1 then  -- k slices, one on each of k GPUs of one node (allocate_slices)
+    local ps = allocate_slices(pool, w.gpu_mem_mb, w.gpus, sched.max_sharers, exclude)
+    if not ps then return nil end
+    local fresh = 0
+    for _, p in ipairs(ps) do if p.fresh then fresh = fresh + 1 end end
+    if fresh > 0 and owed > 0 and pool_free(pool) - fresh < owed then return nil end
+    return {{node = ps[1].node, slices = ps}}
+  end
   local p, busy = allocate_slice(pool, w.gpu_mem_mb, sched.max_sharers, sched.slice_busy_pct, exclude)
   if p and p.fresh and owed > 0 and pool_free(pool) - 1 < owed then p = busy end
   if not p then return nil end
-  return {{node = p.node, slice = p}}
+  return {{node = p.node, slices = {p}}}
 end
 
 -- Dispatch, for a waiter that cannot be served now: recall what may be recalled for it

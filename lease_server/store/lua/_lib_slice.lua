@@ -122,6 +122,86 @@ local function allocate_slice(pool, mb, max_sharers, busy_pct, exclude)
   return busy
 end
 
+-- Where k slices of `mb` MB each go, one per GPU, all on one node (a multi-GPU cell that needs part
+-- of each GPU, as a gang of slices): on the up node (not `exclude`) where k GPUs have room, taking
+-- sliced GPUs first (least free memory first: best fit) and then free GPUs whole, the node that
+-- takes the fewest free GPUs, then leaves the least memory, then by name. The candidates are the
+-- nodes of the first SLICE_CANDIDATES best fits by memory and of the SLICE_CANDIDATES best-fit nodes
+-- with free GPUs: bounded work whatever the pool's size. (Utilisation is not weighed here.)
+-- Returns k placements as allocate_slice's (a free GPU's rest and old_count follow one another, as
+-- grant_slice takes them in order), or nil; changes nothing.
+local function allocate_slices(pool, mb, k, max_sharers, exclude)
+  local nodes, seen = {}, {}
+  local function consider(node)
+    if node and node ~= exclude and not seen[node] then seen[node] = true; nodes[#nodes + 1] = node end
+  end
+  local lo = '[' .. pool .. '|' .. string.format('%08d', mb) .. '|'
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_SLICE_FIT, lo, '(' .. pool .. '|~', 'LIMIT', 0, SLICE_CANDIDATES)) do
+    consider(string.match(m, '^[^|]+|%d+|(.+)/%d+$'))
+  end
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|00001|', '(' .. pool .. '|~',
+                                'LIMIT', 0, SLICE_CANDIDATES)) do
+    consider(string.match(m, '^[^|]+|%d+|(.+)$'))
+  end
+  local best, best_key
+  for _, node in ipairs(nodes) do
+    local inv_raw = redis.call('HGET', K_NODES, node)
+    if inv_raw and tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
+      local free = decode_list(redis.call('HGET', K_FREE, node))
+      local shared, fresh = {}, {}
+      local slots = {}
+      for idx in string.gmatch(inv_raw, '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
+      if #slots > 0 then
+        for i, h in ipairs(redis.call('HMGET', K_HOLDERS, unpack(slots))) do
+          if h == SLICED then
+            local sl = cjson.decode(redis.call('HGET', K_SLICED, slots[i]))
+            local sharers = 0
+            for _ in pairs(sl.leases) do sharers = sharers + 1 end
+            for _ in pairs(sl.draining) do sharers = sharers + 1 end
+            if sl.total_mb - sl.used_mb >= mb and sharers < sl.max and not slices_recalled(sl) then
+              shared[#shared + 1] = {slot = slots[i], room = sl.total_mb - sl.used_mb}
+            end
+          end
+        end
+      end
+      table.sort(shared, function(a, b)
+        if a.room ~= b.room then return a.room < b.room end
+        return a.slot < b.slot
+      end)
+      for _, idx in ipairs(free) do
+        if inv_memory(inv_raw, idx) >= mb then fresh[#fresh + 1] = idx end
+      end
+      if #shared + #fresh >= k then
+        local used_fresh = math.max(0, k - #shared)
+        local left = 0
+        for i = 1, math.min(k, #shared) do left = left + shared[i].room - mb end
+        local key = {used_fresh, left, node}
+        if not best_key or key[1] < best_key[1] or (key[1] == best_key[1] and (key[2] < best_key[2]
+            or (key[2] == best_key[2] and key[3] < best_key[3]))) then
+          best, best_key = {node = node, inv_raw = inv_raw, free = free, shared = shared, fresh = fresh}, key
+        end
+      end
+    end
+  end
+  if not best then return nil end
+  local out = {}
+  for i = 1, math.min(k, #best.shared) do
+    local slot = best.shared[i].slot
+    out[#out + 1] = {node = best.node, index = tonumber(string.match(slot, '/(%d+)$')), slot = slot}
+  end
+  local taken, rest = {}, best.free
+  for i = 1, k - #out do
+    local idx = best.fresh[i]
+    taken[idx] = true
+    local left = {}
+    for _, f in ipairs(best.free) do if not taken[f] then left[#left + 1] = f end end
+    out[#out + 1] = {node = best.node, index = idx, slot = best.node .. '/' .. idx, fresh = true, rest = left,
+                     old_count = #rest, total_mb = inv_memory(best.inv_raw, idx), max = max_sharers}
+    rest = left
+  end
+  return out
+end
+
 -- For a recall of whole GPUs (recall in _lib_recall.lua: a booking's holder, or a warm eviction with
 -- rank warm_rank, which takes only a GPU whose slices are all warm): the GPUs that the
 -- live slices `slices` of the pool share, each a victim that frees one whole GPU once every slice
@@ -133,8 +213,8 @@ local function slice_victims(per, slices, rank)
   local gpus, order = {}, {}
   for _, l in ipairs(slices) do
     local p = per[l.node]
-    if p then
-      local slot = l.node .. '/' .. l.gpus[1].index
+    for _, g in ipairs(p and l.gpus or {}) do  -- k slices of one lease: on each of its GPUs
+      local slot = l.node .. '/' .. g.index
       local u = gpus[slot]
       if not u then
         u = {p = p, ls = {}, ok = true, lost = 0}
@@ -223,13 +303,14 @@ local function slice_drained(node, idx, lease_id)
   return d, save_slices(slot, s)
 end
 
--- A live lease's size in GPUs for fair share and quotas: a slice counts as its fraction of the GPU.
+-- A live lease's size in GPUs for fair share and quotas: a slice counts as its fraction of the GPU
+-- (k slices on k GPUs: k times it).
 local function gpu_share(lease)
-  if lease.gpu_mem_mb then return lease.gpu_mem_mb / lease.gpu_total_mb end
+  if lease.gpu_mem_mb then return lease.gpu_mem_mb / lease.gpu_total_mb * #lease.gpus end
   return #lease.gpus
 end
 
--- A slice's fraction in milli-GPUs (at least 1), the unit of its quota count (count_held).
+-- A slice's fraction in milli-GPUs (at least 1 per GPU), the unit of its quota count (count_held).
 local function slice_milli(lease)
-  return math.max(1, math.floor(lease.gpu_mem_mb * 1000 / lease.gpu_total_mb + 0.5))
+  return math.max(1, math.floor(lease.gpu_mem_mb * 1000 / lease.gpu_total_mb + 0.5)) * #lease.gpus
 end
