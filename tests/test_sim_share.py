@@ -85,6 +85,7 @@ def test_vram_is_read_per_gpu_in_mb(tmp_path):
     assert w.vram_mb.tolist() == [2048, 2048, 0]  # 8 GB over 4 GPUs; absent: 0
     assert share.slice_plan(w) == [[2048], [0], [0]]  # several GPUs, or memory unknown: whole GPUs
     assert share.slice_plan(w, "slices") == [[2048], [2048] * 4, [0]]
+    assert share.slice_plan(w, "gang") == [[2048], [2048], [0]]  # one lease: 2 GB of each of its 4 GPUs
 
 
 def test_two_cells_at_60_percent_on_one_gpu_each_run_1_2_times_longer(tmp_path, redis_server):
@@ -151,6 +152,13 @@ def test_cells_on_several_gpus_or_without_memory_take_whole_gpus(tmp_path, redis
     assert places["c0"] == places["c0.1"] == [0] and places["c1"] == [1]
     assert r3.wait_ms.tolist()[:2] == [0, 0] and r3.wait_ms.tolist()[2] > 0
     assert minutes(r3)[1] == 10  # alone on GPU 1: not slowed
+    # as the server leases it (gang): one lease of a slice on each of GPUs 0 and 1 of the node; the
+    # 1-GPU slice shares with it by memory, and the memoryless cell waits for a whole GPU
+    r4, events4, counts4 = replay(w, [2], redis_server.url, "sharegang", multi="gang", busy_pct=101)
+    grants4 = {e["lease"]: e for e in events4 if e["type"] == "grant"}
+    assert grants4["c0"]["gpus"] == [0, 1] and grants4["c0"]["gpu_mem_mb"] == 2048 and "c0.1" not in grants4
+    assert r4.wait_ms.tolist()[:2] == [0, 0] and r4.wait_ms.tolist()[2] > 0
+    assert counts4["grant"] == 3
 
 
 @needs_adobe

@@ -57,9 +57,9 @@ from ._common import console, server_options
     "--share-multi",
     default="whole",
     show_default=True,
-    type=click.Choice(["whole", "slices"]),
-    help="lease-share: a cell on several GPUs leases them whole (as the server does), or one slice per "
-    "GPU (a what-if: the server has no gang of slices)",
+    type=click.Choice(["whole", "gang", "slices"]),
+    help="lease-share: a cell on several GPUs leases them whole, or a slice of each in one lease on one "
+    "node (gang: %%gpu_train --gpus k --gpu-mem), or one lease per slice placed apart (slices: a what-if)",
 )
 @click.pass_context
 def simulate(

@@ -9,12 +9,12 @@ placed, queued and dispatched by ``_lib_slice.lua`` and dispatch exactly as on a
 Cells the server cannot lease as one slice:
 
 * a cell whose memory the trace does not give takes whole GPUs (nothing says how much it needs);
-* a cell on more than one GPU (``multi``): ``"whole"`` (the default) leases its GPUs whole, as the
-  server does today (a slice is one GPU's memory; ``gpus`` above 1 with ``gpu_mem_mb`` is refused);
-  ``"slices"`` asks what sharing would be worth if it could: one slice per GPU, each its own lease
-  placed independently by the real scripts (so on any node, possibly two on one GPU), and the cell
-  runs once it holds all of them (the earlier ones wait idle, held). The server has no gang of
-  slices, so this is a what-if, not a figure of the system as built.
+* a cell on more than one GPU (``multi``): ``"whole"`` (the default) leases its GPUs whole;
+  ``"gang"`` leases one slice on each of its GPUs, all on one node, in one lease (``gpus`` k with
+  ``gpu_mem_mb``: ``allocate_slices`` in ``_lib_slice.lua``), as ``%%gpu_train --gpus 2 --gpu-mem``
+  does; ``"slices"`` is the older what-if of one slice per GPU, each its own lease placed
+  independently (so on any node, possibly two on one GPU), the cell running once it holds all of
+  them (the earlier ones wait idle, held): no system leases that way.
 
 The co-tenant model: a GPU on which the running cells' utilisations (the trace's NVML
 ``gpu_utilizations``, per GPU) add up to ``S`` > 100 % runs each of them ``S / 100`` times slower
@@ -64,7 +64,7 @@ from .result import Result
 from .workload import Workload
 
 GPU_MEM_MB = 40_960  # the simulated GPUs' memory: the trace names no GPU model (an A100-40GB here)
-MULTI = ("whole", "slices")
+MULTI = ("whole", "gang", "slices")
 
 _END, _READY, _SAMPLE = 0, 1, 2
 
@@ -96,6 +96,8 @@ def slice_plan(w: Workload, multi: str = "whole") -> list[list[int]]:
             plan.append([mb])
         elif multi == "slices":
             plan.append([mb] * g)
+        elif multi == "gang":
+            plan.append([mb])  # one lease: a slice of mb on each of its g GPUs of one node
         else:
             plan.append([0])
     return plan
@@ -231,7 +233,7 @@ class _ShareReplay:
             self._lid(c, k),
             self.users[u],
             POOL,
-            1 if mb else self.cell_gpus[c],
+            self.cell_gpus[c] if (not mb or self.multi == "gang") else 1,
             ttl_ms=FOREVER_MS,
             wait_ms=FOREVER_MS,
             label=self.w.label[c] if c < len(self.w.label) else "",
@@ -281,8 +283,8 @@ class _ShareReplay:
         st.rem, st.since, st.rate = float(self.dur[c]), t, 1.0
         touched = {c}
         for _lid, node, idx, mb in st.parts:
-            if mb:
-                slot = f"{node}/{idx[0]}"
+            for i in idx if mb else ():  # (a gang of slices: one on each of its GPUs)
+                slot = f"{node}/{i}"
                 st.slots.append(slot)
                 self.resample.add(slot)
                 on = self.on_gpu.setdefault(slot, set())
@@ -332,7 +334,7 @@ class _ShareReplay:
                     plan.append((_END, c, mb, lid))
                     self.a_s.append(self.granted_at.pop(lid))
                     self.a_e.append(t)
-                    self.a_g.append(mb / self._total if mb else len(idx))
+                    self.a_g.append(mb / self._total * len(idx) if mb else len(idx))  # (k slices: k fractions)
                     self.a_u.append(self.cell_user[c])
                 if not self.last[c]:
                     if self.gap[c + 1] == 0:

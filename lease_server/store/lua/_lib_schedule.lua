@@ -347,7 +347,7 @@ end
 -- never borrowed: what a recall frees is counted in whole GPUs), but may share a sliced one.
 local function slice_parts(w, pool, owed, sched, exclude)
   if (w.gpus or 1) > 1 then  -- k slices, one on each of k GPUs of one node (allocate_slices)
-    local ps = allocate_slices(pool, w.gpu_mem_mb, w.gpus, sched.max_sharers, exclude)
+    local ps = allocate_slices(pool, w.gpu_mem_mb, w.gpus, sched.max_sharers, sched.slice_busy_pct, exclude)
     if not ps then return nil end
     local fresh = 0
     for _, p in ipairs(ps) do if p.fresh then fresh = fresh + 1 end end

@@ -124,13 +124,14 @@ end
 
 -- Where k slices of `mb` MB each go, one per GPU, all on one node (a multi-GPU cell that needs part
 -- of each GPU, as a gang of slices): on the up node (not `exclude`) where k GPUs have room, taking
--- sliced GPUs first (least free memory first: best fit) and then free GPUs whole, the node that
--- takes the fewest free GPUs, then leaves the least memory, then by name. The candidates are the
--- nodes of the first SLICE_CANDIDATES best fits by memory and of the SLICE_CANDIDATES best-fit nodes
--- with free GPUs: bounded work whatever the pool's size. (Utilisation is not weighed here.)
+-- first sliced GPUs that are not busy (recent utilisation under busy_pct; least free memory first:
+-- best fit), then free GPUs whole, and busy sliced GPUs last, as allocate_slice does for one: the
+-- node that takes the fewest busy GPUs, then the fewest free ones, then leaves the least memory,
+-- then by name. The candidates are the nodes of the first SLICE_CANDIDATES best fits by memory and
+-- of the SLICE_CANDIDATES best-fit nodes with free GPUs: bounded work whatever the pool's size.
 -- Returns k placements as allocate_slice's (a free GPU's rest and old_count follow one another, as
 -- grant_slice takes them in order), or nil; changes nothing.
-local function allocate_slices(pool, mb, k, max_sharers, exclude)
+local function allocate_slices(pool, mb, k, max_sharers, busy_pct, exclude)
   local nodes, seen = {}, {}
   local function consider(node)
     if node and node ~= exclude and not seen[node] then seen[node] = true; nodes[#nodes + 1] = node end
@@ -148,7 +149,7 @@ local function allocate_slices(pool, mb, k, max_sharers, exclude)
     local inv_raw = redis.call('HGET', K_NODES, node)
     if inv_raw and tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
       local free = decode_list(redis.call('HGET', K_FREE, node))
-      local shared, fresh = {}, {}
+      local shared, fresh, busy = {}, {}, {}
       local slots = {}
       for idx in string.gmatch(inv_raw, '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
       if #slots > 0 then
@@ -159,38 +160,53 @@ local function allocate_slices(pool, mb, k, max_sharers, exclude)
             for _ in pairs(sl.leases) do sharers = sharers + 1 end
             for _ in pairs(sl.draining) do sharers = sharers + 1 end
             if sl.total_mb - sl.used_mb >= mb and sharers < sl.max and not slices_recalled(sl) then
-              shared[#shared + 1] = {slot = slots[i], room = sl.total_mb - sl.used_mb}
+              local into = (tonumber(sl.util_avg) or 0) < busy_pct and shared or busy
+              into[#into + 1] = {slot = slots[i], room = sl.total_mb - sl.used_mb}
             end
           end
         end
       end
-      table.sort(shared, function(a, b)
+      local function by_room(a, b)
         if a.room ~= b.room then return a.room < b.room end
         return a.slot < b.slot
-      end)
+      end
+      table.sort(shared, by_room)
+      table.sort(busy, by_room)
       for _, idx in ipairs(free) do
         if inv_memory(inv_raw, idx) >= mb then fresh[#fresh + 1] = idx end
       end
-      if #shared + #fresh >= k then
-        local used_fresh = math.max(0, k - #shared)
+      if #shared + #fresh + #busy >= k then
+        local used_fresh = math.min(#fresh, math.max(0, k - #shared))
+        local used_busy = math.max(0, k - #shared - used_fresh)
         local left = 0
         for i = 1, math.min(k, #shared) do left = left + shared[i].room - mb end
-        local key = {used_fresh, left, node}
-        if not best_key or key[1] < best_key[1] or (key[1] == best_key[1] and (key[2] < best_key[2]
-            or (key[2] == best_key[2] and key[3] < best_key[3]))) then
-          best, best_key = {node = node, inv_raw = inv_raw, free = free, shared = shared, fresh = fresh}, key
+        for i = 1, used_busy do left = left + busy[i].room - mb end
+        local key = {used_busy, used_fresh, left, node}
+        local better = not best_key
+        for j = 1, 4 do
+          if better or key[j] ~= best_key[j] then
+            better = better or key[j] < best_key[j]
+            break
+          end
+        end
+        if better then
+          -- the sliced GPUs it takes, in order: not busy ones, then (after the free ones) busy ones
+          local take = {}
+          for i = 1, math.min(k, #shared) do take[#take + 1] = shared[i] end
+          for i = 1, used_busy do take[#take + 1] = busy[i] end
+          best, best_key = {node = node, inv_raw = inv_raw, free = free, shared = take, fresh = fresh,
+                            n_fresh = used_fresh}, key
         end
       end
     end
   end
   if not best then return nil end
   local out = {}
-  for i = 1, math.min(k, #best.shared) do
-    local slot = best.shared[i].slot
-    out[#out + 1] = {node = best.node, index = tonumber(string.match(slot, '/(%d+)$')), slot = slot}
+  for _, sh in ipairs(best.shared) do
+    out[#out + 1] = {node = best.node, index = tonumber(string.match(sh.slot, '/(%d+)$')), slot = sh.slot}
   end
   local taken, rest = {}, best.free
-  for i = 1, k - #out do
+  for i = 1, best.n_fresh do
     local idx = best.fresh[i]
     taken[idx] = true
     local left = {}
