@@ -356,7 +356,9 @@ def acquire(
             lease = c.acquire(gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem)
             click.echo(json.dumps(lease.raw, indent=2))
             if lease.gpu_mem_mb:
-                err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {lease.node} GPU {lease.gpus[0]['index']}")
+                each = "each of " if len(lease.gpus) > 1 else ""  # k slices: one on each of k GPUs
+                gpus = ",".join(str(i) for i in lease.indexes)
+                err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {each}{lease.node} GPU {gpus}")
             err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed")
             err_console.print(f"release it with: gpulease release {lease.id}")
             return
