@@ -855,6 +855,12 @@ def test_the_board_draws_a_sliced_gpu_as_its_slices(
     expect(legend.get_by_role("listitem").filter(has_text=re.compile(r"^sliced · shared$"))).to_be_visible()
     page.screenshot(path=str(shots / "1-two-slices.png"), full_page=True)
 
+    # alice's slice kept warm for her notebook's next cell: said on its line, and counted apart
+    alice.warm(small)
+    expect(slices.nth(1)).to_have_text("alice (you) · 10 GB of 80 GB · warm")
+    expect(slices.nth(1)).to_have_accessible_name(re.compile(r"kept warm \d+s, lent out if someone waits"))
+    expect(status).to_have_text("GPU: 0 held · 1 warm slice · 7 free")
+
     bob.release(big)
     cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 1 slice, 70 GB of 80 GB free")
     expect(cell.get_by_role("listitem")).to_have_count(1)

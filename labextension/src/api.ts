@@ -42,6 +42,10 @@ export interface ISlice {
   /** What its processes use now and at their peak (MB), once its node agent measured them. */
   mem_used_mb?: number;
   mem_peak_mb?: number;
+  /** Kept warm since (epoch s): its worker waits for its notebook's next cell; lent out if someone waits. */
+  warm_since?: number;
+  /** Being evicted (warm, for someone who waits) or recalled for a booking: revoked at recall_at. */
+  recall_at?: number;
 }
 
 export interface IGpu {

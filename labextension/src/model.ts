@@ -170,9 +170,20 @@ export class GpuLeaseModel {
       .reduce((n, lease) => n + lease.gpus.length, 0);
   }
 
-  /** Slices I hold: leases of part of one GPU's memory. */
+  /** Slices I hold for a running call: leases of part of one GPU's memory (k slices of one lease count k). */
   get heldSlices(): number {
-    return this.leases.filter(lease => !!lease.gpu_mem_mb).length;
+    return this._slices(false);
+  }
+
+  /** Slices of mine kept warm for the notebook's next cell: lent out if someone waits. */
+  get warmSlices(): number {
+    return this._slices(true);
+  }
+
+  private _slices(warm: boolean): number {
+    return this.leases
+      .filter(lease => !!lease.gpu_mem_mb && !!lease.warm_since === warm)
+      .reduce((n, lease) => n + lease.gpus.length, 0);
   }
 
   get freeGpus(): number {

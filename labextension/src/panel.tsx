@@ -113,8 +113,10 @@ function KeepButton(props: { model: GpuLeaseModel; id: string; where: string; sm
 }
 
 /**
- * What one slice's lines say: "bob · 10 GB of 80 GB", then "using 3 GB, peak 3.9 GB" once its node
- * agent measured it; and its accessible name, with how long it is held and its label.
+ * What one slice's lines say: "bob · 10 GB of 80 GB" (" · warm" while its worker waits for its
+ * notebook's next cell, " · evicted in 2 s" once someone who waits takes it), then "using 3 GB,
+ * peak 3.9 GB" once its node agent measured it; and its accessible name, with how long it is held
+ * and its label.
  */
 export function sliceText(
   s: ISlice,
@@ -126,10 +128,19 @@ export function sliceText(
   const size = `${memSize(s.gpu_mem_mb)} of ${memSize(totalMb)}`;
   const used =
     s.mem_used_mb === undefined ? '' : `using ${memSize(s.mem_used_mb)}, peak ${memSize(s.mem_peak_mb ?? s.mem_used_mb)}`;
-  const name = [`${who}, ${size}`, used, `held ${duration(now - s.since)}`, s.label ? `label ${s.label}` : '']
+  let state = '';
+  let says = '';
+  if (s.recall_at) {
+    state = ` · taken back in ${duration(Math.max(0, s.recall_at - now))}`;
+    says = `taken back in ${duration(Math.max(0, s.recall_at - now))}`;
+  } else if (s.warm_since) {
+    state = ' · warm';
+    says = `kept warm ${duration(now - s.warm_since)}, lent out if someone waits`;
+  }
+  const name = [`${who}, ${size}`, used, says, `held ${duration(now - s.since)}`, s.label ? `label ${s.label}` : '']
     .filter(Boolean)
     .join(', ');
-  return { head: `${who} · ${size}`, used, name };
+  return { head: `${who} · ${size}${state}`, used, name };
 }
 
 /**

@@ -22,7 +22,9 @@ export function statusText(model: GpuLeaseModel): string {
   const sliced = slices ? ` · ${slices} slice${slices === 1 ? '' : 's'}` : '';
   // A warm GPU is the notebook's for its next cell, but lent to anyone who waits: counted apart.
   const warm = model.warmGpus ? ` · ${model.warmGpus} warm` : '';
-  return `GPU: ${model.heldGpus} held${sliced}${warm} · ${model.freeGpus} free${stale}`;
+  const ws = model.warmSlices;
+  const warmSliced = ws ? ` · ${ws} warm slice${ws === 1 ? '' : 's'}` : '';
+  return `GPU: ${model.heldGpus} held${sliced}${warm}${warmSliced} · ${model.freeGpus} free${stale}`;
 }
 
 /** The tooltip: what the item counts, then my balance, a line per pool ("A100-80GB: 1 of 4 GPUs yours, 3 left; ..."). */
@@ -31,7 +33,7 @@ export function statusTitle(model: GpuLeaseModel): string {
     return (model.problem ?? model.error) as string;
   }
   const lines = [
-    model.warmGpus
+    model.warmGpus || model.warmSlices
       ? 'GPUs you hold, yours kept warm for your next cell (lent out if someone waits), and GPUs free: open GPU Leases'
       : 'GPUs you hold, and GPUs free in the cluster: open GPU Leases'
   ];

@@ -154,6 +154,14 @@ describe('a slice', () => {
     expect(t.used).toBe('using 3 GB, peak 3.9 GB');
     expect(t.name).toBe('bob (you), 10 GB of 80 GB, using 3 GB, peak 3.9 GB, held 1m00s, label eval');
   });
+
+  test('warm: lendable, and said so; then taken back', () => {
+    const warm = sliceText({ ...slice, warm_since: NOW - 5 }, 81920, false, NOW);
+    expect(warm.head).toBe('bob · 10 GB of 80 GB · warm');
+    expect(warm.name).toBe('bob, 10 GB of 80 GB, kept warm 5s, lent out if someone waits, held 1m00s, label eval');
+    const evicted = sliceText({ ...slice, warm_since: NOW - 5, recall_at: NOW + 2 }, 81920, false, NOW);
+    expect(evicted.head).toBe('bob · 10 GB of 80 GB · taken back in 2s');
+  });
 });
 
 test('recallCountdown: recalled (borrowed) or preempted', () => {

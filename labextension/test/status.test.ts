@@ -59,6 +59,12 @@ describe('statusText', () => {
     expect(statusText(model)).toBe('GPU: 2 held · 2 slices · 1 warm · 5 free');
   });
 
+  test('a warm slice is counted apart, and k slices of one lease count k', () => {
+    model.cluster = cluster;
+    model.leases = [lease('k', 2, { gpu_mem_mb: 1024 }), lease('w', 1, { gpu_mem_mb: 1024, warm_since: 5 })];
+    expect(statusText(model)).toBe('GPU: 0 held · 2 slices · 1 warm slice · 5 free');
+  });
+
   test('stale after a failed refresh', () => {
     model.cluster = cluster;
     model.error = 'lease server unreachable';
