@@ -764,3 +764,124 @@ def test_the_http_agent_ends_only_the_slice_over_its_memory(server_factory: Any,
         for c in (agent_client, alice, bob, admin):
             c.close()
     check_event_log(read_events(redis_sync, k))
+
+
+# ---- 200 slice cells with real processes: only the ones over their memory are ended -----------------
+
+# A worker: claims the lease it is told (as a kernel's worker does), holds that much resident memory
+# (written, so resident: the simulation's GPU memory), frees it, and claims the next one.
+SLICE_WORKER = (
+    "import json, sys\n"
+    "from lease_server.node.claims import claim\n"
+    "held = None\n"
+    "print('up', flush=True)\n"
+    "for line in sys.stdin:\n"
+    "    cmd = json.loads(line)\n"
+    "    if 'claim' in cmd:\n"
+    "        claim(**cmd['claim'])\n"
+    "    elif 'hold' in cmd:\n"
+    "        held = bytearray(cmd['hold'] * 2**20)\n"
+    "        for i in range(0, len(held), 4096):\n"
+    "            held[i] = 1\n"
+    "    else:\n"
+    "        held = None\n"
+    "    print('ok', flush=True)\n"
+)
+
+
+def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any, redis_sync: Any) -> None:
+    """200 slice cells of random sizes, each run by a real process that claims its lease at the node
+    agent and holds memory (resident memory: the simulation's GPU memory), a fifth of them past their
+    slice. The referee never sees a GPU promised past its memory; every cell over its slice, and no
+    other, is ended for it, within 2 s of going over (as the agent measured it); every process the
+    agent ended was an offender's."""
+    from tests.api_helpers import EventWatcher
+    from tests.test_drain import claim_line
+
+    srv = server_factory(
+        "box=4xA100-80GB",
+        scheduling={A100: {"share": True, "slice_unit_mb": 64, "max_sharers": 8}},
+        slice_check_interval=0.1,
+        slice_over_s=0.3,
+        drain_kill_grace_s=0.5,
+        drain_interval=0.1,
+    )
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    rng = random.Random(200)
+    cells = [(rng.choice([128, 192, 256]), rng.random() < 0.2) for _ in range(200)]
+    offenders: set[str] = set()
+    innocents: set[str] = set()
+    killed_innocents: list[str] = []
+    errors_seen: list[str] = []
+    lock = threading.Lock()
+
+    def run(share: list[tuple[int, bool]], user: str) -> None:
+        c = srv.client(user)
+        worker: subprocess.Popen[str] | None = None
+
+        def ask(cmd: dict[str, Any], may_die: bool = False) -> str:
+            assert worker is not None and worker.stdin is not None and worker.stdout is not None
+            worker.stdin.write(json.dumps(cmd) + "\n")
+            worker.stdin.flush()
+            got = worker.stdout.readline().strip()
+            if not got and not may_die:  # it died: say how, and on which step
+                worker.wait(10)
+                assert worker.stderr is not None
+                raise AssertionError(f"{list(cmd)} killed ({worker.returncode}): {worker.stderr.read()[-2000:]}")
+            return got
+
+        try:
+            for mb, offends in share:
+                if worker is None or worker.poll() is not None:
+                    worker = subprocess.Popen(
+                        [sys.executable, "-c", SLICE_WORKER],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    assert worker.stdout is not None and worker.stdout.readline().strip() == "up"
+                lease = c.acquire(1, A100, gpu_mem=f"{mb}MB", wait=60, ttl=60)
+                with lock:
+                    (offenders if offends else innocents).add(lease.id)
+                assert ask({"claim": json.loads(claim_line(c, lease, lease.node))}) == "ok"
+                # (an offender may be ended before it says so, on a loaded machine)
+                said = ask({"hold": int(mb * 1.6) if offends else mb // 4}, may_die=offends)
+                assert said == "ok" or (offends and said == ""), said
+                if offends:  # ended by the agent, its process with it
+                    watcher.wait_for(lambda e, i=lease.id: e["type"] == "drained" and e["lease"] == i, 30, lease.id)
+                    worker.wait(10)
+                else:  # a short cell, measured a few times, then done: its worker freed and still there
+                    stop = threading.Event()
+                    stop.wait(rng.uniform(0.2, 0.5))  # (the cell's own run time, not a wait on anything)
+                    assert ask({"free": True}) == "ok"
+                    if worker.poll() is not None:
+                        killed_innocents.append(lease.id)
+                    c.release(lease, verified=True)  # its worker lives on for the next cell
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors_seen.append(f"{user}: {exc!r}")
+        finally:
+            if worker is not None and worker.poll() is None:
+                worker.kill()
+                worker.wait()
+            c.close()
+
+    threads = [threading.Thread(target=run, args=(cells[i::6], f"u{i}"), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads) and not errors_seen, errors_seen
+    assert not killed_innocents, killed_innocents
+    events = read_events(redis_sync, k)
+    ended = {e["lease"]: e for e in events if e["type"] == "over_memory"}
+    assert set(ended) == offenders and len(offenders) > 20, (sorted(ended), sorted(offenders))
+    with srv.client("root", "admin") as admin:  # how long each was over when its agent ended it
+        over_s = [admin.get(lid)["over_memory"]["over_s"] for lid in ended]
+    assert max(over_s) <= 2.0, over_s
+    # every process the agent ended (drained, killed) was an offender's
+    killers = {e["lease"] for e in events if e["type"] == "drained" and e.get("killed")}
+    assert killers <= offenders, killers - offenders
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(events)
