@@ -305,3 +305,24 @@ def test_cli_drives_simulated_gpus_and_explains_a_reclaim(fast):
     assert json.loads(shown.stdout)["A100-80GB"]["grace"] == FAST["grace"]
     changed = cli("policy", "set", "A100-80GB", "grace=5", "exempt_users=ann,bo")
     assert json.loads(changed.stdout)["exempt_users"] == ["ann", "bo"], changed.stderr
+
+
+def test_slices_are_reclaimed_only_when_their_whole_gpu_is_idle(server_factory):
+    """A slice's evidence is its GPU's samples: the GPU's utilisation is its slices' together, so
+    the slices of an idle GPU are idle, and none of a busy one is judged idle (its idle neighbour
+    included: nothing tells whose the work is)."""
+    # (two sharers a GPU at most: dan's slice has room only beside carol's, however busy that GPU is)
+    sched = {"A100-80GB": {"share": True, "max_sharers": 2}}
+    srv = server_factory(simulate="box=2xA100-80GB", scheduling=sched, **FAST)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    set_util(srv, "box", **{"0": {"util": 0}, "1": {"util": 90}})  # GPU 1's work is carol's, or dan's
+    idle = [srv.client(u).acquire(1, pool="A100-80GB", gpu_mem="10GB") for u in ("alice", "bob")]
+    busy = [srv.client(u).acquire(1, pool="A100-80GB", gpu_mem=mem) for u, mem in (("carol", "75GB"), ("dan", "1GB"))]
+    assert {s.gpus[0]["index"] for s in idle} == {0} and {s.gpus[0]["index"] for s in busy} == {1}, (idle, busy)
+    for s in idle:
+        watcher.wait_for(lambda e, i=s.id: e["type"] == "reclaimed" and e["lease"] == i, 15, f"{s.user} reclaimed")
+        assert srv.client(s.user).get(s.id)["state"] == "revoked"
+    warned = {e["lease"] for e in watcher.events if e["type"] == "idle_warning"}
+    assert not warned & {s.id for s in busy}, warned
+    for s in busy:
+        assert srv.client(s.user).get(s.id)["state"] == "active"
