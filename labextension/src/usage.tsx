@@ -207,8 +207,10 @@ function FigureTable<R>(props: {
 }
 
 /** The width of an element, followed as the panel is resized. */
-function useWidth(ref: React.RefObject<HTMLElement>): number {
-  const [width, setWidth] = useState(640);
+function useWidth(ref: React.RefObject<HTMLElement>): number | null {
+  // null until measured: a chart is drawn once, at its real width (drawn first at a guess, every
+  // chart was drawn twice as the tab opened)
+  const [width, setWidth] = useState<number | null>(null);
   useEffect(() => {
     const el = ref.current;
     if (!el) {
@@ -245,7 +247,7 @@ function Chart(props: {
   });
   useEffect(() => {
     const el = box.current;
-    if (!el) {
+    if (!el || width === null) {
       return;
     }
     const chart = latest.current.make(width);
