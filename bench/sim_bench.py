@@ -56,6 +56,10 @@ adobe_warm_added_p99_wait_s   its p99 time-to-GPU minus lease's on 64 GPUs      
 (adobe_state_kept_share_multi: workers of any GPU count suspended, a what-if; _keep2h: and warm_max
 suspending a warm worker for 2 h instead of ending it; adobe_warm_start_share: warm starts alone.)
 
+adobe_x32_wall_s_per_sim_hour   the Adobe sessions scaled 32x (drawn from its fitted statistics at 32
+                         times its arrival rate and users) under lease on 2,048 GPUs: wall seconds
+                         per simulated hour (no target: it must finish; issue 37)
+
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
 replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see
 lease_server/sim/bookings.py) its utilization, waits, replay speed, re-runs of recalled cells and the
@@ -302,6 +306,37 @@ def adobe(out: dict[str, Any]) -> None:
     say(f"adobe_sim_hours_per_wall_s {out['adobe_sim_hours_per_wall_s']:.0f}")
     adobe_share(out, w)
     adobe_suspend(out, w)
+    adobe_scaled(out, w)
+
+
+def adobe_scaled(out: dict[str, Any], w: Any, times: int = 32, gpus: int = 2048) -> None:
+    """The simulator at department size (issue 37): the Adobe sessions scaled ``times`` (sessions
+    drawn from the template's fitted statistics at ``times`` its arrival rate, with ``times`` its
+    users, over its own span) replayed under lease on ``gpus`` GPUs through the real scripts; its
+    wall time per simulated hour."""
+    import dataclasses
+
+    from lease_server.sim import command, report, workload
+
+    f = workload.fit(w)
+    scaled = dataclasses.replace(f, sessions_per_hour=f.sessions_per_hour * times, users=f.users * times)
+    big = workload.generate(scaled, days=round(w.span_ms() / 86_400_000), seed=times, name=f"adobe x{times}")
+    with _common.private_redis("gpulease-simbench-scaled-") as (redis, _tmp):
+        t0 = time.perf_counter()
+        (r,) = command.simulate(big, command.cluster(gpus, 8), ["lease"], redis_url=redis.url)
+        wall = time.perf_counter() - t0
+    row = report.figures(big, r)
+    hours = r.extra["sim_hours"]
+    out[f"adobe_x{times}_sessions"] = big.n_sessions
+    out[f"adobe_x{times}_cells"] = big.n_cells
+    out[f"adobe_x{times}_wall_s"] = round(wall, 2)
+    out[f"adobe_x{times}_wall_s_per_sim_hour"] = round(wall / hours, 4)
+    out[f"adobe_x{times}_p99_wait_s"] = row["wait_p99_s"]
+    say(
+        f"adobe x{times}: {big.n_sessions} sessions, {big.n_cells} GPU cells on {gpus} GPUs under lease: "
+        f"{hours:.0f} simulated hours in {wall:.1f} s ({wall / hours:.3f} s a simulated hour); "
+        f"p99 time-to-GPU {row['wait_p99_s']:.0f} s"
+    )
 
 
 def adobe_suspend(out: dict[str, Any], w: Any) -> None:
