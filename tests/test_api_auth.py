@@ -153,6 +153,23 @@ def test_tokens_are_shown_only_to_the_owner(server: Any) -> None:
         assert alice.get(f"{API}/leases/{a['id']}").json()["token"] == a["token"]
 
 
+def test_the_live_event_stream_shows_a_grants_token_only_to_its_owner_and_an_admin(server: Any) -> None:
+    """The hub hands one event object to every stream and makes its text once per form: with the
+    fencing token for its owner (and an admin), without it for anyone else."""
+    from tests.api_helpers import EventWatcher
+
+    watchers = {who: EventWatcher(server.url, server.token(who, role)).start() for who, role in
+                (("alice", "user"), ("bob", "user"), ("root", "admin"))}  # fmt: skip
+    with http(server, "alice") as alice:
+        a = _acquire(alice)
+    seen = {
+        who: w.wait_for(lambda e: e["type"] == "grant" and e["lease"] == a["id"], 10, "the grant")
+        for who, w in watchers.items()
+    }
+    assert seen["alice"]["token"] == a["token"] and seen["root"]["token"] == a["token"]
+    assert "token" not in seen["bob"] and seen["bob"]["user"] == "alice"
+
+
 def test_only_an_admin_creates_tokens(server: Any, redis_sync: Any) -> None:
     tokens_key = Keys(server.settings.prefix).tokens
     server.token("root", "admin")

@@ -357,8 +357,8 @@ def acquire(
             click.echo(json.dumps(lease.raw, indent=2))
             if lease.gpu_mem_mb:
                 each = "each of " if len(lease.gpus) > 1 else ""  # k slices: one on each of k GPUs
-                gpus = ",".join(str(i) for i in lease.indexes)
-                err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {each}{lease.node} GPU {gpus}")
+                indexes = ",".join(str(i) for i in lease.indexes)
+                err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {each}{lease.node} GPU {indexes}")
             err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed")
             err_console.print(f"release it with: gpulease release {lease.id}")
             return

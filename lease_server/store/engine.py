@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import hiredis
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection as AsyncConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
@@ -200,6 +200,9 @@ class SentinelUrl:
         )
 
 
+POOL_WAIT_S = 10.0  # how long a command waits for a connection of the pool (256) when all are busy
+
+
 def connect(url: str, **kw: Any) -> Redis:
     """The lease server's Redis client: hiredis packing, and a pooled connection that Redis
     dropped (restart, failover) retried on a fresh one. Every script is safe to resend: a resent
@@ -219,7 +222,14 @@ def connect(url: str, **kw: Any) -> Redis:
     if url.startswith("redis+cluster://"):
         return _cluster(url, **kw)
     if not url.startswith("redis+sentinel://"):
-        return Redis.from_url(url, **{**options, **kw})
+        # A burst beyond the pool (3,000 event streams opening at once after a restart, every
+        # agent's heartbeat in one second) waits up to POOL_WAIT_S for a connection instead of
+        # failing at once with "too many connections" (a 503). bench/fanout_bench.py found it.
+        opts = {**options, **kw}
+        opts.setdefault("timeout", POOL_WAIT_S)
+        client = Redis(connection_pool=BlockingConnectionPool.from_url(url, **opts))
+        client.auto_close_connection_pool = True
+        return client
     u = SentinelUrl.parse(url)
     sentinel_kwargs = {"password": u.sentinel_password, "socket_timeout": 1.0, "socket_connect_timeout": 1.0}
     options.update(
