@@ -160,6 +160,9 @@ def test_bad_elastic_options_are_refused_before_anything_is_leased(sess, admin):
     assert_all_free(admin)
 
 
+# Its throughput is measured in wall time: never beside a test that loads the machine on purpose
+# (one did, and a starved phase at 4 GPUs read as growth that did not pay).
+@pytest.mark.exclusive("load")
 def test_grows_while_growth_pays_and_stops_at_the_knee(sess, admin, up):
     freer = start_small(admin, up, sess, "curve")
     try:

@@ -789,6 +789,7 @@ SLICE_WORKER = (
 )
 
 
+@pytest.mark.slow  # it loads the machine (200 processes' claims and memory): never beside a timing-sensitive test
 def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any, redis_sync: Any) -> None:
     """200 slice cells of random sizes, each run by a real process that claims its lease at the node
     agent and holds memory (resident memory: the simulation's GPU memory), a fifth of them past their
@@ -809,7 +810,9 @@ def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any
     k = keys_of(srv)
     watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
     rng = random.Random(200)
-    cells = [(rng.choice([128, 192, 256]), rng.random() < 0.2) for _ in range(200)]
+    # small slices (a worker's own resident memory is ~30 MB), and an offender 1.5x over: light
+    # enough not to starve the timing-sensitive tests that run beside it on a 2-core machine
+    cells = [(rng.choice([96, 128, 160]), rng.random() < 0.2) for _ in range(200)]
     offenders: set[str] = set()
     innocents: set[str] = set()
     killed_innocents: list[str] = []
@@ -847,7 +850,7 @@ def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any
                     (offenders if offends else innocents).add(lease.id)
                 assert ask({"claim": json.loads(claim_line(c, lease, lease.node))}) == "ok"
                 # (an offender may be ended before it says so, on a loaded machine)
-                said = ask({"hold": int(mb * 1.6) if offends else mb // 4}, may_die=offends)
+                said = ask({"hold": int(mb * 1.5) if offends else mb // 4}, may_die=offends)
                 assert said == "ok" or (offends and said == ""), said
                 if offends:  # ended by the agent, its process with it
                     watcher.wait_for(lambda e, i=lease.id: e["type"] == "drained" and e["lease"] == i, 30, lease.id)
@@ -867,7 +870,7 @@ def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any
                 worker.wait()
             c.close()
 
-    threads = [threading.Thread(target=run, args=(cells[i::6], f"u{i}"), daemon=True) for i in range(6)]
+    threads = [threading.Thread(target=run, args=(cells[i::4], f"u{i}"), daemon=True) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
