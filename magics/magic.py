@@ -123,12 +123,19 @@ class CellDisplay:
         _LIVE.discard(self)
 
     def kernel_shutdown(self) -> None:
-        with self._lock:
+        # Bounded: the main thread holds the lock only while it writes a line, but the interrupt
+        # that jupyter_client sends just before a shutdown lands in that thread at any point; the
+        # kernel's last word must not wait on it for ever (the kernel would be killed unheard).
+        locked = self._lock.acquire(timeout=3)
+        try:
             if self.state == "queued":
                 self.show("gpu_train: the kernel shut down; the request was withdrawn")
             elif self.state == "running":
                 self.show("gpu_train: the kernel shut down; the call was stopped and its GPUs released")
             self.state = "shut down"
+        finally:
+            if locked:
+                self._lock.release()
 
 
 def close_live_cells() -> None:
