@@ -169,13 +169,15 @@ class Pump:
         """What the ranks printed and we have not shown yet (bounded: a rank may be gone)."""
         import ray
 
+        # A rank that is gone answers at once (its actor died); one that lives but is slow on a
+        # loaded machine gets 10 s: 2 s lost a live rank's last lines (test_gang, in a fresh clone).
         for ref, i in list(out_refs.items()):
             out_refs.pop(ref)
             try:
-                chunks, done = ray.get(ref, timeout=2)
+                chunks, done = ray.get(ref, timeout=10)
                 self._emit(i, chunks, writer)
                 if not done:
-                    chunks, _ = ray.get(self.world.ranks[i].worker.handle.read_output.remote(0), timeout=2)
+                    chunks, _ = ray.get(self.world.ranks[i].worker.handle.read_output.remote(0), timeout=10)
                     self._emit(i, chunks, writer)
             except Exception:  # noqa: BLE001 - the rank is gone; nothing more to show
                 pass
