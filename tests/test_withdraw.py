@@ -4,12 +4,21 @@ even when the withdrawal races the release that would have served it. Real serve
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
+import time
 from typing import Any
 
 import httpx
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
-from tests.api_helpers import API, assert_error, http, queued
+from lease_server.leasing.lease import WAITER_GRACE_MS
+from lease_server.store.engine import Engine
+from lease_server.store.keys import Keys
+from lease_server.store.scripts import Sweep
+from tests.api_helpers import API, QueuedPost, assert_error, event_stream, http, next_event, queued
 
 ONE_GPU = "a=1xA100-80GB"
 
@@ -118,3 +127,49 @@ def test_withdrawal_racing_the_release_never_leaves_a_gpu_held(server_factory: A
                 assert types == ["queued", "wait_cancelled"], (i, types)
             assert "expired" not in types
     assert sum(outcomes.values()) == 50
+
+
+def test_a_wait_swept_while_its_server_was_starved_answers_as_a_timeout(server_factory: Any) -> None:
+    """The sweeper removes a waiter WAITER_GRACE_MS past its own deadline (its server presumed
+    dead). A server that is alive but whose loop was starved that long (a loaded two-core host)
+    must answer its caller as a timeout, 409 ``no_capacity``, not with 410 ``withdrawn`` and the
+    tale of a DELETE that nobody sent (seen in CI under 50 clients)."""
+    server = server_factory(ONE_GPU)
+    bob_id = "bob-swept-0001"
+    with http(server, "alice") as alice, http(server, "bob") as bob:
+        held = alice.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()
+        post = QueuedPost(server, "bob", bob_id, wait=0.5)
+        with event_stream(server, "watcher") as events:
+            post.start()
+            next_event(events, "queued", bob_id)
+        # Starve the server's loop past the request's deadline, and sweep meanwhile as another
+        # server would once the grace had run out.
+        starved, resume = threading.Event(), threading.Event()
+
+        async def starve() -> None:
+            starved.set()
+            resume.wait(30)  # blocks the loop, as a starved one is
+
+        assert server._loop is not None
+        asyncio.run_coroutine_threadsafe(starve(), server._loop)
+        assert starved.wait(10)
+        time.sleep(0.6)  # the time that passes is what is tested: the request's own deadline
+        r, keys = Redis.from_url(server.settings.redis_url), Keys(server.settings.prefix)
+        deadline_ms = json.loads(r.hget(keys.waiters, bob_id))["deadline"]  # type: ignore[arg-type]
+        asyncio.run(_sweep_at(server, deadline_ms + WAITER_GRACE_MS + 1))
+        assert not r.hexists(keys.waiters, bob_id)
+        resume.set()
+        assert_error(post.result(timeout=10), 409, "no_capacity", "within 0.5s", "longer wait")
+        alice.delete(f"{API}/leases/{held['id']}")
+        assert _all_free(bob)
+        types = [e["type"] for e in _log(bob) if e.get("lease") == bob_id]
+        assert types == ["queued", "wait_abandoned"], types
+
+
+async def _sweep_at(server: Any, now_ms: int) -> None:
+    """One sweep of ``server``'s state, as if run at ``now_ms``."""
+    r = AsyncRedis.from_url(server.settings.redis_url, decode_responses=True)
+    try:
+        await Engine(r, server.settings).run(Sweep(500, WAITER_GRACE_MS), now_ms)
+    finally:
+        await r.aclose()

@@ -265,6 +265,9 @@ class LeaseStore:
         n, n_min, prio = request.gpus, request.least, PRIORITIES[request.priority]
         ttl_s = s.default_ttl if request.ttl is None else request.ttl
         wait_s = request.wait
+        # Taken before the waiter's own deadline is set in Redis (by the script below), so that a
+        # waiter gone at this deadline + WAITER_GRACE_MS can only have been swept, not withdrawn.
+        deadline = time.monotonic() + wait_s
         pool_s = request.pool if request.pool is not None else await self.default_pool()
         lid = request.id or new_lease_id()
         waiter = self.notifier.expect(lid) if wait_s > 0 else None
@@ -314,15 +317,14 @@ class LeaseStore:
                 maybe = on_queued(position)
                 if maybe is not None:
                     await maybe
-            return await self._wait_for_grant(user, lid, pool_s, n, wait_s, waiter)
+            return await self._wait_for_grant(user, lid, pool_s, n, wait_s, waiter, deadline)
         finally:
             if waiter is not None:
                 self.notifier.forget(lid, waiter)
 
     async def _wait_for_grant(
-        self, user: str, lid: str, pool: str, n: int, wait_s: float, waiter: asyncio.Event
+        self, user: str, lid: str, pool: str, n: int, wait_s: float, waiter: asyncio.Event, deadline: float
     ) -> LeaseRecord:
-        deadline = time.monotonic() + wait_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -334,7 +336,7 @@ class LeaseStore:
             except TimeoutError:
                 pass
             waiter.clear()
-            rec = await self._settled(lid)
+            rec = await self._settled_in_time(lid, pool, n, wait_s, deadline)
             if rec is not None:
                 log.info(
                     "grant %s user=%s pool=%s node=%s gpus=%s from the queue after %.1fs",
@@ -349,11 +351,29 @@ class LeaseStore:
         try:
             return await self.cancel_wait(user, lid, pool, n, wait_s, reason="timeout")
         except errors.NoSuchLease:
-            # Withdrawn (or granted and ended) just as the wait ran out: say which.
-            rec = await self._settled(lid)
+            # Withdrawn, swept, or granted and ended, just as the wait ran out: say which.
+            rec = await self._settled_in_time(lid, pool, n, wait_s, deadline)
             if rec is not None:
                 return rec
             raise
+
+    async def _settled_in_time(self, lid: str, pool: str, n: int, wait_s: float, deadline: float) -> LeaseRecord | None:
+        """:meth:`_settled`, except that a request gone from the queue without a grant after its
+        own deadline timed out: the sweeper removes a waiter WAITER_GRACE_MS past its deadline (its
+        server presumed dead), and a server whose loop was starved that long is only late, so its
+        caller hears what it would have heard on time (no GPU within the wait), not of a DELETE
+        that nobody sent."""
+        try:
+            return await self._settled(lid)
+        except errors.Withdrawn:
+            if time.monotonic() < deadline:
+                raise
+            log.info("wait %s timed out and was swept before its server saw the deadline", lid)
+            raise errors.NoCapacity(
+                f"{n} GPU{' was' if n == 1 else 's were'} not free in pool {pool!r} within {wait_s:g}s; "
+                "pass a longer wait (seconds) or ask for fewer GPUs",
+                pool=pool,
+            ) from None
 
     async def _settled(self, lid: str) -> LeaseRecord | None:
         """What became of a queued request: its lease once granted, None while it still waits.
