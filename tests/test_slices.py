@@ -354,6 +354,65 @@ def test_a_slice_waits_in_the_queue_and_is_granted_when_memory_comes_back(srv: S
     check_event_log(read_events(redis_sync, keys_of(srv)))
 
 
+def test_the_estimate_answers_for_a_slice_and_counts_sliced_gpus(server_factory: Any) -> None:
+    """GET /estimate with gpu_mem_mb (or of a queued slice) says whether the slice fits now and, if
+    not, when memory comes back; for whole GPUs a sliced GPU comes back when its slices end, not
+    never; a pool that does not share is a 400 that says so."""
+    srv = server_factory("box=2xA100-80GB,t1=1xT4-16GB", scheduling=SHARING)
+    gb = 1024
+    with srv.client("alice") as alice, srv.client("bob") as bob:
+        big = alice.acquire(1, A100, gpu_mem="60GB")
+        whole = alice.acquire(1, A100)
+        assert whole.gpus != big.gpus or whole.node != big.node
+
+        def est(**params: Any) -> dict[str, Any]:
+            return bob.request("GET", "/api/v1/estimate", params={"pool": A100, **params})
+
+        small = est(gpu_mem_mb=10 * gb)
+        assert (small["estimate_s"], small["free_now"], small["gpu_mem_mb"]) == (0.0, 1, 10 * gb), small
+        assert small["text"] == f"a 10 GB slice of {A100} fits now"
+        wide = est(gpu_mem_mb=30 * gb)
+        assert wide["free_now"] == 0 and 0 < wide["estimate_s"] <= wide["typical_s"], wide
+        assert "waiting for memory held by running calls" in wide["text"] and "30 GB slice" in wide["text"]
+        # Two whole GPUs: the sliced one comes back when its slice ends (once, not a second round).
+        both = est(gpus=2)
+        assert both["held_gpus"] == 2 and 0 < both["estimate_s"] <= both["typical_s"], both
+        assert "gpu_mem_mb" not in both
+        with pytest.raises(errors.BadRequest, match="does not share its GPUs"):
+            bob.request("GET", "/api/v1/estimate", params={"pool": "T4-16GB", "gpu_mem_mb": 1024})
+        with pytest.raises(errors.BadRequest, match="more than one GPU of pool"):
+            est(gpu_mem_mb=81 * gb)
+
+        # A queued slice: its own estimate is of its slice; one behind it counts it as ahead.
+        rid = bob.new_request_id()
+        answers: dict[str, Any] = {}
+        t = threading.Thread(
+            target=lambda: answers.setdefault(
+                "x", _try(lambda: bob.acquire(1, A100, gpu_mem="30GB", wait=30, request_id=rid))
+            )
+        )
+        t.start()
+        while not bob.queue(A100):
+            t.join(0.01)  # until it is queued (the queue is the event: nothing to wait on but it)
+        own = bob.request("GET", "/api/v1/estimate", params={"lease": rid})
+        assert (own["gpu_mem_mb"], own["position"], own["queued_ahead"]) == (30 * gb, 1, 0), own
+        behind = est(gpu_mem_mb=30 * gb)
+        assert behind["queued_ahead"] == 1 and "1 request(s)" in behind["text"], behind
+        assert behind["estimate_s"] >= own["estimate_s"] - 1  # (a moment later)
+        bob.withdraw(rid)
+        t.join(30)
+        assert isinstance(answers["x"], errors.Withdrawn)
+        for lease in (big, whole):
+            alice.release(lease)
+
+
+def _try(fn: Any) -> Any:
+    try:
+        return fn()
+    except errors.GpuLeaseError as exc:
+        return exc
+
+
 def test_quotas_fair_share_and_the_ledger_count_a_slice_as_its_fraction(server_factory: Any, redis_sync: Any) -> None:
     srv = server_factory("box=2xA100-80GB", scheduling={A100: {**SHARING[A100], "quota": {"*": 1}}})
     k = keys_of(srv)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
-from ..request import matches
+from ..request import MAX_GPU_MEM_MB, matches
 from .schema import GPUS, LEASE_ID, NAME, TIME, VERIFIED_TEXT, conform, text
 from .values import (
     DIGITS_PATTERN,
@@ -127,6 +127,12 @@ SUMMARY_USER = Param(
     parse=lambda raw: check_name("user", raw),
 )
 EST_GPUS = Param("gpus", GPUS, "Default: the queued request's GPUs (with `lease`), else 1")
+EST_GPU_MEM = Param(
+    "gpu_mem_mb",
+    {"type": "integer", "minimum": 1, "maximum": MAX_GPU_MEM_MB},
+    "A slice of this many MB on each of `gpus` GPUs (only in a pool that shares). Default: the queued request's "
+    "(with `lease`), else whole GPUs",
+)
 EST_POOL = Param(
     "pool",
     NAME,

@@ -88,15 +88,111 @@ async def typical_duration(engine: Engine, pool: str, sample: int = 200) -> floa
     return float(statistics.median(held)) if held else DEFAULT_TYPICAL_S
 
 
-async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str | None = None) -> dict[str, Any]:
-    """How long ``gpus`` GPUs of ``pool`` would take to come free, and alternatives free now.
+def _expect_end(since_s: float, firm: list[float], now_s: float, typical: float) -> tuple[float, float | None]:
+    """When a running lease (or slice) is expected to end, in seconds from now, and its fixed end
+    when it has one. A lease younger than typical ends when typical; an older one has shown it runs
+    long, so expect half its age again (never less than a second). A recalled, evicted or
+    idle-warned lease ends by its deadline whatever its age says."""
+    age = now_s - since_s
+    expect = max(typical - age, age / 2, 1.0)
+    if not firm:
+        return expect, None
+    end_in = max(0.0, min(firm) - now_s)
+    return min(expect, max(end_in, 1.0)), end_in
 
-    A simple, explainable model: every running lease ends after the pool's typical duration (one
-    already older runs half its age again; one with a fixed end, a recall or an idle reclaim, ends
-    then at the latest), GPUs owed to bookings in force stay taken, and the requests queued ahead take
-    GPUs first. ``lease`` is the id of the asking request when it is already queued: then only the
-    waiters strictly ahead of it count (in arrival order, as GET /queue numbers them), never itself
-    or those behind it. Returns seconds, and the reasoning in words."""
+
+# A warm GPU (a finished cell's worker kept for its next cell) is lent the moment someone waits:
+# its worker is evicted (or suspended) first, which takes a few seconds.
+WARM_BACK_S = 2.0
+
+
+class _Gpu:
+    """One GPU of the pool as the estimate sees it: when it is expected whole again (``back``), and
+    for a slice, its memory free now and the slices' memory as it comes back: (seconds, MB)."""
+
+    __slots__ = ("size", "back", "room", "sharers", "frees")
+
+    def __init__(self, size: int, back: float, room: int, sharers: int, frees: list[tuple[float, int]]) -> None:
+        self.size, self.back, self.room, self.sharers, self.frees = size, back, room, sharers, frees
+
+    def fits_at(self, mb: int, max_sharers: int) -> float:
+        """The first time a slice of ``mb`` fits here (seconds from now; inf: not within view)."""
+        room, sharers = self.room, self.sharers
+        if room >= mb and sharers < max_sharers:
+            return 0.0
+        for at, freed in sorted(self.frees):
+            room, sharers = room + freed, sharers - 1
+            if room >= mb and sharers < max_sharers:
+                return at
+        return math.inf
+
+    def take(self, at: float, mb: int, typical: float) -> None:
+        """A slice of ``mb`` placed here at ``at``, held for ``typical``: its memory is promised till then."""
+        self.room -= mb
+        self.sharers += 1
+        self.frees.append((at + typical, mb))
+        self.back = max(self.back, at + typical)
+
+
+def _pool_gpus(nodes: list[dict[str, Any]], now_s: float, typical: float) -> tuple[list[_Gpu], list[float], int]:
+    """Each GPU of the up nodes that could serve the pool, with when it comes back; the fixed ends
+    seen (recalls, idle reclaims, evictions) and how many GPUs running leases hold (a sliced GPU
+    counts once). A reserved GPU and one out of service (down, an abandoned drain) never come back
+    within the estimate's view."""
+    gpus: list[_Gpu] = []
+    firm_ends: list[float] = []
+    held = 0
+    for n in nodes:
+        for g in n["gpus"]:
+            size = int(g.get("memory_mb") or 0)
+            state = g["state"]
+            if state == "free":
+                gpus.append(_Gpu(size, 0.0, size, 0, []))
+            elif state == "warm":
+                gpus.append(_Gpu(size, WARM_BACK_S, 0, 1, [(WARM_BACK_S, size)]))
+            elif state in ("leased", "borrowed") and "lease" in g:
+                held += 1
+                lease = g["lease"]
+                firm = [lease[k] for k in ("recall_at", "reclaim_at") if lease.get(k)]
+                back, fixed = _expect_end(lease["since"], firm, now_s, typical)
+                if fixed is not None:
+                    firm_ends.append(fixed)
+                gpus.append(_Gpu(size, back, 0, 1, [(back, size)]))
+            elif state == "sliced":
+                held += 1
+                frees = []
+                for sl in g.get("slices", []):
+                    if sl.get("warm_since"):
+                        frees.append((WARM_BACK_S, sl["gpu_mem_mb"]))
+                        continue
+                    firm = [sl["recall_at"]] if sl.get("recall_at") else []
+                    end, fixed = _expect_end(sl["since"], firm, now_s, typical)
+                    if fixed is not None:
+                        firm_ends.append(fixed)
+                    frees.append((end, sl["gpu_mem_mb"]))
+                # a draining slice's memory comes back once its agent sees its processes gone
+                frees += [(1.0, d["gpu_mem_mb"]) for d in g.get("slices_draining", [])]
+                room = int(g["slice_mem"]["free_mb"]) if "slice_mem" in g else 0
+                back = max((at for at, _mb in frees), default=0.0)
+                gpus.append(_Gpu(size, back, room, len(frees), frees))
+            elif state == "draining" and not g.get("draining", {}).get("abandoned"):
+                gpus.append(_Gpu(size, 1.0, 0, 1, [(1.0, size)]))
+    return gpus, firm_ends, held
+
+
+async def estimate(
+    engine: Engine, pool: str, gpus: int, now_ms: int, lease: str | None = None, gpu_mem_mb: int = 0
+) -> dict[str, Any]:
+    """How long ``gpus`` GPUs of ``pool`` (or, with ``gpu_mem_mb``, slices of that much memory on
+    ``gpus`` GPUs) would take to come free, and alternatives free now.
+
+    A simple, explainable model: every running lease or slice ends after the pool's typical duration
+    (one already older runs half its age again; one with a fixed end, a recall, an eviction or an
+    idle reclaim, ends then at the latest), a warm GPU is lent at once, GPUs owed to bookings in
+    force stay taken, and the requests queued ahead take GPUs (or memory) first: a queued slice
+    counts as its share of a GPU. ``lease`` is the id of the asking request when it is already
+    queued: then only the waiters strictly ahead of it count (in arrival order, as GET /queue
+    numbers them), never itself or those behind it. Returns seconds, and the reasoning in words."""
     view = await cluster_view(engine)
     typical = await typical_duration(engine, pool)
     queued: Any = await engine.redis.zrangebylex(engine.keys.queue, f"[{pool}|", f"({pool}|~")
@@ -108,37 +204,48 @@ async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str
     ahead = waiters if mine is None else waiters[:mine]
     ahead_gpus = sum(w["gpus"] for w in ahead)
     nodes = [n for n in view["nodes"] if n["pool"] == pool and n["state"] == "up"]
-    free_now = max((sum(1 for g in n["gpus"] if g["state"] == "free") for n in nodes), default=0)
-    # When each held GPU is expected back: its lease's start + typical (at least now)
-    back: list[float] = []
-    firm_ends: list[float] = []
-    held = 0
-    for n in nodes:
-        for g in n["gpus"]:
-            if g["state"] == "free":
-                back.append(0.0)
-            elif g["state"] in ("leased", "borrowed") and "lease" in g:
-                held += 1
-                # A lease younger than typical ends when typical; an older one has shown it runs
-                # long, so expect half its age again (never less than a second).
-                age = now_ms / 1000 - g["lease"]["since"]
-                expect = max(typical - age, age / 2, 1.0)
-                # A recalled or idle-warned lease ends by its deadline whatever its age says.
-                firm = [g["lease"][k] for k in ("recall_at", "reclaim_at") if g["lease"].get(k)]
-                if firm:
-                    end_in = max(0.0, min(firm) - now_ms / 1000)
-                    firm_ends.append(end_in)
-                    expect = min(expect, max(end_in, 1.0))
-                back.append(expect)
-    back.sort()
-    need = ahead_gpus + gpus
-    if need <= len(back):
-        wait_s: float | None = back[need - 1]
-    elif back:
-        rounds = need / max(1, len(back))
-        wait_s = back[-1] + typical * max(0.0, rounds - 1)
+    now_s = now_ms / 1000
+    pool_gpus, firm_ends, held = _pool_gpus(nodes, now_s, typical)
+    size = max((g.size for g in pool_gpus), default=0)
+    max_sharers = int(engine.settings.sched_table(pool)["max_sharers"])  # type: ignore[call-overload]
+    what = f"{gpus} GPU(s) of {pool}"
+    if gpu_mem_mb and size and gpu_mem_mb > size:
+        raise errors.BadRequest(
+            f"a slice of {gpu_mem_mb} MB is more than one GPU of pool {pool!r} has ({size} MB): ask about at most "
+            f"{size} MB, or about whole GPUs (drop gpu_mem_mb)"
+        )
+    if gpu_mem_mb:
+        what = f"a {_mem(gpu_mem_mb)} slice of {pool}" if gpus == 1 else f"{gpus} slices of {_mem(gpu_mem_mb)}"
+        # The waiters ahead take their slices (or whole GPUs) first, each where it fits soonest.
+        for w in ahead:
+            mb = int(w.get("gpu_mem_mb") or 0) or size
+            for _ in range(int(w["gpus"])):
+                best = min(pool_gpus, key=lambda g: g.fits_at(mb, max_sharers if mb < size else 1), default=None)
+                at = best.fits_at(mb, max_sharers if mb < size else 1) if best else math.inf
+                if best is None or at == math.inf:
+                    break
+                best.take(at, mb, typical)
+        fits = sorted(g.fits_at(gpu_mem_mb, max_sharers) for g in pool_gpus)
+        free_now = sum(1 for at in fits if at == 0.0)
+        wait_s: float | None = fits[gpus - 1] if len(fits) >= gpus and fits[gpus - 1] < math.inf else None
+        if wait_s is None and fits:
+            wait_s = typical * 2  # every GPU is promised past what the view shows: a round of cells
     else:
-        wait_s = None
+        back = sorted(g.back for g in pool_gpus)
+        free_now = max((sum(1 for g in n["gpus"] if g["state"] == "free") for n in nodes), default=0)
+        # A queued slice takes its share of a GPU, not a whole one.
+        need = math.ceil(
+            sum(w["gpus"] * (min(1.0, w["gpu_mem_mb"] / size) if w.get("gpu_mem_mb") and size else 1.0) for w in ahead)
+            + gpus
+            - 1e-9
+        )
+        if need <= len(back):
+            wait_s = back[need - 1]
+        elif back:
+            rounds = need / max(1, len(back))
+            wait_s = back[-1] + typical * max(0.0, rounds - 1)
+        else:
+            wait_s = None
     alternatives = []
     for other in sorted(view["pools"]):
         if other == pool:
@@ -151,7 +258,7 @@ async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str
             alternatives.append({"pool": other, "free": most, "text": f"{most} x {other} free now"})
     bookings = (await Bookings(engine).in_force(now_ms)).get(pool, [])
     if free_now >= gpus and not ahead:
-        text = f"{gpus} GPU(s) of {pool} free now"
+        text = f"{what} free now" if not gpu_mem_mb else f"{what} fits now"
         wait_s = 0.0
     elif wait_s is None:
         text = f"no GPU of pool {pool} is up"
@@ -159,20 +266,22 @@ async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str
         # Nothing queued ahead: what it waits for is running leases, not other requests.
         if firm_ends:
             why = f"waiting for a running lease to end (the soonest ends in about {_human(min(firm_ends))})"
+        elif gpu_mem_mb:
+            why = "waiting for memory held by running calls"
         else:
             why = f"waiting for {max(1, gpus - free_now)} GPU(s) held by running calls"
         text = (
-            f"nothing queued ahead, {why}: about {_human(wait_s)} for {gpus} GPU(s) of {pool}; "
+            f"nothing queued ahead, {why}: about {_human(wait_s)} for {what}; "
             f"cells here typically hold GPUs {_human(typical)}"
         )
     else:
         text = (
-            f"about {_human(wait_s)} for {gpus} GPU(s) of {pool}: {len(ahead)} request(s) "
+            f"about {_human(wait_s)} for {what}: {len(ahead)} request(s) "
             f"({ahead_gpus} GPUs) ahead, cells here typically hold GPUs {_human(typical)}"
         )
     if bookings:
         text += f"; {len(bookings)} booking(s) in force"
-    return {
+    out = {
         "pool": pool,
         "gpus": gpus,
         "free_now": free_now,
@@ -184,10 +293,17 @@ async def estimate(engine: Engine, pool: str, gpus: int, now_ms: int, lease: str
         "estimate_s": wait_s,
         # the wait in a few words, for a client's own line ("about 40 s"; null when no GPU is up)
         "wait": None if wait_s is None else ("any moment now" if wait_s < 1 else f"about {_human(wait_s)}"),
-        "estimate_at": None if wait_s is None else now_ms / 1000 + wait_s,
+        "estimate_at": None if wait_s is None else now_s + wait_s,
         "alternatives": alternatives,
         "text": text,
     }
+    if gpu_mem_mb:
+        out["gpu_mem_mb"] = gpu_mem_mb
+    return out
+
+
+def _mem(mb: int) -> str:
+    return f"{mb / 1024:g} GB" if mb % 1024 == 0 else f"{mb} MB"
 
 
 def _human(seconds: float) -> str:

@@ -592,9 +592,16 @@ class EstimateHandler(BaseHandler):
             waiter = json.loads(raw_w) if raw_w else {}
         pool_s = pool or waiter.get("pool") or await self.store.default_pool()
         n = gpus if gpus is not None else int(waiter.get("gpus", 1))
+        mem = self.query(params.EST_GPU_MEM)
+        mem = mem if mem is not None else int(waiter.get("gpu_mem_mb") or 0)
         if pool_s not in await self.store.pool_sizes():
             raise errors.UnknownPool(f"unknown pool {pool_s!r}", pool=pool_s)
-        self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease))
+        if mem and not self.ctx.settings.sched_table(pool_s)["share"]:
+            raise errors.BadRequest(
+                f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask about whole "
+                "GPUs (drop gpu_mem_mb), or a pool that shares"
+            )
+        self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem))
 
 
 class AgentHandler(BaseHandler):
