@@ -27,6 +27,7 @@ from redis import Redis
 
 from lease_server.cli import main
 from lease_server.config import Settings
+from lease_server.leasing import usage
 from lease_server.leasing.lease import WAITER_GRACE_MS
 from lease_server.sim import replay, workload
 from lease_server.store import layout, rollup
@@ -71,7 +72,9 @@ def _play(redis_url: str, prefix: str) -> None:
 
         r = AsyncRedis.from_url(redis_url, decode_responses=True)
         try:
-            await Engine(r, settings).run(Sweep(500, WAITER_GRACE_MS), replay.EPOCH_MS + 4 * DAY_MS)
+            engine = Engine(r, settings)
+            await engine.run(Sweep(500, WAITER_GRACE_MS), replay.EPOCH_MS + 4 * DAY_MS)
+            await usage.fold_pending(engine)  # every ledger line in the rollups, as a reader sees them
         finally:
             await r.aclose()
 
@@ -235,6 +238,30 @@ def test_a_sampled_lease_s_use_agrees_with_its_ledger_line(server_factory: Any, 
         assert body["total"]["calls"] == 1 and body["total"]["util_pct"] == pytest.approx(100 * live["busy_frac"])
         assert [g["key"] for g in body["groups"]] == ["nlp"]
         _check(body, lines, "team")
+
+
+def test_the_rollups_fold_each_line_once_and_a_reader_never_sees_them_behind(
+    server_factory: Any, redis_sync: Redis
+) -> None:
+    """A release writes its ledger line only; the rows are folded in batches (each sweep, and a
+    reader first), so a summary right after the release counts it. A line without the fold mark,
+    as a server of the previous release writes it on the same Redis after rolling it up itself
+    (a rolling upgrade), is never added a second time."""
+    server = server_factory(simulate="n1=2xA100-80GB", teams=TEAMS)
+    keys = Keys(server.settings.prefix)
+    with http(server, "cy") as cy:
+        for _ in range(3):
+            lease = cy.post(f"{API}/leases", json={"gpus": 1, "pool": "A100-80GB"}).json()
+            assert cy.delete(f"{API}/leases/{lease['id']}", params={"verified": "true"}).status_code == 200
+        lines = _ledger(redis_sync, keys)
+        assert len(lines) == 3 and all(x["fold"] == 1 for x in lines)
+        body = cy.get(f"{API}/usage/summary", params={"pool": "A100-80GB"}).json()
+        assert body["total"]["calls"] == 3
+        older = {k: v for k, v in lines[0].items() if k != "fold"} | {"lease": "l-from-an-older-release"}
+        newest = redis_sync.xadd(keys.ledger, {"data": json.dumps(older)})
+        body = cy.get(f"{API}/usage/summary", params={"pool": "A100-80GB"}).json()
+        assert body["total"]["calls"] == 3
+        assert redis_sync.get(keys.rollup_at) == newest
 
 
 def _check_replayed(server: ServerHandle, keys: Keys, redis_sync: Redis) -> None:

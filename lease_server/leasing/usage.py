@@ -22,6 +22,7 @@ from typing import Any
 from .. import errors
 from ..store import rollup
 from ..store.engine import Engine
+from ..store.scripts import Fold
 from .board import cluster_view
 from .bookings import Bookings
 
@@ -345,9 +346,25 @@ def _day(ms: int) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(ms / 1000))
 
 
+FOLD_BATCH = 500  # ledger lines one fold script reads (it blocks Redis while it runs: a few ms)
+
+
+async def fold_pending(engine: Engine) -> int:
+    """Fold the ledger lines written since the last sweep into the hourly rollups (the sweep does
+    it every half second; a reader does it first, so that it sees every lease that has ended).
+    Returns the lines read; almost always none or a few."""
+    total = 0
+    while True:
+        got = await engine.run(Fold(FOLD_BATCH))
+        total += got
+        if got < FOLD_BATCH:
+            return total
+
+
 async def rollup_rows(engine: Engine, lo_ms: int, hi_ms: int) -> list[tuple[int, str, str, dict[str, Any]]]:
     """The rollup rows of the hours in [lo, hi) (hour-aligned), as (hour, pool, user, row): one
-    range read of the index, then the rows by name."""
+    range read of the index, then the rows by name (the lines not yet folded, first)."""
+    await fold_pending(engine)
     keys = engine.keys
     lo_h, hi_h = lo_ms // rollup.HOUR_MS, hi_ms // rollup.HOUR_MS
     names: Any = await engine.redis.zrangebylex(

@@ -62,13 +62,15 @@ Scheduling:
 ``ledger``     stream one entry per ended lease: who, notebook, cell, pool, GPUs, held, utilization
 ``rollup``     hash   "HHHHHHH|pool|user" (H: hours since the epoch, UTC, zero-padded) -> JSON {n, held,
                       sampled, used, warm, wait_ms, wh:{bucket: count}, reclaimed, evicted, warm_cells,
-                      teams}: the hourly usage rollup, summed from the ledger lines of that hour (written
-                      with each line, lua/_lib_end.lua add_rollup; read by store/rollup.py). At most 5000
+                      teams}: the hourly usage rollup, summed from the ledger lines of that hour (folded
+                      in batches by each sweep, and by a reader before it reads: lua/_lib_end.lua
+                      fold_rollups; read by store/rollup.py). At most 5000
                       rows an hour ("~other" beyond), kept 400 days (layout 4); and "~total|pool" ->
                       the pool's running totals of every lease ended (GET /metrics' counters; not in
                       rollup_idx)
 ``rollup_idx`` zset   lexicographic "HHHHHHH|pool|user" for every rollup row: a range of hours is one
                       ZRANGEBYLEX, never a scan
+``rollup_at``  string the id of the last ledger entry folded into the rollups (absent: none yet)
 ``held_by``    hash   "pool|user" and "pool|team:NAME" -> GPUs held now (quotas), and "pool|user|m",
                       "pool|team:NAME|m" -> milli-GPUs held now as slices (a slice counts its
                       fraction of the GPU); "pool|~preemptible" -> preemptible leases live (a blocked
@@ -261,6 +263,10 @@ class Keys:
         return self._k("rollup_idx")
 
     @property
+    def rollup_at(self) -> str:
+        return self._k("rollup_at")
+
+    @property
     def held_by(self) -> str:
         return self._k("held_by")
 
@@ -340,6 +346,7 @@ class Keys:
             self.ledger,
             self.rollup,
             self.rollup_idx,
+            self.rollup_at,
             self.held_by,
             self.sched,
             self.elastic,

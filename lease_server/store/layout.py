@@ -322,6 +322,7 @@ async def _to_4(redis: Redis, keys: Keys) -> Step:
     scripts would hold had they written these lines."""
     ledger = keys.ledger if await redis.exists(keys.ledger) else keys.untagged(keys.ledger)
     lines: list[dict[str, Any]] = []
+    last_id = ""
     if await _typed(redis, ledger, "stream") != "none":
         start = "-"
         while True:
@@ -334,6 +335,7 @@ async def _to_4(redis: Redis, keys: Keys) -> Step:
                     problem = "is not a ledger line (JSON with end, pool, user, ...)"
                     raise _bad(f"{ledger} entry {entry_id}", problem) from None
                 lines.append(line)
+                last_id = str(entry_id)
             if len(page) < 5000:
                 break
             start = "(" + str(page[-1][0])
@@ -356,6 +358,8 @@ async def _to_4(redis: Redis, keys: Keys) -> Step:
             if rows:
                 p.hset(keys.rollup, mapping={k: json.dumps(v) for k, v in rows.items()})
                 p.zadd(keys.rollup_idx, dict.fromkeys((k for k in rows if not k.startswith(rollup.TOTAL)), 0))
+            if last_id:  # every line is in the rows: the scripts' fold starts after the last one
+                p.set(keys.rollup_at, last_id)
             await p.execute()
 
     return Step([f"sum the usage ledger into hourly rollups: {len(lines)} line(s) -> {len(rows)} row(s)"], write)

@@ -1,14 +1,17 @@
 """The hourly usage rollups: one row per (hour, pool, user), summed from the ledger lines of the
 leases held in that hour: each lease's GPU-seconds spread evenly over the hours it was held (at
 most :data:`SPLIT_HOURS`; a longer lease puts its earlier share in the first of them), the lease
-itself, its wait and its warm cells counted in the hour it was granted. A row is written when its
+itself, its wait and its warm cells counted in the hour it was granted. A row is written after its
 lease ends: a lease still held is in no row yet.
 
-``lua/_lib_end.lua`` (``add_rollup``) adds each ledger line to its row in the same script that
-writes the line, so the rollups and the ledger never disagree; :func:`fold` is the same sum in
-Python, by which ``gpulease migrate`` builds the rows of an older store from its ledger (layout 4),
-and :func:`quantile` reads the wait sketch. Keys: ``keys.py`` ``rollup`` (the rows) and
-``rollup_idx`` (their names in order, so a range of hours is one range read).
+``lua/_lib_end.lua`` (``fold_rollups``) adds the ledger lines written since the last fold to their
+rows, in batches: from each sweep (every half second) and from a reader before it reads
+(``leasing/usage.py`` ``fold_pending``), so a reader sees every lease that has ended, and the
+release that writes a line does not pay for its rows. :func:`fold` is the same sum in Python, by
+which ``gpulease migrate`` builds the rows of an older store from its ledger (layout 4), and
+:func:`quantile` reads the wait sketch. Keys: ``keys.py`` ``rollup`` (the rows), ``rollup_idx``
+(their names in order, so a range of hours is one range read) and ``rollup_at`` (the last ledger
+line folded).
 
 A row (JSON) holds, for the leases held in its hour (shares: of each lease's time, in that hour):
 

@@ -67,7 +67,7 @@ class Code(enum.IntEnum):
 
 _LIB = "_lib"
 _CHUNK_START = re.compile(r"^local (?:function )?([A-Za-z_][A-Za-z0-9_]*)\b")
-_NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+_NAME = re.compile(r"(?<![.:'\"\w])[A-Za-z_][A-Za-z0-9_]*\b")  # not a field (.name) nor a quoted word
 _KEYREF = re.compile(r"\bK_([A-Z_]+)\b")
 _KEYS_HEADER = re.compile(r"^-- KEYS: ([a-z_ ]+)$", re.M)
 
@@ -639,6 +639,7 @@ class SweepCounts(NamedTuple):
     recalled: int = 0  # borrowed leases revoked when their recall notice ran out
     booking_checks: int = 0  # no-show checks of bookings
     shrunk: int = 0  # elastic leases shrunk when their shrink notice ran out
+    folded: int = 0  # ledger lines folded into the hourly rollups
 
     def plus(self, other: SweepCounts) -> SweepCounts:
         return SweepCounts(*(a + b for a, b in zip(self, other, strict=True)))
@@ -654,6 +655,20 @@ class Sweep(ScriptCall[SweepCounts]):
         if code is not Code.OK:
             raise self.unexpected(code)
         return SweepCounts(*(int(x) for x in rest))
+
+
+@dataclass(frozen=True)
+class Fold(ScriptCall[int]):
+    """Fold up to ``limit`` ledger lines written since the last fold into the hourly rollups; the
+    reply is how many were read (``limit``: more may wait)."""
+
+    script: ClassVar[str] = "fold"
+    limit: int
+
+    def reply(self, code: Code, rest: list[Any]) -> int:
+        if code is not Code.OK:
+            raise self.unexpected(code)
+        return int(rest[0])
 
 
 @dataclass(frozen=True)
@@ -1100,6 +1115,7 @@ CALLS: tuple[type[ScriptCall], ...] = (
     Handoff,
     Resize,
     Sweep,
+    Fold,
     Register,
     IdleWarn,
     Keep,

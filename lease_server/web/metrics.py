@@ -35,7 +35,7 @@ from prometheus_client.utils import floatToGoString
 from ..leasing.board import cluster_view
 from ..leasing.queue import queue_view
 from ..leasing.reclaim import policies
-from ..leasing.usage import rollup_rows
+from ..leasing.usage import fold_pending, rollup_rows
 from ..store import rollup
 from ..store.engine import Engine
 from .limits import Bucket
@@ -107,6 +107,7 @@ class Usage:
         the rows by)."""
         r, k = self.engine.redis, self.engine.keys
         totals: dict[str, dict[str, Any]] = {}
+        await fold_pending(self.engine)
         if pools:
             raws: Any = await r.hmget(k.rollup, [rollup.total_field(p) for p in pools])
             for pool, raw in zip(pools, raws, strict=True):

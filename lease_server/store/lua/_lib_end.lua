@@ -1,18 +1,23 @@
 -- _lib_end.lua: the end of a lease, whoever ends it. Part of the library: see _lib.lua.
 
--- Add the ledger line `e` of a lease that ends now to the hourly rollups (keys.py rollup and
--- rollup_idx; lease_server/store/rollup.py reads them, and folds old ledger lines the same way for
--- gpulease migrate). A row (hour, pool, user) sums what its leases did in that hour: the GPU-seconds
--- held, busy by samples, sampled and warm, and those of leases taken back (reclaimed: idle
--- reclaim, booking recall, preemption; evicted: a warm lease lent out), each lease's spread evenly
--- over the hours it was held (a lease held over midnight counts on both days); and, in the hour it
--- was granted, the lease itself, its wait (sum, and a sketch: bucket "0" for no wait, bucket k >= 1
--- for waits in (G^(k-2), G^(k-1)] ms, G = 1.02, so a percentile read from it is within 1 %) and the
--- cells that started warm on it. A lease held longer than SPLIT_HOURS puts its earlier share in the
--- first of them (one script writes at most SPLIT_HOURS rows). Beside the rows, each pool's running
--- totals of every lease ended (field "~total|<pool>", not in the index). Bounded: at most 5000 rows an hour (a
--- new user past that is summed as "~other" of its pool), and rows older than 400 days go, a few
--- for each row written, so the old ones never pile up. (SPLIT_HOURS: _lib.lua)
+-- Add the ledger line `e` of a lease that ended at e['end'] to the hourly rollups (keys.py rollup
+-- and rollup_idx; lease_server/store/rollup.py reads them, and folds old ledger lines the same way
+-- for gpulease migrate). A row (hour, pool, user) sums what its leases did in that hour: the
+-- GPU-seconds held, busy by samples, sampled and warm, and those of leases taken back (reclaimed:
+-- idle reclaim, booking recall, preemption; evicted: a warm lease lent out), each lease's spread
+-- evenly over the hours it was held (a lease held over midnight counts on both days); and, in the
+-- hour it was granted, the lease itself, its wait (sum, and a sketch: bucket "0" for no wait,
+-- bucket k >= 1 for waits in (G^(k-2), G^(k-1)] ms, G = 1.02, so a percentile read from it is
+-- within 1 %) and the cells that started warm on it. A lease held longer than SPLIT_HOURS puts its
+-- earlier share in the first of them (one line writes at most SPLIT_HOURS rows). Beside the rows,
+-- each pool's running totals of every lease ended (field "~total|<pool>", not in the index).
+-- Bounded: at most 5000 rows an hour (a new user past that is summed as "~other" of its pool), and
+-- rows older than 400 days go, a few for each row written, so the old ones never pile up.
+-- (SPLIT_HOURS: _lib.lua)
+--
+-- The rows are not written by the script that ends a lease (that is on every release's path):
+-- fold_rollups adds the ledger lines written since the last fold, in batches, from each sweep and
+-- from a reader of the rows before it reads (fold.lua), so a reader never sees them behind.
 
 local function empty_rollup()
   return {n = 0, held = 0, sampled = 0, used = 0, warm = 0, wait_ms = 0, wh = {}, reclaimed = 0, evicted = 0,
@@ -57,15 +62,16 @@ local function add_rollup_row(hour, e, share, first, taken)
 end
 
 local function add_rollup(e, taken)
-  local last = math.floor(NOW / 3600000)
-  local begin = math.min(e.start, NOW)
+  local ended = e['end']
+  local last = math.floor(ended / 3600000)
+  local begin = math.min(e.start, ended)
   local first = math.max(math.floor(begin / 3600000), last - SPLIT_HOURS + 1)
-  local span = NOW - begin
+  local span = ended - begin
   for hour = first, last do
     local share = 1  -- (a lease of no time: one hour, this one)
     if span > 0 then
       local lo = hour == first and begin or hour * 3600000
-      local hi = hour == last and NOW or (hour + 1) * 3600000
+      local hi = hour == last and ended or (hour + 1) * 3600000
       share = (hi - lo) / span
     end
     add_rollup_row(hour, e, share, hour == first, taken)
@@ -83,6 +89,32 @@ local function add_rollup(e, taken)
     redis.call('HDEL', K_ROLLUP, unpack(old))
     redis.call('ZREM', K_ROLLUP_IDX, unpack(old))
   end
+end
+
+-- What a lease's end counts as in the rollups: taken back by the server (the recall it was under
+-- when it ended, else its own end's cause), or nil (rollup.py TAKEN: the same).
+local TAKEN = {evicted = 'evicted', suspended = 'evicted', reclaimed = 'reclaimed', recalled = 'reclaimed',
+               preempted = 'reclaimed'}
+
+-- Add up to `limit` ledger lines written since the last fold (keys.py rollup_at) to the rollups.
+-- Only lines marked `fold` (written by end_lease since the rollups are folded in batches) are
+-- added: a line from before, or from a server of an older release on the same Redis during a
+-- rolling upgrade, was rolled up by the script that wrote it. Returns the lines read (all of
+-- `limit`: call again).
+local function fold_rollups(limit)
+  local after = redis.call('GET', K_ROLLUP_AT) or '0-0'
+  local rows = redis.call('XRANGE', K_LEDGER, '(' .. after, '+', 'COUNT', limit)
+  for _, entry in ipairs(rows) do
+    local fields = entry[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'data' and string.find(fields[i + 1], '"fold":1', 1, true) then
+        local e = cjson.decode(fields[i + 1])
+        add_rollup(e, TAKEN[e['recall'] or e.cause])
+      end
+    end
+  end
+  if #rows > 0 then redis.call('SET', K_ROLLUP_AT, rows[#rows][1]) end
+  return #rows
 end
 
 -- End a live lease: give its GPUs back, record GPU-time for fair share, keep the record a while.
@@ -199,9 +231,6 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
   -- the held time itself was counted while the lease ran; add the idle surcharge
   touch_usage(lease.pool, lease.user, -size, charged - gpu_s)
   local cause = code or state
-  -- taken back by the server: the recall it was under when it ended, else its own end's cause
-  local taken = ({evicted = 'evicted', suspended = 'evicted', reclaimed = 'reclaimed', recalled = 'reclaimed',
-                  preempted = 'reclaimed'})[lease.recall_code or cause]
   local line = {
     lease = lease.id, user = lease.user, teams = lease.teams or '', session = lease.session, label = lease.label,
     notebook = lease.notebook or '', cell = lease.cell or '',
@@ -211,9 +240,9 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     charged_gpu_s = charged, warm_gpu_s = warm_s > 0 and warm_s or nil, preemptible = lease.preemptible, borrowed = lease.borrowed, reservation = lease.resv,
     priority = lease.priority, gpu_mem_mb = lease.gpu_mem_mb, gpu_total_mb = lease.gpu_total_mb,
     suspended = code == 'suspended' or nil, cause = cause, recall = lease.recall_code,
-    warm_cells = lease.warm_cells}
+    warm_cells = lease.warm_cells, fold = 1}
+  -- (added to the hourly rollups by the next fold: fold_rollups above)
   redis.call('XADD', K_LEDGER, 'MAXLEN', '~', EVENT_MAX, '*', 'data', cjson.encode(line))
-  add_rollup(line, taken)
   lease.state = state
   lease.ended_at = NOW
   lease.end_reason = reason

@@ -1,16 +1,19 @@
 -- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger rollup rollup_idx held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger rollup rollup_idx rollup_at held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = most items of each kind handled in this call
 -- ARGV[7] = grace ms after a waiter's own deadline before the sweeper removes it
 -- It also revokes borrowed leases whose recall notice ran out, releases bookings nobody used
 -- within their first no_show_ms (the owner is told through the event log), and shrinks elastic
 -- leases asked to give GPUs back for a waiting request (shrink_notice) that did not by shrink_by.
+-- It first folds the ledger lines written since the last sweep into the hourly rollups
+-- (fold_rollups, _lib_end.lua), and last, those of the leases it ended.
 -- returns {OK, expired, nodes marked down, stale waiters removed, ended records trimmed,
---          borrowed leases revoked, booking checks done, elastic leases shrunk}
+--          borrowed leases revoked, booking checks done, elastic leases shrunk, ledger lines folded}
 local limit, grace = tonumber(ARGV[6]), tonumber(ARGV[7])
 local pools, expired, down, stale, trimmed, recalled, checked, shrunk = {}, 0, 0, 0, 0, 0, 0, 0
+local folded = fold_rollups(limit)
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_RECALL, '-inf', NOW, 'LIMIT', 0, limit)) do
   local raw = redis.call('HGET', K_LEASES, id)
@@ -107,4 +110,5 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ENDED_AT, '-inf', NOW - RETENT
 end
 
 for pool, _ in pairs(pools) do dispatch(pool) end
-return {OK, expired, down, stale, trimmed, recalled, checked, shrunk}
+if folded < limit then folded = folded + fold_rollups(limit - folded) end
+return {OK, expired, down, stale, trimmed, recalled, checked, shrunk, folded}
