@@ -94,10 +94,11 @@ def snapshot(r: Redis, prefix: str) -> dict[str, Any]:
     heartbeat_interval: only whether each node is up (score >= 0) or down (-1) is state that a
     request could change, so that is what is kept of it. The agent's GPU samples (``last``,
     ``busy_at``, ``covered_since``, each GPU's window) come every sample_interval whatever a request
-    does: left out too.
+    does: left out too. So are the hourly rollups: the sweep folds the ledger's lines into them
+    whenever it runs (store/rollup.py), and the ledger they come from is kept.
     """
     keys = Keys(prefix)
-    agent = {keys.last, keys.busy_at, keys.covered_since}
+    agent = {keys.last, keys.busy_at, keys.covered_since, keys.rollup, keys.rollup_idx, keys.rollup_at}
     windows = keys.samples("")
     out: dict[str, Any] = {}
     for key in sorted(r.scan_iter(match=keys.pattern(), count=1000)):

@@ -147,6 +147,7 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.zrange(keys.shrink_due, 0, -1)
         p.hgetall(keys.draining)
         p.hgetall(keys.waiters)
+        p.zrange(keys.wait_due, 0, -1, withscores=True)
         p.hgetall(keys.waiting_by)
         p.hgetall(keys.sliced)
         p.zrange(keys.slice_fit, 0, -1)
@@ -163,6 +164,7 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
             shrink_due,
             draining,
             waiters,
+            wait_due,
             waiting_by,
             sliced,
             slice_fit,
@@ -173,6 +175,9 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         u = json.loads(raw)["user"]
         per_user[u] = per_user.get(u, 0) + 1
     assert {u: int(n) for u, n in waiting_by.items()} == per_user, f"queued per user {waiting_by} != {per_user}"
+    # the sweep's index of the queued requests' deadlines: exactly the waiters, each at its deadline
+    want_due = {wid: float(json.loads(raw)["deadline"]) for wid, raw in waiters.items()}
+    assert dict(wait_due) == want_due, f"wait_due {dict(wait_due)} != the waiters' deadlines {want_due}"
     leases = {k: json.loads(v) for k, v in leases.items()}
     assert set(deadlines) == set(leases), "deadline index and live leases differ"
     assert set(elastic) == {f"{v['pool']}|{k}" for k, v in leases.items() if v.get("elastic")}, "elastic index"

@@ -9,6 +9,7 @@ request of bob's in the queue, its Redis killed as in a crash.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -59,6 +60,12 @@ def test_a_layout_0_data_dir_is_refused_then_migrated_and_read(old_redis: RedisP
     done = cli.invoke(main, ["migrate", "--redis-url", old_redis.url])
     assert done.exit_code == 0 and done.output.startswith(f"migrated layout 0 -> {LAYOUT}:"), done.output
     assert r.get(keys.layout) == str(LAYOUT) and r.hgetall(keys.waiting_by) == {"bob": "1"}
+    # layout 5: the queued request's deadline indexed for the sweep
+    assert "index the deadlines of the queued requests: 1 request(s)" in done.output
+    (waiter,) = r.hkeys(keys.waiters)
+    assert r.zrange(keys.wait_due, 0, -1, withscores=True) == [
+        (waiter, json.loads(r.hget(keys.waiters, waiter))["deadline"])
+    ]
     again = cli.invoke(main, ["migrate", "--redis-url", old_redis.url])
     assert again.output.strip() == f"the data has layout {LAYOUT}, this release's: nothing to do"
 

@@ -34,6 +34,8 @@ state lives in a handful of global structures:
 ``queue``      zset   lexicographic "pool|SEQUENCE|waiter id" (FIFO per pool)
 ``queue_seq``  string counter giving every waiter its place in arrival order
 ``waiters``    hash   waiter id -> JSON request
+``wait_due``   zset   waiter id -> ms of its own deadline: the sweep drops a waiter whose server went
+                      away (WAITER_GRACE_MS past it) by range, without reading the queue (layout 5)
 ``waiting_by`` hash   user -> requests of the user in the queue now (capped: max_queued_per_user)
 ``usage``      hash   "pool|user" -> JSON {"v":decayed GPU-seconds,"t":ms,"r":GPUs running now}, written in
                       that one layout so the scripts read it with patterns (other layouts: decoded)
@@ -191,6 +193,10 @@ class Keys:
         return self._k("waiters")
 
     @property
+    def wait_due(self) -> str:
+        return self._k("wait_due")
+
+    @property
     def waiting_by(self) -> str:
         return self._k("waiting_by")
 
@@ -333,6 +339,7 @@ class Keys:
             self.ended_at,
             self.queue,
             self.waiters,
+            self.wait_due,
             self.usage,
             self.fence,
             self.events,

@@ -30,7 +30,7 @@ from ..errors import ConfigurationError
 from . import rollup
 from .keys import Keys
 
-LAYOUT = 4  # this release's
+LAYOUT = 5  # this release's
 NOT_DATA = ("tokens", "layout")  # keys that do not make a store "written by some release"
 
 
@@ -365,7 +365,30 @@ async def _to_4(redis: Redis, keys: Keys) -> Step:
     return Step([f"sum the usage ledger into hourly rollups: {len(lines)} line(s) -> {len(rows)} row(s)"], write)
 
 
-STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2, 3: _to_3, 4: _to_4}
+async def _to_5(redis: Redis, keys: Keys) -> Step:
+    """Layout 4 -> 5: each queued request's deadline indexed (wait_due), so that the sweep finds the
+    waiters whose server went away by range instead of reading the whole queue."""
+    due: dict[str, int] = {}
+    if await _typed(redis, keys.waiters, "hash") != "none":
+        for wid, raw in (await redis.hgetall(keys.waiters)).items():
+            try:
+                due[str(wid)] = int(json.loads(raw)["deadline"])
+            except (ValueError, KeyError, TypeError):
+                problem = "is not a queued request (JSON with its deadline)"
+                raise _bad(f"{keys.waiters} field {wid!r}", problem) from None
+    await _typed(redis, keys.wait_due, "zset")
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=True) as p:
+            p.delete(keys.wait_due)
+            if due:
+                p.zadd(keys.wait_due, due)
+            await p.execute()
+
+    return Step([f"index the deadlines of the queued requests: {len(due)} request(s)"], write)
+
+
+STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2, 3: _to_3, 4: _to_4, 5: _to_5}
 
 
 async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, list[str]]:

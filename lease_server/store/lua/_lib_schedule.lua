@@ -301,7 +301,7 @@ end
 -- 4 (fair share, no booking in force) after all the others, oldest first.
 local function queue_order(pool, members, acts, sched)
   local cap = sched.scheduler == 'fair_share' and #acts == 0
-  local order, later, per_user = {}, {}, {}
+  local order, later, per_user, standing = {}, {}, {}, {}
   local i = 0
   while i < #members and #order < 64 do
     i = i + 1
@@ -318,7 +318,9 @@ local function queue_order(pool, members, acts, sched)
       if sched.scheduler == 'fifo' then
         w.key = 0
       else
-        w.key = decayed_usage(pool, w.user) - sched.aging * (NOW - w.enqueued_at) / 1000 * w.gpus
+        -- (a user's standing read once per dispatch, however many of their requests wait)
+        standing[w.user] = standing[w.user] or decayed_usage(pool, w.user)
+        w.key = standing[w.user] - sched.aging * (NOW - w.enqueued_at) / 1000 * w.gpus
         if sched.scheduler == 'priority' then w.key = w.key - (w.priority or 1) * 1e15 end
       end
       w.holder = #acts > 0 and not w.gpu_mem_mb and booking_for(acts, w) ~= nil
@@ -326,6 +328,7 @@ local function queue_order(pool, members, acts, sched)
       order[#order + 1] = w
     else
       redis.call('ZREM', K_QUEUE, m)
+      redis.call('ZREM', K_WAIT_DUE, id)
     end
     if cap and i == #members and #order < 64 and i < 256 and i % 64 == 0 then  -- read on, 64 at a time
       for _, more in ipairs(redis.call('ZRANGEBYLEX', K_QUEUE, '(' .. m, '(' .. pool .. '|~', 'LIMIT', 0, 64)) do
@@ -444,6 +447,7 @@ local function serve_in_order(pool, order, acts, owed, sched)
       grant_parts(w, parts)
       redis.call('ZREM', K_QUEUE, w.member)
       redis.call('HDEL', K_WAITERS, w.id)
+      redis.call('ZREM', K_WAIT_DUE, w.id)
       count_waiting(w.user, -1)
       redis.call('PUBLISH', K_GRANTS, w.id)
       granted = granted + 1

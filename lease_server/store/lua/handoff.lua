@@ -6,7 +6,7 @@
 -- is one of the requests named, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
 -- lease is neither a booking's nor recalled, and its node is up. Otherwise nothing changes: the
 -- caller ends its process and releases as usual, and the scheduler decides.
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user
 -- ARGV[9] = the requests it may go to, comma-separated (the pool's oldest waiter must be one of them)
 -- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}
@@ -74,6 +74,7 @@ end
 local _, lease_json = grant(w, lease.node, taken, rest, #free)
 redis.call('ZREM', K_QUEUE, w.member)
 redis.call('HDEL', K_WAITERS, w.id)
+redis.call('ZREM', K_WAIT_DUE, w.id)
 count_waiting(w.user, -1)
 redis.call('PUBLISH', K_GRANTS, w.id)
 dispatch(lease.pool)

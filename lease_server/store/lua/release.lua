@@ -1,6 +1,6 @@
 -- release.lua: end a lease (owner release, or admin revoke), or withdraw a request still queued.
 -- Idempotent: releasing an ended lease answers with its ended record and changes nothing.
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token ("" = not given: ownership alone suffices)
 -- ARGV[8] = user       ARGV[9] = "1" if admin
 -- ARGV[10] = end state: "released", "revoked", or "auto" (revoked when an admin ends another
@@ -30,6 +30,7 @@ if not lease and raw[1] == NO_SUCH then
   local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. w.pool .. '|', '[' .. w.member)
   redis.call('ZREM', K_QUEUE, w.member)
   redis.call('HDEL', K_WAITERS, id)
+  redis.call('ZREM', K_WAIT_DUE, id)
   count_waiting(w.user, -1)
   emit('wait_cancelled', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus,
                           waited_ms = NOW - w.enqueued_at, reason = why, by = user})

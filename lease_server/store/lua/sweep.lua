@@ -1,7 +1,7 @@
 -- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
--- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger rollup rollup_idx rollup_at held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger rollup rollup_idx rollup_at held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = most items of each kind handled in this call
 -- ARGV[7] = grace ms after a waiter's own deadline before the sweeper removes it
 -- It also revokes borrowed leases whose recall notice ran out, releases bookings nobody used
@@ -87,20 +87,21 @@ for _, node in ipairs(redis.call('ZRANGEBYSCORE', K_ALIVE, 0, NOW - 1, 'LIMIT', 
   down = down + 1
 end
 
-for _, m in ipairs(redis.call('ZRANGE', K_QUEUE, 0, limit - 1)) do
-  local id = string.match(m, '|([^|]+)$')
+-- Waiters whose server went away: their own deadline passed by more than the grace, and nothing
+-- took them out of the queue (their server would have, when the wait ran out). Read by deadline
+-- (wait_due), not by reading the queue: a sweep's work does not grow with the queue.
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_WAIT_DUE, '-inf', NOW - grace - 1, 'LIMIT', 0, limit)) do
+  redis.call('ZREM', K_WAIT_DUE, id)
   local raw = redis.call('HGET', K_WAITERS, id)
-  local w = raw and cjson.decode(raw)
-  if not w or w.deadline + grace < NOW then
-    redis.call('ZREM', K_QUEUE, m)
-    if w then
-      redis.call('HDEL', K_WAITERS, id)
-      count_waiting(w.user, -1)
-      emit('wait_abandoned', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus})
-      pools[w.pool] = true
-    end
-    stale = stale + 1
+  if raw then
+    local w = cjson.decode(raw)
+    redis.call('ZREM', K_QUEUE, w.member)
+    redis.call('HDEL', K_WAITERS, id)
+    count_waiting(w.user, -1)
+    emit('wait_abandoned', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus})
+    pools[w.pool] = true
   end
+  stale = stale + 1
 end
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ENDED_AT, '-inf', NOW - RETENTION_MS, 'LIMIT', 0, limit)) do
