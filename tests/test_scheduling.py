@@ -475,3 +475,40 @@ def test_cpu_pool_is_leased_but_never_the_default_gpu_pool(server_factory):
     with http(only_cpu, "alice") as alice:
         assert alice.get(f"{API}/info").json()["default_pool"] is None
         assert_error(alice.post(f"{API}/leases", json={"gpus": 1}), 404, "unknown_pool", "only CPU slots")
+
+
+def test_a_queue_found_blocked_is_not_ordered_again_until_gpus_that_fit_come_free(sim_factory):
+    """dispatch remembers a queue it found blocked (every waiter read, none served: the smallest
+    needs 4), so that a release that frees GPUs no waiter could use, and a small newcomer that fits
+    beside the node held for the head, cost no reading of the queue. Neither may change who is
+    served: the newcomer is backfilled as dispatch would, and the waiter is granted by the release
+    that makes 4 GPUs free on one node."""
+
+    async def main() -> None:
+        sim = await sim_factory("a=4xA100-80GB,b=4xA100-80GB,c=4xA100-80GB")
+        memo = "A100-80GB|~blocked"
+        on: dict[str, list[str]] = defaultdict(list)
+        for _ in range(12):
+            _code, lease, lid = await sim.acquire("filler", 1)
+            on[lease["node"]].append(lid)
+        await sim.release(on["a"].pop())
+        await sim.release(on["b"].pop())
+        code, _rest, big = await sim.acquire("alice", 4, wait_s=3600)
+        assert code is Code.QUEUED
+        assert (await sim.st.redis.hget(sim.st.keys.evict_miss, memo) or "").startswith("4|")
+        # A one-GPU newcomer fits beside the node held for alice's head: granted at once, there.
+        held = (await sim.st.redis.hget(sim.st.keys.evict_miss, memo)).split("|")[1]
+        code, lease, _lid = await sim.acquire("bob", 1)
+        assert code is Code.OK and lease["node"] != held and lease["node"] in ("a", "b")
+        # One GPU free on c reaches no waiter's need: the memo stays, alice waits.
+        await sim.release(on["c"].pop())
+        assert await sim.st.redis.hget(sim.st.keys.evict_miss, memo) and big not in await sim.leases()
+        # Four free on one node: the release forgets the memo and its dispatch grants alice there.
+        target = "a" if lease["node"] != "a" else "b"
+        for lid in on[target]:
+            await sim.release(lid)
+        got = (await sim.leases())[big]
+        assert got["node"] == target and len(got["gpus"]) == 4
+        assert not await sim.st.redis.hget(sim.st.keys.evict_miss, memo)
+
+    asyncio.run(main())

@@ -143,6 +143,7 @@ end
 -- with more candidates than that, it chooses among the newest of each class.
 local RECALL_READ = 16  -- entries of each class a recall reads
 local EVICT_RETRY_MS = 1000  -- a warm eviction that found no node waits this long before the next try
+local BLOCKED_MS = 1000  -- how long a queue found blocked is known as blocked (dispatch, _lib_schedule.lua)
 local SPLIT_HOURS = 336  -- the most hours a lease's usage rollups spread it over (_lib_end.lua; rollup.py)
 
 -- Move lease l's entry of the recall index from `old` (its member before the change, or nil) to
@@ -164,10 +165,21 @@ local function set_free(node, pool, list, old_count)
   if redis.call('ZREM', K_FIT, old_member) == 1 then
     redis.call('ZADD', K_FIT, 0, fit_member(pool, node, #list))
   end
-  -- GPUs freed: a warm eviction that found no node a moment ago may find one now (evict_miss in
-  -- _lib_recall.lua); the dispatch that follows must try it, or the waiter would wait on for
-  -- whatever comes next, perhaps only the warm lease's own expiry.
-  if #list > old_count then redis.call('HDEL', K_EVICT_MISS, pool) end
+  -- GPUs freed: a warm eviction that found no node for n GPUs a moment ago (evict_miss in
+  -- _lib_recall.lua), or a queue found blocked whose smallest request needs n (pool|~blocked,
+  -- dispatch), may be served on this node now if its free and warm GPUs reach n: forget the memo,
+  -- so that the dispatch that follows tries, or the waiter would wait on for whatever comes next,
+  -- perhaps only the warm lease's own expiry. Freed GPUs that reach no n change neither.
+  if #list > old_count then
+    local memo = redis.call('HMGET', K_EVICT_MISS, pool, pool .. '|~blocked')
+    if memo[1] or memo[2] then
+      local have = #list + tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm@' .. node) or '0')
+      for i, field in ipairs({pool, pool .. '|~blocked'}) do
+        local n = memo[i] and tonumber(string.match(memo[i], '^(%d+)|'))
+        if memo[i] and (not n or have >= n) then redis.call('HDEL', K_EVICT_MISS, field) end
+      end
+    end
+  end
 end
 
 local function mark_down(node, why)

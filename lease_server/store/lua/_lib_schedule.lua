@@ -296,12 +296,29 @@ local function ask_to_shrink(w, pool, n, notice_ms)
   return best
 end
 
+-- The fewest GPUs on one node that the waiter `w` (or its raw JSON) could start with: its size, an
+-- elastic request's minimum, a gang's share per node; 0 for a slice (memory, not whole GPUs).
+local function least_need(w, raw)
+  if w then
+    if w.gpu_mem_mb then return 0 end
+    if (w.nodes or 1) > 1 then return math.floor(w.gpus / w.nodes) end
+    return w.gpus_min or w.gpus
+  end
+  if string.find(raw, '"gpu_mem_mb":', 1, true) then return 0 end
+  local gpus = tonumber(string.match(raw, '"gpus":(%d+)')) or 0
+  local nodes = tonumber(string.match(raw, '"nodes":(%d+)')) or 1
+  if nodes > 1 then return math.floor(gpus / nodes) end
+  return tonumber(string.match(raw, '"gpus_min":(%d+)')) or gpus
+end
+
 -- Dispatch, step 1: the waiters of the pool's queue (``members``, its first entries) in the order
 -- they are served: booking holders first, then by the scheduler's key; a user's waiters beyond
--- 4 (fair share, no booking in force) after all the others, oldest first.
+-- 4 (fair share, no booking in force) after all the others, oldest first. Also returns the least
+-- need (least_need) of all the waiters of the pool when it read every one of them, else nil.
 local function queue_order(pool, members, acts, sched)
   local cap = sched.scheduler == 'fair_share' and #acts == 0
   local order, later, per_user, standing = {}, {}, {}, {}
+  local least = math.huge
   local i = 0
   while i < #members and #order < 64 do
     i = i + 1
@@ -311,10 +328,12 @@ local function queue_order(pool, members, acts, sched)
     local user = cap and raw and string.match(raw, '"user":"([^"\\]*)"')
     if user and (per_user[user] or 0) >= 4 then
       later[#later + 1] = {member = m, later_raw = raw}
+      least = math.min(least, least_need(nil, raw))
     elseif raw then
       if user then per_user[user] = (per_user[user] or 0) + 1 end
       local w = cjson.decode(raw)
       w.member = m
+      least = math.min(least, least_need(w))
       if sched.scheduler == 'fifo' then
         w.key = 0
       else
@@ -342,7 +361,10 @@ local function queue_order(pool, members, acts, sched)
     return a.seq < b.seq
   end)
   for _, l in ipairs(later) do order[#order + 1] = l end
-  return order
+  if i < #members or redis.call('ZLEXCOUNT', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~') ~= i then
+    least = nil  -- (not every waiter was read)
+  end
+  return order, least
 end
 
 -- Where slice request w goes (allocate_slice), as grant_parts' parts, or nil. A slice never takes
@@ -458,7 +480,21 @@ local function serve_in_order(pool, order, acts, owed, sched)
       if reserved == nil then reserved = hold or fullest_node(pool) end
     end
   end
-  return granted
+  return granted, reserved
+end
+
+-- Whether the pool's queue was found blocked (dispatch, below) and nothing has changed since that
+-- could serve one of its waiters: (the least need of its waiters, the node held for its head), or
+-- nil. Freed GPUs that reach that need on one node (set_free) or a node up (register.lua) forget it;
+-- so does a change in the pool's warm or preemptible leases (a recall may find them), and time.
+local function blocked_memo(pool)
+  local raw = redis.call('HGET', K_EVICT_MISS, pool .. '|~blocked')
+  if not raw then return nil end
+  local n, held, warm, pre, at = string.match(raw, '^(%d+)|([^|]*)|(%d+)|(%d+)|(%d+)$')
+  if not n or NOW - tonumber(at) >= BLOCKED_MS then return nil end
+  local h = redis.call('HMGET', K_HELD_BY, pool .. '|~warm', pool .. '|~preemptible')
+  if tonumber(h[1] or '0') ~= tonumber(warm) or tonumber(h[2] or '0') ~= tonumber(pre) then return nil end
+  return tonumber(n), held
 end
 
 -- Serve the pool's queue. Holders of a booking in force come first (up to what it still owes
@@ -477,11 +513,26 @@ local function dispatch(pool)
   local members = redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 64)
   if #members == 0 then return 0 end
   local acts, owed = active_bookings(pool)
+  if #acts == 0 and blocked_memo(pool) then return 0 end  -- nothing changed that could serve a waiter
   local sched = sched_of(pool)
   -- What allocate and recall found impossible in this dispatch (nothing frees GPUs until it ends;
   -- a script may end leases between two dispatches, so each starts afresh).
   SCHED_CACHE['~miss|' .. pool] = {}
-  local granted = serve_in_order(pool, queue_order(pool, members, acts, sched), acts, owed, sched)
+  local order, least = queue_order(pool, members, acts, sched)
+  local granted, reserved = serve_in_order(pool, order, acts, owed, sched)
   SCHED_CACHE['~miss|' .. pool] = nil
+  -- Every waiter read and none served: remember it (blocked_memo), with the least need of any
+  -- waiter and the node held for the head, until GPUs that reach that need come free (set_free),
+  -- a waiter joins (acquire.lua), the pool's warm or preemptible leases change, or BLOCKED_MS.
+  local h = redis.call('HMGET', K_HELD_BY, pool .. '|~warm', pool .. '|~preemptible')
+  -- (not while a waiter might preempt or shrink a lease: who may is a matter of quotas, which any
+  -- release changes)
+  if granted == 0 and #acts == 0 and least and least > 0 and least < math.huge and tonumber(h[2] or '0') == 0
+      and not redis.call('ZRANGEBYLEX', K_ELASTIC, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1] then
+    redis.call('HSET', K_EVICT_MISS, pool .. '|~blocked', string.format('%d|%s|%d|%d|%d', least, reserved or '',
+               tonumber(h[1] or '0'), tonumber(h[2] or '0'), NOW))
+  else
+    redis.call('HDEL', K_EVICT_MISS, pool .. '|~blocked')
+  end
   return granted
 end

@@ -50,7 +50,22 @@ end
 -- Fast path: nobody is waiting in this pool, so taking free GPUs delays no one. With a booking
 -- in force the request is served from it (its holder), or takes GPUs the bookings do not need, or
 -- else borrows them -- the same decision dispatch makes, without a trip through the queue.
-if not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1] then
+local queue_empty = not redis.call('ZRANGEBYLEX', K_QUEUE, '[' .. pool .. '|', '(' .. pool .. '|~', 'LIMIT', 0, 1)[1]
+-- Backfill without the queue: the pool's queue is known blocked (blocked_memo: every waiter read,
+-- none could be served, nothing since that could serve one), and this request needs fewer GPUs
+-- than any waiter. Where it fits outside the node held for the head, dispatch would grant it there
+-- after finding the others blocked again: grant it at once, without ordering the queue. Only a
+-- plain request of one node, no booking in force, from a user with nothing queued (whose requests
+-- would be ordered after their first four).
+if not queue_empty and not w.gpu_mem_mb and n_nodes == 1 and n_min == n
+    and not redis.call('HGET', K_WAITING_BY, user) and #active_bookings(pool) == 0 then
+  local least, held = blocked_memo(pool)
+  if least and n < least then
+    local node, taken, rest, old_count = allocate(pool, n, held ~= '' and held or nil)
+    if node then return {OK, select(2, grant(w, node, taken, rest, old_count))} end
+  end
+end
+if queue_empty then
   if w.gpu_mem_mb then
     local _, owed = active_bookings(pool)
     local parts = slice_parts(w, pool, owed, sched, nil)
@@ -107,6 +122,7 @@ if wait_ms > 0 then  -- a request that would stay in the queue: within the user'
 end
 redis.call('ZADD', K_QUEUE, 0, member)
 redis.call('HSET', K_WAITERS, id, cjson.encode(w))
+redis.call('HDEL', K_EVICT_MISS, pool .. '|~blocked')  -- a new waiter: the queue is read again
 count_waiting(user, 1)
 dispatch(pool)
 

@@ -40,7 +40,7 @@ redis.call('ZADD', K_ALIVE, NOW + alive_ms, node)
 if not was_up then
   local free = decode_list(redis.call('HGET', K_FREE, node))
   redis.call('ZADD', K_FIT, 0, fit_member(inv.pool, node, #free))
-  redis.call('HDEL', K_EVICT_MISS, inv.pool)  -- a node up: a warm eviction may find it now
+  redis.call('HDEL', K_EVICT_MISS, inv.pool, inv.pool .. '|~blocked')  -- a node up: an eviction, a waiter may fit now
   if status ~= 'registered' then
     status = 'up'
     emit('node_up', {node = node, pool = inv.pool})
