@@ -78,3 +78,50 @@ def test_server_on_a_redis_cluster(case: Callable[..., None], cluster_servers: A
 def test_bookings_and_bad_input_on_a_redis_cluster(cluster_servers: Any, cluster_sync: Any) -> None:
     booking_tests.test_create_list_get_edit_cancel(cluster_servers, cluster_sync)
     booking_tests.test_bad_input_is_refused_and_changes_nothing(cluster_servers, cluster_sync)
+
+
+def test_two_pools_on_two_primaries_each_in_its_own_slot(
+    cluster: RedisCluster3, cluster_sync: Any, prefix: str
+) -> None:
+    """Past one primary, as docs/scale.md says to shard today: a deployment per pool (or group of
+    pools), each under its own prefix, so its own hash tag: every key and every script of a pool in
+    one slot, the two slots on different primaries of one Redis Cluster. Grants in both, each
+    deployment seeing only its pool."""
+    import contextlib
+
+    from redis import Redis
+    from redis.crc import key_slot
+
+    from lease_server.store.keys import Keys
+
+    owner: dict[int, str] = {}
+    for (lo, hi), node in cluster_sync.cluster_slots().items():
+        for slot in range(int(lo), int(hi) + 1):
+            owner[slot] = f"{node['primary'][0]}:{node['primary'][1]}"
+
+    def slot_of(p: str) -> int:  # (servers_on puts its first server under the prefix + "s0")
+        return key_slot(Keys(f"{p}s0").leases.encode())
+
+    a = f"{prefix}a"
+    b = next(f"{prefix}b{i}" for i in range(1000) if owner[slot_of(f"{prefix}b{i}")] != owner[slot_of(a)])
+    with contextlib.ExitStack() as stack:
+        made = {}
+        for p, inventory in ((a, "n1=2xA100-80GB"), (b, "t1=2xT4-16GB")):
+            gen = servers_on(cluster.url, p)
+            made[p] = next(gen)(inventory)
+            stack.callback(gen.close)
+        for p, pool in ((a, "A100-80GB"), (b, "T4-16GB")):
+            with made[p].client("alice") as c:
+                lease = c.acquire(2, pool)
+                assert len(lease.gpus) == 2
+                assert list(c.cluster()["pools"]) == [pool]  # each deployment sees its own pool only
+                c.release(lease)
+        slots = {}
+        for p in (a, b):
+            found: set[int] = set()
+            for node in cluster.nodes:
+                with Redis(port=node.port, decode_responses=True) as r:
+                    found |= {key_slot(k.encode()) for k in r.scan_iter(match=Keys(f"{p}s0").pattern(), count=1000)}
+            assert found == {slot_of(p)}, f"{p}: keys in slots {found}"
+            slots[p] = slot_of(p)
+        assert owner[slots[a]] != owner[slots[b]], f"both deployments on {owner[slots[a]]}"
