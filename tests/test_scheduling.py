@@ -512,3 +512,28 @@ def test_a_queue_found_blocked_is_not_ordered_again_until_gpus_that_fit_come_fre
         assert not await sim.st.redis.hget(sim.st.keys.evict_miss, memo)
 
     asyncio.run(main())
+
+
+def test_a_blocked_head_that_leaves_frees_its_held_node_for_the_next_waiter(sim_factory):
+    """The node held for a blocked head is offered to the next waiter as soon as the head leaves
+    the queue (withdrawn here), not when the memo of the blocked queue runs out."""
+
+    async def main() -> None:
+        sim = await sim_factory("a=4xA100-80GB,b=4xA100-80GB")
+        on: dict[str, list[str]] = defaultdict(list)
+        for _ in range(8):
+            _code, lease, lid = await sim.acquire("filler", 1)
+            on[lease["node"]].append(lid)
+        for lid in on["a"][:2]:
+            await sim.release(lid)  # a: 2 free, b: none
+        code, _rest, head = await sim.acquire("alice", 4, wait_s=3600)
+        assert code is Code.QUEUED
+        code, _rest, second = await sim.acquire("carol", 2, wait_s=3600)
+        assert code is Code.QUEUED  # a's 2 free GPUs are held for alice's head
+        withdraw = Release(head, "", "alice", False, "released", "done", "")
+        code, _rest = await sim.st.engine.raw(withdraw, now_ms=sim.now)
+        assert code is Code.REMOVED
+        got = (await sim.leases()).get(second)
+        assert got is not None and got["node"] == "a" and len(got["gpus"]) == 2
+
+    asyncio.run(main())

@@ -485,8 +485,9 @@ end
 
 -- Whether the pool's queue was found blocked (dispatch, below) and nothing has changed since that
 -- could serve one of its waiters: (the least need of its waiters, the node held for its head), or
--- nil. Freed GPUs that reach that need on one node (set_free) or a node up (register.lua) forget it;
--- so does a change in the pool's warm or preemptible leases (a recall may find them), and time.
+-- nil. Freed GPUs that reach that need on one node (set_free), a node up (register.lua), a waiter
+-- joining or leaving (the head's held node may serve another) forget it; so does a change in the
+-- pool's warm or preemptible leases (a recall may find them), and time.
 local function blocked_memo(pool)
   local raw = redis.call('HGET', K_EVICT_MISS, pool .. '|~blocked')
   if not raw then return nil end
@@ -523,7 +524,7 @@ local function dispatch(pool)
   SCHED_CACHE['~miss|' .. pool] = nil
   -- Every waiter read and none served: remember it (blocked_memo), with the least need of any
   -- waiter and the node held for the head, until GPUs that reach that need come free (set_free),
-  -- a waiter joins (acquire.lua), the pool's warm or preemptible leases change, or BLOCKED_MS.
+  -- a waiter joins or leaves, the pool's warm or preemptible leases change, or BLOCKED_MS.
   local h = redis.call('HMGET', K_HELD_BY, pool .. '|~warm', pool .. '|~preemptible')
   -- (not while a waiter might preempt or shrink a lease: who may is a matter of quotas, which any
   -- release changes)

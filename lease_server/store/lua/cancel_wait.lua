@@ -18,6 +18,8 @@ local position = redis.call('ZLEXCOUNT', K_QUEUE, '[' .. w.pool .. '|', '[' .. w
 redis.call('ZREM', K_QUEUE, w.member)
 redis.call('HDEL', K_WAITERS, id)
 redis.call('ZREM', K_WAIT_DUE, id)
+-- a waiter gone: the node held for it, if it was the head, may serve another (blocked_memo)
+redis.call('HDEL', K_EVICT_MISS, w.pool .. '|~blocked')
 count_waiting(w.user, -1)
 emit('wait_' .. reason, {lease = id, user = w.user, pool = w.pool, gpus = w.gpus,
                          waited_ms = NOW - w.enqueued_at})

@@ -31,6 +31,8 @@ if not lease and raw[1] == NO_SUCH then
   redis.call('ZREM', K_QUEUE, w.member)
   redis.call('HDEL', K_WAITERS, id)
   redis.call('ZREM', K_WAIT_DUE, id)
+  -- a waiter gone: the node held for it, if it was the head, may serve another (blocked_memo)
+  redis.call('HDEL', K_EVICT_MISS, w.pool .. '|~blocked')
   count_waiting(w.user, -1)
   emit('wait_cancelled', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus,
                           waited_ms = NOW - w.enqueued_at, reason = why, by = user})

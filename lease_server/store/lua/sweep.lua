@@ -98,6 +98,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_WAIT_DUE, '-inf', NOW - grace 
     redis.call('ZREM', K_QUEUE, w.member)
     redis.call('HDEL', K_WAITERS, id)
     count_waiting(w.user, -1)
+    redis.call('HDEL', K_EVICT_MISS, w.pool .. '|~blocked')  -- (a waiter gone: see blocked_memo)
     emit('wait_abandoned', {lease = id, user = w.user, pool = w.pool, gpus = w.gpus})
     pools[w.pool] = true
   end
