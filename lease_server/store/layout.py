@@ -367,15 +367,20 @@ async def _to_4(redis: Redis, keys: Keys) -> Step:
 
 async def _to_5(redis: Redis, keys: Keys) -> Step:
     """Layout 4 -> 5: each queued request's deadline indexed (wait_due), so that the sweep finds the
-    waiters whose server went away by range instead of reading the whole queue."""
+    waiters whose server went away by range instead of reading the whole queue. A request without
+    a deadline (from before requests had one) is indexed as due at once: its server, stopped for
+    the migration, waits for it no more, and the first sweep takes it out of the queue."""
     due: dict[str, int] = {}
-    if await _typed(redis, keys.waiters, "hash") != "none":
-        for wid, raw in (await redis.hgetall(keys.waiters)).items():
+    # (read where they are: a dry run from an older layout has not moved them under the tag yet)
+    waiters = keys.waiters if await redis.exists(keys.waiters) else keys.untagged(keys.waiters)
+    if await _typed(redis, waiters, "hash") != "none":
+        for wid, raw in (await redis.hgetall(waiters)).items():
             try:
-                due[str(wid)] = int(json.loads(raw)["deadline"])
-            except (ValueError, KeyError, TypeError):
-                problem = "is not a queued request (JSON with its deadline)"
-                raise _bad(f"{keys.waiters} field {wid!r}", problem) from None
+                request = json.loads(raw)
+                due[str(wid)] = int(request.get("deadline") or 0)
+            except (ValueError, TypeError, AttributeError):
+                problem = "is not a queued request (a JSON object, with its deadline)"
+                raise _bad(f"{waiters} field {wid!r}", problem) from None
     await _typed(redis, keys.wait_due, "zset")
 
     async def write() -> None:

@@ -122,9 +122,12 @@ if wait_ms > 0 then  -- a request that would stay in the queue: within the user'
 end
 redis.call('ZADD', K_QUEUE, 0, member)
 redis.call('HSET', K_WAITERS, id, cjson.encode(w))
-redis.call('HDEL', K_EVICT_MISS, pool .. '|~blocked')  -- a new waiter: the queue is read again
+-- a new waiter: the queue is read again (blocked_memo), and the memo as it was is put back if this
+-- request leaves at once having changed nothing (wait 0, nothing granted)
+local blocked_was = redis.call('HGET', K_EVICT_MISS, pool .. '|~blocked')
+redis.call('HDEL', K_EVICT_MISS, pool .. '|~blocked')
 count_waiting(user, 1)
-dispatch(pool)
+local served = dispatch(pool)
 
 local lease = redis.call('HGET', K_LEASES, id)
 if lease then return {OK, lease} end
@@ -132,6 +135,13 @@ if wait_ms <= 0 then
   redis.call('ZREM', K_QUEUE, member)
   redis.call('HDEL', K_WAITERS, id)
   count_waiting(user, -1)
+  if served == 0 then  -- refused, and nothing else changed: the store as this request found it
+    if blocked_was then
+      redis.call('HSET', K_EVICT_MISS, pool .. '|~blocked', blocked_was)
+    else
+      redis.call('HDEL', K_EVICT_MISS, pool .. '|~blocked')
+    end
+  end
   -- The most free GPUs on one up node of the pool: one lookup, however large the pool.
   local best = redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 1)[1]
   local acts = active_bookings(pool)
