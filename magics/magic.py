@@ -118,8 +118,10 @@ class CellDisplay:
         with self._lock:
             if self.state == "shut down":  # the kernel's last word stays
                 return
+            line = e.line()
+            self.text = line  # (before the state: a shutdown that finds the state ended sends this line)
             self.state = e.state
-            self.show(e.line())
+            self.show(line)
         _LIVE.discard(self)
 
     def kernel_shutdown(self) -> None:
@@ -132,6 +134,12 @@ class CellDisplay:
                 self.show("gpu_train: the kernel shut down; the request was withdrawn")
             elif self.state == "running":
                 self.show("gpu_train: the kernel shut down; the call was stopped and its GPUs released")
+            elif self.text:
+                # Ended just now (that interrupt, a Stop): its last line may still be on its way out
+                # of the main thread, which a loaded machine can hold up past the kernel's exit.
+                # Sent again from here, it goes out with the flush that follows (same line, same
+                # display: said twice, shown once).
+                self.show(self.text)
             self.state = "shut down"
         finally:
             if locked:
