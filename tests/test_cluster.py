@@ -109,7 +109,7 @@ def test_two_pools_on_two_primaries_each_in_its_own_slot(
         for p, inventory in ((a, "n1=2xA100-80GB"), (b, "t1=2xT4-16GB")):
             gen = servers_on(cluster.url, p)
             made[p] = next(gen)(inventory)
-            stack.callback(gen.close)
+            stack.callback(next, gen, None)  # (runs its teardown: stops the server)
         for p, pool in ((a, "A100-80GB"), (b, "T4-16GB")):
             with made[p].client("alice") as c:
                 lease = c.acquire(2, pool)
