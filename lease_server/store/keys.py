@@ -90,7 +90,11 @@ Scheduling:
                       (lua/_lib.lua victim_member; layout 3)
 ``evict_miss`` hash   pool -> "n|at_ms|warm": the last warm eviction that found no node where n GPUs
                       could be freed, and the pool's warm leases then; another for n or more is not
-                      tried again within a second while they are the same (lua/_lib_recall.lua)
+                      tried again within a second while they are the same (lua/_lib_recall.lua);
+                      "pool|~blocked" -> "least|held node|warm|preemptible|at_ms": the pool's queue
+                      found blocked, until something that could serve a waiter happens
+                      (lua/_lib_schedule.lua blocked_memo). Both are forgotten when GPUs come free
+                      on a node whose free and warm GPUs reach their n (lua/_lib.lua set_free)
 
 Idle-GPU reclaim (reclaim.py, samples.lua):
 
