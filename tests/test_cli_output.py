@@ -507,8 +507,10 @@ def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: 
     size of its GPU, and a line per sliced GPU says its slices and the memory left."""
     srv = server_factory("box=2xA100-80GB", scheduling={"A100-80GB": {"share": True}})
     c = Client(srv.url, srv.token("alice"))
-    small = c.acquire(1, "A100-80GB", gpu_mem="10GB", label="a long label that will not fit in eighty columns at all")
-    big = c.acquire(1, "A100-80GB", gpu_mem="30GB", label="big")
+    # Long TTLs: nothing renews these, and two CLI runs on a loaded CI machine outlast the default 15 s.
+    long_label = "a long label that will not fit in eighty columns at all"
+    small = c.acquire(1, "A100-80GB", gpu_mem="10GB", label=long_label, ttl=600)
+    big = c.acquire(1, "A100-80GB", gpu_mem="30GB", label="big", ttl=600)
     c.warm(big)  # kept for its notebook's next cell: its state says warm
     env = {**os.environ, "COLUMNS": str(WIDTH), "GPULEASE_URL": srv.url, "GPULEASE_TOKEN": srv.token("alice")}
     done = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=60)
@@ -527,7 +529,9 @@ def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: 
     assert rows[small.id].rstrip().endswith("…")
     assert " warm " in rows[big.id] and " active " in rows[small.id], out
     assert f"sliced: box GPU {gpu}: 2 slices, 40G of 80G leased, 40G free" in out, out
-    wide = subprocess.run([*CLI, "status", "--wide"], env=env, capture_output=True, text=True, timeout=60).stdout
-    row = next(line for line in wide.splitlines() if "│" in line and " sliced " in line)  # --wide: its GPU's row
+    done = subprocess.run([*CLI, "status", "--wide"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    wide = done.stdout
+    row = next((line for line in wide.splitlines() if "│" in line and " sliced " in line), wide)  # its GPU's row
     assert [w.strip() for w in row.split("│")][1:3] == ["box", str(gpu)], row
     assert " 2 slices " in row and "40G of 80G leased, 40G free" in row, row
