@@ -184,13 +184,21 @@ class VersionHandler(GpuLeaseHandler):
 
 
 class ClusterHandler(GpuLeaseHandler):
-    """Every node and GPU with its state and holder (the lease server's GET /cluster)."""
+    """Every node and GPU with its state and holder (the lease server's GET /cluster); ?pool=,
+    ?after= and ?limit= ask for a page of the nodes, as there (the lease server checks them)."""
+
+    allowed_args = frozenset({"pool", "after", "limit"})
 
     @tornado.web.authenticated
     @authorized
     async def get(self) -> None:
         self.check_args()
-        self.reply(await self.api.request("GET", "/cluster"))
+        asked = {
+            name: self.get_query_argument(name)
+            for name in sorted(self.allowed_args)
+            if self.get_query_argument(name, None) is not None
+        }
+        self.reply(await self.api.request("GET", "/cluster", params=asked or None))
 
 
 class LeasesHandler(GpuLeaseHandler):

@@ -492,8 +492,12 @@ class Client:
         got = self.request("GET", protocol.LEASES, params={"all": "true" if everyone else "false"})
         return cast(list[LeaseJson], got["leases"])
 
-    def cluster(self) -> dict[str, Any]:
-        return self.request("GET", protocol.CLUSTER)
+    def cluster(self, pool: str | None = None, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """The board's view: every pool's counts and its nodes (``pool``: only that pool's; ``after``
+        and ``limit``: a page of them, whose ``next`` is the next page's ``after``; limit 0: the
+        counts only)."""
+        asked = {"pool": pool, "after": after, "limit": None if limit is None else str(limit)}
+        return self.request("GET", protocol.CLUSTER, params={k: v for k, v in asked.items() if v is not None} or None)
 
     def queue(self, pool: str | None = None) -> list[dict[str, Any]]:
         return cast(

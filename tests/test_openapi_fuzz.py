@@ -73,6 +73,7 @@ RULES: dict[str, tuple[str, ...]] = {
         r"unknown user",
     ),
     "GET /api/v1/usage/balance": (r"unknown pool",),
+    "GET /api/v1/cluster": (r"unknown pool",),
     "GET /api/v1/estimate": (r"name different requests", r"does not share its GPUs", r"is more than one GPU of pool"),
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),

@@ -868,3 +868,43 @@ def test_the_board_draws_a_sliced_gpu_as_its_slices(
     expect(board.get_by_role("cell", name=f"{where}: free")).to_be_visible()
     expect(status).to_have_text("GPU: 0 held · 8 free")
     print(f"screenshots: {shots}")
+
+
+MANY_NODES = ",".join([*(f"a{i:02d}=1xA100-80GB" for i in range(40)), *(f"t{i:02d}=1xT4-16GB" for i in range(30))])
+
+
+@pytest.mark.parametrize("lease_server_settings", [{"simulate": MANY_NODES}])
+def test_a_board_of_more_nodes_than_a_page_shows_a_page_a_pool_and_the_next_page(
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
+) -> None:
+    """70 nodes: the board asks for and draws the first 64 (GET /cluster?limit=64), says so, and
+    shows the rest on request; a pool's nodes on their own; the counts stay the whole cluster's."""
+    from playwright.sync_api import expect
+
+    alice = clients["alice"]
+    held = alice.acquire(1, "T4-16GB", ttl=300, label="far down the list")
+    open_panel(page, lab)
+    expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+    board = page.get_by_role("table", name="GPUs by node")
+    rows = board.get_by_role("row")
+    expect(rows).to_have_count(64)
+    expect(page.get_by_text("64 of 70 nodes")).to_be_visible()
+    expect(board.get_by_role("rowheader").filter(has_text="t29")).to_have_count(0)  # not on the first page
+    page.screenshot(path=str(shots / "1-first-page.png"), full_page=True)
+
+    page.get_by_role("button", name="Show 6 more").click()
+    expect(rows).to_have_count(70)
+    expect(page.get_by_text("70 of 70 nodes")).to_be_visible()
+    expect(page.get_by_role("button", name=re.compile(r"^Show \d+ more$"))).to_have_count(0)
+
+    page.get_by_role("combobox", name="the board's pool").select_option("T4-16GB")
+    expect(rows).to_have_count(30)
+    expect(page.get_by_text("30 of 30 nodes")).to_be_visible()
+    cell = board.get_by_role("cell", name=re.compile(rf"^{held.node} GPU 0: leased, by alice \(you\), "))
+    expect(cell).to_be_visible()
+    # The status bar still counts the whole cluster, not the page: 69 GPUs free.
+    expect(page.get_by_role("button", name=re.compile(r"^GPU: 1 held · 69 free"))).to_be_visible()
+    alice.release(held)  # the page follows events as the whole board does
+    expect(board.get_by_role("cell", name=f"{held.node} GPU 0: free")).to_be_visible()
+    page.screenshot(path=str(shots / "2-one-pool.png"), full_page=True)
+    print(f"screenshots: {shots}")

@@ -88,7 +88,13 @@ export interface INode {
 
 export interface ICluster {
   now: number; // the lease server's clock, epoch seconds
+  /** The nodes asked for: a page of them (GET /cluster?pool=&limit=), in name order. */
   nodes: INode[];
+  /** How many nodes the pool asked for has (every pool: all nodes); more than `nodes` on a page. */
+  nodes_total?: number;
+  /** The name to ask `after` for the next page; null on the last. */
+  next?: string | null;
+  /** Every pool's counts, whatever page of the nodes came. */
   pools: Record<string, Record<string, number>>;
   default_pool?: string | null;
   /** The pool of CPU slots (%%gpu_train --gpus 0), if one is registered: not counted as GPUs. */

@@ -89,6 +89,11 @@ const RETRY_MIN = 1000;
 const RETRY_MAX = 30000;
 /** How often my balance is refetched at most (ms). */
 const BALANCE_EVERY = 5000;
+/**
+ * Nodes the board asks for at first, and how many more "Show more" adds: a department's 1,250
+ * nodes are neither sent to every Lab after every event nor drawn at once (GET /cluster?limit=).
+ */
+export const BOARD_PAGE = 64;
 
 export type LiveState = 'connecting' | 'live' | 'reconnecting' | 'stopped';
 
@@ -113,6 +118,9 @@ export class GpuLeaseModel {
   /** Set when the server extension and this front end differ in version. */
   mismatch: string | null = null;
   cluster: ICluster | null = null;
+  /** The board shows this pool's nodes (null: every pool's), the first `boardLimit` of them. */
+  boardPool: string | null = null;
+  boardLimit = BOARD_PAGE;
   leases: ILease[] = [];
   queue: IWaiter[] = [];
   user: string | null = null;
@@ -222,13 +230,27 @@ export class GpuLeaseModel {
     Signal.clearData(this);
   }
 
+  /** Show `pool`'s nodes on the board (null: every pool's), the first `limit` of them. */
+  setBoardView(pool: string | null, limit: number): void {
+    this.boardPool = pool;
+    this.boardLimit = limit;
+    void this.refresh();
+  }
+
   /** Refetch the cluster, my leases and the queue (and, beside them, the bookings and my balance). */
   async refresh(): Promise<void> {
     const bookings = this.refreshBookings();
     const balance = this._throttledBalance();
+    if (this.boardPool && this.cluster && !(this.boardPool in this.cluster.pools)) {
+      this.boardPool = null; // its nodes are gone: back to every pool's
+    }
+    const page = new URLSearchParams({ limit: String(this.boardLimit) });
+    if (this.boardPool) {
+      page.set('pool', this.boardPool);
+    }
     try {
       const [cluster, mine, queue] = await Promise.all([
-        requestAPI<ICluster>('cluster', {}, this._settings),
+        requestAPI<ICluster>(`cluster?${page.toString()}`, {}, this._settings),
         requestAPI<{ user: string; leases: ILease[] }>('leases', {}, this._settings),
         requestAPI<{ waiting: IWaiter[] }>('queue', {}, this._settings)
       ]);

@@ -9,12 +9,12 @@
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer, useRef, useState } from 'react';
 
-import { IBooking, IGpu, IHolder, ILease, INode, ISlice } from './api';
+import { IBooking, ICluster, IGpu, IHolder, ILease, INode, ISlice } from './api';
 import { confirmCancelBooking } from './bookingform';
 import { BookingCalendar, ICalendarPlace } from './calendar';
 import { formatWindow, gpuCount } from './clock';
 import { confirmAction } from './confirm';
-import { GpuLeaseModel, LiveState, duration, memSize, reclaimCountdown } from './model';
+import { BOARD_PAGE, GpuLeaseModel, LiveState, duration, memSize, reclaimCountdown } from './model';
 import { UsagePanel } from './usage';
 
 /**
@@ -341,7 +341,7 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
   if (!cluster) {
     return <p className="jp-GpuLease-empty">Loading the GPU board…</p>;
   }
-  if (cluster.nodes.length === 0) {
+  if (cluster.nodes.length === 0 && !model.boardPool) {
     return <p className="jp-GpuLease-empty">No GPU node has registered with the lease server yet.</p>;
   }
   const shown = new Set(
@@ -355,6 +355,7 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
   }
   return (
     <>
+      <BoardPages model={model} cluster={cluster} />
       {/* A row per node; its GPU tiles wrap onto more lines when the panel is narrow. */}
       <table className="jp-GpuLease-board" role="table" aria-label="GPUs by node">
         <tbody role="rowgroup">
@@ -388,6 +389,52 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
         ))}
       </ul>
     </>
+  );
+}
+
+/**
+ * Above a board of more nodes than one page: which pool it shows, how many of its nodes, and a
+ * button for the next page. A small cluster (one page, no pool chosen) shows none of it.
+ */
+function BoardPages(props: { model: GpuLeaseModel; cluster: ICluster }): JSX.Element | null {
+  const { model, cluster } = props;
+  const everyNode = Object.values(cluster.pools).reduce((sum, counts) => sum + (counts.nodes ?? 0), 0);
+  if (everyNode <= BOARD_PAGE && !model.boardPool) {
+    return null;
+  }
+  const total = cluster.nodes_total ?? cluster.nodes.length;
+  const more = Math.min(BOARD_PAGE, total - cluster.nodes.length);
+  return (
+    <div className="jp-GpuLease-boardPages">
+      <label>
+        {'Pool '}
+        <select
+          aria-label="the board's pool"
+          value={model.boardPool ?? ''}
+          onChange={e => model.setBoardView(e.target.value || null, BOARD_PAGE)}
+        >
+          <option value="">every pool</option>
+          {Object.keys(cluster.pools)
+            .sort()
+            .map(pool => (
+              <option key={pool} value={pool}>
+                {pool}
+              </option>
+            ))}
+        </select>
+      </label>
+      <span role="status">
+        {`${cluster.nodes.length.toLocaleString()} of ${total.toLocaleString()} nodes`}
+      </span>
+      {more > 0 ? (
+        <button
+          className="jp-mod-styled"
+          onClick={() => model.setBoardView(model.boardPool, model.boardLimit + BOARD_PAGE)}
+        >
+          {`Show ${more} more`}
+        </button>
+      ) : null}
+    </div>
   );
 }
 

@@ -4,17 +4,27 @@ their holders show as reserved."""
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import json
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..store.engine import Engine
 from .bookings import Bookings
 
+YIELD_EVERY = 64  # nodes built between two returns to the event loop: a large inventory's view is
+# tens of milliseconds of Python, which no grant should wait behind all at once
+
 
 async def cluster_view(engine: Engine) -> dict[str, Any]:
-    """Every node and GPU with its state (free / leased / down) and holder."""
+    """Every node and GPU with its state (free / leased / down) and holder, and ``as_of_event``: the
+    id of the newest event when it was read (every change up to that event is in the view; the
+    scripts write a change and its event in one step)."""
     r, k = engine.redis, engine.keys
     async with r.pipeline(transaction=True) as p:
+        p.xrevrange(k.events, count=1)
         p.hgetall(k.nodes)
         p.zrange(k.alive, 0, -1, withscores=True)
         p.hgetall(k.free)
@@ -27,6 +37,7 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         p.hgetall(k.sliced)
         p.hgetall(k.suspended)
         got_all = await p.execute()
+    newest_event, *got_all = got_all
     nodes_raw, alive, free_raw, holders, leases_raw, fit, newest, unleased, draining, sliced, suspended = got_all
     now = await r.time()  # Redis's clock; not in the MULTI: a Redis Cluster pipeline takes only keyed commands
     now_s = now[0] + now[1] / 1e6
@@ -45,7 +56,9 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
                 leases[lid]["mem_peak_mb"] = int(float(peak if peak is not None else used))
     nodes: list[dict[str, Any]] = []
     pools: dict[str, dict[str, int]] = {}
-    for name in sorted(nodes_raw):
+    for i, name in enumerate(sorted(nodes_raw)):
+        if i and i % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
         inv = json.loads(nodes_raw[name])
         is_up = name in up and alive_at.get(name, -1) / 1000 >= now_s
         free = set(json.loads(free_raw.get(name, "[]")) or [])
@@ -161,7 +174,13 @@ async def cluster_view(engine: Engine) -> dict[str, Any]:
         if sched["share"]:  # its GPUs may be sliced: in what unit (a client rounds --gpu-mem auto to it)
             counts["share"] = True  # type: ignore[assignment]
             counts["slice_unit_mb"] = int(sched["slice_unit_mb"])  # type: ignore[call-overload]
-    return {"now": now_s, "nodes": nodes, "pools": pools, "cpu_pool": cpu_pool if cpu_pool in pools else None}
+    return {
+        "now": now_s,
+        "as_of_event": newest_event[0][0] if newest_event else "0-0",
+        "nodes": nodes,
+        "pools": pools,
+        "cpu_pool": cpu_pool if cpu_pool in pools else None,
+    }
 
 
 def _suspended(raw: Any) -> list[dict[str, Any]]:
@@ -230,3 +249,129 @@ async def _mark_reserved(
                 free.remove((n, g))
                 pools[pool]["free"] -= 1
                 pools[pool]["reserved"] += 1
+
+
+# ---- one view for every reader (GET /cluster, the estimate, /metrics) -------------------------------------
+
+
+def _event_key(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass
+class Snapshot:
+    """One read of the cluster (``cluster_view``'s answer, never changed once read), with each node
+    as JSON made at its first use, so that a page of nodes costs its own size to send."""
+
+    view: dict[str, Any]
+    at: float  # time.monotonic() just before the read
+    _nodes_json: list[str | None] = field(default_factory=list)
+    _by_pool: dict[str, list[int]] | None = None
+
+    def now(self) -> float:
+        """The lease server's clock now: Redis's at the read, moved on by this process's clock."""
+        return float(self.view["now"]) + time.monotonic() - self.at
+
+    def node_json(self, i: int) -> str:
+        if not self._nodes_json:
+            self._nodes_json = [None] * len(self.view["nodes"])
+        text = self._nodes_json[i]
+        if text is None:
+            text = self._nodes_json[i] = json.dumps(self.view["nodes"][i], separators=(",", ":"))
+        return text
+
+    def of_pool(self, pool: str | None) -> list[int]:
+        """The indexes of the nodes of ``pool`` (every node: None), in name order."""
+        if pool is None:
+            return list(range(len(self.view["nodes"])))
+        if self._by_pool is None:
+            self._by_pool = {}
+            for i, n in enumerate(self.view["nodes"]):
+                self._by_pool.setdefault(n["pool"], []).append(i)
+        return self._by_pool.get(pool, [])
+
+    def page(self, pool: str | None = None, after: str | None = None, limit: int | None = None, **more: Any) -> str:
+        """The view as GET /cluster answers it, as JSON text: the counts of every pool, and the nodes
+        of ``pool`` (default all) whose names sort after ``after``, at most ``limit`` of them (default
+        all; 0: none, the counts only). ``nodes_total`` counts the pool's nodes, ``next`` names the
+        node to pass as ``after`` for the next page (null on the last, and with ``limit`` 0). ``more``: other
+        fields."""
+        chosen = self.of_pool(pool)
+        start = 0
+        if after is not None:
+            names = [self.view["nodes"][i]["name"] for i in chosen]
+            start = bisect.bisect_right(names, after)
+        end = len(chosen) if limit is None else min(len(chosen), start + limit)
+        head = {
+            "now": round(self.now(), 3),
+            "as_of_event": self.view["as_of_event"],
+            "pools": self.view["pools"],
+            "cpu_pool": self.view["cpu_pool"],
+            "nodes_total": len(chosen),
+            "next": self.view["nodes"][chosen[end - 1]]["name"] if start < end < len(chosen) else None,
+            **more,
+        }
+        nodes = ",".join(self.node_json(i) for i in chosen[start:end])
+        return json.dumps(head, separators=(",", ":"))[:-1] + ',"nodes":[' + nodes + "]}"
+
+
+class ClusterViews:
+    """The cluster as every reader of this server process sees it, read once for all of them.
+
+    Every Lab's board refetches GET /cluster after each event that may change it. With thousands of
+    Labs open on 10,000 GPUs, one read and encoding of the whole inventory per request would be
+    thousands of 2 MB answers after every grant. Readers share one :class:`Snapshot` instead:
+
+    * a reader gets a snapshot that holds every event up to the newest one when it asked (that id is
+      read first, and a snapshot is read with its own newest event in one step), so a board that
+      refetches after an event always sees it;
+    * a snapshot is kept at most ``max_age_s``: what changes without an event (utilization
+      samples, heartbeats, a booking coming into force) shows within it;
+    * one read at a time, and the next starts no sooner than twice the last one's time after it
+      ended (at most ``max_gap_s``): reading takes at most a third of the process however many
+      ask, and whoever asks meanwhile waits for that next read and shares it.
+    """
+
+    def __init__(self, engine: Engine, max_age_s: float = 1.0, max_gap_s: float = 1.0) -> None:
+        self.engine, self.max_age_s, self.max_gap_s = engine, max_age_s, max_gap_s
+        self.reads = 0  # snapshots read (for tests and benches)
+        self._snap: Snapshot | None = None
+        self._reading: asyncio.Future[Snapshot] | None = None
+        self._next_at = 0.0
+
+    async def get(self) -> Snapshot:
+        newest: Any = await self.engine.redis.xrevrange(self.engine.keys.events, count=1)
+        want = _event_key(newest[0][0]) if newest else (0, 0)
+        while True:
+            snap = self._snap
+            fresh = snap is not None and time.monotonic() - snap.at < self.max_age_s
+            if snap is not None and fresh and _event_key(snap.view["as_of_event"]) >= want:
+                return snap
+            await asyncio.shield(self._next_read())
+
+    async def view(self) -> dict[str, Any]:
+        """The shared view itself (read only: every reader has the same object)."""
+        return (await self.get()).view
+
+    def _next_read(self) -> asyncio.Future[Snapshot]:
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+            # its waiters may all be gone (clients that hung up): its error is then nobody's
+            self._reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._reading
+
+    async def _read(self) -> Snapshot:
+        try:
+            delay = self._next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            snap = Snapshot(await cluster_view(self.engine), t0)
+            self._snap = snap
+            self.reads += 1
+            took = time.monotonic() - t0
+            self._next_at = time.monotonic() + min(self.max_gap_s, 2 * took)
+            return snap
+        finally:
+            self._reading = None

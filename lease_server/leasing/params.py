@@ -100,6 +100,22 @@ DRY_RUN = Param(
     "dry_run", {"type": "boolean"}, "Only check: answer {fits, node} or the 409 clash, and store nothing" + BOOL_NOTE
 )
 POOL = Param("pool", NAME, "Only this pool", parse=lambda raw: check_name("pool", raw))
+CLUSTER_POOL = Param(
+    "pool", NAME, "Only this pool's nodes (the counts stay every pool's)", parse=lambda raw: check_name("pool", raw)
+)
+CLUSTER_AFTER = Param(
+    "after",
+    NAME,
+    "Only the nodes whose names sort after this one: the answer's `next`, for the next page",
+    parse=lambda raw: check_name("after", raw),
+)
+CLUSTER_MAX_NODES = 100_000
+CLUSTER_LIMIT = Param(
+    "limit",
+    {"type": "integer", "minimum": 0, "maximum": CLUSTER_MAX_NODES},
+    "At most this many nodes (default: all of them); 0: the counts only",
+    parse=lambda raw: parse_int("limit", raw, low=0, high=CLUSTER_MAX_NODES),
+)
 FROM = Param(
     "from",
     TIME,

@@ -182,7 +182,13 @@ def _pool_gpus(nodes: list[dict[str, Any]], now_s: float, typical: float) -> tup
 
 
 async def estimate(
-    engine: Engine, pool: str, gpus: int, now_ms: int, lease: str | None = None, gpu_mem_mb: int = 0
+    engine: Engine,
+    pool: str,
+    gpus: int,
+    now_ms: int,
+    lease: str | None = None,
+    gpu_mem_mb: int = 0,
+    view: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """How long ``gpus`` GPUs of ``pool`` (or, with ``gpu_mem_mb``, slices of that much memory on
     ``gpus`` GPUs) would take to come free, and alternatives free now.
@@ -193,8 +199,10 @@ async def estimate(
     force stay taken, and the requests queued ahead take GPUs (or memory) first: a queued slice
     counts as its share of a GPU. ``lease`` is the id of the asking request when it is already
     queued: then only the waiters strictly ahead of it count (in arrival order, as GET /queue
-    numbers them), never itself or those behind it. Returns seconds, and the reasoning in words."""
-    view = await cluster_view(engine)
+    numbers them), never itself or those behind it. Returns seconds, and the reasoning in words.
+    ``view``: the cluster as ``cluster_view`` reads it (the server's shared one), else read here."""
+    if view is None:
+        view = await cluster_view(engine)
     typical = await typical_duration(engine, pool)
     queued: Any = await engine.redis.zrangebylex(engine.keys.queue, f"[{pool}|", f"({pool}|~")
     waiters = []

@@ -70,9 +70,10 @@ class Context:
         self.auth = Authenticator(self.redis, self.store.keys, self.store.notifier)
         self.hub = events.EventHub(self.redis, self.store.keys.events)
         self.node_watch = events.NodeWatch(self.hub)  # node agents' long-polls of their draining GPUs
+        self.cluster = board.ClusterViews(self.engine)  # one read of the inventory for every board here
         # /metrics needs no token: where users may see only their own usage, it names no user
         top = 0 if settings.usage_own_rows_only else settings.metrics_top_users
-        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s, top_users=top)
+        self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s, top_users=top, views=self.cluster)
         self.limits = ReadLimits(settings)
         self.reaper = Reaper(self.store)
 
@@ -601,7 +602,8 @@ class EstimateHandler(BaseHandler):
                 f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask about whole "
                 "GPUs (drop gpu_mem_mb), or a pool that shares"
             )
-        self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem))
+        view = await self.ctx.cluster.view()
+        self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem, view=view))
 
 
 class AgentHandler(BaseHandler):
@@ -829,10 +831,19 @@ class SimulateHandler(AgentHandler):
 
 
 class ClusterHandler(BaseHandler):
+    """The board's view: the shared snapshot of this process (board.ClusterViews), a page of it."""
+
     async def get(self) -> None:
-        view = await board.cluster_view(self.engine)
-        view["default_pool"] = await self._default_pool()
-        self.reply(view)
+        pool = self.query(params.CLUSTER_POOL)
+        after = self.query(params.CLUSTER_AFTER)
+        limit = self.query(params.CLUSTER_LIMIT)
+        snap = await self.ctx.cluster.get()
+        if pool is not None and pool not in snap.view["pools"]:
+            known = ", ".join(sorted(snap.view["pools"])) or "none registered yet"
+            raise errors.BadRequest(f"unknown pool {pool!r}; pools: {known} (or leave pool out for every node)")
+        text = snap.page(pool, after, limit, default_pool=await self._default_pool())
+        self.set_header("Content-Type", "application/json")
+        self.finish(text)
 
     async def _default_pool(self) -> str | None:
         try:

@@ -160,10 +160,13 @@ class Metrics:
         cache_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         top_users: int = 20,
+        views: Any = None,
     ) -> None:
         """``cache_s``: the least time between two renders once :data:`FRESH_BURST` were had in a
-        row; ``top_users``: how many users the per-user series name (the rest are ``~other``)."""
+        row; ``top_users``: how many users the per-user series name (the rest are ``~other``);
+        ``views``: the server's shared reads of the cluster (board.ClusterViews), else its own."""
         self.engine = engine
+        self.views = views
         self.top_users = top_users
         self.usage = Usage(engine)
         self._families = _Families()
@@ -225,7 +228,7 @@ class Metrics:
 
     async def render(self) -> bytes:
         """The page as of now: the cluster read from Redis, the request counters of this process."""
-        view = await cluster_view(self.engine)
+        view = await self.views.view() if self.views is not None else await cluster_view(self.engine)
         for pool, counts in view["pools"].items():
             for state in ("free", "leased", "sliced", "down"):
                 self.gpus.labels(pool, state).set(counts[state])

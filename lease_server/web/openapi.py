@@ -317,6 +317,15 @@ def _response_schemas() -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "now": num,
+                "as_of_event": {
+                    "type": "string",
+                    "description": "The id of the newest event this view holds (GET /events?since= resumes there)",
+                },
+                "nodes_total": {"type": "integer", "description": "The nodes of the pool asked (all: every node)"},
+                "next": {
+                    "type": ["string", "null"],
+                    "description": "Pass as `after` for the next page of nodes; null on the last (and with limit 0)",
+                },
                 "default_pool": {"type": ["string", "null"]},
                 "cpu_pool": {"type": ["string", "null"], "description": "The pool of CPU slots, if one is registered"},
                 "pools": {"type": "object", "additionalProperties": _ref("PoolCounts")},
@@ -858,7 +867,17 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 body=bodies.simulate,
             ),
         },
-        "/api/v1/cluster": {"get": _op("Nodes and every GPU's state and holder", _json(_ref("Cluster"), "Cluster"))},
+        "/api/v1/cluster": {
+            "get": _op(
+                "Nodes and every GPU's state and holder, and every pool's counts; a page of the nodes with `pool`, "
+                "`after` and `limit`. Every reader of one server shares one read of the cluster, at most 1 s old "
+                "and never older than the newest event when the request came. 400: an unknown pool (the message "
+                "names the pools)",
+                _json(_ref("Cluster"), "Cluster"),
+                400,
+                params=(v.CLUSTER_POOL, v.CLUSTER_AFTER, v.CLUSTER_LIMIT),
+            )
+        },
         "/api/v1/queue": {"get": _op("Waiting requests", _json(_ref("Queue"), "Queue"), params=(v.POOL,))},
         "/api/v1/events": {
             "get": _op(

@@ -1,0 +1,115 @@
+"""GET /cluster at department size: pages of the nodes, and one shared read of the cluster for every
+reader of a server (board.ClusterViews), never older than the newest event when a reader asked."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from lease_server.leasing.board import ClusterViews, cluster_view
+from lease_server.store.engine import Engine, connect
+from tests.conftest import ServerHandle
+
+SIMULATE = "a1=2xA100-80GB,a2=2xA100-80GB,a3=2xA100-80GB,t1=2xT4-16GB"
+
+
+@pytest.fixture
+def srv(server_factory: Any) -> ServerHandle:
+    return server_factory(SIMULATE)
+
+
+def test_the_nodes_come_in_pages_and_the_counts_stay_whole(srv: ServerHandle) -> None:
+    c = srv.client("alice")
+    held = c.acquire(1, "T4-16GB")
+    everything = c.cluster()
+    assert [n["name"] for n in everything["nodes"]] == ["a1", "a2", "a3", "t1"]
+    assert everything["nodes_total"] == 4 and everything["next"] is None
+    pages, after = [], None
+    while True:
+        page = c.cluster(pool="A100-80GB", after=after, limit=2)
+        assert page["pools"] == everything["pools"]  # every pool's counts on every page
+        assert page["nodes_total"] == 3
+        pages.append([n["name"] for n in page["nodes"]])
+        after = page["next"]
+        if after is None:
+            break
+    assert pages == [["a1", "a2"], ["a3"]]
+    counts = c.cluster(limit=0)
+    assert counts["nodes"] == [] and counts["nodes_total"] == 4 and counts["next"] is None
+    assert counts["pools"]["T4-16GB"]["leased"] == 1
+    t4 = c.cluster(pool="T4-16GB")["nodes"]
+    assert [g["lease"]["id"] for g in t4[0]["gpus"] if g.get("lease")] == [held.id]
+    assert c.cluster(after="a9")["nodes"][0]["name"] == "t1"  # any name: the nodes sorting after it
+
+
+@pytest.mark.parametrize(
+    "query, says",
+    [
+        ({"pool": "nope"}, "unknown pool 'nope'; pools: A100-80GB, T4-16GB"),
+        ({"limit": "-1"}, "limit must be an integer between 0 and"),
+        ({"limit": "many"}, "limit must be an integer between 0 and"),
+        ({"after": "bad name!"}, "after"),
+    ],
+)
+def test_a_bad_page_is_a_400_that_says_what_works(srv: ServerHandle, query: dict[str, str], says: str) -> None:
+    resp = httpx.get(
+        f"{srv.url}/api/v1/cluster", params=query, headers={"Authorization": f"Bearer {srv.token('alice')}"}
+    )
+    assert resp.status_code == 400, resp.text
+    assert says in resp.json()["message"], resp.json()
+
+
+def test_readers_share_one_read_and_never_see_a_view_older_than_their_request(srv: ServerHandle) -> None:
+    c = srv.client("alice")
+
+    async def main() -> None:
+        r = connect(srv.settings.redis_url)
+        views = ClusterViews(Engine(r, srv.settings), max_age_s=60)  # age never decides here: events do
+        try:
+            first = await asyncio.gather(*(views.get() for _ in range(50)))
+            assert views.reads == 1 and all(s is first[0] for s in first)  # 50 readers, one read
+            assert (await views.get()) is first[0]  # nothing happened since: the same one
+            for _ in range(5):  # each change is seen by the very next read, by every reader
+                lease = await asyncio.to_thread(c.acquire, 1, "A100-80GB")
+                got = await asyncio.gather(*(views.get() for _ in range(20)))
+                for snap in got:
+                    held = [g for n in snap.view["nodes"] for g in n["gpus"] if (g.get("lease") or {}).get("id")]
+                    assert lease.id in {g["lease"]["id"] for g in held}
+                await asyncio.to_thread(c.release, lease)
+                gone = await views.get()
+                assert lease.id not in {(g.get("lease") or {}).get("id") for n in gone.view["nodes"] for g in n["gpus"]}
+            assert views.reads <= 1 + 5 * 3, views.reads  # a read per change, not per reader
+            same = await cluster_view(Engine(r, srv.settings))  # the shared view is what a read of its own says
+            mine = (await views.get()).view
+            assert [n["gpus"] for n in mine["nodes"]] == [n["gpus"] for n in same["nodes"]]
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_view_is_read_again_once_it_is_older_than_its_age(srv: ServerHandle) -> None:
+    """What changes without an event (a GPU's samples, a heartbeat) shows within max_age_s."""
+
+    async def main() -> None:
+        r = connect(srv.settings.redis_url)
+        views = ClusterViews(Engine(r, srv.settings), max_age_s=0.2)
+        try:
+            one = await views.get()
+            deadline = time.monotonic() + 0.25
+            while time.monotonic() < deadline:  # no event: the same view until it is 0.2 s old
+                snap = await views.get()
+                if time.monotonic() - one.at < 0.19:
+                    assert snap is one
+                await asyncio.sleep(0.02)
+            assert (await views.get()) is not one
+            # its clock goes on: "now" is the server's time at the answer, not at the read
+            assert views._snap is not None and views._snap.now() >= float(one.view["now"]) + 0.2
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
