@@ -14,6 +14,7 @@ fill      every pool leased full with leases of 1, 2, 4 and 8 GPUs (100 users), 
           the GPUs released again (holes), and a tenth of the leases turned warm, plus one whole
           node per pool
 churn     acquire (1 GPU, at once) + release pairs, and renewals
+board     one whole GET /cluster; then rounds of one change, each refetched by --followers boards
 recall    rounds of one 8-GPU request per pool that no node can serve: it evicts warm leases
           (``evicting``); the sweep ends them after the pool's notice and the request is granted
 drain     leases whose process claimed them are revoked; their agent sees the drain and reports
@@ -46,6 +47,9 @@ redis_bytes_per_gpu   (no target) Redis memory of the registered, empty inventor
 redis_bytes_per_lease (no target) Redis memory the fill added per live lease (its events and
                       ledger lines included)
 server_cpu_us_per_grant  (no target) the lease server's CPU per churn pair (both workers)
+board_full_cpu_ms_per_change, board_page_cpu_ms_per_change   (no target) with --followers boards
+                      open, the server's CPU for one change and every board's refetch: of the whole
+                      inventory, and of the board's first page of 64 nodes (board phase)
 
 Nothing here asserts: a bench prints. Absolute times move 2-3x between machines and with what else
 runs; the ratios are measured in one run.
@@ -107,8 +111,15 @@ class Http:
         )
 
     async def call(
-        self, method: str, path: str, token: str, body: Any = None, params: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        token: str,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        raw_size: bool = False,
     ) -> tuple[int, Any]:
+        """(status, the answer's JSON); ``raw_size``: (status, its size in bytes), not parsed."""
         hdrs = {"Authorization": f"Bearer {token}"}
         data = None
         if body is not None:
@@ -119,6 +130,8 @@ class Http:
         try:
             async with self.session.request(method, self.url + path, data=data, headers=hdrs, params=params) as resp:
                 raw = await resp.read()
+                if raw_size:
+                    return resp.status, len(raw)
                 return resp.status, (json.loads(raw) if raw else None)
         except (aiohttp.ClientError, TimeoutError) as exc:  # counted as a failure by the caller
             return 0, {"code": type(exc).__name__, "message": str(exc)}
@@ -340,6 +353,8 @@ class Size:
                 self.fig["server_cpu_us_per_grant"] = (cpu1 - cpu0) / max(1, pairs) * 1e6
                 await self._renew(http)
                 self._take("renew", await slowlog_read(r))
+            with section(self.fig, "board", timed=True):
+                await self._board(http, server)
             with section(self.fig, "recall", timed=True):
                 await self._recall(http, r)
             with section(self.fig, "drain", timed=True):
@@ -495,6 +510,43 @@ class Size:
         res = await gather_limited(8, [one(x) for x in picks])
         self.fig["renew_ok"] = sum(1 for x in res if x == 200)
 
+    async def _board(self, http: Http, server: Any) -> None:
+        """The board at this size. One whole GET /cluster (its time and size); then rounds of one
+        change (a 1-GPU grant and its release, two events) each followed by every follower's
+        refetch, as every open Lab's board does after an event: of the whole inventory (what the
+        board asked before it paged), and of the board's first page (``limit=64``). The server's CPU
+        per round (both workers) is what a change costs with that many boards open."""
+        admin = self.tok["admin"]
+        took, size = [], 0
+        for _ in range(3):
+            t0 = time.monotonic()
+            status, size = await http.call("GET", f"{API}/cluster", admin, raw_size=True)
+            took.append((time.monotonic() - t0) * 1000)
+            if status != 200:
+                raise RuntimeError(f"GET /cluster: {status}")
+        self.fig["board_get_ms"] = pct(took, 50)
+        self.fig["board_bytes"] = size
+        followers, rounds = self.p["followers"], self.p["board_rounds"]
+        tokens = [self.tok[f"u{i % USERS:03d}"] for i in range(followers)]
+        pids = server.pids()
+        for name, params in (("full", None), ("page", {"limit": "64"})):
+            cpu0 = sum(_common.proc_cpu_seconds(p) for p in pids)
+            walls, sizes = [], []
+            for _ in range(rounds):
+                status, lease = await self._acquire(http, self._user(), self.rng.choice(self.pools), 1)
+                if status == 201:
+                    await self._release(http, lease)
+                t0 = time.monotonic()
+                calls = [http.call("GET", f"{API}/cluster", tok, params=params, raw_size=True) for tok in tokens]
+                res = await gather_limited(followers, calls)
+                walls.append((time.monotonic() - t0) * 1000)
+                sizes += [got for x in res if isinstance(x, tuple) and x[0] == 200 for got in [x[1]]]
+            cpu1 = sum(_common.proc_cpu_seconds(p) for p in pids)
+            self.fig[f"board_{name}_cpu_ms_per_change"] = (cpu1 - cpu0) / rounds * 1000
+            self.fig[f"board_{name}_all_answered_ms"] = pct(walls, 50)
+            self.fig[f"board_{name}_bytes"] = int(pct(sizes, 50)) if sizes else None
+            self.fig[f"board_{name}_failed"] = followers * rounds - len(sizes)
+
     async def _recall(self, http: Http, r: Any) -> None:
         """Rounds of one 8-GPU request per pool, which only evicting warm leases can serve."""
         waited: list[float] = []
@@ -646,6 +698,9 @@ def main() -> None:
         "heartbeat timeout as many times longer: 1,250 nodes at the real rates send 875 requests a "
         "second, which a loaded 2-core machine may not serve beside the rest",
     )
+    ap.add_argument(
+        "--followers", type=int, default=100, help="open boards that refetch GET /cluster after each change"
+    )
     args = ap.parse_args()
     q = args.quick
     p = {
@@ -657,6 +712,8 @@ def main() -> None:
         "open_s": 8.0 if q else 20.0,
         "rate": 100.0,
         "poll_s": args.poll_s,
+        "followers": args.followers,
+        "board_rounds": 2 if q else 5,
         "agent_slow": args.agent_slow,
     }
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -718,6 +775,14 @@ def main() -> None:
         "redis_bytes_per_gpu",
         "redis_bytes_per_lease",
         "server_cpu_us_per_grant",
+        "board_get_ms",
+        "board_bytes",
+        "board_full_cpu_ms_per_change",
+        "board_full_all_answered_ms",
+        "board_full_bytes",
+        "board_page_cpu_ms_per_change",
+        "board_page_all_answered_ms",
+        "board_page_bytes",
         "queued",
         "open_statuses",
         "agent_drain",
@@ -742,6 +807,13 @@ def main() -> None:
     say(f"  scale_idle_agent_rpm     {rpm:7.2f}  {verdict('scale_idle_agent_rpm', rpm)}  (all: {total_rpm:.1f}/min)")
     reach, reach0 = big.get("drain_reach_ms", nan), base.get("drain_reach_ms", nan)
     say(f"  drain reaches the agent  {reach:7.1f} ms p50 (baseline {reach0:.1f})")
+    say(
+        f"  board, {args.followers} open: one change costs the server "
+        f"{big.get('board_full_cpu_ms_per_change', nan):.0f} ms of CPU (whole inventory to each; "
+        f"{big.get('board_full_bytes') or 0:,} B), {big.get('board_page_cpu_ms_per_change', nan):.0f} ms "
+        f"(first page; {big.get('board_page_bytes') or 0:,} B); baseline "
+        f"{base.get('board_full_cpu_ms_per_change', nan):.0f} / {base.get('board_page_cpu_ms_per_change', nan):.0f} ms"
+    )
     per_gpu, per_lease = big.get("redis_bytes_per_gpu", nan), big.get("redis_bytes_per_lease", nan)
     say(f"  redis memory             {per_gpu:7.0f} B per GPU, {per_lease:.0f} B per live lease")
     out["wall_s"] = round(time.monotonic() - t_start, 1)
