@@ -203,6 +203,11 @@ def test_cluster_and_leases_show_holders_but_no_tokens(fetch: Any, server: Any) 
     assert sorted(held.values()) == ["alice", "alice", "bob"]
     assert {(mine.node, i) for i in mine.indexes} <= set(held)
     assert cluster["pools"]["A100-80GB"]["free"] == 4
+    # a page of the nodes, as the board asks for it: the counts stay every pool's
+    page = body(fetch("gpulease", "cluster", params={"pool": "A100-80GB", "limit": "1"}))
+    assert [n["name"] for n in page["nodes"]] == ["n1"] and page["next"] == "n1" and page["nodes_total"] == 2
+    assert page["pools"] == cluster["pools"]
+    assert [n["name"] for n in body(fetch("gpulease", "cluster", params={"after": "n1"}))["nodes"]] == ["n2", "t1"]
 
     leases = body(fetch("gpulease", "leases"))
     assert leases["user"] == "alice"
@@ -676,6 +681,7 @@ def test_booking_from_a_cookie_login_must_echo_the_xsrf_cookie(
     [
         ("leases", {"all": "maybe"}, 400, "bad_request", "all must be true or false"),
         ("cluster", {"verbose": "1"}, 400, "bad_request", "unknown query argument(s) verbose"),
+        ("cluster", {"pool": "H100"}, 400, "bad_request", "unknown pool 'H100'; pools: A100-80GB, T4-16GB"),
         ("no/such/thing", {}, 404, "not_found", "no such endpoint"),
     ],
 )
