@@ -188,6 +188,26 @@ async def live_leases(engine: Engine) -> list[LeaseRecord]:
     return [lease_record(v) for v in await engine.redis.hvals(engine.keys.leases)]
 
 
+LEASE_SLICE = 200  # leases read and decoded between two returns to the event loop
+
+
+async def live_leases_sliced(engine: Engine) -> list[LeaseRecord]:
+    """Every live lease, for a background loop: read with HSCAN a slice at a time and decoded with
+    the event loop let go between slices. At 10,000 GPUs (6,500 leases) one HVALS and its decoding
+    held a server's loop ~100 ms, and every request in flight waited behind it. A lease that comes
+    or goes meanwhile may be in the answer or not; one live throughout is in it once."""
+    out: dict[str, LeaseRecord] = {}
+    cursor = 0
+    while True:
+        got: Any = await engine.redis.hscan(engine.keys.leases, cursor, count=LEASE_SLICE)
+        cursor, part = got
+        for lid, raw in part.items():
+            out[lid] = lease_record(raw)
+        if not cursor:
+            return list(out.values())
+        await asyncio.sleep(0)
+
+
 class LeaseStore:
     """Lease state in Redis. One instance per server process; safe to share between coroutines."""
 

@@ -31,10 +31,11 @@ from ..protocol import EventType
 from ..store.engine import Engine
 from ..store.scripts import Drained, GpuSample, IdleWarn, Keep, LeaseRecord, Reclaim, Samples, UnleasedHold
 from .inventory import pool_sizes
-from .lease import live_leases, read_lease
+from .lease import live_leases_sliced, read_lease
 from .values import check_gpu_sample
 
 log = logging.getLogger(__name__)
+SLICE = 100  # leases (or GPUs) judged between two returns to the event loop: ~5 ms at most
 MAX_WINDOW = 240  # samples kept per GPU, whatever the timeout (bounds Redis memory per GPU)
 
 
@@ -474,9 +475,11 @@ class Reclaimer:
         pols = await policies(engine)
         off = Policy(enabled=False)
         # Multi-node gangs are not judged idle (their GPUs share indexes across nodes): left out.
+        # Read a slice at a time, and the loop let go between slices below too: a pass over
+        # thousands of leases must not hold up the requests this process serves meanwhile.
         leases = [
             lease
-            for lease in await live_leases(engine)
+            for lease in await live_leases_sliced(engine)
             if pols.get(lease["pool"], off).enabled and not lease.get("nodes")
         ]
         warned = reclaimed = 0
@@ -496,7 +499,9 @@ class Reclaimer:
             ):
                 log.info("reclaimed %s user=%s pool=%s", lease["id"], lease["user"], lease["pool"])
                 reclaimed += 1
-        for lease in leases:
+        for i, lease in enumerate(leases):
+            if i and i % SLICE == 0:
+                await asyncio.sleep(0)
             if is_due(lease):
                 continue
             pol = pols[lease["pool"]]
@@ -531,18 +536,22 @@ class Reclaimer:
         if not slots:
             return {}
         k = self.engine.keys
-        async with self.engine.redis.pipeline(transaction=False) as p:
-            p.hmget(k.covered_since, slots)
-            p.hmget(k.busy_at, slots)
-            p.hmget(k.last, slots)
-            covered, busy, last = await p.execute()
         out = {}
-        for slot, c, b, newest in zip(slots, covered, busy, last, strict=True):
-            last_at, mem = None, 0
-            if newest:
-                ts, _util, m = newest.split(",")
-                last_at, mem = int(ts) / 1000, int(m)
-            out[slot] = GpuState(int(c) / 1000 if c else None, int(b) / 1000 if b else None, last_at, mem)
+        for at in range(0, len(slots), 5 * SLICE):  # a slice at a time, the loop let go between
+            if at:
+                await asyncio.sleep(0)
+            part = slots[at : at + 5 * SLICE]
+            async with self.engine.redis.pipeline(transaction=False) as p:
+                p.hmget(k.covered_since, part)
+                p.hmget(k.busy_at, part)
+                p.hmget(k.last, part)
+                covered, busy, last = await p.execute()
+            for slot, c, b, newest in zip(part, covered, busy, last, strict=True):
+                last_at, mem = None, 0
+                if newest:
+                    ts, _util, m = newest.split(",")
+                    last_at, mem = int(ts) / 1000, int(m)
+                out[slot] = GpuState(int(c) / 1000 if c else None, int(b) / 1000 if b else None, last_at, mem)
         return out
 
     @staticmethod
