@@ -380,6 +380,7 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
           ))}
         </tbody>
       </table>
+      <BoardPages model={model} cluster={cluster} below />
       <ul className="jp-GpuLease-legend" aria-label="legend">
         {legend.map(s => (
           <li key={s}>
@@ -396,14 +397,27 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
  * Above a board of more nodes than one page: which pool it shows, how many of its nodes, and a
  * button for the next page. A small cluster (one page, no pool chosen) shows none of it.
  */
-function BoardPages(props: { model: GpuLeaseModel; cluster: ICluster }): JSX.Element | null {
-  const { model, cluster } = props;
+function BoardPages(props: { model: GpuLeaseModel; cluster: ICluster; below?: boolean }): JSX.Element | null {
+  const { model, cluster, below } = props;
   const everyNode = Object.values(cluster.pools).reduce((sum, counts) => sum + (counts.nodes ?? 0), 0);
   if (everyNode <= BOARD_PAGE && !model.boardPool) {
     return null;
   }
   const total = cluster.nodes_total ?? cluster.nodes.length;
   const more = Math.min(BOARD_PAGE, total - cluster.nodes.length);
+  const showMore =
+    more > 0 ? (
+      <button
+        className="jp-mod-styled"
+        onClick={() => model.setBoardView(model.boardPool, model.boardLimit + BOARD_PAGE)}
+      >
+        {`Show ${more} more`}
+      </button>
+    ) : null;
+  if (below) {
+    // under the last node drawn: the next page where the reader's eye already is
+    return showMore ? <div className="jp-GpuLease-boardPages">{showMore}</div> : null;
+  }
   return (
     <div className="jp-GpuLease-boardPages">
       <label>
@@ -426,14 +440,7 @@ function BoardPages(props: { model: GpuLeaseModel; cluster: ICluster }): JSX.Ele
       <span role="status">
         {`${cluster.nodes.length.toLocaleString()} of ${total.toLocaleString()} nodes`}
       </span>
-      {more > 0 ? (
-        <button
-          className="jp-mod-styled"
-          onClick={() => model.setBoardView(model.boardPool, model.boardLimit + BOARD_PAGE)}
-        >
-          {`Show ${more} more`}
-        </button>
-      ) : null}
+      {showMore}
     </div>
   );
 }
