@@ -152,6 +152,7 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
         p.hgetall(keys.sliced)
         p.zrange(keys.slice_fit, 0, -1)
         p.zrange(keys.victims, 0, -1)
+        p.hgetall(keys.pool_free)
         (
             nodes,
             free,
@@ -169,6 +170,7 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
             sliced,
             slice_fit,
             victims,
+            pool_free,
         ) = p.execute()
     per_user: dict[str, int] = {}
     for raw in waiters.values():
@@ -224,6 +226,11 @@ def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
             want = "~slices" if lease.get("gpu_mem_mb") else lid
             assert holders.get(slot) == want, f"{lid} lost its holder entry {slot}"
     fit_by_node = {m.split("|", 2)[2]: int(m.split("|", 2)[1]) for m in fit}
+    fit_by_pool: dict[str, int] = {}
+    for m in fit:
+        fit_by_pool[m.split("|", 1)[0]] = fit_by_pool.get(m.split("|", 1)[0], 0) + int(m.split("|", 2)[1])
+    kept = {pool: int(n) for pool, n in pool_free.items() if int(n)}
+    assert kept == {pool: n for pool, n in fit_by_pool.items() if n}, f"pool_free {pool_free} != fit {fit_by_pool}"
     for node, raw in nodes.items():
         inv = json.loads(raw)
         free_idx = json.loads(free.get(node, "[]")) or []

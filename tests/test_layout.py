@@ -66,6 +66,13 @@ def test_a_layout_0_data_dir_is_refused_then_migrated_and_read(old_redis: RedisP
     assert r.zrange(keys.wait_due, 0, -1, withscores=True) == [
         (waiter, json.loads(r.hget(keys.waiters, waiter))["deadline"])
     ]
+    # layout 6: each pool's free GPUs summed from the fit index, as the scripts keep them from now on
+    fit: dict[str, int] = {}
+    for member in r.zrange(keys.fit, 0, -1):
+        pool, count, _node = member.split("|", 2)
+        fit[pool] = fit.get(pool, 0) + int(count)
+    assert fit and r.hgetall(keys.pool_free) == {pool: str(n) for pool, n in fit.items()}
+    assert f"sum each pool's free GPUs from the fit index: {len(fit)} pool(s)" in done.output
     again = cli.invoke(main, ["migrate", "--redis-url", old_redis.url])
     assert again.output.strip() == f"the data has layout {LAYOUT}, this release's: nothing to do"
 

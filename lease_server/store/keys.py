@@ -12,6 +12,8 @@ state lives in a handful of global structures:
 ``free``       hash   node -> JSON list of free GPU indexes (alive or not)
 ``fit``        zset   lexicographic "pool|FFFFF|node" (FFFFF = zero-padded free count) for every
                       *alive* node: ZRANGEBYLEX from "[pool|00002|" finds the best fit in O(log N)
+``pool_free``  hash   pool -> the free GPUs of its alive nodes: the sum of its ``fit`` counts, kept
+                      with each fit entry (fit_put/fit_drop in _lib.lua; layout 6)
 ``sizes``      zset   lexicographic "pool|TTTTT|node" (total GPUs): the largest node of a pool
 ``holders``    hash   "node/index" -> lease id, or "~" while the GPU drains (below)
 ``draining``   hash   "node/index" -> JSON {lease, user, pool, since, state, pids:[{pid, start}]}: a GPU
@@ -167,6 +169,10 @@ class Keys:
     @property
     def sliced(self) -> str:
         return self._k("sliced")
+
+    @property
+    def pool_free(self) -> str:
+        return self._k("pool_free")
 
     @property
     def slice_fit(self) -> str:
@@ -335,6 +341,7 @@ class Keys:
             self.alive,
             self.free,
             self.fit,
+            self.pool_free,
             self.sizes,
             self.holders,
             self.leases,

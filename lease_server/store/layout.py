@@ -30,7 +30,7 @@ from ..errors import ConfigurationError
 from . import rollup
 from .keys import Keys
 
-LAYOUT = 5  # this release's
+LAYOUT = 6  # this release's
 NOT_DATA = ("tokens", "layout")  # keys that do not make a store "written by some release"
 
 
@@ -393,7 +393,38 @@ async def _to_5(redis: Redis, keys: Keys) -> Step:
     return Step([f"index the deadlines of the queued requests: {len(due)} request(s)"], write)
 
 
-STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {1: _to_1, 2: _to_2, 3: _to_3, 4: _to_4, 5: _to_5}
+async def _to_6(redis: Redis, keys: Keys) -> Step:
+    """Layout 5 -> 6: each pool's free GPUs on its alive nodes (pool_free), summed from the fit
+    index as the scripts keep it from now on (fit_put/fit_drop in _lib.lua), so that a grant while
+    a booking is in force reads one field instead of every node of the pool."""
+    fit = keys.fit if await redis.exists(keys.fit) else keys.untagged(keys.fit)
+    free: dict[str, int] = {}
+    if await _typed(redis, fit, "zset") != "none":
+        for member in await redis.zrange(fit, 0, -1):
+            parts = str(member).split("|", 2)
+            if len(parts) != 3 or not parts[1].isdigit():
+                raise _bad(f"{fit} member {member!r}", "is not a fit entry (pool|free count|node)")
+            free[parts[0]] = free.get(parts[0], 0) + int(parts[1])
+    await _typed(redis, keys.pool_free, "hash")
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=True) as p:
+            p.delete(keys.pool_free)
+            if free:
+                p.hset(keys.pool_free, mapping={pool: str(n) for pool, n in free.items()})
+            await p.execute()
+
+    return Step([f"sum each pool's free GPUs from the fit index: {len(free)} pool(s)"], write)
+
+
+STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {
+    1: _to_1,
+    2: _to_2,
+    3: _to_3,
+    4: _to_4,
+    5: _to_5,
+    6: _to_6,
+}
 
 
 async def migrate(redis: Redis, keys: Keys, dry_run: bool) -> tuple[int | None, list[str]]:

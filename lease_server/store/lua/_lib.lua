@@ -155,16 +155,30 @@ local function index_victim(old, l)
   if new then redis.call('ZADD', K_VICTIMS, 0, new) end
 end
 
+-- A node's fit entry out and in, with its pool's sum of them (pool_free: the free GPUs of the
+-- pool's up nodes, one HGET where it was a walk of the pool's nodes). fit_drop answers whether
+-- there was one (whether the node was up).
+local function fit_drop(pool, node, count)
+  if redis.call('ZREM', K_FIT, fit_member(pool, node, count)) == 1 then
+    redis.call('HINCRBY', K_POOL_FREE, pool, -count)
+    return true
+  end
+  return false
+end
+
+local function fit_put(pool, node, count)
+  if redis.call('ZADD', K_FIT, 0, fit_member(pool, node, count)) == 1 then
+    redis.call('HINCRBY', K_POOL_FREE, pool, count)
+  end
+end
+
 -- Replace a node's free list, keeping its fit entry in step when the node is up. "Up" is exactly
 -- "has a fit entry": mark_down removes it, a heartbeat after that adds it back.
 local function set_free(node, pool, list, old_count)
   if old_count == nil then old_count = #decode_list(redis.call('HGET', K_FREE, node)) end
-  local old_member = fit_member(pool, node, old_count)
   table.sort(list)
   redis.call('HSET', K_FREE, node, encode_list(list))
-  if redis.call('ZREM', K_FIT, old_member) == 1 then
-    redis.call('ZADD', K_FIT, 0, fit_member(pool, node, #list))
-  end
+  if fit_drop(pool, node, old_count) then fit_put(pool, node, #list) end
   -- GPUs freed: a warm eviction that found no node for n GPUs a moment ago (evict_miss in
   -- _lib_recall.lua), or a queue found blocked whose smallest request needs n (pool|~blocked,
   -- dispatch), may be served on this node now if its free and warm GPUs reach n: forget the memo,
@@ -185,7 +199,7 @@ end
 local function mark_down(node, why)
   local inv = cjson.decode(redis.call('HGET', K_NODES, node))
   local free = decode_list(redis.call('HGET', K_FREE, node))
-  redis.call('ZREM', K_FIT, fit_member(inv.pool, node, #free))
+  fit_drop(inv.pool, node, #free)
   -- -1: known to be down, so the sweeper's range (0, now] does not find it again.
   redis.call('ZADD', K_ALIVE, -1, node)
   emit('node_down', {node = node, pool = inv.pool, reason = why})

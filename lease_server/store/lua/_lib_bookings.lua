@@ -88,11 +88,7 @@ local function booking_for(acts, w)
 end
 
 local function pool_free(pool)
-  local total = 0
-  for _, m in ipairs(redis.call('ZRANGEBYLEX', K_FIT, '[' .. pool .. '|', '(' .. pool .. '|~')) do
-    total = total + tonumber(string.match(m, '^[^|]+|(%d+)|'))
-  end
-  return total
+  return tonumber(redis.call('HGET', K_POOL_FREE, pool) or '0')
 end
 
 -- Put r's next no-show check on booking_due: the first occurrence not yet used or released whose

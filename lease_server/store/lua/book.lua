@@ -1,7 +1,7 @@
 -- book.lua: create, change or dry-run a booking, refusing it if at any instant of any of its
 -- occurrences the pool (or, for an all-on-one-node booking, its node) would be over-booked.
 -- Capacity is the pool's GPUs minus the on-demand floor kept for people without a booking.
--- KEYS: nodes alive free fit sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = "create" | "edit" | "check"
 -- ARGV[7] = the whole booking as JSON, validated by bookings.py: {id, owner, pool, gpus, start,
 --           end, repeat, occurrences, colocate, note, created_by, created_at, notice_ms,

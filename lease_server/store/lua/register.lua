@@ -1,7 +1,7 @@
 -- register.lua: a node agent's heartbeat, with its inventory when that is new or changed.
 -- Registering never frees a GPU that a live lease holds: the free list is the inventory minus
 -- the holders. A node that was down comes back up, and its pool's queue is served.
--- KEYS: nodes alive free fit sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = node   ARGV[7] = inventory JSON {pool, gpus:[{index, uuid, model, memory_mb}], ...}
 --                  or "" for a heartbeat of an already registered node
 -- ARGV[8] = ms until the node counts as down without another heartbeat
@@ -20,7 +20,7 @@ if inv_json ~= '' and inv_json ~= old_raw then
   inv = cjson.decode(inv_json)
   if old then
     local old_free = decode_list(redis.call('HGET', K_FREE, node))
-    redis.call('ZREM', K_FIT, fit_member(old.pool, node, #old_free))
+    fit_drop(old.pool, node, #old_free)
     redis.call('ZREM', K_SIZES, fit_member(old.pool, node, #old.gpus))
   end
   redis.call('HSET', K_NODES, node, inv_json)
@@ -39,7 +39,7 @@ end
 redis.call('ZADD', K_ALIVE, NOW + alive_ms, node)
 if not was_up then
   local free = decode_list(redis.call('HGET', K_FREE, node))
-  redis.call('ZADD', K_FIT, 0, fit_member(inv.pool, node, #free))
+  fit_put(inv.pool, node, #free)
   redis.call('HDEL', K_EVICT_MISS, inv.pool, inv.pool .. '|~blocked')  -- a node up: an eviction, a waiter may fit now
   if status ~= 'registered' then
     status = 'up'

@@ -1,7 +1,7 @@
 -- unbook.lua: cancel a booking, or end its current occurrence early ("I'm done"), giving its
 -- GPUs back to the pool at once. Only its owner (for a team booking: a member), the person who
 -- made it, or an admin may.
--- KEYS: nodes alive free fit holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = booking id   ARGV[7] = "cancel" | "end"   ARGV[8] = user   ARGV[9] = "1" if admin
 -- ARGV[10] = the user's teams, comma-separated
 -- ARGV[11] = ms a cancelled booking stays readable

@@ -4,7 +4,7 @@
 -- no lease (state "unleased"): nothing grants them, the board shows them, an admin can clear them
 -- (gpulease drain clear); the agent's clean sample frees them through drained.lua, which serves
 -- the queue. Ending the process is the pool's unleased_action, not the drain's.
--- KEYS: nodes free fit holders draining events evict_miss held_by
+-- KEYS: nodes free fit pool_free holders draining events evict_miss held_by
 -- ARGV[6] = node   ARGV[7] = JSON list of GPU indexes seen in use by such processes
 -- returns {OK, GPUs held now}
 local node = ARGV[6]
