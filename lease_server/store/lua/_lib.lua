@@ -158,16 +158,17 @@ end
 -- A node's fit entry out and in, with its pool's sum of them (pool_free: the free GPUs of the
 -- pool's up nodes, one HGET where it was a walk of the pool's nodes). fit_drop answers whether
 -- there was one (whether the node was up).
+-- (Never an increment of 0: Lua's -0 reaches Redis as "-0", which HINCRBY refuses.)
 local function fit_drop(pool, node, count)
   if redis.call('ZREM', K_FIT, fit_member(pool, node, count)) == 1 then
-    redis.call('HINCRBY', K_POOL_FREE, pool, -count)
+    if count > 0 then redis.call('HINCRBY', K_POOL_FREE, pool, 0 - count) end
     return true
   end
   return false
 end
 
 local function fit_put(pool, node, count)
-  if redis.call('ZADD', K_FIT, 0, fit_member(pool, node, count)) == 1 then
+  if redis.call('ZADD', K_FIT, 0, fit_member(pool, node, count)) == 1 and count > 0 then
     redis.call('HINCRBY', K_POOL_FREE, pool, count)
   end
 end
