@@ -47,9 +47,10 @@ redis_bytes_per_gpu   (no target) Redis memory of the registered, empty inventor
 redis_bytes_per_lease (no target) Redis memory the fill added per live lease (its events and
                       ledger lines included)
 server_cpu_us_per_grant  (no target) the lease server's CPU per churn pair (both workers)
-board_full_cpu_ms_per_change, board_page_cpu_ms_per_change   (no target) with --followers boards
-                      open, the server's CPU for one change and every board's refetch: of the whole
-                      inventory, and of the board's first page of 64 nodes (board phase)
+board_full_cpu_ms_per_change, board_page_cpu_ms_per_change, board_mine_cpu_ms_per_change
+                      (no target) with --followers boards open, the server's CPU for one change and
+                      every board's refetch: of the whole inventory, of the board's first page of 64
+                      nodes, and of its user's own leases (GET /leases) (board phase)
 
 Nothing here asserts: a bench prints. Absolute times move 2-3x between machines and with what else
 runs; the ratios are measured in one run.
@@ -529,7 +530,11 @@ class Size:
         followers, rounds = self.p["followers"], self.p["board_rounds"]
         tokens = [self.tok[f"u{i % USERS:03d}"] for i in range(followers)]
         pids = server.pids()
-        for name, params in (("full", None), ("page", {"limit": "64"})):
+        for name, path, params in (
+            ("full", "cluster", None),
+            ("page", "cluster", {"limit": "64"}),
+            ("mine", "leases", None),  # each board's own leases, which it refetches with the page
+        ):
             cpu0 = sum(_common.proc_cpu_seconds(p) for p in pids)
             walls, sizes = [], []
             for _ in range(rounds):
@@ -537,7 +542,7 @@ class Size:
                 if status == 201:
                     await self._release(http, lease)
                 t0 = time.monotonic()
-                calls = [http.call("GET", f"{API}/cluster", tok, params=params, raw_size=True) for tok in tokens]
+                calls = [http.call("GET", f"{API}/{path}", tok, params=params, raw_size=True) for tok in tokens]
                 res = await gather_limited(followers, calls)
                 walls.append((time.monotonic() - t0) * 1000)
                 sizes += [got for x in res if isinstance(x, tuple) and x[0] == 200 for got in [x[1]]]
@@ -783,6 +788,8 @@ def main() -> None:
         "board_page_cpu_ms_per_change",
         "board_page_all_answered_ms",
         "board_page_bytes",
+        "board_mine_cpu_ms_per_change",
+        "board_mine_all_answered_ms",
         "queued",
         "open_statuses",
         "agent_drain",
@@ -811,7 +818,8 @@ def main() -> None:
         f"  board, {args.followers} open: one change costs the server "
         f"{big.get('board_full_cpu_ms_per_change', nan):.0f} ms of CPU (whole inventory to each; "
         f"{big.get('board_full_bytes') or 0:,} B), {big.get('board_page_cpu_ms_per_change', nan):.0f} ms "
-        f"(first page; {big.get('board_page_bytes') or 0:,} B); baseline "
+        f"(first page; {big.get('board_page_bytes') or 0:,} B), {big.get('board_mine_cpu_ms_per_change', nan):.0f} ms "
+        f"(each user's leases); baseline "
         f"{base.get('board_full_cpu_ms_per_change', nan):.0f} / {base.get('board_page_cpu_ms_per_change', nan):.0f} ms"
     )
     per_gpu, per_lease = big.get("redis_bytes_per_gpu", nan), big.get("redis_bytes_per_lease", nan)

@@ -281,6 +281,20 @@ class Snapshot:
             text = self._nodes_json[i] = json.dumps(self.view["nodes"][i], separators=(",", ":"))
         return text
 
+    def lease_ids_of(self, user: str) -> list[str]:
+        """The ids of ``user``'s live leases: those holding a GPU or a slice in this view (every
+        live lease does, and its grant's event is in the view before any reader asks after it)."""
+        ids: set[str] = set()
+        for n in self.view["nodes"]:
+            for g in n["gpus"]:
+                lease = g.get("lease")
+                if lease is not None and lease["user"] == user:
+                    ids.add(lease["id"])
+                for sl in g.get("slices") or ():
+                    if sl["user"] == user:
+                        ids.add(sl["lease"])
+        return sorted(ids)
+
     def of_pool(self, pool: str | None) -> list[int]:
         """The indexes of the nodes of ``pool`` (every node: None), in name order."""
         if pool is None:

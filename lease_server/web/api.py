@@ -38,7 +38,7 @@ from ..protocol import LeaseJson
 from ..request import AcquireRequest
 from ..store import layout
 from ..store.engine import Engine, connect, not_now
-from ..store.scripts import LeaseRecord
+from ..store.scripts import LeaseRecord, lease_record
 from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, create_token, list_tokens, revoke_token, view_token
 from .limits import ReadLimits, hold, read_sliced, token_key
@@ -297,9 +297,15 @@ class LeasesHandler(BaseHandler):
 
     async def get(self) -> None:
         everyone = self.query(params.ALL, False)
-        leases = await self.store.live_leases()
-        if not everyone:
-            leases = [rec for rec in leases if rec["user"] == self.identity.user]
+        if everyone:
+            leases = await self.store.live_leases()
+        else:
+            # Every open board asks for its user's leases after each event: found in the shared view
+            # of the cluster, then read by id, not by decoding every live lease of the cluster.
+            snap = await self.ctx.cluster.get()
+            ids = snap.lease_ids_of(self.identity.user)
+            raws: Any = await self.ctx.redis.hmget(self.store.keys.leases, ids) if ids else []
+            leases = [lease_record(raw) for raw in raws if raw]
         leases.sort(key=lambda rec: rec["created_at"])
         me = self.identity
         self.reply({"leases": [public_lease(rec, with_token=rec["user"] == me.user) for rec in leases]})
