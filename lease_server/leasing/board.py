@@ -268,6 +268,7 @@ class Snapshot:
     at: float  # time.monotonic() just before the read
     _nodes_json: list[str | None] = field(default_factory=list)
     _by_pool: dict[str, list[int]] | None = None
+    _by_user: dict[str, list[str]] | None = None
 
     def now(self) -> float:
         """The lease server's clock now: Redis's at the read, moved on by this process's clock."""
@@ -283,17 +284,19 @@ class Snapshot:
 
     def lease_ids_of(self, user: str) -> list[str]:
         """The ids of ``user``'s live leases: those holding a GPU or a slice in this view (every
-        live lease does, and its grant's event is in the view before any reader asks after it)."""
-        ids: set[str] = set()
-        for n in self.view["nodes"]:
-            for g in n["gpus"]:
-                lease = g.get("lease")
-                if lease is not None and lease["user"] == user:
-                    ids.add(lease["id"])
-                for sl in g.get("slices") or ():
-                    if sl["user"] == user:
-                        ids.add(sl["lease"])
-        return sorted(ids)
+        live lease does, and its grant's event is in the view before any reader asks after it).
+        Every user's are gathered at the first ask, once per snapshot."""
+        if self._by_user is None:
+            by_user: dict[str, set[str]] = {}
+            for n in self.view["nodes"]:
+                for g in n["gpus"]:
+                    lease = g.get("lease")
+                    if lease is not None:
+                        by_user.setdefault(lease["user"], set()).add(lease["id"])
+                    for sl in g.get("slices") or ():
+                        by_user.setdefault(sl["user"], set()).add(sl["lease"])
+            self._by_user = {u: sorted(ids) for u, ids in by_user.items()}
+        return self._by_user.get(user, [])
 
     def of_pool(self, pool: str | None) -> list[int]:
         """The indexes of the nodes of ``pool`` (every node: None), in name order."""
