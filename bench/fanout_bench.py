@@ -7,15 +7,24 @@ A real redis-server and lease server (2 worker processes, as scale_bench.py star
 follower is a ``GET /api/v1/events`` stream, as a JupyterLab's board and status bar keep one open:
 they are spread over 100 users (30 each, within ``max_streams_per_user``) and over the server's
 workers by the kernel. Then one user makes ``--pairs`` acquire + release pairs, one at a time, 50 ms
-apart; each pair is two events (``grant``, ``released``) that every follower must receive. Measured
-with one follower first (the baseline, the same run), then with all of them:
+apart; each pair is two events (``grant``, ``released``). Three phases in one run:
 
-fanout_delivery_p50_ms, fanout_delivery_p99_ms   from the event's time in Redis to its arrival at a
-                        follower, over every (event, follower)
-fanout_server_cpu_us_per_delivery   the lease server's CPU (both workers: /proc utime + stime) per
-                        event delivered to one follower
-fanout_server_cpu_ms_per_event      the same per event, all its followers together
-fanout_delivered        the (event, follower) arrivals counted; expected: 2 x pairs x followers
+base     one follower of every event (the baseline);
+every    all the followers read every event (what each Lab's board read until it asked for changes);
+changes  all the followers read a stream of changes (``?changes=true``, what the board reads now):
+         one ``changed`` for many events, at most one every 0.5 s.
+
+fanout_delivery_p50_ms, fanout_delivery_p99_ms   (every) from the event's time in Redis to its
+                        arrival at a follower, over every (event, follower)
+fanout_server_cpu_us_per_delivery   (every) the lease server's CPU (both workers: /proc utime +
+                        stime) per event delivered to one follower
+fanout_server_cpu_ms_per_event      (every) the same per event, all its followers together
+fanout_delivered        (every) the (event, follower) arrivals counted; expected: 2 x pairs x followers
+changes_server_cpu_ms_per_event     (changes) the server's CPU per event, all followers together
+changes_per_follower    (changes) the `changed` events each follower got for the 2 x pairs events
+changes_delay_p50_ms, changes_delay_p99_ms   (changes) from the time in Redis of the newest event a
+                        `changed` stands for to its arrival at a follower
+changes_cpu_ratio       every / changes, server CPU per event
 
 Nothing here asserts: a bench prints. The last line of stdout is one JSON object.
 """
@@ -67,15 +76,17 @@ def _children(pid: int) -> list[int]:
 
 
 async def follow(url: str, token: str, marks: dict[str, float], arrivals: list[float], ready: asyncio.Event,
-                 opened: list[int], need: int) -> None:  # fmt: skip
+                 opened: list[int], need: int, changes: bool, newest: list[float]) -> None:  # fmt: skip
     """One follower: read the stream; for each grant/released of a marked lease, the delay (ms)
-    from the event's time in Redis to now."""
+    from the event's time in Redis to now; for each `changed`, the delay from its newest event's
+    time (and that time, in newest[0])."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"}
+    params = {"changes": "true"} if changes else None
     async with (
         httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=60.0)) as h,
-        h.stream("GET", f"{url}{API}/events", headers=headers) as resp,
+        h.stream("GET", f"{url}{API}/events", headers=headers, params=params) as resp,
     ):
         resp.raise_for_status()
         opened[0] += 1
@@ -87,15 +98,23 @@ async def follow(url: str, token: str, marks: dict[str, float], arrivals: list[f
             ev = json.loads(line[5:])
             if ev.get("type") in ("grant", "released") and ev.get("lease") in marks:
                 arrivals.append(time.time() * 1000 - ev["ts"] * 1000)
+            elif ev.get("type") == "changed" and marks:
+                arrivals.append(time.time() * 1000 - ev["ts"] * 1000)
+                newest[0] = max(newest[0], ev["ts"])
 
 
-async def phase(url: str, tokens: dict[str, str], followers: int, pairs: int, server_pid: int) -> dict[str, Any]:
+async def phase(
+    url: str, tokens: dict[str, str], followers: int, pairs: int, server_pid: int, changes: bool = False
+) -> dict[str, Any]:
     marks: dict[str, float] = {}
     arrivals: list[float] = []
     ready, opened = asyncio.Event(), [0]
     users = [f"u{i:03d}" for i in range(USERS)]
+    newest = [[0.0] for _ in range(followers)]
     tasks = [
-        asyncio.create_task(follow(url, tokens[users[i % USERS]], marks, arrivals, ready, opened, followers))
+        asyncio.create_task(
+            follow(url, tokens[users[i % USERS]], marks, arrivals, ready, opened, followers, changes, newest[i])
+        )
         for i in range(followers)
     ]
     await asyncio.wait_for(ready.wait(), 300)
@@ -105,15 +124,23 @@ async def phase(url: str, tokens: dict[str, str], followers: int, pairs: int, se
     c = Client(url, tokens["worker"])
     cpu0, t0 = cpu_s(server_pid), time.perf_counter()
     try:
+        last = 0.0
         for _ in range(pairs):
             rid = c.new_request_id()
             marks[rid] = time.time()
             lease = await asyncio.to_thread(c.acquire, 1, None, None, 0, "fanout", "", None, request_id=rid)
+            last = time.time()  # (the release's event comes after this)
             await asyncio.to_thread(c.release, lease)
             await asyncio.sleep(0.05)
         want = 2 * pairs * followers
         deadline = time.monotonic() + 120
-        while len(arrivals) < want and time.monotonic() < deadline:
+
+        def done() -> bool:
+            if changes:  # every follower has a `changed` that stands for the last release
+                return all(n[0] >= last for n in newest)
+            return len(arrivals) >= want
+
+        while not done() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # (the followers' reads: counted, nothing to wait on)
     finally:
         c.close()
@@ -134,6 +161,8 @@ async def phase(url: str, tokens: dict[str, str], followers: int, pairs: int, se
         "server_cpu_ms_per_event": round(1000 * cpu / events, 2),
         "server_cpu_us_per_delivery": round(1e6 * cpu / max(1, delivered), 1),
         "wall_s": round(wall, 2),
+        "per_follower": round(delivered / followers, 2),
+        "all_current": all(n[0] >= last for n in newest) if changes else delivered >= 2 * pairs * followers,
     }
 
 
@@ -159,12 +188,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             agent.request("PUT", f"{API}/nodes/n1", json=json.loads(parse_simulate("n1=8xA100-80GB")[0].to_json()))
             beat = asyncio.create_task(_heartbeats(agent))
             assert server.proc is not None
-            for name, n in (("base", 1), ("fanout", args.followers)):
-                got = await phase(server.url, tokens, n, args.pairs, server.proc.pid)
+            for name, n, changes in (("base", 1, False), ("fanout", args.followers, False),
+                                     ("changes", args.followers, True)):  # fmt: skip
+                got = await phase(server.url, tokens, n, args.pairs, server.proc.pid, changes)
+                what = "`changed` events" if changes else "deliveries"
                 say(
-                    f"{name}: {n} follower(s): {got['delivered']} of {got['expected']} deliveries; p50 "
-                    f"{got['delivery_p50_ms']} ms, p99 {got['delivery_p99_ms']} ms; server CPU "
-                    f"{got['server_cpu_ms_per_event']} ms an event, {got['server_cpu_us_per_delivery']} us a delivery"
+                    f"{name}: {n} follower(s): {got['delivered']} {what} ({got['per_follower']} each) for "
+                    f"{2 * args.pairs} events; delay p50 {got['delivery_p50_ms']} ms, p99 {got['delivery_p99_ms']} ms; "
+                    f"server CPU {got['server_cpu_ms_per_event']} ms an event; all current: {got['all_current']}"
                 )
                 out[name] = got
             beat.cancel()
@@ -182,6 +213,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "fanout_server_cpu_us_per_delivery": f["server_cpu_us_per_delivery"],
         "base_delivery_p99_ms": out["base"]["delivery_p99_ms"],
         "base_server_cpu_ms_per_event": out["base"]["server_cpu_ms_per_event"],
+        "changes_server_cpu_ms_per_event": out["changes"]["server_cpu_ms_per_event"],
+        "changes_per_follower": out["changes"]["per_follower"],
+        "changes_delay_p50_ms": out["changes"]["delivery_p50_ms"],
+        "changes_delay_p99_ms": out["changes"]["delivery_p99_ms"],
+        "changes_all_current": out["changes"]["all_current"],
+        "changes_cpu_ratio": round(
+            f["server_cpu_ms_per_event"] / max(1e-9, out["changes"]["server_cpu_ms_per_event"]), 1
+        ),
     }
 
 

@@ -524,7 +524,7 @@ class EventsHandler(GpuLeaseHandler):
     server ends it, or the Jupyter server stops; EventSource then reconnects by itself.
     """
 
-    allowed_args = frozenset({"since"})
+    allowed_args = frozenset({"since", "changes"})
 
     @tornado.web.authenticated
     @authorized
@@ -533,8 +533,9 @@ class EventsHandler(GpuLeaseHandler):
         since = self.request.headers.get("Last-Event-ID") or self.get_query_argument("since", None)
         if since is not None and not SINCE_RE.match(since):
             raise errors.BadRequest(f"since (or Last-Event-ID) must be an event id like 1700000000000-0, got {since!r}")
+        changes = self.get_query_argument("changes", None)  # (the lease server checks it)
         self._gone = asyncio.Event()
-        async with self.api.events(since) as chunks:  # errors before the first byte are plain JSON
+        async with self.api.events(since, changes) as chunks:  # errors before the first byte are plain JSON
             self.set_header("Content-Type", "text/event-stream")
             self.set_header("Cache-Control", "no-store")
             self.set_header("X-Accel-Buffering", "no")  # a proxy in front must not buffer the stream

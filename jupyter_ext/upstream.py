@@ -174,8 +174,9 @@ class LeaseApi:
         return out
 
     @asynccontextmanager
-    async def events(self, since: str | None) -> AsyncIterator[AsyncIterator[bytes]]:
-        """The lease server's event stream (server-sent events), as raw chunks to pass on as they are.
+    async def events(self, since: str | None, changes: str | None = None) -> AsyncIterator[AsyncIterator[bytes]]:
+        """The lease server's event stream (server-sent events), as raw chunks to pass on as they are;
+        ``changes``: the stream of changes (GET /events?changes=), as the page asked.
 
         Errors before the stream starts (bad ``since``, bad token, server away) raise the typed error.
         """
@@ -186,7 +187,10 @@ class LeaseApi:
             headers[protocol.LAST_EVENT_ID] = since
         timeout = httpx.Timeout(self.timeout, connect=5.0, read=STREAM_READ_TIMEOUT)
         try:
-            async with self._http.stream("GET", protocol.EVENTS, headers=headers, timeout=timeout) as resp:
+            params = {"changes": changes} if changes is not None else None
+            async with self._http.stream(
+                "GET", protocol.EVENTS, headers=headers, params=params, timeout=timeout
+            ) as resp:
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode(errors="replace")
                     try:

@@ -430,6 +430,10 @@ BOARD_EVENTS = frozenset(
     )
 )
 
+# What a stream of changes (GET /events?changes=true) sends for many events: not an event of the
+# log, and in no group below (model.ts CHANGES_EVENT; lease_server/leasing/events.py EventHub).
+CHANGES_EVENT = "changed"
+
 # After these bookings changed: the calendar and My bookings refetch, the board too (model.ts
 # BOOKING_EVENTS).
 BOOKING_EVENTS = frozenset(

@@ -586,6 +586,19 @@ def test_events_stream_live_and_resume_after_last_event_id(
             assert (resp.status_code, resp.json()["code"]) == (400, "bad_request")
             assert "event id" in resp.json()["message"]
 
+            # What the board asks for: one `changed` for many events, with their types, no backlog.
+            params = {"changes": "true"}
+            async with http.stream("GET", base + "gpulease/events", headers=headers, params=params) as resp:
+                lines = resp.aiter_lines()
+                await read_until(lines, lambda line: line.startswith(": gpulease event stream"))
+                lease = await asyncio.to_thread(alice.acquire, gpus=1, label="changes")
+                seen = await read_until(lines, lambda line: line.startswith("data:"))
+                assert seen[-2] == "event: changed"  # not the replayed `released` of the Last-Event-ID
+                assert "grant" in json.loads(seen[-1].removeprefix("data: "))["types"]
+                await asyncio.to_thread(alice.release, lease)
+            resp = await http.get(base + "gpulease/events", params={"changes": "maybe"})
+            assert resp.status_code == 400 and "changes must be true or false" in resp.json()["message"]
+
     run(scenario())
 
 

@@ -77,6 +77,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "GET /api/v1/estimate": (r"name different requests", r"does not share its GPUs", r"is more than one GPU of pool"),
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),
+    "GET /api/v1/events": (r"changes and lease cannot be combined",),
     "PUT /api/v1/simulate/{node}": (r"has no GPU", r"only simulated GPUs can be set"),
     "POST /api/v1/tokens": (
         r"acts_for is for proxy tokens only",

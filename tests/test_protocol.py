@@ -265,6 +265,12 @@ def test_every_event_type_is_in_exactly_one_group() -> None:
     assert protocol.RECALL_EVENTS <= protocol.BOARD_EVENTS
 
 
+def test_the_changes_event_is_no_event_of_the_log_and_the_labextension_listens_to_it() -> None:
+    assert protocol.CHANGES_EVENT not in EVENT_TYPES
+    m = re.search(r"export const CHANGES_EVENT\s*=\s*'([^']*)'", (LAB / "model.ts").read_text())
+    assert m and m.group(1) == protocol.CHANGES_EVENT
+
+
 def ts_array(path: Path, name: str) -> list[str]:
     m = re.search(rf"export const {name}\s*=\s*\[(.*?)\]", path.read_text(), re.S)
     assert m, f"{path.name} has no {name}"

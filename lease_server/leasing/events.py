@@ -14,6 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from ..aio import cancel_and_wait
+from ..protocol import CHANGES_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -139,38 +140,129 @@ async def read_log(
     return out
 
 
-class EventHub:
-    """Blocks on XREAD for new entries and hands them to every subscriber's queue."""
+# A stream of changes (GET /events?changes=true) gets at most one "changed" a CHANGES_EVERY_S.
+CHANGES_EVERY_S = 0.5
+CHANGED = CHANGES_EVENT  # its type: not an event of the log
 
-    def __init__(self, redis: Redis, key: str) -> None:
+
+class EventHub:
+    """Blocks on XREAD for new entries and hands them to the subscribers that want them:
+
+    * every entry, to a subscriber of everything (``gpulease events --follow``, the node watch);
+    * a lease's entries, to the subscribers of that lease (a running cell's watchdog): found by
+      the entry's ``lease``, so an entry costs one lookup however many cells follow their leases;
+    * one ``changed`` entry for many, to the subscribers of changes (every open JupyterLab's board,
+      which only refetches): at once for the first entry after a quiet spell, then at most one every
+      ``changes_every_s``, naming the types of the entries it stands for and carrying the newest
+      one's id. What each entry costs is then one set insertion, not a write to each open Lab.
+    """
+
+    def __init__(self, redis: Redis, key: str, changes_every_s: float = CHANGES_EVERY_S) -> None:
         self.redis = redis
         self.key = key
+        self.changes_every_s = changes_every_s
         self._subs: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._by_lease: dict[str, set[asyncio.Queue[dict[str, Any] | None]]] = {}
+        self._changes: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._kind: dict[asyncio.Queue[dict[str, Any] | None], str | None] = {}  # queue -> lease, "" changes, None all
+        self._pending: dict[str, Any] | None = None  # the changed entry being gathered
+        self._last_changed = -float("inf")  # (loop time)
+        self._changed_due: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
 
-    async def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
-        """A queue of every entry added from now on (the hub knows where "now" is before this
-        returns, so nothing added after the call is missed)."""
+    async def subscribe(self, lease: str | None = None, changes: bool = False) -> asyncio.Queue[dict[str, Any] | None]:
+        """A queue of every entry added from now on, or only of lease ``lease``'s, or of changes
+        (see the class). The hub knows where "now" is before this returns, so nothing added after
+        the call is missed."""
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=10_000)
-        self._subs.add(q)
+        if changes:
+            self._changes.add(q)
+            self._kind[q] = ""
+        elif lease is not None:
+            self._by_lease.setdefault(lease, set()).add(q)
+            self._kind[q] = lease
+        else:
+            self._subs.add(q)
+            self._kind[q] = None
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="gpulease-event-hub")
         await self._started.wait()
         return q
 
     def is_subscribed(self, q: asyncio.Queue[dict[str, Any] | None]) -> bool:
-        return q in self._subs
+        return q in self._kind
 
     def unsubscribe(self, q: asyncio.Queue[dict[str, Any] | None]) -> None:
-        self._subs.discard(q)
+        if q not in self._kind:
+            return
+        kind = self._kind.pop(q)
+        if kind == "":
+            self._changes.discard(q)
+        elif kind is None:
+            self._subs.discard(q)
+        else:
+            followers = self._by_lease.get(kind)
+            if followers is not None:
+                followers.discard(q)
+                if not followers:
+                    del self._by_lease[kind]
+
+    @property
+    def followers(self) -> int:
+        return len(self._kind)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        for q in self._subs:
+        if self._changed_due is not None:
+            self._changed_due.cancel()
+            self._changed_due = None
+        for q in list(self._kind):
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(None)
+
+    def _put(self, q: asyncio.Queue[dict[str, Any] | None], event: dict[str, Any]) -> None:
+        try:
+            q.put_nowait(event)
+        except asyncio.QueueFull:  # a stalled client: drop it rather than grow
+            self.unsubscribe(q)
+
+    def _hand_out(self, event: Fanned) -> None:
+        for q in list(self._subs):
+            self._put(q, event)
+        lease = event.get("lease")
+        if isinstance(lease, str) and lease in self._by_lease:
+            for q in list(self._by_lease[lease]):
+                self._put(q, event)
+        if self._changes:
+            p = self._pending
+            if p is None:
+                p = self._pending = {"types": set(), "events": 0}
+            p["types"].add(event["type"])
+            p["events"] += 1
+            p["id"], p["ts"] = event["id"], event.get("ts")
+
+    def _schedule_changed(self) -> None:
+        """Send the gathered changes now, or when the last ``changed`` is ``changes_every_s`` old."""
+        if self._pending is None or self._changed_due is not None:
+            return
+        loop = asyncio.get_running_loop()
+        due = self._last_changed + self.changes_every_s
+        if loop.time() >= due:
+            self._send_changed()
+        else:
+            self._changed_due = loop.call_at(due, self._send_changed)
+
+    def _send_changed(self) -> None:
+        self._changed_due = None
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        self._last_changed = asyncio.get_running_loop().time()
+        event = Fanned(id=p["id"], type=CHANGED, types=sorted(p["types"]), events=p["events"], ts=p["ts"])
+        for q in list(self._changes):
+            self._put(q, event)
 
     async def _run(self) -> None:
         # Start after the newest entry by its id, not "$": "$" would skip entries added while a
@@ -192,12 +284,8 @@ class EventHub:
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
-                    event = Fanned(parse_entry(entry_id, fields))  # one object for every stream
-                    for q in list(self._subs):
-                        try:
-                            q.put_nowait(event)
-                        except asyncio.QueueFull:  # a stalled client: drop it rather than grow
-                            self._subs.discard(q)
+                    self._hand_out(Fanned(parse_entry(entry_id, fields)))  # one object for every stream
+            self._schedule_changed()
 
 
 def event_nodes(ev: dict[str, Any]) -> set[str]:

@@ -161,6 +161,14 @@ LEASE = Param(
     "Only events whose `lease` field is this lease (or queued request) id, filtered by the server",
     parse=lambda raw: check_lease_id("lease", raw),
 )
+CHANGES = Param(
+    "changes",
+    {"type": "boolean"},
+    "Instead of each event, one `changed` event for many: at once after a quiet spell, then at most one every "
+    "0.5 s, with the `types` of the events it stands for, their count (`events`) and the newest one's `id`. For a "
+    "view that refetches what it shows (the JupyterLab board). A backlog is not replayed (`since` and "
+    "Last-Event-ID are ignored): a reader that reconnects refetches. Not with `lease`" + BOOL_NOTE,
+)
 EST_LEASE = Param(
     "lease",
     LEASE_ID,

@@ -975,7 +975,8 @@ class EventLogHandler(BaseHandler):
 
 class EventStreamHandler(BaseHandler):
     """Server-sent events: the backlog after Last-Event-ID (or ?since=), then live entries; with
-    ?lease=ID only the events of that lease (or queued request), filtered here, not in the page."""
+    ?lease=ID only the events of that lease (or queued request); with ?changes=true one ``changed``
+    event for many, and no backlog (events.EventHub)."""
 
     def set_default_headers(self) -> None:
         self.set_header("Content-Type", "text/event-stream")
@@ -1027,7 +1028,14 @@ class EventStreamHandler(BaseHandler):
         # Read before the stream starts, so a bad id is a plain 400.
         resume_after, since = self.query(params.LAST_EVENT_ID), self.query(params.SINCE)
         since = resume_after or since
-        lease = self.query(params.LEASE)
+        lease, changes = self.query(params.LEASE), self.query(params.CHANGES, False)
+        if changes and lease is not None:
+            raise errors.BadRequest(
+                "changes and lease cannot be combined: follow one lease's events (lease=ID), or changes "
+                "of the whole cluster (changes=true)"
+            )
+        if changes:
+            since = None  # a view of changes refetches when it (re)connects: no backlog to replay
         key, limits = self.token_key, self.ctx.limits
         # The backlog is an expensive read: refused (429) before the stream starts, and its place
         # under the token's reads at once held only while it is sent.
@@ -1036,7 +1044,8 @@ class EventStreamHandler(BaseHandler):
             backlog_read.enter_context(
                 await limits.admit(key, "the backlog of GET /events (since=, Last-Event-ID)", self.gone)
             )
-        queue = self._queue = await hub.subscribe()  # before the backlog read, so nothing falls in between
+        # before the backlog read, so nothing falls in between
+        queue = self._queue = await hub.subscribe(lease=lease, changes=changes)
         sent_up_to = ""
         ev: dict[str, Any] | None
         try:

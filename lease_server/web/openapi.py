@@ -882,14 +882,15 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "/api/v1/events": {
             "get": _op(
                 "Live event stream (server-sent events); resumes after Last-Event-ID or ?since=; "
-                "?lease=ID: only that lease's events",
+                "?lease=ID: only that lease's events; ?changes=true: one `changed` event for many (at most one "
+                "every 0.5 s), for a view that refetches. 400: lease and changes together",
                 {
                     "description": "text/event-stream: each event's `event` is its type, `id` its id, `data` "
                     "the Event as JSON",
                     "content": {"text/event-stream": {"schema": _ref("ServerSentEvent")}},
                 },
                 429,
-                params=(v.SINCE, v.LAST_EVENT_ID, v.LEASE),
+                params=(v.SINCE, v.LAST_EVENT_ID, v.LEASE, v.CHANGES),
             )
         },
         "/api/v1/events/log": {
