@@ -6,8 +6,8 @@
 A real redis-server and lease server (2 worker processes, as scale_bench.py starts them). Every
 follower is a ``GET /api/v1/events`` stream, as a JupyterLab's board and status bar keep one open:
 they are spread over 100 users (30 each, within ``max_streams_per_user``) and over the server's
-workers by the kernel. Then one user makes ``--pairs`` acquire + release pairs, one at a time, 50 ms
-apart; each pair is two events (``grant``, ``released``). Three phases in one run:
+workers by the kernel. Then one user makes ``--pairs`` acquire + release pairs, one at a time, ``--gap-ms``
+(50) ms apart; each pair is two events (``grant``, ``released``). Three phases in one run:
 
 base     one follower of every event (the baseline);
 every    all the followers read every event (what each Lab's board read until it asked for changes);
@@ -104,7 +104,13 @@ async def follow(url: str, token: str, marks: dict[str, float], arrivals: list[f
 
 
 async def phase(
-    url: str, tokens: dict[str, str], followers: int, pairs: int, server_pid: int, changes: bool = False
+    url: str,
+    tokens: dict[str, str],
+    followers: int,
+    pairs: int,
+    server_pid: int,
+    changes: bool = False,
+    gap_s: float = 0.05,
 ) -> dict[str, Any]:
     marks: dict[str, float] = {}
     arrivals: list[float] = []
@@ -131,7 +137,7 @@ async def phase(
             lease = await asyncio.to_thread(c.acquire, 1, None, None, 0, "fanout", "", None, request_id=rid)
             last = time.time()  # (the release's event comes after this)
             await asyncio.to_thread(c.release, lease)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(gap_s)
         want = 2 * pairs * followers
         deadline = time.monotonic() + 120
 
@@ -161,6 +167,8 @@ async def phase(
         "server_cpu_ms_per_event": round(1000 * cpu / events, 2),
         "server_cpu_us_per_delivery": round(1e6 * cpu / max(1, delivered), 1),
         "wall_s": round(wall, 2),
+        "events_per_s": round(events / wall, 1),
+        "server_cpu_per_s": round(cpu / wall, 2),
         "per_follower": round(delivered / followers, 2),
         "all_current": all(n[0] >= last for n in newest) if changes else delivered >= 2 * pairs * followers,
     }
@@ -190,12 +198,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             assert server.proc is not None
             for name, n, changes in (("base", 1, False), ("fanout", args.followers, False),
                                      ("changes", args.followers, True)):  # fmt: skip
-                got = await phase(server.url, tokens, n, args.pairs, server.proc.pid, changes)
+                got = await phase(server.url, tokens, n, args.pairs, server.proc.pid, changes, args.gap_ms / 1000)
                 what = "`changed` events" if changes else "deliveries"
                 say(
                     f"{name}: {n} follower(s): {got['delivered']} {what} ({got['per_follower']} each) for "
                     f"{2 * args.pairs} events; delay p50 {got['delivery_p50_ms']} ms, p99 {got['delivery_p99_ms']} ms; "
-                    f"server CPU {got['server_cpu_ms_per_event']} ms an event; all current: {got['all_current']}"
+                    f"server CPU {got['server_cpu_ms_per_event']} ms an event ({got['events_per_s']} events/s, "
+                    f"{got['server_cpu_per_s']} s of CPU a second); all current: {got['all_current']}"
                 )
                 out[name] = got
             beat.cancel()
@@ -234,6 +243,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--followers", type=int, default=3000)
     ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--gap-ms", type=float, default=50.0, help="pause between two pairs (ms)")
     args = ap.parse_args()
     print(_common.json_line(asyncio.run(main_async(args))))
 

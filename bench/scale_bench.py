@@ -38,6 +38,9 @@ scale_recall_ratio    the same for an acquire that evicts (recall phase)        
 scale_renew_ratio, scale_warm_ratio, scale_drained_ratio   (no target) renew, warm, drained
 scale_grant_p99_ms    POST latency p99 of the open-loop grants at the large size, counted from each
                       request's scheduled send time                               (target <= 20)
+scale_probe_p99_ms    (no target) the baseline of the grant's p99: GET /whoami (authenticated, no
+                      script) arriving open-loop at the same rate in the same window, timed the same
+                      way; scale_grant_over_probe_p99 is the grant's p99 over it
 scale_idle_agent_rpm  drain-channel requests per idle node per minute at the large size: what an
                       agent sends beyond its heartbeats and samples               (target <= 2)
 idle_agent_total_rpm  (no target) all of an idle agent's requests per minute, heartbeats and
@@ -652,14 +655,30 @@ class Size:
             if status == 201:
                 await self._release(http, got)
 
+        # The baseline in the same window: GET /whoami (authenticated, one token lookup, no script)
+        # arriving open-loop at the same rate, timed the same way. What it takes is what any request
+        # takes on this machine under this load (the server's loop, the agents' traffic, this
+        # process's own loop): the part of the grant's tail that no grant could avoid.
+        probe_lat: list[float] = []
+        user0 = self._user()
+
+        async def probe(t_sched: float) -> None:
+            await http.call("GET", f"{API}/whoami", self.tok[user0])
+            probe_lat.append(pc() - t_sched)
+
         tasks = []
-        start = t = pc()
-        while True:
-            t += rng.expovariate(rate)
-            if t >= start + dur:
-                break
+        start = pc()
+        arrivals = []
+        for kind, seed in ((one, SEED), (probe, SEED + 1)):
+            t, r_k = start, random.Random(seed)
+            while True:
+                t += r_k.expovariate(rate)
+                if t >= start + dur:
+                    break
+                arrivals.append((t, kind))
+        for t, kind in sorted(arrivals, key=lambda a: a[0]):
             await asyncio.sleep(max(0.0, t - pc()))
-            tasks.append(asyncio.create_task(one(t)))
+            tasks.append(asyncio.create_task(kind(t)))
         await asyncio.gather(*tasks, return_exceptions=True)
         for w in waiters:
             w.cancel()
@@ -669,6 +688,8 @@ class Size:
         self.fig["open_statuses"] = {str(k): v for k, v in statuses.items()}
         self.fig["grant_p50_ms"] = pct(lat, 50) * 1e3
         self.fig["grant_p99_ms"] = pct(lat, 99) * 1e3
+        self.fig["probe_p50_ms"] = pct(probe_lat, 50) * 1e3
+        self.fig["probe_p99_ms"] = pct(probe_lat, 99) * 1e3
 
 
 async def run_size(gpus: int, p: dict[str, Any]) -> dict[str, Any]:
@@ -756,6 +777,8 @@ def main() -> None:
     out["scale_release_ratio"] = ratio("churn:release")
     out["scale_recall_ratio"] = ratio("recall:acquire")
     out["scale_grant_p99_ms"] = big.get("grant_p99_ms", float("nan"))
+    out["scale_probe_p99_ms"] = big.get("probe_p99_ms", float("nan"))
+    out["scale_grant_over_probe_p99"] = out["scale_grant_p99_ms"] / out["scale_probe_p99_ms"]
     out["scale_idle_agent_rpm"] = big.get("idle_agent_rpm", float("nan"))
     out["scale_renew_ratio"] = ratio("renew:renew")
     out["scale_warm_ratio"] = ratio("warm:warm")
@@ -809,6 +832,11 @@ def main() -> None:
         f"  scale_grant_p99_ms       {g99:7.1f}  {verdict('scale_grant_p99_ms', g99)}  (p50 "
         f"{big.get('grant_p50_ms', nan):.1f} ms at {big.get('open_rate', nan):g}/s, {big.get('queued')} waiting; "
         f"baseline p99 {base.get('grant_p99_ms', nan):.1f} ms at {base.get('open_rate', nan):g}/s)"
+    )
+    say(
+        f"  scale_probe_p99_ms       {out['scale_probe_p99_ms']:7.1f}  (no target: GET /whoami, open loop at the same "
+        f"rate in the same window; p50 {big.get('probe_p50_ms', nan):.1f} ms; grant p99 / this "
+        f"{out['scale_grant_over_probe_p99']:.2f})"
     )
     total_rpm = big.get("idle_agent_total_rpm", nan)
     say(f"  scale_idle_agent_rpm     {rpm:7.2f}  {verdict('scale_idle_agent_rpm', rpm)}  (all: {total_rpm:.1f}/min)")

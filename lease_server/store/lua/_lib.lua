@@ -179,7 +179,11 @@ local function set_free(node, pool, list, old_count)
   if old_count == nil then old_count = #decode_list(redis.call('HGET', K_FREE, node)) end
   table.sort(list)
   redis.call('HSET', K_FREE, node, encode_list(list))
-  if fit_drop(pool, node, old_count) then fit_put(pool, node, #list) end
+  -- (fit_drop then fit_put, with the pool's sum moved once, by the difference: on every grant and release)
+  if #list ~= old_count and redis.call('ZREM', K_FIT, fit_member(pool, node, old_count)) == 1 then
+    redis.call('ZADD', K_FIT, 0, fit_member(pool, node, #list))
+    redis.call('HINCRBY', K_POOL_FREE, pool, #list - old_count)
+  end
   -- GPUs freed: a warm eviction that found no node for n GPUs a moment ago (evict_miss in
   -- _lib_recall.lua), or a queue found blocked whose smallest request needs n (pool|~blocked,
   -- dispatch), may be served on this node now if its free and warm GPUs reach n: forget the memo,
