@@ -92,6 +92,59 @@ def test_readers_share_one_read_and_never_see_a_view_older_than_their_request(sr
     asyncio.run(main())
 
 
+def test_a_change_reads_again_only_the_nodes_it_touched(server_factory: Any) -> None:
+    """Between two reads of the whole cluster, a snapshot is the last one with the nodes that the
+    events since name read again (refreshed_view): after every kind of change it equals a whole
+    read, the other nodes are the very same objects, and a booking makes the next read whole."""
+    srv = server_factory("a1=2xA100-80GB,a2=2xA100-80GB,t1=2xT4-16GB", scheduling={"A100-80GB": {"share": True}})
+    alice, bob = srv.client("alice"), srv.client("bob")
+
+    async def main() -> None:
+        r = connect(srv.settings.redis_url)
+        engine = Engine(r, srv.settings)
+        views = ClusterViews(engine, max_age_s=60, whole_every_s=600)  # events alone decide here
+        try:
+            first = await views.get()
+            assert views.whole_reads == 1
+
+            async def same_as_a_whole_read(touched: set[str]) -> None:
+                snap = await views.get()
+                whole = await cluster_view(engine)
+                assert snap.view["as_of_event"] == whole["as_of_event"]
+                assert [n["gpus"] for n in snap.view["nodes"]] == [n["gpus"] for n in whole["nodes"]]
+                assert [n["state"] for n in snap.view["nodes"]] == [n["state"] for n in whole["nodes"]]
+                assert snap.view["pools"] == whole["pools"]
+                for before, now in zip(first.view["nodes"], snap.view["nodes"], strict=True):
+                    assert (before is now) == (now["name"] not in touched), now["name"]
+                for user in ("alice", "bob"):  # the users' leases follow too (GET /leases)
+                    found = set()
+                    for n in whole["nodes"]:
+                        for g in n["gpus"]:
+                            if (g.get("lease") or {}).get("user") == user:
+                                found.add(g["lease"]["id"])
+                            found |= {sl["lease"] for sl in g.get("slices") or () if sl["user"] == user}
+                    assert snap.lease_ids_of(user) == sorted(found)
+
+            t4 = await asyncio.to_thread(alice.acquire, 1, "T4-16GB", ttl=60)
+            await same_as_a_whole_read({"t1"})
+            await asyncio.to_thread(alice.warm, t4)
+            await same_as_a_whole_read({"t1"})
+            piece = await asyncio.to_thread(bob.acquire, 1, "A100-80GB", gpu_mem="10GB", ttl=60)
+            await same_as_a_whole_read({"t1", piece.node})
+            await asyncio.to_thread(alice.release, t4)
+            await asyncio.to_thread(bob.release, piece)
+            await same_as_a_whole_read({"t1", piece.node})
+            assert views.whole_reads == 1 and views.reads > 1
+            soon = time.time() + 3600
+            await asyncio.to_thread(alice.book, "T4-16GB", 1, soon, soon + 3600)
+            await views.get()
+            assert views.whole_reads == 2  # reserved marks span a pool: read whole
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_view_is_read_again_once_it_is_older_than_its_age(srv: ServerHandle) -> None:
     """What changes without an event (a GPU's samples, a heartbeat) shows within max_age_s."""
 
