@@ -870,9 +870,9 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "/api/v1/cluster": {
             "get": _op(
                 "Nodes and every GPU's state and holder, and every pool's counts; a page of the nodes with `pool`, "
-                "`after` and `limit`. Every reader of one server shares one read of the cluster, at most 1 s old "
-                "and never older than the newest event when the request came. 400: an unknown pool (the message "
-                "names the pools)",
+                "`after` and `limit`. Every reader of one server shares one view of the cluster, at most 1 s old "
+                "and never older than the newest event when the request came (GPU samples and heartbeats: at most "
+                "5 s old). 400: an unknown pool (the message names the pools)",
                 _json(_ref("Cluster"), "Cluster"),
                 400,
                 params=(v.CLUSTER_POOL, v.CLUSTER_AFTER, v.CLUSTER_LIMIT),
