@@ -272,6 +272,7 @@ class Client:
         cell: str = "",
         request_id: str | None = None,
         gpu_mem: str | int | float | None = None,
+        prefer_node: str | None = None,
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
 
@@ -289,6 +290,8 @@ class Client:
         Any exception or interrupt while queued withdraws the request (``DELETE`` of its id): no
         request is left queued, and a grant that raced ahead is released. ``request_id`` names the
         request (default: a fresh one), e.g. to ask ``estimate`` about it while it waits.
+        ``prefer_node``: take the GPUs on that node if it has them free when they are granted (whole
+        GPUs on one node; the node of a suspended worker), else wherever best fit puts them.
         """
         lid = request_id or self.new_request_id()
         mem_mb = None if gpu_mem is None else self.gpu_mem_mb(gpu_mem, pool)
@@ -306,6 +309,7 @@ class Client:
             cell=cell[:MAX_TEXT],
             priority=priority or "normal",
             gpu_mem_mb=mem_mb,
+            prefer_node=prefer_node or None,
         ).json()
         outcome: dict[str, Any] = {}  # "lease": Lease | "error": BaseException
 

@@ -356,11 +356,23 @@ class AcquireRequest(Request):
         ),
     ] = None
 
+    prefer_node: Annotated[
+        str | None,
+        Spec(
+            "A node to take the GPUs on if it has them free when they are granted (where the notebook's worker "
+            "was suspended to host: it is restored there, not started cold); else wherever best fit puts them. "
+            "Only for whole GPUs on one node",
+            f"prefer_node {NAME_MESSAGE}",
+            pattern=NAME_PATTERN,
+        ),
+    ] = None
+
     RULES = (
         "gpus_min above gpus",
         "nodes above 1 with gpus not a multiple of nodes, or with a gpus_min other than gpus",
         "gpu_mem_mb with nodes above 1 or gpus_min (k slices are one on each of k GPUs of one node)",
         "gpu_mem_mb in a pool that does not share, or above the memory of one of its GPUs",
+        "prefer_node with nodes above 1 or with gpu_mem_mb",
     )
 
     def rules(self) -> None:
@@ -368,6 +380,10 @@ class AcquireRequest(Request):
             raise errors.BadRequest(
                 "a slice (gpu_mem_mb) is part of one GPU, and gpus k slices on k GPUs of one node: send no nodes "
                 "or gpus_min, or drop gpu_mem_mb to lease whole GPUs"
+            )
+        if self.prefer_node is not None and (self.nodes != 1 or self.gpu_mem_mb is not None):
+            raise errors.BadRequest(
+                "prefer_node names one node for whole GPUs: send it without nodes and gpu_mem_mb, or drop it"
             )
         n, n_min, k = self.gpus, self.least, self.nodes
         if n_min > n:

@@ -118,10 +118,13 @@ class Grant:
         rid: str,
         cancel: Cancel | None = None,
         relay: Relay | None = None,
+        prefer_node: str = "",
     ) -> Grant:
         """Acquire, showing the queue; Stop or any error while queued withdraws the request.
         With ``cancel`` (a sweep's trial), the queue is not polled: ``ui`` hears one Waiting
-        (position None) as the request is sent, and a cancel withdraws it (KeyboardInterrupt)."""
+        (position None) as the request is sent, and a cancel withdraws it (KeyboardInterrupt).
+        ``prefer_node``: the node of the notebook's suspended worker, asked for when it has the GPUs
+        free (whole GPUs on one node only)."""
         assert opts.gpus is not None and opts.wait is not None
         if opts.gpus == 0 and not cpu_pool:
             return cls(sess, None, cpu=True)
@@ -167,6 +170,8 @@ class Grant:
         )
         if mem_mb is not None:
             ask["gpu_mem"] = mem_mb
+        elif prefer_node and not cpu and (opts.nodes or 1) == 1:
+            ask["prefer_node"] = prefer_node
         try:
             if cancel is None:
                 lease = client.acquire(progress=progress, **ask)

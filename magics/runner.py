@@ -345,7 +345,9 @@ class _Run:
                 cpu_pool = sess.client().request("GET", protocol.INFO).get("cpu_pool") if opts.gpus == 0 else None
                 self.auto = slices.is_auto(opts.gpu_mem)
                 self.opts = opts = _auto_size(sess, opts)
-                self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay)
+                # a suspended worker can be restored only on its own node: asked for, where it has the GPUs free
+                prefer = self.resume.lease.node if self.resume is not None else ""
+                self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay, prefer)
                 self.world = self.grant.world()
                 gone = self._resume_on(self.grant) or gone
         except KeyboardInterrupt:

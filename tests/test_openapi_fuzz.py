@@ -56,6 +56,7 @@ RULES: dict[str, tuple[str, ...]] = {
         r"a slice \(gpu_mem_mb\) is part of one GPU",
         r"does not share its GPUs, so it takes no slice",
         r"is more than one GPU of pool .* has",
+        r"prefer_node names one node for whole GPUs",
     ),
     "POST /api/v1/bookings": BOOKING_RULES,
     "PATCH /api/v1/bookings/{booking_id}": (*BOOKING_RULES, r"nothing to change"),

@@ -236,3 +236,32 @@ def test_without_a_driver_the_node_says_why_it_does_not_suspend() -> None:
     assert "no CUDA driver" in str(CudaCheckpoint.probe("libcuda-that-is-not-here.so"))
     assert isinstance(detect("auto", nvml_node=False), Simulated)
     assert detect("off", nvml_node=False) == "off (suspend = off)"
+
+
+def test_a_request_takes_its_preferred_node_where_it_has_the_gpus_free(server_factory: Any) -> None:
+    """prefer_node (what the magic sends for a suspended worker's next cell, which can be restored
+    only on its own node): taken where it has the GPUs free, else best fit as for anyone, in the
+    queue too; never for a gang or a slice (400, nothing changed)."""
+    srv = server_factory(simulate="a1=2xA100-80GB,a2=4xA100-80GB,t1=1xT4-16GB")
+    alice = srv.client("alice")
+    assert alice.acquire(1, "A100-80GB", ttl=60).node == "a1"  # best fit: the smaller node
+    there = alice.acquire(1, "A100-80GB", ttl=60, prefer_node="a2")
+    assert there.node == "a2"  # a1 has one free, and best fit would put it there
+    too_few = alice.acquire(3, "A100-80GB", ttl=60, prefer_node="a1")  # a1 has 0 free now: best fit
+    assert too_few.node == "a2"
+    other_pool = alice.acquire(1, "T4-16GB", ttl=60, prefer_node="a1")  # a node of another pool: no matter
+    assert other_pool.node == "t1"
+    assert alice.acquire(1, "A100-80GB", ttl=60, prefer_node="gone").node == "a1"  # no such node: best fit
+    for body in ({"gpus": 2, "nodes": 2, "prefer_node": "a2"}, {"gpus": 1, "gpu_mem_mb": 1024, "prefer_node": "a2"}):
+        resp = httpx.post(
+            f"{srv.url}/api/v1/leases", json=body, headers={"Authorization": f"Bearer {srv.token('alice')}"}
+        )
+        assert resp.status_code == 400 and "prefer_node names one node" in resp.json()["message"], resp.text
+    for bad in ("no such node!", "x" * 300):
+        resp = httpx.post(
+            f"{srv.url}/api/v1/leases",
+            json={"gpus": 1, "prefer_node": bad},
+            headers={"Authorization": f"Bearer {srv.token('alice')}"},
+        )
+        assert resp.status_code == 400 and "prefer_node" in resp.json()["message"], resp.text
+    assert len(alice.leases()) == 5  # the refused requests changed nothing

@@ -302,6 +302,7 @@ class LeaseStore:
                 nodes=request.nodes,
                 max_queued=s.max_queued_per_user,
                 gpu_mem_mb=request.gpu_mem_mb or 0,
+                prefer_node=request.prefer_node or "",
                 **{name: getattr(request, name) for name in Acquire.TEXT},
             )
             try:

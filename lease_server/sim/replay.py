@@ -368,6 +368,14 @@ class _Replay:
         self.free[node] = k + g
         self.by_free[k + g].add(node)
 
+    def _place(self, c: int) -> str | None:
+        """Where acquire.lua puts cell ``c`` when nobody waits: the node of its session's suspended
+        worker if that has the GPUs free (allocate_preferred), else best fit."""
+        g, prefer = self.cell_gpus[c], self.restore_of.get(c)
+        if prefer is not None and self.free[prefer] >= g:
+            return prefer
+        return self._best_fit(g)
+
     def _best_fit(self, g: int) -> str | None:
         by_free = self.by_free
         if not self.warm_of:
@@ -405,6 +413,7 @@ class _Replay:
             session=f"s{self.session[c]}",
             teams=self.teams[u],
             max_queued=2**31 - 1,  # a replay models scheduling, not the server's guard against floods
+            prefer_node=self.restore_of.get(c, ""),  # (its session's suspended worker's node, as the magic asks)
         )
         return _pack(call.argv())
 
@@ -605,7 +614,7 @@ class _Replay:
                         cmds.append(rel.pack(now, self._release_args(c0, lease_id)))
                         plan.append((_REL, c0, t))
                         self._give(node_of[c0], cell_gpus[c0])
-                    node = self._best_fit(cell_gpus[c]) if speculate else None
+                    node = self._place(c) if speculate else None
                     if node is not None:
                         self._take(node, cell_gpus[c])
                         self._granted(c, t, node, 0)

@@ -423,6 +423,7 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
     cell: str = ""
     max_queued: int = 256  # the most requests one user may have waiting in the queue
     gpu_mem_mb: int = 0  # a slice: MB of one GPU's memory (0: whole GPUs)
+    prefer_node: str = ""  # a node to take the GPUs on if it has them free ("": best fit alone)
 
     def argv(self) -> list[Any]:
         out = super().argv()

@@ -65,9 +65,32 @@ local function count_held(lease, sign)
   end
 end
 
+-- The node the request prefers (w.prefer: the node of its notebook's worker suspended to host,
+-- which can be restored only there), if it is up in the pool with enough GPUs free now: its free
+-- GPUs, as allocate() answers; else nil, and best fit chooses as for anyone. Only free GPUs: a
+-- preference evicts and waits for nothing.
+local function allocate_preferred(w, pool, exclude)
+  local node = w.prefer
+  if not node or node == '' or node == exclude then return nil end
+  local raw = redis.call('HGET', K_FREE, node)
+  if not raw then return nil end
+  local free = decode_list(raw)
+  if #free < (w.gpus_min or w.gpus) or not redis.call('ZSCORE', K_FIT, fit_member(pool, node, #free)) then
+    return nil  -- too few free, or down, or of another pool
+  end
+  if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') < NOW then return nil end
+  local taken, rest = {}, {}
+  for i, idx in ipairs(free) do
+    if i <= w.gpus then taken[#taken + 1] = idx else rest[#rest + 1] = idx end
+  end
+  return node, taken, rest, #free
+end
+
 -- An elastic request (gpus_min < gpus) takes as many as one up node has free now, between its
--- minimum and maximum; any other request exactly its count.
+-- minimum and maximum; any other request exactly its count. A preferred node first.
 local function allocate_for(w, pool, exclude)
+  local pnode, ptaken, prest, pcount = allocate_preferred(w, pool, exclude)
+  if pnode then return pnode, ptaken, prest, pcount end
   local lo = w.gpus_min or w.gpus
   if lo >= w.gpus then return allocate(pool, w.gpus, exclude) end
   for _, m in ipairs(redis.call('ZREVRANGEBYLEX', K_FIT, '(' .. pool .. '|~', '[' .. pool .. '|', 'LIMIT', 0, 2)) do

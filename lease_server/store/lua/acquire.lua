@@ -12,6 +12,8 @@
 --            beyond it is refused: {LIMIT, requests the user has queued})
 -- ARGV[21] = a slice: MB of one GPU's memory (0 or "": whole GPUs). Only in a pool that shares
 --            (sched_of(pool).share), with gpus = 1; rounded up to the pool's slice_unit_mb
+-- ARGV[22] = a node to take the GPUs on if it has them free (allocate_preferred; "": none). Only for
+--            whole GPUs on one node
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {DUPLICATE} | {LIMIT, queued} |
@@ -33,6 +35,7 @@ local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label =
            session = ARGV[13], teams = ARGV[14] or '', enqueued_at = NOW, deadline = NOW + wait_ms,
            notebook = ARGV[18] or '', cell = ARGV[19] or '',
            priority = priority, gpus_min = n_min, nodes = n_nodes}
+if (ARGV[22] or '') ~= '' then w.prefer = ARGV[22] end
 
 -- A slice: refused (changing nothing) unless the pool shares and one of its GPUs has that much
 -- memory; its size is rounded up to the pool's unit (at most the whole GPU's memory).
