@@ -614,6 +614,7 @@ class _Replay:
                         cmds.append(rel.pack(now, self._release_args(c0, lease_id)))
                         plan.append((_REL, c0, t))
                         self._give(node_of[c0], cell_gpus[c0])
+                    args = self._acquire_args(c)  # (before _granted: its preferred node is this cell's until then)
                     node = self._place(c) if speculate else None
                     if node is not None:
                         self._take(node, cell_gpus[c])
@@ -626,7 +627,7 @@ class _Replay:
                             marked = True
                         speculate = False  # the rest of this instant depends on dispatch
                         plan.append((_ACQ, c, t))
-                    cmds.append(acq.pack(now, self._acquire_args(c)))
+                    cmds.append(acq.pack(now, args))
                 stop = not speculate or len(cmds) >= WINDOW
             if not cmds:
                 continue  # only releases of revoked runs were due (or nothing is left)
