@@ -35,6 +35,9 @@ scale_acquire_ratio   Redis us per acquire (churn: granted at once) at the large
                                                                                   (target <= 1.2)
 scale_release_ratio   the same for release                                        (target <= 1.2)
 scale_recall_ratio    the same for an acquire that evicts (recall phase)          (target <= 1.5)
+scale_acquire_ratio_quiet, scale_release_ratio_quiet   (no target of their own) the same pairs with
+                      the agents' heartbeats and samples paused (quiet phase): the scripts' own
+                      cost, without 1,250 agents' traffic competing for the cores
 scale_renew_ratio, scale_warm_ratio, scale_drained_ratio   (no target) renew, warm, drained
 scale_grant_p99_ms    POST latency p99 of the open-loop grants at the large size, counted from each
                       request's scheduled send time                               (target <= 20)
@@ -170,6 +173,8 @@ class Agents:
         self.tasks: list[asyncio.Task[None]] = []
         self.poll_s = 0.5  # the drain poll period where the server has no long-poll
         self.slow = 1.0  # heartbeats and samples this many times less often than the real agent's
+        self.go = asyncio.Event()  # cleared: heartbeats and samples pause (the quiet phase)
+        self.go.set()
 
     def start(self) -> None:
         rng = random.Random(SEED)
@@ -191,6 +196,9 @@ class Agents:
         path = f"{API}/nodes/{node}/{kind}"
         nxt = time.monotonic()
         while True:
+            if not self.go.is_set():
+                await self.go.wait()
+                nxt = max(nxt, time.monotonic())
             try:
                 body = {"gpus": self.samples[node]} if kind == "samples" else None
                 status, _ = await self.http.call("POST", path, self.tokens[node], body)
@@ -357,6 +365,16 @@ class Size:
                 self.fig["server_cpu_us_per_grant"] = (cpu1 - cpu0) / max(1, pairs) * 1e6
                 await self._renew(http)
                 self._take("renew", await slowlog_read(r))
+            with section(self.fig, "quiet", timed=True):
+                # The same pairs with the agents' heartbeats and samples paused: what the scripts
+                # themselves cost at this size, without 1,250 agents' traffic on the same 2 cores
+                # (which descheduled Redis mid-script and counted against the large size alone).
+                agents.go.clear()
+                await asyncio.sleep(1.0)  # (the requests in flight answered)
+                await slowlog_reset(r)
+                await self._churn(http, "quiet_pairs_ok")
+                self._take("quiet", await slowlog_read(r))
+                agents.go.set()
             with section(self.fig, "board", timed=True):
                 await self._board(http, server)
             with section(self.fig, "recall", timed=True):
@@ -484,7 +502,7 @@ class Size:
             lease["_warm"] = True
         return status == 200
 
-    async def _churn(self, http: Http) -> int:
+    async def _churn(self, http: Http, name: str = "churn_pairs_ok") -> int:
         async def pair() -> bool:
             status, got = await self._acquire(http, self._user(), self.rng.choice(self.pools), 1)
             if status != 201:
@@ -495,7 +513,7 @@ class Size:
         # measure the same thing, a grant, not a refusal.
         res = await gather_limited(1, [pair() for _ in range(self.p["pairs"])])
         ok = sum(1 for x in res if x is True)
-        self.fig["churn_pairs_ok"] = ok
+        self.fig[name] = ok
         return ok
 
     async def _renew(self, http: Http) -> None:
@@ -776,6 +794,8 @@ def main() -> None:
     out["scale_acquire_ratio"] = ratio("churn:acquire")
     out["scale_release_ratio"] = ratio("churn:release")
     out["scale_recall_ratio"] = ratio("recall:acquire")
+    out["scale_acquire_ratio_quiet"] = ratio("quiet:acquire")
+    out["scale_release_ratio_quiet"] = ratio("quiet:release")
     out["scale_grant_p99_ms"] = big.get("grant_p99_ms", float("nan"))
     out["scale_probe_p99_ms"] = big.get("probe_p99_ms", float("nan"))
     out["scale_grant_over_probe_p99"] = out["scale_grant_p99_ms"] / out["scale_probe_p99_ms"]
@@ -823,6 +843,9 @@ def main() -> None:
     for name in ("acquire", "release", "recall"):
         k = f"scale_{name}_ratio"
         say(f"  {k:24s} {out[k]:7.2f}  {verdict(k, out[k])}")
+    for name in ("acquire", "release"):
+        k = f"scale_{name}_ratio_quiet"
+        say(f"  {k:24s} {out[k]:7.2f}  (the same, agents paused: the scripts' own cost)")
     for name in ("renew", "warm", "drained"):
         k = f"scale_{name}_ratio"
         say(f"  {k:24s} {out[k]:7.2f}  (no target)")
