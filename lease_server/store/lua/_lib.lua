@@ -274,11 +274,19 @@ local function allocate(pool, n, exclude)
   for _ = 1, 64 do
     local members = redis.call('ZRANGEBYLEX', K_FIT, lo, hi, 'LIMIT', 0, warm and 16 or 2)
     local node, best
+    local cands, counts, fields = {}, {}, {}
     for _, m in ipairs(members) do
       local cnt, cand = string.match(m, '^[^|]+|(%d+)|(.+)$')
       if cand ~= exclude then
         if not warm then node = cand; break end
-        local k = tonumber(cnt) + tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~warm@' .. cand) or '0')
+        cands[#cands + 1], counts[#counts + 1] = cand, tonumber(cnt)
+        fields[#fields + 1] = pool .. '|~warm@' .. cand
+      end
+    end
+    if #fields > 0 then  -- the candidates' warm GPUs in one read
+      local held = redis.call('HMGET', K_HELD_BY, unpack(fields))
+      for i, cand in ipairs(cands) do
+        local k = counts[i] + tonumber(held[i] or '0')
         if not best or k < best then node, best = cand, k end
       end
     end
