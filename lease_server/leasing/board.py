@@ -252,9 +252,9 @@ MAX_INCREMENT = 256  # events since a view beyond which it is read whole again
 MAX_INCREMENT_NODES = 64  # nodes to read again beyond which it is read whole again
 
 
-def _touched(events: list[dict[str, Any]], where: dict[str, str]) -> set[str] | None:
-    """The nodes the events name, or hold a lease they name (``where``: lease id -> node in the
-    view they follow); None if one of them calls for a whole read."""
+def _touched(events: list[dict[str, Any]], where: dict[str, set[str]]) -> set[str] | None:
+    """The nodes the events name, or hold a lease they name (``where``: lease id -> its nodes in the
+    view they follow, a gang's all of them); None if one of them calls for a whole read."""
     out: set[str] = set()
     for ev in events:
         if ev.get("type") in WHOLE_AFTER:
@@ -262,7 +262,7 @@ def _touched(events: list[dict[str, Any]], where: dict[str, str]) -> set[str] | 
         out |= event_nodes(ev)
         lease = ev.get("lease")
         if isinstance(lease, str) and lease in where:
-            out.add(where[lease])
+            out |= where[lease]
     return out
 
 
@@ -319,7 +319,7 @@ async def _read_nodes(engine: Engine, view: dict[str, Any], names: list[str]) ->
         # again unless none of it names these nodes or leases.
         between: Any = await r.xrange(k.events, f"({_event_id(first)}", _event_id(second), count=MAX_INCREMENT)
         evs = [parse_entry(i, f) for i, f in between]
-        touched = _touched(evs, {lid: "" for lid in ids})
+        touched = _touched(evs, {lid: {""} for lid in ids})
         if len(evs) >= MAX_INCREMENT or touched is None or touched & set(names) or "" in touched:
             return None
     await _with_memory(engine, leases)
@@ -349,11 +349,13 @@ async def refreshed_view(engine: Engine, view: dict[str, Any]) -> dict[str, Any]
     if any(c.get("reserved") for c in view["pools"].values()):
         return None
     r, k = engine.redis, engine.keys
-    where = {g["lease"]["id"]: n["name"] for n in view["nodes"] for g in n["gpus"] if g.get("lease") is not None}
+    where: dict[str, set[str]] = {}
     for n in view["nodes"]:
         for g in n["gpus"]:
+            if g.get("lease") is not None:
+                where.setdefault(g["lease"]["id"], set()).add(n["name"])
             for sl in g.get("slices") or ():
-                where[sl["lease"]] = n["name"]
+                where.setdefault(sl["lease"], set()).add(n["name"])
     known = {n["name"] for n in view["nodes"]}
     names: set[str] = set()
     seen = view["as_of_event"]  # every event up to here is looked at
