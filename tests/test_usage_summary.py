@@ -442,3 +442,45 @@ def test_the_balance_says_quota_left_fair_share_place_and_next_wait(server_facto
         (new,) = cy.get(f"{API}/usage/balance").json()["pools"]
         assert new["fair_share"] == {"rank": 1, "of": 3, "usage_gpu_s": 0.0}
         assert_error(ann.get(f"{API}/usage/balance", params={"pool": "H100"}), 400, "bad_request", "A100-80GB")
+
+
+def test_get_usage_reads_the_ledger_a_slice_at_a_time_and_sums_the_same(
+    server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /usage sums the ledger a slice at a time (usage.summarize_ledger: the loop serves others
+    between two reads, and each read counts against the token's budget): across slice boundaries,
+    and with a pool, the rows are those of the whole range summed at once."""
+    from lease_server.store.engine import Engine, connect
+
+    srv = server_factory("a1=2xA100-80GB,t1=1xT4-16GB")
+    alice, bob = srv.client("alice"), srv.client("bob")
+    for i in range(4):
+        alice.release(alice.acquire(1, "A100-80GB", ttl=60, label=f"a{i}"))
+        bob.release(bob.acquire(1, "T4-16GB" if i % 2 else "A100-80GB", ttl=60))
+    monkeypatch.setattr(usage, "LEDGER_SLICE", 3)
+    now = int(time.time() * 1000)
+
+    async def main_() -> None:
+        r = connect(srv.settings.redis_url)
+        engine = Engine(r, srv.settings)
+        try:
+            everything = await usage.ledger(engine, now - 3_600_000, now + 60_000)
+            assert len(everything) == 8
+            for by in ("user", "pool", "team", "notebook"):
+                pages: list[int] = []
+
+                async def page(n: int, pages: list[int] = pages) -> None:
+                    pages.append(n)
+
+                acc = await usage.summarize_ledger(engine, now - 3_600_000, now + 60_000, by, on_page=page)
+                assert acc.rows() == usage.summarize(everything, by) and acc.calls == 8
+                assert pages == [3, 3, 2]  # three reads of at most 3 lines
+            t4 = await usage.summarize_ledger(engine, now - 3_600_000, now + 60_000, "user", pool="T4-16GB")
+            assert t4.calls == 2 and [row["user"] for row in t4.rows()] == ["bob"]
+        finally:
+            await r.aclose()
+
+    asyncio.run(main_())
+    got = alice.request("GET", "/api/v1/usage")  # (the server's own slices)
+    rows = {row["user"]: row for row in got["rows"]}
+    assert got["calls"] == 8 and rows["alice"]["calls"] == 4 and rows["bob"]["calls"] == 4

@@ -16,7 +16,7 @@ import json
 import math
 import statistics
 import time
-from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import errors
@@ -33,6 +33,9 @@ MAX_SUMMARY_DAYS = rollup.KEEP_DAYS  # the longest range a summary covers: what 
 NO_TEAM = "(no team)"
 
 
+LEDGER_SLICE = 1000  # ledger lines read (and decoded) between two returns to the event loop
+
+
 async def ledger(engine: Engine, lo_ms: int, hi_ms: int, limit: int = 200_000) -> list[dict[str, Any]]:
     """Ledger entries of leases that ended in [lo, hi), oldest first."""
     rows: Any = await engine.redis.xrange(engine.keys.ledger, f"{lo_ms}-0", f"{max(lo_ms, hi_ms - 1)}", count=limit)
@@ -45,41 +48,97 @@ def _gpu_s(entry: dict[str, Any]) -> float:
     return float(entry.get("gpu_s", entry["held_s"] * entry["gpus"]))
 
 
+class Summary:
+    """Per ``by`` (user, team, pool or notebook), added up one ledger line at a time: calls,
+    GPU-hours held and charged, utilization (GPU-time weighted, over the leases the agent sampled),
+    peak memory, median wait, revoked calls. Only the waits are kept per line (for the median)."""
+
+    def __init__(self, by: str = "user") -> None:
+        self.by = by
+        self.calls = 0
+        self._groups: dict[str, dict[str, Any]] = {}
+
+    def _keys(self, e: dict[str, Any]) -> list[str]:
+        if self.by == "team":
+            return [t for t in (e.get("teams") or "").split(",") if t] or ["(no team)"]
+        if self.by == "notebook":
+            return [e.get("notebook") or e.get("session") or "(none)"]
+        return [e[self.by]]
+
+    def add(self, e: dict[str, Any]) -> None:
+        self.calls += 1
+        gpu_s = _gpu_s(e)
+        for key in self._keys(e):
+            g = self._groups.get(key)
+            if g is None:
+                g = self._groups[key] = {
+                    "calls": 0, "gpu_s": 0.0, "charged_s": 0.0, "sampled_s": 0.0, "util_s": 0.0,
+                    "peak": None, "waits": [], "revoked": 0,
+                }  # fmt: skip
+            g["calls"] += 1
+            g["gpu_s"] += gpu_s
+            g["charged_s"] += e.get("charged_gpu_s", 0)
+            if e.get("util_mean") is not None:
+                g["sampled_s"] += gpu_s
+                g["util_s"] += e["util_mean"] * gpu_s
+            if e.get("mem_peak_mb") is not None:
+                g["peak"] = e["mem_peak_mb"] if g["peak"] is None else max(g["peak"], e["mem_peak_mb"])
+            g["waits"].append(e.get("waited_s", 0))
+            g["revoked"] += e.get("state") == "revoked"
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for key, g in self._groups.items():
+            util = g["util_s"] / g["sampled_s"] if g["sampled_s"] else None
+            out.append(
+                {
+                    self.by: key,
+                    "calls": g["calls"],
+                    "gpu_hours": round(g["gpu_s"] / 3600, 4),
+                    "charged_gpu_hours": round(g["charged_s"] / 3600, 4),
+                    "util_mean": None if util is None else round(util, 1),
+                    "mem_peak_mb": g["peak"],
+                    "wait_p50_s": round(statistics.median(g["waits"]), 3),
+                    "revoked": g["revoked"],
+                }
+            )
+        out.sort(key=lambda row: -row["gpu_hours"])
+        return out
+
+
 def summarize(entries: list[dict[str, Any]], by: str = "user") -> list[dict[str, Any]]:
-    """Per ``by`` (user, team, pool or notebook): calls, GPU-hours held and charged, utilization
-    (GPU-time weighted, over the leases the agent sampled), median wait, revoked/preempted calls."""
-    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    """:class:`Summary` of ``entries``."""
+    acc = Summary(by)
     for e in entries:
-        if by == "team":
-            for team in [t for t in (e.get("teams") or "").split(",") if t] or ["(no team)"]:
-                groups[team].append(e)
-        elif by == "notebook":
-            groups[e.get("notebook") or e.get("session") or "(none)"].append(e)
-        else:
-            groups[e[by]].append(e)
-    out = []
-    for key, rows in groups.items():
-        gpu_s = sum(_gpu_s(r) for r in rows)
-        sampled = [r for r in rows if r.get("util_mean") is not None]
-        sampled_gpu_s = sum(_gpu_s(r) for r in sampled)
-        util = None
-        if sampled_gpu_s:
-            util = sum(r["util_mean"] * _gpu_s(r) for r in sampled) / sampled_gpu_s
-        peaks = [r["mem_peak_mb"] for r in rows if r.get("mem_peak_mb") is not None]
-        out.append(
-            {
-                by: key,
-                "calls": len(rows),
-                "gpu_hours": round(gpu_s / 3600, 4),
-                "charged_gpu_hours": round(sum(r.get("charged_gpu_s", 0) for r in rows) / 3600, 4),
-                "util_mean": None if util is None else round(util, 1),
-                "mem_peak_mb": max(peaks) if peaks else None,
-                "wait_p50_s": round(statistics.median(r.get("waited_s", 0) for r in rows), 3),
-                "revoked": sum(1 for r in rows if r.get("state") == "revoked"),
-            }
-        )
-    out.sort(key=lambda row: -row["gpu_hours"])
-    return out
+        acc.add(e)
+    return acc.rows()
+
+
+async def summarize_ledger(
+    engine: Engine,
+    lo_ms: int,
+    hi_ms: int,
+    by: str = "user",
+    pool: str | None = None,
+    on_page: Callable[[int], Awaitable[None]] | None = None,
+) -> Summary:
+    """:class:`Summary` of the ledger lines of leases that ended in [lo, hi) (of ``pool`` only, if
+    given), read ``LEDGER_SLICE`` at a time: the event loop serves others between two reads, and no
+    more than one slice is held at once, however long the range. ``on_page(n)`` is awaited after
+    each read of ``n`` lines (the API counts them against the token's read budget)."""
+    acc = Summary(by)
+    start, end = f"{lo_ms}-0", f"{max(lo_ms, hi_ms - 1)}"
+    while True:
+        rows: Any = await engine.redis.xrange(engine.keys.ledger, start, end, count=LEDGER_SLICE)
+        if on_page is not None:
+            await on_page(len(rows))
+        for _id, fields in rows:
+            e = json.loads(fields["data"])
+            if pool is None or e["pool"] == pool:
+                acc.add(e)
+        if len(rows) < LEDGER_SLICE:
+            return acc
+        start = f"({rows[-1][0]}"
 
 
 async def typical_duration(engine: Engine, pool: str, sample: int = 200) -> float:
