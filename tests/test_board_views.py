@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lease_server.leasing.board import ClusterViews, cluster_view
+from lease_server.leasing.board import ClusterViews, cluster_view, lease_nodes, node_index
 from lease_server.store.engine import Engine, connect
 from tests.conftest import ServerHandle
 
@@ -107,13 +107,20 @@ def test_a_change_reads_again_only_the_nodes_it_touched(server_factory: Any) -> 
             first = await views.get()
             assert views.whole_reads == 1
 
+            kept: list[Any] = []  # the last snapshot checked, and what it answered then
+
             async def same_as_a_whole_read(touched: set[str]) -> None:
                 snap = await views.get()
+                if kept:  # a newer snapshot leaves the older one as it was (readers may still hold it)
+                    old, ids, where = kept.pop()
+                    assert old is not snap
+                    assert {u: old.lease_ids_of(u) for u in ("alice", "bob")} == ids and old.where() == where
                 whole = await cluster_view(engine)
                 assert snap.view["as_of_event"] == whole["as_of_event"]
                 assert [n["gpus"] for n in snap.view["nodes"]] == [n["gpus"] for n in whole["nodes"]]
                 assert [n["state"] for n in snap.view["nodes"]] == [n["state"] for n in whole["nodes"]]
                 assert snap.view["pools"] == whole["pools"]
+                assert snap.where() == lease_nodes(whole) and snap.index() == node_index(whole)
                 for before, now in zip(first.view["nodes"], snap.view["nodes"], strict=True):
                     assert (before is now) == (now["name"] not in touched), now["name"]
                 for user in ("alice", "bob"):  # the users' leases follow too (GET /leases)
@@ -124,6 +131,7 @@ def test_a_change_reads_again_only_the_nodes_it_touched(server_factory: Any) -> 
                                 found.add(g["lease"]["id"])
                             found |= {sl["lease"] for sl in g.get("slices") or () if sl["user"] == user}
                     assert snap.lease_ids_of(user) == sorted(found)
+                kept.append((snap, {u: snap.lease_ids_of(u) for u in ("alice", "bob")}, dict(snap.where())))
 
             t4 = await asyncio.to_thread(alice.acquire, 1, "T4-16GB", ttl=60)
             await same_as_a_whole_read({"t1"})

@@ -8,6 +8,8 @@ import asyncio
 import bisect
 import json
 import time
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,7 +254,7 @@ MAX_INCREMENT = 256  # events since a view beyond which it is read whole again
 MAX_INCREMENT_NODES = 64  # nodes to read again beyond which it is read whole again
 
 
-def _touched(events: list[dict[str, Any]], where: dict[str, set[str]]) -> set[str] | None:
+def _touched(events: list[dict[str, Any]], where: Mapping[str, AbstractSet[str]]) -> set[str] | None:
     """The nodes the events name, or hold a lease they name (``where``: lease id -> its nodes in the
     view they follow, a gang's all of them); None if one of them calls for a whole read."""
     out: set[str] = set()
@@ -340,23 +342,46 @@ async def _read_nodes(engine: Engine, view: dict[str, Any], names: list[str]) ->
     )
 
 
-async def refreshed_view(engine: Engine, view: dict[str, Any]) -> dict[str, Any] | None:
+def _leases_on(node: dict[str, Any]) -> set[str]:
+    """The ids of the leases holding the node's GPUs and slices."""
+    out = {g["lease"]["id"] for g in node["gpus"] if g.get("lease") is not None}
+    for g in node["gpus"]:
+        out |= {sl["lease"] for sl in g.get("slices") or ()}
+    return out
+
+
+def lease_nodes(view: dict[str, Any]) -> dict[str, frozenset[str]]:
+    """Lease id -> the nodes of ``view`` it holds GPUs or slices on (a gang's all of them)."""
+    where: dict[str, set[str]] = {}
+    for n in view["nodes"]:
+        for lid in _leases_on(n):
+            where.setdefault(lid, set()).add(n["name"])
+    return {lid: frozenset(nodes) for lid, nodes in where.items()}
+
+
+def node_index(view: dict[str, Any]) -> dict[str, int]:
+    return {n["name"]: i for i, n in enumerate(view["nodes"])}
+
+
+async def refreshed_view(
+    engine: Engine,
+    view: dict[str, Any],
+    where: dict[str, frozenset[str]] | None = None,
+    index: dict[str, int] | None = None,
+) -> dict[str, Any] | None:
     """``view`` brought up to date by reading again only the nodes that the events since it name
     (or on which a lease they name is): a few keys, however large the cluster. None where it must
     be read whole: too many events or nodes, a node registered or changed, a booking event, a
     booking in force now or at the view (reserved marks span a pool), or changes that keep coming
-    between the read's two steps. The result holds every event up to its ``as_of_event``."""
+    between the read's two steps. The result holds every event up to its ``as_of_event``.
+    ``where`` (:func:`lease_nodes`) and ``index`` (:func:`node_index`) of ``view``, if the caller
+    keeps them (a snapshot does), spare a walk of the whole view."""
     if any(c.get("reserved") for c in view["pools"].values()):
         return None
     r, k = engine.redis, engine.keys
-    where: dict[str, set[str]] = {}
-    for n in view["nodes"]:
-        for g in n["gpus"]:
-            if g.get("lease") is not None:
-                where.setdefault(g["lease"]["id"], set()).add(n["name"])
-            for sl in g.get("slices") or ():
-                where.setdefault(sl["lease"], set()).add(n["name"])
-    known = {n["name"] for n in view["nodes"]}
+    where = lease_nodes(view) if where is None else where
+    index = node_index(view) if index is None else index
+    known = index.keys()
     names: set[str] = set()
     seen = view["as_of_event"]  # every event up to here is looked at
     for _ in range(4):
@@ -388,7 +413,6 @@ async def refreshed_view(engine: Engine, view: dict[str, Any]) -> dict[str, Any]
             return None
         nodes = list(view["nodes"])
         pools = {name: dict(counts) for name, counts in view["pools"].items()}
-        index = {n["name"]: i for i, n in enumerate(nodes)}
         for name in sorted(names):
             assert raw is not None
             old = nodes[index[name]]
@@ -495,21 +519,57 @@ class Snapshot:
     _nodes_json: list[str | None] = field(default_factory=list)
     _by_pool: dict[str, list[int]] | None = None
     _by_user: dict[str, dict[str, int]] | None = None  # user -> lease id -> GPUs (or slices) of it here
+    _where: dict[str, frozenset[str]] | None = None  # lease id -> its nodes (lease_nodes)
+    _index: dict[str, int] | None = None  # node -> its place in the view (node_index)
+
+    def where(self) -> dict[str, frozenset[str]]:
+        if self._where is None:
+            self._where = lease_nodes(self.view)
+        return self._where
+
+    def index(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = node_index(self.view)
+        return self._index
 
     @classmethod
     def following(cls, prev: Snapshot, view: dict[str, Any], changed: list[int], at: float) -> Snapshot:
         """The snapshot of ``view``: ``prev``'s view with the nodes at ``changed`` read again (the
         same nodes in the same order), keeping what ``prev`` made of the others."""
         snap = cls(view, at, list(prev._nodes_json), prev._by_pool)
+        snap._index = prev._index  # the same nodes in the same order
         for i in changed:
             if snap._nodes_json:
                 snap._nodes_json[i] = None
         if prev._by_user is not None:
-            by_user = {u: dict(ids) for u, ids in prev._by_user.items()}
-            for i in changed:
-                _count_leases(by_user, prev.view["nodes"][i], -1)
-                _count_leases(by_user, view["nodes"][i], 1)
+            by_user = dict(prev._by_user)  # (copied on write: prev's stays as it was)
+            olds = [prev.view["nodes"][i] for i in changed]
+            news = [view["nodes"][i] for i in changed]
+            for n in olds + news:
+                for g in n["gpus"]:
+                    users = [g["lease"]["user"]] if g.get("lease") is not None else []
+                    for u in users + [sl["user"] for sl in g.get("slices") or ()]:
+                        if u in by_user and by_user[u] is prev._by_user.get(u):
+                            by_user[u] = dict(by_user[u])
+            for n in olds:
+                _count_leases(by_user, n, -1)
+            for n in news:
+                _count_leases(by_user, n, 1)
             snap._by_user = by_user
+        if prev._where is not None:
+            where = dict(prev._where)
+            for i in changed:
+                name = view["nodes"][i]["name"]
+                gone, held = _leases_on(prev.view["nodes"][i]), _leases_on(view["nodes"][i])
+                for lid in gone - held:
+                    rest = where.get(lid, frozenset()) - {name}
+                    if rest:
+                        where[lid] = rest
+                    else:
+                        where.pop(lid, None)
+                for lid in held - gone:
+                    where[lid] = where.get(lid, frozenset()) | {name}
+            snap._where = where
         return snap
 
     def now(self) -> float:
@@ -647,7 +707,7 @@ class ClusterViews:
             t0 = time.monotonic()
             prev, view = self._snap, None
             if prev is not None and t0 - self._whole_at < self.whole_every_s:
-                view = await refreshed_view(self.engine, prev.view)
+                view = await refreshed_view(self.engine, prev.view, prev.where(), prev.index())
             if prev is not None and view is not None:
                 snap = Snapshot.following(prev, view, view.pop("changed"), t0)
             else:
