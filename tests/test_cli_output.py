@@ -413,6 +413,13 @@ def test_acquire_a_missing_program_says_so_like_a_shell(up: Up) -> None:
         "gpulease: 2: command not found; to lease 2 GPUs: gpulease acquire --gpus 2"
     )
     assert c.leases(everyone=True) == []
+    # `gpulease acquire --gpu 1`: a mistyped option, not a program to run
+    typo = run(up, "acquire", "--gpu", "1", ok=False)
+    assert typo.returncode == 2
+    said = " ".join(typo.stderr.split())
+    assert "no such option: --gpu (did you mean --gpus?)." in said and "goes after --" in said, typo.stderr
+    assert "command not found" not in said and all(len(line) <= 80 for line in typo.stderr.splitlines())
+    assert c.leases(everyone=True) == []
 
     # A short folder: the line names the path whole, and pytest's tmp_path (longer under xdist:
     # .../popen-gw2/...) alone can pass 80 columns.

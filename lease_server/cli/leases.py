@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -330,6 +331,14 @@ def acquire(
 
     gpulease acquire --gpus 2 --wait 600 -- python train.py
     """
+    if command and command[0].startswith("-"):  # a mistyped option, not a program (unknown options pass through)
+        known = [o for param in click.get_current_context().command.params for o in param.opts if o.startswith("--")]
+        close = difflib.get_close_matches(command[0].split("=", 1)[0], known, n=1)
+        raise click.UsageError(
+            f"no such option: {command[0]}"
+            + (f" (did you mean {close[0]}?)" if close else "")
+            + ".\nA COMMAND to run goes after --: gpulease acquire --gpus 1 -- python train.py"
+        )
     if command and nodes is not None and nodes > 1:
         fail(
             f"a COMMAND runs on this machine only, not on {nodes} nodes: lease the gang without one "
