@@ -86,57 +86,76 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       end
     end
   end
-  -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs.
+  -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs. Read
+  -- for all candidates together: their inventories, free lists, GPU holders and leases in one
+  -- HMGET each (a call per node and per lease cost more than the choice itself at 16 candidates).
   local per, decoded, ranks, slices, slice_seen = {}, {}, {}, {}, {}
-  for _, node in ipairs(nodes) do
-    local inv_raw = redis.call('HGET', K_NODES, node)
-    local free = #decode_list(redis.call('HGET', K_FREE, node))
-    if inv_raw and redis.call('ZSCORE', K_FIT, fit_member(pool, node, free)) then
-      local p = {have = free, victims = {}}
-      per[node] = p
-      local slots = {}
-      for idx in string.gmatch(inv_raw, '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
-      local on, order = {}, {}
-      if #slots > 0 then
-        for i, h in ipairs(redis.call('HMGET', K_HOLDERS, unpack(slots))) do
-          -- "~": draining, "~slices": shared by slices; a slice alone frees no whole GPU (its GPU
-          -- keeps its other slices): a booking recalls the slices of a GPU together, and a warm
-          -- eviction a GPU whose slices are all warm (slice_victims; evict_for_slice lends a warm
-          -- slice's memory to a slice request)
-          if h == SLICED and (kind == 'borrow_recalled' or kind == 'evicting') then
-            local raw = redis.call('HGET', K_SLICED, slots[i])
-            for id in pairs(raw and cjson.decode(raw).leases or {}) do
-              local sl = not slice_seen[id] and redis.call('HGET', K_LEASES, id)  -- (k slices: once)
-              if sl then
-                slice_seen[id] = true
-                slices[#slices + 1] = cjson.decode(sl)
-              end
-            end
-          elseif h and string.sub(h, 1, 1) ~= '~' then
-            if not on[h] then on[h] = 0; order[#order + 1] = h end
-            on[h] = on[h] + 1
-          end
-        end
+  local up, slots = {}, {}
+  if #nodes > 0 then
+    local invs = redis.call('HMGET', K_NODES, unpack(nodes))
+    local frees = redis.call('HMGET', K_FREE, unpack(nodes))
+    for i, node in ipairs(nodes) do
+      local free = #decode_list(frees[i])
+      if invs[i] and redis.call('ZSCORE', K_FIT, fit_member(pool, node, free)) then
+        per[node] = {have = free, victims = {}}
+        local first = #slots + 1
+        for idx in string.gmatch(invs[i], '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
+        up[#up + 1] = {node = node, first = first, last = #slots, on = {}, order = {}}
       end
-      for _, id in ipairs(order) do
-        local l = decoded[id]
-        if l == nil then
-          local raw = redis.call('HGET', K_LEASES, id)
-          l = raw and cjson.decode(raw) or false
-          if l and not l.recall_at then ranks[id] = rank(l) end
-          decoded[id] = l
-        end
-        if l and l.pool == pool and not l.gpu_mem_mb then
-          local count = on[id]
-          if l.recall_at then
-            p.have = p.have + count
-          elseif ranks[id] then
-            -- a warm lease loses no work, only its warm state: each one evicted costs the same
-            -- (and of equal cost the larger go first: fewer evicted). A multi-node gang frees its
-            -- share on each of its nodes (and all its work is lost wherever it is recalled).
-            local lost = l.warm_since and 1 or (NOW - l.created_at) * #l.gpus
-            p.victims[#p.victims + 1] = {l = l, count = count, rank = ranks[id], lost = lost}
+    end
+  end
+  local holders = #slots > 0 and redis.call('HMGET', K_HOLDERS, unpack(slots)) or {}
+  local wanted, ids = {}, {}
+  for _, u in ipairs(up) do
+    for i = u.first, u.last do
+      local h = holders[i]
+      -- "~": draining, "~slices": shared by slices; a slice alone frees no whole GPU (its GPU
+      -- keeps its other slices): a booking recalls the slices of a GPU together, and a warm
+      -- eviction a GPU whose slices are all warm (slice_victims; evict_for_slice lends a warm
+      -- slice's memory to a slice request)
+      if h == SLICED and (kind == 'borrow_recalled' or kind == 'evicting') then
+        local raw = redis.call('HGET', K_SLICED, slots[i])
+        for id in pairs(raw and cjson.decode(raw).leases or {}) do
+          local sl = not slice_seen[id] and redis.call('HGET', K_LEASES, id)  -- (k slices: once)
+          if sl then
+            slice_seen[id] = true
+            slices[#slices + 1] = cjson.decode(sl)
           end
+        end
+      elseif h and string.sub(h, 1, 1) ~= '~' then
+        if not u.on[h] then u.on[h] = 0; u.order[#u.order + 1] = h end
+        u.on[h] = u.on[h] + 1
+        if not wanted[h] then wanted[h] = true; ids[#ids + 1] = h end
+      end
+    end
+  end
+  -- A warm eviction takes only warm leases, and counts those being recalled as coming free: a
+  -- lease whose record has neither field plays no part, and is not decoded. (cjson writes a key
+  -- as "name": with no space; a quote inside a string value is escaped, so never matches.)
+  local warm_only = kind == 'evicting'
+  local raws = #ids > 0 and redis.call('HMGET', K_LEASES, unpack(ids)) or {}
+  for i, id in ipairs(ids) do
+    local raw, l = raws[i], false
+    if raw and (not warm_only or string.find(raw, '"warm_since":', 1, true) or string.find(raw, '"recall_at":', 1, true)) then
+      l = cjson.decode(raw)
+      if not l.recall_at then ranks[id] = rank(l) end
+    end
+    decoded[id] = l
+  end
+  for _, u in ipairs(up) do
+    local p = per[u.node]
+    for _, id in ipairs(u.order) do
+      local l = decoded[id]
+      if l and l.pool == pool and not l.gpu_mem_mb then
+        local count = u.on[id]
+        if l.recall_at then
+          p.have = p.have + count
+        elseif ranks[id] then
+          -- a warm lease loses no work, only its warm state: each one evicted costs the same
+          -- (and of equal cost the larger go first: fewer evicted). A multi-node gang frees its
+          -- share on each of its nodes (and all its work is lost wherever it is recalled).
+          local lost = l.warm_since and 1 or (NOW - l.created_at) * #l.gpus
+          p.victims[#p.victims + 1] = {l = l, count = count, rank = ranks[id], lost = lost}
         end
       end
     end
