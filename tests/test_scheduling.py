@@ -21,7 +21,7 @@ from lease_server import errors
 from lease_server.leasing.inventory import parse_simulate, register
 from lease_server.leasing.lease import LeaseStore
 from lease_server.store.engine import Engine
-from lease_server.store.scripts import Acquire, Code, Release
+from lease_server.store.scripts import Acquire, Code, Release, Warm
 from tests.api_helpers import API, assert_error, event_stream, http, next_event, queued
 from tests.conftest import make_settings
 
@@ -267,6 +267,43 @@ def test_preemption_takes_only_preemptible_victims_fewest_gpu_seconds_first(sim_
         # A low-priority in-quota request may not preempt a normal-priority preemptible lease.
         code, _pos, _c2 = await sim.acquire("carol", 2, wait_s=600, prio=0)  # 1 free: needs a victim
         assert code is Code.QUEUED and [e["lease"] for e in await sim.events("preempt_notice")] == [young_id]
+
+    asyncio.run(main())
+
+
+def test_a_warm_eviction_weighs_every_warm_lease_of_a_node_it_considers(sim_factory):
+    """A warm eviction reads the newest 16 warm leases of the pool and weighs their nodes. A node
+    among those that holds older warm leases too is read whole, so they count: here only all 8 of
+    node b's warm leases, 2 of them older than the 16 read, free a node whole as c's 8 do, and b
+    comes first by name. Had b's 2 oldest gone uncounted, c's would have been evicted."""
+
+    async def main() -> None:
+        sim = await sim_factory(
+            "b=8xA100-80GB,c=8xA100-80GB,d=8xA100-80GB", scheduling={"A100-80GB": {"warm_evict_notice": 5}}
+        )
+
+        async def lease(user: str, warm: bool) -> str:
+            sim.now += 1000  # each newer than the last: the recall index orders warm leases newest first
+            code, rec, lid = await sim.acquire(user, 1)
+            assert code is Code.OK
+            if warm:
+                await sim.st.engine.run(Warm(lid, "", user, True), now_ms=sim.now)
+            return str(rec["node"])
+
+        # best fit fills b, then c, then d
+        on_b = [await lease("ub", True) for _ in range(8)]
+        on_c = [await lease("uc", True) for _ in range(8)]
+        on_d = [await lease("ud", True) for _ in range(2)] + [await lease("ud2", False) for _ in range(6)]
+        assert set(on_b) == {"b"} and set(on_c) == {"c"} and set(on_d) == {"d"}
+        sim.now += 1000
+        code, _pos, zed = await sim.acquire("zed", 8, wait_s=600)
+        assert code is Code.QUEUED
+        evicted = await sim.events("evicting")
+        assert {e["node"] for e in evicted} == {"b"} and len(evicted) == 8
+        leases = await sim.leases()
+        assert {e["lease"] for e in evicted} == {lid for lid, rec in leases.items() if rec["user"] == "ub"}
+        waiter = json.loads(await sim.st.redis.hget(sim.st.keys.waiters, zed))
+        assert waiter["recall_node"] == "b"
 
     asyncio.run(main())
 

@@ -41,7 +41,9 @@ end
 -- count as coming free. Runs once per waiter; returns the node held for it, or nil when no
 -- candidate node can be freed that way. A recall of warm leases (rank independent of the waiter)
 -- that found nothing for n is not tried again for n or more in the same dispatch.
-local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, classes)
+-- `no_slices`: the pool holds no slices (it does not share), which lets a warm eviction skip reading
+-- the leases that are neither warm nor being recalled.
+local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, classes, no_slices)
   if w.recall_node then return w.recall_node end
   if w.deadline <= NOW then return nil end
   -- (the dispatch's cache, as allocate's: nothing frees GPUs within one dispatch)
@@ -65,6 +67,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
   local function consider(node)
     if node and node ~= '' and not seen[node] then seen[node] = true; nodes[#nodes + 1] = node end
   end
+  local entries, all_recalling = {}, false  -- the entries read; all of class r read?
   if only_node and only_node ~= '' then
     consider(only_node)
   else
@@ -72,8 +75,13 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
     for _, c in ipairs(classes) do cls[#cls + 1] = c end
     for _, c in ipairs(cls) do
       local lo, hi = '[' .. pool .. '|' .. c .. '|', '(' .. pool .. '|' .. c .. '|~'
-      for _, m in ipairs(redis.call('ZRANGEBYLEX', K_VICTIMS, lo, hi, 'LIMIT', 0, RECALL_READ)) do
-        consider(string.match(m, '^[^|]+|%a|%d+|(.+)|[^|]+$'))
+      local members = redis.call('ZRANGEBYLEX', K_VICTIMS, lo, hi, 'LIMIT', 0, RECALL_READ)
+      if c == 'r' then all_recalling = #members < RECALL_READ end
+      for _, m in ipairs(members) do
+        local r, node, id = string.match(m, '^[^|]+|%a|(%d+)|(.+)|([^|]+)$')
+        consider(node)
+        -- (a warm lease's entry starts with 999 - its GPUs: victim_member)
+        entries[#entries + 1] = {c = c, node = node, id = id, size = c == 'w' and 999 - tonumber(string.sub(r, 1, 3))}
       end
     end
     consider(fullest_node(pool))
@@ -86,35 +94,110 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       end
     end
   end
-  -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs. Read
-  -- for all candidates together: their inventories, free lists, GPU holders and leases in one
-  -- HMGET each (a call per node and per lease cost more than the choice itself at 16 candidates).
+  -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs that
+  -- the recall weighs: those it may take (rank) and those already being recalled (their GPUs are
+  -- coming free). Read for all candidates together, one HMGET of each kind, not a call per node or
+  -- per lease: at 16 candidates that reading cost more than the choice.
   local per, decoded, ranks, slices, slice_seen = {}, {}, {}, {}, {}
-  local up, slots = {}, {}
-  if #nodes > 0 then
-    local invs = redis.call('HMGET', K_NODES, unpack(nodes))
-    local frees = redis.call('HMGET', K_FREE, unpack(nodes))
-    for i, node in ipairs(nodes) do
-      local free = #decode_list(frees[i])
-      if invs[i] and redis.call('ZSCORE', K_FIT, fit_member(pool, node, free)) then
-        per[node] = {have = free, victims = {}}
-        local first = #slots + 1
-        for idx in string.gmatch(invs[i], '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
-        up[#up + 1] = {node = node, first = first, last = #slots, on = {}, order = {}}
+  local function weigh(p, id, l, count)
+    if l and l.pool == pool and not l.gpu_mem_mb then
+      if l.recall_at then
+        p.have = p.have + count
+      elseif ranks[id] then
+        -- a warm lease loses no work, only its warm state: each one evicted costs the same
+        -- (and of equal cost the larger go first: fewer evicted). A multi-node gang frees its
+        -- share on each of its nodes (and all its work is lost wherever it is recalled).
+        local lost = l.warm_since and 1 or (NOW - l.created_at) * #l.gpus
+        p.victims[#p.victims + 1] = {l = l, count = count, rank = ranks[id], lost = lost}
       end
     end
   end
+  local function decode_all(ids, keep)
+    local raws = #ids > 0 and redis.call('HMGET', K_LEASES, unpack(ids)) or {}
+    for i, id in ipairs(ids) do
+      local raw, l = raws[i], false
+      if raw and (not keep or keep(raw)) then
+        l = cjson.decode(raw)
+        if not l.recall_at then ranks[id] = rank(l) end
+      end
+      decoded[id] = l
+    end
+  end
+  local frees = #nodes > 0 and redis.call('HMGET', K_FREE, unpack(nodes)) or {}
+  local up = {}
+  for i, node in ipairs(nodes) do
+    local free = #decode_list(frees[i])
+    if redis.call('ZSCORE', K_FIT, fit_member(pool, node, free)) then
+      per[node] = {have = free, victims = {}}
+      up[#up + 1] = node
+    end
+  end
+  -- A warm eviction where every lease being recalled was read, in a pool without slices (no_slices:
+  -- the pool does not share; a sliced GPU's slices count only when read whole), settles a node from
+  -- the entries read alone when they are all the warm leases on it (the node's count of warm GPUs
+  -- says so): the other leases on it are neither warm nor being recalled, and play no part. A warm
+  -- lease's entry says all the choice needs (its node and size: it never spans nodes; each costs
+  -- the same), so only the leases being recalled, and those chosen, are read. Any other node is
+  -- read whole below.
+  local whole = up
+  if kind == 'evicting' and all_recalling and no_slices and #up > 0 then
+    local recalling = {}
+    for _, e in ipairs(entries) do
+      if e.c == 'r' then recalling[#recalling + 1] = e.id end
+    end
+    decode_all(recalling)
+    local fields = {}
+    for i, node in ipairs(up) do fields[i] = pool .. '|~warm@' .. node end
+    local warm_on = redis.call('HMGET', K_HELD_BY, unpack(fields))
+    local coming, victims, warm_seen = {}, {}, {}
+    for _, e in ipairs(entries) do
+      if e.c == 'w' then
+        victims[e.node] = victims[e.node] or {}
+        table.insert(victims[e.node], {l = {id = e.id, unread = true}, count = e.size, rank = 0, lost = 1})
+        warm_seen[e.node] = (warm_seen[e.node] or 0) + e.size
+      elseif e.c == 'r' then
+        local l = decoded[e.id]
+        if l and l.pool == pool and not l.gpu_mem_mb then
+          for _, g in ipairs(l.gpus) do
+            local nd = g.node or l.node
+            coming[nd] = (coming[nd] or 0) + 1
+          end
+          if l.warm_since then warm_seen[l.node] = (warm_seen[l.node] or 0) + #l.gpus end
+        end
+      end
+    end
+    whole = {}
+    for i, node in ipairs(up) do
+      if (warm_seen[node] or 0) == tonumber(warm_on[i] or '0') then
+        per[node].have = per[node].have + (coming[node] or 0)
+        per[node].victims = victims[node] or {}
+      else
+        whole[#whole + 1] = node
+      end
+    end
+  end
+  -- Nodes read whole: every GPU's holder, and each lease on them.
+  local slots, ranges = {}, {}
+  if #whole > 0 then
+    local invs = redis.call('HMGET', K_NODES, unpack(whole))
+    for i, node in ipairs(whole) do
+      local first = #slots + 1
+      for idx in string.gmatch(invs[i] or '', '"index":(%d+)') do slots[#slots + 1] = node .. '/' .. idx end
+      ranges[i] = {first, #slots}
+    end
+  end
   local holders = #slots > 0 and redis.call('HMGET', K_HOLDERS, unpack(slots)) or {}
-  local wanted, ids = {}, {}
-  for _, u in ipairs(up) do
-    for i = u.first, u.last do
-      local h = holders[i]
+  local wanted, ids, on_node = {}, {}, {}
+  for i, node in ipairs(whole) do
+    local on, order = {}, {}
+    for j = ranges[i][1], ranges[i][2] do
+      local h = holders[j]
       -- "~": draining, "~slices": shared by slices; a slice alone frees no whole GPU (its GPU
       -- keeps its other slices): a booking recalls the slices of a GPU together, and a warm
       -- eviction a GPU whose slices are all warm (slice_victims; evict_for_slice lends a warm
       -- slice's memory to a slice request)
       if h == SLICED and (kind == 'borrow_recalled' or kind == 'evicting') then
-        local raw = redis.call('HGET', K_SLICED, slots[i])
+        local raw = redis.call('HGET', K_SLICED, slots[j])
         for id in pairs(raw and cjson.decode(raw).leases or {}) do
           local sl = not slice_seen[id] and redis.call('HGET', K_LEASES, id)  -- (k slices: once)
           if sl then
@@ -123,42 +206,21 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
           end
         end
       elseif h and string.sub(h, 1, 1) ~= '~' then
-        if not u.on[h] then u.on[h] = 0; u.order[#u.order + 1] = h end
-        u.on[h] = u.on[h] + 1
-        if not wanted[h] then wanted[h] = true; ids[#ids + 1] = h end
+        if not on[h] then on[h] = 0; order[#order + 1] = h end
+        on[h] = on[h] + 1
+        if decoded[h] == nil and not wanted[h] then wanted[h] = true; ids[#ids + 1] = h end
       end
     end
+    on_node[i] = {on = on, order = order}
   end
   -- A warm eviction takes only warm leases, and counts those being recalled as coming free: a
   -- lease whose record has neither field plays no part, and is not decoded. (cjson writes a key
   -- as "name": with no space; a quote inside a string value is escaped, so never matches.)
-  local warm_only = kind == 'evicting'
-  local raws = #ids > 0 and redis.call('HMGET', K_LEASES, unpack(ids)) or {}
-  for i, id in ipairs(ids) do
-    local raw, l = raws[i], false
-    if raw and (not warm_only or string.find(raw, '"warm_since":', 1, true) or string.find(raw, '"recall_at":', 1, true)) then
-      l = cjson.decode(raw)
-      if not l.recall_at then ranks[id] = rank(l) end
-    end
-    decoded[id] = l
-  end
-  for _, u in ipairs(up) do
-    local p = per[u.node]
-    for _, id in ipairs(u.order) do
-      local l = decoded[id]
-      if l and l.pool == pool and not l.gpu_mem_mb then
-        local count = u.on[id]
-        if l.recall_at then
-          p.have = p.have + count
-        elseif ranks[id] then
-          -- a warm lease loses no work, only its warm state: each one evicted costs the same
-          -- (and of equal cost the larger go first: fewer evicted). A multi-node gang frees its
-          -- share on each of its nodes (and all its work is lost wherever it is recalled).
-          local lost = l.warm_since and 1 or (NOW - l.created_at) * #l.gpus
-          p.victims[#p.victims + 1] = {l = l, count = count, rank = ranks[id], lost = lost}
-        end
-      end
-    end
+  decode_all(ids, kind == 'evicting' and function(raw)
+    return string.find(raw, '"warm_since":', 1, true) or string.find(raw, '"recall_at":', 1, true)
+  end or nil)
+  for i, node in ipairs(whole) do
+    for _, id in ipairs(on_node[i].order) do weigh(per[node], id, decoded[id], on_node[i].on[id]) end
   end
   if kind == 'borrow_recalled' or kind == 'evicting' then slice_victims(per, slices, rank) end
   local best, best_cost, best_list, best_over = nil, nil, nil, nil
@@ -192,6 +254,13 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       redis.call('HSET', K_EVICT_MISS, pool, string.format('%d|%d|%s', n, NOW, warm_now))
     end
     return nil
+  end
+  for i, chosen in ipairs(best_list) do  -- the chosen leases known by their entries alone, read now
+    if chosen.unread then
+      local raw = redis.call('HGET', K_LEASES, chosen.id)
+      if not raw then error('invariant broken: lease ' .. chosen.id .. ' in the recall index is gone') end
+      best_list[i] = cjson.decode(raw)
+    end
   end
   return recall_these(w, pool, best, best_list, notice_ms, kind, why, extra)
 end

@@ -426,7 +426,7 @@ local function make_room(w, a, pool, sched, reserved)
     -- Warm leases are lendable: anyone who would otherwise wait evicts them, with a short notice
     -- in which the holder's kernel ends (or suspends) the worker and releases.
     hold = recall(w, pool, w.gpus_min or w.gpus, nil, warm_rank, sched.warm_evict_notice_ms, 'evicting',
-                  'evicted for ' .. w.user .. "'s request", {}, {'w', 'v'})
+                  'evicted for ' .. w.user .. "'s request", {}, {'w', 'v'}, not sched.share)
   end
   if not hold and not a and (w.nodes or 1) <= 1
       and tonumber(redis.call('HGET', K_HELD_BY, pool .. '|~preemptible') or '0') > 0
