@@ -308,6 +308,28 @@ def test_a_warm_eviction_weighs_every_warm_lease_of_a_node_it_considers(sim_fact
     asyncio.run(main())
 
 
+def test_a_warm_eviction_never_chooses_a_node_that_is_down(sim_factory):
+    """Nodes b and c hold 8 warm leases each: either frees a node whole, and b would come first by
+    name. b's agent has gone silent and the sweep has marked it down, so c's are evicted."""
+
+    async def main() -> None:
+        sim = await sim_factory("b=8xA100-80GB,c=8xA100-80GB", scheduling={"A100-80GB": {"warm_evict_notice": 5}})
+        for user in ["ub"] * 8 + ["uc"] * 8:  # best fit fills b, then c
+            sim.now += 1000
+            code, _rec, lid = await sim.acquire(user, 1)
+            assert code is Code.OK
+            await sim.st.engine.run(Warm(lid, "", user, True), now_ms=sim.now)
+        await sim.st.redis.zadd(sim.st.keys.alive, {"b": sim.now - 1})  # b's heartbeat ran out
+        await sim.sweep()
+        assert [e["node"] for e in await sim.events("node_down")] == ["b"]
+        code, _pos, _zed = await sim.acquire("zed", 8, wait_s=600)
+        assert code is Code.QUEUED
+        evicted = await sim.events("evicting")
+        assert {e["node"] for e in evicted} == {"c"} and len(evicted) == 8
+
+    asyncio.run(main())
+
+
 def test_elastic_request_gets_what_is_free_between_min_and_max(sim_factory):
     async def main() -> None:
         sim = await sim_factory("a=4xA100-80GB,b=2xA100-80GB")

@@ -64,6 +64,12 @@ local function decode_list(raw)
   return out
 end
 
+-- How many entries a free list has, without building it.
+local function list_count(raw)
+  if not raw or raw == '[]' then return 0 end
+  return select(2, string.gsub(raw, ',', ',')) + 1
+end
+
 local function encode_list(list)
   return '[' .. table.concat(list, ',') .. ']'
 end

@@ -123,12 +123,14 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       decoded[id] = l
     end
   end
+  -- (whether a node is up, that is has a fit entry, is asked only of the nodes that would be
+  -- chosen, best first, below: one call, not one per candidate)
   local frees = #nodes > 0 and redis.call('HMGET', K_FREE, unpack(nodes)) or {}
   local up = {}
   for i, node in ipairs(nodes) do
-    local free = #decode_list(frees[i])
-    if redis.call('ZSCORE', K_FIT, fit_member(pool, node, free)) then
-      per[node] = {have = free, victims = {}}
+    if frees[i] then
+      local free = list_count(frees[i])
+      per[node] = {have = free, free = free, victims = {}}
       up[#up + 1] = node
     end
   end
@@ -223,14 +225,15 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
     for _, id in ipairs(on_node[i].order) do weigh(per[node], id, decoded[id], on_node[i].on[id]) end
   end
   if kind == 'borrow_recalled' or kind == 'evicting' then slice_victims(per, slices, rank) end
-  local best, best_cost, best_list, best_over = nil, nil, nil, nil
+  local able = {}
+  local function first(x, y)
+    if x.rank ~= y.rank then return x.rank < y.rank end
+    if x.lost ~= y.lost then return x.lost < y.lost end
+    if x.count ~= y.count then return x.count > y.count end
+    return x.l.id < y.l.id
+  end
   for node, p in pairs(per) do
-    table.sort(p.victims, function(x, y)
-      if x.rank ~= y.rank then return x.rank < y.rank end
-      if x.lost ~= y.lost then return x.lost < y.lost end
-      if x.count ~= y.count then return x.count > y.count end
-      return x.l.id < y.l.id
-    end)
+    if #p.victims > 1 then table.sort(p.victims, first) end
     local have, cost, list, listed = p.have, 0, {}, {}
     for _, v in ipairs(p.victims) do
       if have >= n then break end
@@ -241,11 +244,20 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       have = have + v.count
       cost = cost + v.lost
     end
-    -- the least lost, then best fit (the fewest GPUs left over on the node), then by name
-    local over = have - n
-    if have >= n and (best_cost == nil or cost < best_cost
-        or (cost == best_cost and (over < best_over or (over == best_over and node < best)))) then
-      best, best_cost, best_list, best_over = node, cost, list, over
+    if have >= n then able[#able + 1] = {node = node, cost = cost, over = have - n, list = list, free = p.free} end
+  end
+  -- the least lost, then best fit (the fewest GPUs left over on the node), then by name; the first
+  -- that is up
+  table.sort(able, function(x, y)
+    if x.cost ~= y.cost then return x.cost < y.cost end
+    if x.over ~= y.over then return x.over < y.over end
+    return x.node < y.node
+  end)
+  local best, best_list
+  for _, a in ipairs(able) do
+    if redis.call('ZSCORE', K_FIT, fit_member(pool, a.node, a.free)) then
+      best, best_list = a.node, a.list
+      break
     end
   end
   if not best then
