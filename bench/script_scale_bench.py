@@ -1,21 +1,23 @@
 #!/usr/bin/env python
-"""What a grant's and a release's scripts cost in Redis at 10,000 GPUs against 16, alone (issue 37).
+"""What a grant's, a release's and a recall's scripts cost in Redis at 10,000 GPUs against 16, alone
+(issue 37).
 
     nice -n 10 .venv/bin/python bench/script_scale_bench.py [--pairs 2000] [--nodes 1250]
 
 ``scale_bench.py`` measures the scripts inside a whole deployment's traffic (HTTP, agents, the load
 generator) on the same cores, where single runs move by 1.3-1.8x. This bench measures the scripts
 alone: two redis-servers of its own, one with 2 nodes and one with --nodes nodes (8 GPUs each, one
-pool), each filled to 7 of 8 GPUs of every node with 1-GPU leases of 500 users; then acquire (1
-GPU, at once) + release pairs through the server's own script calls (``Engine.run``), one at a
-time, in blocks of 100 that alternate between the two sizes, so that whatever the machine does
-meanwhile falls on both alike. Redis's time per call comes from its slow log at threshold 0 (per
-call, by function). Then the same with a tenth of the leases warm (a pool with warm leases chooses
-among 16 best-fit candidates and their warm GPUs, where a pool of 2 nodes has 2). Then the recall:
-each pool filled to its last GPU, a tenth of the leases warm, and rounds of a 1-GPU request that
-waits, which no free GPU can serve: its acquire recalls (evicts, with notice) a warm lease. Each
-round then puts the pool back as it was (the request withdrawn, the recalled lease released, a new
-warm lease on its GPU), so every round's recall chooses from the same pool.
+pool), each with 7 GPUs per node leased in 1-GPU leases of 500 users (best fit packs them: 7 of
+every 8 nodes full, the rest empty); then acquire (1 GPU, at once) + release pairs through the
+server's own script calls (``Engine.run``), one at a time, in blocks of 100 that alternate between
+the two sizes, so that whatever the machine does meanwhile falls on both alike. Redis's time per
+call comes from its slow log at threshold 0 (per call, by function). Then the same with a tenth of
+the leases warm (a pool with warm leases chooses among 16 best-fit candidates and their warm GPUs,
+where a pool of 2 nodes has 2). Then the recall: each pool filled to its last GPU, a tenth of the
+leases warm, and rounds of a 1-GPU request that waits, which no free GPU can serve: its acquire
+recalls (evicts, with notice) a warm lease. Each round then puts the pool back as it was (the
+request withdrawn, the recalled lease released, a new warm lease on its GPU), so every round's
+recall chooses from the same pool.
 
 script_acquire_ratio, script_release_ratio   median Redis us per acquire / per release at --nodes
                      over at 2 nodes                                         (target <= 1.2 each)
@@ -63,7 +65,7 @@ class Size:
         self.count = 0
 
     async def prepare(self, warm: bool, full: bool = False) -> None:
-        """7 of every 8 GPUs leased (``full``: all 8), a tenth of the leases warm if ``warm``."""
+        """7 GPUs per node leased (``full``: all 8), a tenth of the leases warm if ``warm``."""
         from lease_server.leasing.lease import LeaseStore
         from lease_server.store.engine import Engine, connect
         from lease_server.store.scripts import Acquire, Warm
