@@ -183,10 +183,15 @@ def test_the_magic_refuses_a_bad_size_in_one_line(line, says):
 
     from magics.magic import GpuMagics
 
+    fresh = not InteractiveShell.initialized()
     shell = InteractiveShell.instance()
-    shell.register_magics(GpuMagics)
-    with pytest.raises(UsageError) as exc:
-        shell.run_cell_magic("gpu_train", line, "x = 1")
+    try:
+        shell.register_magics(GpuMagics)
+        with pytest.raises(UsageError) as exc:
+            shell.run_cell_magic("gpu_train", line, "x = 1")
+    finally:
+        if fresh:  # a shell of this test's own would stop a later test's IPython app from starting
+            InteractiveShell.clear_instance()
     assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
 
 
