@@ -52,7 +52,8 @@ drain_reach_ms        (no target) p50 from a revoke's answer to its node's agent
 redis_bytes_per_gpu   (no target) Redis memory of the registered, empty inventory per GPU
 redis_bytes_per_lease (no target) Redis memory the fill added per live lease (its events and
                       ledger lines included)
-server_cpu_us_per_grant  (no target) the lease server's CPU per churn pair (both workers)
+server_cpu_us_per_grant  (no target) the lease server's CPU per churn pair (both workers), the
+                      agents' requests meanwhile included; ..._quiet: the same in the quiet phase
 board_full_cpu_ms_per_change, board_page_cpu_ms_per_change, board_mine_cpu_ms_per_change
                       (no target) with --followers boards open, the server's CPU for one change and
                       every board's refetch: of the whole inventory, of the board's first page of 64
@@ -372,7 +373,10 @@ class Size:
                 agents.go.clear()
                 await asyncio.sleep(1.0)  # (the requests in flight answered)
                 await slowlog_reset(r)
-                await self._churn(http, "quiet_pairs_ok")
+                cpu0 = sum(_common.proc_cpu_seconds(p) for p in pids)
+                pairs = await self._churn(http, "quiet_pairs_ok")
+                cpu1 = sum(_common.proc_cpu_seconds(p) for p in pids)
+                self.fig["server_cpu_us_per_grant_quiet"] = (cpu1 - cpu0) / max(1, pairs) * 1e6
                 self._take("quiet", await slowlog_read(r))
                 agents.go.set()
             with section(self.fig, "board", timed=True):
@@ -823,6 +827,7 @@ def main() -> None:
         "redis_bytes_per_gpu",
         "redis_bytes_per_lease",
         "server_cpu_us_per_grant",
+        "server_cpu_us_per_grant_quiet",
         "board_get_ms",
         "board_bytes",
         "board_full_cpu_ms_per_change",
