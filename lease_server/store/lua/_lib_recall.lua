@@ -94,7 +94,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       end
     end
   end
-  -- Each candidate node as it stands: its free GPUs (if it is up) and the leases on its GPUs that
+  -- Each candidate node as it stands: its free GPUs and the leases on its GPUs that
   -- the recall weighs: those it may take (rank) and those already being recalled (their GPUs are
   -- coming free). Read for all candidates together, one HMGET of each kind, not a call per node or
   -- per lease: at 16 candidates that reading cost more than the choice.
@@ -126,12 +126,12 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
   -- (whether a node is up, that is has a fit entry, is asked only of the nodes that would be
   -- chosen, best first, below: one call, not one per candidate)
   local frees = #nodes > 0 and redis.call('HMGET', K_FREE, unpack(nodes)) or {}
-  local up = {}
+  local known = {}  -- the candidates with a free list (registered nodes), up or not
   for i, node in ipairs(nodes) do
     if frees[i] then
       local free = list_count(frees[i])
       per[node] = {have = free, free = free, victims = {}}
-      up[#up + 1] = node
+      known[#known + 1] = node
     end
   end
   -- A warm eviction where every lease being recalled was read, in a pool without slices (no_slices:
@@ -141,15 +141,15 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
   -- lease's entry says all the choice needs (its node and size: it never spans nodes; each costs
   -- the same), so only the leases being recalled, and those chosen, are read. Any other node is
   -- read whole below.
-  local whole = up
-  if kind == 'evicting' and all_recalling and no_slices and #up > 0 then
+  local whole = known
+  if kind == 'evicting' and all_recalling and no_slices and #known > 0 then
     local recalling = {}
     for _, e in ipairs(entries) do
       if e.c == 'r' then recalling[#recalling + 1] = e.id end
     end
     decode_all(recalling)
     local fields = {}
-    for i, node in ipairs(up) do fields[i] = pool .. '|~warm@' .. node end
+    for i, node in ipairs(known) do fields[i] = pool .. '|~warm@' .. node end
     local warm_on = redis.call('HMGET', K_HELD_BY, unpack(fields))
     local coming, victims, warm_seen = {}, {}, {}
     for _, e in ipairs(entries) do
@@ -169,7 +169,7 @@ local function recall(w, pool, n, only_node, rank, notice_ms, kind, why, extra, 
       end
     end
     whole = {}
-    for i, node in ipairs(up) do
+    for i, node in ipairs(known) do
       if (warm_seen[node] or 0) == tonumber(warm_on[i] or '0') then
         per[node].have = per[node].have + (coming[node] or 0)
         per[node].victims = victims[node] or {}
