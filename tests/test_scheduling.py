@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import time
 from collections import defaultdict
 from typing import Any
@@ -326,6 +327,48 @@ def test_a_warm_eviction_never_chooses_a_node_that_is_down(sim_factory):
         assert code is Code.QUEUED
         evicted = await sim.events("evicting")
         assert {e["node"] for e in evicted} == {"c"} and len(evicted) == 8
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_warm_eviction_chooses_what_reading_every_candidate_whole_would(sim_factory, seed):
+    """The same random pool played twice: where the pool shares, a warm eviction reads each
+    candidate node whole (its holders, every lease on it); where it does not, it settles a node from
+    the recall index's entries when they are all its warm leases. Every eviction and every node held
+    for a waiter must be the same, with more warm leases than the 16 entries read and with leases
+    already being recalled. (Of these 40 pools, 6 tell a node settled without all its warm leases
+    from one read whole, and 30 miss the GPUs coming free from leases being recalled.)"""
+
+    async def main() -> None:
+        rng = random.Random(seed)
+        spec = ",".join(f"n{i}=8xA100-80GB" for i in range(rng.randint(3, 6)))
+        plays = []
+        for share in (True, False):
+            sim = await sim_factory(spec, scheduling={"A100-80GB": {"warm_evict_notice": 60, "share": share}})
+            plays.append(sim)
+        plays[1].now = plays[0].now
+        sizes = [rng.choice((1, 1, 1, 1, 2, 2, 4)) for _ in range(60)]
+        warm = [rng.random() < 0.7 for _ in sizes]
+        asks = [rng.choice((1, 2, 4, 8, 8)) for _ in range(rng.randint(2, 5))]
+        seen = []
+        for sim in plays:
+            got: list[Any] = []
+            for i, (n, w) in enumerate(zip(sizes, warm, strict=True)):
+                sim.now += 1000
+                user = f"u{i % 7}"
+                code, _rec, lid = await sim.acquire(user, n)
+                got.append(code)
+                if code is Code.OK and w:
+                    await sim.st.engine.run(Warm(lid, "", user, True), now_ms=sim.now)
+            for k, n in enumerate(asks):
+                sim.now += 1000
+                code, _pos, lid = await sim.acquire(f"w{k}", n, wait_s=600)
+                raw = await sim.st.redis.hget(sim.st.keys.waiters, lid)
+                got.append((code, json.loads(raw).get("recall_node") if raw else None))
+            got.append([(e["lease"], e["node"]) for e in await sim.events("evicting")])
+            seen.append(got)
+        assert seen[0] == seen[1]
 
     asyncio.run(main())
 
