@@ -16,7 +16,9 @@ fill      every pool leased full with leases of 1, 2, 4 and 8 GPUs (100 users), 
 churn     acquire (1 GPU, at once) + release pairs, and renewals
 board     one whole GET /cluster; then rounds of one change, each refetched by --followers boards
 recall    rounds of one 8-GPU request per pool that no node can serve: it evicts warm leases
-          (``evicting``); the sweep ends them after the pool's notice and the request is granted
+          (``evicting``); the sweep ends them after the pool's notice and the request is granted.
+          As many requests at each size (--rounds x 8): the one pool of 16 GPUs gets 8 times the
+          rounds of the 8 pools of 10,000
 drain     leases whose process claimed them are revoked; their agent sees the drain and reports
           it clean (``drained``)
 idle      nothing happens for a while: what each idle agent sends, per node and minute
@@ -581,7 +583,9 @@ class Size:
         """Rounds of one 8-GPU request per pool, which only evicting warm leases can serve."""
         waited: list[float] = []
         statuses: collections.Counter[int] = collections.Counter()
-        for rnd in range(self.p["rounds"]):
+        # as many requests at each size: a round asks once per pool
+        rounds = self.p["rounds"] * max(1, 8 // len(self.pools))
+        for rnd in range(rounds):
             await slowlog_reset(r)
             t0 = time.monotonic()
             res = await asyncio.gather(*(self._acquire(http, self._user(), pool, 8, wait=30) for pool in self.pools))
@@ -595,7 +599,7 @@ class Size:
                 if status == 201:
                     await self._release(http, lease)
             for pool in self.pools:
-                if rnd + 1 < self.p["rounds"]:
+                if rnd + 1 < rounds:
                     status, lease = await self._acquire(http, self._user(), pool, 8)
                     if status == 201:
                         await self._warm_one(http, lease)
