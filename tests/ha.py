@@ -96,7 +96,11 @@ class SentinelGroup:
         self.wait_ready()
 
     def _start_node(self, port: int, replica_of: int | None) -> int:
-        extra = ["--appendonly", "no", *self.redis_settings]
+        # AOF on, as docs/deploy.md has it: a killed instance restarts with its data, not empty.
+        # Without it, a restarted replica is empty until its first sync ends, and Sentinel (which
+        # reads a replica that never synced as "link down -1 s") may promote it if a loaded host
+        # makes the primary miss its pings for down-after-milliseconds: every token and lease gone.
+        extra = list(self.redis_settings)
         if replica_of is not None:
             extra += ["--replicaof", "127.0.0.1", str(replica_of)]
         self.nodes[port] = RedisProcess(self.tmp / f"redis-{port}", port=port, extra=extra).start()
@@ -190,6 +194,25 @@ class SentinelGroup:
         self.wait_ready(timeout=max(5.0, end - time.monotonic()), sentinels_see_replica=False)
         return new
 
+    def events(self) -> list[str]:
+        """The failover events each sentinel logged (+sdown, +odown, +switch-master, +tilt...),
+        "PORT: line": what to read when a failover test fails."""
+        keep = ("+sdown", "-sdown", "+odown", "+switch-master", "+tilt", "-tilt", "+promoted-slave", "+selected-slave")
+        out = []
+        for port in self.sentinel_ports:
+            log = self.tmp / f"sentinel-{port}" / "sentinel.log"
+            if log.exists():
+                out += [f"{port}: {line.strip()}" for line in log.read_text().splitlines() if any(k in line for k in keep)]
+        return out
+
+    def switches(self) -> int:
+        """The failovers the sentinels made, planned or not (the most +switch-master any one logged)."""
+        counts: dict[str, int] = defaultdict(int)
+        for line in self.events():
+            if "+switch-master" in line:
+                counts[line.split(":", 1)[0]] += 1
+        return max(counts.values(), default=0)
+
     def stop(self) -> None:
         for s in self.sentinels:
             s.kill()
@@ -236,12 +259,14 @@ class Report:
     lost_grants: list[str] = field(default_factory=list)  # acknowledged, then gone from the new primary
     unavailable_s: list[float] = field(default_factory=list)  # kill -> first acknowledged grant after it
     errors: list[str] = field(default_factory=list)
+    sentinel_failovers: int = 0  # as the sentinels logged them: more than failovers = one not planned
 
     def figures(self) -> dict[str, Any]:
         return {
             "replicas_ack": self.replicas_ack,
             "grants": self.grants,
             "failovers": self.failovers,
+            "sentinel_failovers": self.sentinel_failovers,
             "double_grants": len(self.double_grants),
             "token_reuse": len(self.token_reuse),
             "lost_grants": len(self.lost_grants),

@@ -71,9 +71,15 @@ def _load(group: SentinelGroup, prefix: str, replicas_ack: int, kills: int, kill
         report = run_load(group, srv.url, tokens, kills, kill_every_s, replicas_ack, Keys(prefix))
     finally:
         srv.stop()
+    report.sentinel_failovers = group.switches()
     print(f"\nfailover, replicas_ack={replicas_ack}:", json.dumps(report.figures()))
-    for line in (report.lost_grants + report.errors + report.double_grants + report.token_reuse)[:10]:
+    problems = report.lost_grants + report.errors + report.double_grants + report.token_reuse
+    for line in problems[:10]:
         print("  ", line)
+    if problems or report.sentinel_failovers != report.failovers:
+        print("   what the sentinels logged:")
+        for line in group.events()[-40:]:
+            print("     ", line[:160])
     return report
 
 
