@@ -202,7 +202,8 @@ class SentinelGroup:
         for port in self.sentinel_ports:
             log = self.tmp / f"sentinel-{port}" / "sentinel.log"
             if log.exists():
-                out += [f"{port}: {line.strip()}" for line in log.read_text().splitlines() if any(k in line for k in keep)]
+                lines = log.read_text().splitlines()
+                out += [f"{port}: {line.strip()}" for line in lines if any(k in line for k in keep)]
         return out
 
     def switches(self) -> int:

@@ -19,6 +19,8 @@ almost never be hit; this makes it certain, as a slow network or a busy replica 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +134,58 @@ def test_the_sentinel_url_works_for_token_create_and_the_simulator_and_bad_ones_
     ]:
         with pytest.raises(ConfigurationError, match=hint):
             SentinelUrl.parse(bad)
+
+
+@pytest.fixture
+def group_without_aof(tmp_path: Path) -> Any:
+    g = SentinelGroup(tmp_path, ["--appendonly", "no", *REDIS_SETTINGS])
+    yield g
+    g.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_primary_that_failed_over_onto_an_empty_replica_is_refused_not_served(group_without_aof, prefix, caplog):
+    """Without AOF a restarted replica is empty until its first sync ends, and Sentinel promotes it
+    if the primary stops answering meanwhile (it reads "never synced" as a link down for -1 s).
+    Served, every token would be unknown (401) and every GPU free while its job still runs: the
+    lease server refuses that primary (503, one line in its log that says what to do)."""
+    import os
+    import signal
+
+    from lease_server import errors
+    from lease_server.client import Client
+
+    g = group_without_aof
+    srv = _server(g, prefix, replicas_ack=1)
+    try:
+        with Client(srv.url, srv.token("ann"), timeout=60, resend_503_s=0) as c:
+            lease = c.acquire(gpus=1, wait=0)
+            primary = g.primary()
+            replica = next(p for p in g.nodes if p != primary)
+            g.nodes[replica].kill()  # the replica crashes and comes back empty...
+            os.kill(g.nodes[primary].proc.pid, signal.SIGSTOP)  # ...while the primary stops answering
+            try:
+                g._start_node(replica, replica_of=primary)
+                end = time.monotonic() + 30
+                while g.primary() != replica and time.monotonic() < end:
+                    threading.Event().wait(0.1)
+                assert g.primary() == replica, "the sentinels did not promote the restarted replica"
+            finally:
+                os.kill(g.nodes[primary].proc.pid, signal.SIGCONT)
+            answers = []
+            with caplog.at_level("ERROR", logger="lease_server.store.engine"):
+                end = time.monotonic() + 40
+                while time.monotonic() < end:  # first "failing over" from the demoted primary: resent
+                    try:
+                        c.renew(lease.id, lease.token)
+                        answers.append("renewed")
+                    except errors.GpuLeaseError as exc:
+                        answers.append(f"{exc.status} {exc}")
+                    if "lost its data" in answers[-1]:
+                        break
+                    threading.Event().wait(0.2)
+            assert answers[-1].startswith("503 ") and "lost its data in a failover" in answers[-1], answers
+            assert not any(a.startswith("401") or "no lease" in a or a == "renewed" for a in answers), answers
+            assert any("holds no gpulease data" in r.getMessage() and "AOF" in r.getMessage() for r in caplog.records)
+    finally:
+        srv.stop()

@@ -7,7 +7,9 @@ scripts and the settings, and :meth:`Engine.run` to call a script through its ty
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -24,6 +26,7 @@ from redis.exceptions import (
     MasterDownError,
     ReadOnlyError,
     RedisClusterException,
+    RedisError,
     ResponseError,
     TryAgainError,
 )
@@ -34,6 +37,8 @@ from ..config import Settings
 from ..errors import ConfigurationError, ServerUnavailable
 from .keys import Keys
 from .scripts import Code, Common, R, Samples, ScriptCall, Scripts
+
+log = logging.getLogger(__name__)
 
 # Redis's answers that mean "not now": a failover (READONLY from a demoted primary, MASTERDOWN from a
 # replica that lost it, NOREPLICAS while min-replicas-to-write is unmet), an AOF still loading, a
@@ -51,8 +56,21 @@ _NOT_NOW_CLASSES = (
 )
 
 
+class PrimaryWithoutData(RedisError):
+    """The primary the sentinels name holds none of this deployment's data: a replica that was
+    restarted without AOF (so empty) and promoted before its first sync ended. Sentinel does that
+    (it reads a replica that never synced as one whose link has been down for -1 s). Served, it
+    would answer "unknown token" to everyone and count every GPU free while their jobs still run.
+    Not a ConnectionError: redis-py would retry it for seconds, and it does not pass by itself."""
+
+
 def not_now(exc: BaseException | None) -> ServerUnavailable | None:
     """The 503 (retry in a few seconds) that a Redis error means, or None for any other error."""
+    if isinstance(exc, PrimaryWithoutData):
+        return ServerUnavailable(
+            "the lease server's Redis primary lost its data in a failover; nothing was changed. An admin "
+            "must restore it (the lease server's log says how); retry later"
+        )
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):  # also LOADING (BusyLoadingError)
         what = "still loading its data" if "LOADING" in str(exc) else f"cannot be reached ({type(exc).__name__})"
         return ServerUnavailable(f"the lease server's Redis {what} right now; retry in a few seconds")
@@ -96,6 +114,9 @@ return e
 """
 
 
+_last_data_alarm = 0.0
+
+
 class HiredisSentinelConnection(_HiredisPack, SentinelManagedConnection):
     """A connection to the primary the sentinels name, that checks it is one. Right after a
     failover a sentinel that has not caught up can still name the old primary's address, where a
@@ -118,7 +139,30 @@ class HiredisSentinelConnection(_HiredisPack, SentinelManagedConnection):
                 await self.disconnect()
                 what = role[0] if role else "?"
                 raise RedisConnectionError(f"{self.host}:{self.port} is a {what} now, not the primary")
+            await self._check_data()
             await self._raise_fencing_epoch()
+
+    async def _check_data(self) -> None:
+        """Refuse a primary without the deployment's layout key (once the server has seen it
+        there): see PrimaryWithoutData."""
+        key = getattr(self.connection_pool, "layout_key", None)
+        if not key:
+            return
+        await self.send_command("GET", key, check_health=False)
+        if await self.read_response() is not None:
+            return
+        await self.disconnect()
+        why = (
+            f"{self.host}:{self.port} is the Redis primary now but holds no gpulease data ({key} is missing): "
+            "a replica restarted without AOF and promoted before its first sync? Refused, rather than "
+            "grant GPUs whose jobs still run. Restore the data (docs/deploy.md, 'A primary without its "
+            "data'), then restart the lease servers"
+        )
+        global _last_data_alarm
+        if time.monotonic() - _last_data_alarm > 10.0:  # each request retries the connect: say it once a while
+            _last_data_alarm = time.monotonic()
+            log.error("%s", why)
+        raise PrimaryWithoutData(why)
 
     async def _raise_fencing_epoch(self) -> None:
         """Before this connection carries anything, move the primary's fencing epoch up to the one
@@ -305,6 +349,13 @@ class Engine:
         pool = getattr(redis, "connection_pool", None)  # a RedisCluster has one per node
         if isinstance(pool, SentinelConnectionPool):
             pool.fence_key = self.keys.fence  # type: ignore[attr-defined]
+
+    def expect_data(self) -> None:
+        """From now on a connection refuses a primary that lacks this deployment's layout key (call
+        once the layout is checked, so it is there): a failover onto an empty replica is a 503."""
+        pool = getattr(self.redis, "connection_pool", None)
+        if isinstance(pool, SentinelConnectionPool):
+            pool.layout_key = self.keys.layout  # type: ignore[attr-defined]
 
     def common(self, now_ms: int | None = None) -> Common:
         s = self.settings

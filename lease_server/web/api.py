@@ -79,6 +79,7 @@ class Context:
 
     async def start(self) -> None:
         await layout.check(self.redis, self.engine.keys, " --redis-url URL")  # refuses a layout it does not know
+        self.engine.expect_data()  # the layout key is there now: a primary without it lost the data
         await self.store.start()
         self.reaper.start()
 
