@@ -1,6 +1,7 @@
-"""Sizes of GPU memory as people write them: ``10GB``, ``10240MB``, ``512M``, ``1.5GiB``, or a
-fraction of one GPU such as ``0.25`` (``--gpu-mem`` of the CLI, ``gpu_mem=`` of the Python
-client). The API itself takes whole MB (``gpu_mem_mb``); this turns what a person wrote into that.
+"""Durations (``90``, ``90s``, ``10m``, ``1h30m``) and sizes of GPU memory as people write them:
+``10GB``, ``10240MB``, ``512M``, ``1.5GiB``, or a fraction of one GPU such as ``0.25``
+(``--gpu-mem`` of the CLI, ``gpu_mem=`` of the Python client). The API itself takes seconds and
+whole MB (``gpu_mem_mb``); this turns what a person wrote into those.
 
 A GB is 1024 MB here, as GPU memory is counted (an "80GB" A100 has 81920 MiB; ``--simulate
 4xA100-80GB`` declares that much)."""
@@ -86,3 +87,24 @@ def show_mb(mb: int | float) -> str:
 def as_option(mb: int) -> str:
     """MB as ``--gpu-mem`` takes them: "10GB" when whole GB, else "10000MB"."""
     return f"{mb // 1024}GB" if mb % 1024 == 0 else f"{mb}MB"
+
+
+_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
+
+
+def parse_duration(text: str | float | int | None, allow_zero: bool = False) -> float | None:
+    """'90', '90s', '10m', '1h30m' -> seconds (``%%gpu_train --wait``, ``gpulease acquire --wait``).
+    None stays None; 0 only with ``allow_zero`` (a wait of 0: do not queue)."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        m = _DURATION.match(str(text))
+        if not m or not any(m.groups()):
+            raise ValueError(f"cannot read duration {text!r}: write e.g. 90, 90s, 10m or 1h30m")
+        h, mins, s = (float(g) if g else 0.0 for g in m.groups())
+        seconds = h * 3600 + mins * 60 + s
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ValueError(f"a duration must be positive, got {text!r}")
+    return seconds

@@ -31,7 +31,7 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, Lease
-from lease_server.sizes import parse_gpu_mem, show_mb
+from lease_server.sizes import parse_duration, parse_gpu_mem, show_mb
 
 from . import cellcode, slices
 from .calls import Call, CellValue, Result
@@ -103,8 +103,6 @@ __all__ = [
 
 
 # ---- parsing -------------------------------------------------------------------------------------
-
-_DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
 
 
 def parse_gpus(text: int | float | str) -> tuple[int, int]:
@@ -178,23 +176,6 @@ def check_elastic(opts: Options) -> None:
         not opts.sizes or any(not lo <= s <= hi for s in opts.sizes) or lo not in opts.sizes
     ):
         raise ValueError(f"--sizes must lie in {lo}-{hi} and include the minimum {lo}, got {opts.sizes!r}")
-
-
-def parse_duration(text: str | float | int | None) -> float | None:
-    """'90', '90s', '10m', '1h30m' -> seconds. None stays None."""
-    if text is None:
-        return None
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        m = _DURATION.match(str(text))
-        if not m or not any(m.groups()):
-            raise ValueError(f"cannot read duration {text!r}: write e.g. 90, 90s, 10m or 1h30m")
-        h, mins, s = (float(g) if g else 0.0 for g in m.groups())
-        seconds = h * 3600 + mins * 60 + s
-    if seconds <= 0:
-        raise ValueError(f"a duration must be positive, got {text!r}")
-    return seconds
 
 
 # ---- options and results -------------------------------------------------------------------------

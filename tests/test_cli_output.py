@@ -455,6 +455,43 @@ def test_acquire_a_gang_over_nodes_as_the_refusal_suggests(up: Up) -> None:
     assert c.leases(everyone=True) == []
 
 
+def test_acquire_waits_for_a_duration_says_where_it_stands_and_ctrl_c_withdraws(up: Up) -> None:
+    """--wait takes 30s or 10m as %%gpu_train's does (a bad one: a usage error that shows how to
+    write it); a queued acquire says its place in the queue, and Ctrl-C leaves the queue with one
+    line and exit 130, not click's bare "Aborted!"."""
+    c = client(up)
+    end_all(c)
+    bad = run(up, "acquire", "--wait", "3x", ok=False)
+    assert bad.returncode == 2 and "write e.g. 90, 90s, 10m or 1h30m" in " ".join(bad.stderr.split()), bad.stderr
+    held = [json.loads(run(up, "acquire", "--gpus", str(n), "--wait", "30s").stdout) for n in (4, 2)]  # all 6
+    assert sorted(h["node"] for h in held) == ["box", "vm"]
+    proc = subprocess.Popen(
+        [*CLI, "acquire", "--wait", "10m"],
+        env=up.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    try:
+        reader = LineReader(proc)
+        deadline = time.monotonic() + 30
+        line = reader.next(deadline)
+        assert line.rstrip("\n") == "waiting for 1 GPU(s) of the default pool: position 1 in the queue", line
+        assert len(c.queue()) == 1
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        last = reader.next(time.monotonic() + 5).rstrip("\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, last
+    assert re.fullmatch(r"withdrawn from the queue after \d+s: no GPU was taken", last), last
+    assert c.queue() == []
+    for h in held:
+        c.release(h["id"])
+
+
 def test_acquire_a_program_gone_by_exec_time_releases(up: Up, tmp_path: Path) -> None:
     """The program there when checked, before the lease, but gone when run: the same one line and
     127, after the lease (granted) is released."""

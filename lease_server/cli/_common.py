@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..protocol import LeaseJson, escaped
+from ..sizes import parse_duration
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # a message is never cut into lines
@@ -24,6 +25,24 @@ def server_options(fn: Any) -> Any:
     files gpulease up writes)."""
     fn = click.option("--token", envvar="GPULEASE_TOKEN", help="API token")(fn)
     return click.option("--url", envvar="GPULEASE_URL", help="Lease server URL")(fn)
+
+
+class Duration(click.ParamType):
+    """Seconds as people write them: 90, 90s, 10m, 1h30m (as %%gpu_train's --wait takes them)."""
+
+    name = "duration"
+
+    def __init__(self, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            seconds = parse_duration(value, allow_zero=self.allow_zero)
+        except ValueError as exc:  # short: click puts "Error: Invalid value for '--wait': " before it
+            said = f"{value!r}: write e.g. 90, 90s, 10m or 1h30m" if "cannot read" in str(exc) else str(exc)
+            self.fail(said, param, ctx)
+        assert seconds is not None
+        return seconds
 
 
 # ---- messages ----------------------------------------------------------------------------------

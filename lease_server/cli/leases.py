@@ -19,6 +19,7 @@ from rich.text import Text
 from ..client import Client
 from ..sizes import parse_gpu_mem
 from ._common import (
+    Duration,
     ago,
     console,
     err_console,
@@ -301,8 +302,8 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--gpus", default=1, show_default=True, type=int)
 @click.option("--pool")
-@click.option("--ttl", type=float, help="Seconds the lease lives without renewal")
-@click.option("--wait", default=0.0, type=float, help="Seconds to wait in the queue")
+@click.option("--ttl", type=Duration(), help="How long the lease lives without renewal: 600, 10m, 1h")
+@click.option("--wait", default="0", type=Duration(allow_zero=True), help="How long to wait in the queue: 30, 30s, 10m")
 @click.option("--label", default="")
 @click.option(
     "--nodes",
@@ -362,7 +363,7 @@ def acquire(
             fail(why, code, prefix="gpulease")
     with Client(url, token) as c:
         if not command:
-            lease = c.acquire(gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem)
+            lease = _acquire_waiting(c, gpus, pool, ttl, wait, label, nodes, gpu_mem)
             click.echo(json.dumps(lease.raw, indent=2))
             if lease.gpu_mem_mb:
                 each = "each of " if len(lease.gpus) > 1 else ""  # k slices: one on each of k GPUs
@@ -406,6 +407,38 @@ def acquire(
         if failed:
             fail(failed, code, prefix="gpulease")
         sys.exit(code)
+
+
+def _acquire_waiting(
+    c: Client,
+    gpus: int,
+    pool: str | None,
+    ttl: float | None,
+    wait: float,
+    label: str,
+    nodes: int | None,
+    gpu_mem: str | None,
+) -> Any:
+    """``c.acquire``, showing on stderr where a queued request stands (a spinner on a terminal, a
+    line per change of place otherwise); Ctrl-C withdraws it and says so in one line (exit 130)."""
+    what = f"{gpus} GPU(s) of {pool or 'the default pool'}"
+    t0 = time.monotonic()
+    last: list[int | None] = [None]
+    with err_console.status(f"asking for {what}…") as spinner:
+
+        def progress(position: int | None, elapsed: float) -> None:
+            where = f"position {position} in the queue" if position else "being granted"
+            spinner.update(f"waiting for {what}: {where}, {elapsed:.0f}s of {wait:g}s")
+            if not err_console.is_terminal and position and position != last[0]:
+                err_console.print(f"waiting for {what}: position {position} in the queue")
+            last[0] = position
+
+        try:
+            return c.acquire(gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem, progress=progress)
+        except KeyboardInterrupt:
+            spinner.stop()
+            err_console.print(f"withdrawn from the queue after {time.monotonic() - t0:.0f}s: no GPU was taken")
+            sys.exit(130)
 
 
 def _unrunnable(program: str) -> tuple[str, int] | None:
