@@ -413,6 +413,14 @@ def _why(exc: errors.GpuLeaseError, w: WarmWorker) -> str:
     return describe_end(rec, w.lease.user) or exc.message
 
 
+def _refused(sess: Session, opts: Options) -> None:
+    """Raise what the lease server would refuse this cell's request with at once (an unknown pool,
+    more GPUs than any node of the pool has), asked before a warm worker is ended for that request:
+    a typo in ``--pool`` must not cost the notebook its objects on the GPU."""
+    one_node = (opts.nodes or 1) == 1 and opts.gpu_mem is None
+    sess.client().estimate((opts.gpus_min or opts.gpus or 1) if one_node else 1, opts.pool)
+
+
 def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str]:
     """The kernel's warm worker for this GPU cell, if the cell may use it (``usable``), it fits
     and it is still there; else None, with a line saying what became of it ("" when there was
@@ -429,6 +437,12 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
         # suspended on eviction: the caller takes a new lease and restores the worker onto it
         return (w, "") if w.settle() else (None, w.ended_line())
     if not usable or opts.fresh or not w.fits(opts):
+        if usable and not opts.fresh:
+            try:
+                _refused(sess, opts)
+            except errors.GpuLeaseError:
+                slot.current = w  # the cell is refused, nothing asked: its warm worker stays as it was
+                raise
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
         if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there
             if opts.gpu_mem is not None:

@@ -470,6 +470,9 @@ def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
         bob.delete(f"{API}/leases/{held['id']}")
         assert_error(alice.get(f"{API}/estimate", params={"gpus": "-1"}), 400, "bad_request", "gpus")
         assert_error(alice.get(f"{API}/estimate", params={"pool": "H100"}), 404, "unknown_pool")
+        # more than any node has: refused as the acquire refuses it, not an estimate of a wait without end
+        too_many = {"pool": "A100-80GB", "gpus": 3}
+        assert_error(alice.get(f"{API}/estimate", params=too_many), 422, "unsatisfiable", "the largest has 2")
 
 
 def test_estimate_counts_only_the_requests_ahead_of_the_asking_one(server_factory):

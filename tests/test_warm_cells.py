@@ -224,6 +224,26 @@ def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
     assert api(stack, "GET", "/api/v1/leases")["leases"] == []
 
 
+def test_a_cell_the_server_refuses_leaves_the_warm_worker_as_it_was(stack, kernel):
+    """A typo in --pool, or more GPUs than a node has, is one UsageError line, and the notebook
+    keeps its warm worker with its objects: the refusal is asked before the worker is ended."""
+    out = warm_cell(kernel, "import os\nstate = [1, 2]\nsid, pid = id(state), os.getpid()")
+    lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
+    for flags, said in [
+        ("--pool H100", "unknown pool 'H100'"),
+        ("--gpus 3", "no node in pool 'A100-80GB' has 3 GPUs: the largest has 2"),
+    ]:
+        out = kernel.run(f"%%gpu_train {flags}\nx = 1")
+        assert "UsageError: " in text(out) and said in text(out), (flags, out)
+        assert len(text(out).strip().splitlines()) == 1, out
+        assert board(stack)[0] == "warm", flags
+    out = warm_cell(kernel, "import os\nsame = (id(state) == sid, os.getpid() == pid)\nsame")
+    assert text(out, "execute_result") == "(True, True)", out
+    assert [x["id"] for x in api(stack, "GET", "/api/v1/leases")["leases"]] == [lease_id]
+    kernel.run("%gpu_lease release")
+    assert board(stack) == {0: "free", 1: "free"}
+
+
 def test_a_cold_cell_finds_what_earlier_cells_imported_already_imported(stack, kernel):
     """The spares import the installed packages earlier GPU cells imported (torch, say): a cold
     cell then pays only for its own work."""

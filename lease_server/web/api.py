@@ -616,6 +616,15 @@ class EstimateHandler(BaseHandler):
                 "GPUs (drop gpu_mem_mb), or a pool that shares"
             )
         view = await self.ctx.cluster.view()
+        largest = max((len(node["gpus"]) for node in view["nodes"] if node["pool"] == pool_s), default=0)
+        if not mem and int(waiter.get("nodes") or 1) == 1 and 0 < largest < n:
+            # as the acquire itself answers: no wait would ever end, so none is estimated
+            raise errors.Unsatisfiable(
+                f"no node in pool {pool_s!r} has {n} GPUs: the largest has {largest}; ask about at most "
+                f"{largest} on one node (more are a gang over K nodes: --nodes K)",
+                pool=pool_s,
+                largest_node=largest,
+            )
         self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem, view=view))
 
 

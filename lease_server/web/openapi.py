@@ -693,10 +693,12 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                     "`alternatives`. With nothing queued ahead, `text` says what it waits for: a running "
                     "lease's fixed end (recall or idle reclaim) when one is known, else the GPUs held by "
                     "running calls. For a slice (`gpu_mem_mb`), `free_now` counts the GPUs it fits on now, "
-                    "and the answer repeats `gpu_mem_mb`; a queued slice counts as its share of a GPU",
+                    "and the answer repeats `gpu_mem_mb`; a queued slice counts as its share of a GPU. 422 for "
+                    "more GPUs than any node of the pool has (as the acquire answers)",
                 ),
                 400,
                 404,
+                422,
                 params=(v.EST_POOL, v.EST_GPUS, v.EST_GPU_MEM, v.EST_LEASE, v.EST_ID),
             )
         },
