@@ -138,14 +138,17 @@ async def pool_sizes(engine: Engine) -> dict[str, dict[str, int]]:
     return pools
 
 
-async def register(engine: Engine, inv: NodeInventory | None, node: str = "", alive_s: float | None = None) -> str:
-    """Heartbeat of a node agent; with ``inv``, (re)declare its GPUs. Returns up/registered/alive."""
+async def register(
+    engine: Engine, inv: NodeInventory | None, node: str = "", alive_s: float | None = None, quiet: bool = False
+) -> str:
+    """Heartbeat of a node agent; with ``inv``, (re)declare its GPUs. Returns up/registered/alive.
+    ``quiet``: the caller logs the change itself (the in-process agent of ``gpulease up``)."""
     s = engine.settings
     alive_ms = int((alive_s if alive_s is not None else s.heartbeat_timeout) * 1000)
     name = inv.node if inv else node
     if inv is not None and inv.node in s.pool_overrides:
         inv.pool = s.pool_overrides[inv.node]
     state: str = await engine.run(Register(name, inv.to_json() if inv else "", alive_ms))
-    if state != "alive":
+    if state != "alive" and not quiet:
         log.info("node %s %s (pool %s)", name, state, inv.pool if inv else "?")
     return state

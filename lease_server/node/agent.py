@@ -363,7 +363,7 @@ async def heartbeat_local(
         engine.settings.drain_kill_grace_s, probes, inventories,
     )  # fmt: skip
     for inv in inventories:
-        await register(engine, inv)
+        await register(engine, inv, quiet=True)
         log.info("node %s registered: %d GPU(s) in pool %s (%s)", inv.node, len(inv.gpus), inv.pool, inv.source)
 
     async def record(claim: Claim, peer: Peer) -> dict[str, Any] | None:

@@ -46,7 +46,7 @@ async def serve(
     agent = None
     if local_nodes:
         for inv in local_nodes:  # before serving, so the first request finds the pools
-            await register(ctx.engine, inv)
+            await register(ctx.engine, inv, quiet=True)  # the agent says it in one line below
 
         async def whose(token: str, acting_for: str) -> str:
             ident = await ctx.auth.identify(f"Bearer {token}")
