@@ -343,12 +343,11 @@ def test_kill_9_of_the_http_server_under_load_keeps_leases_and_clients_carry_on(
 def test_redis_kill_and_restart_under_load_loses_no_acknowledged_lease(tmp_path, servers):
     """Redis is killed with SIGKILL under load and restarted on the same port and data directory.
 
-    Persistence is the AOF with ``appendfsync everysec`` (RedisProcess's default). Redis appends
-    every write to the AOF file (write(2), into the kernel's page cache) before it sends the reply,
-    so a process kill -- even SIGKILL -- loses nothing that was acknowledged: the kernel still
-    writes those pages out. The fsync happens once a second, so an OS crash or power loss can lose
-    up to the last 1 s of acknowledged writes; ``RedisProcess(fsync="always")`` closes that window
-    at the cost of an fsync per write. This test covers the process-kill case only.
+    Persistence is the AOF with ``appendfsync always``: Redis writes and fsyncs every change before
+    it replies, so nothing acknowledged can be lost. (With ``everysec``, RedisProcess's default,
+    Redis writes before it replies too, but not while the last second's fsync still runs: then it
+    holds writes back for up to 2 s and replies meanwhile, and a SIGKILL loses them. A loaded CI
+    disk hit that window in test_held_lease_keeps_renewing_through_a_redis_restart.)
 
     Checks: every lease a client had an acknowledged grant for, and had not asked to release
     before the kill, is in Redis after the restart with the same token and GPUs; the fencing
@@ -356,7 +355,7 @@ def test_redis_kill_and_restart_under_load_loses_no_acknowledged_lease(tmp_path,
     server, which is not restarted, serves new grants again.
     """
     data_dir = tmp_path / "redis"
-    rp = RedisProcess(data_dir).start()
+    rp = RedisProcess(data_dir, fsync="always").start()
     redis_procs = [rp]
     srv: ServerHandle | None = None
     stop_load, pause = threading.Event(), threading.Event()
@@ -438,7 +437,7 @@ def test_redis_kill_and_restart_under_load_loses_no_acknowledged_lease(tmp_path,
         assert expected, "no lease was live at the kill"
         assert saw_outage.wait(10), "no client request hit the outage"
 
-        rp = RedisProcess(data_dir, port=rp.port).start()
+        rp = RedisProcess(data_dir, port=rp.port, fsync="always").start()
         redis_procs.append(rp)
         with lock:
             phase[0] = "after"
@@ -616,6 +615,13 @@ def test_held_lease_keeps_renewing_through_a_redis_restart(private_redis, server
     c = client_of(srv, "alice")
     ttl = 4.0  # margin: the outage (kill, wait for a failed renewal, restart) must stay well inside it
     with c.lease(1, ttl=ttl) as held:
+        # On disk before the kill: under appendfsync everysec a busy disk lets Redis reply before it
+        # writes (up to 2 s), and this test is about the renewal thread, not about that window. A
+        # write of our own and WAITAOF for it: the AOF is in order, so the grant is on disk too.
+        r = Redis.from_url(private_redis["proc"].url)
+        r.set("test:aof-mark", 1)
+        assert r.execute_command("WAITAOF", 1, 0, 10_000)[0] == 1
+        r.close()
         private_redis["proc"].kill()
         # The outage lasts until the renewal thread has tried once: it either logs the failure
         # and keeps going (correct) or dies (the bug).

@@ -433,11 +433,17 @@ def _acquire_waiting(
                 err_console.print(f"waiting for {what}: position {position} in the queue")
             last[0] = position
 
+        rid = c.new_request_id()
         try:
-            return c.acquire(gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem, progress=progress)
+            return c.acquire(
+                gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem, progress=progress, request_id=rid
+            )
         except KeyboardInterrupt:
             spinner.stop()
-            err_console.print(f"withdrawn from the queue after {time.monotonic() - t0:.0f}s: no GPU was taken")
+            # (a queued request is withdrawn by acquire itself; one without --wait may have been
+            # granted while its answer was on the way: withdrawing its id releases that grant)
+            c.withdraw(rid, reason="withdrawn: Ctrl-C")
+            err_console.print(f"withdrawn after {time.monotonic() - t0:.0f}s: no GPU was taken")
             sys.exit(130)
 
 

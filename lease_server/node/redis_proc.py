@@ -96,9 +96,11 @@ def free_port() -> int:
 class RedisProcess:
     """A redis-server child process with AOF persistence in ``data_dir``.
 
-    ``appendfsync`` defaults to ``everysec``: every acknowledged write is in the kernel before the
-    reply is sent, so killing Redis (even with SIGKILL) loses nothing; a power loss or kernel crash
-    can lose at most the last second. Pass ``fsync="always"`` to close that window too.
+    ``appendfsync`` defaults to ``everysec``: an acknowledged write is normally in the kernel before
+    the reply is sent, so killing Redis (even with SIGKILL) loses nothing. But when the disk falls
+    behind (the last second's fsync still running), Redis holds its writes back for up to 2 s and
+    replies meanwhile: a SIGKILL then loses them, and a power loss or kernel crash can lose the last
+    1-2 s. Pass ``fsync="always"`` to close both windows, at an fsync per write.
     """
 
     def __init__(
