@@ -230,7 +230,7 @@ def test_a_cell_the_server_refuses_leaves_the_warm_worker_as_it_was(stack, kerne
     out = warm_cell(kernel, "import os\nstate = [1, 2]\nsid, pid = id(state), os.getpid()")
     lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
     for flags, said in [
-        ("--pool H100", "unknown pool 'H100'"),
+        ("--pool H100", "unknown pool 'H100'; known pools: A100-80GB"),
         ("--gpus 3", "no node in pool 'A100-80GB' has 3 GPUs: the largest has 2"),
     ]:
         out = kernel.run(f"%%gpu_train {flags}\nx = 1")

@@ -608,8 +608,10 @@ class EstimateHandler(BaseHandler):
         n = gpus if gpus is not None else int(waiter.get("gpus", 1))
         mem = self.query(params.EST_GPU_MEM)
         mem = mem if mem is not None else int(waiter.get("gpu_mem_mb") or 0)
-        if pool_s not in await self.store.pool_sizes():
-            raise errors.UnknownPool(f"unknown pool {pool_s!r}", pool=pool_s)
+        pools = await self.store.pool_sizes()
+        if pool_s not in pools:  # in the acquire's words (the magic asks here before it ends a warm worker)
+            known = ", ".join(sorted(pools)) or "none registered"
+            raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s)
         if mem and not self.ctx.settings.sched_table(pool_s)["share"]:
             raise errors.BadRequest(
                 f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask about whole "
@@ -620,8 +622,8 @@ class EstimateHandler(BaseHandler):
         if not mem and int(waiter.get("nodes") or 1) == 1 and 0 < largest < n:
             # as the acquire itself answers: no wait would ever end, so none is estimated
             raise errors.Unsatisfiable(
-                f"no node in pool {pool_s!r} has {n} GPUs: the largest has {largest}; ask about at most "
-                f"{largest} on one node (more are a gang over K nodes: --nodes K)",
+                f"no node in pool {pool_s!r} has {n} GPUs: the largest has {largest}; ask for at most "
+                f"{largest} on one node, or spread them over K nodes, all or nothing (--nodes K)",
                 pool=pool_s,
                 largest_node=largest,
             )
