@@ -567,12 +567,17 @@ class Client:
                 f"lost the event stream of {self.url} ({exc.__class__.__name__}: {exc})"
             ) from exc
 
-    def estimate(self, gpus: int = 1, pool: str | None = None, request: str | None = None) -> dict[str, Any]:
+    def estimate(
+        self, gpus: int = 1, pool: str | None = None, request: str | None = None, gpu_mem_mb: int | None = None
+    ) -> dict[str, Any]:
         """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now.
-        ``request``: the id of a queued request, so that only what is queued ahead of it counts."""
+        ``request``: the id of a queued request, so that only what is queued ahead of it counts.
+        ``gpu_mem_mb``: slices of that much memory instead of whole GPUs."""
         params: dict[str, Any] = {"gpus": gpus, **({"pool": pool} if pool else {})}
         if request:
             params["lease"] = request
+        if gpu_mem_mb:
+            params["gpu_mem_mb"] = gpu_mem_mb
         return self.request("GET", protocol.ESTIMATE, params=params)
 
     def usage(self, by: str = "user", start: float | None = None, end: float | None = None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from lease_server import errors, protocol
 from lease_server.protocol import EndCause, EndCauseJson
 from lease_server.sizes import parse_gpu_mem
 
+from . import slices
 from .calls import Call, event_client
 from .grant import Grant, slice_place
 from .options import Options
@@ -417,8 +418,12 @@ def _refused(sess: Session, opts: Options) -> None:
     """Raise what the lease server would refuse this cell's request with at once (an unknown pool,
     more GPUs than any node of the pool has), asked before a warm worker is ended for that request:
     a typo in ``--pool`` must not cost the notebook its objects on the GPU."""
+    c = sess.client()
+    if opts.gpu_mem is not None and not slices.is_auto(opts.gpu_mem):  # too big, or a pool that does not share
+        c.estimate(opts.gpus or 1, opts.pool, gpu_mem_mb=c.gpu_mem_mb(opts.gpu_mem, opts.pool))
+        return
     one_node = (opts.nodes or 1) == 1 and opts.gpu_mem is None
-    sess.client().estimate((opts.gpus_min or opts.gpus or 1) if one_node else 1, opts.pool)
+    c.estimate((opts.gpus_min or opts.gpus or 1) if one_node else 1, opts.pool)
 
 
 def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str]:
@@ -440,8 +445,8 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
         if usable and not opts.fresh:
             try:
                 _refused(sess, opts)
-            except errors.GpuLeaseError:
-                slot.current = w  # the cell is refused, nothing asked: its warm worker stays as it was
+            except Exception:  # a refusal, or a size it cannot read: nothing was asked, the worker stays
+                slot.current = w
                 raise
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
         if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there

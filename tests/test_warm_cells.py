@@ -225,13 +225,14 @@ def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
 
 
 def test_a_cell_the_server_refuses_leaves_the_warm_worker_as_it_was(stack, kernel):
-    """A typo in --pool, or more GPUs than a node has, is one UsageError line, and the notebook
+    """A typo in --pool, more GPUs than a node has, a slice no GPU holds: one UsageError line, and the notebook
     keeps its warm worker with its objects: the refusal is asked before the worker is ended."""
     out = warm_cell(kernel, "import os\nstate = [1, 2]\nsid, pid = id(state), os.getpid()")
     lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
     for flags, said in [
         ("--pool H100", "unknown pool 'H100'; known pools: A100-80GB"),
         ("--gpus 3", "no node in pool 'A100-80GB' has 3 GPUs: the largest has 2"),
+        ("--gpu-mem 100GB", "slice"),  # more than a GPU has (or a pool that does not share): refused
     ]:
         out = kernel.run(f"%%gpu_train {flags}\nx = 1")
         assert "UsageError: " in text(out) and said in text(out), (flags, out)

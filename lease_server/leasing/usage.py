@@ -279,8 +279,8 @@ async def estimate(
     what = f"{gpus} GPU(s) of {pool}"
     if gpu_mem_mb and size and gpu_mem_mb > size:
         raise errors.BadRequest(
-            f"a slice of {gpu_mem_mb} MB is more than one GPU of pool {pool!r} has ({size} MB): ask about at most "
-            f"{size} MB, or about whole GPUs (drop gpu_mem_mb)"
+            f"a slice of {gpu_mem_mb} MB is more than one GPU of pool {pool!r} has ({size} MB): ask for at most "
+            f"{size} MB, or for whole GPUs (drop gpu_mem_mb)"
         )
     if gpu_mem_mb:
         what = f"a {_mem(gpu_mem_mb)} slice of {pool}" if gpus == 1 else f"{gpus} slices of {_mem(gpu_mem_mb)}"

@@ -614,8 +614,8 @@ class EstimateHandler(BaseHandler):
             raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s)
         if mem and not self.ctx.settings.sched_table(pool_s)["share"]:
             raise errors.BadRequest(
-                f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask about whole "
-                "GPUs (drop gpu_mem_mb), or a pool that shares"
+                f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask for whole "
+                "GPUs, or use a pool whose [scheduling.POOL] settings say share = true"
             )
         view = await self.ctx.cluster.view()
         largest = max((len(node["gpus"]) for node in view["nodes"] if node["pool"] == pool_s), default=0)
