@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..client import Client
+from ..client import Client, HeldLease, Lease
 from ..sizes import parse_gpu_mem
 from ._common import (
     Duration,
@@ -363,7 +363,7 @@ def acquire(
             fail(why, code, prefix="gpulease")
     with Client(url, token) as c:
         if not command:
-            lease = _acquire_waiting(c, gpus, pool, ttl, wait, label, nodes, gpu_mem)
+            lease = _acquire_waiting(c, gpus, pool, wait, ttl=ttl, label=label, nodes=nodes, gpu_mem=gpu_mem)
             click.echo(json.dumps(lease.raw, indent=2))
             if lease.gpu_mem_mb:
                 each = "each of " if len(lease.gpus) > 1 else ""  # k slices: one on each of k GPUs
@@ -373,16 +373,8 @@ def acquire(
             err_console.print(f"release it with: gpulease release {lease.id}")
             return
         t0 = time.monotonic()
-        with console.status(f"asking for {gpus} GPU(s)…") as spinner:
-
-            def progress(position: int | None, elapsed: float) -> None:
-                where = f"position {position} in the queue" if position else "being granted"
-                spinner.update(f"waiting for {gpus} GPU(s) of {pool or 'the default pool'}: {where}, {elapsed:.0f}s")
-
-            held_cm = c.lease(
-                gpus, pool, ttl, wait, label or " ".join(command)[:200], progress=progress, gpu_mem=gpu_mem
-            )
-            held = held_cm.__enter__()
+        lease = _acquire_waiting(c, gpus, pool, wait, ttl=ttl, label=label or " ".join(command)[:200], gpu_mem=gpu_mem)
+        held = HeldLease(c, lease)  # renewed while the command runs
         err_console.print(
             f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "
             f"({held.id}, waited {time.monotonic() - t0:.1f}s)"
@@ -402,23 +394,14 @@ def acquire(
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             failed = f"{command[0]}: {'command not found' if code == 127 else exc.strerror or exc}"
         finally:
-            held_cm.__exit__(None, None, None)
+            held.release()
             err_console.print(f"released {held.id} after {time.monotonic() - t0:.1f}s")
         if failed:
             fail(failed, code, prefix="gpulease")
         sys.exit(code)
 
 
-def _acquire_waiting(
-    c: Client,
-    gpus: int,
-    pool: str | None,
-    ttl: float | None,
-    wait: float,
-    label: str,
-    nodes: int | None,
-    gpu_mem: str | None,
-) -> Any:
+def _acquire_waiting(c: Client, gpus: int, pool: str | None, wait: float, **request: Any) -> Lease:
     """``c.acquire``, showing on stderr where a queued request stands (a spinner on a terminal, a
     line per change of place otherwise); Ctrl-C withdraws it and says so in one line (exit 130)."""
     what = f"{gpus} GPU(s) of {pool or 'the default pool'}"
@@ -431,13 +414,11 @@ def _acquire_waiting(
             spinner.update(f"waiting for {what}: {where}, {elapsed:.0f}s of {wait:g}s")
             if not err_console.is_terminal and position and position != last[0]:
                 err_console.print(f"waiting for {what}: position {position} in the queue")
-            last[0] = position
+                last[0] = position  # (a moment without a place, None, does not print it again)
 
         rid = c.new_request_id()
         try:
-            return c.acquire(
-                gpus, pool, ttl, wait, label, nodes=nodes, gpu_mem=gpu_mem, progress=progress, request_id=rid
-            )
+            return c.acquire(gpus, pool, wait=wait, progress=progress, request_id=rid, **request)
         except KeyboardInterrupt:
             spinner.stop()
             # (a queued request is withdrawn by acquire itself; one without --wait may have been
