@@ -71,7 +71,11 @@ class Pump:
                             out_refs[ranks[i].worker.handle.read_output.remote(POLL_S)] = i
                         continue
                     i = result_refs.pop(ref)
-                    result = self._collect(ref, i, multi)
+                    try:
+                        result = self._collect(ref, i, multi)
+                    except (GpuTrainError, GpuLeaseEnded):  # a rank died: show what the others printed
+                        self._drain(out_refs, writer)
+                        raise
                     if not result.ok:
                         self._drain(out_refs, writer)
                         rank = f"rank {i} on {ranks[i].node}" if multi else ranks[i].node

@@ -136,9 +136,9 @@ def die_on_rank_1(marker_dir: str) -> None:
     magics.worker._die = lambda lease_id, why: None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     d = Path(marker_dir)
+    print("pid", os.getpid(), flush=True)  # before its marker: printed by all once rank 1 dies
     (d / f"pid-{rank}.tmp").write_text(str(os.getpid()))
     (d / f"pid-{rank}.tmp").rename(d / f"pid-{rank}")
-    print("pid", os.getpid(), flush=True)
     if rank == 1:
         # Die only once every rank is running, so that the others really have to be stopped.
         deadline = time.monotonic() + 60
