@@ -568,16 +568,24 @@ class Client:
             ) from exc
 
     def estimate(
-        self, gpus: int = 1, pool: str | None = None, request: str | None = None, gpu_mem_mb: int | None = None
+        self,
+        gpus: int = 1,
+        pool: str | None = None,
+        request: str | None = None,
+        gpu_mem_mb: int | None = None,
+        nodes: int = 1,
     ) -> dict[str, Any]:
         """How long ``gpus`` GPUs of ``pool`` would take, and other pools with them free now.
         ``request``: the id of a queued request, so that only what is queued ahead of it counts.
-        ``gpu_mem_mb``: slices of that much memory instead of whole GPUs."""
+        ``gpu_mem_mb``: slices of that much memory instead of whole GPUs. ``nodes``: a gang of
+        ``gpus`` / ``nodes`` GPUs on each of that many nodes (refused when the pool cannot hold it)."""
         params: dict[str, Any] = {"gpus": gpus, **({"pool": pool} if pool else {})}
         if request:
             params["lease"] = request
         if gpu_mem_mb:
             params["gpu_mem_mb"] = gpu_mem_mb
+        if nodes > 1:
+            params["nodes"] = nodes
         return self.request("GET", protocol.ESTIMATE, params=params)
 
     def usage(self, by: str = "user", start: float | None = None, end: float | None = None) -> dict[str, Any]:

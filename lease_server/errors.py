@@ -135,6 +135,28 @@ class Unsatisfiable(GpuLeaseError):
     code = "unsatisfiable"
     status = 422
 
+    @classmethod
+    def one_node(cls, pool: str, gpus: int, largest: int) -> Unsatisfiable:
+        """More GPUs on one node than any node of the pool has (the acquire's and /estimate's words)."""
+        return cls(
+            f"no node in pool {pool!r} has {gpus} GPUs: the largest has {largest}; ask for at most "
+            f"{largest} on one node, or spread them over K nodes, all or nothing (--nodes K)",
+            pool=pool,
+            largest_node=largest,
+        )
+
+    @classmethod
+    def gang(cls, pool: str, nodes: int, per: int, able: int) -> Unsatisfiable:
+        """A gang of ``per`` GPUs on each of ``nodes`` nodes, where only ``able`` nodes have that many."""
+        gpus = f"{per} GPU{'s' if per != 1 else ''}"
+        return cls(
+            f"a gang of {gpus} on each of {nodes} nodes cannot fit pool {pool!r}: only "
+            f"{able} of its nodes {'has' if able == 1 else 'have'} {gpus}; ask for fewer nodes or "
+            "fewer GPUs per node",
+            pool=pool,
+            nodes_able=able,
+        )
+
 
 class ConfigurationError(GpuLeaseError):
     code = "configuration_error"

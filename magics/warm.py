@@ -416,14 +416,17 @@ def _why(exc: errors.GpuLeaseError, w: WarmWorker) -> str:
 
 def _refused(sess: Session, opts: Options) -> None:
     """Raise what the lease server would refuse this cell's request with at once (an unknown pool,
-    more GPUs than any node of the pool has), asked before a warm worker is ended for that request:
-    a typo in ``--pool`` must not cost the notebook its objects on the GPU."""
+    more GPUs than any node of the pool has, a gang on more nodes than have its GPUs), asked
+    before a warm worker is ended for that request: a typo in ``--pool`` must not cost the
+    notebook its objects on the GPU."""
     c = sess.client()
     if opts.gpu_mem is not None and not slices.is_auto(opts.gpu_mem):  # too big, or a pool that does not share
         c.estimate(opts.gpus or 1, opts.pool, gpu_mem_mb=c.gpu_mem_mb(opts.gpu_mem, opts.pool))
         return
-    one_node = (opts.nodes or 1) == 1 and opts.gpu_mem is None
-    c.estimate((opts.gpus_min or opts.gpus or 1) if one_node else 1, opts.pool)
+    if (opts.nodes or 1) > 1:  # a gang: as many nodes of the pool with gpus / nodes GPUs each
+        c.estimate(opts.gpus or opts.nodes or 1, opts.pool, nodes=opts.nodes or 1)
+        return
+    c.estimate((opts.gpus_min or opts.gpus or 1) if opts.gpu_mem is None else 1, opts.pool)
 
 
 def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str]:
@@ -442,12 +445,11 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
         # suspended on eviction: the caller takes a new lease and restores the worker onto it
         return (w, "") if w.settle() else (None, w.ended_line())
     if not usable or opts.fresh or not w.fits(opts):
-        if usable and not opts.fresh:
-            try:
-                _refused(sess, opts)
-            except Exception:  # a refusal, or a size it cannot read: nothing was asked, the worker stays
-                slot.current = w
-                raise
+        try:  # a cell the server refuses changes nothing, whatever it asked for (a gang, --fresh, --cold)
+            _refused(sess, opts)
+        except Exception:  # a refusal, or a size it cannot read: nothing was asked, the worker stays
+            slot.current = w
+            raise
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
         if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there
             if opts.gpu_mem is not None:

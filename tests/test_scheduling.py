@@ -473,6 +473,13 @@ def test_usage_report_and_time_to_gpu_estimate_over_http(server_factory):
         # more than any node has: refused as the acquire refuses it, not an estimate of a wait without end
         too_many = {"pool": "A100-80GB", "gpus": 3}
         assert_error(alice.get(f"{API}/estimate", params=too_many), 422, "unsatisfiable", "the largest has 2")
+        # a gang: as many nodes of the pool with gpus / nodes GPUs each, checked as the acquire checks it
+        gang = {"pool": "A100-80GB", "gpus": 2, "nodes": 2}
+        assert_error(alice.get(f"{API}/estimate", params=gang), 422, "unsatisfiable", "only 1 of its nodes has")
+        assert_error(alice.post(f"{API}/leases", json=gang), 422, "unsatisfiable", "only 1 of its nodes has")
+        odd = {"pool": "A100-80GB", "gpus": 3, "nodes": 2}
+        assert_error(alice.get(f"{API}/estimate", params=odd), 400, "bad_request", "multiple of nodes")
+        assert_error(alice.get(f"{API}/estimate", params={"nodes": 0}), 400, "bad_request", "nodes")
 
 
 def test_estimate_counts_only_the_requests_ahead_of_the_asking_one(server_factory):

@@ -225,14 +225,17 @@ def test_bad_options_are_one_line_and_lease_nothing(stack, kernel):
 
 
 def test_a_cell_the_server_refuses_leaves_the_warm_worker_as_it_was(stack, kernel):
-    """A typo in --pool, more GPUs than a node has, a slice no GPU holds: one UsageError line, and the notebook
-    keeps its warm worker with its objects: the refusal is asked before the worker is ended."""
+    """A typo in --pool, more GPUs than a node has, a slice no GPU holds, a gang on more nodes than there
+    are: one UsageError line, and the notebook keeps its warm worker with its objects: the refusal is
+    asked before the worker is ended."""
     out = warm_cell(kernel, "import os\nstate = [1, 2]\nsid, pid = id(state), os.getpid()")
     lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
     for flags, said in [
         ("--pool H100", "unknown pool 'H100'; known pools: A100-80GB"),
         ("--gpus 3", "no node in pool 'A100-80GB' has 3 GPUs: the largest has 2"),
         ("--gpu-mem 100GB", "slice"),  # more than a GPU has (or a pool that does not share): refused
+        ("--nodes 2 --gpus 2", "a gang of 1 GPU on each of 2 nodes cannot fit pool 'A100-80GB': only 1 of"),
+        ("--fresh --pool H100", "unknown pool 'H100'"),  # a worker the cell would end anyway: not for a typo
     ]:
         out = kernel.run(f"%%gpu_train {flags}\nx = 1")
         assert "UsageError: " in text(out) and said in text(out), (flags, out)

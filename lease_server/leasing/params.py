@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
-from ..request import MAX_GPU_MEM_MB, matches
+from ..request import MAX_GPU_MEM_MB, MAX_NODES, matches
 from .schema import GPUS, LEASE_ID, NAME, TIME, VERIFIED_TEXT, conform, text
 from .values import (
     DIGITS_PATTERN,
@@ -148,6 +148,12 @@ EST_GPU_MEM = Param(
     {"type": "integer", "minimum": 1, "maximum": MAX_GPU_MEM_MB},
     "A slice of this many MB on each of `gpus` GPUs (only in a pool that shares). Default: the queued request's "
     "(with `lease`), else whole GPUs",
+)
+EST_NODES = Param(
+    "nodes",
+    {"type": "integer", "minimum": 1, "maximum": MAX_NODES},
+    "A gang: `gpus` / `nodes` GPUs on each of that many nodes (422 when too few nodes of the pool have that "
+    "many). Default: the queued request's (with `lease`), else 1",
 )
 EST_POOL = Param(
     "pool",

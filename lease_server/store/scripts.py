@@ -481,23 +481,9 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
         if code is Code.UNKNOWN_POOL:
             raise errors.UnknownPool(f"unknown pool {self.pool!r}", pool=self.pool)
         if code is Code.UNSATISFIABLE and self.nodes > 1:
-            per, able = self.gpus // self.nodes, int(rest[1])
-            gpus = f"{per} GPU{'s' if per != 1 else ''}"
-            raise errors.Unsatisfiable(
-                f"a gang of {gpus} on each of {self.nodes} nodes cannot fit pool {self.pool!r}: only "
-                f"{able} of its nodes {'has' if able == 1 else 'have'} {gpus}; ask for fewer nodes or "
-                "fewer GPUs per node",
-                pool=self.pool,
-                nodes_able=able,
-            )
+            raise errors.Unsatisfiable.gang(self.pool, self.nodes, self.gpus // self.nodes, int(rest[1]))
         if code is Code.UNSATISFIABLE:
-            largest = int(rest[0])
-            raise errors.Unsatisfiable(
-                f"no node in pool {self.pool!r} has {self.gpus} GPUs: the largest has {largest}; ask for at "
-                f"most {largest} on one node, or spread them over K nodes, all or nothing (--nodes K)",
-                pool=self.pool,
-                largest_node=largest,
-            )
+            raise errors.Unsatisfiable.one_node(self.pool, self.gpus, int(rest[0]))
         raise self.unexpected(code)
 
 

@@ -617,16 +617,22 @@ class EstimateHandler(BaseHandler):
                 f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask for whole "
                 "GPUs, or use a pool whose [scheduling.POOL] settings say share = true"
             )
-        view = await self.ctx.cluster.view()
-        largest = max((len(node["gpus"]) for node in view["nodes"] if node["pool"] == pool_s), default=0)
-        if not mem and int(waiter.get("nodes") or 1) == 1 and 0 < largest < n:
-            # as the acquire itself answers: no wait would ever end, so none is estimated
-            raise errors.Unsatisfiable(
-                f"no node in pool {pool_s!r} has {n} GPUs: the largest has {largest}; ask for at most "
-                f"{largest} on one node, or spread them over K nodes, all or nothing (--nodes K)",
-                pool=pool_s,
-                largest_node=largest,
+        nodes = self.query(params.EST_NODES)
+        k = nodes if nodes is not None else int(waiter.get("nodes") or 1)
+        if k > 1 and (mem or n % k):  # as the acquire's body is checked
+            raise errors.BadRequest(
+                "a slice (gpu_mem_mb) is part of one GPU: send no nodes with it"
+                if mem
+                else f"gpus ({n}) must be a multiple of nodes ({k}): a gang has the same GPUs on every node, "
+                f"e.g. gpus={k * max(1, n // k)}"
             )
+        view = await self.ctx.cluster.view()
+        sizes = [len(node["gpus"]) for node in view["nodes"] if node["pool"] == pool_s]
+        # As the acquire itself answers: no wait would ever end, so none is estimated.
+        if k > 1 and sizes and sum(size >= n // k for size in sizes) < k:
+            raise errors.Unsatisfiable.gang(pool_s, k, n // k, sum(size >= n // k for size in sizes))
+        if not mem and k == 1 and 0 < max(sizes, default=0) < n:
+            raise errors.Unsatisfiable.one_node(pool_s, n, max(sizes))
         self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem, view=view))
 
 

@@ -699,7 +699,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 400,
                 404,
                 422,
-                params=(v.EST_POOL, v.EST_GPUS, v.EST_GPU_MEM, v.EST_LEASE, v.EST_ID),
+                params=(v.EST_POOL, v.EST_GPUS, v.EST_NODES, v.EST_GPU_MEM, v.EST_LEASE, v.EST_ID),
             )
         },
         "/api/v1/leases": {
