@@ -356,6 +356,19 @@ def test_bookings_are_a_line_each(up: Up) -> None:
     assert run(up, "unbook", plain[2:]).stdout.strip() == f"{plain}: cancelled"
 
 
+def test_usage_keeps_its_headers_on_one_line_and_a_long_notebook_path_whole(up: Up) -> None:
+    c = client(up)
+    end_all(c)
+    path = "experiments/2027/vision/resnet50-finetune-imagenet-subset.ipynb"  # 62 characters
+    c.release(c.acquire(1, notebook=path, cell="3"))
+    out = run(up, "usage", "--by", "notebook").stdout
+    head = next(line for line in out.splitlines() if line.startswith("notebook"))
+    heads = ["notebook", "calls", "GPU-h", "charged", "util", "%", "peak", "MiB", "wait", "p50", "revoked"]
+    assert head.split() == heads, out
+    assert path in "".join(line.split()[0] for line in lines(out)[2:] if line.split()), out  # folded, not cut
+    assert "…" not in out
+
+
 def test_a_warm_lease_and_its_next_cell_read_as_words_in_the_log(up: Up) -> None:
     """The warm-cell events (kept warm, resumed) are sentences, not key=value dumps."""
     c = client(up)

@@ -457,14 +457,20 @@ def release(lease_id: str, url: str | None, token: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @server_options
 def usage(by: str, days: float, as_json: bool, url: str | None, token: str | None) -> None:
-    """GPU time used per user / team / pool / notebook, from the per-call ledger."""
+    """GPU time used per user / team / pool / notebook, from the per-call ledger. "charged" is
+    the GPU-hours fair share counts: idle time weighted by the pool's idle_weight."""
     now = time.time()
     with Client(url, token) as c:
         out = c.usage(by, now - days * 86400, now + 1)
     if as_json:
         click.echo(json.dumps(out))
         return
-    table = Table(by, "calls", "GPU-h", "charged GPU-h", "util %", "peak MiB", "wait p50", "revoked")
+    # 80 columns: short headers that never wrap, numbers right-aligned, and a long notebook path
+    # folded onto a second line rather than cut short
+    table = _table()
+    table.add_column(by, overflow="fold")
+    for head in ("calls", "GPU-h", "charged", "util %", "peak MiB", "wait p50", "revoked"):
+        table.add_column(head, justify="right", no_wrap=True)
     for r in out["rows"]:
         table.add_row(
             str(r[by]),
