@@ -11,6 +11,7 @@ through a kernel and Ray, is in tests/test_warm_cells.py).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -18,6 +19,8 @@ import httpx
 import pytest
 
 from lease_server import errors
+from lease_server.cli.events import describe
+from lease_server.sizes import show_mb
 from tests.api_helpers import EventWatcher
 from tests.test_drain import GRACE, claim_line, procs  # noqa: F401
 
@@ -102,6 +105,10 @@ def test_an_evicted_warm_worker_is_suspended_the_waiter_granted_and_the_worker_r
     assert answer["ok"] and answer["restored"]["bytes"] == sus["bytes"], answer
     ev = watcher.wait_for(lambda e: e["type"] == "restored" and e["lease"] == again.id, 10, "restored")
     assert ev["suspended_lease"] == lease.id and ev["bytes"] == sus["bytes"] and ev["gpus"] == [0]
+    # gpulease events reads both in words, not as key=value
+    size = show_mb(sus["bytes"] / 2**20)
+    assert re.fullmatch(rf"{size} to host from n1 \(GPU 0\) in \d+\.\ds", describe(sus)), describe(sus)
+    assert re.fullmatch(rf"{size} to n1 \(GPU 0\) in \d+\.\ds, \S+ on host", describe(ev)), describe(ev)
     # restored once: asked again, it is not a suspended worker any more
     assert "not a worker suspended" in claim(alice, again, worker, restore=True)["refused"]
     assert worker.proc.poll() is None
@@ -139,6 +146,7 @@ def test_over_the_host_memory_budget_the_suspended_worker_is_ended(server_factor
     alice.suspend(lease)
     ev = watcher.wait_for(lambda e: e["type"] == "suspend_ended" and e["lease"] == lease.id, 10, "suspend_ended")
     assert "host memory for suspended workers on n1 (1 MB) was full" in ev["reason"], ev
+    assert " on host from n1 dropped after " in describe(ev) and "was full" in describe(ev), describe(ev)
     worker.wait(10)
 
 

@@ -25,6 +25,7 @@ from ..client import Client
 from ..leasing.events import event_of_user
 from ..leasing.values import EVENT_LOG_PAGE_CAP
 from ..protocol import BOOKING_EVENTS, EventType, escaped
+from ..sizes import show_mb
 from ._common import console, err_console, fail, gpu_places, index_list, print_error, server_options, span
 
 PAGE = EVENT_LOG_PAGE_CAP  # the most the log API answers in one call
@@ -169,6 +170,17 @@ def describe(ev: dict[str, Any]) -> str:
         return f"{_gpus(ev)} out of the pool: a process no lease covers uses it"
     if t == "drain_abandoned":
         return f"{_gpus(ev)}: agent gave up pid {ev.get('pid')} ({ev.get('why', '')}); gpulease drain list"
+    if t in ("suspended", "restored", "suspend_ended"):  # a warm worker's GPU state in host memory
+        size = show_mb(int(ev.get("bytes") or 0) / 2**20)
+        gpus = ev.get("gpus")
+        where = ev.get("node", "") + (f" (GPU {index_list([int(g) for g in gpus])})" if isinstance(gpus, list) else "")
+        took = f" in {(ev.get('ms') or 0) / 1000:.1f}s"
+        if t == "suspended":
+            return f"{size} to host from {where}{took}"
+        held = span(ev.get("suspended_s") or 0)
+        if t == "restored":
+            return f"{size} to {where}{took}, {held} on host"
+        return f"{size} on host from {where} dropped after {held}{reason}"
     if t == "drained":
         killed = int(ev.get("killed") or 0)
         ended = f", {killed} process(es) ended" if killed else ""

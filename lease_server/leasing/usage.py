@@ -592,7 +592,11 @@ async def balance(engine: Engine, user: str, teams: tuple[str, ...], pools: list
         est = await estimate(engine, pool, 1, now_ms)
         left = None if not quota else max(0.0, quota - held)
         # (a short line: %gpu_lease shows it indented under the pool's, within 80 columns)
-        words = [f"{held:g} of {quota} GPUs yours, {left:g} left" if quota else f"{held:g} GPU{'' if held == 1 else 's'} yours (no quota)"]
+        words = [
+            f"{held:g} of {quota} GPUs yours, {left:g} left"
+            if quota
+            else f"{held:g} GPU{'' if held == 1 else 's'} yours (no quota)"
+        ]
         if sched["scheduler"] == "fair_share":
             words.append(f"{_ordinal(rank)} of {of} in fair share")
         if est["wait"] is not None:
