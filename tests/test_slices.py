@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from lease_server import errors
+from lease_server.cli.events import describe
 from lease_server.client import Lease
 from lease_server.node.claims import start_ticks
 from lease_server.sizes import GpuMem, parse_gpu_mem
@@ -781,6 +782,9 @@ def test_the_http_agent_ends_only_the_slice_over_its_memory(server_factory: Any,
         warned = watcher.wait_for(lambda e: e["type"] == "over_memory_warning", 20, "the warning")
         ended = watcher.wait_for(lambda e: e["type"] == "over_memory", 20, "the end")
         assert warned["lease"] == ended["lease"] == hog_lease.id
+        said = describe(warned), describe(ended)  # gpulease events, in words
+        assert all(t.startswith(f"{ended['node']} GPU {ended['gpu']}: slice uses ") for t in said), said
+        assert " of 256 MB; ended unless it drops" in said[0] and said[1].endswith(" of 256 MB; ended"), said
         watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == hog_lease.id, 20, "its drain")
         made[0].wait(5)  # the drain ended the hog's process, and nobody else's
         assert made[1].proc.poll() is None

@@ -181,6 +181,10 @@ def describe(ev: dict[str, Any]) -> str:
         if t == "restored":
             return f"{size} to {where}{took}, {held} on host"
         return f"{size} on host from {where} dropped after {held}{reason}"
+    if t in ("over_memory_warning", "over_memory"):  # a slice over the memory it was promised
+        uses = f"{ev.get('node', '')} GPU {ev.get('gpu')}: slice uses {show_mb(int(ev.get('used_mb') or 0))}"
+        asked = f" of {show_mb(int(ev.get('gpu_mem_mb') or 0))}"
+        return uses + asked + ("; ended" if t == "over_memory" else "; ended unless it drops")
     if t == "drained":
         killed = int(ev.get("killed") or 0)
         ended = f", {killed} process(es) ended" if killed else ""
