@@ -256,6 +256,15 @@ def test_every_registered_event_type_is_published() -> None:
     assert EVENT_TYPES - emitted_by_lua() - published_by_python() == set(), "nothing publishes these"
 
 
+def test_gpulease_events_describes_every_event_type_in_words() -> None:
+    """A new event type gets its own words in ``gpulease events`` (cli/events.py describe), not the
+    key=value fallback that an unknown type falls to."""
+    from lease_server.cli.events import describe
+
+    fallback = [t.value for t in EventType if "zz_probe=" in describe({"type": t.value, "zz_probe": 1})]
+    assert fallback == [], f"gpulease events shows these as key=value: {fallback}"
+
+
 def test_every_event_type_is_in_exactly_one_group() -> None:
     groups = [protocol.BOARD_EVENTS, protocol.BOOKING_EVENTS, protocol.LOG_ONLY_EVENTS]
     for e in EVENT_TYPES:
