@@ -177,10 +177,9 @@ def describe(ev: dict[str, Any]) -> str:
         took = f" in {(ev.get('ms') or 0) / 1000:.1f}s"
         if t == "suspended":
             return f"{size} to host from {where}{took}"
-        held = span(ev.get("suspended_s") or 0)
-        if t == "restored":
-            return f"{size} to {where}{took}, {held} on host"
-        return f"{size} on host from {where} dropped after {held}{reason}"
+        if t == "restored":  # (how long it was on host: the time between its two lines)
+            return f"{size} to {where}{took}"
+        return f"{size} on host from {where} dropped after {span(ev.get('suspended_s') or 0)}{reason}"
     if t in ("over_memory_warning", "over_memory"):  # a slice over the memory it was promised
         uses = f"{ev.get('node', '')} GPU {ev.get('gpu')}: slice uses {show_mb(int(ev.get('used_mb') or 0))}"
         asked = f" of {show_mb(int(ev.get('gpu_mem_mb') or 0))}"
