@@ -129,6 +129,14 @@ class Withdrawn(GpuLeaseError):
     status = 410
 
 
+def no_slices(pool: str) -> BadRequest:
+    """A slice asked of a pool that does not share its GPUs (the acquire's and /estimate's words)."""
+    return BadRequest(
+        f"pool {pool!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask for whole GPUs, "
+        f"or have an admin set share = true under [scheduling.{pool}] in the server's --config file"
+    )
+
+
 class Unsatisfiable(GpuLeaseError):
     """No node of the pool could ever serve the request, however long it waited."""
 

@@ -438,10 +438,7 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
         if code is Code.DUPLICATE:
             return Duplicate()
         if code is Code.INVALID and rest and rest[0] == "share":
-            raise errors.BadRequest(
-                f"pool {self.pool!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask for whole "
-                "GPUs, or use a pool whose [scheduling.POOL] settings say share = true"
-            )
+            raise errors.no_slices(self.pool)
         if code is Code.INVALID:  # "memory", the MB of one GPU of the pool
             raise errors.BadRequest(
                 f"a slice of {self.gpu_mem_mb} MB is more than one GPU of pool {self.pool!r} has ({rest[1]} MB): "

@@ -613,10 +613,7 @@ class EstimateHandler(BaseHandler):
             known = ", ".join(sorted(pools)) or "none registered"
             raise errors.UnknownPool(f"unknown pool {pool_s!r}; known pools: {known}", pool=pool_s)
         if mem and not self.ctx.settings.sched_table(pool_s)["share"]:
-            raise errors.BadRequest(
-                f"pool {pool_s!r} does not share its GPUs, so it takes no slice (gpu_mem_mb): ask for whole "
-                "GPUs, or use a pool whose [scheduling.POOL] settings say share = true"
-            )
+            raise errors.no_slices(pool_s)
         nodes = self.query(params.EST_NODES)
         k = nodes if nodes is not None else int(waiter.get("nodes") or 1)
         if k > 1 and (mem or n % k):  # as the acquire's body is checked
