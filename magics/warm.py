@@ -429,6 +429,18 @@ def _refused(sess: Session, opts: Options) -> None:
     c.estimate((opts.gpus_min or opts.gpus or 1) if opts.gpu_mem is None else 1, opts.pool)
 
 
+def _asked(opts: Options) -> str:
+    """What a cell asks for, as its flags say it: "2 GPUs", "--gpu-mem 10GB", "4 GPUs on 2 nodes"."""
+    pool = f" of {opts.pool}" if opts.pool else ""
+    if opts.gpu_mem is not None:
+        return f"--gpu-mem {opts.gpu_mem}{pool}"
+    if (opts.nodes or 1) > 1:
+        return f"{opts.gpus} GPUs on {opts.nodes} nodes{pool}"
+    if opts.gpus_min and opts.gpus_min != opts.gpus:
+        return f"{opts.gpus_min}-{opts.gpus} GPUs{pool}"
+    return f"{opts.gpus} GPU{'' if opts.gpus == 1 else 's'}{pool}"
+
+
 def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str]:
     """The kernel's warm worker for this GPU cell, if the cell may use it (``usable``), it fits
     and it is still there; else None, with a line saying what became of it ("" when there was
@@ -451,12 +463,10 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
             slot.current = w
             raise
         w.end("--fresh" if opts.fresh else "the notebook's next GPU cell asked for other GPUs")
-        if usable and not opts.fresh:  # asked for other GPUs: say why its objects are not there
-            if opts.gpu_mem is not None:
-                asked = f"--gpu-mem {opts.gpu_mem}" + (f" of {opts.pool}" if opts.pool else "")
-            else:
-                asked = f"{opts.gpus} GPU{'' if opts.gpus == 1 else 's'}" + (f" of {opts.pool}" if opts.pool else "")
-            return None, f"warm worker on {w.where()} ended: this cell asks for {asked} (a cold start)"
+        # Asked for other GPUs, or for a kind of cell no warm worker serves (a gang, an elastic or an
+        # --gpu-mem auto cell): say why its objects are not there. (--fresh and --cold asked for it.)
+        if not opts.fresh and (usable or opts.warm):
+            return None, f"warm worker on {w.where()} ended: this cell asks for {_asked(opts)} (a cold start)"
         return None, ""
     if w.take():
         return w, ""

@@ -111,6 +111,11 @@ def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_na
     out = kernel.run("%gpu_lease release")
     assert "released; its warm worker ended" in text(out), out
     assert board(stack) == {0: "free", 1: "free"}
+    # A kind of cell no warm worker serves (elastic, a gang, --gpu-mem auto) says so too.
+    warm_cell(kernel, "x = 1")
+    out = warm_cell(kernel, "x = 2", flags="--gpus 1-2")
+    assert "\n  ! warm worker on box GPU 0 ended: this cell asks for 1-2 GPUs (a cold start)" in status(out), out
+    assert board(stack) == {0: "free", 1: "free"}  # (an elastic cell is not kept warm)
 
 
 def test_another_users_request_suspends_the_warm_worker_and_the_next_cell_resumes_in_it(stack, kernel):
