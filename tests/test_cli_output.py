@@ -598,3 +598,13 @@ def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: 
     row = next((line for line in wide.splitlines() if "│" in line and " sliced " in line), wide)  # its GPU's row
     assert [w.strip() for w in row.split("│")][1:3] == ["box", str(gpu)], row
     assert " 2 slices " in row and "40G of 80G leased, 40G free" in row, row
+
+
+def test_help_lists_every_command_on_one_line_not_cut_off() -> None:
+    done = subprocess.run([*CLI, "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": str(WIDTH)})
+    listed = done.stdout.split("Commands:\n")[1].splitlines()
+    assert listed and all(len(line) <= WIDTH and not line.endswith("...") for line in listed), done.stdout
+    from lease_server.cli import main
+
+    shown = {name for name, c in main.commands.items() if not c.hidden}
+    assert {line.split()[0] for line in listed} == shown

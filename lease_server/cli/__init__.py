@@ -57,3 +57,32 @@ for _command in (
     simulate.simulate,
 ):
     main.add_command(_command)
+
+# What `gpulease --help` lists: a line each that is not cut off (click would cut the docstring's
+# first sentence at the terminal's width); `gpulease COMMAND --help` gives the whole docstring.
+_SHORT = {
+    "up": "Run everything on this machine (Redis, server, agent, Ray, Lab).",
+    "server": "Run the HTTP lease server against an existing Redis.",
+    "agent": "Declare this node's GPUs to the lease server and keep it alive.",
+    "status": "Pools, the leases with their GPUs, and the queue.",
+    "leases": "Your leases and queued requests (--all: everyone's).",
+    "acquire": "Lease GPUs, and run a command on them.",
+    "release": "Release a lease, or withdraw a queued request.",
+    "usage": "GPU time per user, team, pool or notebook, from the ledger.",
+    "report": "A week's GPU use per user, team or pool, day by day.",
+    "keep": "Answer an idle warning: I'm still using it.",
+    "events": "The event log, a line each (--follow for what comes).",
+    "book": "Book GPUs of a pool for a time window (lent out while unused).",
+    "bookings": "Everyone's bookings from now on, a line each.",
+    "unbook": "Cancel a booking, or end it early (--end).",
+    "revoke": "Revoke anyone's lease (admin).",
+    "reclaim": "Idle-GPU reclaim: explain a decision.",
+    "policy": "Idle-GPU reclaim policy per pool.",
+    "kernel": "The CPU-only Jupyter kernel with the %%gpu_train magics.",
+    "token": "API tokens: create, list, revoke (admin).",
+    "migrate": "Move the data in Redis to this release's layout.",
+    "drain": "Draining GPUs: list them, clear one an agent gave up on (admin).",
+    "simulate": "Compare GPU-sharing policies on a workload.",
+}
+for _name, _line in _SHORT.items():
+    main.commands[_name].short_help = _line
