@@ -7,6 +7,7 @@ of what it prints may be longer (a longer one would wrap in the terminal).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -509,6 +510,36 @@ def test_acquire_waits_for_a_duration_says_where_it_stands_and_ctrl_c_withdraws(
     assert c.queue() == []
     for h in held:
         c.release(h["id"])
+
+
+def test_acquire_without_a_command_prints_a_line_on_a_terminal_and_json_to_a_pipe(up: Up) -> None:
+    import pty
+
+    c = client(up)
+    end_all(c)
+    master, replica = pty.openpty()  # stdout a terminal, as a person runs it
+    proc = subprocess.Popen([*CLI, "acquire", "--gpus", "2"], stdout=replica, stderr=subprocess.PIPE, env=up.env)
+    os.close(replica)
+    _, err = proc.communicate(timeout=60)
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO once the command has exited and its output is read
+        while chunk := os.read(master, 4096):
+            shown += chunk
+    os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode())
+    assert proc.returncode == 0, err
+    [lease] = c.leases()
+    assert text.strip().splitlines()[-1] == f"leased box GPU 0,1 ({lease['id']})", text
+    said = err.decode()
+    assert "expires in 0m15s unless renewed (--ttl 1h for longer)" in said, said
+    assert f"release it with: gpulease release {lease['id']}" in said
+    c.release(lease["id"])
+    # to a pipe (a script), or with --json: the lease as JSON
+    for args in (("acquire",), ("acquire", "--json")):
+        piped = run(up, *args, "--ttl", "5m")
+        got = json.loads(piped.stdout)
+        assert got["user"] == "root" and "--ttl 1h" not in piped.stderr
+        c.release(got["id"])
 
 
 def test_acquire_a_program_gone_by_exec_time_releases(up: Up, tmp_path: Path) -> None:

@@ -314,6 +314,9 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
     "--gpu-mem",
     help="A slice of one GPU instead: 10GB, 10240MB or a fraction such as 0.25 (pools that share their GPUs)",
 )
+@click.option(
+    "--json", "as_json", is_flag=True, help="No COMMAND: print the lease as JSON (as when stdout is not a terminal)"
+)
 @server_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def acquire(
@@ -324,6 +327,7 @@ def acquire(
     label: str,
     nodes: int | None,
     gpu_mem: str | None,
+    as_json: bool,
     url: str | None,
     token: str | None,
     command: tuple[str, ...],
@@ -364,12 +368,16 @@ def acquire(
     with Client(url, token) as c:
         if not command:
             lease = _acquire_waiting(c, gpus, pool, wait, ttl=ttl, label=label, nodes=nodes, gpu_mem=gpu_mem)
-            click.echo(json.dumps(lease.raw, indent=2))
+            if as_json or not sys.stdout.isatty():  # for a script: lease=$(gpulease acquire ...)
+                click.echo(json.dumps(lease.raw, indent=2))
+            else:  # for a person: where, and the id that release takes
+                console.print(f"[green]leased[/] {gpu_places(lease_parts(lease.raw))} ({lease.id})")
             if lease.gpu_mem_mb:
                 each = "each of " if len(lease.gpus) > 1 else ""  # k slices: one on each of k GPUs
                 indexes = ",".join(str(i) for i in lease.indexes)
                 err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {each}{lease.node} GPU {indexes}")
-            err_console.print(f"lease {lease.id} expires in {lease.ttl:g}s unless renewed")
+            longer = " (--ttl 1h for longer)" if ttl is None else ""
+            err_console.print(f"lease {lease.id} expires in {span(lease.ttl)} unless renewed{longer}")
             err_console.print(f"release it with: gpulease release {lease.id}")
             return
         t0 = time.monotonic()
