@@ -238,6 +238,8 @@ def churn_scheduled(
                     stats["gang"] += bool(lease.nodes)
                 except errors.NoCapacity:
                     stats["busy"] += 1
+                except errors.LeaseEnded:  # granted from the queue, its 1-2 s ttl out before the
+                    stats["lost"] += 1  # loaded server saw the grant: gone, and the caller is told so
             elif roll < 0.7:
                 # Resize, an elastic lease by preference (the others are refused: not elastic).
                 resizable = [i for i, held_lease in enumerate(held) if held_lease.raw.get("elastic")]
