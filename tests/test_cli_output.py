@@ -363,6 +363,8 @@ def test_usage_keeps_its_headers_on_one_line_and_a_long_notebook_path_whole(up: 
     path = "experiments/2027/vision/resnet50-finetune-imagenet-subset.ipynb"  # 62 characters
     c.release(c.acquire(1, notebook=path, cell="3"))
     out = run(up, "usage", "--by", "notebook").stdout
+    none = run(up, "usage", "--days", "1e-9").stdout  # a window nothing ended in: a sentence, not an empty table
+    assert none.strip() == "no lease ended in the last 1e-09 days (--days 30 looks further back)", none
     head = next(line for line in out.splitlines() if line.startswith("notebook"))
     heads = ["notebook", "calls", "GPU-h", "charged", "util", "%", "peak", "MiB", "wait", "p50", "revoked"]
     assert head.split() == heads, out

@@ -473,6 +473,9 @@ def usage(by: str, days: float, as_json: bool, url: str | None, token: str | Non
     if as_json:
         click.echo(json.dumps(out))
         return
+    if not out["rows"]:
+        click.echo(f"no lease ended in the last {days:g} days (--days 30 looks further back)")
+        return
     # 80 columns: short headers that never wrap, numbers right-aligned, and a long notebook path
     # folded onto a second line rather than cut short
     table = _table()
