@@ -477,16 +477,16 @@ class GpuMagics(Magics):
                         f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s "
                         "unless used (%gpu_lease keep)"
                     )
+                # (two short lines rather than one past 80 columns)
+                where = f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']})"
                 if lease.get("warm_since"):
-                    print(
-                        f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']}), kept warm "
-                        f"{now - lease['warm_since']:.0f}s for your next cell (lent out if someone waits)"
-                    )
+                    print(f"{where}, kept warm {now - lease['warm_since']:.0f}s")
+                    print("    for your next cell (lent out if someone waits)")
                     continue
-                print(
-                    f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']}), held "
-                    f"{now - lease['created_at']:.0f}s, label {lease['label']!r}"
-                )
+                print(f"{where}, held {now - lease['created_at']:.0f}s")
+                if lease.get("label"):
+                    label = " ".join(str(lease["label"]).split())
+                    print(f"    label {label if len(label) <= 68 else label[:67] + '…'}")
         else:
             print("  no lease held")
         for node in view["nodes"]:  # an evicted warm worker whose GPU state waits in host memory

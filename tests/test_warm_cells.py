@@ -107,7 +107,8 @@ def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_na
     )
     assert status(out).endswith("\n  ! warm worker on box GPU 0 ended: this cell asks for 2 GPUs (a cold start)")
     shown = text(kernel.run("%gpu_lease"))
-    assert "kept warm " in shown and "s for your next cell (lent out if someone waits)" in shown, shown
+    assert "kept warm " in shown and "\n    for your next cell (lent out if someone waits)" in shown, shown
+    assert all(len(line) <= 80 for line in shown.splitlines()), shown
     out = kernel.run("%gpu_lease release")
     assert "released; its warm worker ended" in text(out), out
     assert board(stack) == {0: "free", 1: "free"}
