@@ -493,7 +493,7 @@ def usage(by: str, days: float, as_json: bool, url: str | None, token: str | Non
             f"{r['wait_p50_s']:.1f}s",
             str(r["revoked"]),
         )
-    console.print(f"last {days:g} days, {out['calls']} calls")
+    console.print(f"last {days:g} days, {out['calls']} call{'' if out['calls'] == 1 else 's'}")
     console.print(table)
 
 
