@@ -75,7 +75,13 @@ RULES: dict[str, tuple[str, ...]] = {
     ),
     "GET /api/v1/usage/balance": (r"unknown pool",),
     "GET /api/v1/cluster": (r"unknown pool",),
-    "GET /api/v1/estimate": (r"name different requests", r"does not share its GPUs", r"is more than one GPU of pool"),
+    "GET /api/v1/estimate": (
+        r"name different requests",
+        r"does not share its GPUs",
+        r"is more than one GPU of pool",
+        r"must be a multiple of nodes",  # a gang's shape, checked as the acquire's
+        r"a slice \(gpu_mem_mb\) is part of one GPU",
+    ),
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),
     "GET /api/v1/events": (r"changes and lease cannot be combined",),

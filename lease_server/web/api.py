@@ -616,18 +616,13 @@ class EstimateHandler(BaseHandler):
             raise errors.no_slices(pool_s)
         nodes = self.query(params.EST_NODES)
         k = nodes if nodes is not None else int(waiter.get("nodes") or 1)
-        if k > 1 and (mem or n % k):  # as the acquire's body is checked
-            raise errors.BadRequest(
-                "a slice (gpu_mem_mb) is part of one GPU: send no nodes with it"
-                if mem
-                else f"gpus ({n}) must be a multiple of nodes ({k}): a gang has the same GPUs on every node, "
-                f"e.g. gpus={k * max(1, n // k)}"
-            )
+        AcquireRequest(gpus=n, nodes=k, gpu_mem_mb=mem or None).rules()  # its shape, as the acquire's is checked
         view = await self.ctx.cluster.view()
         sizes = [len(node["gpus"]) for node in view["nodes"] if node["pool"] == pool_s]
         # As the acquire itself answers: no wait would ever end, so none is estimated.
-        if k > 1 and sizes and sum(size >= n // k for size in sizes) < k:
-            raise errors.Unsatisfiable.gang(pool_s, k, n // k, sum(size >= n // k for size in sizes))
+        able = sum(size >= n // k for size in sizes)
+        if k > 1 and sizes and able < k:
+            raise errors.Unsatisfiable.gang(pool_s, k, n // k, able)
         if not mem and k == 1 and 0 < max(sizes, default=0) < n:
             raise errors.Unsatisfiable.one_node(pool_s, n, max(sizes))
         self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem, view=view))
