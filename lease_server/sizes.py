@@ -92,6 +92,21 @@ def as_option(mb: int) -> str:
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*$")
 
 
+def ordinal(n: int) -> str:
+    """1 -> '1st', 2 -> '2nd', 11 -> '11th': a place in a queue or a ranking."""
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def show_duration(seconds: float) -> str:
+    """Seconds as a person writes them to ``--wait`` (the inverse of :func:`parse_duration`):
+    300 -> '5m', 5400 -> '1h30m', 90 -> '1m30s', 0.5 -> '0.5s'."""
+    if seconds < 60:
+        return f"{seconds:g}s"
+    h, rest = divmod(round(seconds), 3600)
+    m, s = divmod(rest, 60)
+    return "".join(f"{v}{unit}" for v, unit in ((h, "h"), (m, "m"), (s, "s")) if v)
+
+
 def parse_duration(text: str | float | int | None, allow_zero: bool = False) -> float | None:
     """'90', '90s', '10m', '1h30m' -> seconds (``%%gpu_train --wait``, ``gpulease acquire --wait``).
     None stays None; 0 only with ``allow_zero`` (a wait of 0: do not queue)."""

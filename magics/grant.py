@@ -147,7 +147,7 @@ class Grant:
             if position and elapsed - estimate["at"] >= ESTIMATE_EVERY_S:  # type: ignore[operator]
                 estimate["at"] = elapsed
                 try:
-                    estimate["text"] = waiting_estimate(client.estimate(gpus, pool, request=rid))
+                    estimate["text"] = waiting_estimate(client.estimate(gpus, pool, request=rid), elapsed, opts.wait)
                 except errors.GpuLeaseError:
                     estimate["text"] = ""
             ui.waiting(Waiting(rid, asked, shown_pool["name"], position, elapsed, str(estimate["text"])))

@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from lease_server import errors
-from lease_server.sizes import show_mb
+from lease_server.sizes import ordinal, show_mb
 
 from . import cellcode, space
 from .elastic import DEFAULT_MIN_EFFICIENCY
@@ -53,10 +53,6 @@ def _duration(text: str | None, flag: str) -> float | None:
         raise UsageError(f"{flag}: {exc}") from None
 
 
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
-
-
 class CellDisplay:
     """The cell's one status line (queued -> running -> released / stopped / revoked), a display
     updated in place; the worker's output streams below it."""
@@ -88,7 +84,7 @@ class CellDisplay:
             if self.state == "shut down":
                 return
             self.state = "queued"
-            where = f"{_ordinal(w.position)} in line" if w.position else "being granted"
+            where = f"{ordinal(w.position)} in line" if w.position else "being granted"
             pool = f" of {w.pool}" if w.pool else ""
             est = f"; {w.estimate}" if w.estimate and w.position else ""
             gpus = f"a {w.gpus}" if w.gpus.endswith("slice") else f"{w.gpus} GPU{'' if w.gpus == '1' else 's'}"
@@ -357,7 +353,9 @@ class GpuMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except _PARSE_ERRORS as exc:
-            raise UsageError(exc.message) from None
+            said = errors.waited_out(exc)
+            # a wait that ran out: the cell's line says it and what to change; the error, what it was
+            raise UsageError(said.splitlines()[0] if ui.state == "refused" else said) from None
 
     @magic_arguments()
     @argument(
@@ -421,7 +419,7 @@ class GpuMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except _PARSE_ERRORS as exc:
-            raise UsageError(exc.message) from None
+            raise UsageError(errors.waited_out(exc)) from None
 
     @magic_arguments()
     @argument("action", nargs="?", default="show", choices=["show", "release", "keep"])

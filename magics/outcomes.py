@@ -4,6 +4,7 @@ hook saved one. Each is one line for a person; none shows local frames."""
 
 from __future__ import annotations
 
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import Any, Protocol
 
 from lease_server import protocol
 from lease_server.protocol import EndCause, EndCauseJson, LeaseJson
-from lease_server.sizes import FIT_MARGIN, as_option, show_mb
+from lease_server.sizes import FIT_MARGIN, as_option, show_duration, show_mb
 
 
 @dataclass(frozen=True)
@@ -235,10 +236,12 @@ class StreamUI:
             sys.stderr.write(e.line() + "\n")
 
 
-def waiting_estimate(est: dict[str, Any]) -> str:
+def waiting_estimate(est: dict[str, Any], waited_s: float = 0.0, wait_s: float | None = None) -> str:
     """The lease server's estimate (``GET /estimate``) as the end of a queued cell's line: "about
     40 s more", the requests ahead, and a pool with the GPUs free now on a line of its own. The
-    server's ``text`` repeats the request and the reasoning, which the line already shows."""
+    server's ``text`` repeats the request and the reasoning, which the line already shows. With the
+    cell's ``--wait`` (``wait_s``, of which ``waited_s`` is spent): a line when the estimate runs
+    past it, since the cell gives up first."""
     wait = est.get("wait")
     if wait is None:
         text = "no GPU of the pool is up"
@@ -247,6 +250,11 @@ def waiting_estimate(est: dict[str, Any]) -> str:
     ahead = int(est.get("queued_ahead") or 0)
     if ahead:
         text += f" ({ahead} request{'s' if ahead != 1 else ''} ahead)"
+    more = est.get("estimate_s")
+    if wait_s is not None and isinstance(more, (int, float)) and waited_s + more > wait_s:
+        enough = math.ceil((waited_s + more) * 1.25 / 60) * 60  # the estimate and a margin, in minutes
+        past, longer = show_duration(wait_s), show_duration(enough)
+        text += f"\n  past --wait {past}: the cell gives up first; --wait {longer} waits it out"
     alternatives = est.get("alternatives") or []
     if alternatives:
         alt = alternatives[0]

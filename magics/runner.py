@@ -342,7 +342,7 @@ class _Run:
             ui.ended(Ending("withdrawn"))
             raise GpuTrainStopped("gpu_train stopped while queued; the request was withdrawn") from None
         except errors.NoCapacity as exc:
-            ui.ended(Ending("refused", why=exc.message))
+            ui.ended(Ending("refused", why=errors.waited_out(exc)))
             raise
         except errors.Withdrawn as exc:  # withdrawn from elsewhere: a kernel shutdown, another terminal
             ui.ended(Ending("withdrawn"))

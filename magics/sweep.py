@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lease_server import errors
+from lease_server.sizes import ordinal
 
 from . import cellcode
 from .calls import Call, CellValue
@@ -290,10 +291,6 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
-
-
 def _clock(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f}s"
@@ -304,7 +301,7 @@ def _clock(seconds: float) -> str:
 
 def _state_text(t: Trial) -> str:
     if t.state == "queued":
-        return f"queued, {_ordinal(t.position)}" if t.position else "queued"
+        return f"queued, {ordinal(t.position)}" if t.position else "queued"
     if t.state == "running":
         return f"running {t.where}" if t.where else "running"
     if t.state == "failed" and t.error is not None:

@@ -510,6 +510,16 @@ def test_acquire_waits_for_a_duration_says_where_it_stands_and_ctrl_c_withdraws(
     assert proc.returncode == 130, last
     assert re.fullmatch(r"withdrawn after \d+s: no GPU was taken", last), last
     assert c.queue() == []
+    # Refused in the words of acquire's own flag: a duration, not the API's "wait (seconds)".
+    now = run(up, "acquire", "--pool", "A100-80GB", ok=False)
+    assert now.returncode == 2 and "pass --wait (e.g. --wait 10m) to queue for them" in now.stderr, now.stderr
+    assert "(seconds)" not in now.stderr
+    out = run(up, "acquire", "--pool", "A100-80GB", "--wait", "2s", ok=False)
+    assert out.returncode == 2 and c.queue() == []
+    assert lines(out.stderr)[-2:] == [
+        "error: gave up after --wait 2s, still 1st in line for 1 GPU of A100-80GB",
+        "  a longer --wait waits more, or ask for fewer GPUs",
+    ], out.stderr
     for h in held:
         c.release(h["id"])
 

@@ -184,6 +184,20 @@ def test_timeout_stops_the_call_and_releases(stack, kernel):
     assert text(kernel.run("print('usable')")).strip() == "usable"
 
 
+def test_a_cell_that_waits_out_its_wait_says_it_once_in_its_own_flags(stack, kernel):
+    """The cell's line says how long it waited, where it stood and what to change, in the cell's
+    flags (not the API's "wait (seconds)"); the error under it is that line's first half, once."""
+    held = api(stack, "POST", "/api/v1/leases", json={"gpus": 2, "ttl": 60})
+    try:
+        out = kernel.run("%%gpu_train --wait 2s\nx = 1")
+    finally:
+        api(stack, "DELETE", f"/api/v1/leases/{held['id']}")
+    gave_up = "gave up after --wait 2s, still 1st in line for 1 GPU of A100-80GB"
+    assert status(out) == f"gpu_train: {gave_up}\n  a longer --wait waits more, or ask for fewer GPUs", out
+    assert text(out).strip() == f"UsageError: {gave_up}", out
+    assert not errors_of(out) and free_gpus(stack) == 2
+
+
 def test_interrupt_cancels_the_worker_and_releases(stack, kernel):
     msg_id = kernel.start("%%gpu_train\nimport time\nprint('training', flush=True)\ntime.sleep(60)")
     first, finished = kernel.outputs(msg_id, until="training")

@@ -143,6 +143,35 @@ def test_stop_while_queued_withdraws_the_request(sess, up):
     assert free(sess) == 2
 
 
+def test_a_cell_that_waits_out_its_wait_says_so_in_its_own_flags(sess, up):
+    """The queued line warns when the estimate runs past --wait; the refusal names --wait as the
+    cell wrote it (the API's words ask for a wait in seconds), and where the request stood."""
+    holder = Client(up.url, sess.defaults.token)
+    held = holder.acquire(2, ttl=600)
+    ui = RecordingUI()
+    try:
+        with pytest.raises(errors.NoCapacity):
+            run_cell("x = 1", {}, Options(gpus=1, wait=3), ui, sess)
+        assert holder.queue() == []
+    finally:
+        holder.release(held)
+        holder.close()
+    told = [s.estimate for s in ui.states if isinstance(s, Waiting) and s.estimate]
+    assert told, ui.states
+    first, past = told[0].splitlines()
+    assert first.startswith("about ") and first.endswith(" more"), first
+    # the holder's 10 min and a margin, rounded up to minutes
+    assert past.startswith("  past --wait 3s: the cell gives up first; --wait "), past
+    assert past.endswith("m waits it out"), past
+    assert ui.ending.state == "refused"
+    assert ui.ending.line() == (
+        "gpu_train: gave up after --wait 3s, still 1st in line for 1 GPU of A100-80GB\n"
+        "  a longer --wait waits more, or ask for fewer GPUs"
+    )
+    assert all(len(line) <= 80 for line in [*ui.ending.line().splitlines(), first, past])
+    assert free(sess) == 2
+
+
 @pytest.mark.parametrize(
     ("rec", "line"),
     [

@@ -14,7 +14,7 @@ from ._common import fail
 def _fail(exc: errors.GpuLeaseError) -> None:
     """A server's refusal as one line naming gpulease commands (not HTTP paths); exit 2 for what
     the caller can fix, 1 for the server's trouble."""
-    fail(exc.message, 2 if exc.status < 500 else 1)
+    fail(errors.waited_out(exc), 2 if exc.status < 500 else 1)  # a wait in acquire's --wait, not seconds
 
 
 class Group(click.Group):

@@ -80,16 +80,22 @@ _GLUE = "\x1f"
 
 def print_error(message: str, prefix: str = "error") -> None:
     """One error on stderr, worded for the CLI, wrapped at spaces to the terminal's width (a
-    command it names kept whole; a word longer than a line stays whole too)."""
+    command it names kept whole; a word longer than a line stays whole too). A line break in the
+    message starts an indented line of its own (what to do next, under what went wrong)."""
     head = f"{prefix}: " if prefix else ""
     body = _COMMAND.sub(lambda m: m[0].replace(" ", _GLUE), cli_message(message))
-    wrapped = textwrap.wrap(
-        head + body,
-        width=max(40, err_console.width),
-        subsequent_indent="  ",
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
+    wrapped = [
+        line
+        for k, part in enumerate(body.split("\n"))
+        for line in textwrap.wrap(
+            head + part if k == 0 else part.strip(),
+            width=max(40, err_console.width),
+            initial_indent="" if k == 0 else "  ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    ]
     for i, line in enumerate(wrapped or [head]):
         text = Text(line.replace(_GLUE, " "))
         if i == 0 and head:

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client import Client, HeldLease, Lease
-from ..sizes import parse_gpu_mem
+from ..sizes import parse_gpu_mem, show_duration
 from ._common import (
     Duration,
     ago,
@@ -419,7 +419,7 @@ def _acquire_waiting(c: Client, gpus: int, pool: str | None, wait: float, **requ
 
         def progress(position: int | None, elapsed: float) -> None:
             where = f"position {position} in the queue" if position else "being granted"
-            spinner.update(f"waiting for {what}: {where}, {elapsed:.0f}s of {wait:g}s")
+            spinner.update(f"waiting for {what}: {where}, {elapsed:.0f}s of --wait {show_duration(wait)}")
             if not err_console.is_terminal and position and position != last[0]:
                 err_console.print(f"waiting for {what}: position {position} in the queue")
                 last[0] = position  # (a moment without a place, None, does not print it again)

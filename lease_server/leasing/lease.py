@@ -391,6 +391,8 @@ class LeaseStore:
                 f"{n} GPU{' was' if n == 1 else 's were'} not free in pool {pool!r} within {wait_s:g}s; "
                 "pass a longer wait (seconds) or ask for fewer GPUs",
                 pool=pool,
+                gpus=n,
+                wait_s=wait_s,
             ) from None
 
     async def _settled(self, lid: str) -> LeaseRecord | None:
@@ -439,6 +441,8 @@ class LeaseStore:
             f"(position {got.position} in the queue); pass a longer wait (seconds) or ask for fewer GPUs",
             pool=pool,
             position=got.position,
+            gpus=n,
+            wait_s=wait_s,
         )
 
     async def renew(

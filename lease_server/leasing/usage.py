@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import errors
+from ..sizes import ordinal
 from ..store import rollup
 from ..store.engine import Engine
 from ..store.scripts import Fold
@@ -562,11 +563,6 @@ def _standing(raw: str, now_ms: int, half_life_s: float) -> float:
     return float(u["v"]) * 0.5 ** (dt_ms / (half_life_s * 1000)) + r * dt_ms / 1000 + r * half_life_s / math.log(2)
 
 
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
 async def balance(engine: Engine, user: str, teams: tuple[str, ...], pools: list[str], now_ms: int) -> dict[str, Any]:
     """What ``user`` has left in each of ``pools``: quota (GPUs at once) and held now, their place in
     fair share (1st: the least recent use, served first among waiters) and how long their next
@@ -598,7 +594,7 @@ async def balance(engine: Engine, user: str, teams: tuple[str, ...], pools: list
             else f"{held:g} GPU{'' if held == 1 else 's'} yours (no quota)"
         ]
         if sched["scheduler"] == "fair_share":
-            words.append(f"{_ordinal(rank)} of {of} in fair share")
+            words.append(f"{ordinal(rank)} of {of} in fair share")
         if est["wait"] is not None:
             words.append(f"next cell: {est['wait']}" if est["estimate_s"] else "next cell: now")
         out.append(
