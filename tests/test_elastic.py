@@ -257,7 +257,10 @@ def test_a_gloo_data_parallel_loop_survives_resizes_with_the_same_final_step(ses
     t.start()
     freer = start_small(admin, up, sess, "ddp")
     try:
-        opts = Options(gpus=4, gpus_min=1, elastic=True, sizes=(1, 2, 4), label="ddp")
+        # Whether growth pays is test_grows_while_growth_pays_and_stops_at_the_knee's; here gloo's
+        # all-reduce among processes on a loaded 2-core machine measured s = 0.43 once (CI-like run),
+        # and the job rightly stayed at 1. A low bar keeps this test on what it is about: resizes.
+        opts = Options(gpus=4, gpus_min=1, elastic=True, sizes=(1, 2, 4), label="ddp", min_efficiency=0.1)
         state = run_call(Call.function(ddp_loop, 60, str(go)), opts, sess=sess).value
     finally:
         freer.join(120)
