@@ -32,7 +32,7 @@ import httpx
 from . import errors, protocol
 from .protocol import GpuJson, LeaseJson, LeaseState
 from .request import MAX_TEXT, AcquireRequest
-from .sizes import parse_gpu_mem
+from .sizes import ordinal, parse_gpu_mem, show_duration
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -144,6 +144,23 @@ class Lease:
     @property
     def uuids(self) -> list[str]:
         return [g.get("uuid", "") for g in self.gpus]
+
+
+def waited_out(exc: errors.GpuLeaseError, flag: str = "--wait") -> str:
+    """A :class:`errors.NoCapacity` as a client whose ``flag`` takes a duration (``10m``) says it: the
+    API's words ask for a ``wait`` in seconds. A request that waited out its wait says how long and
+    where it stood; one refused at once names the flag that queues it. Any other error: its message."""
+    if not isinstance(exc, errors.NoCapacity):
+        return exc.message
+    d = exc.details
+    position, wait_s, gpus = d.get("position"), d.get("wait_s"), d.get("gpus")
+    if isinstance(wait_s, (int, float)) and wait_s > 0 and isinstance(gpus, int):
+        place = f", still {ordinal(position)} in line" if isinstance(position, int) and position > 0 else ""
+        return (
+            f"gave up after {flag} {show_duration(wait_s)}{place} for {gpus} GPU{'s' if gpus != 1 else ''} "
+            f"of {d.get('pool')}\n  a longer {flag} waits more, or ask for fewer GPUs"
+        )
+    return exc.message.replace("pass wait (seconds)", f"pass {flag} (e.g. {flag} 10m)")
 
 
 def visible_devices(gpus: Iterable[Mapping[str, Any]]) -> str:

@@ -114,25 +114,6 @@ class NoCapacity(Conflict):
     code = "no_capacity"
 
 
-def waited_out(exc: GpuLeaseError, flag: str = "--wait") -> str:
-    """A :class:`NoCapacity` as a client whose ``flag`` takes a duration (``10m``) says it: the
-    API's words ask for a ``wait`` in seconds. A request that waited out its wait says how long and
-    where it stood; one refused at once names the flag that queues it. Any other error: its message."""
-    from .sizes import ordinal, show_duration
-
-    if not isinstance(exc, NoCapacity):
-        return exc.message
-    d = exc.details
-    position, wait_s, gpus = d.get("position"), d.get("wait_s"), d.get("gpus")
-    if isinstance(wait_s, (int, float)) and wait_s > 0 and isinstance(gpus, int):
-        place = f", still {ordinal(position)} in line" if isinstance(position, int) and position > 0 else ""
-        return (
-            f"gave up after {flag} {show_duration(wait_s)}{place} for {gpus} GPU{'s' if gpus != 1 else ''} "
-            f"of {d.get('pool')}\n  a longer {flag} waits more, or ask for fewer GPUs"
-        )
-    return exc.message.replace("pass wait (seconds)", f"pass {flag} (e.g. {flag} 10m)")
-
-
 class TooMany(GpuLeaseError):
     """A per-user limit is reached: queued requests, open event streams."""
 

@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from lease_server import errors
+from lease_server.client import waited_out
 from lease_server.sizes import ordinal, show_mb
 
 from . import cellcode, space
@@ -353,7 +354,7 @@ class GpuMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except _PARSE_ERRORS as exc:
-            said = errors.waited_out(exc)
+            said = waited_out(exc)
             # a wait that ran out: the cell's line says it and what to change; the error, what it was
             raise UsageError(said.splitlines()[0] if ui.state == "refused" else said) from None
 
@@ -419,7 +420,7 @@ class GpuMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except _PARSE_ERRORS as exc:
-            raise UsageError(errors.waited_out(exc)) from None
+            raise UsageError(waited_out(exc)) from None
 
     @magic_arguments()
     @argument("action", nargs="?", default="show", choices=["show", "release", "keep"])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lease_server import errors, protocol
-from lease_server.client import Client, Lease
+from lease_server.client import Client, Lease, waited_out
 from lease_server.sizes import parse_duration, parse_gpu_mem, show_mb
 
 from . import cellcode, slices
@@ -342,7 +342,7 @@ class _Run:
             ui.ended(Ending("withdrawn"))
             raise GpuTrainStopped("gpu_train stopped while queued; the request was withdrawn") from None
         except errors.NoCapacity as exc:
-            ui.ended(Ending("refused", why=errors.waited_out(exc)))
+            ui.ended(Ending("refused", why=waited_out(exc)))
             raise
         except errors.Withdrawn as exc:  # withdrawn from elsewhere: a kernel shutdown, another terminal
             ui.ended(Ending("withdrawn"))

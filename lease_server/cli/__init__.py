@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from .. import __version__, errors
+from ..client import waited_out
 from . import admin, bookings, drains, events, leases, report, service, simulate
 from ._common import fail
 
@@ -14,7 +15,7 @@ from ._common import fail
 def _fail(exc: errors.GpuLeaseError) -> None:
     """A server's refusal as one line naming gpulease commands (not HTTP paths); exit 2 for what
     the caller can fix, 1 for the server's trouble."""
-    fail(errors.waited_out(exc), 2 if exc.status < 500 else 1)  # a wait in acquire's --wait, not seconds
+    fail(waited_out(exc), 2 if exc.status < 500 else 1)  # a wait in acquire's --wait, not seconds
 
 
 class Group(click.Group):
