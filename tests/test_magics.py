@@ -62,9 +62,11 @@ class Kernel:
     def start(self, code: str) -> str:
         return self.kc.execute(code)
 
-    def outputs(self, msg_id: str, timeout: float = 120, until: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+    def outputs(
+        self, msg_id: str, timeout: float = 120, until: str | None = None, until_shown: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
         """Collect iopub output of ``msg_id`` until the kernel is idle (or ``until`` appears in a
-        stream). Returns (outputs, finished)."""
+        stream, or ``until_shown`` in the cell's status line). Returns (outputs, finished)."""
         out: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -80,6 +82,8 @@ class Kernel:
             if kind in ("stream", "error", "execute_result", "display_data", "update_display_data"):
                 out.append({"type": kind, **content})
                 if until and kind == "stream" and until in content["text"]:
+                    return out, False
+                if until_shown and "display" in kind and until_shown in content["data"].get("text/plain", ""):
                     return out, False
         raise AssertionError(f"no idle status within {timeout}s; got {out}")
 
@@ -238,17 +242,21 @@ def test_no_lease_server_is_a_usage_error(stack):
         k.shutdown()
 
 
-def test_two_notebooks_contend_for_one_gpu(stack):
+def test_two_notebooks_contend_for_one_gpu(stack, tmp_path):
     first, second = Kernel(stack), Kernel(stack)
+    done = tmp_path / "first-may-end"  # the first cell holds its GPUs until the second is seen queued
     try:
         m1 = first.start(
-            "%%gpu_train --gpus 2\nimport time\nprint('first running', flush=True)\ntime.sleep(4)\nwho = 'first'"
+            "%%gpu_train --gpus 2\nimport os, time\nprint('first running', flush=True)\n"
+            f"while not os.path.exists({str(done)!r}):\n    time.sleep(0.05)\nwho = 'first'"
         )
         first.outputs(m1, until="first running")
         m2 = second.start("%%gpu_train --gpus 1\nwho = 'second'\nprint('second running', flush=True)")
+        queued, _ = second.outputs(m2, until_shown="1st in line", timeout=60)
+        time.sleep(1.0)  # not to synchronise: a wait under 1 s is not shown, and the line's is checked
+        done.touch()
         out2, _ = second.outputs(m2, until="second running", timeout=60)
-        waits = [o for o in out2 if o["type"] in ("display_data", "update_display_data")]
-        assert any("1st in line" in o["data"]["text/plain"] for o in waits), out2
+        waits = [o for o in queued + out2 if o["type"] in ("display_data", "update_display_data")]
         assert any("(waited " in o["data"]["text/plain"] for o in waits), out2  # how long it waited
         out1, done1 = first.outputs(m1, timeout=60)
         assert done1 and not errors_of(out1)
