@@ -493,7 +493,7 @@ def test_acquire_waits_for_a_duration_says_where_it_stands_and_ctrl_c_withdraws(
         reader = LineReader(proc)
         deadline = time.monotonic() + 30
         line = reader.next(deadline)
-        assert line.rstrip("\n") == "waiting for 1 GPU(s) of the default pool: position 1 in the queue", line
+        assert line.rstrip("\n") == "queued for 1 GPU of A100-80GB: 1st in line", line  # the default pool, named
         assert len(c.queue()) == 1
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

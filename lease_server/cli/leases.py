@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -16,8 +17,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .. import errors
 from ..client import Client, HeldLease, Lease
-from ..sizes import parse_gpu_mem, show_duration
+from ..sizes import ordinal, parse_gpu_mem, show_duration
 from ._common import (
     Duration,
     ago,
@@ -412,16 +414,23 @@ def acquire(
 def _acquire_waiting(c: Client, gpus: int, pool: str | None, wait: float, **request: Any) -> Lease:
     """``c.acquire``, showing on stderr where a queued request stands (a spinner on a terminal, a
     line per change of place otherwise); Ctrl-C withdraws it and says so in one line (exit 130)."""
-    what = f"{gpus} GPU(s) of {pool or 'the default pool'}"
     t0 = time.monotonic()
     last: list[int | None] = [None]
-    with err_console.status(f"asking for {what}…") as spinner:
+    named = {"pool": pool}
+
+    def what() -> str:  # as a queued cell's line says it: "1 GPU of A100-80GB"
+        return f"{gpus} GPU{'s' if gpus != 1 else ''} of {named['pool'] or 'the default pool'}"
+
+    with err_console.status(f"asking for {what()}…") as spinner:
 
         def progress(position: int | None, elapsed: float) -> None:
-            where = f"position {position} in the queue" if position else "being granted"
-            spinner.update(f"waiting for {what}: {where}, {elapsed:.0f}s of --wait {show_duration(wait)}")
+            if position and not named["pool"]:  # the server's default pool: asked once, while queued
+                with contextlib.suppress(errors.GpuLeaseError):
+                    named["pool"] = c.cluster().get("default_pool") or None
+            where = f"{ordinal(position)} in line" if position else "being granted"
+            spinner.update(f"queued for {what()}: {where}, {elapsed:.0f}s of --wait {show_duration(wait)}")
             if not err_console.is_terminal and position and position != last[0]:
-                err_console.print(f"waiting for {what}: position {position} in the queue")
+                err_console.print(f"queued for {what()}: {where}")
                 last[0] = position  # (a moment without a place, None, does not print it again)
 
         rid = c.new_request_id()
