@@ -160,7 +160,10 @@ def waited_out(exc: errors.GpuLeaseError, flag: str = "--wait") -> str:
             f"gave up after {flag} {show_duration(wait_s)}{place} for {gpus} GPU{'s' if gpus != 1 else ''} "
             f"of {d.get('pool')}\n  a longer {flag} waits more, or ask for fewer GPUs"
         )
-    return exc.message.replace("pass wait (seconds)", f"pass {flag} (e.g. {flag} 10m)")
+    return exc.message.replace("pass wait (seconds)", f"pass {flag} (e.g. {flag} 10m)").replace(
+        "pass wait (",
+        f"pass {flag} (",  # "(at least the booking's recall notice)"
+    )
 
 
 def visible_devices(gpus: Iterable[Mapping[str, Any]]) -> str:
