@@ -361,8 +361,12 @@ class Client:
                         except errors.GpuLeaseError:
                             position = None
                         progress(position, time.monotonic() - t0)
-            except BaseException:
-                self.withdraw(lid, reason="withdrawn: the caller stopped waiting")
+            except BaseException as exc:
+                # the event log's words: a person's Stop or Ctrl-C, or the caller's own error
+                why = "the caller stopped waiting"
+                if isinstance(exc, KeyboardInterrupt):
+                    why = "interrupted (Stop or Ctrl-C)"
+                self.withdraw(lid, reason=f"withdrawn: {why}")
                 poller.join(self.timeout)
                 raise
         if "error" in outcome:

@@ -96,7 +96,7 @@ def test_stop_on_a_queued_cell_withdraws_the_request(stack, kernel, watcher):
         # gone from the queue by the Stop itself (its wait is the default hour), not by a clock
         assert c.queue() == []
         gone = watcher.wait_for(lambda e: e["type"] == "wait_cancelled" and e["lease"] == queued["lease"], 10, "gone")
-        assert gone["reason"].startswith("withdrawn: "), gone  # (not wait_timeout: a Stop, not its wait)
+        assert gone["reason"] == "withdrawn: interrupted (Stop or Ctrl-C)", gone  # (not wait_timeout)
         (err,) = errors_of(out)
         assert err["ename"] == "GpuTrainStopped" and len(err["traceback"]) == 1, err
         assert status(out) == "gpu_train: stopped while queued; the request was withdrawn"
