@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lease_server import errors
+from lease_server.client import waited_out
 from lease_server.sizes import ordinal
 
 from . import cellcode
@@ -304,10 +305,17 @@ def _state_text(t: Trial) -> str:
         return f"queued, {ordinal(t.position)}" if t.position else "queued"
     if t.state == "running":
         return f"running {t.where}" if t.where else "running"
+    if t.state == "failed" and isinstance(t.error, errors.NoCapacity):
+        return "gave up waiting"  # its --wait ran out in the queue
     if t.state == "failed" and t.error is not None:
         kind = t.error.remote_type if isinstance(t.error, GpuTrainError) and t.error.remote_type else ""
         return f"failed: {kind or type(t.error).__name__}"
     return t.state
+
+
+def _why(exc: BaseException) -> str:
+    """A failed trial's reason, one line; a refusal in the words of the cell's own flags."""
+    return waited_out(exc).splitlines()[0] if isinstance(exc, errors.GpuLeaseError) else _first_line(exc)
 
 
 def _elapsed(t: Trial, now: float) -> str:
@@ -350,7 +358,7 @@ def render_table(trials: Iterable[Trial], head: str, now: float | None = None, w
             lines.append(_short(line.rstrip(), width))
     failed = [t for t in trials if t.state == "failed" and t.error is not None]
     for t in failed[:5]:
-        lines.append(_short(f"  trial {t.index}: {_first_line(t.error)}", width))  # type: ignore[arg-type]
+        lines.append(_short(f"  trial {t.index}: {_why(t.error)}", width))  # type: ignore[arg-type]
     if len(failed) > 5:
         lines.append(f"  ... and {len(failed) - 5} more failed trials")
     return "\n".join(lines)
@@ -416,7 +424,7 @@ class SweepDisplay:
 
     def trial_ended(self, t: Trial) -> None:
         if not self.live and not self.quiet:
-            extra = f" ({_first_line(t.error)})" if t.error is not None and t.state == "failed" else ""
+            extra = f" ({_why(t.error)})" if t.error is not None and t.state == "failed" else ""
             sys.stderr.write(f"gpu_sweep: trial {t.index} {_params(t.params)}: {t.state}{extra}\n")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from IPython.core.error import UsageError
 
+from lease_server import errors
 from lease_server.client import Client
 from magics import report
 from magics.outcomes import GpuTrainError, GpuTrainStopped
@@ -357,17 +358,33 @@ def test_the_table_fits_80_columns_and_names_failures():
             "failed",
             error=GpuTrainError("ValueError: bad batch (on box, GPU 1)", "tb", "box", "ValueError"),
         ),
+        Trial(
+            5,
+            {"lr": 0.2},
+            "failed",
+            # as the server refuses a request whose wait ran out (lease.py), in the API's words
+            error=errors.NoCapacity(
+                "1 GPU was not free in pool 'A100-80GB' within 600s (position 2 in the queue); "
+                "pass a longer wait (seconds) or ask for fewer GPUs",
+                pool="A100-80GB",
+                position=2,
+                gpus=1,
+                wait_s=600.0,
+            ),
+        ),
     ]
-    text = render_table(t, "gpu_sweep: 5 trials x 1 GPU of A100-80GB: 1 running, 1 queued, 1 done - 41.0s")
+    text = render_table(t, "gpu_sweep: 6 trials x 1 GPU of A100-80GB: 1 running, 1 queued, 1 done - 41.0s")
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines), text
     assert lines[1].split() == ["#", "parameters", "state", "elapsed", "last", "metrics"]
     assert "done" in lines[2] and "12.3s" in lines[2] and "step 99 loss=0.2135" in lines[2]
     assert "running box GPU 2" in lines[3] and "queued, 3rd" in lines[4] and "stopped early" in lines[5]
-    assert "failed: ValueError" in lines[6]
-    assert lines[-1] == "  trial 4: ValueError: bad batch (on box, GPU 1)"
+    assert "failed: ValueError" in lines[6] and "gave up waiting" in lines[7]
+    assert lines[-2] == "  trial 4: ValueError: bad batch (on box, GPU 1)"
+    # in the words of the sweep's own --wait, not the API's "wait (seconds)"
+    assert lines[-1] == "  trial 5: gave up after --wait 10m, still 2nd in line for 1 GPU of A100-80GB"
     r = SweepResults(t)
-    assert repr(r).startswith("gpu_sweep: 5 trials: 1 done, 1 stopped early, 1 failed, 1 running, 1 queued;")
+    assert repr(r).startswith("gpu_sweep: 6 trials: 1 done, 1 stopped early, 2 failed, 1 running, 1 queued;")
 
 
 def test_the_live_table_is_one_display_updated_in_place():
