@@ -43,6 +43,9 @@ ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
     ("not-utf8", b"\xff\xfe\x00", 400, "bad_request", ("not valid JSON",)),
     ("json-array", b'[{"gpus": 1}]', 400, "bad_request", ("must be a JSON object", '"gpus"')),
     ("json-null", b"null", 400, "bad_request", ("must be a JSON object",)),
+    # What json.loads raises besides JSONDecodeError: a 400, not a 500 with a traceback in the log
+    ("json-deep", b"[" * 30_000, 400, "bad_request", ("nested too deeply", "flat JSON object")),
+    ("json-long-int", b'{"gpus": ' + b"9" * 5_000 + b"}", 400, "bad_request", ("number too long",)),
     ("gpus-zero", _raw({"gpus": 0}), 400, "bad_request", ("gpus", "at least 1")),
     ("gpus-negative", _raw({"gpus": -1}), 400, "bad_request", ("gpus", "at least 1")),
     ("gpus-string", _raw({"gpus": "two"}), 400, "bad_request", ("gpus", "whole number", "two")),
@@ -212,6 +215,16 @@ def test_renew_without_or_with_a_malformed_token_is_400(
         resp = c.post(f"{API}/leases/{lid}/renew", content=b"{oops", headers={"Content-Type": "application/json"})
         assert_error(resp, 400, "bad_request", "not valid JSON")
         resp = c.delete(f"{API}/leases/{lid}", params={"token": "abc"})
+        assert_error(resp, 400, "bad_request", "token must be the integer fencing token")
+        # A token of thousands of digits (past Python's int limit) is refused as one, and shown cut.
+        for bad in ("9" * 5_000, 10**19):
+            resp = c.post(f"{API}/leases/{lid}/renew", json={"token": bad})
+            assert_error(resp, 400, "bad_request", "token must be the integer fencing token")
+            assert len(resp.json()["message"]) < 200
+        resp = c.delete(f"{API}/leases/{lid}", params={"token": "9" * 5_000})
+        assert_error(resp, 400, "bad_request", "token must be the integer fencing token")
+        assert len(resp.json()["message"]) < 200
+        resp = c.request("DELETE", f"{API}/leases/{lid}", json={"token": "9" * 5_000})
         assert_error(resp, 400, "bad_request", "token must be the integer fencing token")
 
 

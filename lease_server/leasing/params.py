@@ -20,6 +20,7 @@ from .values import (
     NUMBER_PATTERN,
     SINCE_PATTERN,
     SUMMARY_GROUPS,
+    TOKEN_MAX,
     USAGE_GROUPS,
     check_before,
     check_event_types,
@@ -232,12 +233,16 @@ LIMIT = Param(
 
 def _token_arg(raw: str) -> int:
     if not matches(DIGITS_PATTERN, raw):
-        raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {raw!r}")
+        shown = repr(raw) if len(raw) <= 40 else repr(raw[:36] + "...")
+        raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {shown}")
     return int(raw)
 
 
 TOKEN_ARG = Param(
-    "token", {"type": "integer", "minimum": 0}, "The fencing token (as the body's `token`)", parse=_token_arg
+    "token",
+    {"type": "integer", "minimum": 0, "maximum": TOKEN_MAX},
+    "The fencing token (as the body's `token`)",
+    parse=_token_arg,
 )
 VERIFIED_ARG = Param("verified", {"type": "boolean"}, VERIFIED_TEXT + BOOL_NOTE)
 REASON_ARG = Param(

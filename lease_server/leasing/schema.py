@@ -12,7 +12,15 @@ from typing import Any
 
 from .. import errors
 from ..request import MAX_GPUS_PER_REQUEST, MAX_TEXT, NAME_PATTERN, TEXT_PATTERN, matches, short
-from .values import DIGITS_PATTERN, EPOCH_HIGH, EPOCH_LOW, LEASE_ID_PATTERN, TIME_PATTERN, check_printable
+from .values import (
+    DIGITS_PATTERN,
+    EPOCH_HIGH,
+    EPOCH_LOW,
+    LEASE_ID_PATTERN,
+    TIME_PATTERN,
+    TOKEN_MAX,
+    check_printable,
+)
 
 
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +57,7 @@ TIME = {
 }
 TOKEN = {
     "anyOf": [
-        {"type": "integer", "minimum": 0},
+        {"type": "integer", "minimum": 0, "maximum": TOKEN_MAX},
         {"type": "string", "pattern": DIGITS_PATTERN, "description": "the token's digits"},
     ],
     "description": "The fencing token of the grant",

@@ -48,7 +48,10 @@ OWNER_PATTERN = "^(team:)?[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 LEASE_ID_PATTERN = "^[A-Za-z0-9._-]{1,64}$"
 # An event id Redis accepts as an exclusive start: each part below 2**64 - 1, so at most 19 digits.
 SINCE_PATTERN = "^(-|[0-9]{1,19}(-[0-9]{1,19})?)$"
-DIGITS_PATTERN = "^[0-9]+$"
+# A fencing token's digits: epoch x 10^9 + a count (lua/_lib_schedule.lua next_token), well
+# within 19 digits; a longer string is no token of ours, refused before anything reads it.
+DIGITS_PATTERN = "^[0-9]{1,19}$"
+TOKEN_MAX = 10**19 - 1
 NUMBER_PATTERN = "^-?[0-9]+(\\.[0-9]+)?([eE][+-]?[0-9]+)?$"
 # An ISO 8601 time with a UTC offset, years 2000..2098.
 TIME_PATTERN = (
@@ -112,8 +115,14 @@ def check_token(token: object, *, required: bool) -> str:
         if required:
             raise errors.BadRequest("token is required: pass the fencing token of your grant")
         return ""
-    if isinstance(token, bool) or not isinstance(token, (int, str)) or not str(token).isdigit():
-        raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {token!r}")
+    if (
+        isinstance(token, bool)
+        or not isinstance(token, (int, str))
+        or (isinstance(token, int) and not 0 <= token <= TOKEN_MAX)
+        or (isinstance(token, str) and not matches(DIGITS_PATTERN, token))
+    ):
+        shown = repr(token) if len(repr(token)) <= 40 else repr(token)[:37] + "..."
+        raise errors.BadRequest(f"token must be the integer fencing token of your grant, got {shown}")
     return str(int(token))
 
 

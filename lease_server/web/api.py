@@ -205,6 +205,10 @@ class BaseHandler(tornado.web.RequestHandler):
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise errors.BadRequest(f"body is not valid JSON ({exc}); send a JSON object") from exc
+        except RecursionError:
+            raise errors.BadRequest("body is nested too deeply to read; send a flat JSON object") from None
+        except ValueError:  # an integer past Python's digit limit (4,300 digits)
+            raise errors.BadRequest("body has a number too long to read; send a JSON object of plain values") from None
         if not isinstance(data, dict):
             raise errors.BadRequest('body must be a JSON object, e.g. {"gpus": 1}')
         return data
