@@ -386,6 +386,13 @@ def test_own_rows_only_shows_a_user_their_own_usage(server_factory: Any) -> None
         assert_error(ann.get(f"{API}/usage/summary", params={"user": "bob"}), 403, "forbidden", "user=ann")
         team = admin.get(f"{API}/usage/summary").json()
         assert team["scope"] == "all" and {g["key"] for g in team["groups"]} == {"ann", "bob"}
+        # The ledger's sums (GET /usage) hold to the same setting, whatever they are grouped by.
+        for by in ("user", "pool", "notebook"):
+            got = ann.get(f"{API}/usage", params={"by": by}).json()
+            assert got["scope"] == "own" and got["calls"] == 1, (by, got)
+        assert [r["user"] for r in ann.get(f"{API}/usage", params={"by": "user"}).json()["rows"]] == ["ann"]
+        all_rows = admin.get(f"{API}/usage", params={"by": "user"}).json()
+        assert all_rows["scope"] == "all" and {r["user"] for r in all_rows["rows"]} == {"ann", "bob"}
 
 
 def test_migrate_builds_the_rollups_the_scripts_write(redis_server: Any, redis_sync: Redis, prefix: str) -> None:

@@ -122,11 +122,13 @@ async def summarize_ledger(
     by: str = "user",
     pool: str | None = None,
     on_page: Callable[[int], Awaitable[None]] | None = None,
+    user: str | None = None,
 ) -> Summary:
-    """:class:`Summary` of the ledger lines of leases that ended in [lo, hi) (of ``pool`` only, if
-    given), read ``LEDGER_SLICE`` at a time: the event loop serves others between two reads, and no
-    more than one slice is held at once, however long the range. ``on_page(n)`` is awaited after
-    each read of ``n`` lines (the API counts them against the token's read budget)."""
+    """:class:`Summary` of the ledger lines of leases that ended in [lo, hi) (of ``pool`` only, and
+    of ``user``'s leases only, if given), read ``LEDGER_SLICE`` at a time: the event loop serves
+    others between two reads, and no more than one slice is held at once, however long the range.
+    ``on_page(n)`` is awaited after each read of ``n`` lines (the API counts them against the
+    token's read budget)."""
     acc = Summary(by)
     start, end = f"{lo_ms}-0", f"{max(lo_ms, hi_ms - 1)}"
     while True:
@@ -135,7 +137,7 @@ async def summarize_ledger(
             await on_page(len(rows))
         for _id, fields in rows:
             e = json.loads(fields["data"])
-            if pool is None or e["pool"] == pool:
+            if (pool is None or e["pool"] == pool) and (user is None or e["user"] == user):
                 acc.add(e)
         if len(rows) < LEDGER_SLICE:
             return acc

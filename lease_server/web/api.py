@@ -520,14 +520,32 @@ class UsageHandler(BaseHandler):
         # a week of a department's ledger is up to event_log_max lines, which must neither hold this
         # server's loop nor be one token's to read as often as it likes.
         key = self.token_key
+        # As /usage/summary: with usage_own_rows_only, a user who is not an admin sums only their
+        # own leases (whatever `by`: their notebooks' names, their pools), never the team's.
+        own = self.ctx.settings.usage_own_rows_only and self.identity.role != "admin"
         with await self.ctx.limits.admit(key, "GET /usage", self.gone):
             try:
                 acc = await usage.summarize_ledger(
-                    self.engine, lo, hi, by, pool, lambda n: self.ctx.limits.charge(key, n, self.gone)
+                    self.engine,
+                    lo,
+                    hi,
+                    by,
+                    pool,
+                    lambda n: self.ctx.limits.charge(key, n, self.gone),
+                    user=self.identity.user if own else None,
                 )
             except tornado.iostream.StreamClosedError:  # the client went away during a throttled read
                 return
-        self.reply({"by": by, "from": lo / 1000, "to": hi / 1000, "calls": acc.calls, "rows": acc.rows()})
+        self.reply(
+            {
+                "by": by,
+                "from": lo / 1000,
+                "to": hi / 1000,
+                "calls": acc.calls,
+                "rows": acc.rows(),
+                "scope": "own" if own else "all",
+            }
+        )
 
 
 class UsageSummaryHandler(BaseHandler):

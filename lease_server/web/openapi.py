@@ -657,7 +657,8 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "/api/v1/usage": {
             "get": _op(
                 "The usage ledger summed per user, team, pool or notebook over [from, to) (default: 7 days; "
-                "to after from)",
+                "to after from). With the server's usage_own_rows_only, a user who is not an admin gets the "
+                'sums of their own leases only (scope "own")',
                 _json({"type": "object"}, "Usage"),
                 params=(v.BY, v.POOL, v.FROM, v.TO),
             )
