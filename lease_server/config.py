@@ -307,6 +307,12 @@ class Settings:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in quota.values()
             ):
                 raise ConfigurationError(f'quota of pool {pool} must map users, "*" or "team:NAME" to GPU counts')
+        for pool, table in self.policy_overrides.items():
+            if "exempt_labels" in table:
+                raise ConfigurationError(
+                    f"[policy.{pool}] exempt_labels is no longer a setting: a lease's label is whatever its "
+                    "requester types, so it exempted anyone who typed it; use exempt_users (a CI's own user)"
+                )
         if self.replicas_ack < 0 or self.replicas_ack_timeout <= 0:
             raise ConfigurationError(
                 "replicas_ack must be 0 (one Redis) or the replicas a change must reach (1 with Sentinel), "

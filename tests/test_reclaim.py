@@ -109,6 +109,8 @@ def test_policy_changes_are_admin_only_and_checked(fast):
         ({"grace": "soon"}, "must be a number"),
         ({"bogus": 1}, "unknown policy field"),
         ({"exempt_users": "bob"}, "list of names"),
+        # a label is the requester's own text: it exempted whoever typed it (use exempt_users)
+        ({"exempt_labels": ["ci-nightly"]}, "exempt_users"),
     ]:
         with pytest.raises(errors.BadRequest) as exc:
             admin.request("PUT", "/api/v1/policy/A100-80GB", json=bad)
@@ -130,6 +132,32 @@ def test_exempt_user_is_never_warned(fast):
     dave_lease = fast.client("dave").acquire(1)
     watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == dave_lease.id, 10, "dave's warning")
     assert not [e for e in watcher.events if e.get("lease") == carol_lease.id and e["type"] == "idle_warning"]
+
+
+def test_a_label_exempts_nobody_even_where_an_old_release_stored_exempt_labels(fast):
+    """A label is the requester's own text: an exempt_labels a release before this one stored is
+    read past, and a lease with that label is warned like any other."""
+    import redis as redis_py
+
+    from lease_server.store.keys import Keys
+
+    r = redis_py.Redis.from_url(fast.settings.redis_url, decode_responses=True)
+    try:
+        r.hset(Keys(fast.settings.prefix).policy, "A100-80GB", json.dumps({"exempt_labels": ["ci-nightly"]}))
+    finally:
+        r.close()
+    admin = fast.client("root", "admin")
+    assert "exempt_labels" not in admin.request("GET", "/api/v1/policy/A100-80GB")
+    watcher = EventWatcher(fast.url, fast.token("root", "admin")).start()
+    eve_lease = fast.client("eve").acquire(1, label="ci-nightly")
+    watcher.wait_for(lambda e: e["type"] == "idle_warning" and e["lease"] == eve_lease.id, 10, "eve's warning")
+    # and a change now keeps nothing of it
+    admin.request("PUT", "/api/v1/policy/A100-80GB", json={"grace": 30})
+    r = redis_py.Redis.from_url(fast.settings.redis_url, decode_responses=True)
+    try:
+        assert json.loads(r.hget(Keys(fast.settings.prefix).policy, "A100-80GB")) == {"grace": 30}
+    finally:
+        r.close()
 
 
 def test_unleased_use_is_flagged_and_cleared(fast):
@@ -326,3 +354,13 @@ def test_slices_are_reclaimed_only_when_their_whole_gpu_is_idle(server_factory):
     assert not warned & {s.id for s in busy}, warned
     for s in busy:
         assert srv.client(s.user).get(s.id)["state"] == "active"
+
+
+def test_a_config_file_with_exempt_labels_fails_at_start_saying_what_to_use(tmp_path):
+    from lease_server.config import Settings
+    from lease_server.errors import ConfigurationError
+
+    path = tmp_path / "gpulease.toml"
+    path.write_text('[policy.A100-80GB]\nexempt_labels = ["ci-nightly"]\n')
+    with pytest.raises(ConfigurationError, match="exempt_users"):
+        Settings.load(path).validate()

@@ -473,7 +473,6 @@ def _bodies(max_ttl: float) -> Bodies:
                 ),
                 Field("max_extensions", {"type": "integer", "minimum": 0, "maximum": 1000}),
                 Field("exempt_users", {"type": "array", "items": text()}, check=_names("exempt_users")),
-                Field("exempt_labels", {"type": "array", "items": text()}, check=_names("exempt_labels")),
                 Field(
                     "unleased_action",
                     {

@@ -48,7 +48,6 @@ class Policy:
     min_age: float = 120.0
     max_extensions: int = 3
     exempt_users: list[str] = field(default_factory=list)
-    exempt_labels: list[str] = field(default_factory=list)
     unleased_action: str = "flag"  # or "kill": the node agent terminates unleased processes
     unleased_kill_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this long
 
@@ -71,6 +70,12 @@ class Policy:
         if not isinstance(changes, dict):
             raise errors.BadRequest('policy must be a JSON object, e.g. {"idle_timeout": 900}')
         names = {f.name: f for f in fields(self)}
+        if "exempt_labels" in changes:
+            raise errors.BadRequest(
+                "exempt_labels is no longer a policy field: a lease's label is whatever its requester "
+                "types, so it exempted anyone who typed it. Exempt users instead (exempt_users), e.g. "
+                "a CI's own token's user"
+            )
         unknown = sorted(set(changes) - set(names))
         if unknown:
             raise errors.BadRequest(f"unknown policy field(s) {unknown}; allowed: {', '.join(names)}")
@@ -109,6 +114,12 @@ class Policy:
         return out
 
 
+def _without_labels(stored: dict[str, Any]) -> dict[str, Any]:
+    """A pool's stored changes without exempt_labels, which a release before this one stored and
+    which no longer exempts anything (Policy.updated says why)."""
+    return {k: v for k, v in stored.items() if k != "exempt_labels"}
+
+
 async def policies(engine: Engine) -> dict[str, Policy]:
     """The effective policy of every pool: settings, then the config's [policy.POOL], then the
     admin's run-time changes."""
@@ -121,7 +132,7 @@ async def policies(engine: Engine) -> dict[str, Policy]:
         start = base.updated({"enabled": False}) if pool == engine.settings.cpu_pool else base
         pol = start.updated(engine.settings.policy_overrides.get(pool, {}))
         if pool in stored:
-            pol = pol.updated(json.loads(stored[pool]))
+            pol = pol.updated(_without_labels(json.loads(stored[pool])))
         out[pool] = pol
     return out
 
@@ -134,7 +145,7 @@ async def set_policy(engine: Engine, pool: str, changes: object, by: str) -> Pol
     current = (await policies(engine))[pool]
     new = current.updated(changes)
     raw = await engine.redis.hget(engine.keys.policy, pool)
-    stored = json.loads(raw) if raw else {}
+    stored = _without_labels(json.loads(raw)) if raw else {}
     assert isinstance(changes, dict)  # checked by updated()
     stored.update(changes)
     await engine.redis.hset(engine.keys.policy, pool, json.dumps(stored))
@@ -438,7 +449,7 @@ def idle_verdict(
         "activity": lease.get("activity"),
         "gpus": {str(i): [[round(t, 1), u, m] for t, u, m in g.window[-60:]] for i, g in gpus.items()},
     }
-    if lease["user"] in policy.exempt_users or (lease.get("label") and lease["label"] in policy.exempt_labels):
+    if lease["user"] in policy.exempt_users:
         return False, {**evidence, "why": "exempt"}
     if clock_from > since:
         return False, {**evidence, "why": "too young (min_age or a recent keep)"}
