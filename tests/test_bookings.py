@@ -398,6 +398,16 @@ def test_team_booking_serves_its_members(server_factory):
         lease = srv.client("bob").acquire(1)
         assert lease.booking == booking["id"]
         assert not srv.client("carol").acquire(1).borrowed  # the one unbooked GPU
+        # a team member may change the team's booking, but not take it from the team
+        resp = bob.patch(f"{API}/bookings/{booking['id']}", json={"owner": "bob"})
+        assert_error(resp, 403, "forbidden", "team:ml's", "alice", "book your own")
+        resp = bob.patch(f"{API}/bookings/{booking['id']}", json={"owner": None})  # (null: the caller)
+        assert_error(resp, 403, "forbidden", "team:ml's")
+        assert bob.get(f"{API}/bookings/{booking['id']}").json()["owner"] == "team:ml"
+        assert bob.patch(f"{API}/bookings/{booking['id']}", json={"note": "standup"}).status_code == 200
+        # whoever made it may still give it back to themselves
+        assert alice.patch(f"{API}/bookings/{booking['id']}", json={"owner": "alice"}).json()["owner"] == "alice"
+        assert alice.patch(f"{API}/bookings/{booking['id']}", json={"owner": "team:ml"}).json()["owner"] == "team:ml"
         # a team member may end the team's booking
         ended = bob.post(f"{API}/bookings/{booking['id']}/end").json()
         assert ended["instances"][0]["state"] == "released"
