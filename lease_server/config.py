@@ -142,6 +142,10 @@ class Settings:
     booking_history: float = 30 * 86400.0  # seconds past bookings stay listed
     max_booking_days: float = 31.0  # longest single booking (a weekly one lasts at most 7 days)
     teams: dict[str, list[str]] = field(default_factory=dict)  # team -> members ([teams] table)
+    # Who may ask for priority "high" (users and "team:NAME"; admins always may). A priority class is
+    # the requester's own word: "high" is served first under the priority scheduler, and a
+    # preemptible lease of class high is safe from preemption by normal requests.
+    high_priority: list[str] = field(default_factory=list)
     # Scheduling: defaults for every pool; a [scheduling.POOL] table overrides them per pool, e.g.
     # scheduler = "priority", preempt_notice = 60, quota = {"*" = 4, alice = 8, "team:ml" = 12}
     scheduler: str = "fair_share"  # fifo | fair_share | priority
@@ -307,6 +311,10 @@ class Settings:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in quota.values()
             ):
                 raise ConfigurationError(f'quota of pool {pool} must map users, "*" or "team:NAME" to GPU counts')
+        if not isinstance(self.high_priority, list) or not all(isinstance(u, str) for u in self.high_priority):
+            raise ConfigurationError(
+                'high_priority must be a list of users and teams, e.g. high_priority = ["alice", "team:ops"]'
+            )
         for pool, table in self.policy_overrides.items():
             if "exempt_labels" in table:
                 raise ConfigurationError(

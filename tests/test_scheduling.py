@@ -23,7 +23,7 @@ from lease_server.leasing.inventory import parse_simulate, register
 from lease_server.leasing.lease import LeaseStore
 from lease_server.store.engine import Engine
 from lease_server.store.scripts import Acquire, Code, Release, Warm
-from tests.api_helpers import API, assert_error, event_stream, http, next_event, queued
+from tests.api_helpers import API, assert_error, event_stream, http, next_event, queued, unchanged
 from tests.conftest import make_settings
 
 DAY_MS = 86_400_000
@@ -421,8 +421,16 @@ def test_ledger_records_each_call_with_utilization(sim_factory):
     asyncio.run(main())
 
 
-def test_http_acquire_with_priority_and_gpus_min(server_factory):
-    srv = server_factory("a=4xA100-80GB")
+def test_http_acquire_with_priority_and_gpus_min(server_factory, redis_sync):
+    srv = server_factory("a=4xA100-80GB", high_priority=["alice", "team:ops"], teams={"ops": ["dan"]})
+    # "high" is the requester's own word: only the users and teams the setting names may say it
+    with http(srv, "bob") as bob, unchanged(redis_sync, srv.settings.prefix):
+        resp = bob.post(f"{API}/leases", json={"gpus": 1, "priority": "high"})
+        assert_error(resp, 403, "forbidden", "high_priority", "alice", "ask without it")
+    with http(srv, "dan") as dan:
+        resp = dan.post(f"{API}/leases", json={"gpus": 1, "priority": "high"})
+        assert resp.status_code == 201 and resp.json()["priority"] == "high", resp.text
+        assert dan.delete(f"{API}/leases/{resp.json()['id']}", params={"verified": "true"}).status_code == 200
     with http(srv, "alice") as alice:
         resp = alice.post(f"{API}/leases", json={"gpus": 8, "gpus_min": 2, "priority": "high"})
         assert resp.status_code == 201, resp.text

@@ -277,12 +277,26 @@ class BaseHandler(tornado.web.RequestHandler):
 class LeasesHandler(BaseHandler):
     async def post(self) -> None:
         request = AcquireRequest.parse(self._json_body(), self.ctx.settings)
+        if request.priority == "high" and not self._may_ask_high():
+            raise errors.Forbidden(
+                'priority "high" is for the users and teams of the server\'s high_priority setting '
+                f"({', '.join(self.ctx.settings.high_priority) or 'none'}) and admins; ask without it, "
+                "or ask an admin to add you"
+            )
         if request.id is None:
             request = replace(request, id=new_lease_id())
         self._lease_id = request.id
         rec = await self.store.acquire(self.identity.user, request, teams=self.teams)
         self.set_header("Location", f"{API}/leases/{rec['id']}")
         self.reply(public_lease(rec, with_token=True), 201)
+
+    def _may_ask_high(self) -> bool:
+        allowed = self.ctx.settings.high_priority
+        return (
+            self.identity.role == "admin"
+            or self.identity.user in allowed
+            or any(f"team:{t}" in allowed for t in self.teams)
+        )
 
     def on_connection_close(self) -> None:
         # The client went away while queued: leave the queue (a grant that won the race is

@@ -706,8 +706,10 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
         "/api/v1/leases": {
             "post": _op(
                 "Acquire GPUs (waits in the pool's queue up to `wait` seconds; "
-                "DELETE /leases/{id} of its `id` withdraws it while it waits)",
+                "DELETE /leases/{id} of its `id` withdraws it while it waits). 403: priority high from a "
+                "user the server's high_priority setting does not name",
                 _json(_ref("Lease"), "Granted"),
+                403,
                 404,
                 409,
                 410,
