@@ -126,6 +126,57 @@ def test_the_password_is_in_no_argv_and_no_log(up: Up, redis_port: int) -> None:
             assert password not in f.read_bytes(), f
 
 
+class _Squatter:
+    """A listener on a loopback port, as a local user who read the port off Redis's command line
+    would hold it: it records whatever any client sends it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.got = b""
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn:
+                    conn.settimeout(1)
+                    with contextlib.suppress(OSError):
+                        while chunk := conn.recv(4096):
+                            self.got += chunk
+
+
+def test_a_taken_port_is_never_sent_the_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process listening on the port chosen for Redis (taken between our choosing it and
+    Redis binding it) is sent nothing: a port we chose is given up for another; one we were given
+    fails the start with a message that says what happened."""
+    from lease_server.node import redis_proc
+
+    password = "p" * 32
+    squat = _Squatter()
+    try:
+        given = RedisProcess(tmp_path / "given", port=squat.port, password=password)
+        with pytest.raises(errors.ConfigurationError, match="taken by another process"):
+            given.start(timeout=10)
+        ports = iter([squat.port])
+        real = redis_proc.free_port
+        monkeypatch.setattr(redis_proc, "free_port", lambda: next(ports, None) or real())
+        chosen = RedisProcess(tmp_path / "chosen", password=password)
+        assert chosen.port == squat.port
+        try:
+            chosen.start(timeout=10)
+            assert chosen.port != squat.port
+            assert Redis.from_url(chosen.url).ping()
+        finally:
+            chosen.stop()
+        assert password.encode() not in squat.got and b"AUTH" not in squat.got, squat.got
+    finally:
+        squat.sock.close()
+
+
 def test_the_lab_and_its_kernels_get_a_user_token(up: Up, redis_port: int) -> None:
     from lease_server.cli.service import _lab_command, _local_user, lab_environment
 

@@ -87,6 +87,10 @@ def redis_server_binary() -> str:
     )
 
 
+class _PortTaken(Exception):
+    """The server could not listen on its port: another process had it."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,6 +119,7 @@ class RedisProcess:
             raise ValueError("a Redis password here is 16-256 characters of letters, digits, '-' or '_'")
         self.data_dir = Path(data_dir)
         self.password = password  # requirepass, given on stdin; None: no password (test fixtures)
+        self._chosen = port is None  # a port of our choosing: another is tried if it is taken
         self.port = port or free_port()
         self.fsync = fsync
         self.extra = list(extra)  # more redis-server options, e.g. ("--replicaof", "127.0.0.1", "6379")
@@ -133,6 +138,25 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
+        """Start the server and wait until it answers. A port of our choosing that another process
+        binds between our choosing it and Redis binding it (a local user may watch for the port on
+        Redis's command line, to receive the password a client sends) is given up for another,
+        twice; with a password, nothing is sent to a listener that is not our child."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if not self._chosen or attempt == 2:
+                    raise ConfigurationError(
+                        f"port {self.port} was taken by another process before {self.name} could listen "
+                        "on it (another local user may be taking the ports Redis is started with); "
+                        "nothing was sent to it. Start again, or pass a port of your own"
+                    ) from None
+                log.warning("port %d was taken before %s could listen on it: trying another", self.port, self.name)
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> RedisProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         binary = redis_server_binary()
         self.name = os.path.basename(binary)
@@ -175,6 +199,8 @@ class RedisProcess:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 logfile = self.data_dir / "redis.log"
                 tail = logfile.read_text()[-800:] if logfile.exists() else ""
+                if "Address already in use" in err + tail[-400:]:
+                    raise _PortTaken
                 raise ConfigurationError(self._masked(f"{self.name} exited at start: {err}{tail}"))
             if self._ping():
                 log.info("%s started pid=%d port=%d dir=%s", self.name, self.proc.pid, self.port, self.data_dir)
@@ -186,7 +212,34 @@ class RedisProcess:
         # Redis echoes a config line it cannot parse, stdin's included: never show the password.
         return text.replace(self.password, "***") if self.password else text
 
+    def _listening(self) -> bool | None:
+        """Whether the listener on our port is our child's (its socket's inode among the child's open
+        files); None where /proc cannot tell (not Linux). Another process listening there (it took
+        the port first) must never be sent the password."""
+        try:
+            with open("/proc/net/tcp") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            return None
+        local = f"0100007F:{self.port:04X}"
+        fields = [r.split() for r in rows]
+        inodes = {f"socket:[{f[9]}]" for f in fields if len(f) > 9 and f[1] == local and f[3] == "0A"}  # 0A: LISTEN
+        if not inodes or self.proc is None:
+            return False
+        fd_dir = f"/proc/{self.proc.pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            return False
+        for name in names:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{fd_dir}/{name}") in inodes:
+                    return True
+        return False
+
     def _ping(self) -> bool:
+        if self.password and self._listening() is False:
+            return False  # not (yet) our child listening: send it nothing
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
             expect = b"+PONG\r\n"
             if self.password:
