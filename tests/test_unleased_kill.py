@@ -302,3 +302,26 @@ def test_unleased_action_is_checked(server_factory):
     assert out["unleased_action"] == "kill" and out["unleased_kill_grace_s"] == 3
     answer = srv.client("a", "agent").request("POST", "/api/v1/nodes/t1/samples", json={"gpus": [{"index": 0}]})
     assert answer["unleased_action"] == "kill" and answer["unleased_kill_grace_s"] == 3
+
+
+def test_a_gpu_is_known_by_its_device_number_not_its_path(tmp_path) -> None:
+    """A process that opened the GPU under a path of its own (``/dev`` bind-mounted elsewhere, then
+    a chroot) is still seen to use it: the open file's device number decides, not its name. Here
+    /dev/null (a character device, major 1) stands in for a GPU: its path is no NVIDIA path, as a
+    GPU's is not when opened through a bind mount."""
+    from lease_server.node.enforce import nvidia_majors, uses_gpu_device
+
+    null_major = os.major(os.stat("/dev/null").st_rdev)
+    assert 195 in nvidia_majors()
+    holder = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pipes = subprocess.Popen(["sleep", "30"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        links = {os.readlink(f"/proc/{holder.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{holder.pid}/fd")}
+        assert "/dev/null" in links  # (the path is no NVIDIA path: the old check said no)
+        assert uses_gpu_device(holder.pid, frozenset({null_major}))
+        assert not uses_gpu_device(holder.pid, frozenset({195}))
+        assert not uses_gpu_device(pipes.pid, frozenset({null_major}))
+    finally:
+        for p in (holder, pipes):
+            p.kill()
+            p.wait()

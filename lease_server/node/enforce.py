@@ -25,6 +25,7 @@ import os
 import pwd
 import select
 import signal
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,20 +48,44 @@ def process_user(pid: int) -> str:
         return str(uid)
 
 
-def uses_gpu_device(pid: int) -> bool:
+NVIDIA_MAJOR = 195  # the character devices /dev/nvidia0.. and /dev/nvidiactl (nvidia-uvm's is dynamic)
+
+
+def nvidia_majors() -> frozenset[int]:
+    """The device numbers (majors) of this host's NVIDIA character devices: 195, and those of every
+    /dev/nvidia* (nvidia-uvm and nvidia-caps get theirs at load)."""
+    majors = {NVIDIA_MAJOR}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/dev"):
+            if entry.name.startswith("nvidia"):
+                with contextlib.suppress(OSError):
+                    st = entry.stat()
+                    if stat.S_ISCHR(st.st_mode):
+                        majors.add(os.major(st.st_rdev))
+    return frozenset(majors)
+
+
+def uses_gpu_device(pid: int, majors: frozenset[int] | None = None) -> bool:
     """Whether process ``pid`` of this agent's pid namespace has an NVIDIA device open. NVML names
     processes by their pid in the host's namespace: an agent in a container that does not share it
-    would find another process under the same number, and must not kill that one."""
+    would find another process under the same number, and must not kill that one.
+
+    The device is known by what the open file is (a character device of an NVIDIA major), not by
+    its path: a process that bind-mounted /dev elsewhere and chrooted there (``unshare -Urm``) opens
+    the GPU under a path of its choosing, and would otherwise be neither killed as unleased nor
+    drained."""
+    majors = nvidia_majors() if majors is None else majors
     try:
         fds = list(os.scandir(f"/proc/{pid}/fd"))
     except OSError:  # gone, or not ours to look into: not known to use a GPU
         return False
     for fd in fds:
         try:
-            if os.readlink(fd.path).startswith("/dev/nvidia"):
-                return True
+            st = os.stat(fd.path)  # follows the fd to the open file itself
         except OSError:
             continue
+        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors:
+            return True
     return False
 
 
