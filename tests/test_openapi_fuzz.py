@@ -85,7 +85,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "PUT /api/v1/nodes/{node}": (r"distinct integer",),
     "GET /api/v1/events/log": (r"is not a usable event id",),
     "GET /api/v1/events": (r"changes and lease cannot be combined",),
-    "PUT /api/v1/simulate/{node}": (r"has no GPU", r"only simulated GPUs can be set"),
+    "PUT /api/v1/simulate/{node}": (r"has no GPU", r"only simulated GPUs can be set", r"uids must list the owner"),
+    "POST /api/v1/nodes/{node}/samples": (r"uids must list the owner",),
     "POST /api/v1/tokens": (
         r"acts_for is for proxy tokens only",
         r"node is for agent tokens only",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from typing import Any
 
@@ -203,6 +204,53 @@ def test_renew_reports_activity_and_rejects_bad_activity(fast):
         alice.request(
             "POST", f"/api/v1/leases/{lease.id}/renew", json={"token": lease.token, "activity": {"executing": "yes"}}
         )
+
+
+def test_another_users_process_on_a_leased_gpu_is_foreign_once_its_owner_is_named():
+    """A process that claimed nothing, seen only on one lease's GPU, was taken for that lease's (a
+    child of its worker). When the agent names each process's owner and the lease's claims name
+    others, it is another user's process on someone else's GPU: unleased use."""
+    from lease_server.leasing.reclaim import foreign_pids
+
+    bob = {"id": "l-bob", "node": "n1", "procs": [{"pid": 100, "start": 1, "uid": 1001}]}
+    gpus = [{"index": 0, "procs": [100, 200, 300], "uids": [1001, 1002, 1001]}]
+    # 200 is uid 1002's on bob's GPU; 300 is bob's (a child of his worker)
+    assert foreign_pids("n1", gpus, ["l-bob"], {"l-bob": bob}) == [[200]]
+    # an agent that names no owners (an earlier release), or could not tell: as before
+    assert foreign_pids("n1", [{"index": 0, "procs": [100, 200]}], ["l-bob"], {"l-bob": bob}) == [[]]
+    unknown = [{"index": 0, "procs": [100, 200], "uids": [1001, -1]}]
+    assert foreign_pids("n1", unknown, ["l-bob"], {"l-bob": bob}) == [[]]
+    # a lease that claimed nothing on this node has no owner to compare with: as before
+    quiet = {"id": "l-q", "node": "n1", "procs": []}
+    assert foreign_pids("n1", gpus, ["l-q"], {"l-q": quiet}) == [[]]
+
+
+def test_the_agent_names_the_owner_of_each_process_it_can_see():
+    import subprocess
+
+    from lease_server.node.agent import name_owners
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        gpus = name_owners([{"index": 0, "procs": [child.pid, 2**22 + 7]}], real=False)
+        assert gpus[0]["uids"] == [os.getuid(), -1]  # (a pid that does not exist: -1)
+        # on real GPUs, only a process with an NVIDIA device open here is named (sleep has none)
+        assert name_owners([{"index": 0, "procs": [child.pid]}], real=True)[0]["uids"] == [-1]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_sample_names_one_owner_per_process(fast):
+    admin = fast.client("root", "admin")
+    ok = {"gpus": [{"index": 0, "util": 1, "procs": [7, 8], "uids": [1000, -1]}]}
+    admin.request("POST", "/api/v1/nodes/n1/samples", json=ok)
+    for uids in ([1000], [1000, "x"], [1000, -2]):
+        with pytest.raises(errors.BadRequest) as exc:
+            admin.request(
+                "POST", "/api/v1/nodes/n1/samples", json={"gpus": [{"index": 0, "procs": [7, 8], "uids": uids}]}
+            )
+        assert "uids" in exc.value.message
 
 
 # ---- the verdict, directly -------------------------------------------------------------------------

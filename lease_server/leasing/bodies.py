@@ -133,6 +133,12 @@ SAMPLE_PROPS: dict[str, Any] = {
         "items": {"type": "integer", "minimum": 0, "maximum": MAX_PID},
         "description": "ids of the processes on the GPU",
     },
+    "uids": {
+        "type": "array",
+        "maxItems": 1000,
+        "items": {"type": "integer", "minimum": -1, "maximum": 2**32 - 1},
+        "description": "the owner (uid) of each of procs, in their order; -1 where the agent could not tell",
+    },
 }
 GPU_SAMPLE = {
     "type": "object",
@@ -539,6 +545,7 @@ def _bodies(max_ttl: float) -> Bodies:
                     },
                 ),
             ),
+            rules=("uids that are not one per process of procs",),
         ),
         simulate=Body(
             "SimulatedSamples",
@@ -557,7 +564,11 @@ def _bodies(max_ttl: float) -> Bodies:
                     check=_simulated_gpus,
                 ),
             ),
-            rules=("a GPU the node does not have", "a node whose GPUs are real (NVML)"),
+            rules=(
+                "a GPU the node does not have",
+                "a node whose GPUs are real (NVML)",
+                "uids that are not one per process of procs",
+            ),
         ),
         token=Body(
             "TokenRequest",

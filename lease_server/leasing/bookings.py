@@ -176,14 +176,18 @@ class Bookings:
             rec["colocate"] = colocate
         if "owner" in body or base is None:
             owner = check_owner(body.get("owner") or user)
-            was = base["owner"] if base else None
-            if was is not None and owner != was and not admin and user not in (was, base.get("created_by")):
+            if (
+                base is not None
+                and owner != base["owner"]
+                and not admin
+                and user not in (base["owner"], base.get("created_by"))
+            ):
                 # A team member may change a team's booking (its times, its size), not whose it is:
                 # that would take it from the rest of the team.
+                maker = f" ({base['created_by']})" if base.get("created_by") else ""
                 raise errors.Forbidden(
-                    f"booking {base.get('id', '')} is {was}'s: only whoever made it"
-                    f"{' (' + base['created_by'] + ')' if base.get('created_by') else ''} or an admin may give it "
-                    "to another owner; book your own instead"
+                    f"booking {base.get('id', '')} is {base['owner']}'s: only whoever made it{maker} or an admin "
+                    "may give it to another owner; book your own instead"
                 )
             if owner != user and not admin:
                 if not owner.startswith("team:"):

@@ -255,18 +255,27 @@ def foreign_pids(
     """Per GPU of a sample, the processes on it that are not its holder's: unleased use, judged
     per GPU. A process belongs to the lease it claimed on this node (its agent recorded it:
     lease_server/node/claims.py), else to the one lease whose GPUs it is seen on, if there is only
-    one (a child of a worker, a command that ``gpulease acquire`` runs). It is covered only on the
-    GPUs of that lease: on a free GPU, or on a GPU leased to someone else, it is foreign, whatever
+    one (a child of a worker, a command that ``gpulease acquire`` runs) -- unless the agent named
+    its owner (``uids``) and the lease's claims on this node name others: a process of another
+    user on someone's leased GPU is theirs, not the lease's. It is covered only on the GPUs of
+    that lease: on a free GPU, or on a GPU leased to someone else, it is foreign, whatever
     else it runs on (a cell that rewrote CUDA_VISIBLE_DEVICES to reach more GPUs than its lease's).
     A draining GPU ("~") is the drain's business, and a GPU shared by slices ("~slices") its
     slices': nothing on either counts here."""
     claimed: dict[int, str] = {}
+    claim_uids: dict[str, set[int]] = {}  # the owners of each lease's claims on this node
     for lid, rec in leases.items():
         for p in rec.get("procs") or []:
             if (p.get("node") or rec.get("node")) == node:
                 claimed[int(p["pid"])] = lid
+                if isinstance(p.get("uid"), int):
+                    claim_uids.setdefault(lid, set()).add(int(p["uid"]))
     seen_in: dict[int, set[str]] = {}
+    uid_of: dict[int, int] = {}
     for g, holder in zip(gpus, holders, strict=True):
+        for pid, uid in zip(g.get("procs", []), g.get("uids") or [], strict=False):
+            if uid >= 0:
+                uid_of[int(pid)] = int(uid)
         if holder and not holder.startswith("~"):
             for pid in g.get("procs", []):
                 seen_in.setdefault(int(pid), set()).add(holder)
@@ -280,6 +289,8 @@ def foreign_pids(
             own = claimed.get(pid)
             if own is None and len(seen_in.get(pid, ())) == 1:
                 own = next(iter(seen_in[pid]))
+                if pid in uid_of and own in claim_uids and uid_of[pid] not in claim_uids[own]:
+                    own = None  # another user's process on this lease's GPUs
             if not holder or own != holder:
                 pids.append(pid)
         out.append(pids)

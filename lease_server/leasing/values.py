@@ -243,4 +243,14 @@ def check_gpu_sample(g: dict[str, Any], index: object = None) -> dict[str, Any]:
         or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in procs)
     ):
         raise errors.BadRequest(f"procs must be a list of process ids, got {procs!r}")
-    return {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
+    out = {"index": idx, "util": util, "mem_mb": mem, "procs": procs}
+    if "uids" in g:
+        uids = g["uids"]
+        if (
+            not isinstance(uids, list)
+            or len(uids) != len(procs)
+            or not all(isinstance(u, int) and not isinstance(u, bool) and -1 <= u < 2**32 for u in uids)
+        ):
+            raise errors.BadRequest("uids must list the owner (uid, or -1) of each of procs, in their order")
+        out["uids"] = uids
+    return out

@@ -29,9 +29,9 @@ from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_s
 from ..store.engine import Engine
 from ..store.layout import LAYOUT
 from .cgroup import DeviceIsolation, Unavailable
-from .claims import AsyncClaims, Claim, Peer, ThreadClaims
+from .claims import AsyncClaims, Claim, Peer, ThreadClaims, process_uid
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
-from .enforce import Enforcer, uses_gpu_device
+from .enforce import Enforcer, nvidia_majors, uses_gpu_device
 from .memwatch import MemWatch, Watched, judge_pass, resident_mb, watch_pass, watched_from_json
 from .onhost import OnHost, Probes
 from .suspend import Suspender, detect
@@ -333,6 +333,24 @@ class NvmlSampler:
             self.nvml.nvmlShutdown()
 
 
+def name_owners(gpus: list[dict[str, Any]], real: bool) -> list[dict[str, Any]]:
+    """Each GPU sample with the owner (uid) of each of its processes (``uids``, -1 where unknown),
+    so that the server can tell another user's process on a leased GPU from the lease's own
+    (reclaim.foreign_pids). For real GPUs a uid is named only for a process seen here with an
+    NVIDIA device open: NVML names host pids, and an agent in another pid namespace would read
+    another process under the same number. A simulated GPU's processes are this host's."""
+    majors = nvidia_majors() if real else None
+    for g in gpus:
+        uids = []
+        for pid in g.get("procs", []):
+            uid = process_uid(int(pid))
+            if uid is None or (majors is not None and not uses_gpu_device(int(pid), majors)):
+                uid = -1
+            uids.append(uid)
+        g["uids"] = uids
+    return gpus
+
+
 async def heartbeat_local(
     engine: Engine,
     inventories: list[NodeInventory],
@@ -437,9 +455,10 @@ async def heartbeat_local(
                     try:
                         verify = None
                         if (view := views.get(inv.node)) is not None:
-                            gpus, verify = view.sample(), view.has_process
+                            gpus, verify = name_owners(view.sample(), True), view.has_process
                         else:
                             gpus = await simulated_sample(engine, inv.node, [g.index for g in inv.gpus])
+                            gpus = name_owners(gpus, False)
                         answer = await agent_samples(engine, inv.node, inv.pool, gpus, pols=pols)
                         killed = enforcer.act(inv.node, gpus, answer, verify)
                         if killed:
@@ -722,9 +741,9 @@ def run_remote(
                     try:
                         verify = None
                         if (view := views.get(inv.node)) is not None:
-                            gpus, verify = view.sample(), view.has_process
+                            gpus, verify = name_owners(view.sample(), True), view.has_process
                         else:
-                            gpus = client.request("GET", protocol.simulate(inv.node))["gpus"]
+                            gpus = name_owners(client.request("GET", protocol.simulate(inv.node))["gpus"], False)
                         body: dict[str, Any] = {"gpus": gpus}
                         killed = unsent.get(inv.node, [])[:1000]
                         if killed:
