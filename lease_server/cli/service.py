@@ -490,7 +490,11 @@ def server(
 @click.option("--node", help="Node name (default: host name)")
 @click.option("--pool", help="Pool of this node (default: GPU model and memory)")
 @click.option("--url", envvar="GPULEASE_URL")
-@click.option("--token", envvar="GPULEASE_TOKEN", help="An agent or admin token")
+@click.option(
+    "--token",
+    envvar="GPULEASE_TOKEN",
+    help="An agent or admin token; pass it as GPULEASE_TOKEN instead: every local user reads argv with ps",
+)
 @click.option("--interval", default=2.0, show_default=True, help="Heartbeat period, seconds")
 @click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
 @click.option(
