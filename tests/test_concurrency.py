@@ -283,6 +283,7 @@ def test_bookings_quotas_preemption_and_gangs_never_double_grant(server_factory,
         sweep_interval=0.05,
         borrow_notice=0.3,
         teams={"ml": ["u0", "u1", "u2"]},
+        high_priority=["team:ml", *(f"u{i}" for i in range(3, 8))],  # (the clients ask for every class)
         scheduling={"A100-80GB": {"scheduler": "priority", "quota": {"*": 2}, "preempt_notice": 0.3}},
     )
     keys = Keys(srv.settings.prefix)
@@ -328,6 +329,7 @@ def test_elastic_leases_grow_shrink_and_are_asked_to_shrink_without_double_grant
     srv = server_factory(
         simulate="n1=4xA100-80GB,n2=4xA100-80GB,n3=2xA100-80GB",
         sweep_interval=0.05,
+        high_priority=[f"e{i}" for i in range(6)],  # (the clients ask for every class)
         scheduling={"A100-80GB": {"preempt_notice": 0.3}},
     )
     keys = Keys(srv.settings.prefix)

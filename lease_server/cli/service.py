@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import json
 import logging
@@ -29,6 +30,20 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def _more_files(most: int = 65536) -> None:
+    """The soft limit of open files raised toward the hard one (at most ``most``): a server, an
+    agent and their claim sockets hold one per connection, and 1,024 (the usual soft limit) is
+    what one local user's connections could use up. The claim socket caps each uid's
+    connections (node/claims.py Gate); this leaves room for everyone else's."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def _inventories(simulate: str | None, node: str | None, pool: str | None, cpu_slots: int = 0) -> list[Any]:
@@ -352,6 +367,7 @@ def up(
     if ray_address and not ray:
         raise click.UsageError("--ray-address joins a Ray cluster and --no-ray starts none: drop one of them")
     _setup_logging(verbose)
+    _more_files()
     data_dir = data_dir.expanduser().resolve()
     nodes = _inventories(simulate, None, None, cpu_slots)
     # Redis on 127.0.0.1 with a password from a 0600 file in the 0700 data directory (every local
@@ -481,6 +497,7 @@ def server(
     from ..web.server import run
 
     _setup_logging(verbose)
+    _more_files()
     settings = Settings.load(config, redis_url=redis_url, host=host, port=port, ray_address=ray_address)
     run(settings, workers)
 
@@ -533,6 +550,7 @@ def agent(
         click.echo(json.dumps({f"gpulease_node_{inv.node}": 1000 for inv in invs}))
         return
     _setup_logging(verbose)
+    _more_files()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Client(url, token) as client:

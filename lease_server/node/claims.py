@@ -25,10 +25,12 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import socketserver
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +43,11 @@ log = logging.getLogger(__name__)
 # as leasing/values.py LEASE_ID_PATTERN (not imported: workers load this)
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_MESSAGE = 4096  # one claim: a lease id, two tokens, a user name, a few GPU indexes, a flag
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # to read a whole claim, however it trickles in
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5: a pidfd of the connected process
+MAX_OPEN_PER_UID = 8  # claim connections one uid may hold open at once (a worker makes one)
+MAX_OPEN = 256  # and all uids together: the socket never takes the process's file descriptors
 
 
 def address(instance: str, node: str) -> str:
@@ -146,6 +151,89 @@ def peer_of(sock: socket.socket) -> Peer | None:
     return Peer(pid, uid, start)
 
 
+class Caller:
+    """The process at the other end of a claim connection, read when the connection is accepted
+    (before its claim, which it may take seconds to send): its pid, uid and start time, and, where
+    the kernel gives one (``SO_PEERPIDFD``), a pidfd of that very process.
+
+    A pid is only a number. A process that connects, then exits while a child of its keeps the
+    connection open, could have its pid reused by another user's process before the claim arrives;
+    the claim would then tie that process to the claimer's lease (its cgroup, its drain).
+    :meth:`peer` answers only while the connected process is still the one the pid names."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.first = peer_of(sock)
+        self.pidfd: int | None = None
+        if self.first is not None:
+            with contextlib.suppress(OSError):
+                self.pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+
+    def peer(self) -> Peer | None:
+        p = self.first
+        if p is None:
+            return None
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, 0)
+            except ProcessLookupError:
+                return None  # it exited: its pid may name another process now
+            except OSError:
+                pass  # EPERM: alive, another user's (an agent that is not root)
+        if start_ticks(p.pid) != p.start or process_uid(p.pid) != p.uid:
+            return None
+        return p
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+
+
+class Gate:
+    """How many claim connections are open, per uid and in all: one beyond MAX_OPEN_PER_UID for
+    its uid, or beyond MAX_OPEN, is closed at once, so that no local user can hold the agent's (or
+    ``gpulease up``'s lease server's) file descriptors. One warning per uid while it is over."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[int, int] = {}
+        self.warned: set[int] = set()
+
+    def enter(self, uid: int) -> bool:
+        with self.lock:
+            if self.open.get(uid, 0) >= MAX_OPEN_PER_UID or sum(self.open.values()) >= MAX_OPEN:
+                if uid not in self.warned:
+                    self.warned.add(uid)
+                    log.warning("uid %s holds %d claim connections: closing more at once", uid, self.open.get(uid, 0))
+                return False
+            self.open[uid] = self.open.get(uid, 0) + 1
+            return True
+
+    def leave(self, uid: int) -> None:
+        with self.lock:
+            self.open[uid] -= 1
+            if not self.open[uid]:
+                del self.open[uid]
+                self.warned.discard(uid)
+
+
+def _read_claim(sock: socket.socket, deadline: float) -> bytes:
+    """One line of at most MAX_MESSAGE bytes, all of it by ``deadline`` (one trickled byte at a
+    time keeps no connection open past it)."""
+    buf = b""
+    while not buf.endswith(b"\n") and len(buf) < MAX_MESSAGE:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the claim did not arrive in time")
+        sock.settimeout(left)
+        chunk = sock.recv(MAX_MESSAGE - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
 @dataclass(frozen=True)
 class Claim:
     """What a worker says: the lease it works for, proven by its owner's API token."""
@@ -220,6 +308,7 @@ class AsyncClaims:
     def __init__(self, instance: str, nodes: list[str], record: Record) -> None:
         self.instance, self.nodes, self.record = instance, set(nodes), record
         self.servers: list[asyncio.AbstractServer] = []
+        self.gate = Gate()
 
     async def start(self) -> None:
         for node in sorted(self.nodes):
@@ -231,16 +320,26 @@ class AsyncClaims:
             self.servers.append(server)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        caller = Caller(sock) if sock is not None else None
+        uid = caller.first.uid if caller is not None and caller.first is not None else -1
+        if not self.gate.enter(uid):
+            if caller is not None:
+                caller.close()
+            writer.close()
+            return
         try:
             raw = await asyncio.wait_for(reader.readline(), TIMEOUT_S)
-            sock = writer.get_extra_info("socket")
-            peer = peer_of(sock) if sock is not None else None
+            peer = caller.peer() if caller is not None else None
             reply = await answer(peer, raw[:MAX_MESSAGE], self.nodes, self.record)
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
         except (TimeoutError, OSError, ValueError, asyncio.LimitOverrunError):
             pass
         finally:
+            self.gate.leave(uid)
+            if caller is not None:
+                caller.close()
             writer.close()
 
     async def close(self) -> None:
@@ -258,19 +357,29 @@ class ThreadClaims:
     def __init__(self, instance: str, nodes: list[str], record: Record) -> None:
         self.instance, self.nodes, self.record = instance, set(nodes), record
         self.servers: list[socketserver.ThreadingUnixStreamServer] = []
+        self.gate = Gate()
 
     def start(self) -> None:
         outer = self
 
-        class Handler(socketserver.StreamRequestHandler):
-            timeout = TIMEOUT_S
-
+        class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                with contextlib.suppress(OSError, ValueError):
-                    raw = self.rfile.readline(MAX_MESSAGE)
-                    peer = peer_of(self.request)
-                    reply = asyncio.run(answer(peer, raw, outer.nodes, outer.record))
-                    self.wfile.write(json.dumps(reply).encode() + b"\n")
+                sock: socket.socket = self.request
+                deadline = time.monotonic() + TIMEOUT_S
+                caller = Caller(sock)
+                uid = caller.first.uid if caller.first is not None else -1
+                if not outer.gate.enter(uid):
+                    caller.close()
+                    return
+                try:
+                    with contextlib.suppress(OSError, ValueError):
+                        raw = _read_claim(sock, deadline)
+                        reply = asyncio.run(answer(caller.peer(), raw, outer.nodes, outer.record))
+                        sock.settimeout(TIMEOUT_S)
+                        sock.sendall(json.dumps(reply).encode() + b"\n")
+                finally:
+                    outer.gate.leave(uid)
+                    caller.close()
 
         for node in sorted(self.nodes):
             try:
