@@ -170,8 +170,9 @@ def test_a_trickled_claim_is_cut_at_the_deadline(thread_claims) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(address)
         closed = False
-        # one byte every 0.5 s would keep a per-read timeout of 5 s waiting for ever
-        for _ in range(int(claims.TIMEOUT_S / 0.5) + 10):
+        # one byte every 0.5 s would keep a per-read timeout of 5 s waiting for ever (tried for up
+        # to six times the deadline: a loaded machine may be slow to close it, never too quick)
+        for _ in range(int(claims.TIMEOUT_S / 0.5) * 6):
             try:
                 s.sendall(b" ")
             except OSError:
