@@ -170,6 +170,7 @@ def _parse(magic: Any, line: str) -> Any:
 
 _PARSE_ERRORS = (
     errors.BadRequest,
+    errors.Forbidden,  # e.g. --priority high for a user the server's high_priority does not name
     errors.UnknownPool,
     errors.Unsatisfiable,
     errors.Unauthorized,

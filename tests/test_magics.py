@@ -233,6 +233,19 @@ def test_usage_errors_are_one_clear_line(stack, kernel):
     assert free_gpus(stack) == 2
 
 
+def test_a_refused_priority_is_one_clear_line(stack):
+    """A 403 for the request (here --priority high from a user the server's high_priority does
+    not name) is the refusal's one line, not a traceback."""
+    bob = api(stack, "POST", "/api/v1/tokens", json={"user": "bob"})["token"]
+    k = Kernel(stack, GPULEASE_TOKEN=bob)
+    try:
+        out = text(k.run("%%gpu_train --priority high\nx = 1"))
+        assert out.startswith('UsageError: priority "high" is for') and len(out.strip().splitlines()) == 1, out
+    finally:
+        k.shutdown()
+    assert free_gpus(stack) == 2
+
+
 def test_no_lease_server_is_a_usage_error(stack):
     k = Kernel(stack, GPULEASE_URL="http://127.0.0.1:9", GPULEASE_TOKEN="x")
     try:
