@@ -28,7 +28,7 @@ from .upstream import LeaseApi
 
 def _discovered() -> tuple[str, str]:
     try:
-        return discover()
+        return discover(notebook=True)
     except errors.ServerUnavailable:  # nothing configured: the handlers say so, the server still runs
         return "", os.environ.get("GPULEASE_TOKEN", "")
 
@@ -47,7 +47,8 @@ class GpuLease(ExtensionApp):
 
     lease_server_token = Unicode(
         help="Lease API token this Jupyter server acts with: every page of this server is that lease "
-        "user. Default: GPULEASE_TOKEN, else ~/.gpulease/token.",
+        "user. Default: GPULEASE_TOKEN, else gpulease up's user token (~/.gpulease/lab_token), never its "
+        "admin token unless that is the only one there.",
     ).tag(config=True)
 
     act_as_user = Unicode(

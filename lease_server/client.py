@@ -38,13 +38,19 @@ log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
 
 
-def discover(url: str | None = None, token: str | None = None) -> tuple[str, str]:
-    """The server URL and token: arguments, then environment, then the local launcher's files."""
+def discover(url: str | None = None, token: str | None = None, *, notebook: bool = False) -> tuple[str, str]:
+    """The server URL and token: arguments, then environment, then the local launcher's files.
+
+    ``notebook``: for a kernel or a Jupyter server, whose code and workers hold their token (Ray
+    workers too, where other users may read it): ``gpulease up``'s *user* token
+    (``lab_token``) before its admin token (``token``), which is the CLI's."""
     url = url or os.environ.get("GPULEASE_URL")
     token = token or os.environ.get("GPULEASE_TOKEN")
     home = DEFAULT_HOME
     if not url and (home / "url").exists():
         url = (home / "url").read_text().strip()
+    if not token and notebook and (home / "lab_token").exists():
+        token = (home / "lab_token").read_text().strip()
     if not token and (home / "token").exists():
         token = (home / "token").read_text().strip()
     if not url:
@@ -182,11 +188,13 @@ class Client:
         timeout: float = 10.0,
         act_as: str | None = None,
         resend_503_s: float = 15.0,
+        notebook: bool = False,
     ) -> None:
         """``act_as`` (default: GPULEASE_USER): the user a proxy token acts for (JupyterHub).
         ``resend_503_s``: how long a request answered 503 (Redis failing over, restarting,
-        loading) is sent again before :class:`errors.ServerUnavailable` is raised (0: never)."""
-        self.url, self.token = discover(url, token)
+        loading) is sent again before :class:`errors.ServerUnavailable` is raised (0: never).
+        ``notebook``: a kernel's client, which takes ``gpulease up``'s user token (:func:`discover`)."""
+        self.url, self.token = discover(url, token, notebook=notebook)
         self.timeout = timeout
         self.resend_503_s = resend_503_s
         headers = protocol.bearer(self.token) if self.token else {}

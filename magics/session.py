@@ -90,7 +90,7 @@ class Session:
     def client(self) -> Client:
         with self._lock:
             if self._client is None:
-                self._client = Client(self.defaults.url, self.defaults.token)
+                self._client = Client(self.defaults.url, self.defaults.token, notebook=True)
             return self._client
 
     def reset_client(self) -> None:

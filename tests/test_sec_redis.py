@@ -206,6 +206,24 @@ def test_the_lab_and_its_kernels_get_a_user_token(up: Up, redis_port: int) -> No
     assert env["JUPYTER_TOKEN"] and not any(env["JUPYTER_TOKEN"] in a for a in _lab_command("jupyter", 8888))
 
 
+def test_a_kernel_started_apart_takes_the_user_token_not_the_admins(up: Up, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel or Jupyter server that ``up`` did not start (no GPULEASE_TOKEN) finds up's files:
+    its client takes the user token (its workers hold it, where other users may read it), the CLI
+    the admin's. ``up`` writes the user token whether or not it starts a lab."""
+    from lease_server import client
+
+    monkeypatch.delenv("GPULEASE_TOKEN", raising=False)
+    monkeypatch.delenv("GPULEASE_URL", raising=False)
+    monkeypatch.setattr(client, "DEFAULT_HOME", up.data)
+    admin = (up.data / "token").read_text().strip()
+    user = (up.data / "lab_token").read_text().strip()
+    assert user != admin
+    assert client.discover(notebook=True) == (up.url, user)
+    assert client.discover() == (up.url, admin)
+    with Client(notebook=True) as kernel:
+        assert kernel.whoami()["role"] == "user"
+
+
 # ---- production: the ACL user of docs/deploy.md ---------------------------------------------------
 
 

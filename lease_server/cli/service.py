@@ -383,6 +383,9 @@ def up(
         settings = Settings.load(config, redis_url=redis_proc.url, port=port, host="127.0.0.1")
         asyncio.run(_check_layout(settings.redis_url, settings.prefix, f" --data-dir {data_dir}"))
         token = asyncio.run(_ensure_token(settings.redis_url, settings.prefix, data_dir / "token", _local_user()))
+        # and a user token for notebooks, lab or not: a kernel or a Jupyter server started apart
+        # finds it (client.discover), never the admin's
+        asyncio.run(_ensure_token(settings.redis_url, settings.prefix, data_dir / "lab_token", _local_user(), "user"))
         url = f"http://127.0.0.1:{port}"
         (data_dir / "url").write_text(url + "\n")
         ray_token: Path | None = None
