@@ -235,12 +235,13 @@ def test_usage_errors_are_one_clear_line(stack, kernel):
 
 def test_a_refused_priority_is_one_clear_line(stack):
     """A 403 for the request (here --priority high from a user the server's high_priority does
-    not name) is the refusal's one line, not a traceback."""
+    not name) is the refusal's words, within 80 columns, not a traceback."""
     bob = api(stack, "POST", "/api/v1/tokens", json={"user": "bob"})["token"]
     k = Kernel(stack, GPULEASE_TOKEN=bob)
     try:
         out = text(k.run("%%gpu_train --priority high\nx = 1"))
-        assert out.startswith('UsageError: priority "high" is for') and len(out.strip().splitlines()) == 1, out
+        assert out.startswith("UsageError: priority high is for admins only (high_priority names no one)"), out
+        assert len(out.strip().splitlines()) <= 2 and all(len(line) <= 80 for line in out.splitlines()), out
     finally:
         k.shutdown()
     assert free_gpus(stack) == 2

@@ -426,7 +426,7 @@ def test_http_acquire_with_priority_and_gpus_min(server_factory, redis_sync):
     # "high" is the requester's own word: only the users and teams the setting names may say it
     with http(srv, "bob") as bob, unchanged(redis_sync, srv.settings.prefix):
         resp = bob.post(f"{API}/leases", json={"gpus": 1, "priority": "high"})
-        assert_error(resp, 403, "forbidden", "high_priority", "alice", "ask without it")
+        assert_error(resp, 403, "forbidden", "high_priority", "alice, team:ops and admins", "ask without")
     with http(srv, "dan") as dan:
         resp = dan.post(f"{API}/leases", json={"gpus": 1, "priority": "high"})
         assert resp.status_code == 201 and resp.json()["priority"] == "high", resp.text

@@ -278,11 +278,12 @@ class LeasesHandler(BaseHandler):
     async def post(self) -> None:
         request = AcquireRequest.parse(self._json_body(), self.ctx.settings)
         if request.priority == "high" and not self._may_ask_high():
-            raise errors.Forbidden(
-                'priority "high" is for the users and teams of the server\'s high_priority setting '
-                f"({', '.join(self.ctx.settings.high_priority) or 'none'}) and admins; ask without it, "
-                "or ask an admin to add you"
-            )
+            allowed = self.ctx.settings.high_priority
+            who = "admins only (high_priority names no one)"
+            if allowed:
+                names = ", ".join(allowed[:3]) + (f" and {len(allowed) - 3} more" if len(allowed) > 3 else "")
+                who = f"{names} and admins (high_priority)"
+            raise errors.Forbidden(f"priority high is for {who}\n  ask without --priority, or ask an admin to add you")
         if request.id is None:
             request = replace(request, id=new_lease_id())
         self._lease_id = request.id
