@@ -225,6 +225,20 @@ def test_another_users_process_on_a_leased_gpu_is_foreign_once_its_owner_is_name
     assert foreign_pids("n1", gpus, ["l-q"], {"l-q": quiet}) == [[]]
 
 
+def test_on_a_gpu_shared_by_slices_a_process_of_none_of_them_is_foreign():
+    from lease_server.leasing.reclaim import Sharers, foreign_pids
+
+    a = {"id": "l-a", "node": "n1", "procs": [{"pid": 100, "start": 1, "uid": 1001}]}
+    b = {"id": "l-b", "node": "n1", "procs": [{"pid": 110, "start": 1, "uid": 1003}]}
+    shared = [Sharers(frozenset({"l-a", "l-b"}), frozenset({120}))]
+    gpus = [{"index": 0, "procs": [100, 110, 120, 130, 200, 210], "uids": [1001, 1003, 1005, 1003, 1002, -1]}]
+    # 100 and 110 claimed a slice; 120 is a draining slice's; 130 a child of b's worker (its uid);
+    # 200 is uid 1002's, whose no slice is; 210's owner the agent could not tell
+    assert foreign_pids("n1", gpus, ["~slices"], {"l-a": a, "l-b": b}, shared) == [[200]]
+    # without what the GPU's slices are (an old caller), nothing on it counts, as before
+    assert foreign_pids("n1", gpus, ["~slices"], {"l-a": a, "l-b": b}) == [[]]
+
+
 def test_the_agent_names_the_owner_of_each_process_it_can_see():
     import subprocess
 

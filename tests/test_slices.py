@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -22,10 +23,11 @@ import pytest
 
 from lease_server import errors
 from lease_server.cli.events import describe
-from lease_server.client import Lease
+from lease_server.client import Client, Lease
 from lease_server.node.claims import start_ticks
 from lease_server.sizes import GpuMem, parse_gpu_mem
 from lease_server.store.keys import Keys
+from tests.api_helpers import EventWatcher
 from tests.conftest import ServerHandle, make_settings
 from tests.invariants import check_event_log, check_state, read_events
 
@@ -952,3 +954,34 @@ def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any
     assert killers <= offenders, killers - offenders
     check_state(redis_sync, k, expect_all_free=True)
     check_event_log(events)
+
+
+def test_a_process_of_another_user_on_a_sliced_gpu_is_unleased_use(srv: ServerHandle) -> None:
+    """A GPU shared by slices: a process that claimed none of them, whose owner is none of the
+    slices' claimers, is unleased use there (flagged, named in its event), while a slice's own
+    processes are not."""
+    alice_token = srv.token("alice")
+    lease = Client(srv.url, alice_token).acquire(1, A100, gpu_mem="10GB")
+    idx = lease.gpus[0]["index"]
+    worker = subprocess.Popen(["sleep", "60"])
+    try:
+        agent = srv.client(f"agent-{lease.node}", "agent")
+        claim = {
+            "lease": lease.id,
+            "fence": lease.token,
+            "token": alice_token,
+            "pid": worker.pid,
+            "start": start_ticks(worker.pid),
+            "uid": os.getuid(),
+            "gpus": [idx],
+        }
+        agent.request("POST", f"/api/v1/nodes/{lease.node}/procs", json=claim)
+        watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+        other = os.getuid() + 1
+        sample = {"index": idx, "util": 50, "procs": [worker.pid, 4242], "uids": [os.getuid(), other]}
+        agent.request("POST", f"/api/v1/nodes/{lease.node}/samples", json={"gpus": [sample]})
+        ev = watcher.wait_for(lambda e: e["type"] == "unleased_use", 10, "unleased_use")
+        assert (ev["node"], ev["gpu"], ev["pids"]) == (lease.node, idx, [4242]) and "lease" not in ev
+    finally:
+        worker.kill()
+        worker.wait()

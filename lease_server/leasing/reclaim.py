@@ -23,7 +23,7 @@ import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import errors
 from ..config import UNLEASED_ACTIONS
@@ -183,8 +183,8 @@ async def record_samples(
     """Store one sample of ``node``'s GPUs: [{index, util, mem_mb, procs}]. Returns (recorded,
     GPUs in use by processes that are not their holder's: :func:`foreign_pids`)."""
     slots = [f"{node}/{int(g['index'])}" for g in gpus]
-    holders, leases, kept_out = await _holders_and_leases(engine, slots)
-    foreign = foreign_pids(node, gpus, holders, leases)
+    holders, leases, kept_out, sharers = await _holders_and_leases(engine, slots)
+    foreign = foreign_pids(node, gpus, holders, leases, sharers)
     if threshold is None:
         pols = await policies(engine)
         threshold = pols[pool].idle_threshold if pool in pols else engine.settings.idle_threshold
@@ -231,11 +231,20 @@ async def _hold_or_free(
         await engine.run(Drained(node, "", json.dumps(clean), 0))
 
 
+class Sharers(NamedTuple):
+    """A GPU shared by slices (``~slices``): its live slices' lease ids, and the processes of its
+    draining slices (the drain's business, not unleased use)."""
+
+    leases: frozenset[str]
+    draining: frozenset[int]
+
+
 async def _holders_and_leases(
     engine: Engine, slots: list[str]
-) -> tuple[list[str | None], dict[str, dict[str, Any]], list[bool]]:
-    """Who holds each of ``slots`` ("node/index"), those leases' records, and which are held out of
-    the pool for unleased use (unleased_hold.lua): those are judged as the free GPUs they are."""
+) -> tuple[list[str | None], dict[str, dict[str, Any]], list[bool], list[Sharers | None]]:
+    """Who holds each of ``slots`` ("node/index"), those leases' records (a shared GPU's slices'
+    included), which are held out of the pool for unleased use (unleased_hold.lua: judged as the
+    free GPUs they are), and, for a GPU shared by slices, its :class:`Sharers`."""
     holders = [None if h is None else str(h) for h in await engine.redis.hmget(engine.keys.holders, slots)]
     kept_out = [False] * len(slots)
     marked = [i for i, h in enumerate(holders) if h == "~"]
@@ -244,13 +253,28 @@ async def _holders_and_leases(
         for i, raw in zip(marked, raws, strict=True):
             if raw and json.loads(raw).get("state") == "unleased":
                 holders[i], kept_out[i] = None, True
-    ids = sorted({h for h in holders if h and not h.startswith("~")})  # "~": draining, "~slices": sliced
-    raws = await engine.redis.hmget(engine.keys.leases, ids) if ids else []
-    return holders, {i: json.loads(r) for i, r in zip(ids, raws, strict=True) if r}, kept_out
+    sharers: list[Sharers | None] = [None] * len(slots)
+    shared = [i for i, h in enumerate(holders) if h == "~slices"]
+    if shared:
+        raws = await engine.redis.hmget(engine.keys.sliced, [slots[i] for i in shared])
+        for i, raw in zip(shared, raws, strict=True):
+            if raw:
+                led = json.loads(raw)
+                pids = {int(p) for d in (led.get("draining") or {}).values() for p in d.get("pids") or []}
+                sharers[i] = Sharers(frozenset(led.get("leases") or {}), frozenset(pids))
+    ids = {h for h in holders if h and not h.startswith("~")}  # "~": draining, "~slices": sliced
+    ids |= {lid for sh in sharers if sh for lid in sh.leases}
+    ordered = sorted(ids)
+    raws = await engine.redis.hmget(engine.keys.leases, ordered) if ordered else []
+    return holders, {i: json.loads(r) for i, r in zip(ordered, raws, strict=True) if r}, kept_out, sharers
 
 
 def foreign_pids(
-    node: str, gpus: list[dict[str, Any]], holders: list[str | None], leases: dict[str, dict[str, Any]]
+    node: str,
+    gpus: list[dict[str, Any]],
+    holders: list[str | None],
+    leases: dict[str, dict[str, Any]],
+    sharers: list[Sharers | None] | None = None,
 ) -> list[list[int]]:
     """Per GPU of a sample, the processes on it that are not its holder's: unleased use, judged
     per GPU. A process belongs to the lease it claimed on this node (its agent recorded it:
@@ -260,8 +284,10 @@ def foreign_pids(
     user on someone's leased GPU is theirs, not the lease's. It is covered only on the GPUs of
     that lease: on a free GPU, or on a GPU leased to someone else, it is foreign, whatever
     else it runs on (a cell that rewrote CUDA_VISIBLE_DEVICES to reach more GPUs than its lease's).
-    A draining GPU ("~") is the drain's business, and a GPU shared by slices ("~slices") its
-    slices': nothing on either counts here."""
+    A draining GPU ("~") is the drain's business: nothing on it counts here. On a GPU shared by
+    slices ("~slices", with its ``sharers``) a process is covered if one of its slices claimed it,
+    if it is a draining slice's, or, having claimed nothing, unless the agent named its owner and
+    the slices' claims name others (without ``sharers``, nothing on it counts)."""
     claimed: dict[int, str] = {}
     claim_uids: dict[str, set[int]] = {}  # the owners of each lease's claims on this node
     for lid, rec in leases.items():
@@ -280,7 +306,22 @@ def foreign_pids(
             for pid in g.get("procs", []):
                 seen_in.setdefault(int(pid), set()).add(holder)
     out: list[list[int]] = []
-    for g, holder in zip(gpus, holders, strict=True):
+    for i, (g, holder) in enumerate(zip(gpus, holders, strict=True)):
+        shared = sharers[i] if sharers is not None and holder == "~slices" else None
+        if shared is not None:
+            uids = {u for lid in shared.leases for u in claim_uids.get(lid, ())}
+            out.append(
+                [
+                    pid
+                    for pid in (int(p) for p in g.get("procs", []))
+                    if claimed.get(pid) not in shared.leases
+                    and pid not in shared.draining
+                    and uids
+                    and pid in uid_of
+                    and uid_of[pid] not in uids
+                ]
+            )
+            continue
         if holder and holder.startswith("~"):
             out.append([])
             continue
@@ -351,9 +392,9 @@ async def unleased_to_kill(engine: Engine, node: str, gpus: list[dict[str, Any]]
     holds it is read again (a lease granted since to the process's own lease covers it)."""
     slots = [f"{node}/{int(g['index'])}" for g in gpus]
     flagged = await engine.redis.hmget(engine.keys.unleased, slots)
-    holders, leases, _ = await _holders_and_leases(engine, slots)
+    holders, leases, _, sharers = await _holders_and_leases(engine, slots)
     out = []
-    for g, flag, pids in zip(gpus, flagged, foreign_pids(node, gpus, holders, leases), strict=True):
+    for g, flag, pids in zip(gpus, flagged, foreign_pids(node, gpus, holders, leases, sharers), strict=True):
         if flag and pids:
             out.append({"index": int(g["index"]), "pids": pids})
     return out

@@ -51,9 +51,11 @@ while ARGV[i] do
   if util >= threshold then redis.call('HSET', KEYS[2], slot, NOW) end
   local has_procs = pids ~= '[]' and pids ~= ''
   local holder = redis.call('HGET', KEYS[3], slot)  -- "~": draining, held by no lease
-  -- "~slices": shared by slices (lua/_lib_slice.lua): no one lease's samples, and its processes
-  -- are its slices' (judged per slice, not here): counted as a draining GPU is
-  if holder == '~slices' then
+  -- "~slices": shared by slices (lua/_lib_slice.lua): no one lease's samples (counted as a
+  -- draining GPU is), but a process of none of its slices on it is unleased use (the caller
+  -- passes only those: reclaim.foreign_pids)
+  local shared = holder == '~slices'
+  if shared then
     holder = '~'
     local raw = redis.call('HGET', KEYS[9], slot)
     if raw then  -- annotated only: the ledger's promises are _lib_slice.lua's
@@ -76,13 +78,13 @@ while ARGV[i] do
       redis.call('HSET', KEYS[7], holder .. '|peak', mem)
     end
   end
-  if has_procs and holder ~= '~' then
+  if has_procs and (holder ~= '~' or shared) then
     unleased = unleased + 1
     if redis.call('HEXISTS', KEYS[4], slot) == 0 then
       redis.call('HSET', KEYS[4], slot, cjson.encode({pids = cjson.decode(pids), since = NOW}))
       redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[2], '*', 'type', 'unleased_use', 'data',
         cjson.encode({node = node, gpu = tonumber(index), pids = cjson.decode(pids), util = util, mem_mb = mem, ts = NOW,
-                      lease = holder or nil}))
+                      lease = (holder and holder ~= '~') and holder or nil}))
     end
   elseif redis.call('HEXISTS', KEYS[4], slot) == 1 then
     redis.call('HDEL', KEYS[4], slot)
