@@ -49,6 +49,7 @@ def discover(url: str | None = None, token: str | None = None, *, notebook: bool
     home = DEFAULT_HOME
     if not url and (home / "url").exists():
         url = (home / "url").read_text().strip()
+    ours = not token  # a token of up's own files, for up's own server only
     if not token and notebook and (home / "lab_token").exists():
         token = (home / "lab_token").read_text().strip()
     if not token and (home / "token").exists():
@@ -57,7 +58,34 @@ def discover(url: str | None = None, token: str | None = None, *, notebook: bool
         raise errors.ServerUnavailable(
             "no lease server configured: set GPULEASE_URL (and GPULEASE_TOKEN), or start one with 'gpulease up'"
         )
+    if ours and token:
+        _check_local_listener(url)
     return url.rstrip("/"), token or ""
+
+
+def _check_local_listener(url: str) -> None:
+    """Refuse to send ``gpulease up``'s token to a loopback port that another user listens on:
+    while up is down, anyone on the host may bind its port and read the admin token off the first
+    request. The kernel says whose each listening socket is (/proc/net/tcp, its uid column); root
+    and this user pass, and so does a host where /proc cannot tell."""
+    parts = httpx.URL(url)
+    if parts.host not in ("127.0.0.1", "localhost", "::1") or parts.port is None:
+        return
+    owners: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [r.split() for r in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        owners |= {
+            int(r[7]) for r in rows if len(r) > 7 and r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == parts.port
+        }
+    if owners and not owners & {0, os.geteuid()}:
+        raise errors.ServerUnavailable(
+            f"the lease server at {url} is another user's (uid {min(owners)}), not your gpulease up's: "
+            "your token was not sent. Start yours with 'gpulease up', or set GPULEASE_URL and GPULEASE_TOKEN"
+        )
 
 
 # A request that got no answer because its connection closed under it: sent once more.

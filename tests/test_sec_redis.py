@@ -224,6 +224,43 @@ def test_a_kernel_started_apart_takes_the_user_token_not_the_admins(up: Up, monk
         assert kernel.whoami()["role"] == "user"
 
 
+def test_ups_token_is_never_sent_to_another_users_listener(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While ``up`` is down, anyone may bind its loopback port: the CLI then finds up's URL and
+    admin token in its files, sees the port's listener is another user's (the kernel says whose),
+    and sends nothing. A token given explicitly is the caller's choice, and goes."""
+    import pwd
+    import subprocess
+
+    from lease_server import client
+
+    if os.geteuid() != 0 or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs root, to listen as another user, and /usr/bin/python3")
+    nobody = pwd.getpwnam("nobody")
+    code = (
+        "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+        "print(s.getsockname()[1], flush=True); time.sleep(60)"
+    )
+    squat = subprocess.Popen(
+        ["/usr/bin/python3", "-c", code], user=nobody.pw_uid, group=nobody.pw_gid, stdout=subprocess.PIPE, cwd="/"
+    )
+    try:
+        port = int(squat.stdout.readline())  # type: ignore[union-attr]
+        home = tmp_path / "home"
+        home.mkdir()
+        (home / "url").write_text(f"http://127.0.0.1:{port}\n")
+        (home / "token").write_text("glt_admin_of_up\n")
+        monkeypatch.setattr(client, "DEFAULT_HOME", home)
+        monkeypatch.delenv("GPULEASE_TOKEN", raising=False)
+        monkeypatch.delenv("GPULEASE_URL", raising=False)
+        with pytest.raises(errors.ServerUnavailable, match="another user's") as exc:
+            client.discover()
+        assert "gpulease up" in str(exc.value) and "glt_admin" not in str(exc.value)
+        assert client.discover(token="glt_mine") == (f"http://127.0.0.1:{port}", "glt_mine")
+    finally:
+        squat.kill()
+        squat.wait()
+
+
 # ---- production: the ACL user of docs/deploy.md ---------------------------------------------------
 
 
