@@ -30,6 +30,7 @@ from typing import Any, cast
 import httpx
 
 from . import errors, protocol
+from .listeners import listeners
 from .protocol import GpuJson, LeaseJson, LeaseState
 from .request import MAX_TEXT, AcquireRequest
 from .sizes import ordinal, parse_gpu_mem, show_duration
@@ -66,21 +67,12 @@ def discover(url: str | None = None, token: str | None = None, *, notebook: bool
 def _check_local_listener(url: str) -> None:
     """Refuse to send ``gpulease up``'s token to a loopback port that another user listens on:
     while up is down, anyone on the host may bind its port and read the admin token off the first
-    request. The kernel says whose each listening socket is (/proc/net/tcp, its uid column); root
-    and this user pass, and so does a host where /proc cannot tell."""
+    request. The kernel says whose each listening socket is (:mod:`listeners`); root and this user
+    pass, and so does a host where /proc cannot tell."""
     parts = httpx.URL(url)
     if parts.host not in ("127.0.0.1", "localhost", "::1") or parts.port is None:
         return
-    owners: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = [r.split() for r in f.read().splitlines()[1:]]
-        except OSError:
-            continue
-        owners |= {
-            int(r[7]) for r in rows if len(r) > 7 and r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == parts.port
-        }
+    owners = {listener.uid for listener in listeners(parts.port) or []}
     if owners and not owners & {0, os.geteuid()}:
         raise errors.ServerUnavailable(
             f"the lease server at {url} is another user's (uid {min(owners)}), not your gpulease up's: "

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ConfigurationError
+from ..listeners import listeners
 
 log = logging.getLogger(__name__)
 
@@ -216,14 +217,10 @@ class RedisProcess:
         """Whether the listener on our port is our child's (its socket's inode among the child's open
         files); None where /proc cannot tell (not Linux). Another process listening there (it took
         the port first) must never be sent the password."""
-        try:
-            with open("/proc/net/tcp") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
+        found = listeners(self.port)
+        if found is None:
             return None
-        local = f"0100007F:{self.port:04X}"
-        fields = [r.split() for r in rows]
-        inodes = {f"socket:[{f[9]}]" for f in fields if len(f) > 9 and f[1] == local and f[3] == "0A"}  # 0A: LISTEN
+        inodes = {f"socket:[{listener.inode}]" for listener in found}
         if not inodes or self.proc is None:
             return False
         fd_dir = f"/proc/{self.proc.pid}/fd"
