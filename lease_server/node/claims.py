@@ -362,15 +362,26 @@ class ThreadClaims:
     def start(self) -> None:
         outer = self
 
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                sock: socket.socket = self.request
+        class Server(socketserver.ThreadingUnixStreamServer):
+            daemon_threads = True
+
+            def process_request(self, request: Any, client_address: Any) -> None:
+                # in the accepting thread, in the order connections came: the gate's count is
+                # settled before a thread is started (a refused one costs no thread), and the
+                # caller is read at accept; both reach the handler as its client_address
                 deadline = time.monotonic() + TIMEOUT_S
-                caller = Caller(sock)
+                caller = Caller(request)
                 uid = caller.first.uid if caller.first is not None else -1
                 if not outer.gate.enter(uid):
                     caller.close()
+                    self.shutdown_request(request)
                     return
+                super().process_request(request, (caller, uid, deadline))
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                sock: socket.socket = self.request
+                caller, uid, deadline = self.client_address
                 try:
                     with contextlib.suppress(OSError, ValueError):
                         raw = _read_claim(sock, deadline)
@@ -383,11 +394,10 @@ class ThreadClaims:
 
         for node in sorted(self.nodes):
             try:
-                server = socketserver.ThreadingUnixStreamServer(address(self.instance, node), Handler)
+                server = Server(address(self.instance, node), Handler)
             except OSError as exc:
                 log.error("claim socket of %s: %s; workers there cannot be tied to their leases", node, exc)
                 continue
-            server.daemon_threads = True
             threading.Thread(target=server.serve_forever, name=f"gpulease-claims-{node}", daemon=True).start()
             self.servers.append(server)
 
