@@ -810,15 +810,22 @@ class HeldLease:
         self._stop.set()
         return ended
 
-    def release(self, verified: bool = False) -> None:
+    def release(self, verified: bool = False) -> str | None:
+        """Release the lease: None, or, if it had ended already (released from elsewhere, expired,
+        revoked, reclaimed: its GPUs are back, nothing to do), how it ended, in one line."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         try:
-            self.client.release(self.lease, verified=verified)
+            ended = self.client.release(self.lease, verified=verified)
         except errors.GpuLeaseError as exc:
-            # Released, expired or revoked already: the GPUs are back, nothing to do.
             log.info("release of %s: %s", self.lease.id, exc)
+            return exc.message
+        if ended.get("changed", True):
+            return None
+        by = f" by {ended['ended_by']}" if ended.get("ended_by") else ""
+        reason = f": {ended['end_reason']}" if ended.get("end_reason") else ""
+        return f"{ended.get('state', 'ended')}{by}{reason}"
 
 
 def _renew_loop(ref: weakref.ref[HeldLease], stop: threading.Event, ttl: float) -> None:

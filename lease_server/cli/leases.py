@@ -17,8 +17,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .. import errors
+from .. import errors, protocol
 from ..client import Client, HeldLease, Lease
+from ..node import claimexec
 from ..sizes import ordinal, parse_gpu_mem, show_duration
 from ._common import (
     Duration,
@@ -337,6 +338,8 @@ def acquire(
     """Lease GPUs. With a COMMAND (after --), run it on them and release when it exits:
 
     gpulease acquire --gpus 2 --wait 600 -- python train.py
+
+    If the lease ends first (revoked, expired), the node agent stops the command.
     """
     if command and command[0].startswith("-"):  # a mistyped option, not a program (unknown options pass through)
         known = [o for param in click.get_current_context().command.params for o in param.opts if o.startswith("--")]
@@ -378,6 +381,9 @@ def acquire(
                 each = "each of " if len(lease.gpus) > 1 else ""  # k slices: one on each of k GPUs
                 indexes = ",".join(str(i) for i in lease.indexes)
                 err_console.print(f"a slice of {lease.gpu_mem_mb} MB of {each}{lease.node} GPU {indexes}")
+            mine = _claim_of(c, lease)  # so that the lease's GPUs know whose processes are its (claimexec.py)
+            if mine is not None:
+                claimexec.claim_here(mine, "this user")
             longer = " (--ttl 1h for longer)" if ttl is None else ""
             err_console.print(f"lease {lease.id} expires in {span(lease.ttl)} unless renewed{longer}")
             err_console.print(f"release it with: gpulease release {lease.id}")
@@ -395,20 +401,46 @@ def acquire(
             "GPULEASE_LEASE_ID": held.id,
             "GPULEASE_GPU_UUIDS": ",".join(held.uuids),
         }
-        code, failed = 1, ""
+        argv = list(command)
+        mine = _claim_of(c, held.lease)
+        if mine is not None:  # the command claims the lease at the node agent, then runs (claimexec.py)
+            env[claimexec.CLAIM_ENV] = json.dumps(mine)
+            argv = [sys.executable, "-m", claimexec.__name__, *argv]
+        code, failed, ended = 1, "", None
         try:
-            code = subprocess.call(list(command), env=env)
+            code = subprocess.call(argv, env=env)
+            if code < 0:  # ended by a signal: as a shell reports it
+                code = 128 - code
         except KeyboardInterrupt:
             code = 130
         except OSError as exc:  # gone since the check above, or not an executable after all
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             failed = f"{command[0]}: {'command not found' if code == 127 else exc.strerror or exc}"
         finally:
-            held.release()
-            err_console.print(f"released {held.id} after {time.monotonic() - t0:.1f}s")
+            ended = held.release()
+            took = f"{time.monotonic() - t0:.1f}s"
+            if ended is None:
+                err_console.print(f"released {held.id} after {took}")
+            else:  # the server ended it first (revoked, expired, reclaimed): the node agent ends the command
+                err_console.print(f"[red]lease {held.id} ended[/] after {took}: {ended}")
         if failed:
             fail(failed, code, prefix="gpulease")
         sys.exit(code)
+
+
+def _claim_of(c: Client, lease: Lease) -> dict[str, Any] | None:
+    """What a process of this host claims ``lease`` with at its node agent (claimexec.py); None
+    for a gang (its processes run on each node, not here) or a server that names no instance."""
+    if len(lease.parts()) != 1:
+        return None
+    try:
+        instance = str(c.request("GET", protocol.INFO).get("instance") or "")
+    except errors.GpuLeaseError:
+        return None
+    if not instance or not c.token:
+        return None
+    user = {k.lower(): v for k, v in c.headers.items()}.get(protocol.USER_HEADER.lower(), "")
+    return json.loads(claimexec.claim_env(instance, lease.node, lease.id, lease.token, c.token, user, lease.indexes))
 
 
 def _acquire_waiting(c: Client, gpus: int, pool: str | None, wait: float, **request: Any) -> Lease:
