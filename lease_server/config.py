@@ -139,6 +139,9 @@ class Settings:
     borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
     no_show_after: float = 900.0  # a booking occurrence unused this long after its start is released
     on_demand_floor: int = 0  # GPUs of every pool that are never booked, kept for people without a booking
+    # of a pool's bookable GPUs, the most one owner (a user, a team) may have booked at any instant;
+    # 1: no cap. An admin's booking is not held to it
+    booking_share: float = 1.0
     booking_history: float = 30 * 86400.0  # seconds past bookings stay listed
     max_booking_days: float = 31.0  # longest single booking (a weekly one lasts at most 7 days)
     teams: dict[str, list[str]] = field(default_factory=dict)  # team -> members ([teams] table)
@@ -262,6 +265,10 @@ class Settings:
                 f"slice_check_interval must be in (0, 10] seconds (got {self.slice_check_interval}), "
                 f"slice_over_pct from 0 to 100 (got {self.slice_over_pct}) and slice_over_s from 0 to 600 "
                 f"seconds (got {self.slice_over_s})"
+            )
+        if not 0 < self.booking_share <= 1:
+            raise ConfigurationError(
+                f"booking_share must be above 0 and at most 1 (1: no cap), got {self.booking_share}"
             )
         if self.borrow_notice < 0 or self.no_show_after <= 0 or self.on_demand_floor < 0:
             raise ConfigurationError(

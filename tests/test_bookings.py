@@ -413,6 +413,34 @@ def test_team_booking_serves_its_members(server_factory):
         assert ended["instances"][0]["state"] == "released"
 
 
+def test_one_owner_books_at_most_its_share_of_a_pool(server_factory, redis_sync):
+    """booking_share 0.5 of the 6 GPUs of A100-80GB: 3 at any instant per owner (a user, a team),
+    every week of a weekly booking counted; other owners and admins are not held to it, and a
+    refusal changes nothing."""
+    srv = server_factory(booking_share=0.5, teams={"ml": ["alice"]})
+    with http(srv, "alice") as alice, http(srv, "bob") as bob, http(srv, "root", "admin") as root:
+        first = book(alice, gpus=2, start=MONDAY, hours=4)
+        assert first.status_code == 201, first.text
+        with unchanged(redis_sync, srv):
+            resp = book(alice, gpus=2, start=MONDAY + HOUR, hours=1)
+            body = assert_error(resp, 403, "forbidden", "alice may have at most 3 GPU(s)", "has 2 booked", "at most 1")
+            assert body["details"] == {"limit": 3, "booked": 2}
+            # a weekly booking clear of the first week's but over it in no later week is fine;
+            # one whose second week lands on alice's other booking is refused
+            too_many = book(alice, gpus=4, start=MONDAY - WEEK_MS / 1000, hours=1)
+            assert_error(too_many, 403, "forbidden", "at most 3 GPU(s)", "book at most 3, or ask an admin")
+            weekly = book(alice, gpus=2, start=MONDAY - WEEK_MS / 1000, hours=2, repeat="weekly", occurrences=2)
+            assert_error(weekly, 403, "forbidden", "has 2 booked")
+        assert book(alice, gpus=1, start=MONDAY + HOUR, hours=1).status_code == 201  # up to 3
+        assert book(alice, gpus=3, start=MONDAY + 4 * HOUR, hours=1).status_code == 201  # back to back
+        assert book(alice, gpus=3, owner="team:ml", start=MONDAY, hours=1).status_code == 201  # the team's own
+        # growing one's own booking past the share is refused too; another owner, or an admin, is not held
+        mine = first.json()["id"]
+        assert_error(alice.patch(f"{API}/bookings/{mine}", json={"gpus": 3}), 403, "forbidden", "at most 3")
+        assert_error(book(bob, gpus=4, start=MONDAY + 8 * HOUR, hours=1), 403, "forbidden", "bob may have at most 3")
+        assert book(root, gpus=4, owner="bob", start=MONDAY + 8 * HOUR, hours=1).status_code == 201
+
+
 @pytest.fixture
 def store_factory(redis_server, prefix):
     made: list[tuple[LeaseStore, ARedis]] = []

@@ -239,8 +239,8 @@ class Bookings:
             keep_ms=int(s.booking_history * 1000),
         )
         if dry_run:
-            return await self._write("check", rec, "", now_ms)
-        made = await self._write("create", rec, "", now_ms)
+            return await self._write("check", rec, "", now_ms, admin)
+        made = await self._write("create", rec, "", now_ms, admin)
         log_booking("created", made, user)
         return made
 
@@ -266,7 +266,7 @@ class Bookings:
             rec = self._spec(body, dict(old), user, admin, teams)
             rec["changed_by"] = user
             try:
-                out = await self._write("check" if dry_run else "edit", rec, str(old.get("rev", 0)), now_ms)
+                out = await self._write("check" if dry_run else "edit", rec, str(old.get("rev", 0)), now_ms, admin)
             except errors.StaleToken:
                 continue
             if not dry_run:
@@ -275,8 +275,11 @@ class Bookings:
             return out
         raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
 
-    async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None) -> dict[str, Any]:
-        call = Book(mode, json.dumps(rec), self.settings.on_demand_floor, rev)
+    async def _write(
+        self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None, admin: bool
+    ) -> dict[str, Any]:
+        share = 1.0 if admin else self.settings.booking_share  # an admin's booking is not held to it
+        call = Book(mode, json.dumps(rec), self.settings.on_demand_floor, rev, share)
         try:
             out: dict[str, Any] = await self.engine.run(call, now_ms)
         except errors.UnknownPool:

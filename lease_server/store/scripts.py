@@ -985,6 +985,7 @@ class Book(ScriptCall[dict[str, Any]]):
     booking: str  # JSON, validated by bookings.py
     floor: int  # on-demand GPUs of a pool that are never booked
     rev: str = ""  # for "edit": the revision the change was made against
+    share: float = 1.0  # of the bookable GPUs, the most one owner may have booked at once (1: no cap)
 
     def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
         rec = _json(self.booking)
@@ -992,6 +993,20 @@ class Book(ScriptCall[dict[str, Any]]):
             return _json(rest[0])
         if code is Code.CLASH:
             raise clash_error(rec, _json(rest[0]))
+        if code is Code.LIMIT:
+            limit, booked, at = int(rest[0]), int(rest[1]), int(rest[2])
+            owner, left = rec["owner"], max(0, limit - booked)
+            most = (
+                f"{owner} may have at most {limit} GPU(s) of pool {rec['pool']!r} booked at once "
+                f"(booking_share {self.share:g})"
+            )
+            raise errors.Forbidden(
+                f"{most}, and has {booked} booked at {fmt(at)}: book at most {left} then, another time, or ask an admin"
+                if booked
+                else f"{most}: book at most {limit}, or ask an admin",
+                limit=limit,
+                booked=booked,
+            )
         if code is Code.UNKNOWN_POOL:
             raise errors.UnknownPool(f"unknown pool {rec['pool']!r}", pool=rec["pool"])
         if code is Code.UNSATISFIABLE:

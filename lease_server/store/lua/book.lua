@@ -9,7 +9,9 @@
 --           used, released) are taken from the stored one
 -- ARGV[8] = on-demand floor (GPUs of the pool that are never booked)
 -- ARGV[9] = for "edit": the revision the change was made against (refused if it moved on)
--- returns {OK, booking JSON} | {CLASH, report JSON} | {UNKNOWN_POOL} |
+-- ARGV[10] = the share of the bookable GPUs one owner may have booked at any instant (1: no cap;
+--           an admin's change passes 1)
+-- returns {OK, booking JSON} | {CLASH, report JSON} | {UNKNOWN_POOL} | {LIMIT, owner's cap, booked, at} |
 --         {UNSATISFIABLE, bookable GPUs of the pool, largest node} | {DUPLICATE} | {NO_SUCH} |
 --         {STALE} (changed meanwhile) | {ENDED} (cancelled)
 local mode, rec, floor = ARGV[6], cjson.decode(ARGV[7]), tonumber(ARGV[8])
@@ -100,6 +102,25 @@ local function colocated_on(name)
     if r.colocate and r.node == name then out[#out + 1] = r end
   end
   return out
+end
+
+-- One owner's bookings hold at most its share of the bookable GPUs at any instant (a user, or a
+-- team: one colleague cannot book a whole pool for a month and leave the rest borrowed leases).
+local share = tonumber(ARGV[10]) or 1
+if share < 1 then
+  local limit = math.max(1, math.floor(cap * share + 1e-9))
+  local own = {}
+  for _, r in ipairs(others) do
+    if r.owner == rec.owner then own[#own + 1] = r end
+  end
+  for k = 0, rec.occurrences - 1 do
+    local s, e = occ_span(rec, k)
+    s = math.max(s, NOW)
+    if s < e then
+      local most = peak(own, s, e)
+      if most + rec.gpus > limit then return {LIMIT, limit, most, s} end
+    end
+  end
 end
 
 local ok, room, clashes = fits(others, cap, 0)
