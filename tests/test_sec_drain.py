@@ -33,7 +33,7 @@ GRACE = 0.5
 
 @pytest.fixture
 def srv(server_factory: Any) -> Any:
-    return server_factory(simulate="n1=2xA100-80GB", drain_kill_grace_s=GRACE, drain_interval=0.1, default_ttl=2)
+    return server_factory(simulate="n1=2xA100-80GB", drain_kill_grace_s=GRACE, drain_interval=0.1, default_ttl=60)
 
 
 @pytest.fixture
