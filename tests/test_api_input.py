@@ -541,7 +541,7 @@ def test_reusing_a_queued_request_id_does_not_delay_its_grant(server: Any, redis
                 assert_error(resp, 409, "conflict", bob_id, "already in use")
                 alice.delete(f"{API}/leases/{full[1]['id']}")
                 next_event(events, "grant", bob_id)  # granted in Redis
-            assert answered.wait(3), "the grant did not wake bob's waiting request"
+            assert answered.wait(20), "the grant did not wake bob's waiting request"
         finally:
             answered.wait(30)
         assert "error" not in outcome, outcome

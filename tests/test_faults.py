@@ -548,7 +548,7 @@ def test_node_without_heartbeats_goes_down_and_comes_back(servers):
 
         assert agent.beat() == "up"  # the agent is back
         agent.start()
-        watcher.wait_for(lambda e: e["type"] == "node_up" and e["node"] == "solo", 5, "node_up")
+        watcher.wait_for(lambda e: e["type"] == "node_up" and e["node"] == "solo", 20, "node_up")
         again = c.acquire(1, pool="H100-80GB")
         assert again.node == "solo"
         c.release(again)

@@ -395,7 +395,7 @@ def test_above_quota_call_is_preempted_and_its_checkpoint_hook_returns_state(clu
         t.join(60)
         assert "error" not in out, out
         assert out["outcome"].value == "stopped"
-        notice = watcher.wait_for(lambda e: e["type"] == "preempt_notice", 5, "preempt_notice")
+        notice = watcher.wait_for(lambda e: e["type"] == "preempt_notice", 20, "preempt_notice")
         assert notice["lease"] == granted["lease"] and notice["requested_by"] == "bob"
         assert out["outcome"].has_checkpoint and out["outcome"].checkpoint["step"] > 0
         assert bob.node == "n1" and srv.client("bob").get(within.id)["state"] == "active"

@@ -318,7 +318,7 @@ def test_the_documented_acl_user_serves_the_lease_paths(acl_redis: RedisProcess)
         alice.cancel_booking(booking["id"])
         assert alice.cluster()["nodes"] and alice.queue() == [] and alice.leases(everyone=True) == []
         assert alice.usage()["calls"] >= 0 and alice.events()
-        watcher.wait_for(lambda e: e["type"] == "released" and e.get("lease") == held.id, 5, "released")
+        watcher.wait_for(lambda e: e["type"] == "released" and e.get("lease") == held.id, 20, "released")
     finally:
         srv.stop()
     refused = admin.execute_command("ACL", "LOG")

@@ -65,7 +65,7 @@ def test_withdrawn_request_leaves_the_queue_and_its_post_answers_at_once(server_
             assert out["changed"] is True and out["position"] == 1 and out["gpus"] == 1
             assert out["ended_by"] == "bob" and "withdrawn" in out["end_reason"]
             # Woken by the withdrawal, not by its 30 s wait running out.
-            assert_error(post.result(timeout=3), 410, "withdrawn", bob_id, "withdrawn", "never be granted")
+            assert_error(post.result(timeout=20), 410, "withdrawn", bob_id, "withdrawn", "never be granted")
         assert bob.get(f"{API}/queue").json()["waiting"] == []
         # The holder lets go: the GPU stays free, nothing is granted to the withdrawn request.
         alice.delete(f"{API}/leases/{held['id']}")
@@ -91,7 +91,7 @@ def test_only_the_owner_or_an_admin_withdraws_a_queued_request(server_factory: A
             assert resp.status_code == 200, resp.text
             out = resp.json()
             assert (out["state"], out["ended_by"], out["end_reason"]) == ("withdrawn", "root", "queue cleanup")
-            assert_error(post.result(timeout=3), 410, "withdrawn")
+            assert_error(post.result(timeout=20), 410, "withdrawn")
         assert eve.get(f"{API}/queue").json()["waiting"] == []
 
 
