@@ -34,7 +34,8 @@ from .upstream import LeaseApi
 log = logging.getLogger(__name__)
 
 NAMESPACE = "gpulease"
-LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# (not "." or "..": httpx would resolve them in the lease server's path, /leases/.. to the API root)
+LEASE_ID_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,64}$")
 BOOKING_ID_RE = LEASE_ID_RE
 POOL_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 USAGE_BY = ("user", "team", "pool")

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from lease_server import errors, protocol
-from lease_server.client import retry_after
+from lease_server.client import ServerGuard, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,14 @@ class LeaseApi:
         self._me: dict[str, Any] | None = None
         self._hub_user = "" if act_as else hub_user
         self._resolved = not self._hub_user
+        # before each request (the board's reconnects, a kernel's release): its token goes to no
+        # other user's listener on a loopback port (lease_server/client.py)
+        self.guard = ServerGuard(self.url, token)
         self._http = httpx.AsyncClient(
             base_url=self.url if not self.problem else "http://unconfigured.invalid",
             timeout=httpx.Timeout(timeout, connect=5.0),
             headers=protocol.bearer(token) if token else {},
+            event_hooks={"request": [self.guard.acheck]},
         )
         if act_as:
             self._http.headers[protocol.USER_HEADER] = act_as
@@ -95,6 +99,9 @@ class LeaseApi:
                 self._resolved = False  # the lease server's trouble, not the token's: ask again next call
         except (httpx.HTTPError, ValueError):
             self._resolved = False  # try again with the next call
+        except errors.GpuLeaseError:  # refused before sending (ServerGuard): ask again next call
+            self._resolved = False
+            raise
 
     async def close(self) -> None:
         await self._http.aclose()

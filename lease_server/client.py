@@ -60,24 +60,69 @@ def discover(url: str | None = None, token: str | None = None, *, notebook: bool
             "no lease server configured: set GPULEASE_URL (and GPULEASE_TOKEN), or start one with 'gpulease up'"
         )
     if ours and token:
-        _check_local_listener(url)
+        ServerGuard(url, token, ours=True).check()
     return url.rstrip("/"), token or ""
 
 
-def _check_local_listener(url: str) -> None:
-    """Refuse to send ``gpulease up``'s token to a loopback port that another user listens on:
-    while up is down, anyone on the host may bind its port and read the admin token off the first
-    request. The kernel says whose each listening socket is (:mod:`listeners`); root and this user
-    pass, and so does a host where /proc cannot tell."""
-    parts = httpx.URL(url)
-    if parts.host not in ("127.0.0.1", "localhost", "::1") or parts.port is None:
-        return
-    owners = {listener.uid for listener in listeners(parts.port) or []}
-    if owners and not owners & {0, os.geteuid()}:
-        raise errors.ServerUnavailable(
-            f"the lease server at {url} is another user's (uid {min(owners)}), not your gpulease up's: "
-            "your token was not sent. Start yours with 'gpulease up', or set GPULEASE_URL and GPULEASE_TOKEN"
-        )
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _up_tokens() -> set[str]:
+    """The tokens of ``gpulease up``'s files (its admin token, its user token), those readable."""
+    out = set()
+    for name in ("token", "lab_token"):
+        try:
+            out.add((DEFAULT_HOME / name).read_text().strip())
+        except OSError:
+            pass
+    return out - {""}
+
+
+class ServerGuard:
+    """Asked before every request that carries a token to a loopback port: whose process listens
+    there, as the kernel says (:mod:`listeners`). While the lease server is down (stopped, died
+    with its terminal), any local user may bind its port and read the token off the next request
+    of a client that is still running: a JupyterLab tab that reconnects, a kernel's renewals.
+
+    The listener must be root's or ``GPULEASE_SERVER_UID``'s where that is set (a deployment's
+    server user), else this user's for ``gpulease up``'s own tokens; else it must stay the user it
+    was at the first request (another uid's listener in its place is refused). A host where the
+    kernel cannot tell passes."""
+
+    def __init__(self, url: str, token: str, *, ours: bool | None = None) -> None:
+        self.url = url
+        parts = httpx.URL(url)
+        self.port = parts.port if parts.host in LOOPBACK and parts.port and token else None
+        expected = os.environ.get("GPULEASE_SERVER_UID", "").strip()
+        self.allowed: set[int] | None = None  # None: pinned at the first request
+        self.whose = ""  # whose the listener must be, as the refusal says it
+        if expected.isdigit():
+            self.allowed, self.whose = {0, int(expected)}, f"uid {expected}'s (GPULEASE_SERVER_UID)"
+        elif ours if ours is not None else (self.port is not None and token in _up_tokens()):
+            self.allowed, self.whose = {0, os.geteuid()}, "your gpulease up's"
+
+    def check(self, *_: object) -> None:
+        """Raise :class:`errors.ServerUnavailable`, sending nothing, if another user listens there."""
+        if self.port is None:
+            return
+        owners = {listener.uid for listener in listeners(self.port) or []}
+        if not owners:
+            return  # nobody (the request will not connect), or the kernel cannot tell
+        if self.allowed is None:
+            self.allowed = owners | {0}
+            self.whose = f"uid {max(owners)}'s as at the first request"
+            return
+        strangers = owners - self.allowed
+        if strangers:
+            raise errors.ServerUnavailable(
+                f"the lease server at {self.url} is another user's (uid {min(strangers)}), not {self.whose}: "
+                "your token was not sent. Is it down? Start yours with 'gpulease up', or set GPULEASE_URL "
+                "and GPULEASE_TOKEN"
+            )
+
+    async def acheck(self, *_: object) -> None:
+        """:meth:`check` as an httpx.AsyncClient's request hook."""
+        self.check()
 
 
 # A request that got no answer because its connection closed under it: sent once more.
@@ -221,7 +266,13 @@ class Client:
         act_as = act_as if act_as is not None else os.environ.get("GPULEASE_USER", "")
         if act_as:
             headers[protocol.USER_HEADER] = act_as
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0), headers=headers)
+        self.guard = ServerGuard(self.url, self.token)  # before each request: who listens there
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            headers=headers,
+            event_hooks={"request": [self.guard.check]},
+        )
 
     @property
     def headers(self) -> dict[str, str]:

@@ -116,4 +116,14 @@ def event_client(url: str, headers: dict[str, str]) -> Any:
     (~50 ms of CPU); the TLS context is made once per process, so a call pays nothing for it."""
     import httpx
 
-    return httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(5, read=None), verify=_tls())
+    from lease_server.client import ServerGuard
+
+    token = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    guard = ServerGuard(url, token)  # its token goes to no other user's listener (client.py)
+    return httpx.Client(
+        base_url=url,
+        headers=headers,
+        timeout=httpx.Timeout(5, read=None),
+        verify=_tls(),
+        event_hooks={"request": [guard.check]},
+    )

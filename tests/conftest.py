@@ -398,8 +398,8 @@ class Up:
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*CLI, *args], env=self.env, capture_output=True, text=True, timeout=60)
 
-    def interrupt(self) -> tuple[int, str]:
-        self.proc.send_signal(signal.SIGINT)
+    def interrupt(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        self.proc.send_signal(sig)
         self.proc.wait(timeout=60)
         return self.proc.returncode, self.log.read_text()
 

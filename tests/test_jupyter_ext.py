@@ -238,6 +238,10 @@ def test_release_is_owner_only_idempotent_and_clear_about_unknown_leases(fetch: 
     error(fetch("gpulease", "leases", "l-0123456789abcdef", method="DELETE"), 404, "no_such_lease")
     msg = error(fetch("gpulease", "leases", "bad id!", method="DELETE"), 400, "bad_request")
     assert "lease id" in msg
+    # "." and "..": the lease server's client would resolve them (DELETE /leases/.. is the API root)
+    for dots in (".", ".."):
+        assert "lease id" in error(fetch("gpulease", "leases", dots, method="DELETE"), 400, "bad_request")
+        assert "booking id" in error(fetch("gpulease", "bookings", dots, method="DELETE"), 400, "bad_request")
 
 
 @pytest.mark.parametrize("lease_identity", [("root", "admin")])

@@ -212,6 +212,9 @@ def lab_environment(
     env = {**(os.environ if base is None else base)}
     env.pop("GPULEASE_REDIS_URL", None)  # it may carry a Redis password: kernels talk HTTP only
     env.update(GPULEASE_URL=url, GPULEASE_TOKEN=token, JUPYTER_TOKEN=secrets.token_hex(16))
+    # the token goes only to a listener of this user (or root) on up's port (client.ServerGuard),
+    # should up die and another user bind the port while JupyterLab and its kernels run on
+    env["GPULEASE_SERVER_UID"] = str(os.geteuid())
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     if ray_token is not None:

@@ -275,9 +275,7 @@ class Bookings:
             return out
         raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
 
-    async def _write(
-        self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None, admin: bool
-    ) -> dict[str, Any]:
+    async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None, admin: bool) -> dict[str, Any]:
         share = 1.0 if admin else self.settings.booking_share  # an admin's booking is not held to it
         call = Book(mode, json.dumps(rec), self.settings.on_demand_floor, rev, share)
         try:

@@ -60,7 +60,12 @@ async def serve(
     http.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+        # its terminal closed: stop as for Ctrl-C, so that gpulease up ends its JupyterLab and Ray
+        # too, and leaves no client holding a token for a port anyone may bind (nohup: left alone)
+        signals.append(signal.SIGHUP)
+    for sig in signals:
         try:
             loop.add_signal_handler(sig, stop.set)
         except (RuntimeError, ValueError):  # not the main thread

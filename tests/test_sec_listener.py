@@ -1,0 +1,185 @@
+"""A token is never sent to another user's listener on a loopback port, at any request (a hostile
+review, 2026-11-28): while the lease server is down (stopped, or died with its terminal), any local
+user may bind its port. A JupyterLab tab that reconnects, or a kernel's renewals, used to send the
+token to whoever listened there then: the check ran once, at start-up, and only for the tokens of
+``gpulease up``'s files. Now every request asks the kernel whose the listener is
+(``client.ServerGuard``, sock_diag): ``up``'s tokens go to this user's or root's only, a
+``GPULEASE_SERVER_UID`` names the deployment's server user, and any other token goes only to the
+user that listened at its first request.
+
+The squatter is a real process of user ``nobody`` (root needed to start it) on the very port."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import os
+import pwd
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lease_server import errors, listeners
+from lease_server.client import Client, ServerGuard
+
+# Listens on argv[1] (0: any port) as whoever runs it, prints the port, then for each connection
+# prints the first bytes it received (repr), so that the test sees what reached it, in order.
+SQUAT = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    print(repr(c.recv(64)), flush=True)
+    c.close()
+"""
+
+
+def _nobody() -> pwd.struct_passwd:
+    if os.geteuid() != 0 or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs root, to listen as another user, and /usr/bin/python3")
+    return pwd.getpwnam("nobody")
+
+
+class Squatter:
+    def __init__(self, port: int) -> None:
+        nobody = _nobody()
+        self.proc = subprocess.Popen(
+            ["/usr/bin/python3", "-c", SQUAT, str(port)],
+            user=nobody.pw_uid,
+            group=nobody.pw_gid,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        self.uid = nobody.pw_uid
+
+    def first_bytes(self) -> str:
+        """What reached it first: the test's own marker means nothing came before."""
+        with socket.create_connection(("127.0.0.1", self.port)) as s:
+            s.sendall(b"MARKER")
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Answering:
+    """A tiny HTTP server of this user that answers every GET with {} (the lease server, up)."""
+
+    def __init__(self) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:  # the lease server goes down: its port is free for anyone
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[Answering]:
+    s = Answering()
+    yield s
+    s.stop()
+
+
+def test_the_kernel_names_a_listeners_owner_by_netlink_as_by_proc() -> None:
+    nobody = Squatter(0)
+    try:
+        found = listeners.listeners(nobody.port)
+        assert found is not None and {li.uid for li in found} == {nobody.uid}
+        by_proc = listeners._from_proc(nobody.port)
+        assert by_proc == found
+    finally:
+        nobody.stop()
+    with socket.socket(socket.AF_INET6) as s6:
+        s6.bind(("::1", 0))
+        s6.listen()
+        port = s6.getsockname()[1]
+        assert [li.inode for li in listeners.listeners(port) or []] == [os.fstat(s6.fileno()).st_ino]
+
+
+def test_a_token_goes_to_no_other_user_that_took_the_port_since(server: Answering, monkeypatch) -> None:
+    """An explicit token: the listener of its first request is its server's user; once the server
+    is down and nobody binds the port, the next request is refused before anything is sent."""
+    monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
+    port = server.port
+    with Client(f"http://127.0.0.1:{port}", "glt_secret_of_alice", resend_503_s=0) as c:
+        assert c.request("GET", "/api/v1/health") == {}
+        server.stop()
+        squat = Squatter(port)
+        try:
+            with pytest.raises(errors.ServerUnavailable, match="another user's") as exc:
+                c.request("GET", "/api/v1/health")
+            assert f"uid {squat.uid}" in exc.value.message and "glt_secret" not in exc.value.message
+            assert squat.first_bytes() == "b'MARKER'"  # nothing of the client's reached it
+        finally:
+            squat.stop()
+
+
+def test_ups_token_and_a_named_server_uid_go_to_that_user_only(monkeypatch) -> None:
+    nobody = Squatter(0)
+    try:
+        url = f"http://127.0.0.1:{nobody.port}"
+        monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
+        with pytest.raises(errors.ServerUnavailable, match="not your gpulease up's"):
+            ServerGuard(url, "glt_up", ours=True).check()
+        monkeypatch.setenv("GPULEASE_SERVER_UID", str(os.geteuid()))
+        with pytest.raises(errors.ServerUnavailable, match="GPULEASE_SERVER_UID"):
+            ServerGuard(url, "glt_any").check()
+        monkeypatch.setenv("GPULEASE_SERVER_UID", str(nobody.uid))
+        ServerGuard(url, "glt_any").check()  # the deployment's server user: sent
+        monkeypatch.delenv("GPULEASE_SERVER_UID")
+        ServerGuard("http://10.0.0.1:8470", "glt_any", ours=True).check()  # not loopback: not asked
+        assert nobody.first_bytes() == "b'MARKER'"
+    finally:
+        nobody.stop()
+
+
+def test_the_jupyter_extension_sends_nothing_to_a_squatter(server: Answering, monkeypatch) -> None:
+    """The extension's client (the board's requests and event stream) asks before each request."""
+    from jupyter_ext.upstream import LeaseApi
+
+    monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
+    port = server.port
+
+    async def run() -> str:
+        api = LeaseApi(f"http://127.0.0.1:{port}", "glt_lab_token")
+        try:
+            assert await api.request("GET", "/health") == {}
+            server.stop()
+            squat = Squatter(port)
+            try:
+                with pytest.raises(errors.ServerUnavailable, match="another user's"):
+                    await api.request("GET", "/health")
+                with pytest.raises(errors.ServerUnavailable, match="another user's"):
+                    async with api.events(None):
+                        pass
+                return squat.first_bytes()
+            finally:
+                squat.stop()
+        finally:
+            await api.close()
+
+    assert asyncio.run(run()) == "b'MARKER'"
