@@ -73,10 +73,15 @@ def test_up_starts_ray_with_token_auth(tmp_path):
         as_agent = httpx.get(f"{up.url}/api/v1/info", headers={"Authorization": f"Bearer {agent}"}).json()
         assert "ray_auth_token" not in as_agent and as_agent["ray_address"] == address
         deadline = time.monotonic() + 60
-        while not port_open(int(address.rpartition(":")[2])) and time.monotonic() < deadline:
-            time.sleep(0.2)  # Ray's head takes a few seconds to open its port; no event to wait on
+
+        def started() -> bool:  # GCS opens its port before `ray start` has started the rest and said so
+            log = up.data / "ray.log"
+            return port_open(int(address.rpartition(":")[2])) and "Ray runtime started" in log.read_text()
+
+        while not started() and time.monotonic() < deadline:
+            time.sleep(0.2)  # Ray's head takes a few seconds; no event to wait on
         ray_log = (up.data / "ray.log").read_text()
-        assert port_open(int(address.rpartition(":")[2])) and "Ray runtime started" in ray_log, ray_log[-3000:]
+        assert started(), ray_log[-3000:]
         home = tmp_path / "nobody"
         home.mkdir()
         # All three at once: the refused one retries for ~20 s before it gives up.
