@@ -23,6 +23,7 @@ JOIN = (
     "import logging, sys, ray\n"
     "ray.init(address=sys.argv[1], log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)\n"
     "print('joined', int(ray.cluster_resources().get('gpulease_node_box', 0)), flush=True)\n"
+    "print('temp', ray._private.worker._global_node.get_temp_dir_path(), flush=True)\n"
     "ray.shutdown()\n"
 )
 MAGIC = (
@@ -91,6 +92,12 @@ def test_up_starts_ray_with_token_auth(tmp_path):
         drivers += [refused, with_token, magic]
         out, err = with_token.communicate(timeout=120)
         assert with_token.returncode == 0 and "joined 1000" in out, err[-2000:]
+        # Ray's temp dir (its sockets, logs, spilled objects; Ray makes it 0777) is in a directory
+        # only this user may enter, not /tmp/ray where anyone may read and move what is there
+        temp = Path(out.split("temp ", 1)[1].split()[0])
+        private = temp.parent.stat()
+        assert not str(temp).startswith("/tmp/ray") and (temp / "session_latest").exists(), temp
+        assert private.st_uid == os.geteuid() and private.st_mode & 0o777 == 0o700, oct(private.st_mode)
         out, err = magic.communicate(timeout=120)
         assert magic.returncode == 0 and "joined 1000" in out, err[-2000:]
         out, err = refused.communicate(timeout=120)
@@ -105,4 +112,5 @@ def test_up_starts_ray_with_token_auth(tmp_path):
         code, log = up.interrupt()
     assert code == 0, log
     assert f"(token auth: {token_file}, mode 0600)" in log
+    assert not temp.parent.exists()  # gone with the head
     assert stray.exists() == stray_before  # the user's ~/.ray is left alone

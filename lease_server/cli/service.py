@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -134,6 +135,11 @@ def _start_ray(
 
     port = free_port()
     log = open(data_dir / "ray.log", "ab")
+    # Ray makes its temp dir and every session dir in it 0777 (sockets, logs, objects spilled to
+    # disk): under /tmp/ray any local user could read a cell's spilled inputs or move the raylet's
+    # socket away. Its temp dir goes under a directory only this user may enter (mkdtemp: 0700),
+    # short enough for its socket paths (108 bytes), gone when the head stops.
+    private = Path(tempfile.mkdtemp(prefix="gpulease-"))
     # Ray starts one idle Python worker per CPU when the first driver joins, for tasks; gpulease runs
     # only actors, each with its lease's environment, which never reuse those workers: on a 64-core
     # GPU host that was 64 idle processes (~100 MB each) from `gpulease up`'s own readiness check on.
@@ -151,6 +157,7 @@ def _start_ray(
             "--block",
             "--disable-usage-stats",
             "--include-dashboard=false",
+            f"--temp-dir={private / 'ray'}",
             "--num-gpus=0",
             # Every lease-server node this machine serves is a Ray resource, so that a call is
             # placed on the Ray node of its lease (magics.runner.node_resource).
@@ -162,7 +169,11 @@ def _start_ray(
         env=env,
         start_new_session=True,
     )
+    _RAY_DIRS[proc.pid] = private
     return proc, f"127.0.0.1:{port}"
+
+
+_RAY_DIRS: dict[int, Path] = {}  # a Ray head's pid -> the private directory of its temp dir
 
 
 def _wait_for_ray(address: str, timeout: float = 180.0, env: dict[str, str] | None = None, last: bool = True) -> bool:
@@ -310,6 +321,9 @@ def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    private = _RAY_DIRS.pop(proc.pid, None)
+    if private is not None:
+        shutil.rmtree(private, ignore_errors=True)
     err_console.print(f"stopped {name}")
 
 
