@@ -112,7 +112,7 @@ class Relay:
             ray.kill(worker.handle, no_restart=True)
         if where is not None:
             if where.machine == self.sess.machine:
-                verify_gone(where.pid, [], indexes)
+                verify_gone(where.pid, [], indexes, where.start)
             else:
                 with contextlib.suppress(Exception):
-                    ray.get(self.sess.spare(node).handle.reap.remote(where.pid, [], indexes), timeout=30)
+                    ray.get(self.sess.spare(node).handle.reap.remote(where.pid, [], indexes, where.start), timeout=30)

@@ -41,7 +41,7 @@ from .grant import Grant, slice_place
 from .options import Options
 from .outcomes import describe_cause, describe_end
 from .session import Session
-from .worker import _alive
+from .worker import _alive, _start_of
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,9 @@ class WarmWorker:
             where = self.world.ranks[0].worker.where(timeout=1)
         except Exception:  # noqa: BLE001 - it never answered: not fit for a cell
             return False
-        return where.machine != self.sess.machine or _alive(where.pid)
+        if where.machine != self.sess.machine:
+            return True
+        return _alive(where.pid) and (not where.start or _start_of(where.pid) == where.start)
 
     def strip(self, call: Call) -> Call:
         """The call with only the names whose objects changed in the kernel since they last

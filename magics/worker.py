@@ -280,11 +280,11 @@ class GpuWorker:
 
         return Where(os.getpid(), this_machine(), ray.get_runtime_context().get_node_id(), start_ticks())
 
-    def reap(self, pid: int, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
+    def reap(self, pid: int, uuids: list[str], indexes: list[int], start: int = 0) -> dict[str, Any]:
         """Run by a spare worker on the node of a finished call: wait until the call's process
-        ``pid`` has exited (SIGKILL after a grace) and, where NVML sees the GPUs, until no process
-        of it remains on them. See :func:`verify_gone`."""
-        return verify_gone(pid, uuids, indexes)
+        ``pid`` (started at ``start``) has exited (SIGKILL after a grace) and, where NVML sees the
+        GPUs, until no process of it remains on them. See :func:`verify_gone`."""
+        return verify_gone(pid, uuids, indexes, start)
 
     def endpoint(self) -> dict[str, Any]:
         """The IP of this process's Ray node and a TCP port free on it now: a multi-node gang's
@@ -679,11 +679,16 @@ def _die(lease_id: str, why: str) -> None:
 # ---- verified release: is the call's process gone, and off its GPUs? ------------------------------
 
 
-def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = KILL_AFTER_S) -> bool:
+def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = KILL_AFTER_S, start: int = 0) -> bool:
     """Block until process ``pid`` (not our child) has exited; SIGKILL it after ``kill_after``.
-    True once it is gone. Uses a pidfd (Linux >= 5.3): readable the moment the process exits."""
+    True once it is gone. Uses a pidfd (Linux >= 5.3): readable the moment the process exits.
+    ``start``: its start time (:func:`calls.start_ticks`); a process under that pid that started at
+    another time is another process, which took the pid of one that is gone: never signalled."""
     import select
     import signal
+
+    def other(p: int) -> bool:
+        return bool(start) and _start_of(p) != start
 
     try:
         fd = os.pidfd_open(pid)
@@ -692,7 +697,7 @@ def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = K
     except OSError:  # no pidfd here: poll the process table
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not _alive(pid) or other(pid):
                 return True
             if time.monotonic() > deadline - timeout + kill_after:
                 with contextlib.suppress(ProcessLookupError):
@@ -700,6 +705,8 @@ def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = K
             time.sleep(0.005)
         return not _alive(pid)
     try:
+        if other(pid):  # (checked once the pidfd holds whatever process the pid names now)
+            return True
         if select.select([fd], [], [], kill_after)[0]:
             return True
         with contextlib.suppress(ProcessLookupError):
@@ -707,6 +714,15 @@ def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = K
         return bool(select.select([fd], [], [], max(0.0, timeout - kill_after))[0])
     finally:
         os.close(fd)
+
+
+def _start_of(pid: int) -> int | None:
+    """Process ``pid``'s start time in clock ticks since boot (/proc/PID/stat field 22), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -751,12 +767,13 @@ def gpu_pids(uuids: list[str], indexes: list[int]) -> set[int] | None:
             pass
 
 
-def verify_gone(pid: int, uuids: list[str], indexes: list[int]) -> dict[str, Any]:
-    """Wait until ``pid`` has exited and, where NVML sees the GPUs, is on none of them.
+def verify_gone(pid: int, uuids: list[str], indexes: list[int], start: int = 0) -> dict[str, Any]:
+    """Wait until ``pid`` (started at ``start``, where known) has exited and, where NVML sees the
+    GPUs, is on none of them.
 
     Returns {"gone": bool, "nvml": bool (NVML checked the GPUs), "ms": time taken}."""
     t0 = time.monotonic()
-    gone = wait_exit(pid)
+    gone = wait_exit(pid, start=start)
     nvml = False
     if gone and indexes:
         deadline = time.monotonic() + NVML_GONE_TIMEOUT_S

@@ -262,12 +262,13 @@ class World:
         """Is the process gone (and off its GPUs)? Watched from here when it shares our process
         table, else by a spare worker on its node."""
         if where.machine == self.sess.machine:
-            return verify_gone(where.pid, rank.uuids, rank.indexes)
+            return verify_gone(where.pid, rank.uuids, rank.indexes, where.start)
         import ray
 
         try:
             reaper = self.sess.spare(rank.node)
-            return ray.get(reaper.handle.reap.remote(where.pid, rank.uuids, rank.indexes), timeout=30)  # type: ignore[no-any-return]
+            reaping = reaper.handle.reap.remote(where.pid, rank.uuids, rank.indexes, where.start)
+            return ray.get(reaping, timeout=30)  # type: ignore[no-any-return]
         except Exception as exc:  # noqa: BLE001 - say so in the closing line; the lease is still released
             log.warning("could not verify that worker %s on %s exited: %s", where.pid, rank.node, exc)
             return {"gone": False, "nvml": False}

@@ -203,3 +203,33 @@ def test_the_peer_pidfd_names_the_connected_process(listener) -> None:
                 pytest.skip("this kernel has no SO_PEERPIDFD (Linux < 6.5): the start time alone decides")
             assert caller.peer() == caller.first
             caller.close()
+
+
+def test_a_released_cell_never_kills_a_process_that_took_its_workers_pid() -> None:
+    """The driver checks that a worker is gone (verify_gone, wait_exit: SIGKILL after a grace) by
+    its pid and start time: a worker that died while warm may have its pid taken by anyone's
+    process since, which it then SIGKILLed (a hostile review)."""
+    from magics.worker import verify_gone, wait_exit
+
+    worker = subprocess.Popen(["sleep", "60"])
+    started = claims.start_ticks(worker.pid)
+    assert started is not None
+    worker.kill()
+    worker.wait()
+    # a process is known by its pid and start time, in clock ticks: one started in the same tick as
+    # the worker would pass for it (a pid is not reused that fast outside a test)
+    hz = os.sysconf("SC_CLK_TCK")
+    while float(Path("/proc/uptime").read_text().split()[0]) * hz < started + 2:
+        time.sleep(0.005)
+    other = _take_pid(worker.pid)
+    if other is None:
+        pytest.skip("cannot choose the next pid here (needs root and /proc/sys/kernel/ns_last_pid)")
+    try:
+        assert verify_gone(worker.pid, [], [], started)["gone"]  # at once: the worker is gone
+        assert other.poll() is None  # and the process under its pid now was never signalled
+        # the same call on the process it names (pid and start time) ends it after the grace
+        assert wait_exit(other.pid, timeout=10, kill_after=0.1, start=claims.start_ticks(other.pid) or 0)
+        assert other.wait(10) == -9
+    finally:
+        other.kill()
+        other.wait()
