@@ -49,8 +49,22 @@ class Pump:
         out_refs = {r.worker.handle.read_output.remote(POLL_S): i for i, r in enumerate(ranks)}
         results: dict[int, Result] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
+        # a one-node call's worker that Ray never starts fails the call (a gang's ranks were
+        # waited for in World.start), instead of holding the lease for as long as nobody stops it
+        unstarted = [] if multi else [ranks[0].worker.ready_ref]
+        start_by = time.monotonic() + self.world.sess.worker_start_timeout
         try:
             while len(results) < len(ranks):
+                if unstarted and ray.wait(unstarted, timeout=0)[0]:
+                    unstarted = []
+                if unstarted and time.monotonic() >= start_by:
+                    node = ranks[0].node
+                    raise GpuTrainError(
+                        f"Ray did not start this cell's worker on {node} within "
+                        f"{self.world.sess.worker_start_timeout:g}s: is the Ray node of {node} up and "
+                        "not full? (ray status)",
+                        node=node,
+                    )
                 wait_s = WAKE_S if deadline is None else max(0.0, min(WAKE_S, deadline - time.monotonic()))
                 ready, _ = ray.wait([*result_refs, *out_refs], num_returns=1, timeout=wait_s)
                 if deadline is not None and time.monotonic() >= deadline and not ready:

@@ -27,6 +27,9 @@ from .worker import GpuWorker
 log = logging.getLogger(__name__)
 RESOURCE_PREFIX = "gpulease_node_"
 GANG_START_TIMEOUT_S = 60.0  # placing a gang's bundles and starting its rank processes
+# starting a one-node call's worker process (a spare is up already): Ray may be unable to place it
+# (its node gone from Ray, or its gpulease_node_<node> resource held by someone else)
+WORKER_START_TIMEOUT_S = 120.0
 GANG_BUNDLE_SHARE = 0.001  # of a node's gpulease_node_<node> resource, per rank
 READY_WAIT_S = 5.0  # how long ending a worker waits to learn a starting one's pid
 
@@ -85,6 +88,7 @@ class Session:
         self._background: set[threading.Thread] = set()  # releases running after their call returned
         # A multi-node gang: how long Ray may take to place every rank and start its process.
         self.gang_start_timeout = GANG_START_TIMEOUT_S
+        self.worker_start_timeout = WORKER_START_TIMEOUT_S  # a one-node call's worker
         atexit.register(self.release_all)
 
     def client(self) -> Client:

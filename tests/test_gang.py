@@ -254,6 +254,27 @@ def test_gang_is_all_or_nothing(srv, sess, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-{r}" for r in range(4)]
 
 
+def test_a_worker_ray_cannot_start_fails_its_cell_and_frees_the_gpu(srv, sess, tmp_path):
+    """A one-node cell whose worker Ray cannot place (here its node's resource is all held, as
+    anyone with the Ray token can) used to wait, holding its lease, until someone stopped it."""
+    from ray.util import placement_group, remove_placement_group
+
+    sess.connect_ray()  # (this driver joins the tests' Ray head, as a cell's would, before it asks Ray)
+    hog = placement_group([{runner.node_resource(n): 1000} for n in ("n1", "n2")], strategy="SPREAD")
+    assert hog.wait(30)
+    sess.worker_start_timeout = 2.0
+    try:
+        with pytest.raises(GpuTrainError, match="Ray did not start this cell's worker on n[12] within 2s"):
+            run(sess, mark, str(tmp_path), gpus=1, wait=0)
+    finally:
+        remove_placement_group(hog)
+        sess.worker_start_timeout = runner.WORKER_START_TIMEOUT_S
+    assert list(tmp_path.iterdir()) == []
+    sess.wait_background()
+    assert free_gpus(srv) == 4
+    assert run(sess, report_env, gpus=1, wait=0).value["CUDA_VISIBLE_DEVICES"]  # with room again, it runs
+
+
 def test_killing_one_rank_ends_all_and_frees_every_gpu(srv, sess, tmp_path):
     ui = RecordingUI()
     t0 = time.monotonic()
