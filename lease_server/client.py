@@ -12,11 +12,13 @@ also on exceptions. The server and token come from arguments, else ``GPULEASE_UR
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import random
 import secrets
+import socket
 import threading
 import time
 import warnings
@@ -64,9 +66,6 @@ def discover(url: str | None = None, token: str | None = None, *, notebook: bool
     return url.rstrip("/"), token or ""
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
 def _up_tokens() -> set[str]:
     """The tokens of ``gpulease up``'s files (its admin token, its user token), those readable."""
     out = set()
@@ -78,26 +77,83 @@ def _up_tokens() -> set[str]:
     return out - {""}
 
 
+def _local_targets(host: str, port: int) -> set[str]:
+    """The addresses of this very host that ``host`` names: where a local user may listen in the
+    server's place. Empty for another host (or a name that does not resolve)."""
+    if host.rstrip(".") == "localhost":
+        return {"127.0.0.1", "::1"}
+    try:
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return set()
+    local = set()
+    for addr in addrs:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+        if ip.is_loopback:
+            local.add(str(ip))
+            continue
+        try:  # an address of one of this host's interfaces can be bound here
+            with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET) as probe:
+                probe.bind((str(ip), 0))
+            local.add(str(ip))
+        except OSError:
+            pass
+    return local
+
+
+def _reaches(listener_addr: str, targets: set[str]) -> bool:
+    """Whether a socket listening on ``listener_addr`` may take a connection to one of ``targets``."""
+    addr = listener_addr.removeprefix("::ffff:")
+    if addr in targets or addr == "::":  # (an IPv6 wildcard takes IPv4 connections too, unless V6ONLY)
+        return True
+    return addr == "0.0.0.0" and any(":" not in t for t in targets)
+
+
+def _server_uid() -> int | None:
+    """``GPULEASE_SERVER_UID``: the lease server's user on this host (a uid, or a user name)."""
+    named = os.environ.get("GPULEASE_SERVER_UID", "").strip()
+    if not named:
+        return None
+    if named.isdigit():
+        return int(named)
+    import pwd
+
+    try:
+        return pwd.getpwnam(named).pw_uid
+    except KeyError:
+        raise errors.ConfigurationError(
+            f"GPULEASE_SERVER_UID={named!r} is no user of this host: name the lease server's user, or its uid"
+        ) from None
+
+
 class ServerGuard:
-    """Asked before every request that carries a token to a loopback port: whose process listens
-    there, as the kernel says (:mod:`listeners`). While the lease server is down (stopped, died
-    with its terminal), any local user may bind its port and read the token off the next request
-    of a client that is still running: a JupyterLab tab that reconnects, a kernel's renewals.
+    """Asked before every request that carries a token to a server on this very host: whose
+    process listens there, as the kernel says (:mod:`listeners`). While the lease server is down
+    (stopped, died with its terminal), any local user may bind its port and read the token off
+    the next request of a client still running: a JupyterLab tab that reconnects, a kernel's
+    renewals.
 
-    The listener must be root's or ``GPULEASE_SERVER_UID``'s where that is set (a deployment's
-    server user), else this user's for ``gpulease up``'s own tokens; else it must stay the user it
-    was at the first request (another uid's listener in its place is refused). A host where the
-    kernel cannot tell passes."""
+    Only the listeners that may take this client's connection count (the URL's addresses, and
+    the wildcards): a listener of another user on another address is none of its business. Each
+    must be root's or ``GPULEASE_SERVER_UID``'s where that is set (a deployment's server user);
+    else this user's, for ``gpulease up``'s own tokens; else the user's that listened at the first
+    request (``allowed``: a kernel's pinned users, handed to its workers). A host where the kernel
+    cannot tell passes. Not covered: a listener that binds between this check and the connect,
+    where none listened before (a refused connection, microseconds later)."""
 
-    def __init__(self, url: str, token: str, *, ours: bool | None = None) -> None:
+    def __init__(self, url: str, token: str, *, ours: bool | None = None, allowed: Iterable[int] | None = None) -> None:
         self.url = url
         parts = httpx.URL(url)
-        self.port = parts.port if parts.host in LOOPBACK and parts.port and token else None
-        expected = os.environ.get("GPULEASE_SERVER_UID", "").strip()
+        self.targets = _local_targets(parts.host, parts.port or 0) if token and parts.port else set()
+        self.port = parts.port if self.targets else None
         self.allowed: set[int] | None = None  # None: pinned at the first request
         self.whose = ""  # whose the listener must be, as the refusal says it
-        if expected.isdigit():
-            self.allowed, self.whose = {0, int(expected)}, f"uid {expected}'s (GPULEASE_SERVER_UID)"
+        named = _server_uid()
+        if named is not None:
+            self.allowed, self.whose = {0, named}, f"uid {named}'s (GPULEASE_SERVER_UID)"
+        elif allowed is not None:
+            self.allowed = set(allowed) | {0}
+            self.whose = f"uid {max(self.allowed)}'s, as at the kernel's first request"
         elif ours if ours is not None else (self.port is not None and token in _up_tokens()):
             self.allowed, self.whose = {0, os.geteuid()}, "your gpulease up's"
 
@@ -105,10 +161,16 @@ class ServerGuard:
         """Raise :class:`errors.ServerUnavailable`, sending nothing, if another user listens there."""
         if self.port is None:
             return
-        owners = {listener.uid for listener in listeners(self.port) or []}
+        found = listeners(self.port) or []
+        owners = {li.uid for li in found if _reaches(li.addr, self.targets)}
         if not owners:
             return  # nobody (the request will not connect), or the kernel cannot tell
         if self.allowed is None:
+            if len(owners) > 1:
+                raise errors.ServerUnavailable(
+                    f"more than one user listens where {self.url} points (uids {', '.join(map(str, sorted(owners)))}): "
+                    "your token was not sent. Set GPULEASE_SERVER_UID to the lease server's user"
+                )
             self.allowed = owners | {0}
             self.whose = f"uid {max(owners)}'s as at the first request"
             return
@@ -815,6 +877,7 @@ class HeldLease:
         self.client = client
         self.lease = lease
         self.lost: errors.GpuLeaseError | None = None  # set if a renewal was refused
+        self.unreleased = ""  # why release() could not release it (it then expires with its TTL)
         self.activity: dict[str, Any] | None = None  # sent with each renewal (idle-reclaim signal)
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -869,9 +932,13 @@ class HeldLease:
             self._thread.join(timeout=5)
         try:
             ended = self.client.release(self.lease, verified=verified)
-        except errors.GpuLeaseError as exc:
+        except (errors.LeaseEnded, errors.NoSuchLease, errors.StaleToken, errors.NotOwner) as exc:
             log.info("release of %s: %s", self.lease.id, exc)
             return exc.message
+        except errors.GpuLeaseError as exc:  # not released (the server away): its TTL frees it
+            log.warning("release of %s failed: %s", self.lease.id, exc)
+            self.unreleased = exc.message
+            return None
         if ended.get("changed", True):
             return None
         by = f" by {ended['ended_by']}" if ended.get("ended_by") else ""

@@ -14,6 +14,7 @@ from typing import NamedTuple
 class Listener(NamedTuple):
     inode: int  # the socket's inode: /proc/PID/fd/N of its process links to "socket:[inode]"
     uid: int  # its owner
+    addr: str = ""  # the address it is bound to ("0.0.0.0" or "::": every address of its family)
 
 
 # sock_diag (linux/sock_diag.h, linux/inet_diag.h): a dump of the TCP sockets in state LISTEN only,
@@ -24,7 +25,7 @@ _NLMSG_ERROR, _NLMSG_DONE, _TCP_LISTEN = 2, 3, 10
 _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 # inet_diag_msg: family, state, timer, retrans, then inet_diag_sockid (sport and dport big-endian,
 # src[4], dst[4], if, cookie[2]), then expires, rqueue, wqueue, uid, inode
-_DIAG_SPORT, _DIAG_UID = 4, 4 + 48 + 12
+_DIAG_SPORT, _DIAG_SRC, _DIAG_UID = 4, 8, 4 + 48 + 12
 
 
 def _diag(family: int) -> list[tuple[int, Listener]]:
@@ -49,7 +50,9 @@ def _diag(family: int) -> list[tuple[int, Listener]]:
                 if length >= _NLMSGHDR.size + _DIAG_UID + 8:
                     (port,) = struct.unpack_from(">H", data, body + _DIAG_SPORT)
                     uid, inode = struct.unpack_from("=II", data, body + _DIAG_UID)
-                    out.append((port, Listener(inode, uid)))
+                    size = 4 if family == socket.AF_INET else 16
+                    src = data[body + _DIAG_SRC : body + _DIAG_SRC + size]
+                    out.append((port, Listener(inode, uid, socket.inet_ntop(family, src))))
                 at += (length + 3) & ~3
             if not data:
                 return out
@@ -77,8 +80,15 @@ def _from_proc(port: int) -> list[Listener] | None:
         readable = True
         # local_address "ADDR:PORT" in hex; st 0A: LISTEN; then tx:rx, tr:when, retrnsmt, uid, timeout, inode
         found += [
-            Listener(int(r[9]), int(r[7]))
+            Listener(int(r[9]), int(r[7]), _proc_addr(r[1].rsplit(":", 1)[0]))
             for r in rows
             if len(r) > 9 and r[3] == "0A" and r[1].rsplit(":", 1)[1] == hex_port
         ]
     return found if readable else None
+
+
+def _proc_addr(hexed: str) -> str:
+    """An address as /proc/net/tcp[6] writes it: 32-bit words in host order (little-endian)."""
+    raw = bytes.fromhex(hexed)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)

@@ -111,15 +111,18 @@ def _tls() -> Any:
     return ssl.create_default_context()
 
 
-def event_client(url: str, headers: dict[str, str]) -> Any:
+def event_client(url: str, headers: Any, guard: Any = None) -> Any:
     """An HTTP client for one long-lived event stream. Building an httpx client loads the CA bundle
-    (~50 ms of CPU); the TLS context is made once per process, so a call pays nothing for it."""
+    (~50 ms of CPU); the TLS context is made once per process, so a call pays nothing for it.
+    ``guard``: the kernel's Client's (lease_server.client.ServerGuard), so that the whole session
+    trusts one server user; without one, a guard of its own for the token in ``headers``."""
     import httpx
 
     from lease_server.client import ServerGuard
 
-    token = headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    guard = ServerGuard(url, token)  # its token goes to no other user's listener (client.py)
+    if guard is None:
+        token = httpx.Headers(headers).get("authorization", "").removeprefix("Bearer ").strip()
+        guard = ServerGuard(url, token)  # its token goes to no other user's listener (client.py)
     return httpx.Client(
         base_url=url,
         headers=headers,

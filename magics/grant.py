@@ -248,6 +248,8 @@ class Grant:
             "fence": self.lease.token,
             "instance": self.sess.instance(),
             "restore": self.restore,
+            # whose listener the kernel's token went to: the worker's event stream sends it to no other
+            "server_uids": sorted(client.guard.allowed) if client.guard.allowed else None,
         }
 
     def follow(self, on_ended: Callable[[], None]) -> None:
@@ -266,7 +268,7 @@ class Grant:
             # watchdog cover the first moments of a long one.
             if self._releasing.wait(FOLLOW_DELAY_S):
                 return
-            http = event_client(client.url, client.headers)
+            http = event_client(client.url, client.headers, client.guard)
             self._follower = http
             if self._releasing.is_set():
                 return

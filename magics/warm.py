@@ -232,7 +232,7 @@ class WarmWorker:
 
         def run() -> None:
             while not self._stop.is_set():
-                http = event_client(client.url, client.headers)
+                http = event_client(client.url, client.headers, client.guard)
                 self._http = http
                 try:
                     with http.stream("GET", protocol.EVENTS, params={"lease": lease_id}) as s:
@@ -327,7 +327,7 @@ class WarmWorker:
 
         client = self.sess.client()
         while not self._sus_stop.is_set():
-            http = self._sus_http = event_client(client.url, client.headers)
+            http = self._sus_http = event_client(client.url, client.headers, client.guard)
             if self._sus_stop.is_set():
                 return
             try:

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from lease_server import protocol
+from lease_server import errors, protocol
 
 from . import fastimport, hostcopy, slices
 from .calls import (
@@ -615,15 +615,17 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int =
     # A backstop (the driver follows the lease too): a call that ends within this never pays for it.
     if worker is not None and worker._done_event.wait(WATCHDOG_DELAY_S):
         return
+    from lease_server.client import ServerGuard
+
     headers = protocol.bearer(watch["token"])
     if watch.get("user"):
         headers[protocol.USER_HEADER] = watch["user"]
-    http = event_client(url, headers)
+    http = event_client(url, headers, ServerGuard(url, watch["token"], allowed=watch.get("server_uids")))
 
     def ended() -> str | None:
         try:
             r = http.get(protocol.lease(lease_id))
-        except httpx.TransportError:
+        except (httpx.TransportError, errors.GpuLeaseError):  # (refused unsent: ServerGuard)
             return None
         if r.status_code == 404:
             return "gone"
@@ -658,7 +660,7 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int =
                     for line in s.iter_lines():
                         if line.startswith("data:"):
                             check()
-            except httpx.HTTPError:
+            except (httpx.HTTPError, errors.GpuLeaseError):  # away, or another user's listener there
                 pass
             check()
             time.sleep(1.0)  # lease server unreachable: the TTL still bounds how long we may run
@@ -688,7 +690,8 @@ def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = K
     import signal
 
     def other(p: int) -> bool:
-        return bool(start) and _start_of(p) != start
+        now = _start_of(p)
+        return bool(start) and now is not None and now != start
 
     try:
         fd = os.pidfd_open(pid)

@@ -437,6 +437,13 @@ def test_one_owner_books_at_most_its_share_of_a_pool(server_factory, redis_sync)
         # growing one's own booking past the share is refused too; another owner, or an admin, is not held
         mine = first.json()["id"]
         assert_error(alice.patch(f"{API}/bookings/{mine}", json={"gpus": 3}), 403, "forbidden", "at most 3")
+        # an owner over the share (an admin booked for them) may still shrink it, or change its note
+        over = book(root, gpus=4, owner="carol", start=MONDAY + 10 * HOUR, hours=1).json()["id"]
+        with http(srv, "carol") as carol:
+            assert carol.patch(f"{API}/bookings/{over}", json={"note": "demo"}).status_code == 200
+            moved = {"start": MONDAY + 11 * HOUR, "end": MONDAY + 12 * HOUR}  # (still 4 GPUs: over it)
+            assert_error(carol.patch(f"{API}/bookings/{over}", json=moved), 403, "forbidden", "at most 3")
+            assert carol.patch(f"{API}/bookings/{over}", json={"gpus": 3}).json()["gpus"] == 3
         assert_error(book(bob, gpus=4, start=MONDAY + 8 * HOUR, hours=1), 403, "forbidden", "bob may have at most 3")
         assert book(root, gpus=4, owner="bob", start=MONDAY + 8 * HOUR, hours=1).status_code == 201
 

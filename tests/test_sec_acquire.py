@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,19 +94,32 @@ def test_a_process_of_another_user_on_an_acquired_gpu_is_unleased_use(srv: Any, 
         mine.wait()
 
 
-def test_the_command_never_sees_the_claim(srv: Any) -> None:
-    """The claim carries the API token: it is taken out of the environment before the command runs."""
-    code = "import os; print(os.environ.get('GPULEASE_CLAIM'))"
-    done = subprocess.run(
+def test_the_command_never_sees_the_claim(srv: Any, redis_sync: Any) -> None:
+    """The claim carries the API token: it is taken out of the environment before the command runs
+    (which claimed: its pid is the lease's)."""
+    code = "import os, sys; print(os.environ.get('GPULEASE_CLAIM'), os.getpid(), flush=True); sys.stdin.readline()"
+    cli = subprocess.Popen(
         [*CLI, "acquire", "--gpus", "1", "--", sys.executable, "-c", code],
         env=env_of(srv, "alice"),
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
     )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "None"
-    assert "did not tie" not in done.stderr and "released" in done.stderr, done.stderr
+    try:
+        assert cli.stdout is not None and cli.stdin is not None
+        claim, pid = cli.stdout.readline().split()
+        assert claim == "None"
+        (lease,) = srv.client("root", "admin").leases(everyone=True)
+        assert [p["pid"] for p in procs_of(srv, redis_sync, lease["id"])] == [int(pid)]
+        cli.stdin.write("done\n")
+        cli.stdin.flush()
+        _, err = cli.communicate(timeout=30)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 0, err
+    assert "did not tie" not in err and "released" in err, err
 
 
 def test_without_an_agent_here_the_command_runs_as_before() -> None:
@@ -120,3 +134,29 @@ def test_without_an_agent_here_the_command_runs_as_before() -> None:
     assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", "")
     done = subprocess.run([*run, "no-such-program-here"], env=env, capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (127, "gpulease: no-such-program-here: command not found\n")
+
+
+def test_the_wrapper_runs_nothing_of_the_current_directory_and_leaves_signals_as_a_shell_does(
+    srv: Any, tmp_path
+) -> None:
+    """A json.py in the directory the command is started from is not imported by the wrapper (it
+    would run with the claim's token at hand), and the command does not inherit Python's ignored
+    SIGPIPE and SIGXFSZ (`yes | head -1` would end on a write error, not on SIGPIPE)."""
+    (tmp_path / "json.py").write_text("raise SystemExit('imported from the current directory')\n")
+    show = "grep SigIgn /proc/self/status"
+    plain = subprocess.run(["sh", "-c", show], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    env = env_of(srv, "alice")
+    gpulease = str(Path(sys.executable).with_name("gpulease"))  # (as installed: `python -m` would import it too)
+    done = subprocess.run(
+        [gpulease, "acquire", "--gpus", "1", "--", "sh", "-c", show],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "imported from the current directory" not in done.stderr
+    sig_ign = int(done.stdout.split("SigIgn:")[1].split()[0], 16)
+    assert sig_ign & ((1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))) == 0, done.stdout
+    assert sig_ign == int(plain.stdout.split("SigIgn:")[1].split()[0], 16)

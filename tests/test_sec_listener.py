@@ -107,8 +107,9 @@ def server() -> Iterator[Answering]:
 def test_the_kernel_names_a_listeners_owner_by_netlink_as_by_proc() -> None:
     nobody = Squatter(0)
     try:
-        found = listeners.listeners(nobody.port)
-        assert found is not None and {li.uid for li in found} == {nobody.uid}
+        found = [li for port, li in listeners._diag(socket.AF_INET) if port == nobody.port]  # netlink itself
+        assert [(li.uid, li.addr) for li in found] == [(nobody.uid, "127.0.0.1")]
+        assert listeners.listeners(nobody.port) == found
         by_proc = listeners._from_proc(nobody.port)
         assert by_proc == found
     finally:
@@ -183,3 +184,54 @@ def test_the_jupyter_extension_sends_nothing_to_a_squatter(server: Answering, mo
             await api.close()
 
     assert asyncio.run(run()) == "b'MARKER'"
+
+
+def test_another_users_listener_on_another_address_stops_no_client(server: Answering, monkeypatch) -> None:
+    """Anyone may listen on the same port at 127.0.0.2 or ::1: a client of 127.0.0.1 cannot be
+    reached there, and goes on (it used to refuse every request from then on: leases left to
+    expire). A client of "localhost", which may connect to either, is refused: two users listen."""
+    monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
+    nobody = _nobody()
+    code = (
+        "import socket, sys, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(('127.0.0.2', {server.port})); s.listen(); "
+        f"s6 = socket.socket(socket.AF_INET6); s6.bind(('::1', {server.port})); s6.listen(); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    beside = subprocess.Popen(
+        ["/usr/bin/python3", "-c", code], user=nobody.pw_uid, group=nobody.pw_gid, stdout=subprocess.PIPE, cwd="/"
+    )
+    try:
+        assert beside.stdout is not None and beside.stdout.readline().strip() == b"up"
+        with Client(f"http://127.0.0.1:{server.port}", "glt_secret_of_alice", resend_503_s=0) as c:
+            assert c.request("GET", "/api/v1/health") == {}
+            assert c.request("GET", "/api/v1/health") == {}
+        with pytest.raises(errors.ServerUnavailable, match="more than one user"):
+            Client(f"http://localhost:{server.port}", "glt_secret_of_alice").request("GET", "/api/v1/health")
+    finally:
+        beside.kill()
+        beside.wait()
+
+
+def test_a_kernels_event_streams_ask_too(server: Answering, monkeypatch) -> None:
+    """The event streams of a warm lease and of a call (magics.calls.event_client) share their
+    Client's guard, or make one from the token in the headers they are given (any case)."""
+    from magics.calls import event_client
+
+    monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
+    port = server.port
+    with Client(f"http://127.0.0.1:{port}", "glt_secret_of_alice", resend_503_s=0) as c:
+        shared = event_client(c.url, c.headers, c.guard)
+        own = event_client(c.url, c.headers)  # (httpx gives the headers lower-cased)
+        assert shared.get("/api/v1/health").json() == {} and own.get("/api/v1/health").json() == {}
+        server.stop()
+        squat = Squatter(port)
+        try:
+            for http in (shared, own):
+                with pytest.raises(errors.ServerUnavailable, match="another user's"):
+                    http.get("/api/v1/health")
+            assert squat.first_bytes() == "b'MARKER'"
+        finally:
+            squat.stop()
+            shared.close()
+            own.close()

@@ -404,8 +404,10 @@ def acquire(
         argv = list(command)
         mine = _claim_of(c, held.lease)
         if mine is not None:  # the command claims the lease at the node agent, then runs (claimexec.py)
+            # -P: never a module of the current directory (a json.py there would run first, with
+            # the claim's token at hand)
             env[claimexec.CLAIM_ENV] = json.dumps(mine)
-            argv = [sys.executable, "-m", claimexec.__name__, *argv]
+            argv = [sys.executable, "-P", "-m", claimexec.__name__, *argv]
         code, failed, ended = 1, "", None
         try:
             code = subprocess.call(argv, env=env)
@@ -419,7 +421,12 @@ def acquire(
         finally:
             ended = held.release()
             took = f"{time.monotonic() - t0:.1f}s"
-            if ended is None:
+            if held.unreleased:
+                err_console.print(
+                    f"[yellow]not released[/] {held.id} after {took}: {held.unreleased}; "
+                    f"its GPUs are free once it expires (in {span(held.ttl)}) or 'gpulease release {held.id}'"
+                )
+            elif ended is None:
                 err_console.print(f"released {held.id} after {took}")
             else:  # the server ended it first (revoked, expired, reclaimed): the node agent ends the command
                 err_console.print(f"[red]lease {held.id} ended[/] after {took}: {ended}")

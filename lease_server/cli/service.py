@@ -138,8 +138,9 @@ def _start_ray(
     # Ray makes its temp dir and every session dir in it 0777 (sockets, logs, objects spilled to
     # disk): under /tmp/ray any local user could read a cell's spilled inputs or move the raylet's
     # socket away. Its temp dir goes under a directory only this user may enter (mkdtemp: 0700),
-    # short enough for its socket paths (108 bytes), gone when the head stops.
-    private = Path(tempfile.mkdtemp(prefix="gpulease-"))
+    # in /tmp whatever TMPDIR says: short enough for its socket paths (108 bytes). Gone when the
+    # head stops (left behind if up is killed with SIGKILL).
+    private = Path(tempfile.mkdtemp(prefix="gpulease-", dir="/tmp" if os.path.isdir("/tmp") else None))
     # Ray starts one idle Python worker per CPU when the first driver joins, for tasks; gpulease runs
     # only actors, each with its lease's environment, which never reuse those workers: on a 64-core
     # GPU host that was 64 idle processes (~100 MB each) from `gpulease up`'s own readiness check on.

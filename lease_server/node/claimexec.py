@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any, NoReturn
 
@@ -54,6 +55,10 @@ def main(argv: list[str]) -> NoReturn:
             d = None
         if isinstance(d, dict):
             claim_here(d, "the command")
+    # Python starts with SIGPIPE and SIGXFSZ ignored, which an exec keeps: the command gets them
+    # as a shell would give them (`yes | head -1` ends on SIGPIPE, not on a write error)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:  # as a shell says it (acquire checked first: it went since)

@@ -107,7 +107,11 @@ end
 -- One owner's bookings hold at most its share of the bookable GPUs at any instant (a user, or a
 -- team: one colleague cannot book a whole pool for a month and leave the rest borrowed leases).
 local share = tonumber(ARGV[10]) or 1
-if share < 1 then
+-- A change that takes no more than the booking held (its note, fewer GPUs) is never refused by it:
+-- an owner over the cap (an admin booked for them, the cap was lowered since) may still shrink.
+local grows = not (old and old.owner == rec.owner and rec.gpus <= old.gpus and rec.start == old.start
+  and rec['end'] == old['end'] and rec['repeat'] == old['repeat'] and rec.occurrences <= old.occurrences)
+if share < 1 and grows then
   local limit = math.max(1, math.floor(cap * share + 1e-9))
   local own = {}
   for _, r in ipairs(others) do
