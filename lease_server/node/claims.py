@@ -376,7 +376,12 @@ class ThreadClaims:
                     caller.close()
                     self.shutdown_request(request)
                     return
-                super().process_request(request, (caller, uid, deadline))
+                try:
+                    super().process_request(request, (caller, uid, deadline))
+                except BaseException:  # no thread to serve it (the host's thread limit): let it go
+                    outer.gate.leave(uid)
+                    caller.close()
+                    raise
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
