@@ -29,6 +29,7 @@ fi
 OUT=${OUT:-$ROOT/gpu-run-out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpulease-run-all.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT # (what matters of it is in $OUT/logs.tar.gz)
 BUDGET=${GPULEASE_GPU_RUN_BUDGET:-460}
 PY=${GPULEASE_GPU_RUN_PYTHON:-python3}
 START=$SECONDS
@@ -102,6 +103,7 @@ main() {
     local home
     home=$(ls -d /tmp/gpulease-gpu-run-*/home 2>/dev/null | tail -1)
     tar czf "$OUT/logs.tar.gz" -C "$WORK" . ${home:+-C "$home" ray.log} 2>/dev/null || true
+    [ -n "$home" ] && rm -rf "$(dirname "$home")"  # the notebook step's gpulease up home
     echo "done in $((SECONDS - START))s: $OUT/report.json"
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print('failed steps:', r['failed_steps'] or 'none'); print('notebook errors:', r['notebook_errors'] or 'none')" "$OUT/report.json"
 }
