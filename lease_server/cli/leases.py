@@ -339,7 +339,7 @@ def acquire(
 
     gpulease acquire --gpus 2 --wait 600 -- python train.py
 
-    If the lease ends first (revoked, expired), the node agent stops the command.
+    If the lease ends first (revoked, expired), its node agent (on this host) stops the command.
     """
     if command and command[0].startswith("-"):  # a mistyped option, not a program (unknown options pass through)
         known = [o for param in click.get_current_context().command.params for o in param.opts if o.startswith("--")]
