@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from lease_server import errors, protocol
-from lease_server.client import ServerGuard, retry_after
+from lease_server.client import ServerGuard, retry_after, up_socket
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,13 @@ class LeaseApi:
         self._resolved = not self._hub_user
         # before each request (the board's reconnects, a kernel's release): its token goes to no
         # other user's listener on a loopback port (lease_server/client.py)
-        self.guard = ServerGuard(self.url, token)
+        self.guard = ServerGuard(self.url, token, uds=up_socket(self.url, token) if not self.problem else None)
         self._http = httpx.AsyncClient(
             base_url=self.url if not self.problem else "http://unconfigured.invalid",
             timeout=httpx.Timeout(timeout, connect=5.0),
             headers=protocol.bearer(token) if token else {},
             event_hooks={"request": [self.guard.acheck]},
+            transport=httpx.AsyncHTTPTransport(uds=self.guard.uds) if self.guard.uds else None,
         )
         if act_as:
             self._http.headers[protocol.USER_HEADER] = act_as

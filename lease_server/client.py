@@ -19,6 +19,7 @@ import os
 import random
 import secrets
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -62,7 +63,7 @@ def discover(url: str | None = None, token: str | None = None, *, notebook: bool
             "no lease server configured: set GPULEASE_URL (and GPULEASE_TOKEN), or start one with 'gpulease up'"
         )
     if ours and token:
-        ServerGuard(url, token, ours=True).check()
+        ServerGuard(url, token, ours=True, uds=up_socket(url.rstrip("/"), token)).check()
     return url.rstrip("/"), token or ""
 
 
@@ -75,6 +76,35 @@ def _up_tokens() -> set[str]:
         except OSError:
             pass
     return out - {""}
+
+
+UP_SOCKET = "api.sock"  # gpulease up's Unix socket, in its data dir (0700)
+
+
+def up_socket(url: str, token: str) -> str | None:
+    """``gpulease up``'s Unix socket, for a client of up's own server: the path that up's
+    JupyterLab and kernels are given (``GPULEASE_SOCKET``, with ``GPULEASE_URL``), or, for up's
+    own tokens, the one in its data dir. No other user may bind a path there, as anyone may bind a
+    TCP port while the server is down. None for any other server, or where the socket is not
+    this user's (up is down, or of an earlier release)."""
+    given = os.environ.get("GPULEASE_SOCKET", "")
+    if given and os.environ.get("GPULEASE_URL", "").rstrip("/") == url.rstrip("/"):
+        path = Path(given)
+    else:
+        try:
+            up_url = (DEFAULT_HOME / "url").read_text().strip().rstrip("/")
+        except OSError:
+            return None
+        if not token or up_url != url.rstrip("/") or token not in _up_tokens():
+            return None
+        path = DEFAULT_HOME / UP_SOCKET
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    return str(path)
 
 
 def _local_targets(host: str, port: int) -> set[str]:
@@ -141,10 +171,19 @@ class ServerGuard:
     cannot tell passes. Not covered: a listener that binds between this check and the connect,
     where none listened before (a refused connection, microseconds later)."""
 
-    def __init__(self, url: str, token: str, *, ours: bool | None = None, allowed: Iterable[int] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        ours: bool | None = None,
+        allowed: Iterable[int] | None = None,
+        uds: str | None = None,
+    ) -> None:
         self.url = url
+        self.uds = uds  # requests go to gpulease up's Unix socket: no listener to ask about
         parts = httpx.URL(url)
-        self.targets = _local_targets(parts.host, parts.port or 0) if token and parts.port else set()
+        self.targets = _local_targets(parts.host, parts.port or 0) if token and parts.port and not uds else set()
         self.port = parts.port if self.targets else None
         self.allowed: set[int] | None = None  # None: pinned at the first request
         self.whose = ""  # whose the listener must be, as the refusal says it
@@ -328,12 +367,14 @@ class Client:
         act_as = act_as if act_as is not None else os.environ.get("GPULEASE_USER", "")
         if act_as:
             headers[protocol.USER_HEADER] = act_as
-        self.guard = ServerGuard(self.url, self.token)  # before each request: who listens there
+        # up's own server over its Unix socket, else, before each request, who listens there
+        self.guard = ServerGuard(self.url, self.token, uds=up_socket(self.url, self.token))
         self._http = httpx.Client(
             base_url=self.url,
             timeout=httpx.Timeout(timeout, connect=5.0),
             headers=headers,
             event_hooks={"request": [self.guard.check]},
+            transport=httpx.HTTPTransport(uds=self.guard.uds) if self.guard.uds else None,
         )
 
     @property

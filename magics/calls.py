@@ -121,12 +121,15 @@ def event_client(url: str, headers: Any, guard: Any = None) -> Any:
     from lease_server.client import ServerGuard
 
     if guard is None:
+        from lease_server.client import up_socket
+
         token = httpx.Headers(headers).get("authorization", "").removeprefix("Bearer ").strip()
-        guard = ServerGuard(url, token)  # its token goes to no other user's listener (client.py)
+        guard = ServerGuard(url, token, uds=up_socket(url, token))  # (client.py)
     return httpx.Client(
         base_url=url,
         headers=headers,
         timeout=httpx.Timeout(5, read=None),
         verify=_tls(),
         event_hooks={"request": [guard.check]},
+        transport=httpx.HTTPTransport(uds=guard.uds, verify=_tls()) if guard.uds else None,
     )

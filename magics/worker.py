@@ -615,12 +615,13 @@ def _watchdog(watch: dict[str, Any], worker: GpuWorker | None = None, gen: int =
     # A backstop (the driver follows the lease too): a call that ends within this never pays for it.
     if worker is not None and worker._done_event.wait(WATCHDOG_DELAY_S):
         return
-    from lease_server.client import ServerGuard
+    from lease_server.client import ServerGuard, up_socket
 
     headers = protocol.bearer(watch["token"])
     if watch.get("user"):
         headers[protocol.USER_HEADER] = watch["user"]
-    http = event_client(url, headers, ServerGuard(url, watch["token"], allowed=watch.get("server_uids")))
+    uds = up_socket(url, watch["token"])
+    http = event_client(url, headers, ServerGuard(url, watch["token"], allowed=watch.get("server_uids"), uds=uds))
 
     def ended() -> str | None:
         try:

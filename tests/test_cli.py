@@ -24,6 +24,11 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         token_file = up.data / "token"
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         token = token_file.read_text().strip()
+        # up's own clients talk to it over a Unix socket in its data dir (0700), where no other
+        # user may listen in its place, as anyone may on its TCP port once it is down
+        sock = up.data / "api.sock"
+        assert stat.S_ISSOCK(sock.stat().st_mode) and stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert stat.S_IMODE(up.data.stat().st_mode) == 0o700
 
         status = up.run("status", "--json")
         assert status.returncode == 0, status.stderr
@@ -83,6 +88,7 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         code, out = up.interrupt()
     assert code == 0, out
     assert "gpulease is down" in out
+    assert not sock.exists()
     redis_port = int(out.split("redis://127.0.0.1:")[1].split("/")[0])
     assert not port_open(up.port) and not port_open(redis_port)
 

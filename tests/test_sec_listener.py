@@ -20,6 +20,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -235,3 +236,65 @@ def test_a_kernels_event_streams_ask_too(server: Answering, monkeypatch) -> None
             squat.stop()
             shared.close()
             own.close()
+
+
+def test_ups_clients_talk_over_its_unix_socket_whoever_holds_its_port(tmp_path, monkeypatch) -> None:
+    """gpulease up serves its own clients on a Unix socket in its data dir (0700): no other user
+    may bind that path, as anyone may bind its TCP port once it is down. A client of up's URL with
+    up's token (from its files, or as up's JupyterLab and kernels get them) goes there; here the
+    TCP port is a squatter's, which receives nothing."""
+    import socketserver
+
+    from jupyter_ext.upstream import LeaseApi
+    from lease_server import client as client_module
+    from magics.calls import event_client
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "14")
+            self.end_headers()
+            self.wfile.write(b'{"via": "uds"}')
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    sock_path = str(home / client_module.UP_SOCKET)
+    uds = socketserver.ThreadingUnixStreamServer(sock_path, Handler)
+    threading.Thread(target=uds.serve_forever, daemon=True).start()
+    squat = Squatter(0)
+    try:
+        url = f"http://127.0.0.1:{squat.port}"
+        (home / "url").write_text(url + "\n")
+        (home / "lab_token").write_text("glt_lab_of_up\n")
+        monkeypatch.setattr(client_module, "DEFAULT_HOME", home)
+        for name in ("GPULEASE_URL", "GPULEASE_TOKEN", "GPULEASE_SOCKET", "GPULEASE_SERVER_UID"):
+            monkeypatch.delenv(name, raising=False)
+        with Client(notebook=True, resend_503_s=0) as c:  # up's files: its URL and its user token
+            assert c.guard.uds == sock_path
+            assert c.request("GET", "/api/v1/health") == {"via": "uds"}
+            with event_client(c.url, c.headers, c.guard) as http_:
+                assert http_.get("/api/v1/health").json() == {"via": "uds"}
+        # up's JupyterLab and its kernels: given the socket with the URL and the token
+        monkeypatch.setenv("GPULEASE_URL", url)
+        monkeypatch.setenv("GPULEASE_SOCKET", sock_path)
+
+        async def lab() -> Any:
+            api = LeaseApi(url, "glt_lab_of_up")
+            try:
+                return await api.request("GET", "/health")
+            finally:
+                await api.close()
+
+        assert asyncio.run(lab()) == {"via": "uds"}
+        assert squat.first_bytes() == "b'MARKER'"
+        # another server's URL is never sent to up's socket
+        assert client_module.up_socket("http://127.0.0.1:1", "glt_lab_of_up") is None
+    finally:
+        squat.stop()
+        uds.shutdown()
+        uds.server_close()

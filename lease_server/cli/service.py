@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from ..client import DEFAULT_HOME, Client
+from ..client import DEFAULT_HOME, UP_SOCKET, Client
 from ..node import rayworkers
 from ._common import console, err_console
 
@@ -227,6 +227,7 @@ def lab_environment(
     # the token goes only to a listener of this user (or root) on up's port (client.ServerGuard),
     # should up die and another user bind the port while JupyterLab and its kernels run on
     env["GPULEASE_SERVER_UID"] = str(os.geteuid())
+    env["GPULEASE_SOCKET"] = str(data_dir / UP_SOCKET)  # and it goes there at all (client.up_socket)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     if ray_token is not None:
@@ -481,7 +482,8 @@ def up(
 
         from ..web.server import run_loop
 
-        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes, own_process=True))
+        sock = str(data_dir / UP_SOCKET)  # up's own clients (client.up_socket): no other user may bind it
+        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes, own_process=True, unix_socket=sock))
     finally:
         _stop(lab_proc, "jupyterlab")
         _stop(ray_proc, "ray head")

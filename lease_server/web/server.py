@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Coroutine
@@ -31,8 +33,12 @@ async def serve(
     on_ready: Callable[[int], None] | None = None,
     local_nodes: list[NodeInventory] | None = None,
     own_process: bool = False,
+    unix_socket: str | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when run as the main task).
+
+    ``unix_socket``: serve there too (mode 0600), for ``gpulease up``'s own clients: a path in its
+    0700 data dir, which no other user may bind, unlike a TCP port once the server is down.
 
     ``local_nodes``: inventories of this machine, kept alive by an in-process agent (gpulease up).
     ``own_process``: the process is this server's (``gpulease server``, ``gpulease up``): once it
@@ -59,6 +65,12 @@ async def serve(
         sockets = tornado.netutil.bind_sockets(settings.port, settings.host)
     http.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
+    if unix_socket:
+        try:
+            http.add_socket(tornado.netutil.bind_unix_socket(unix_socket, mode=0o600))
+        except OSError as exc:  # (a path too long for a socket: its clients use TCP)
+            log.warning("not serving on %s: %s", unix_socket, exc)
+            unix_socket = None
     loop = asyncio.get_running_loop()
     signals = [signal.SIGINT, signal.SIGTERM]
     if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
@@ -83,6 +95,9 @@ async def serve(
             await agent
         await http.close_all_connections()
         await ctx.stop()
+        if unix_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(unix_socket)
         log.info("gpulease server on port %d stopped", port)
 
 
