@@ -74,22 +74,28 @@ class Squatter:
         self.proc.wait()
 
 
+def answering(body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+    """A request handler that answers every GET with the JSON ``body``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    return Handler
+
+
 class Answering:
     """A tiny HTTP server of this user that answers every GET with {} (the lease server, up)."""
 
     def __init__(self) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), answering(b"{}"))
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -252,19 +258,8 @@ def test_ups_clients_talk_over_its_unix_socket_whoever_holds_its_port(tmp_path, 
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", "14")
-            self.end_headers()
-            self.wfile.write(b'{"via": "uds"}')
-
-        def log_message(self, *_: object) -> None:
-            pass
-
     sock_path = str(home / client_module.UP_SOCKET)
-    uds = socketserver.ThreadingUnixStreamServer(sock_path, Handler)
+    uds = socketserver.ThreadingUnixStreamServer(sock_path, answering(b'{"via": "uds"}'))
     threading.Thread(target=uds.serve_forever, daemon=True).start()
     squat = Squatter(0)
     try:

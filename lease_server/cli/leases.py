@@ -422,10 +422,8 @@ def acquire(
             ended = held.release()
             took = f"{time.monotonic() - t0:.1f}s"
             if held.unreleased:
-                err_console.print(
-                    f"[yellow]not released[/] {held.id} after {took}: {held.unreleased}; "
-                    f"its GPUs are free once it expires (in {span(held.ttl)}) or 'gpulease release {held.id}'"
-                )
+                err_console.print(f"[yellow]not released[/] {held.id} after {took}: {held.unreleased}")
+                err_console.print(f"  it expires in {span(held.ttl)}, or: gpulease release {held.id}")
             elif ended is None:
                 err_console.print(f"released {held.id} after {took}")
             else:  # the server ended it first (revoked, expired, reclaimed): the node agent ends the command
