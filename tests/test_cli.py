@@ -101,6 +101,44 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         ).json()
         assert lease["state"] == "active" and lease["label"] == "keep"
         assert again.run("release", kept_id).returncode == 0
+        # A second up on the same data dir (a second Redis on the same AOF), or on a taken port,
+        # is refused in one line before it starts anything.
+        env = {k: v for k, v in again.env.items() if k != "GPULEASE_HOME"}
+        twice = subprocess.run(
+            [*CLI, "up", "--simulate", "1xT4-16GB", "--no-ray", "--no-lab", "--data-dir", str(again.data)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert twice.returncode == 1, twice.stderr
+        assert f"gpulease is already up with {again.data.resolve()} (pid {again.proc.pid})." in twice.stderr
+        assert "Traceback" not in twice.stderr
+        other = tmp_path / "other"
+        for flag in ("--port", "--lab-port"):
+            taken = subprocess.run(
+                [
+                    *CLI,
+                    "up",
+                    "--simulate",
+                    "1xT4-16GB",
+                    "--no-ray",
+                    "--data-dir",
+                    str(other),
+                    "--port",
+                    "0",
+                    flag,
+                    str(again.port),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert taken.returncode == 1, taken.stderr
+            said = f"Error: port {again.port} is taken on 127.0.0.1: pick another with gpulease up {flag} N\n"
+            assert taken.stderr == said
+            assert not (other / "redis").exists()  # nothing started
     finally:
         # its terminal closed (SIGHUP): down as cleanly as on Ctrl-C (where this very test runs
         # with SIGHUP ignored, nohup's way, up leaves it ignored: Ctrl-C then)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -334,11 +335,14 @@ def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dr
 
     if redis_url and data_dir:
         raise click.UsageError("--redis-url and --data-dir clash: name one Redis")
-    proc = None
+    proc = held = None
     if data_dir is not None:
         aof = data_dir.expanduser() / "redis"
         if not aof.is_dir():
             raise click.UsageError(f"{data_dir} holds no Redis data (no {aof}); pass the --data-dir gpulease up used")
+        from .service import _hold
+
+        held = _hold(data_dir.expanduser().resolve())  # never beside a running gpulease up
         proc = for_data_dir(data_dir.expanduser()).start()  # with the password gpulease up uses
         redis_url = proc.url
     try:
@@ -363,5 +367,7 @@ def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dr
     finally:
         if proc is not None:
             proc.stop()
+        if held is not None:
+            os.close(held)
     for line in layout.describe(found, changes, dry_run):
         click.echo(line)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import getpass
 import json
 import logging
@@ -245,6 +246,7 @@ def _lab_command(jupyter: str, port: int) -> list[str]:
         "--no-browser",
         f"--port={port}",
         "--ip=127.0.0.1",
+        "--ServerApp.port_retries=0",  # the port the banner names, or none
         *(["--allow-root"] if os.geteuid() == 0 else []),  # containers often run as root
     ]
 
@@ -303,6 +305,54 @@ def _lab_answers(proc: subprocess.Popen[bytes], port: int, timeout: float = 120.
                 return True
         time.sleep(0.1)  # a process that is starting: there is no event to wait on
     return False
+
+
+def _hold(data_dir: Path) -> int:
+    """The data directory held for this ``up`` (:func:`redis_proc.hold_data_dir`), or a one-line
+    refusal naming the ``up`` that holds it."""
+    from ..node.redis_proc import DataDirInUse, hold_data_dir
+
+    try:
+        return hold_data_dir(data_dir)
+    except DataDirInUse as exc:
+        by = f" (pid {exc.args[0]})" if exc.args and exc.args[0] else ""
+        raise click.ClickException(
+            f"gpulease is already up with {data_dir}{by}.\n"
+            "  Stop it (Ctrl-C in its terminal), or give this one --data-dir DIR."
+        ) from None
+
+
+def _port_taken(port: int, flag: str) -> click.ClickException:
+    return click.ClickException(f"port {port} is taken on 127.0.0.1: pick another with gpulease up {flag} N")
+
+
+def _bind_port(port: int) -> list[Any]:
+    """The lease server's listening socket, bound before anything starts (its server serves it
+    once ready; a client that connects meanwhile waits in the backlog)."""
+    import tornado.netutil
+
+    try:
+        return tornado.netutil.bind_sockets(port, "127.0.0.1", reuse_port=False)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise _port_taken(port, "--port") from None
+        raise click.ClickException(f"cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
+
+
+def _lab_port_free(port: int) -> None:
+    """JupyterLab's port is free now (it is started with ``port_retries=0``: taken by the time it
+    starts, it stops, and the banner says so, rather than moving to another port the banner would
+    not name)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise _port_taken(port, "--lab-port") from None
+            raise click.ClickException(f"cannot listen on 127.0.0.1:{port}: {exc.strerror}") from None
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
@@ -389,6 +439,12 @@ def up(
     _more_files()
     data_dir = data_dir.expanduser().resolve()
     nodes = _inventories(simulate, None, None, cpu_slots)
+    # Before starting anything: the data directory is this up's alone, and its ports are free (a
+    # port taken once Redis, Ray and JupyterLab had started cost minutes and ended in a traceback).
+    held = _hold(data_dir)
+    sockets = _bind_port(port)
+    if lab:
+        _lab_port_free(lab_port)
     # Redis on 127.0.0.1 with a password from a 0600 file in the 0700 data directory (every local
     # user can reach the port; without the password one could write an admin token's hash into it).
     redis_proc = for_data_dir(data_dir).start()
@@ -483,11 +539,24 @@ def up(
         from ..web.server import run_loop
 
         sock = str(data_dir / UP_SOCKET)  # up's own clients (client.up_socket): no other user may bind it
-        run_loop(serve(settings, stop=None, on_ready=ready, local_nodes=nodes, own_process=True, unix_socket=sock))
+        run_loop(
+            serve(
+                settings,
+                sockets,
+                stop=None,
+                on_ready=ready,
+                local_nodes=nodes,
+                own_process=True,
+                unix_socket=sock,
+            )
+        )
     finally:
+        for s in sockets:
+            s.close()
         _stop(lab_proc, "jupyterlab")
         _stop(ray_proc, "ray head")
         redis_proc.stop()
+        os.close(held)
         err_console.print("stopped redis; gpulease is down")
 
 

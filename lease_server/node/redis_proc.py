@@ -11,6 +11,7 @@ input, never on its command line (``ps`` shows every process's arguments to ever
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
@@ -41,6 +42,32 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     if path.stat().st_mode & 0o077:
         os.chmod(path, 0o700)  # a data directory from before, made with the umask's mode
     return path
+
+
+LOCK_FILE = "in_use.lock"
+
+
+class DataDirInUse(Exception):
+    """Another process holds the data directory (:func:`hold_data_dir`)."""
+
+
+def hold_data_dir(data_dir: str | os.PathLike[str]) -> int:
+    """Hold ``data_dir`` for this process's life: an exclusive ``flock`` on ``<data_dir>/in_use.lock``
+    (0600), whose file names the holder's pid. A second ``gpulease up`` (or ``migrate --data-dir``) on
+    the same directory would start a second Redis on the same AOF; it gets :class:`DataDirInUse`
+    instead, before starting anything. The lock goes with the process (also on SIGKILL) and is never
+    inherited by the processes it starts (close-on-exec). Returns the file descriptor to keep open."""
+    path = private_dir(data_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise DataDirInUse(holder if holder.isdigit() else "") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def ensure_password(data_dir: str | os.PathLike[str]) -> str:
