@@ -24,6 +24,15 @@ class Group(click.Group):
             return super().invoke(ctx)
         except errors.GpuLeaseError as exc:
             _fail(exc)
+        except click.ClickException as exc:
+            # click prints its errors on one line however long; these are wrapped to the terminal
+            # as every other error of the CLI is (a usage error still shows the usage first)
+            if isinstance(exc, click.UsageError) and exc.ctx is not None:
+                hint = ""
+                if exc.ctx.command.get_help_option(exc.ctx) is not None:
+                    hint = f"Try '{exc.ctx.command_path} {exc.ctx.help_option_names[0]}' for help.\n"
+                click.echo(f"{exc.ctx.get_usage()}\n{hint}", err=True)
+            fail(exc.format_message(), exc.exit_code)
 
 
 @click.group(cls=Group)

@@ -143,6 +143,20 @@ def resolve_lease(client: Any, given: str) -> str:
     return resolve_id(given, candidates, "lease", "gpulease leases --all")
 
 
+def resolve_past_lease(client: Any, given: str) -> str:
+    """:func:`resolve_lease`, and then among the leases the newest page of the event log names: the
+    short id ``gpulease events`` shows of a lease that has ended since (a reclaimed one)."""
+    found = resolve_lease(client, given)
+    if found != given or re.fullmatch(r"l-[0-9a-f]{16}", given):
+        return found
+    candidates: dict[str, str] = {}
+    for ev in client.events(limit=1000, newest_first=True):
+        lid = ev.get("lease")
+        if isinstance(lid, str) and re.fullmatch(r"l-[0-9a-f]{16}", lid):
+            candidates.setdefault(lid, f"{ev.get('user') or '-'}  {ev.get('type', '')} (its newest event)")
+    return resolve_id(given, candidates, "lease", "gpulease events")
+
+
 def resolve_booking(client: Any, given: str) -> str:
     """A booking id from a unique prefix of it, among the bookings listed from a day ago to a year
     ahead (the server's longest listing span)."""

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from .. import errors, protocol
 from ..client import Client
-from ._common import console, resolve_lease, server_options
+from ._common import console, resolve_lease, resolve_past_lease, server_options
 
 
 @click.command()
@@ -51,6 +51,7 @@ def sparkline(values: list[float], top: float = 100.0) -> str:
 def reclaim_explain(lease_id: str, url: str | None, token: str | None) -> None:
     """Why a lease was warned or reclaimed: the policy, the holder's activity, the samples."""
     with Client(url, token) as c:
+        lease_id = resolve_past_lease(c, lease_id)  # the short id gpulease events shows, too
         lease = c.get(lease_id)
     ev = lease.get("idle_evidence")
     if not ev:
