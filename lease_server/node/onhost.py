@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,17 @@ class Probes:
     mem_bytes: Callable[[int, int], int]  # (GPU index, pid) -> its memory there (bytes)
     on_gpu: Callable[[int], list[int]] | None = None  # GPU index -> the pids NVML lists on it
     free_bytes: Callable[[int], int | None] | None = None  # GPU index -> free memory
+
+
+async def _off_gpu(on_gpu: Callable[[int], Collection[int]], index: int, pid: int, within: float = 0.5) -> bool:
+    """Whether NVML stops listing ``pid`` on GPU ``index`` within ``within`` s of its checkpoint (its
+    process list may lag the driver by a moment; there is nothing to wait on but the list itself)."""
+    deadline = time.monotonic() + within
+    while pid in on_gpu(index):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 class OnHost:
@@ -102,7 +113,7 @@ class OnHost:
             except (SuspendFailed, OSError) as exc:
                 log.warning("suspending pid %s of lease %s failed (%s): it is ended instead", p.pid, e.lease, exc)
                 return False
-            if probes.on_gpu is not None and p.pid in probes.on_gpu(e.index):
+            if probes.on_gpu is not None and not await _off_gpu(probes.on_gpu, e.index, p.pid):
                 log.warning("pid %s of lease %s still on GPU %s after its checkpoint: ended", p.pid, e.lease, e.index)
                 return False
             self.done[key] = snap

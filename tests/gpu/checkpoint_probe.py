@@ -22,6 +22,8 @@ import argparse
 import ctypes
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -135,8 +137,17 @@ def settings_read() -> dict[str, Any]:
     return out
 
 
-def probe(mib: int) -> dict[str, Any]:
-    report: dict[str, Any] = {"available": False, "settings": settings_read(), "steps": []}
+def answer(child: subprocess.Popen[str], within: float = 20.0) -> str:
+    """The child's next line, or "" if none comes within ``within`` s (a child that hangs after its
+    restore is one of the ways the API can fail: the probe says so rather than wait forever)."""
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], within)
+    return child.stdout.readline() if ready else ""
+
+
+def probe(mib: int, report: dict[str, Any]) -> dict[str, Any]:
+    """Fills ``report`` as it goes (what main writes, also when the step's time limit stops it)."""
+    report.update({"available": False, "settings": settings_read(), "steps": []})
     try:
         drv = Driver()
     except OSError as exc:
@@ -169,7 +180,7 @@ def probe(mib: int) -> dict[str, Any]:
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
     )
     assert child.stdin is not None and child.stdout is not None
-    line = child.stdout.readline()
+    line = answer(child, 120)  # torch's import and CUDA's start on a cold machine
     if not line.startswith("{"):
         child.kill()
         report["why"] = f"the torch child did not start: {child.stderr.read()[-1500:] if child.stderr else ''}"
@@ -202,6 +213,9 @@ def probe(mib: int) -> dict[str, Any]:
             rs = next(s for s in report["steps"] if s["call"] == "cuCheckpointProcessRestore")
             report["checkpoint_gb_s"] = round(held * 2**20 / 1e9 / (ck["ms"] / 1000), 2) if ck["ms"] else None
             report["restore_gb_s"] = round(held * 2**20 / 1e9 / (rs["ms"] / 1000), 2) if rs["ms"] else None
+            # held is NVML's figure for the process (its CUDA context's memory too); the tensor's alone:
+            report["checkpoint_tensor_gb_s"] = round(mib * 2**20 / 1e9 / (ck["ms"] / 1000), 2) if ck["ms"] else None
+            report["restore_tensor_gb_s"] = round(mib * 2**20 / 1e9 / (rs["ms"] / 1000), 2) if rs["ms"] else None
             report["gpu_empty_while_checkpointed"] = not ck["nvml_after"].get("child_listed", True)
     finally:
         # leave nothing locked or checkpointed behind
@@ -214,7 +228,7 @@ def probe(mib: int) -> dict[str, Any]:
     if report["final_state"] == "running":
         child.stdin.write("check\n")
         child.stdin.flush()
-        got = child.stdout.readline()
+        got = answer(child)
         report["child_after"] = json.loads(got) if got.startswith("{") else {"error": got or "no answer"}
         report["child_after"]["same_ptr"] = report["child_after"].get("ptr") == start["ptr"]
     child.kill()
@@ -233,12 +247,23 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1024, help="GPU memory the torch child holds")
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args()
-    report = probe(args.mib)
+    report: dict[str, Any] = {}
+
+    def write() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
+    def stopped(*_: Any) -> None:  # run_all.sh's time limit: what was seen so far is still reported
+        report["why"] = report.get("why") or "stopped by run_all.sh's time limit (SIGTERM)"
+        write()
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, stopped)
+    probe(args.mib, report)
     for s in report["steps"]:
         print(f"  {s['call']}: {s['result']} {s.get('ms', '')} ms -> {s.get('state_after', s.get('state', ''))}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write()
     print(json.dumps(report))
     return 0
 

@@ -102,6 +102,17 @@ def board(client: Client) -> dict[int, str]:
 def scenario(name: str, admin: Client, alice: Client, bob: Client, nvml: NvmlSampler, gpu: int) -> dict[str, Any]:
     mark = events(admin, "0")[-1]["id"]
     child = CudaChild(gpu)  # its CUDA start takes seconds: before the lease, so a short TTL is all lease
+    try:
+        return _scenario(name, admin, alice, bob, nvml, gpu, mark, child)
+    finally:  # a failed check leaves no process holding GPU memory for the next step to find
+        if child.p.poll() is None:
+            child.p.kill()
+            child.p.wait()
+
+
+def _scenario(
+    name: str, admin: Client, alice: Client, bob: Client, nvml: NvmlSampler, gpu: int, mark: str, child: CudaChild
+) -> dict[str, Any]:
     lease = alice.acquire(1, ttl=60 if name == "revoke" else 3)
     idx = int(lease.gpus[0]["index"])
     assert idx == gpu
@@ -149,8 +160,17 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     redis = RedisProcess(tmp / "redis").start()
     inv = nvml_inventory(node="gpu-host")
+    # GPU samples once a minute: a sample between a check's CUDA child starting and its lease would
+    # see a process no lease covers on a free GPU, and hold the GPU out of the pool (unleased use)
     settings = Settings.load(
-        None, redis_url=redis.url, port=0, sweep_interval=0.1, drain_kill_grace_s=GRACE, drain_interval=0.1
+        None,
+        redis_url=redis.url,
+        port=0,
+        sweep_interval=0.1,
+        drain_kill_grace_s=GRACE,
+        drain_interval=0.1,
+        sample_interval=60,
+        idle_timeout=600,
     )
     ready, port, holder = threading.Event(), [], {}
 

@@ -216,8 +216,27 @@ class Stack:
             time.sleep(0.05)
         return None
 
+    def keep_ray_logs(self) -> None:
+        """The Ray head's session logs (its workers' stderr: where a CUDA error is told) into
+        ``home/ray-logs``, each file's last 256 KiB: up removes its Ray directory as it stops."""
+        since = self.work.stat().st_mtime - 60
+        found = [d for d in Path("/tmp").glob("gpulease-*/ray/session_latest/logs") if d.stat().st_mtime >= since]
+        if not found:
+            return
+        dest = self.home / "ray-logs"
+        dest.mkdir(exist_ok=True)
+        for f in max(found, key=lambda d: d.stat().st_mtime).iterdir():
+            if f.is_file() and f.suffix in (".err", ".out", ".log"):
+                with open(f, "rb") as src:
+                    src.seek(max(0, f.stat().st_size - 256 * 1024))
+                    (dest / f.name).write_bytes(src.read())
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            try:
+                self.keep_ray_logs()
+            except OSError as exc:
+                log("could not keep Ray's logs:", exc)
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(60)
@@ -355,7 +374,8 @@ COLD_CUDA = (
     "    torch.zeros(1, device='cuda:0'); torch.cuda.synchronize(); t_cuda = time.time()\n"
 )
 HOLD = (
-    "%%gpu_train --gpus 1 --cold --out held\nimport torch, time\nheld = 0\nif torch.cuda.is_available():\n"
+    "%%gpu_train --gpus 1 --cold --out held,cell_pid\nimport os, torch, time\nheld = 0\ncell_pid = os.getpid()\n"
+    "if torch.cuda.is_available():\n"
     "    n = int({frac} * torch.cuda.get_device_properties(0).total_memory) if {frac} < 1 else {frac}\n"
     "    buf = torch.empty(n, dtype=torch.uint8, device='cuda:0'); buf.fill_(1); torch.cuda.synchronize()\n"
     "    held = n; time.sleep(0.5)\n"
@@ -365,8 +385,9 @@ CYCLES = 3
 SUSPEND_HOLD = (
     "%%gpu_train --gpus 1 --out hold_pid\nimport os, torch\nhold_pid = os.getpid()\n"
     "if torch.cuda.is_available():\n"
-    "    hold = torch.arange({gib} * 2**28, dtype=torch.int32, device='cuda:0'); torch.cuda.synchronize()\n"
-    "else:\n    hold = torch.arange(1024, dtype=torch.int32)\n"
+    # int64, 8 bytes an element (int32 would wrap past 2**31 elements, and the check below fail)
+    "    hold = torch.arange({gib} * 2**27, dtype=torch.int64, device='cuda:0'); torch.cuda.synchronize()\n"
+    "else:\n    hold = torch.arange(1024, dtype=torch.int64)\n"
     "hold_ptr = hold.data_ptr()\n"
 )
 SUSPEND_CHECK = (
@@ -403,6 +424,11 @@ class Run:
             self.r["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
             log(f"{name} FAILED:", traceback.format_exc()[-3000:])
         self.r.setdefault("seconds", {})[name] = round(time.monotonic() - t0, 1)
+        self.save()  # a later step killed by run_all.sh's time limit loses only its own figures
+
+    def save(self) -> None:
+        self.r["total_s"] = round(time.monotonic() - T0, 1)
+        (self.out / "notebook.json").write_text(json.dumps(self.r, indent=1, default=str))
 
     # -- cell 1, 2: a model trained on cuda:0, kept warm, a CPU copy in the kernel --
     def train_and_warm(self) -> None:
@@ -563,6 +589,7 @@ class Run:
     # -- the closing line's peak against NVML; the right-size hint --
     def peaks(self) -> None:
         nb = self.nb
+        nb.run("%gpu_lease release")  # the suspend step's warm worker (10 GiB) is not this cell's peak
         rows = {}
         for label, frac in (("small_2gib", 2 * 2**30), ("large_30pct", 0.3)):
             t0 = time.time()
@@ -573,8 +600,7 @@ class Run:
             line = closing_line(out)
             row: dict[str, Any] = {"line": line, "line_peak_gb": peak_gb(line), "hint": "would do" in line}
             if self.nvml is not None:
-                pids = self.nvml.pids_seen(t0, t1)
-                nv = max((self.nvml.max_mem(p, t0, t1) for p in pids), default=0)
+                nv = self.nvml.max_mem(int(nb.value("cell_pid")), t0, t1)  # the cell's worker alone
                 row["nvml_peak_gb"] = round(nv / 1e9, 2)
                 lp = row["line_peak_gb"]
                 row["agrees"] = lp is not None and abs(lp - nv / 1e9) <= max(0.2, 0.05 * nv / 1e9)
@@ -707,10 +733,8 @@ def main() -> int:
     except SystemExit:  # SIGTERM: what was measured so far is still reported
         run.r["errors"]["interrupted"] = "stopped by run_all.sh's time limit (SIGTERM)"
     finally:
-        r = run.r
-        r["total_s"] = round(time.monotonic() - T0, 1)
-        (args.out / "notebook.json").write_text(json.dumps(r, indent=1, default=str))
-        print(json.dumps(r, default=str))
+        run.save()
+        print(json.dumps(run.r, default=str))
     return 0
 
 

@@ -46,9 +46,16 @@ step() { # NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, what is left), its ou
         return
     fi
     echo "== $name (limit ${limit}s, $((SECONDS - START))s into the run)"
-    local t0=$SECONDS rc
-    timeout -k 5 "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
-    rc=${PIPESTATUS[0]}
+    local t0=$SECONDS rc tpid
+    # To a file, not through a pipe: a child the step leaves behind (a CUDA process of a failed
+    # check) would hold a pipe open, and the run would wait for it until the device's limit.
+    # timeout is its process group's leader: what is left in that group is killed after the step.
+    timeout -k 5 "$limit" "$@" >"$WORK/$name.log" 2>&1 &
+    tpid=$!
+    wait "$tpid"
+    rc=$?
+    kill -KILL -- "-$tpid" 2>/dev/null
+    cat "$WORK/$name.log"
     local timed_out=false
     { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && timed_out=true
     echo "{\"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"limit_s\": $limit, \"timed_out\": $timed_out}" >"$WORK/$name.step.json"
@@ -78,7 +85,9 @@ stop_up() { # the notebook step's `gpulease up` (its own session), if its step c
 main() {
     echo "gpulease GPU run: $([ -n "$SIM" ] && echo "simulate $SIM" || echo "real GPU"), budget ${BUDGET}s, work $WORK, out $OUT"
     if [ -z "$SIM" ]; then
-        nvidia-smi --query-gpu=name,memory.total,driver_version,persistence_mode,compute_mode --format=csv 2>&1 | tee "$WORK/nvidia-smi.log"
+        nvidia-smi --query-gpu=name,memory.total,driver_version,persistence_mode,compute_mode --format=csv >"$WORK/nvidia-smi.log" 2>&1
+        { uname -r; free -g; nproc; } >>"$WORK/nvidia-smi.log" 2>&1
+        cat "$WORK/nvidia-smi.log"
         local site=/tmp/gpulease-kit-site
         rm -rf "$site"
         step install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .gpukit/*.whl
@@ -102,7 +111,7 @@ main() {
     for f in notebook.ipynb up.log; do [ -f "$WORK/nb/$f" ] && cp "$WORK/nb/$f" "$OUT/$f"; done
     local home
     home=$(ls -d /tmp/gpulease-gpu-run-*/home 2>/dev/null | tail -1)
-    tar czf "$OUT/logs.tar.gz" -C "$WORK" . ${home:+-C "$home" ray.log} 2>/dev/null || true
+    tar czf "$OUT/logs.tar.gz" -C "$WORK" . ${home:+-C "$home" ray.log ray-logs} 2>/dev/null || true
     [ -n "$home" ] && rm -rf "$(dirname "$home")"  # the notebook step's gpulease up home
     echo "done in $((SECONDS - START))s: $OUT/report.json"
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print('failed steps:', r['failed_steps'] or 'none'); print('notebook errors:', r['notebook_errors'] or 'none')" "$OUT/report.json"
