@@ -46,6 +46,9 @@ ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
     # What json.loads raises besides JSONDecodeError: a 400, not a 500 with a traceback in the log
     ("json-deep", b"[" * 30_000, 400, "bad_request", ("nested too deeply", "flat JSON object")),
     ("json-long-int", b'{"gpus": ' + b"9" * 5_000 + b"}", 400, "bad_request", ("number too long",)),
+    # JSON's escape of half a UTF-16 pair: no UTF-8 (Redis) can carry it (it was a 500)
+    ("lone-surrogate", b'{"gpus": 1, "label": "a\\ud800b"}', 400, "bad_request", ("lone UTF-16 surrogate", "\\ud800")),
+    ("lone-surrogate-key", b'{"gpus": 1, "\\udfff": 1}', 400, "bad_request", ("lone UTF-16 surrogate",)),
     ("gpus-zero", _raw({"gpus": 0}), 400, "bad_request", ("gpus", "at least 1")),
     ("gpus-negative", _raw({"gpus": -1}), 400, "bad_request", ("gpus", "at least 1")),
     ("gpus-string", _raw({"gpus": "two"}), 400, "bad_request", ("gpus", "whole number", "two")),
@@ -124,6 +127,9 @@ def test_bad_acquire_is_refused_without_state_change(server: Any, redis_sync: An
             with cases.case(name), unchanged(redis_sync, server.settings.prefix):
                 resp = c.post(f"{API}/leases", content=body, headers={"Content-Type": "application/json"})
                 assert_error(resp, status, code, *fragments)
+        # a whole pair, escaped, is one character and fine
+        pair = c.post(f"{API}/leases", content=b'{"gpus": 1, "label": "ok \\ud83d\\ude00"}')
+        assert pair.status_code == 201 and pair.json()["label"] == "ok \U0001f600", pair.text
     cases.check()
 
 

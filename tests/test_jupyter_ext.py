@@ -500,6 +500,8 @@ BAD_BOOKINGS = [
     (b'{"pool": "A100-80GB", "gpus": 1, "start": "2033-05-18T10:00", "end": 2000003600}', "with an offset"),
     (b'{"pool": "A100-80GB", "gpus": 1, "start": NaN, "end": 2000003600}', "start must be a time"),
     (b'{"pool": "A100-80GB", "gpus": 1, "start": 2000000000, "end": 2000003600, "colocate": 1}', "true or false"),
+    # half a UTF-16 pair, which no UTF-8 carries to the lease server (it was a 500)
+    (b'{"pool": "A100-80GB", "gpus": 1, "start": 2000000000, "end": 2000003600, "note": "\\ud800"}', "surrogate"),
 ]
 
 

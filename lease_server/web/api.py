@@ -211,6 +211,9 @@ class BaseHandler(tornado.web.RequestHandler):
             raise errors.BadRequest("body has a number too long to read; send a JSON object of plain values") from None
         if not isinstance(data, dict):
             raise errors.BadRequest('body must be a JSON object, e.g. {"gpus": 1}')
+        lone = protocol.lone_surrogate(raw, data)
+        if lone is not None:
+            raise errors.BadRequest(f"body holds a lone UTF-16 surrogate ({lone}); send text as UTF-8")
         return data
 
     def reply(self, data: Any, status: int = 200) -> None:
