@@ -278,6 +278,9 @@ def describe_end(rec: LeaseJson, me: str) -> str | None:
         # (Ending.line keeps that line under the closing one)
         fit = f"; --gpu-mem {as_option(int(over['fit_mb']))} would fit" if over.get("fit_mb") else ""
         peak = f" (peak {show_mb(over['peak_mb'])} + {FIT_MARGIN * 100:.0f} %)" if fit and over.get("peak_mb") else ""
+        total = int(rec.get("gpu_total_mb") or 0)
+        if fit and total and int(over["fit_mb"]) >= total:  # more than its GPU has: a whole one
+            fit, peak = "; a whole GPU would fit (drop --gpu-mem)", ""
         used = f"used {show_mb(over.get('used_mb', 0))} for {over.get('over_s', 0):.1f}s"
         return f"stopped: over its {show_mb(over.get('limit_mb', 0))} slice\n  {used}{fit}{peak}"
     return describe_cause(cause, me)
@@ -311,7 +314,8 @@ def _join(a: str, b: str) -> str:
 
 
 def _gb(n: int | None) -> str:
-    return f"{(n or 0) / 1e9:.1f} GB"
+    """Bytes in GB of 1024 MB, as every size gpulease shows (sizes.show_mb, --gpu-mem)."""
+    return f"{(n or 0) / 2**30:.1f} GB"
 
 
 def _first_line(exc: BaseException) -> str:

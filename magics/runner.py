@@ -282,7 +282,9 @@ def _auto_size(sess: Session, opts: Options) -> Options:
     info = (view.get("pools") or {}).get(pool) or {}
     if not info.get("share"):
         return replace(opts, gpu_mem=None, gpu_mem_why=f"a whole GPU: pool {pool} does not share its GPUs")
-    mb, why = slices.auto_size(sess.mem_peak_mb, int(info.get("slice_unit_mb") or 1024))
+    sizes = [int(g.get("memory_mb") or 0) for n in view.get("nodes") or [] if n.get("pool") == pool for g in n["gpus"]]
+    unit = int(info.get("slice_unit_mb") or 1024)
+    mb, why = slices.auto_size(sess.mem_peak_mb, unit, gpu_mb=max(sizes, default=0) or None)
     return replace(opts, gpu_mem=mb, gpu_mem_why=why)
 
 

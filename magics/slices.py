@@ -112,11 +112,16 @@ def hold_to(environ: dict[str, str]) -> dict[str, str]:
 # ---- --gpu-mem auto ------------------------------------------------------------------------------
 
 
-def auto_size(peak_mb: int | None, unit_mb: int, margin: float = FIT_MARGIN) -> tuple[int | None, str]:
+def auto_size(
+    peak_mb: int | None, unit_mb: int, margin: float = FIT_MARGIN, gpu_mb: int | None = None
+) -> tuple[int | None, str]:
     """What ``--gpu-mem auto`` asks for, and why in a few words: a whole GPU (None) while no cell
     of the notebook has a measured peak yet, else the last peak plus ``margin`` (at least one unit),
-    rounded up to the pool's unit: (10240, "10 GB: last cell peaked at 7.9 GB + 20 %")."""
+    rounded up to the pool's unit: (10240, "10 GB: last cell peaked at 7.9 GB + 20 %"); a whole GPU
+    again where that is not less than a GPU's memory (``gpu_mb``)."""
     if not peak_mb or peak_mb <= 0:
         return None, "a whole GPU: no cell of this notebook has a measured peak yet"
     mb = fitting_mb(peak_mb, unit_mb, margin)
+    if gpu_mb and mb >= gpu_mb:
+        return None, f"a whole GPU: last cell peaked at {show_mb(peak_mb)}, + {margin * 100:.0f} % is a GPU's all"
     return mb, f"{show_mb(mb)}: last cell peaked at {show_mb(peak_mb)} + {margin * 100:.0f} %"

@@ -151,6 +151,37 @@ def test_nvml_sampler_reads_utilization_memory_and_processes():
     sampler.close()
 
 
+def test_a_slice_is_measured_per_gpu_and_an_unreadable_neighbour_hides_only_itself():
+    """A lease of two slices is held to its size on each GPU (its most used one), not to the sum;
+    a process whose memory NVML does not give (usedGpuMemory None) leaves its own lease unjudged,
+    not every slice on its GPU."""
+    from lease_server.leasing.inventory import NodeInventory
+    from lease_server.node.agent import NvmlSampler, _measure
+    from lease_server.node.memwatch import Watched
+
+    gib = 1024**3
+    nvml = nvml_like([("GPU-a", "NVIDIA A100-SXM4-80GB", 80 * gib), ("GPU-b", "NVIDIA A100-SXM4-80GB", 80 * gib)])
+    running = {0: [(100, 6 * gib), (200, None)], 1: [(100, 2 * gib)]}
+
+    def nvmlDeviceGetComputeRunningProcesses(handle):  # noqa: ANN001, ANN202, N802
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in running[handle]]
+
+    real = pynvml.nvmlDeviceGetComputeRunningProcesses
+    assert list(inspect.signature(nvmlDeviceGetComputeRunningProcesses).parameters) == list(
+        inspect.signature(real).parameters
+    )
+    nvml.nvmlDeviceGetComputeRunningProcesses = nvmlDeviceGetComputeRunningProcesses
+    sampler = NvmlSampler(nvml)
+    inv = NodeInventory("box", "A100-80GB", [], source="nvml")
+    measure = _measure(inv, sampler)
+    two = Watched("L1", 1, "A100-80GB", (0, 1), 10 * 1024, ((100, 1, 0),))
+    assert measure(two, [100]) == 6 * 1024  # its most used GPU, held to 10 GB there
+    hidden = Watched("L2", 2, "A100-80GB", (0,), 10 * 1024, ((200, 1, 0),))
+    assert measure(hidden, [200]) is None
+    assert sampler.proc_mem(0) == {100: 6 * 1024, 200: None}
+    sampler.close()
+
+
 # ---- MIG: instances an admin made, leased whole as their own pool ----------------------------------
 
 

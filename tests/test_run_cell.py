@@ -211,6 +211,16 @@ def test_a_cell_that_waits_out_its_wait_says_so_in_its_own_flags(sess, up):
             },
             "preempted for team:ml's booking r-1 (2 GPU(s) of A100-80GB)",
         ),
+        (
+            {
+                "state": "revoked",
+                "gpu_total_mb": 81920,
+                "cause": {"code": "over_memory", "by": "agent", "why": "it used 75 GB"},
+                "over_memory": {"limit_mb": 40960, "used_mb": 76800, "peak_mb": 76800, "fit_mb": 92160, "over_s": 2.1},
+            },
+            # 90 GB would fit no 80 GB GPU: a whole one is the advice
+            "stopped: over its 40 GB slice\n  used 75 GB for 2.1s; a whole GPU would fit (drop --gpu-mem)",
+        ),
         ({"state": "active"}, None),
     ],
 )
@@ -249,7 +259,7 @@ def test_a_small_peak_on_a_big_gpu_names_the_smaller_pool_that_would_do(server_f
     sess.defaults.url, sess.defaults.token = srv.url, srv.token("alice")
     lease = srv.client("alice").acquire(1, pool="A100-80GB")
     try:
-        assert _right_size(sess, lease, 2 * 2**30) == "peak 2.1 GB of 80 GB: a T4-16GB would do, --pool T4-16GB"
+        assert _right_size(sess, lease, 2 * 2**30) == "peak 2.0 GB of 80 GB: a T4-16GB would do, --pool T4-16GB"
         assert _right_size(sess, lease, 40 * 2**30) == ""  # half the GPU: no advice
         assert _right_size(sess, lease, None) == ""  # no NVML measure
     finally:

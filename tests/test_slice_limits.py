@@ -56,6 +56,11 @@ def test_a_worker_without_cuda_skips_the_torch_limit_cleanly() -> None:
 def test_gpu_mem_auto_sizes_from_the_recorded_peak() -> None:
     assert slices.auto_size(None, 1024) == (None, "a whole GPU: no cell of this notebook has a measured peak yet")
     assert slices.auto_size(8090, 1024) == (10240, "10 GB: last cell peaked at 7.9 GB + 20 %")
+    # a peak whose margin takes a GPU's all: a whole GPU, not a size the server would refuse
+    assert slices.auto_size(70_000, 1024, gpu_mb=81920) == (
+        None,
+        "a whole GPU: last cell peaked at 68.4 GB, + 20 % is a GPU's all",
+    )
     # the margin is at least one unit, and the size a whole number of units
     assert fitting_mb(100, 1024) == 2048 and fitting_mb(700, 256) == 1024 and fitting_mb(5000, 1) == 6000
     assert show_mb(512) == "512 MB" and show_mb(81920) == "80 GB" and as_option(2048) == "2GB"
@@ -76,15 +81,61 @@ def test_a_slice_over_its_memory_is_warned_then_ended_after_the_grace() -> None:
     now[0] = 2.1
     assert w.judge(s, 1150) == "end"
     assert w.judge(s, 1150) is None and w.peak["L1"] == 1200  # ended once; its peak kept
-    # back under its memory, the clock starts again
+    # back under its memory for its grace, the clock starts again
     w2 = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
     now[0] = 10.0
-    assert w2.judge(s, 2000) == "warn"
+    assert w2.judge(s, 1500) == "warn"
     now[0] = 11.0
     assert w2.judge(s, 500) is None
     now[0] = 13.5
-    assert w2.judge(s, 2000) == "warn"  # a new overrun, warned again, not ended at once
+    assert w2.judge(s, 500) is None  # under for 2.5 s: forgiven
+    assert w2.judge(s, 1500) == "warn"  # a new overrun, warned again, not ended at once
     assert w2.judge(slice_of(0), 50_000) is None  # a whole GPU: measured for its peak, never judged
+
+
+def test_bursts_over_a_slice_with_short_pauses_between_are_ended() -> None:
+    """Over for 1.5 s, under for 0.5 s, again: each pause is shorter than the grace, so the clock
+    that the first burst started keeps running (a single sample under it used to reset it)."""
+    now = [0.0]
+    w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
+    s = slice_of(1024)
+    verdicts = []
+    for k in range(4):
+        now[0] = 2.0 * k
+        verdicts.append(w.judge(s, 1500))
+        now[0] = 2.0 * k + 1.5
+        verdicts.append(w.judge(s, 100))
+    # warned at 0 s, ended at the burst of 4 s (2 s over its grace), once
+    assert verdicts == ["warn", None, None, None, "end", None, None, None], verdicts
+
+
+def test_a_child_that_never_claimed_the_lease_is_measured_with_it() -> None:
+    """A cell's subprocess (or multiprocessing worker) claims nothing: it is found below the
+    claimed worker in the process tree, and its memory counts against the slice."""
+    import os
+
+    from lease_server.node.claims import process_uid, start_ticks
+    from lease_server.node.memwatch import running_pids
+
+    code = (
+        "import subprocess, sys\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(kid.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+        "kid.kill()\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        kid = int(worker.stdout.readline())
+        claimed = Watched("L1", 7, "A100-80GB", (0,), 1024, ((worker.pid, start_ticks(worker.pid), os.getuid()),))
+        assert sorted(running_pids(claimed)) == sorted([worker.pid, kid])
+        assert process_uid(kid) == os.getuid()
+        # another user's claim names other owners: the child is not counted as theirs
+        other = Watched("L2", 8, "A100-80GB", (0,), 1024, ((worker.pid, start_ticks(worker.pid), os.getuid() + 1),))
+        assert running_pids(other) == [worker.pid]
+    finally:
+        worker.communicate("", timeout=30)
 
 
 def test_resident_memory_stands_in_on_simulated_gpus() -> None:

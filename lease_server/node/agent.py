@@ -295,20 +295,22 @@ class NvmlSampler:
                 continue
         return pids
 
-    def proc_mem(self, index: int) -> dict[int, int] | None:
-        """MB of GPU ``index``'s memory each compute process uses now (CUDA context included); None
-        where NVML cannot say (not supported, or not allowed to read it here)."""
+    def proc_mem(self, index: int) -> dict[int, int | None] | None:
+        """MB of GPU ``index``'s memory each compute process uses now (CUDA context included), None
+        for a process whose figure NVML does not give; None where NVML cannot say at all (not
+        supported, or not allowed to read it here)."""
         nvml = self.nvml
         try:
             running = nvml.nvmlDeviceGetComputeRunningProcesses(self.handles[index])
         except (KeyError, nvml.NVMLError):
             return None
-        out: dict[int, int] = {}
+        out: dict[int, int | None] = {}
         for p in running:
-            used = getattr(p, "usedGpuMemory", None)
-            if used is None:  # NVML_VALUE_NOT_AVAILABLE: no reading to judge by
-                return None
-            out[int(p.pid)] = out.get(int(p.pid), 0) + int(used) // (1024 * 1024)
+            pid, used = int(p.pid), getattr(p, "usedGpuMemory", None)
+            if used is None or out.get(pid, 0) is None:  # NVML_VALUE_NOT_AVAILABLE: no reading
+                out[pid] = None
+            else:
+                out[pid] = (out.get(pid) or 0) + int(used) // (1024 * 1024)
         return out
 
     def free_bytes(self, index: int) -> int | None:
@@ -514,7 +516,7 @@ def _probes(inv: NodeInventory, nvml: NvmlSampler | None) -> Probes:
         sampler = nvml
 
         def mem_bytes(index: int, pid: int) -> int:
-            return (sampler.proc_mem(index) or {}).get(pid, 0) * 1024 * 1024
+            return ((sampler.proc_mem(index) or {}).get(pid) or 0) * 1024 * 1024
 
         return Probes(mem_bytes, sampler.procs_on, sampler.free_bytes)
     return Probes(lambda _index, pid: resident_mb(pid) * 1024 * 1024)
@@ -528,16 +530,17 @@ def _measure(inv: NodeInventory, nvml: NvmlSampler | None) -> Callable[[Watched,
         sampler = nvml
 
         def on_gpu(w: Watched, pids: list[int]) -> int | None:
-            total = 0
+            most = 0  # on its most used GPU: a slice (--gpu-mem) is a size per GPU
             for index in w.indexes:
                 mem = sampler.proc_mem(index)
-                if mem is None:
-                    return None
-                total += sum(mem.get(pid, 0) for pid in pids)
-            return total
+                if mem is None or any(pid in mem and mem[pid] is None for pid in pids):
+                    return None  # its own processes' figures are not given: it cannot be judged
+                most = max(most, sum(mem.get(pid) or 0 for pid in pids))
+            return most
 
         return on_gpu
-    return lambda _w, pids: sum(resident_mb(pid) for pid in pids)
+    # (resident memory is no GPU's: shared evenly by its GPUs)
+    return lambda w, pids: sum(resident_mb(pid) for pid in pids) // max(1, len(w.indexes))
 
 
 def _drain_step(

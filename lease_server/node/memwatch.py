@@ -50,7 +50,7 @@ class Watched:
     token: int  # its fencing token: an end is refused once the lease was granted anew
     pool: str
     indexes: tuple[int, ...]  # its GPUs on this node
-    limit_mb: int  # a slice: MB promised to it (k slices: on all k GPUs); 0: whole GPUs (for the peak only)
+    limit_mb: int  # a slice: MB promised to it on each of its GPUs; 0: whole GPUs (for the peak only)
     procs: tuple[tuple[int, int, int], ...]  # (pid, start ticks, uid) that claimed it here
 
 
@@ -62,9 +62,9 @@ async def watched_of(engine: Engine, node: str, indexes: list[int], whole: bool 
     slots = [f"{node}/{i}" for i in indexes]
     limits: dict[str, int] = {}
     for raw in await engine.redis.hmget(engine.keys.sliced, slots):
-        if raw:  # k slices of one lease (one per GPU): it is held to all k together
+        if raw:  # k slices of one lease (one per GPU, each of the same size): held to it on each GPU
             for lease, mb in (json.loads(raw).get("leases") or {}).items():
-                limits[lease] = limits.get(lease, 0) + int(mb)
+                limits[lease] = max(limits.get(lease, 0), int(mb))
     if whole:
         for holder in await engine.redis.hmget(engine.keys.holders, slots):
             if holder and not str(holder).startswith("~"):
@@ -141,13 +141,40 @@ async def agent_report(engine: Engine, node: str, body: dict[str, Any]) -> dict[
 
 def running_pids(w: Watched, in_cgroup: Callable[[str], list[int]] | None = None) -> list[int]:
     """The lease's processes that still run: those that claimed it (the same process: its start
-    time checked), and those in its cgroup owned by a claimer's user."""
+    time checked), their descendants, and those in its cgroup, each owned by a claimer's user. A
+    child that never claimed the lease (a ``subprocess`` or ``multiprocessing`` worker of the cell)
+    is measured with it; one that left the tree (a daemon whose parent exited) only by its cgroup."""
     pids = [pid for pid, start, _uid in w.procs if start_ticks(pid) == start]
     uids = {uid for _pid, _start, uid in w.procs}
-    for pid in in_cgroup(w.lease) if in_cgroup is not None else []:
+    for pid in [*descendants(pids), *(in_cgroup(w.lease) if in_cgroup is not None else [])]:
         if pid not in pids and process_uid(pid) in uids:
             pids.append(pid)
     return pids
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """Every process below ``pids`` in the process tree (``/proc/PID/task/TID/children``); those
+    that exit meanwhile are skipped."""
+    found: list[int] = []
+    todo, seen = list(pids), set(pids)
+    while todo and len(found) < 4096:  # (a fork bomb's tree is not walked whole)
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for kid in kids:
+                if kid not in seen:
+                    seen.add(kid)
+                    found.append(kid)
+                    todo.append(kid)
+    return found
 
 
 def resident_mb(pid: int) -> int:
@@ -169,20 +196,29 @@ class MemWatch:
     over_s: float = 2.0
     clock: Callable[[], float] = time.monotonic
     over_since: dict[str, float] = field(default_factory=dict)
+    under_since: dict[str, float] = field(default_factory=dict)  # back under since, while over_since holds
     warned: set[str] = field(default_factory=set)
+    unmeasured: set[str] = field(default_factory=set)  # said once: NVML cannot read its memory
     ended: set[str] = field(default_factory=set)
     peak: dict[str, int] = field(default_factory=dict)
 
     def judge(self, w: Watched, used_mb: int) -> str | None:
-        """ "warn" (it just went over), "end" (over for longer than ``over_s``) or None."""
+        """ "warn" (it just went over), "end" (over for longer than ``over_s``) or None. Going over
+        starts a clock that only ``over_s`` back under stops: a cell that frees for a moment
+        between bursts over its slice is still ended."""
         self.peak[w.lease] = max(self.peak.get(w.lease, 0), used_mb)
         if not w.limit_mb or w.lease in self.ended:
             return None
-        if used_mb <= w.limit_mb * (1 + self.over_pct / 100):
-            self.over_since.pop(w.lease, None)
-            self.warned.discard(w.lease)
-            return None
         now = self.clock()
+        if used_mb <= w.limit_mb * (1 + self.over_pct / 100):
+            if w.lease in self.over_since:
+                under = self.under_since.setdefault(w.lease, now)
+                if now - under >= self.over_s:
+                    self.over_since.pop(w.lease, None)
+                    self.under_since.pop(w.lease, None)
+                    self.warned.discard(w.lease)
+            return None
+        self.under_since.pop(w.lease, None)
         since = self.over_since.setdefault(w.lease, now)
         if w.lease not in self.warned:
             self.warned.add(w.lease)
@@ -194,11 +230,12 @@ class MemWatch:
 
     def forget(self, live: set[str]) -> None:
         """Drop what it knows of leases that are no longer watched (ended)."""
-        for table in (self.over_since, self.peak):
+        for table in (self.over_since, self.under_since, self.peak):
             for lease in [k for k in table if k not in live]:
                 del table[lease]
         self.warned &= live
         self.ended &= live
+        self.unmeasured &= live
 
 
 def judge_pass(
@@ -216,6 +253,9 @@ def judge_pass(
         pids = running_pids(w, in_cgroup)
         used = measure(w, pids) if pids else None
         if used is None:
+            if pids and w.limit_mb and w.lease not in watch.unmeasured:
+                watch.unmeasured.add(w.lease)
+                log.warning("slice %s: its memory cannot be read here (NVML names no figure): not held to it", w.lease)
             continue
         verdict = watch.judge(w, used)
         measured[w.lease] = [used, watch.peak[w.lease]]

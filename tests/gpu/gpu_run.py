@@ -601,9 +601,9 @@ class Run:
             row: dict[str, Any] = {"line": line, "line_peak_gb": peak_gb(line), "hint": "would do" in line}
             if self.nvml is not None:
                 nv = self.nvml.max_mem(int(nb.value("cell_pid")), t0, t1)  # the cell's worker alone
-                row["nvml_peak_gb"] = round(nv / 1e9, 2)
+                row["nvml_peak_gb"] = round(nv / 2**30, 2)
                 lp = row["line_peak_gb"]
-                row["agrees"] = lp is not None and abs(lp - nv / 1e9) <= max(0.2, 0.05 * nv / 1e9)
+                row["agrees"] = lp is not None and abs(lp - nv / 2**30) <= max(0.2, 0.05 * nv / 2**30)
             else:
                 row["nvml_peak_gb"] = absent(self.no_nvml)
             rows[label] = row
