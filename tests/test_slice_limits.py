@@ -150,3 +150,28 @@ def test_the_policy_numbers_are_settings_that_fail_fast(bad) -> None:
     assert (s.slice_over_pct, s.slice_over_s) == (5.0, 2.0)
     with pytest.raises(ConfigurationError):
         Settings.load(None, **bad)
+
+
+def test_a_slices_drain_on_an_nvml_node_ends_when_its_processes_are_off_the_gpu() -> None:
+    """Two drains a slice could be stuck in forever on an NVML node: a process it named that runs
+    but holds nothing on the GPU (clean, as a whole GPU's drain is: never signalled), and a slice
+    that named no process beside neighbours that stay (freed after abandon_after_s)."""
+    import os
+
+    from lease_server.node.claims import start_ticks
+    from lease_server.node.drain import Drainer, Draining, Proc
+    from lease_server.node.enforce import Enforcer
+
+    now = [0.0]
+    drainer = Drainer(Enforcer(clock=lambda: now[0]), grace_s=1.0, abandon_after_s=30.0)
+    me = Proc(os.getpid(), start_ticks(os.getpid()) or 0, os.getuid())  # alive, and no GPU process
+    named = Draining(0, "L1", "ann", "revoked", 0, (me,), gpu_mem_mb=1024)
+    unnamed = Draining(1, "L2", "bob", "expired", 0, (), gpu_mem_mb=1024)
+    neighbours = {0: [4242], 1: [4343]}  # NVML's lists: other slices' processes only
+    first = drainer.step("box", [named, unnamed], nvml_procs=lambda i: neighbours[i], verify=lambda i, p: False)
+    assert [(lease, idx) for lease, idx, _ in first.clean] == [("L1", [0])] and not first.abandoned
+    assert not drainer.signalled  # this process was never signalled
+    now[0] = 29.0
+    assert drainer.step("box", [unnamed], nvml_procs=lambda i: neighbours[i]).clean == []
+    now[0] = 31.0
+    assert [lease for lease, _, _ in drainer.step("box", [unnamed], nvml_procs=lambda i: neighbours[i]).clean] == ["L2"]

@@ -210,6 +210,7 @@ class Drainer:
         self.signalled: dict[tuple[str, int, int], float] = {}
         self.given_up: dict[tuple[str, str, int, int], None] = {}  # (node, lease, index, pid)
         self.unseen: dict[tuple[str, int], float] = {}  # (node, pid) NVML lists and /proc does not -> since
+        self.unnamed: dict[tuple[str, str, int], float] = {}  # a slice that named no process, waited on -> since
 
     def step(
         self,
@@ -231,15 +232,30 @@ class Drainer:
             remaining: list[Proc] = []
             if e.gpu_mem_mb:
                 # A slice: its GPU's other processes are its neighbours'. Only what it named (and its
-                # cgroup holds) is ended; naming none, it is clean once NVML lists nothing on the GPU.
+                # cgroup holds) is ended, and on an NVML node only while NVML lists it on the GPU (a
+                # process of it that never used the GPU holds none of its memory: clean, as a
+                # whole GPU's drain is). Naming none, it is clean once NVML lists nothing on the
+                # GPU, or, with neighbours there, after abandon_after_s: whose they are is not known.
                 remaining = [p for p in e.pids if still_runs(p)]
                 seen = {p.pid for p in remaining}
                 for pid in in_cgroup(e.lease) if in_cgroup is not None else []:
                     start, uid = start_ticks(pid), process_uid(pid)
                     if pid not in seen and start is not None and uid is not None and uid in {p.uid for p in e.pids}:
                         remaining.append(Proc(pid, start, uid))
+                if nvml_procs is not None and remaining:
+                    on_gpu = set(nvml_procs(e.index))
+                    remaining = [p for p in remaining if p.pid in on_gpu]
                 if not e.pids and nvml_procs is not None and nvml_procs(e.index):
-                    continue  # waited for, never signalled: whose they are is not known
+                    first = self.unnamed.setdefault((node, e.lease, e.index), now)
+                    if now - first <= self.abandon_after_s:
+                        continue  # waited for, never signalled
+                    log.warning(
+                        "draining %s GPU %s: slice %s named no process; freed after %.0fs with others' on the GPU",
+                        node,
+                        e.index,
+                        e.lease,
+                        self.abandon_after_s,
+                    )
             elif nvml_procs is not None:
                 for pid in nvml_procs(e.index):
                     start, uid = start_ticks(pid), process_uid(pid)
@@ -270,6 +286,8 @@ class Drainer:
             del self.given_up[next(iter(self.given_up))]
         while len(self.unseen) > 10_000:
             del self.unseen[next(iter(self.unseen))]
+        while len(self.unnamed) > 10_000:
+            del self.unnamed[next(iter(self.unnamed))]
         out.clean = [(lease, idx, self.killed.pop((node, lease), 0)) for lease, idx in clean.items()]
         return out
 
