@@ -473,10 +473,8 @@ class GpuMagics(Magics):
             for lease in mine:
                 gpus = ",".join(str(g["index"]) for g in lease["gpus"])
                 if lease.get("reclaim_at"):
-                    print(
-                        f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s "
-                        "unless used (%gpu_lease keep)"
-                    )
+                    print(f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s")
+                    print("    unless used (%gpu_lease keep)")
                 # (two short lines rather than one past 80 columns)
                 where = f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']})"
                 if lease.get("warm_since"):
@@ -493,10 +491,8 @@ class GpuMagics(Magics):
             for w in node.get("suspended") or []:
                 if w.get("user") == me:
                     size = show_mb(w["bytes"] / 2**20)
-                    print(
-                        f"  suspended · on host ({size}, {now - w['since']:.0f}s): worker from {node['name']}; "
-                        "next cell restores it"
-                    )
+                    print(f"  suspended · on host ({size}, {now - w['since']:.0f}s): worker from {node['name']}")
+                    print("    your next cell restores it")
         for w in waiting:
             print(
                 f"  waiting: {w['gpus']} GPU(s) of {w['pool']}, position {w['position']}, "
@@ -561,10 +557,13 @@ class GpuMagics(Magics):
             d.token = args.token or d.token
             session().reset_client()
         timeout = "none" if d.timeout is None else f"{d.timeout:g}s"
+        # (two lines, each within 80 columns)
         print(
             f"gpus={d.gpus} pool={d.pool or '(server default)'} timeout={timeout} wait={d.wait:g}s "
-            f"ttl={'(server default)' if d.ttl is None else f'{d.ttl:g}s'} warm={'on' if d.warm else 'off'} "
-            f"spares={d.spares} "
+            f"ttl={'(server default)' if d.ttl is None else f'{d.ttl:g}s'}"
+        )
+        print(
+            f"warm={'on' if d.warm else 'off'} spares={d.spares} "
             f"url={d.url or os.environ.get('GPULEASE_URL') or '(gpulease up)'}"
         )
 

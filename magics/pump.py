@@ -125,8 +125,8 @@ class Pump:
         if reclaim_at and reclaim_at != self._warned_at:
             self._warned_at = reclaim_at
             self.ui.notice(
-                f"these GPUs look idle: reclaimed in {max(0, reclaim_at - time.time()):.0f}s unless they get "
-                f"busy; to keep them: gpulease keep {held.lease.id}"
+                f"these GPUs look idle: reclaimed in {max(0, reclaim_at - time.time()):.0f}s unless busy\n"
+                f"    to keep them: %gpu_lease keep (or gpulease keep {held.lease.id})"
             )
 
     def _collect(self, ref: Any, i: int, multi: bool) -> Result:

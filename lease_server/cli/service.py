@@ -521,15 +521,15 @@ def up(
                 f"[bold green]gpulease is up[/]: {gpus} GPU(s) in {', '.join(sorted({n.pool for n in nodes}))}"
             )
             console.print(f"  lease server  {url}")
-            console.print(f"  token         {token}   (also in {data_dir / 'token'}, mode 0600)", soft_wrap=True)
-            console.print(
-                f"  redis         {redis_proc.address}   (AOF in {data_dir / 'redis'}; password in "
-                f"{data_dir / PASSWORD_FILE}, mode 0600)",
-                soft_wrap=True,
-            )
+            # (each thing on its own line, what it is under it: within 80 columns but for long paths)
+            console.print(f"  token         {token}", soft_wrap=True)
+            console.print(f"                (also in {data_dir / 'token'}, mode 0600)", soft_wrap=True)
+            console.print(f"  redis         {redis_proc.address}", soft_wrap=True)
+            console.print(f"                (AOF in {data_dir / 'redis'}; password in {PASSWORD_FILE})", soft_wrap=True)
             if settings.ray_address:
-                auth = f"   (token auth: {ray_token}, mode 0600)" if settings.ray_auth_token_file else ""
-                console.print(f"  ray head      {settings.ray_address}{auth}", soft_wrap=True)
+                console.print(f"  ray head      {settings.ray_address}", soft_wrap=True)
+                if settings.ray_auth_token_file:
+                    console.print(f"                (token auth: {ray_token}, mode 0600)", soft_wrap=True)
             if lab_url and lab_up:
                 console.print(f"  jupyterlab    {lab_url}")
             elif lab_url:
