@@ -155,8 +155,10 @@ class GpuLeaseHandler(APIHandler):
             if exc.status_code == 405:
                 message = f"{self.request.method} is not supported on {self.request.path}"
             elif exc.status_code == 403 and "xsrf" in message.lower():
+                # (tornado's own words name POST whatever the method was)
                 message = (
-                    f"{message}: a request that changes something must echo the _xsrf cookie in the "
+                    f"{self.request.method} {self.request.path}: '_xsrf' missing or wrong: a request "
+                    "that changes something must echo the _xsrf cookie in the "
                     "X-XSRFToken header (JupyterLab does), or carry the Jupyter server's token"
                 )
             body = {"code": STATUS_CODES.get(exc.status_code, "http_error"), "message": message}

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -648,6 +649,7 @@ def test_a_cookie_login_must_echo_the_xsrf_cookie(jp_serverapp: Any, base: str, 
             resp = await http.delete(url)
             assert (resp.status_code, resp.json()["code"]) == (403, "forbidden")
             assert "X-XSRFToken" in resp.json()["message"]
+            assert resp.json()["message"].startswith(f"DELETE {urlparse(url).path}: ")  # not "POST"
             assert server.client("alice").get(lease.id)["state"] == "active"
 
             resp = await http.post(url + "/keep")

@@ -681,7 +681,9 @@ class AgentHandler(BaseHandler):
 
     def _check_role(self) -> None:
         if self.identity.role not in ("admin", "agent"):
-            raise errors.Forbidden("only an agent or admin token can register nodes")
+            raise errors.Forbidden(
+                f"{self.request.method} {self.request.path} is for node agents: only an agent or admin token may"
+            )
 
 
 class NodeHandler(AgentHandler):
