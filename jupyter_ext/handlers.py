@@ -131,7 +131,8 @@ class GpuLeaseHandler(APIHandler):
     def json_object(self) -> dict[str, Any]:
         """The request body: one JSON object, or a 400 that says what is wrong with it."""
         try:
-            data = json.loads(self.request.body or b"null")
+            # strict UTF-8 first: json.loads would take UTF-16 or UTF-32 too, and encoded surrogates
+            data = json.loads((self.request.body or b"null").decode("utf-8"))
         except ValueError as exc:
             raise errors.BadRequest(f"the request body must be a JSON object: {exc}") from exc
         if not isinstance(data, dict):

@@ -476,7 +476,7 @@ RESIZE_EVENTS = frozenset(e.value for e in (EventType.GROWN, EventType.SHRUNK))
 # gpulease status), the characters that make text read other than it is stored (bidi marks,
 # embeddings, overrides and isolates: "Trojan Source") and line or paragraph separators. A regular
 # expression character range, read alike by Python and ECMA-262 (the OpenAPI document's patterns).
-UNSAFE_CHARS = "\\x00-\\x1f\\x7f-\\x9f\\u061c\\u200e\\u200f\\u2028-\\u202e\\u2066-\\u2069\\ud800-\\udfff"
+UNSAFE_CHARS = "\\x00-\\x1f\\x7f-\\x9f\\u061c\\u200e\\u200f\\u2028-\\u202e\\u2066-\\u2069"
 _UNSAFE = re.compile(f"[{UNSAFE_CHARS}]")
 
 
@@ -486,9 +486,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def lone_surrogate(raw: bytes, data: Any) -> str | None:
     """The first lone UTF-16 surrogate (as ``\\udXXX``) in the strings of ``data``, the JSON that
-    ``raw`` decoded to, if any: JSON's ``\\ud800`` escape decodes to one, which no UTF-8 (Redis,
-    HTTP) can carry. A pair, escaped or not, decodes to one code point and is fine. Only a body
-    that escapes one is walked."""
+    ``raw`` decoded to (as strict UTF-8, which carries none itself), if any: JSON's ``\\ud800``
+    escape decodes to one, which no UTF-8 (Redis, HTTP) can carry. A pair, escaped or not, decodes
+    to one code point and is fine. Only a body that escapes one is walked."""
     if not _ESCAPED_SURROGATE.search(raw):
         return None
     todo = [data]

@@ -49,6 +49,9 @@ ACQUIRE_CASES: list[tuple[str, bytes, int, str, tuple[str, ...]]] = [
     # JSON's escape of half a UTF-16 pair: no UTF-8 (Redis) can carry it (it was a 500)
     ("lone-surrogate", b'{"gpus": 1, "label": "a\\ud800b"}', 400, "bad_request", ("lone UTF-16 surrogate", "\\ud800")),
     ("lone-surrogate-key", b'{"gpus": 1, "\\udfff": 1}', 400, "bad_request", ("lone UTF-16 surrogate",)),
+    # and one encoded as such (no UTF-8), or a body in UTF-16, which json.loads alone would take
+    ("encoded-surrogate", b'{"gpus": 1, "label": "a\xed\xa0\x80"}', 400, "bad_request", ("not valid JSON",)),
+    ("utf-16-body", '{"gpus": 1}'.encode("utf-16"), 400, "bad_request", ("not valid JSON",)),
     ("gpus-zero", _raw({"gpus": 0}), 400, "bad_request", ("gpus", "at least 1")),
     ("gpus-negative", _raw({"gpus": -1}), 400, "bad_request", ("gpus", "at least 1")),
     ("gpus-string", _raw({"gpus": "two"}), 400, "bad_request", ("gpus", "whole number", "two")),

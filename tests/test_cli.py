@@ -113,7 +113,7 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         )
         assert twice.returncode == 1, twice.stderr
         said = " ".join(twice.stderr.split())  # wrapped to the terminal's width
-        assert f"gpulease is already up with {again.data.resolve()} (pid {again.proc.pid})." in said
+        assert f"gpulease up (pid {again.proc.pid}) is using {again.data.resolve()}." in said
         assert "Traceback" not in twice.stderr
         other = tmp_path / "other"
         for flag in ("--port", "--lab-port"):
@@ -177,3 +177,65 @@ def test_up_refuses_ray_options_that_contradict_each_other(tmp_path):
         done = subprocess.run([*CLI, "up", "--no-lab", *args], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and said in " ".join(done.stderr.split()), done.stderr
         assert not (tmp_path / "home").exists()  # refused before anything started
+
+
+def test_click_errors_wrap_to_80_columns_and_a_group_alone_shows_its_help():
+    """click's own errors are wrapped as every other CLI error is; a group named without a
+    subcommand still shows its help (click raises that as a usage error too)."""
+    long = subprocess.run([*CLI, "token", "create", "bob", "--proxy"], capture_output=True, text=True, timeout=60)
+    assert long.returncode == 2 and "Try 'python -m lease_server.cli token create --help'" in long.stderr
+    said = long.stderr.split("\n\n", 1)[1]
+    assert said.startswith("error: a proxy token needs --acts-for") and max(map(len, said.splitlines())) <= 80
+    alone = subprocess.run([*CLI, "token"], capture_output=True, text=True, timeout=60)
+    assert "Commands:" in alone.stdout + alone.stderr and "error:" not in alone.stderr, alone.stderr
+
+
+def test_a_killed_up_leaves_its_data_dir_held_while_its_redis_runs(tmp_path):
+    """up killed with SIGKILL leaves its Redis running on the AOF (its child, now an orphan): the
+    Redis keeps the data dir's lock, so a second up does not start another Redis on the same AOF,
+    and says which process to stop. Once that Redis is gone, the directory is free again."""
+    import select
+
+    from lease_server.node.redis_proc import hold_data_dir
+
+    up = Up(tmp_path / "home", "--no-ray")
+    pid, what, redis = (up.data / "in_use.lock").read_text().split()
+    assert (int(pid), what) == (up.proc.pid, "up")
+    up.proc.kill()
+    up.proc.wait()
+    try:
+        again = subprocess.run(
+            [*CLI, "up", "--simulate", "1xT4-16GB", "--no-ray", "--no-lab", "--data-dir", str(up.data), "--port", "0"],
+            env={k: v for k, v in up.env.items() if k != "GPULEASE_HOME"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode == 1, again.stderr
+        said = " ".join(again.stderr.split())
+        assert f"killed (pid {pid}) still runs on {up.data.resolve()} (pid {redis})" in said, said
+        assert f"Stop it (kill {redis}), then start again." in said
+    finally:
+        fd = os.pidfd_open(int(redis))
+        os.kill(int(redis), signal.SIGKILL)
+        select.select([fd], [], [], 30)  # its exit
+        os.close(fd)
+    os.close(hold_data_dir(up.data, "up"))  # free again
+
+
+def test_the_lock_file_must_be_a_plain_file_of_ones_own(tmp_path):
+    """A lock file planted in a data directory from before (a link elsewhere) is not written to."""
+    from lease_server.node.redis_proc import DataDirInUse, hold_data_dir
+
+    data = tmp_path / "home"
+    data.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    (data / "in_use.lock").symlink_to(target)
+    with pytest.raises(DataDirInUse, match="cannot be opened"):
+        hold_data_dir(data, "up")
+    (data / "in_use.lock").unlink()
+    os.link(target, data / "in_use.lock")  # a hard link: the same file as another name's
+    with pytest.raises(DataDirInUse, match="not a plain file of yours"):
+        hold_data_dir(data, "up")
+    assert target.read_text() == "keep\n"

@@ -137,7 +137,8 @@ def test_another_users_request_suspends_the_warm_worker_and_the_next_cell_resume
     (old,) = [e for e in watcher.events if e["type"] in ("released", "revoked") and e["lease"] == old_id]
     assert old["type"] == "released"  # handed back by the kernel within the notice, not revoked
     shown = text(kernel.run("%gpu_lease"))
-    assert "  suspended · on host (" in shown and "s): worker from box; next cell restores it" in shown, shown
+    assert "  suspended · on host (" in shown, shown
+    assert "s): worker from box\n    your next cell restores it\n" in shown, shown
     assert all(len(line) <= 80 for line in shown.splitlines()), shown
     bob.release(lease)
     out = kernel.run("%%gpu_train --gpus 1\nimport os\nid(state) == sid, os.getpid() == pid, len(state)")

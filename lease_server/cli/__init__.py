@@ -18,12 +18,20 @@ def _fail(exc: errors.GpuLeaseError) -> None:
     fail(waited_out(exc), 2 if exc.status < 500 else 1)  # a wait in acquire's --wait, not seconds
 
 
+# click >= 8.2 shows a group's help, when it is named without a subcommand, by raising this UsageError
+_HELP: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if isinstance(e, type)
+)
+
+
 class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except errors.GpuLeaseError as exc:
             _fail(exc)
+        except _HELP:
+            raise  # a group named alone (gpulease token): click shows its help, as it should
         except click.ClickException as exc:
             # click prints its errors on one line however long; these are wrapped to the terminal
             # as every other error of the CLI is (a usage error still shows the usage first)

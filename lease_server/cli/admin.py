@@ -343,8 +343,8 @@ def migrate(redis_url: str | None, data_dir: Path | None, config: str | None, dr
             raise click.UsageError(f"{data_dir} holds no Redis data (no {aof}); pass the --data-dir gpulease up used")
         from .service import _hold
 
-        held = _hold(data_dir.expanduser().resolve())  # never beside a running gpulease up
-        proc = for_data_dir(data_dir.expanduser()).start()  # with the password gpulease up uses
+        held = _hold(data_dir.expanduser().resolve(), "migrate")  # never beside a running gpulease up
+        proc = for_data_dir(data_dir.expanduser(), held=held).start()  # with the password gpulease up uses
         redis_url = proc.url
     try:
         settings = Settings.load(config, redis_url=redis_url)

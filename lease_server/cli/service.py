@@ -307,19 +307,15 @@ def _lab_answers(proc: subprocess.Popen[bytes], port: int, timeout: float = 120.
     return False
 
 
-def _hold(data_dir: Path) -> int:
-    """The data directory held for this ``up`` (:func:`redis_proc.hold_data_dir`), or a one-line
-    refusal naming the ``up`` that holds it."""
+def _hold(data_dir: Path, what: str = "up") -> int:
+    """The data directory held for this ``up`` (or ``migrate``: ``what``) with
+    :func:`redis_proc.hold_data_dir`, or a refusal naming what holds it."""
     from ..node.redis_proc import DataDirInUse, hold_data_dir
 
     try:
-        return hold_data_dir(data_dir)
+        return hold_data_dir(data_dir, what)
     except DataDirInUse as exc:
-        by = f" (pid {exc.args[0]})" if exc.args and exc.args[0] else ""
-        raise click.ClickException(
-            f"gpulease is already up with {data_dir}{by}.\n"
-            "  Stop it (Ctrl-C in its terminal), or give this one --data-dir DIR."
-        ) from None
+        raise click.ClickException(str(exc)) from None
 
 
 def _port_taken(port: int, flag: str) -> click.ClickException:
@@ -428,7 +424,7 @@ def up(
     """Run everything on this machine: Redis (AOF), lease server, node agent, Ray head, JupyterLab."""
     from ..config import Settings
     from ..node import claims, rayauth
-    from ..node.redis_proc import PASSWORD_FILE, for_data_dir
+    from ..node.redis_proc import PASSWORD_FILE, for_data_dir, note_redis
     from ..web.server import serve
 
     if ray_token_file is not None and not ray_address:
@@ -443,11 +439,20 @@ def up(
     # port taken once Redis, Ray and JupyterLab had started cost minutes and ended in a traceback).
     held = _hold(data_dir)
     sockets = _bind_port(port)
+    port = sockets[0].getsockname()[1]  # (--port 0: the one the system chose)
     if lab:
         _lab_port_free(lab_port)
     # Redis on 127.0.0.1 with a password from a 0600 file in the 0700 data directory (every local
     # user can reach the port; without the password one could write an admin token's hash into it).
-    redis_proc = for_data_dir(data_dir).start()
+    try:
+        redis_proc = for_data_dir(data_dir, held=held).start()  # it keeps the data dir held too
+    except BaseException:
+        for s in sockets:
+            s.close()
+        os.close(held)
+        raise
+    if redis_proc.proc is not None:
+        note_redis(held, "up", redis_proc.proc.pid)
     # The services this process starts are never ended by its node agent (lease_server/node/claims.py):
     # Redis; ``ray start`` and its children, Ray's daemons (Ray's workers, the raylet's children, may
     # be); JupyterLab and its kernels.

@@ -20,6 +20,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Sequence
@@ -48,26 +49,66 @@ LOCK_FILE = "in_use.lock"
 
 
 class DataDirInUse(Exception):
-    """Another process holds the data directory (:func:`hold_data_dir`)."""
+    """The data directory cannot be held (:func:`hold_data_dir`): the message says by whom, or why."""
 
 
-def hold_data_dir(data_dir: str | os.PathLike[str]) -> int:
+def hold_data_dir(data_dir: str | os.PathLike[str], what: str) -> int:
     """Hold ``data_dir`` for this process's life: an exclusive ``flock`` on ``<data_dir>/in_use.lock``
-    (0600), whose file names the holder's pid. A second ``gpulease up`` (or ``migrate --data-dir``) on
-    the same directory would start a second Redis on the same AOF; it gets :class:`DataDirInUse`
-    instead, before starting anything. The lock goes with the process (also on SIGKILL) and is never
-    inherited by the processes it starts (close-on-exec). Returns the file descriptor to keep open."""
+    (0600, a plain file of this user's), whose text names the holder (pid, ``what``: "up" or
+    "migrate", and its Redis's pid once :func:`note_redis` says it). A second ``gpulease up`` (or
+    ``migrate --data-dir``) on the same directory would start a second Redis on the same AOF; it
+    gets :class:`DataDirInUse` instead, before starting anything. The lock is the open file's: the
+    Redis this process starts keeps it too (``for_data_dir(..., held=fd)``), so it outlives a holder
+    killed with SIGKILL for as long as that Redis runs; nothing else it starts inherits it. Returns
+    the file descriptor to keep open."""
     path = private_dir(data_dir) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        raise DataDirInUse(f"{path} cannot be opened ({exc.strerror}): remove it, and start again") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise DataDirInUse(f"{path} is not a plain file of yours: remove it, and start again")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        said = os.pread(fd, 64, 0).decode(errors="replace").split()
         os.close(fd)
-        raise DataDirInUse(holder if holder.isdigit() else "") from None
+        raise DataDirInUse(_holder(Path(data_dir), said)) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
     return fd
+
+
+def note_redis(fd: int, what: str, redis_pid: int) -> None:
+    """Name the Redis started under the lock ``fd`` in its file (what a refusal then says)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {what} {redis_pid}\n".encode(), 0)
+
+
+def _holder(data_dir: Path, said: list[str]) -> str:
+    pid = int(said[0]) if said and said[0].isdigit() else 0
+    what = said[1] if len(said) > 1 and said[1].isalpha() else "up"
+    redis = int(said[2]) if len(said) > 2 and said[2].isdigit() else 0
+    if pid and _alive(pid):
+        return f"gpulease {what} (pid {pid}) is using {data_dir}.\n  Stop it first, or give this one --data-dir DIR."
+    if redis and _alive(redis):
+        return (
+            f"the Redis of a gpulease {what} that was killed (pid {pid}) still runs on {data_dir} "
+            f"(pid {redis}).\n  Stop it (kill {redis}), then start again."
+        )
+    return f"another process holds {data_dir / LOCK_FILE} (fuser names it); stop it, or use --data-dir DIR"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def ensure_password(data_dir: str | os.PathLike[str]) -> str:
@@ -151,6 +192,7 @@ class RedisProcess:
         self.port = port or free_port()
         self.fsync = fsync
         self.extra = list(extra)  # more redis-server options, e.g. ("--replicaof", "127.0.0.1", "6379")
+        self.keep_fds: tuple[int, ...] = ()  # open files the server keeps: the data dir's lock (hold_data_dir)
         self.proc: subprocess.Popen[bytes] | None = None
         self.name = "redis-server"  # the binary's name once started: valkey-server, redis-server
 
@@ -217,7 +259,9 @@ class RedisProcess:
             # must not appear in argv, where `ps` shows it to every local user.
             args.append("-")
             stdin = subprocess.PIPE
-        self.proc = subprocess.Popen(args, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=self.keep_fds
+        )
         if self.proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError), self.proc.stdin:
                 self.proc.stdin.write(f"requirepass {self.password}\n".encode())
@@ -299,9 +343,13 @@ class RedisProcess:
             log.info("%s stopped pid=%d port=%d", self.name, self.proc.pid, self.port)
 
 
-def for_data_dir(data_dir: str | os.PathLike[str]) -> RedisProcess:
+def for_data_dir(data_dir: str | os.PathLike[str], held: int | None = None) -> RedisProcess:
     """The Redis of ``gpulease up``'s data directory (not started): its AOF in ``<data_dir>/redis``,
     the directory made 0700, and the password of :func:`ensure_password` required. ``gpulease up`` and
-    ``gpulease migrate --data-dir`` start it; both connect with :attr:`RedisProcess.url`."""
+    ``gpulease migrate --data-dir`` start it; both connect with :attr:`RedisProcess.url`. ``held``:
+    the data dir's lock (:func:`hold_data_dir`), which the server keeps while it runs."""
     data_dir = private_dir(data_dir)
-    return RedisProcess(private_dir(data_dir / "redis"), password=ensure_password(data_dir))
+    proc = RedisProcess(private_dir(data_dir / "redis"), password=ensure_password(data_dir))
+    if held is not None:
+        proc.keep_fds = (held,)
+    return proc

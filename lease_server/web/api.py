@@ -202,7 +202,8 @@ class BaseHandler(tornado.web.RequestHandler):
         if not raw:  # no body; one of whitespace only is not JSON (the document calls it invalid)
             return {}
         try:
-            data = json.loads(raw)
+            # strict UTF-8 first: json.loads would take UTF-16 or UTF-32 too, and encoded surrogates
+            data = json.loads(raw.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise errors.BadRequest(f"body is not valid JSON ({exc}); send a JSON object") from exc
         except RecursionError:
