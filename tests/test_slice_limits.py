@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -93,20 +94,33 @@ def test_a_slice_over_its_memory_is_warned_then_ended_after_the_grace() -> None:
     assert w2.judge(slice_of(0), 50_000) is None  # a whole GPU: measured for its peak, never judged
 
 
+def sampled(w: MemWatch, now: list[float], mb_at: Any, until: float, every: float = 0.5) -> list[tuple[float, str]]:
+    """Judge a slice of 1 GB every ``every`` s (the agent's check interval), using ``mb_at(t)``."""
+    s, out = slice_of(1024), []
+    while now[0] <= until:
+        verdict = w.judge(s, mb_at(now[0]))
+        if verdict:
+            out.append((now[0], verdict))
+        now[0] += every
+    return out
+
+
 def test_bursts_over_a_slice_with_short_pauses_between_are_ended() -> None:
-    """Over for 1.5 s, under for 0.5 s, again: each pause is shorter than the grace, so the clock
-    that the first burst started keeps running (a single sample under it used to reset it)."""
+    """Over for 1.5 s (1 s between samples over), under for 0.5 s, again: each pause is shorter
+    than the grace, so the time over adds up (a single sample under used to start it again, and
+    such a cell was never ended)."""
     now = [0.0]
     w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
-    s = slice_of(1024)
-    verdicts = []
-    for k in range(4):
-        now[0] = 2.0 * k
-        verdicts.append(w.judge(s, 1500))
-        now[0] = 2.0 * k + 1.5
-        verdicts.append(w.judge(s, 100))
-    # warned at 0 s, ended at the burst of 4 s (2 s over its grace), once
-    assert verdicts == ["warn", None, None, None, "end", None, None, None], verdicts
+    got = sampled(w, now, lambda t: 100 if t % 2.0 >= 1.5 else 1500, until=20)
+    assert got == [(0.0, "warn"), (4.5, "end")], got  # 1 s over, 1 s, then 0.5 s more: past its 2 s
+
+
+def test_a_slice_that_spikes_over_now_and_then_is_warned_not_ended() -> None:
+    """One sample over every 2.5 s: over for no time between samples, so never past its grace."""
+    now = [0.0]
+    w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
+    got = sampled(w, now, lambda t: 1500 if t % 2.5 == 0 else 100, until=20)
+    assert got == [(0.0, "warn")], got
 
 
 def test_a_child_that_never_claimed_the_lease_is_measured_with_it() -> None:

@@ -695,6 +695,15 @@ def _bodies(max_ttl: float) -> Bodies:
                         "description": "Slices over their memory: warned, or ended (still over after the grace)",
                     },
                 ),
+                Field(
+                    "per_gpu",
+                    {
+                        "type": "boolean",
+                        "description": "The agent measured each lease on its most used GPU, against limit_mb per GPU "
+                        "(agents before it added up a lease's GPUs: their reports of leases of several GPUs are "
+                        "not acted on)",
+                    },
+                ),
             ),
             description="A remote node agent's pass over its node's leases' memory (GET /nodes/{node}/memory)",
         ),

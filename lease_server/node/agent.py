@@ -690,12 +690,13 @@ def run_remote(
                 "what": what,
                 "used_mb": used,
                 "peak_mb": watch.peak.get(w.lease, used),
-                "over_s": round(watch.clock() - watch.over_since.get(w.lease, watch.clock()), 2),
+                "over_s": round(watch.over_for.get(w.lease, 0.0), 2),
             }
             for w, what, used in verdicts
         ]
         if measured or over:
-            client.request("POST", protocol.node_memory(node), json={"measured": measured, "over": over})
+            report = {"measured": measured, "over": over, "per_gpu": True}  # (memwatch.agent_report)
+            client.request("POST", protocol.node_memory(node), json=report)
 
     claims = ThreadClaims(str(info.get("instance", "")), [inv.node for inv in inventories], record)
     wake = threading.Event()  # set by a drain watch's answer or a claim: the loop acts on it at once

@@ -36,7 +36,8 @@ from typing import Any
 from ..store.engine import Engine
 from ..store.scripts import DrainAbandon, Drained, LeaseRecord, Procs
 from .claims import Claim, Peer, process_uid, refusal, start_ticks
-from .enforce import Enforcer
+from .enforce import Enforcer, uses_gpu_device
+from .memwatch import descendants
 
 log = logging.getLogger(__name__)
 
@@ -238,13 +239,17 @@ class Drainer:
                 # GPU, or, with neighbours there, after abandon_after_s: whose they are is not known.
                 remaining = [p for p in e.pids if still_runs(p)]
                 seen = {p.pid for p in remaining}
-                for pid in in_cgroup(e.lease) if in_cgroup is not None else []:
+                kin = descendants([p.pid for p in remaining])  # a cell's children, which claim nothing
+                for pid in [*kin, *(in_cgroup(e.lease) if in_cgroup is not None else [])]:
                     start, uid = start_ticks(pid), process_uid(pid)
                     if pid not in seen and start is not None and uid is not None and uid in {p.uid for p in e.pids}:
+                        seen.add(pid)
                         remaining.append(Proc(pid, start, uid))
                 if nvml_procs is not None and remaining:
+                    # (NVML's pids are the host's: one this agent cannot match, in another pid
+                    # namespace, still counts while it has an NVIDIA device open)
                     on_gpu = set(nvml_procs(e.index))
-                    remaining = [p for p in remaining if p.pid in on_gpu]
+                    remaining = [p for p in remaining if p.pid in on_gpu or uses_gpu_device(p.pid)]
                 if not e.pids and nvml_procs is not None and nvml_procs(e.index):
                     first = self.unnamed.setdefault((node, e.lease, e.index), now)
                     if now - first <= self.abandon_after_s:

@@ -131,6 +131,8 @@ async def agent_report(engine: Engine, node: str, body: dict[str, Any]) -> dict[
         w = by_id.get(o["lease"])
         if w is None or not w.limit_mb:  # not watched here, or a whole GPU: nothing to hold it to
             continue
+        if len(w.indexes) > 1 and not body.get("per_gpu"):
+            continue  # an agent from before limit_mb was per GPU: it added up the k GPUs' memory
         used, peak = int(o["used_mb"]), max(int(o.get("peak_mb", 0)), int(o["used_mb"]))
         if await over_memory(engine, node, w, o["what"], used, peak, float(o.get("over_s", 0))):
             ended.append(w.lease)
@@ -197,45 +199,56 @@ class MemWatch:
     clock: Callable[[], float] = time.monotonic
     over_since: dict[str, float] = field(default_factory=dict)
     under_since: dict[str, float] = field(default_factory=dict)  # back under since, while over_since holds
+    over_for: dict[str, float] = field(default_factory=dict)  # seconds over: between samples both over
+    last_at: dict[str, float] = field(default_factory=dict)  # when it was last judged
+    was_over: set[str] = field(default_factory=set)  # over at its last sample
     warned: set[str] = field(default_factory=set)
     unmeasured: set[str] = field(default_factory=set)  # said once: NVML cannot read its memory
     ended: set[str] = field(default_factory=set)
     peak: dict[str, int] = field(default_factory=dict)
 
     def judge(self, w: Watched, used_mb: int) -> str | None:
-        """ "warn" (it just went over), "end" (over for longer than ``over_s``) or None. Going over
-        starts a clock that only ``over_s`` back under stops: a cell that frees for a moment
-        between bursts over its slice is still ended."""
+        """ "warn" (it just went over), "end" (over for longer than ``over_s`` in all) or None. The
+        time over adds up across short pauses under: only ``over_s`` back under starts it again,
+        so a cell that frees for a moment between bursts over its slice is still ended, and one
+        that spikes over for a sample now and then is not."""
         self.peak[w.lease] = max(self.peak.get(w.lease, 0), used_mb)
         if not w.limit_mb or w.lease in self.ended:
             return None
-        now = self.clock()
+        lease, now = w.lease, self.clock()
+        prev = self.last_at.get(lease)
+        self.last_at[lease] = now
         if used_mb <= w.limit_mb * (1 + self.over_pct / 100):
-            if w.lease in self.over_since:
-                under = self.under_since.setdefault(w.lease, now)
+            self.was_over.discard(lease)
+            if lease in self.over_since:
+                under = self.under_since.setdefault(lease, now)
                 if now - under >= self.over_s:
-                    self.over_since.pop(w.lease, None)
-                    self.under_since.pop(w.lease, None)
-                    self.warned.discard(w.lease)
+                    for table in (self.over_since, self.under_since, self.over_for):
+                        table.pop(lease, None)
+                    self.warned.discard(lease)
             return None
-        self.under_since.pop(w.lease, None)
-        since = self.over_since.setdefault(w.lease, now)
-        if w.lease not in self.warned:
-            self.warned.add(w.lease)
+        self.under_since.pop(lease, None)
+        self.over_since.setdefault(lease, now)
+        if lease in self.was_over and prev is not None:
+            self.over_for[lease] = self.over_for.get(lease, 0.0) + (now - prev)
+        self.was_over.add(lease)
+        if lease not in self.warned:
+            self.warned.add(lease)
             return "warn"
-        if now - since > self.over_s:
-            self.ended.add(w.lease)
+        if self.over_for.get(lease, 0.0) > self.over_s:
+            self.ended.add(lease)
             return "end"
         return None
 
     def forget(self, live: set[str]) -> None:
         """Drop what it knows of leases that are no longer watched (ended)."""
-        for table in (self.over_since, self.under_since, self.peak):
+        for table in (self.over_since, self.under_since, self.over_for, self.last_at, self.peak):
             for lease in [k for k in table if k not in live]:
                 del table[lease]
         self.warned &= live
         self.ended &= live
         self.unmeasured &= live
+        self.was_over &= live
 
 
 def judge_pass(
@@ -282,7 +295,7 @@ async def watch_pass(
     measured, verdicts = judge_pass(watched, watch, measure, in_cgroup)
     ended = []
     for w, what, used in verdicts:
-        over_s = watch.clock() - watch.over_since.get(w.lease, watch.clock())
+        over_s = watch.over_for.get(w.lease, 0.0)
         if await over_memory(engine, node, w, what, used, watch.peak.get(w.lease, used), over_s):
             ended.append(w.lease)
     if measured:  # what each uses now and its peak: the board shows them, the ledger keeps the peak
