@@ -29,7 +29,8 @@ fi
 OUT=${OUT:-$ROOT/gpu-run-out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpulease-run-all.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT # (what matters of it is in $OUT/logs.tar.gz)
+# (what matters of it is in $OUT/logs.tar.gz: tarred here too when the run is stopped before its end)
+trap '[ -f "$OUT/logs.tar.gz" ] || tar czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null; rm -rf "$WORK"' EXIT
 BUDGET=${GPULEASE_GPU_RUN_BUDGET:-460}
 PY=${GPULEASE_GPU_RUN_PYTHON:-python3}
 START=$SECONDS
