@@ -24,8 +24,9 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from lease_server import errors, protocol
+from lease_server import errors
 from lease_server.protocol import BOARD_RELEASE_REASON
+from lease_server.request import lone_surrogate
 from lease_server.store.keys import NAME_RE
 
 from . import __version__
@@ -137,7 +138,7 @@ class GpuLeaseHandler(APIHandler):
             raise errors.BadRequest(f"the request body must be a JSON object: {exc}") from exc
         if not isinstance(data, dict):
             raise errors.BadRequest(f"the request body must be a JSON object, got {type(data).__name__}")
-        lone = protocol.lone_surrogate(self.request.body, data)
+        lone = lone_surrogate(self.request.body, data)
         if lone is not None:
             raise errors.BadRequest(f"the request body holds a lone UTF-16 surrogate ({lone}); send text as UTF-8")
         return data

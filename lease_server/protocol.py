@@ -480,32 +480,6 @@ UNSAFE_CHARS = "\\x00-\\x1f\\x7f-\\x9f\\u061c\\u200e\\u200f\\u2028-\\u202e\\u206
 _UNSAFE = re.compile(f"[{UNSAFE_CHARS}]")
 
 
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(raw: bytes, data: Any) -> str | None:
-    """The first lone UTF-16 surrogate (as ``\\udXXX``) in the strings of ``data``, the JSON that
-    ``raw`` decoded to (as strict UTF-8, which carries none itself), if any: JSON's ``\\ud800``
-    escape decodes to one, which no UTF-8 (Redis, HTTP) can carry. A pair, escaped or not, decodes
-    to one code point and is fine. Only a body that escapes one is walked."""
-    if not _ESCAPED_SURROGATE.search(raw):
-        return None
-    todo = [data]
-    while todo:
-        value = todo.pop()
-        if isinstance(value, str):
-            m = _SURROGATE.search(value)
-            if m:
-                return m[0].encode("unicode_escape").decode("ascii")
-        elif isinstance(value, dict):
-            todo.extend(value.keys())
-            todo.extend(value.values())
-        elif isinstance(value, list):
-            todo.extend(value)
-    return None
-
-
 def escaped(text: object) -> str:
     """``text`` with each unsafe character written as its escape (``\\x1b``, ``\\u202e``): how a
     terminal shows text stored before the server refused them, so it cannot act on the terminal."""

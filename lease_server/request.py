@@ -47,6 +47,31 @@ TEXT_MESSAGE = f"must be a string of at most {MAX_TEXT} characters"
 
 _UNSAFE_RE = re.compile(f"[{UNSAFE_CHARS}]")
 
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(raw: bytes, data: Any) -> str | None:
+    """The first lone UTF-16 surrogate (as ``\\udXXX``) in the strings of ``data``, the JSON that
+    ``raw`` decoded to (as strict UTF-8, which carries none itself), if any: JSON's ``\\ud800``
+    escape decodes to one, which no UTF-8 (Redis, HTTP) can carry. A pair, escaped or not, decodes
+    to one code point and is fine. Only a body that escapes one is walked."""
+    if not _ESCAPED_SURROGATE.search(raw):
+        return None
+    todo = [data]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            m = _SURROGATE.search(value)
+            if m:
+                return m[0].encode("unicode_escape").decode("ascii")
+        elif isinstance(value, dict):
+            todo.extend(value.keys())
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
+    return None
+
 
 @lru_cache(maxsize=64)
 def regex(pattern: str) -> re.Pattern[str]:

@@ -461,3 +461,28 @@ def claim(
     if not reply.get("ok"):
         raise ClaimRefused(str(reply.get("error") or "the node agent gave no answer"))
     return dict(reply)
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """Every process below ``pids`` in the process tree (``/proc/PID/task/TID/children``); those
+    that exit meanwhile are skipped."""
+    found: list[int] = []
+    todo, seen = list(pids), set(pids)
+    while todo and len(found) < 4096:  # (a fork bomb's tree is not walked whole)
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for kid in kids:
+                if kid not in seen:
+                    seen.add(kid)
+                    found.append(kid)
+                    todo.append(kid)
+    return found

@@ -35,9 +35,8 @@ from typing import Any
 
 from ..store.engine import Engine
 from ..store.scripts import DrainAbandon, Drained, LeaseRecord, Procs
-from .claims import Claim, Peer, process_uid, refusal, start_ticks
+from .claims import Claim, Peer, descendants, process_uid, refusal, start_ticks
 from .enforce import Enforcer, uses_gpu_device
-from .memwatch import descendants
 
 log = logging.getLogger(__name__)
 

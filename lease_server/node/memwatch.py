@@ -36,7 +36,7 @@ from .. import errors
 from ..sizes import FIT_MARGIN, fitting_mb, show_mb
 from ..store.engine import Engine
 from ..store.scripts import MemPeaks, OverMemory
-from .claims import process_uid, start_ticks
+from .claims import descendants, process_uid, start_ticks
 
 log = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -152,31 +152,6 @@ def running_pids(w: Watched, in_cgroup: Callable[[str], list[int]] | None = None
         if pid not in pids and process_uid(pid) in uids:
             pids.append(pid)
     return pids
-
-
-def descendants(pids: list[int]) -> list[int]:
-    """Every process below ``pids`` in the process tree (``/proc/PID/task/TID/children``); those
-    that exit meanwhile are skipped."""
-    found: list[int] = []
-    todo, seen = list(pids), set(pids)
-    while todo and len(found) < 4096:  # (a fork bomb's tree is not walked whole)
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            for kid in kids:
-                if kid not in seen:
-                    seen.add(kid)
-                    found.append(kid)
-                    todo.append(kid)
-    return found
 
 
 def resident_mb(pid: int) -> int:

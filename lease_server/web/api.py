@@ -35,7 +35,7 @@ from ..node import drain, memwatch
 from ..node.claims import Claim, Peer
 from ..node.rayauth import info_token
 from ..protocol import LeaseJson
-from ..request import AcquireRequest
+from ..request import AcquireRequest, lone_surrogate
 from ..store import layout
 from ..store.engine import Engine, connect, not_now
 from ..store.scripts import LeaseRecord, lease_record
@@ -212,7 +212,7 @@ class BaseHandler(tornado.web.RequestHandler):
             raise errors.BadRequest("body has a number too long to read; send a JSON object of plain values") from None
         if not isinstance(data, dict):
             raise errors.BadRequest('body must be a JSON object, e.g. {"gpus": 1}')
-        lone = protocol.lone_surrogate(raw, data)
+        lone = lone_surrogate(raw, data)
         if lone is not None:
             raise errors.BadRequest(f"body holds a lone UTF-16 surrogate ({lone}); send text as UTF-8")
         return data
