@@ -30,7 +30,10 @@ OUT=${OUT:-$ROOT/gpu-run-out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpulease-run-all.XXXXXX)
 # (what matters of it is in $OUT/logs.tar.gz: tarred here too when the run is stopped before its end)
-trap '[ -f "$OUT/logs.tar.gz" ] || tar czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null; rm -rf "$WORK"' EXIT
+# and the step then running and the notebook step's gpulease up (its own session) are stopped, not
+# left holding the GPU for a second run on the same machine
+STEP_PG=""
+trap '[ -n "$STEP_PG" ] && kill -TERM -- "-$STEP_PG" 2>/dev/null; stop_up; [ -f "$OUT/logs.tar.gz" ] || tar czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null; rm -rf "$WORK"' EXIT
 BUDGET=${GPULEASE_GPU_RUN_BUDGET:-460}
 PY=${GPULEASE_GPU_RUN_PYTHON:-python3}
 START=$SECONDS
@@ -53,9 +56,11 @@ step() { # NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, what is left), its ou
     # timeout is its process group's leader: what is left in that group is killed after the step.
     timeout -k 5 "$limit" "$@" >"$WORK/$name.log" 2>&1 &
     tpid=$!
+    STEP_PG=$tpid
     wait "$tpid"
     rc=$?
     kill -KILL -- "-$tpid" 2>/dev/null
+    STEP_PG=""
     cat "$WORK/$name.log"
     local timed_out=false
     { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && timed_out=true
