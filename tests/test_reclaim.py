@@ -237,6 +237,13 @@ def test_on_a_gpu_shared_by_slices_a_process_of_none_of_them_is_foreign():
     assert foreign_pids("n1", gpus, ["~slices"], {"l-a": a, "l-b": b}, shared) == [[200]]
     # without what the GPU's slices are (an old caller), nothing on it counts, as before
     assert foreign_pids("n1", gpus, ["~slices"], {"l-a": a, "l-b": b}) == [[]]
+    # The GPU uses more than its slices are promised (20 GB + 5 %): every process no slice claimed
+    # and no draining slice holds is named, whoever owns it (all cells may run as one Ray user)
+    promised = [Sharers(frozenset({"l-a", "l-b"}), frozenset({120}), 20_480)]
+    within = [{**gpus[0], "mem_mb": 21_000}]
+    beyond = [{**gpus[0], "mem_mb": 30_000}]
+    assert foreign_pids("n1", within, ["~slices"], {"l-a": a, "l-b": b}, promised) == [[200]]
+    assert foreign_pids("n1", beyond, ["~slices"], {"l-a": a, "l-b": b}, promised) == [[130, 200, 210]]
 
 
 def test_the_agent_names_the_owner_of_each_process_it_can_see():

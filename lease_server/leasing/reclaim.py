@@ -184,7 +184,7 @@ async def record_samples(
     GPUs in use by processes that are not their holder's: :func:`foreign_pids`)."""
     slots = [f"{node}/{int(g['index'])}" for g in gpus]
     holders, leases, kept_out, sharers = await _holders_and_leases(engine, slots)
-    foreign = foreign_pids(node, gpus, holders, leases, sharers)
+    foreign = foreign_pids(node, gpus, holders, leases, sharers, engine.settings.slice_over_pct / 100)
     if threshold is None:
         pols = await policies(engine)
         threshold = pols[pool].idle_threshold if pool in pols else engine.settings.idle_threshold
@@ -232,11 +232,13 @@ async def _hold_or_free(
 
 
 class Sharers(NamedTuple):
-    """A GPU shared by slices (``~slices``): its live slices' lease ids, and the processes of its
-    draining slices (the drain's business, not unleased use)."""
+    """A GPU shared by slices (``~slices``): its live slices' lease ids, the processes of its
+    draining slices (the drain's business, not unleased use), and the MB its slices are promised
+    together (0: not known)."""
 
     leases: frozenset[str]
     draining: frozenset[int]
+    promised_mb: int = 0
 
 
 async def _holders_and_leases(
@@ -261,7 +263,8 @@ async def _holders_and_leases(
             if raw:
                 led = json.loads(raw)
                 pids = {int(p) for d in (led.get("draining") or {}).values() for p in d.get("pids") or []}
-                sharers[i] = Sharers(frozenset(led.get("leases") or {}), frozenset(pids))
+                promised = int(led.get("used_mb") or 0)
+                sharers[i] = Sharers(frozenset(led.get("leases") or {}), frozenset(pids), promised)
     ids = {h for h in holders if h and not h.startswith("~")}  # "~": draining, "~slices": sliced
     ids |= {lid for sh in sharers if sh for lid in sh.leases}
     ordered = sorted(ids)
@@ -275,6 +278,7 @@ def foreign_pids(
     holders: list[str | None],
     leases: dict[str, dict[str, Any]],
     sharers: list[Sharers | None] | None = None,
+    slack: float = 0.05,
 ) -> list[list[int]]:
     """Per GPU of a sample, the processes on it that are not its holder's: unleased use, judged
     per GPU. A process belongs to the lease it claimed on this node (its agent recorded it:
@@ -287,7 +291,9 @@ def foreign_pids(
     A draining GPU ("~") is the drain's business: nothing on it counts here. On a GPU shared by
     slices ("~slices", with its ``sharers``) a process is covered if one of its slices claimed it,
     if it is a draining slice's, or, having claimed nothing, unless the agent named its owner and
-    the slices' claims name others (without ``sharers``, nothing on it counts)."""
+    the slices' claims name others, or the GPU's sample uses more memory than its slices are
+    promised (by more than ``slack`` of it): its slices are held to theirs by the agent, so what is
+    beyond them is a process no slice answers for (without ``sharers``, nothing on it counts)."""
     claimed: dict[int, str] = {}
     claim_uids: dict[str, set[int]] = {}  # the owners of each lease's claims on this node
     for lid, rec in leases.items():
@@ -310,15 +316,14 @@ def foreign_pids(
         shared = sharers[i] if sharers is not None and holder == "~slices" else None
         if shared is not None:
             uids = {u for lid in shared.leases for u in claim_uids.get(lid, ())}
+            beyond = bool(shared.promised_mb) and int(g.get("mem_mb") or 0) > shared.promised_mb * (1 + slack)
             out.append(
                 [
                     pid
                     for pid in (int(p) for p in g.get("procs", []))
                     if claimed.get(pid) not in shared.leases
                     and pid not in shared.draining
-                    and uids
-                    and pid in uid_of
-                    and uid_of[pid] not in uids
+                    and (beyond or (uids and pid in uid_of and uid_of[pid] not in uids))
                 ]
             )
             continue
@@ -394,7 +399,8 @@ async def unleased_to_kill(engine: Engine, node: str, gpus: list[dict[str, Any]]
     flagged = await engine.redis.hmget(engine.keys.unleased, slots)
     holders, leases, _, sharers = await _holders_and_leases(engine, slots)
     out = []
-    for g, flag, pids in zip(gpus, flagged, foreign_pids(node, gpus, holders, leases, sharers), strict=True):
+    slack = engine.settings.slice_over_pct / 100
+    for g, flag, pids in zip(gpus, flagged, foreign_pids(node, gpus, holders, leases, sharers, slack), strict=True):
         if flag and pids:
             out.append({"index": int(g["index"]), "pids": pids})
     return out
