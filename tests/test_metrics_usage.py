@@ -310,3 +310,27 @@ async def rollup_rows_in(r: Any, prefix: str, lo_h: int, hi_h: int) -> int:
     """How many rollup rows the hours [lo_h, hi_h] have."""
     keys = Keys(prefix)
     return len(await r.zrangebylex(keys.rollup_idx, f"[{rollup.hour_name(lo_h)}|", f"({rollup.hour_name(hi_h + 1)}|"))
+
+
+def test_samples_while_a_lease_is_warm_are_not_its_use(srv: Any, redis_sync: Redis) -> None:
+    """A cell busy on its GPUs, then kept warm (its GPUs idle, the worker waiting for the next
+    cell), then busy again: the warm time's idle samples are not held-idle time. They made its
+    busy share, its used GPU-seconds and its fair-share charge look like a notebook sitting on
+    GPUs it did not use."""
+    alice = srv.client("alice")
+    lease = alice.acquire(1, pool=A100)
+
+    def sampled(util: int, times: int) -> None:
+        with http(srv, "root", "admin") as admin:
+            for _ in range(times):
+                body = {"gpus": [{"index": g["index"], "util": util} for g in lease.gpus]}
+                assert admin.post(f"{API}/nodes/n1/samples", json=body).status_code == 200
+
+    sampled(95, 3)
+    alice.warm(lease)
+    sampled(0, 6)  # kept warm: nobody runs anything on it
+    alice.warm(lease, on=False)  # the next cell runs on it
+    sampled(95, 1)
+    alice.release(lease)
+    (line,) = [x for x in _ledger(redis_sync, Keys(srv.settings.prefix)) if x["lease"] == lease.id]
+    assert line["busy_frac"] == 1.0 and float(line.get("warm_gpu_s") or 0) > 0, line

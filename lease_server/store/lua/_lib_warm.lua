@@ -14,6 +14,9 @@ local function warm_lease(lease)
     redis.call('ZADD', K_DEADLINES, lease.expires_at, lease.id)
   end
   touch_usage(lease.pool, lease.user, -gpu_share(lease), 0)
+  -- its GPUs' samples are not its use while warm (samples.lua): its held-idle figure and its
+  -- fair-share weight were counting the warm hours as idle held time
+  redis.call('HSET', K_LEASE_UTIL, lease.id .. '|warm', 1)
   redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm', 1)
   if not lease.gpu_mem_mb then  -- (allocate's fit: a warm slice lends memory, not a whole GPU)
     redis.call('HINCRBY', K_HELD_BY, lease.pool .. '|~warm@' .. lease.node, #lease.gpus)
@@ -42,6 +45,7 @@ local function cool_lease(lease)
   local old = victim_member(lease)
   lease.warm_ms = (lease.warm_ms or 0) + (NOW - lease.warm_since) * gpu_share(lease)
   lease.warm_since, lease.warm_until = nil, nil
+  redis.call('HDEL', K_LEASE_UTIL, lease.id .. '|warm')
   touch_usage(lease.pool, lease.user, gpu_share(lease), 0)
   local counts = {['|~warm'] = 1}
   if not lease.gpu_mem_mb then counts['|~warm@' .. lease.node] = #lease.gpus end

@@ -70,10 +70,13 @@ while ARGV[i] do
     local d = redis.call('HGET', KEYS[8], slot)
     if d and string.find(d, '"state":"unleased"', 1, true) then holder = false end
   end
-  if holder and holder ~= '~' then
+  -- (a warm lease's samples are not its use: its cell ended; its peak still counts)
+  if holder and holder ~= '~' and redis.call('HEXISTS', KEYS[7], holder .. '|warm') == 0 then
     redis.call('HINCRBY', KEYS[7], holder .. '|n', 1)
     if util >= threshold then redis.call('HINCRBY', KEYS[7], holder .. '|busy', 1) end
     redis.call('HINCRBYFLOAT', KEYS[7], holder .. '|sum', util)
+  end
+  if holder and holder ~= '~' then
     if mem > tonumber(redis.call('HGET', KEYS[7], holder .. '|peak') or '-1') then
       redis.call('HSET', KEYS[7], holder .. '|peak', mem)
     end
