@@ -535,7 +535,9 @@ const UsageCharts = React.memo(function UsageCharts(props: {
   );
   const unit = gpuUnit(largest);
   const own = s.scope === 'own' ? ' This server shows you only your own usage (usage_own_rows_only).' : '';
-  if (s.total.calls === 0) {
+  // (calls count in the hour a lease was granted: a range holding only the tail of a long lease
+  // has GPU time and no call, and its charts are drawn)
+  if (s.total.calls === 0 && s.total.held_gpu_s + s.total.warm_gpu_s === 0 && s.groups.length === 0) {
     return (
       <>
         <p className="jp-GpuLease-usageTotals">{daysLine(s)}</p>
