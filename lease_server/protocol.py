@@ -384,6 +384,9 @@ class EventType(enum.StrEnum):
     BOOKING_CANCELLED = "reservation_cancelled"  # a booking was cancelled (unbook.lua)
     BOOKING_ENDED = "reservation_ended"  # a booking's current occurrence was ended early (unbook.lua)
     BOOKING_NO_SHOW = "reservation_no_show"  # a booking's occurrence unused by its deadline: GPUs freed (sweep.lua)
+    # a lease served from a booking goes on as an ordinary lease (quota, recall): its occurrence
+    # ended, was ended, or the booking was cancelled (_lib_end.lua leave_booking)
+    BOOKING_LEASE_FREED = "booking_lease_freed"
     # policy
     POLICY_CHANGED = "policy_changed"  # an admin changed a pool's idle reclaim policy (reclaim.set_policy)
 
@@ -456,6 +459,7 @@ LOG_ONLY_EVENTS = frozenset(
         EventType.UNLEASED_KILLED,
         EventType.OVER_MEMORY_WARNING,
         EventType.OVER_MEMORY,
+        EventType.BOOKING_LEASE_FREED,
     )
 )
 

@@ -25,6 +25,7 @@ from lease_server.store.engine import Engine
 from lease_server.store.keys import Keys
 from tests.api_helpers import API, EventWatcher, assert_error, http, unchanged
 from tests.conftest import make_settings
+from tests.invariants import check_state
 
 HOUR = 3600
 # A Monday well in the future, 09:00 UTC: clash tests do not depend on today's date.
@@ -558,3 +559,52 @@ def test_a_borrowed_gang_is_recalled_for_the_holder(server_factory):
         assert revoked["ts"] - recall["ts"] >= 0.5 - 0.001
         # every node of the gang got its GPUs back, not only the one alice was served on
         assert sorted((p["node"], sorted(p["gpus"])) for p in revoked["parts"]) == [("n1", [0, 1]), ("n2", [0, 1])]
+
+
+def test_a_bookings_leases_go_on_as_ordinary_ones_once_its_time_is_over(server_factory, redis_sync):
+    """Alice's lease served from her booking kept its GPUs past the booking's end, from Bob's
+    booking that followed it too: a booking's lease was never recalled. Now, once her occurrence
+    is over (or she ends it, or cancels), her lease is an ordinary one: counted against quota and
+    recalled, with notice, for Bob's booking."""
+    srv = server_factory("a=2xA100-80GB", borrow_notice=1.0, default_ttl=120)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    now = time.time()
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        mine = alice.post(f"{API}/bookings", json={"pool": "A100-80GB", "gpus": 2, "start": now - 60, "end": now + 3})
+        assert mine.status_code == 201, mine.text
+        theirs = bob.post(f"{API}/bookings", json={"pool": "A100-80GB", "gpus": 2, "start": now + 3, "end": now + 3600})
+        assert theirs.status_code == 201, theirs.text
+        held = srv.client("alice").acquire(2, ttl=120)
+        assert held.raw.get("reservation") == mine.json()["id"]
+        freed = watcher.wait_for(lambda e: e["type"] == "booking_lease_freed" and e["lease"] == held.id, 30, "freed")
+        assert freed["reservation"] == mine.json()["id"] and freed["user"] == "alice"
+        got = srv.client("bob").acquire(2, wait=30, ttl=60)  # recalled from alice, after its notice
+        assert got.raw.get("reservation") == theirs.json()["id"]
+        ended = srv.client("alice").get(held.id)
+        assert ended["state"] == "revoked" and "recalled for bob's booking" in ended["end_reason"], ended
+    check_state(redis_sync, Keys(srv.settings.prefix))
+
+
+def test_ending_or_cancelling_a_booking_lets_its_leases_go_as_ordinary_ones(server_factory, redis_sync):
+    srv = server_factory("a=2xA100-80GB", borrow_notice=1.0, default_ttl=120)
+    now = time.time()
+    with http(srv, "alice") as alice:
+        for how in ("end", "cancel"):
+            r = alice.post(
+                f"{API}/bookings", json={"pool": "A100-80GB", "gpus": 2, "start": now - 60, "end": now + 3600}
+            )
+            assert r.status_code == 201, r.text
+            booking = r.json()["id"]
+            held = srv.client("alice").acquire(2, ttl=120)
+            assert held.raw.get("reservation") == booking
+            done = (
+                alice.post(f"{API}/bookings/{booking}/end")
+                if how == "end"
+                else alice.delete(f"{API}/bookings/{booking}")
+            )
+            assert done.status_code == 200, done.text
+            assert done.json()["held"] == 0, done.json()
+            lease = srv.client("alice").get(held.id)
+            assert lease["state"] == "active" and not lease.get("reservation"), (how, lease)
+            srv.client("alice").release(held)
+    check_state(redis_sync, Keys(srv.settings.prefix))

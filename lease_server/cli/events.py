@@ -212,6 +212,10 @@ def describe(ev: dict[str, Any]) -> str:
     if t == "unleased_use":
         pids = ", ".join(str(p) for p in ev.get("pids") or [])
         return f"{ev.get('node')} GPU {ev.get('gpu')}: pids {pids}, no lease holds it"
+    if t == "booking_lease_freed":  # its booking's time is over: an ordinary lease now
+        above = ", above quota: preemptible" if ev.get("preemptible") else ""
+        what = f"{ev.get('gpus')}x {ev.get('pool', '')}"
+        return f"{what}: booking {ev.get('reservation')} over, now an ordinary lease{above}"
     if t == "unleased_use_ended":
         return f"{ev.get('node')} GPU {ev.get('gpu')} is clear again"
     if t == "unleased_killed":

@@ -97,16 +97,24 @@ end
 local function schedule_booking(r)
   local k = r.check_k or 0
   local used, released = r.used or {}, r.released or {}
+  -- (and the end of an occurrence that still serves leases: they go on as ordinary leases then,
+  -- leave_booking in _lib_end.lua)
+  local served = nil
+  for _, lk in pairs(r.leases or {}) do
+    local _, e = occ_span(r, lk)
+    if served == nil or e < served then served = e end
+  end
   while k < r.occurrences do
     local s, e = occ_span(r, k)
     local deadline = math.max(s, r.base_at or s) + r.no_show_ms
     if deadline < e and not used[tostring(k)] and not released[tostring(k)] then
       r.check_k = k
-      redis.call('ZADD', K_BOOKING_DUE, deadline, r.id)
+      redis.call('ZADD', K_BOOKING_DUE, math.min(deadline, served or deadline), r.id)
       return
     end
     k = k + 1
   end
   r.check_k = k
-  redis.call('ZADD', K_BOOKING_DUE, r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms, r.id)
+  local gone = r['end'] + (r.occurrences - 1) * WEEK_MS + r.keep_ms
+  redis.call('ZADD', K_BOOKING_DUE, math.min(gone, served or gone), r.id)
 end

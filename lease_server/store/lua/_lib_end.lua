@@ -195,6 +195,10 @@ local function end_lease(lease, state, reason, by, raw, drain, code, why)
     if rraw then
       local r = cjson.decode(rraw)
       r.held = math.max(0, (r.held or 0) - #lease.gpus)
+      if r.leases then
+        r.leases[lease.id] = nil
+        if next(r.leases) == nil then r.leases = nil end
+      end
       save_booking(r)
     end
   end
@@ -279,4 +283,40 @@ local function expire_if_due(lease, raw, late)
   local _, ended_json = end_lease(lease, 'expired', why, 'server', raw, nil, expiry_code(lease))
   dispatch(lease.pool)
   return {EXPIRED, ended_json}
+end
+
+-- The leases booking r serves whose occurrence has ended (`all`: every one of them, for a booking
+-- cancelled or whose occurrence its owner ended) go on as ordinary leases: counted against the
+-- quota again (preemptible above it) and in the recall index, so that the next booking's owner,
+-- or anyone the pool owes GPUs to, takes them back with notice as any lease. A booking's lease was
+-- never recalled, so without this it kept its GPUs past its booking, from the next booking's
+-- owner too. Whether it let any go (r is changed; the caller saves it).
+local function leave_booking(r, all)
+  local let_go = false
+  for id, k in pairs(r.leases or {}) do
+    local _, e = occ_span(r, k)
+    if all or e <= NOW then
+      r.leases[id] = nil
+      let_go = true
+      local raw = redis.call('HGET', K_LEASES, id)
+      local l = raw and cjson.decode(raw)
+      if l and l.resv == r.id then
+        local old = victim_member(l)
+        l.resv = nil
+        r.held = math.max(0, (r.held or 0) - #l.gpus)
+        if within_quota(l, l.pool, gpu_share(l)) then
+          count_held(l, 1)
+        else
+          l.preemptible = true
+          redis.call('HINCRBY', K_HELD_BY, l.pool .. '|~preemptible', 1)
+        end
+        redis.call('HSET', K_LEASES, id, cjson.encode(l))
+        index_victim(old, l)
+        emit('booking_lease_freed', {lease = id, user = l.user, pool = l.pool, gpus = #l.gpus, reservation = r.id,
+                                     preemptible = l.preemptible})
+      end
+    end
+  end
+  if r.leases and next(r.leases) == nil then r.leases = nil end
+  return let_go
 end

@@ -175,6 +175,10 @@ local function grant_parts(w, parts)
     r.held = (r.held or 0) + #taken
     r.used = r.used or {}
     r.used[tostring(w.booking.k)] = true
+    r.leases = r.leases or {}
+    r.leases[w.id] = w.booking.k  -- until that occurrence ends (leave_booking, from the sweep then)
+    local _, occ_end = occ_span(r, w.booking.k)
+    redis.call('ZADD', K_BOOKING_DUE, 'LT', occ_end, r.id)
     save_booking(r)
     w.booking.owed = w.booking.owed - #taken
   elseif w.borrowed then

@@ -31,7 +31,13 @@ end
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_BOOKING_DUE, '-inf', NOW, 'LIMIT', 0, limit)) do
   local raw = redis.call('HGET', K_BOOKINGS, id)
   local r = raw and cjson.decode(raw)
-  if r and r.state == 'active' and (r.check_k or 0) < r.occurrences then
+  if r and r.leases and leave_booking(r, false) then
+    -- an occurrence that served leases ended: they go on as ordinary leases (its other checks,
+    -- due as well, come at the next sweep)
+    schedule_booking(r)
+    save_booking(r)
+    pools[r.pool] = true
+  elseif r and r.state == 'active' and (r.check_k or 0) < r.occurrences then
     local k = r.check_k or 0
     local s, e = occ_span(r, k)
     local deadline = math.max(s, r.base_at or s) + r.no_show_ms

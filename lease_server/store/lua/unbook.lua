@@ -16,6 +16,7 @@ if admin ~= '1' and r.created_by ~= user and not holds_booking(r, user, team_set
 end
 if r.state ~= 'active' then return {ENDED, raw} end
 r.rev = r.rev + 1
+leave_booking(r, true)  -- its leases go on as ordinary ones, which the pool may take back
 if mode == 'cancel' then
   r.state = 'cancelled'
   r.cancelled_at, r.cancelled_by = NOW, user
