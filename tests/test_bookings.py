@@ -608,3 +608,25 @@ def test_ending_or_cancelling_a_booking_lets_its_leases_go_as_ordinary_ones(serv
             assert lease["state"] == "active" and not lease.get("reservation"), (how, lease)
             srv.client("alice").release(held)
     check_state(redis_sync, Keys(srv.settings.prefix))
+
+
+def test_moving_a_booking_to_another_pool_counts_as_new_and_lets_its_leases_go(server_factory, redis_sync):
+    """A booking moved to another pool was held to no share there (it did not "grow"), and kept
+    counting the old pool's leases as held, so its owner could not use the new pool's GPUs."""
+    srv = server_factory("a=4xA100-80GB,t=2xT4-16GB", booking_share=0.5, borrow_notice=1.0, default_ttl=120)
+    now = time.time()
+    with http(srv, "alice") as alice:
+        r = alice.post(f"{API}/bookings", json={"pool": "A100-80GB", "gpus": 2, "start": now - 60, "end": now + 3600})
+        assert r.status_code == 201, r.text
+        booking = r.json()["id"]
+        with unchanged(redis_sync, srv):  # 2 of the T4 pool's 2 is over its share (1)
+            moved = alice.patch(f"{API}/bookings/{booking}", json={"pool": "T4-16GB"})
+            assert_error(moved, 403, "forbidden", "at most 1 GPU(s)")
+        held = srv.client("alice").acquire(2, pool="A100-80GB", ttl=120)
+        assert held.raw.get("reservation") == booking
+        moved = alice.patch(f"{API}/bookings/{booking}", json={"pool": "T4-16GB", "gpus": 1})
+        assert moved.status_code == 200 and moved.json()["held"] == 0, moved.text
+        assert not srv.client("alice").get(held.id).get("reservation")  # an ordinary A100 lease now
+        t4 = srv.client("alice").acquire(1, pool="T4-16GB", ttl=120)
+        assert t4.raw.get("reservation") == booking
+    check_state(redis_sync, Keys(srv.settings.prefix))

@@ -109,7 +109,8 @@ end
 local share = tonumber(ARGV[10]) or 1
 -- A change that takes no more than the booking held (its note, fewer GPUs) is never refused by it:
 -- an owner over the cap (an admin booked for them, the cap was lowered since) may still shrink.
-local grows = not (old and old.owner == rec.owner and rec.gpus <= old.gpus and rec.start == old.start
+local grows = not (old and old.owner == rec.owner and old.pool == pool and rec.gpus <= old.gpus
+  and rec.start == old.start
   and rec['end'] == old['end'] and rec['repeat'] == old['repeat'] and rec.occurrences <= old.occurrences)
 if share < 1 and grows then
   local limit = math.max(1, math.floor(cap * share + 1e-9))
@@ -203,6 +204,16 @@ end
 if mode == 'check' then
   return {OK, cjson.encode({fits = true, node = rec.node, capacity = cap, max_gpus = room})}
 end
+if old then
+  -- Its leases were served from what it was: another pool, owner or time, and they go on as
+  -- ordinary leases (a lease of the old pool counted as held by the new booking, which its owner
+  -- could then not use); otherwise the booking keeps serving them.
+  if old.leases and (old.pool ~= pool or old.owner ~= rec.owner or rec.start ~= old.start
+                     or rec['end'] ~= old['end'] or rec['repeat'] ~= old['repeat']) then
+    leave_booking(old, true)
+  end
+  rec.held, rec.leases = old.held or 0, old.leases
+end
 rec.rev = old and (old.rev + 1) or 1
 rec.base_at = NOW
 rec.check_k = 0
@@ -213,6 +224,7 @@ redis.call('ZADD', K_BOOKING_IDX, 0, pool .. '|' .. rec.id)
 emit(old and 'reservation_changed' or 'reservation_created',
      {id = rec.id, owner = rec.owner, pool = pool, gpus = rec.gpus, start = rec.start, ['end'] = rec['end'],
       ['repeat'] = rec['repeat'], occurrences = rec.occurrences, node = rec.node, by = rec.changed_by})
--- A booking that starts now may change who is served first.
+-- A booking that starts now may change who is served first (in the pool it left too).
 dispatch(pool)
+if old and old.pool ~= pool then dispatch(old.pool) end
 return {OK, cjson.encode(rec)}
