@@ -630,3 +630,20 @@ def test_moving_a_booking_to_another_pool_counts_as_new_and_lets_its_leases_go(s
         t4 = srv.client("alice").acquire(1, pool="T4-16GB", ttl=120)
         assert t4.raw.get("reservation") == booking
     check_state(redis_sync, Keys(srv.settings.prefix))
+
+
+def test_a_change_that_ends_a_booking_in_the_past_is_refused(server_factory, redis_sync):
+    """As a new booking that ends in the past is (a weekly series under way set to "does not
+    repeat" from the form left one occurrence, in the past, and dropped every later week)."""
+    srv = server_factory()
+    now = time.time()
+    with http(srv, "alice") as alice:
+        weekly = book(alice, gpus=1, start=now - 8 * 24 * HOUR, hours=1, repeat="weekly", occurrences=4)
+        assert weekly.status_code == 201, weekly.text
+        booking = weekly.json()["id"]
+        with unchanged(redis_sync, srv):
+            once = alice.patch(f"{API}/bookings/{booking}", json={"repeat": "none"})
+            assert_error(once, 400, "bad_request", "end the booking in the past", "or cancel it")
+            past = alice.patch(f"{API}/bookings/{booking}", json={"start": 978_307_200, "end": 978_310_800})
+            assert_error(past, 400, "bad_request", "in the past")
+        assert alice.patch(f"{API}/bookings/{booking}", json={"note": "kept"}).status_code == 200

@@ -62,7 +62,17 @@ export function toBooking(f: IFields): IBookingRequest | string {
   return booking;
 }
 
-/** The fields of a booking that differ from an existing one (what a PATCH sends). */
+/** Whether two epoch-second times fall in the same minute: the form writes times to the minute. */
+function sameMinute(a: unknown, b: unknown): boolean {
+  return typeof a === 'number' && typeof b === 'number' && Math.floor(a / 60) === Math.floor(b / 60);
+}
+
+/**
+ * The fields of a booking that differ from an existing one (what a PATCH sends). A start or end
+ * the form shows unchanged is not sent: the form holds minutes, and a booking made by the CLI or
+ * the API may have seconds, which would otherwise make every save a change of time (refused over
+ * the owner's share, and undoing "End now").
+ */
 export function changesOf(existing: IBooking, booking: IBookingRequest): Partial<IBookingRequest> {
   const before: Record<string, unknown> = {
     pool: existing.pool,
@@ -78,7 +88,8 @@ export function changesOf(existing: IBooking, booking: IBookingRequest): Partial
   const after: Record<string, unknown> = { note: '', owner: existing.owner, ...booking };
   const changes: Record<string, unknown> = {};
   for (const key of Object.keys(after)) {
-    if (after[key] !== before[key]) {
+    const unmoved = (key === 'start' || key === 'end') && sameMinute(after[key], before[key]);
+    if (after[key] !== before[key] && !unmoved) {
       changes[key] = after[key];
     }
   }

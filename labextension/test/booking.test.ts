@@ -102,6 +102,12 @@ describe('changesOf', () => {
     expect(changesOf(existing, same())).toEqual({});
   });
 
+  test('a time with seconds that the form shows to the minute is not a change', () => {
+    const made = { ...existing, start: existing.start + 17, end: existing.end + 42 }; // by the CLI
+    expect(changesOf(made, { ...same(), note: 'fine-tuning' })).toEqual({ note: 'fine-tuning' });
+    expect(changesOf(made, { ...same(), end: existing.end + 60 })).toEqual({ end: existing.end + 60 });
+  });
+
   test('only the fields that differ', () => {
     expect(changesOf(existing, { ...same(), gpus: 3, end: existing.end + 3600 })).toEqual({
       gpus: 3,

@@ -265,6 +265,13 @@ class Bookings:
                 raise errors.BadRequest(f"nothing to change: send any of {', '.join(FIELDS)}")
             rec = self._spec(body, dict(old), user, admin, teams)
             rec["changed_by"] = user
+            now = int(time.time() * 1000) if now_ms is None else now_ms
+            last_end = rec["end"] + (rec["occurrences"] - 1) * WEEK_MS
+            if last_end <= now and any(k in body for k in ("start", "end", "repeat", "occurrences")):
+                raise errors.BadRequest(
+                    f"the change would end the booking in the past ({fmt(last_end)}); "
+                    "give it a window that ends later, or cancel it"
+                )
             try:
                 out = await self._write("check" if dry_run else "edit", rec, str(old.get("rev", 0)), now_ms, admin)
             except errors.StaleToken:
