@@ -179,8 +179,14 @@ if not ok then
     if math.abs(a) ~= math.abs(b) then return math.abs(a) < math.abs(b) end
     return a > b
   end)
+  -- Each try walks this booking's occurrences against every other's: the tries are bounded by that
+  -- work too, so that a pool of many long weekly series cannot hold Redis for seconds (a clash
+  -- check runs as the booking form is filled in): fewer suggestions then, at least three tries.
+  local load = 0
+  for _, r in ipairs(others) do load = load + (r.occurrences or 1) end
+  local tries = math.min(#cands, 60, math.max(3, math.floor(2000000 / math.max(1, rec.occurrences * load))))
   local suggestions = {}
-  for i = 1, math.min(#cands, 60) do
+  for i = 1, tries do
     local shift = cands[i]
     local good = fits(others, cap, shift)
     if good and rec.colocate then
