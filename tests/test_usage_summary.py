@@ -19,6 +19,7 @@ import math
 import random
 import time
 from collections import defaultdict
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -338,6 +339,11 @@ def _check_replayed(server: ServerHandle, keys: Keys, redis_sync: Redis) -> None
     assert len(rows) == 2 * 5 and {r["pool"] for r in rows} == {"sim", "(all)"}
     sim_total = next(r for r in rows if r["pool"] == "sim" and r["day"] == "total")
     assert int(sim_total["calls"]) == as_json["total"]["calls"]
+    # without --until: whole UTC days, today the last (7 x 24 h back from now cut both ends)
+    done = CliRunner().invoke(main, ["report", "--json", "--url", server.url, "--token", server.token("cy")])
+    days = json.loads(done.output)["days"]
+    today = datetime.now(UTC).date()
+    assert days == [str(today - timedelta(days=6 - i)) for i in range(7)], days
 
 
 def test_bad_windows_pools_and_users_are_refused_naming_what_works(server_factory: Any, redis_sync: Redis) -> None:

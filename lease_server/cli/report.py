@@ -133,7 +133,12 @@ def _day(value: str) -> dt.datetime:
 @click.command()
 @click.option("--by", type=click.Choice(["user", "team", "pool"]), default="user", show_default=True)
 @click.option("--days", type=click.IntRange(1, 400), default=7, show_default=True, help="How many days")
-@click.option("--until", "until", help="The day after the last one (UTC, e.g. 2026-11-23); default: up to now")
+@click.option(
+    "--until",
+    "until",
+    help="The day after the last one (UTC, e.g. 2026-11-23); default: tomorrow, so that the last day is today "
+    "so far, as in the Usage tab's ranges",
+)
 @click.option("--pool", help="Only this pool")
 @click.option("--user", help="Only this user")
 @click.option("--json", "as_json", is_flag=True, help="The server's answer as JSON (docs/usage.md)")
@@ -154,7 +159,10 @@ def report(
     waits, in total and per day, from the server's hourly rollups."""
     if as_json and as_csv:
         raise click.UsageError("--json and --csv clash: pick one")
-    end = _day(until) if until else dt.datetime.now(dt.UTC)
+    # whole UTC days: up to the start of tomorrow by default (7 days: six whole days and today so
+    # far, as the Usage tab's "7 days"), not 7 x 24 h back from now, which cut both ends
+    today = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    end = _day(until) if until else today + dt.timedelta(days=1)
     start = end - dt.timedelta(days=days)
     with Client(url, token) as c:
         out = c.usage_summary(by, start.timestamp(), end.timestamp(), pool, user)
