@@ -956,10 +956,23 @@ def test_200_random_slice_cells_only_the_offenders_are_ended(server_factory: Any
     check_event_log(events)
 
 
-def test_a_process_of_another_user_on_a_sliced_gpu_is_unleased_use(srv: ServerHandle) -> None:
-    """A GPU shared by slices: a process that claimed none of them, whose owner is none of the
-    slices' claimers, is unleased use there (flagged, named in its event), while a slice's own
-    processes are not."""
+@pytest.mark.parametrize(
+    ("other_uid", "mem_mb"),
+    [
+        # a process that claimed none of the slices, whose owner is none of their claimers
+        (1, None),
+        # every cell may run as one Ray user, so an owner tells nothing; but the slices are held
+        # to their memory, so a GPU using more than they are promised has a process none of them
+        # answers for, and what claimed none of them is named
+        (0, 30_000),
+    ],
+    ids=["another-user", "same-user-beyond-the-promises"],
+)
+def test_a_process_no_slice_claimed_on_a_sliced_gpu_is_unleased_use(
+    srv: ServerHandle, other_uid: int, mem_mb: int | None
+) -> None:
+    """A GPU shared by slices: such a process is unleased use there (flagged, named in its event),
+    while a slice's own processes are not."""
     alice_token = srv.token("alice")
     lease = Client(srv.url, alice_token).acquire(1, A100, gpu_mem="10GB")
     idx = lease.gpus[0]["index"]
@@ -977,42 +990,12 @@ def test_a_process_of_another_user_on_a_sliced_gpu_is_unleased_use(srv: ServerHa
         }
         agent.request("POST", f"/api/v1/nodes/{lease.node}/procs", json=claim)
         watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
-        other = os.getuid() + 1
-        sample = {"index": idx, "util": 50, "procs": [worker.pid, 4242], "uids": [os.getuid(), other]}
+        sample = {"index": idx, "util": 50, "procs": [worker.pid, 4242], "uids": [os.getuid(), os.getuid() + other_uid]}
+        if mem_mb is not None:
+            sample["mem_mb"] = mem_mb
         agent.request("POST", f"/api/v1/nodes/{lease.node}/samples", json={"gpus": [sample]})
         ev = watcher.wait_for(lambda e: e["type"] == "unleased_use", 10, "unleased_use")
         assert (ev["node"], ev["gpu"], ev["pids"]) == (lease.node, idx, [4242]) and "lease" not in ev
-    finally:
-        worker.kill()
-        worker.wait()
-
-
-def test_a_sliced_gpu_using_more_than_its_slices_are_promised_names_what_no_slice_claimed(srv: ServerHandle) -> None:
-    """Every cell may run as one Ray user, so an owner cannot tell a stray process from a slice's.
-    But the slices are held to their memory by the agent: a GPU whose sample uses more than they
-    are promised has a process no slice answers for, and what claimed none of them is named."""
-    alice_token = srv.token("alice")
-    lease = Client(srv.url, alice_token).acquire(1, A100, gpu_mem="10GB")
-    idx = lease.gpus[0]["index"]
-    worker = subprocess.Popen(["sleep", "60"])
-    try:
-        agent = srv.client(f"agent-{lease.node}", "agent")
-        claim = {
-            "lease": lease.id,
-            "fence": lease.token,
-            "token": alice_token,
-            "pid": worker.pid,
-            "start": start_ticks(worker.pid),
-            "uid": os.getuid(),
-            "gpus": [idx],
-        }
-        agent.request("POST", f"/api/v1/nodes/{lease.node}/procs", json=claim)
-        watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
-        me = os.getuid()
-        sample = {"index": idx, "util": 50, "mem_mb": 30_000, "procs": [worker.pid, 4343], "uids": [me, me]}
-        agent.request("POST", f"/api/v1/nodes/{lease.node}/samples", json={"gpus": [sample]})
-        ev = watcher.wait_for(lambda e: e["type"] == "unleased_use", 10, "unleased_use")
-        assert (ev["node"], ev["gpu"], ev["pids"]) == (lease.node, idx, [4343])
     finally:
         worker.kill()
         worker.wait()
