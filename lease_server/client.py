@@ -156,20 +156,31 @@ def _server_uid() -> int | None:
         ) from None
 
 
+def _account(uid: int) -> str:
+    """``uid`` as a refusal names it: its user name where the host knows one."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 class ServerGuard:
     """Asked before every request that carries a token to a server on this very host: whose
     process listens there, as the kernel says (:mod:`listeners`). While the lease server is down
     (stopped, died with its terminal), any local user may bind its port and read the token off
-    the next request of a client still running: a JupyterLab tab that reconnects, a kernel's
-    renewals.
+    the next request of a client: a JupyterLab tab that reconnects, a kernel's renewals, or any
+    CLI command.
 
     Only the listeners that may take this client's connection count (the URL's addresses, and
     the wildcards): a listener of another user on another address is none of its business. Each
-    must be root's or ``GPULEASE_SERVER_UID``'s where that is set (a deployment's server user);
-    else this user's, for ``gpulease up``'s own tokens; else the user's that listened at the first
-    request (``allowed``: a kernel's pinned users, handed to its workers). A host where the kernel
-    cannot tell passes. Not covered: a listener that binds between this check and the connect,
-    where none listened before (a refused connection, microseconds later)."""
+    must be the server's, known before anything is sent, never learnt from whoever listens: root,
+    this very user (a token sent to one's own process goes nowhere new: ``gpulease up``'s tokens,
+    wherever its data dir is), ``GPULEASE_SERVER_UID`` where it is set (a deployment's server
+    user), and ``allowed`` (the users a kernel's guard allowed, handed to its workers). A host
+    where the kernel cannot tell passes. Not covered: a listener that binds between this check and
+    the connect, where none listened before (a refused connection, microseconds later)."""
 
     def __init__(
         self,
@@ -185,41 +196,31 @@ class ServerGuard:
         parts = httpx.URL(url)
         self.targets = _local_targets(parts.host, parts.port or 0) if token and parts.port and not uds else set()
         self.port = parts.port if self.targets else None
-        self.allowed: set[int] | None = None  # None: pinned at the first request
-        self.whose = ""  # whose the listener must be, as the refusal says it
-        named = _server_uid()
-        if named is not None:
-            self.allowed, self.whose = {0, named}, f"uid {named}'s (GPULEASE_SERVER_UID)"
-        elif allowed is not None:
-            self.allowed = set(allowed) | {0}
-            self.whose = f"uid {max(self.allowed)}'s, as at the kernel's first request"
-        elif ours if ours is not None else (self.port is not None and token in _up_tokens()):
-            self.allowed, self.whose = {0, os.geteuid()}, "your gpulease up's"
+        self.allowed: set[int] = {0, os.geteuid()} | set(allowed or ())
+        self.named = _server_uid()
+        if self.named is not None:
+            self.allowed.add(self.named)
+        self.ours = ours if ours is not None else (self.port is not None and token in _up_tokens())
 
     def check(self, *_: object) -> None:
         """Raise :class:`errors.ServerUnavailable`, sending nothing, if another user listens there."""
         if self.port is None:
             return
         found = listeners(self.port) or []
-        owners = {li.uid for li in found if _reaches(li.addr, self.targets)}
-        if not owners:
-            return  # nobody (the request will not connect), or the kernel cannot tell
-        if self.allowed is None:
-            if len(owners) > 1:
-                raise errors.ServerUnavailable(
-                    f"more than one user listens where {self.url} points (uids {', '.join(map(str, sorted(owners)))}): "
-                    "your token was not sent. Set GPULEASE_SERVER_UID to the lease server's user"
-                )
-            self.allowed = owners | {0}
-            self.whose = f"uid {max(owners)}'s as at the first request"
-            return
-        strangers = owners - self.allowed
-        if strangers:
-            raise errors.ServerUnavailable(
-                f"the lease server at {self.url} is another user's (uid {min(strangers)}), not {self.whose}: "
-                "your token was not sent. Is it down? Start yours with 'gpulease up', or set GPULEASE_URL "
-                "and GPULEASE_TOKEN"
-            )
+        strangers = {li.uid for li in found if _reaches(li.addr, self.targets)} - self.allowed
+        if not strangers:
+            return  # the server's (or nobody: the request will not connect), or the kernel cannot tell
+        who = _account(min(strangers))
+        name = who.split(" ")[0]
+        if self.ours:
+            fix = "Is your gpulease up down? Start it again with 'gpulease up'"
+        elif self.named is not None:
+            fix = f"The lease server's user is {_account(self.named)} (GPULEASE_SERVER_UID): is it down?"
+        else:
+            fix = f"If {name} runs your lease server, set GPULEASE_SERVER_UID={name}"
+        raise errors.ServerUnavailable(
+            f"{self.url} is another user's ({who} listens there): your token was not sent. {fix}"
+        )
 
     async def acheck(self, *_: object) -> None:
         """:meth:`check` as an httpx.AsyncClient's request hook."""

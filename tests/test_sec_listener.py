@@ -151,7 +151,7 @@ def test_ups_token_and_a_named_server_uid_go_to_that_user_only(monkeypatch) -> N
     try:
         url = f"http://127.0.0.1:{nobody.port}"
         monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
-        with pytest.raises(errors.ServerUnavailable, match="not your gpulease up's"):
+        with pytest.raises(errors.ServerUnavailable, match="your gpulease up down"):
             ServerGuard(url, "glt_up", ours=True).check()
         monkeypatch.setenv("GPULEASE_SERVER_UID", str(os.geteuid()))
         with pytest.raises(errors.ServerUnavailable, match="GPULEASE_SERVER_UID"):
@@ -213,7 +213,7 @@ def test_another_users_listener_on_another_address_stops_no_client(server: Answe
         with Client(f"http://127.0.0.1:{server.port}", "glt_secret_of_alice", resend_503_s=0) as c:
             assert c.request("GET", "/api/v1/health") == {}
             assert c.request("GET", "/api/v1/health") == {}
-        with pytest.raises(errors.ServerUnavailable, match="more than one user"):
+        with pytest.raises(errors.ServerUnavailable, match="another user's"):
             Client(f"http://localhost:{server.port}", "glt_secret_of_alice").request("GET", "/api/v1/health")
     finally:
         beside.kill()
@@ -293,3 +293,37 @@ def test_ups_clients_talk_over_its_unix_socket_whoever_holds_its_port(tmp_path, 
         squat.stop()
         uds.shutdown()
         uds.server_close()
+
+
+def test_a_first_request_sends_nothing_to_a_squatter_either(tmp_path, monkeypatch) -> None:
+    """Every CLI command is a first request: the guard used to take whoever listened then for the
+    server, so while the server was down `gpulease status` sent alice's token to another account's
+    listener on its port, and `up --data-dir D`'s admin token went the same way (up's tokens were
+    known only under ~/.gpulease). Now only root, this user, and GPULEASE_SERVER_UID are the
+    server, from the first request on; the refusal is one line that names the listener's owner
+    and what to do."""
+    import sys
+
+    monkeypatch.delenv("GPULEASE_SERVER_UID", raising=False)
+    squat = Squatter(0)
+    try:
+        url = f"http://127.0.0.1:{squat.port}"
+        with Client(url, "glt_secret_of_alice", resend_503_s=0) as c:
+            with pytest.raises(errors.ServerUnavailable, match="another user's") as exc:
+                c.request("GET", "/api/v1/whoami")
+        assert "nobody (uid" in exc.value.message and "GPULEASE_SERVER_UID=nobody" in exc.value.message
+        home = tmp_path / "elsewhere"  # up --data-dir D: its admin token, not under ~/.gpulease
+        home.mkdir(mode=0o700)
+        (home / "token").write_text("glt_admin_of_up\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")}
+        env |= {"GPULEASE_URL": url, "GPULEASE_TOKEN": "glt_admin_of_up", "COLUMNS": "80"}
+        out = subprocess.run(
+            [sys.executable, "-m", "lease_server.cli", "status"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode != 0 and "your token was not sent" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+        assert squat.first_bytes() == "b'MARKER'"  # nothing of either client reached it
+        monkeypatch.setenv("GPULEASE_SERVER_UID", "nobody")  # the deployment names its server's user
+        ServerGuard(url, "glt_any").check()
+    finally:
+        squat.stop()
