@@ -150,6 +150,40 @@ def test_over_the_host_memory_budget_the_suspended_worker_is_ended(server_factor
     worker.wait(10)
 
 
+def _suspended_worker(srv: Any, procs: Any, watcher: Any, user: str, ballast_mb: int) -> Any:  # noqa: F811
+    """A warm worker of ``user`` holding about ``ballast_mb`` MB more than a bare one, suspended."""
+    client = srv.client(user)
+    lease = client.acquire(1, wait=10)
+    worker = procs(f"ballast = b'\\x01' * {ballast_mb << 20}\n" + WORKER)
+    assert claim(client, lease, worker) == {"ok": True}
+    client.warm(lease)
+    client.suspend(lease)
+    watcher.wait_for(lambda e: e["type"] == "suspended" and e["lease"] == lease.id, 10, "suspended")
+    worker.lease = lease
+    return worker
+
+
+def test_over_the_budget_the_worker_that_did_not_fit_pays_never_another_users(server_factory, procs):  # noqa: F811
+    """The budget used to end the oldest suspended worker, whoever pushed it over: a user who
+    suspended a big worker ended a colleague's that was there first. Now the newest worker's owner
+    loses their own oldest (that worker itself when it is their only one)."""
+    srv = _srv(server_factory, suspend_host_budget_gb=0.3)  # 286 MiB: two bare workers (~20 MiB) and one of 250, not all
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    bob = _suspended_worker(srv, procs, watcher, "bob", 0)
+    alice_old = _suspended_worker(srv, procs, watcher, "alice", 0)
+    alice_big = _suspended_worker(srv, procs, watcher, "alice", 230)  # over: alice's oldest pays
+    ev = watcher.wait_for(lambda e: e["type"] == "suspend_ended", 10, "suspend_ended")
+    assert ev["lease"] == alice_old.lease.id and "was full" in ev["reason"], ev
+    alice_old.wait(10)
+    carol_huge = _suspended_worker(srv, procs, watcher, "carol", 300)  # fits nowhere: it alone pays
+    ev = watcher.wait_for(lambda e: e["type"] == "suspend_ended" and e["lease"] != alice_old.lease.id, 10, "ended")
+    assert ev["lease"] == carol_huge.lease.id, ev
+    carol_huge.wait(10)
+    assert bob.proc.poll() is None and alice_big.proc.poll() is None  # the others' stay suspended
+    left = {w["user"] for w in srv.client("root").cluster()["nodes"][0].get("suspended", [])}
+    assert left in ({"bob", "alice"}, set()), left  # (where the board lists them)
+
+
 def test_warm_max_ends_a_suspended_worker(server_factory, procs):  # noqa: F811
     srv = _srv(server_factory, sched={"warm_max": 2})
     watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()

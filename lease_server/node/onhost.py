@@ -15,7 +15,8 @@ Anything else (no suspender, not exactly one claimed process still running, a re
 checkpoint, NVML still listing it) leaves the entry to the ordinary drain, which ends the process:
 the GPU is never lent while the worker is on it. A worker stays suspended until (:meth:`upkeep`)
 its lease's warm_max (``until``), until the node's suspended workers hold more host memory than
-``suspend_host_budget_gb`` (the oldest is ended first), or until its process is gone; each end is
+``suspend_host_budget_gb`` (the owner of the worker that did not fit loses their own oldest, never
+another user's), or until its process is gone; each end is
 one ``suspend_ended`` event its notebook's next cell reads. :meth:`restore` answers a worker that
 claimed a new lease here and asks to be restored: only a process suspended here, for itself.
 """
@@ -130,25 +131,33 @@ class OnHost:
         return json.loads(raw) if raw else {}
 
     async def upkeep(self, node: str, now_ms: float | None = None) -> None:
-        """End the suspended workers of ``node`` past warm_max, or over the host-memory budget
-        (oldest first); forget those whose process is gone."""
+        """End the suspended workers of ``node`` past warm_max, or over the host-memory budget;
+        forget those whose process is gone. Over the budget, the worker that did not fit pays: the
+        newest one's owner loses their own oldest (that worker itself when it is their only one),
+        never another user's worker that was there first."""
         now_ms = time.time() * 1000 if now_ms is None else now_ms
         workers = sorted((await self.entries(node)).values(), key=lambda w: w.get("since", 0))
-        held = sum(int(w.get("bytes") or 0) for w in workers)
+        kept = []
         for w in workers:
             pid, start = int(w["pid"]), int(w.get("start") or 0)
             if not start or start_ticks(pid) != start:
                 await self._unsuspend(node, pid, "ended", "its worker process exited")
-                continue
-            why = ""
-            if w.get("until") and now_ms >= float(w["until"]):
-                why = "kept suspended past warm_max with no cell"
-            elif held > self.budget_bytes:
-                why = f"the host memory for suspended workers on {node} ({show_bytes(self.budget_bytes)}) was full"
-            if why:
-                held -= int(w.get("bytes") or 0)
-                self._end(node, w, why)
-                await self._unsuspend(node, pid, "ended", why)
+            elif w.get("until") and now_ms >= float(w["until"]):
+                await self._drop(node, w, "kept suspended past warm_max with no cell")
+            else:
+                kept.append(w)
+        held = sum(int(w.get("bytes") or 0) for w in kept)
+        while kept and held > self.budget_bytes:
+            owner = kept[-1].get("user")
+            victim = next(w for w in kept if w.get("user") == owner)
+            kept.remove(victim)
+            held -= int(victim.get("bytes") or 0)
+            full = f"the host memory for suspended workers on {node} ({show_bytes(self.budget_bytes)}) was full"
+            await self._drop(node, victim, full)
+
+    async def _drop(self, node: str, w: dict[str, Any], why: str) -> None:
+        self._end(node, w, why)
+        await self._unsuspend(node, int(w["pid"]), "ended", why)
 
     def _end(self, node: str, w: dict[str, Any], why: str) -> None:
         pid, start = int(w["pid"]), int(w["start"])
