@@ -49,6 +49,9 @@ def test_up_serves_the_cli_and_stops_cleanly_on_ctrl_c(tmp_path):
         assert "CVD=0,1" in ran.stdout
         code = up.run("acquire", "--gpus", "1", "--", sys.executable, "-c", "raise SystemExit(7)")
         assert code.returncode == 7
+        # a newline in the command (bash -c 'a\nb') is a space in the lease's label: it never fails it
+        lines = up.run("acquire", "--gpus", "1", "--", sys.executable, "-c", "import sys\nprint('two lines')")
+        assert lines.returncode == 0 and "two lines" in lines.stdout, lines.stderr
 
         kept = up.run("acquire", "--gpus", "1", "--ttl", "3600", "--label", "keep")
         assert kept.returncode == 0, kept.stderr

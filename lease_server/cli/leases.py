@@ -42,6 +42,12 @@ def _table(title: str | None = None) -> Table:
     return Table(title=title, box=None, pad_edge=False, title_justify="left", title_style="bold")
 
 
+def _command_label(command: tuple[str, ...]) -> str:
+    """The label of a lease taken for ``command``: its words on one printable line, cut to 120
+    characters. A newline or a tab in an argument (``bash -c 'a\nb'``) is a space here: the
+    server refuses control characters in a label, which must never fail the command."""
+    return " ".join(protocol.plain(" ".join(command)).split())[:120]
+
 @click.command()
 @click.option("--wide", is_flag=True, help="Every GPU on a line, every column, nothing cut (as wide as it takes)")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw cluster JSON")
@@ -389,7 +395,7 @@ def acquire(
             err_console.print(f"release it with: gpulease release {lease.id}")
             return
         t0 = time.monotonic()
-        lease = _acquire_waiting(c, gpus, pool, wait, ttl=ttl, label=label or " ".join(command)[:200], gpu_mem=gpu_mem)
+        lease = _acquire_waiting(c, gpus, pool, wait, ttl=ttl, label=label or _command_label(command), gpu_mem=gpu_mem)
         held = HeldLease(c, lease)  # renewed while the command runs
         err_console.print(
             f"[green]leased[/] {held.node} GPU {held.cuda_visible_devices} "
