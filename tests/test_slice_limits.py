@@ -106,13 +106,39 @@ def sampled(w: MemWatch, now: list[float], mb_at: Any, until: float, every: floa
 
 
 def test_bursts_over_a_slice_with_short_pauses_between_are_ended() -> None:
-    """Over for 1.5 s (1 s between samples over), under for 0.5 s, again: each pause is shorter
-    than the grace, so the time over adds up (a single sample under used to start it again, and
-    such a cell was never ended)."""
+    """Over for 1.5 s, under for 0.5 s, again: the time over adds up across the pauses (a single
+    sample under used to start it again, and such a cell was never ended)."""
     now = [0.0]
     w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
     got = sampled(w, now, lambda t: 100 if t % 2.0 >= 1.5 else 1500, until=20)
-    assert got == [(0.0, "warn"), (4.5, "end")], got  # 1 s over, 1 s, then 0.5 s more: past its 2 s
+    # each sample over counts the 0.5 s before it: 0.5 + 0.5, a sample under takes a third of
+    # 0.5 off, then 0.5 + 0.5 + 0.5: past its 2 s
+    assert got == [(0.0, "warn"), (3.0, "end")], got
+
+
+def test_bursts_shorter_than_one_check_are_ended() -> None:
+    """Issue 49: a cell over its slice for 0.4 s, then under for 0.7 s, again and again. No two
+    samples in a row see it over, so its time over never added up and it ran on, its bursts
+    failing a neighbour's allocations (~40 % of the time over). Each sample over now counts, at
+    the agent's interval or any other (the pattern must not slip between the samples)."""
+    burst = lambda t: 1500 if round(t * 100) % 110 < 40 else 100  # noqa: E731
+    now = [0.0]
+    w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
+    assert sampled(w, now, burst, until=60) == [(0.0, "warn"), (11.0, "end")]
+    for every in (0.3, 0.45, 0.53, 0.61, 0.7):
+        at = [0.0]
+        got = sampled(MemWatch(over_pct=5.0, over_s=2.0, clock=lambda at=at: at[0]), at, burst, 60, every)
+        assert got[0] == (0.0, "warn") and got[-1][1] == "end", (every, got)
+
+
+def test_over_for_most_of_the_grace_then_under_for_longer_is_ended() -> None:
+    """Over for 1.9 s, under for 2.3 s, again: never over for the whole grace at once, and each
+    pause longer than the grace used to start the time over again, so a cell over 45 % of the
+    time was never ended. Its time over now drains by a third of its time under: it is."""
+    now = [0.0]
+    w = MemWatch(over_pct=5.0, over_s=2.0, clock=lambda: now[0])
+    got = sampled(w, now, lambda t: 1500 if round(t * 10) % 42 < 19 else 100, until=60, every=0.1)
+    assert [v for _, v in got] == ["warn", "warn", "end"], got  # warned again after each long pause
 
 
 def test_a_slice_that_spikes_over_now_and_then_is_warned_not_ended() -> None:

@@ -12,7 +12,8 @@ allocator obeys; the node agent is what holds every slice to it:
    simulated node there is no GPU memory, so each process's resident memory (``/proc/PID/statm``)
    stands in for it, so the path below runs for real without a GPU;
 3. a slice above its memory by more than ``slice_over_pct`` % is warned (event
-   ``over_memory_warning``: its cell shows one line); still over after ``slice_over_s`` seconds,
+   ``over_memory_warning``: its cell shows one line); over for ``slice_over_s`` seconds in all
+   (each sample over counts, and the time over adds up across pauses under: :meth:`MemWatch.judge`),
    it is ended (``over_memory.lua``: cause ``over_memory``, with the peak and the ``--gpu-mem`` that
    would have held it). Its processes are then ended by the drain (drain.py), which ends only the
    processes the slice claimed, never a neighbour's, and its memory is free once they are gone;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -164,66 +166,74 @@ def resident_mb(pid: int) -> int:
         return 0
 
 
+# While a slice is under its memory, each second under takes this much off its time over: a slice
+# over for more than a quarter of the time (1 / (1 + UNDER_DRAIN)), in whatever bursts, piles time
+# over up and is ended; one that spikes over for one sample in five or fewer never is.
+UNDER_DRAIN = 1 / 3
+
+
 @dataclass
 class MemWatch:
-    """One agent's judgement of one node's leases' memory over time: who is over, since when,
-    warned, and their peaks."""
+    """One agent's judgement of one node's leases' memory over time: how long each was over (net
+    of its time under since), warned, and their peaks."""
 
     over_pct: float = 5.0
     over_s: float = 2.0
     clock: Callable[[], float] = time.monotonic
-    over_since: dict[str, float] = field(default_factory=dict)
-    under_since: dict[str, float] = field(default_factory=dict)  # back under since, while over_since holds
-    over_for: dict[str, float] = field(default_factory=dict)  # seconds over: between samples both over
+    over_for: dict[str, float] = field(default_factory=dict)  # seconds over, less UNDER_DRAIN of those under
     last_at: dict[str, float] = field(default_factory=dict)  # when it was last judged
-    was_over: set[str] = field(default_factory=set)  # over at its last sample
+    under_since: dict[str, float] = field(default_factory=dict)  # seen under since (its samples), once warned
     warned: set[str] = field(default_factory=set)
     unmeasured: set[str] = field(default_factory=set)  # said once: NVML cannot read its memory
     ended: set[str] = field(default_factory=set)
     peak: dict[str, int] = field(default_factory=dict)
 
     def judge(self, w: Watched, used_mb: int) -> str | None:
-        """ "warn" (it just went over), "end" (over for longer than ``over_s`` in all) or None. The
-        time over adds up across short pauses under: only ``over_s`` back under starts it again,
-        so a cell that frees for a moment between bursts over its slice is still ended, and one
-        that spikes over for a sample now and then is not."""
+        """ "warn" (it just went over), "end" (over for longer than ``over_s`` in all) or None.
+
+        Each sample stands for the time since the one before it (at most ``over_s``: an agent that
+        stalled does not count its stall): a sample over adds that time to the slice's time over, a
+        sample under takes UNDER_DRAIN of it off (never below nothing). So a burst shorter than one
+        check counts as soon as a sample sees it, and bursts with pauses between add up whatever
+        the pauses' length: over for more than a quarter of the time, a slice is ended (40 % is
+        enough to fail a neighbour's allocation). A spike over one sample in five or fewer drains
+        away before the next and is never ended. Its warning is said once, and again only after
+        ``over_s`` of samples under."""
         self.peak[w.lease] = max(self.peak.get(w.lease, 0), used_mb)
         if not w.limit_mb or w.lease in self.ended:
             return None
         lease, now = w.lease, self.clock()
         prev = self.last_at.get(lease)
         self.last_at[lease] = now
+        step = 0.0 if prev is None else min(now - prev, self.over_s or math.inf)
         if used_mb <= w.limit_mb * (1 + self.over_pct / 100):
-            self.was_over.discard(lease)
-            if lease in self.over_since:
-                under = self.under_since.setdefault(lease, now)
-                if now - under >= self.over_s:
-                    for table in (self.over_since, self.under_since, self.over_for):
-                        table.pop(lease, None)
-                    self.warned.discard(lease)
+            left = self.over_for.get(lease, 0.0) - step * UNDER_DRAIN
+            if left > 0:
+                self.over_for[lease] = left
+            else:
+                self.over_for.pop(lease, None)
+            if lease in self.warned and now - self.under_since.setdefault(lease, now) >= self.over_s:
+                self.warned.discard(lease)  # a new overrun is said again
+                self.under_since.pop(lease, None)
             return None
         self.under_since.pop(lease, None)
-        self.over_since.setdefault(lease, now)
-        if lease in self.was_over and prev is not None:
-            self.over_for[lease] = self.over_for.get(lease, 0.0) + (now - prev)
-        self.was_over.add(lease)
+        self.over_for[lease] = self.over_for.get(lease, 0.0) + step
         if lease not in self.warned:
             self.warned.add(lease)
             return "warn"
-        if self.over_for.get(lease, 0.0) > self.over_s:
+        if self.over_for[lease] > self.over_s:
             self.ended.add(lease)
             return "end"
         return None
 
     def forget(self, live: set[str]) -> None:
         """Drop what it knows of leases that are no longer watched (ended)."""
-        for table in (self.over_since, self.under_since, self.over_for, self.last_at, self.peak):
+        for table in (self.over_for, self.last_at, self.under_since, self.peak):
             for lease in [k for k in table if k not in live]:
                 del table[lease]
         self.warned &= live
         self.ended &= live
         self.unmeasured &= live
-        self.was_over &= live
 
 
 def judge_pass(
