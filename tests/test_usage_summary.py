@@ -208,7 +208,12 @@ def _day(ms: int) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_the_summary_agrees_with_the_raw_ledger(redis_server: Any, redis_sync: Redis, prefix: str) -> None:
+def test_the_summary_agrees_with_the_raw_ledger(
+    redis_server: Any, redis_sync: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server reads, sums and answers 7 rows at a time (usage.rollup_slices): every figure must
+    # come out the same across the slices' boundaries as from the whole window at once.
+    monkeypatch.setattr(usage, "ROLLUP_SLICE", 7)
     keys = Keys(prefix)
     _play(redis_server.url, prefix)  # (into a prefix with no data: the replay refuses any other)
     redis_sync.set(keys.layout, layout.LAYOUT)
@@ -399,6 +404,86 @@ def test_own_rows_only_shows_a_user_their_own_usage(server_factory: Any) -> None
         assert [r["user"] for r in ann.get(f"{API}/usage", params={"by": "user"}).json()["rows"]] == ["ann"]
         all_rows = admin.get(f"{API}/usage", params={"by": "user"}).json()
         assert all_rows["scope"] == "all" and {r["user"] for r in all_rows["rows"]} == {"ann", "bob"}
+
+
+def _seed_rows(r: Redis, keys: Keys, hours: range, pools: tuple[str, ...], users: int) -> int:
+    """Rollup rows of ``users`` other users (one lease each an hour) in each hour and pool, written
+    as the scripts write them (the row and its name in the index). Returns how many."""
+    row = json.dumps({**rollup.empty(), "n": 1, "held": 60.0, "wh": {"0": 1}})
+    names = [rollup.field(h, pool, f"u{u:03d}") for h in hours for pool in pools for u in range(users)]
+    with r.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hset(keys.rollup, name, row)
+            pipe.zadd(keys.rollup_idx, {name: 0})
+        pipe.execute()
+    return len(names)
+
+
+def test_own_rows_only_reads_only_the_caller_s_rows(server_factory: Any, redis_sync: Redis) -> None:
+    """Issue 49 (6): with usage_own_rows_only a user's summary read every row of its window and
+    dropped the others' (1.7 s of the server's loop a request over 100,000 rows). Now it reads
+    their own rows only, by name: each hour of the window in each pool they ever held a lease in,
+    however many rows other users have; nothing of another user is in the answer."""
+    server = server_factory(simulate="n1=2xA100-80GB,t1=1xT4-16GB", usage_own_rows_only=True)
+    keys = Keys(server.settings.prefix)
+    with http(server, "ann") as ann, http(server, "root", "admin") as admin:
+        lease = ann.post(f"{API}/leases", json={"gpus": 1, "pool": "A100-80GB"}).json()
+        assert ann.delete(f"{API}/leases/{lease['id']}", params={"verified": "true"}).status_code == 200
+        now_h = int(time.time() * 1000) // rollup.HOUR_MS
+        others = _seed_rows(redis_sync, keys, range(now_h - 19, now_h + 1), ("A100-80GB", "T4-16GB"), 50)
+        for by in ("user", "pool", "team"):
+            mine = ann.get(f"{API}/usage/summary", params={"by": by}).json()
+            assert mine["scope"] == "own" and mine["total"]["calls"] == 1, (by, mine["total"])
+            assert sum(d["calls"] for d in mine["daily"]) == 1
+        assert [g["key"] for g in ann.get(f"{API}/usage/summary").json()["groups"]] == ["ann"]
+        t4 = ann.get(f"{API}/usage/summary", params={"pool": "T4-16GB"}).json()  # others' pool: none of hers
+        assert t4["total"]["calls"] == 0 and t4["groups"] == []
+        team = admin.get(f"{API}/usage/summary").json()  # an admin reads them all
+        assert team["scope"] == "all" and team["total"]["calls"] == others + 1
+
+    async def read(user: str | None) -> tuple[list[usage.Row], int]:
+        from lease_server.store.engine import connect
+
+        r = connect(server.settings.redis_url)
+        counted: list[int] = []
+
+        async def on_read(n: int) -> None:
+            counted.append(n)
+
+        try:
+            lo, hi = usage.summary_window(None, None, int(time.time() * 1000))
+            got = [
+                row
+                async for part in usage.rollup_slices(Engine(r, server.settings), lo, hi, user=user, on_read=on_read)
+                for row in part
+            ]
+            return got, sum(counted) * rollup.HOUR_MS // (hi - lo)
+        finally:
+            await r.aclose()
+
+    rows, per_hour = asyncio.run(read("ann"))
+    # One name an hour (her one pool), found once; none of the 2,000 others' read
+    assert [(pool, user) for _h, pool, user, _row in rows] == [("A100-80GB", "ann")] and per_hour == 1
+    rows, _ = asyncio.run(read(None))
+    assert len(rows) == others + 1
+
+
+def test_a_user_looping_the_summary_is_throttled_as_get_usage_is(server_factory: Any) -> None:
+    """Issue 49 (6): GET /usage/summary had no limit (two connections looping it took another
+    user's /whoami from 1.7 ms to 22 ms p50). It is now under the token's read budget of GET /usage
+    and the event log: a request costs at least MIN_READ_COST rows, and on an empty bucket the next
+    is a 429 that says when to retry; another token reads meanwhile."""
+    from lease_server.web.limits import MIN_READ_COST
+
+    burst = 5 * MIN_READ_COST
+    srv = server_factory(simulate="n1=2xA100-80GB", log_read_burst=burst, log_read_rate=1)
+    with http(srv, "alice") as alice, http(srv, "bob") as bob:
+        answers = [alice.get(f"{API}/usage/summary") for _ in range(burst // MIN_READ_COST + 1)]
+        assert [a.status_code for a in answers] == [200] * (burst // MIN_READ_COST) + [429]
+        refused = assert_error(answers[-1], 429, "too_many", "GET /usage/summary", "retry in", "from=, to=")
+        assert int(answers[-1].headers["Retry-After"]) >= 1 and refused["details"]["retry_after"] >= 1
+        assert_error(alice.get(f"{API}/usage"), 429, "too_many", "GET /usage", "retry in")  # one budget
+        assert bob.get(f"{API}/usage/summary").status_code == 200
 
 
 def test_migrate_builds_the_rollups_the_scripts_write(redis_server: Any, redis_sync: Redis, prefix: str) -> None:

@@ -41,12 +41,27 @@ from ..store.engine import Engine, connect, not_now
 from ..store.scripts import LeaseRecord, lease_record
 from . import metrics
 from .auth import ACT_AS_HEADER, Authenticator, Identity, create_token, list_tokens, revoke_token, view_token
-from .limits import ReadLimits, hold, read_sliced, token_key
+from .limits import MIN_READ_COST, ReadLimits, hold, read_sliced, token_key
 from .openapi import openapi_document
 
 log = logging.getLogger(__name__)
 API = "/api/v1"
 RETRY_AFTER_S = 1  # a 503's Retry-After: a failover or a restart takes a second or a few
+
+
+async def dumps_sliced(data: Any, every: int = 20) -> str:
+    """``json.dumps(data, separators=(",", ":"))``, with the event loop let go after every ``every``
+    items of a long list in it (a large answer is tens of milliseconds to encode at once)."""
+    if isinstance(data, dict):
+        parts = [f"{json.dumps(str(k))}:{await dumps_sliced(v, every)}" for k, v in data.items()]
+        return "{" + ",".join(parts) + "}"
+    if isinstance(data, list) and len(data) > every:
+        items: list[str] = []
+        for i in range(0, len(data), every):
+            items.extend(json.dumps(x, separators=(",", ":")) for x in data[i : i + every])
+            await asyncio.sleep(0)
+        return "[" + ",".join(items) + "]"
+    return json.dumps(data, separators=(",", ":"))
 
 
 def as_lease_error(exc: BaseException | None) -> BaseException | None:
@@ -569,8 +584,10 @@ class UsageHandler(BaseHandler):
 
 class UsageSummaryHandler(BaseHandler):
     """Per-day series and totals of the hourly rollups (docs/usage.md): the usage page and
-    ``gpulease report``. Reads the rows of the window's hours, never the ledger lines. With
-    ``usage_own_rows_only`` a user who is not an admin sees only their own rows."""
+    ``gpulease report``. Reads the rows of the window's hours, never the ledger lines, a slice at a
+    time and counted against the token's read budget as GET /usage is (a department's week is
+    ~100,000 rows: 1.7 s of this server's loop read at once). With ``usage_own_rows_only`` a user
+    who is not an admin sees, and reads, only their own rows."""
 
     async def get(self) -> None:
         by = self.query(params.SUMMARY_BY, "user")
@@ -585,25 +602,56 @@ class UsageSummaryHandler(BaseHandler):
                 f"this server shows a user only their own usage (usage_own_rows_only): ask for user={me}, "
                 "or ask an admin for the team's"
             )
-        rows = await usage.rollup_rows(self.engine, lo, hi)
+        key, limits = self.token_key, self.ctx.limits
+        hint = "a shorter window (from=, to=), one pool (pool=)"
+        read = 0
+
+        async def charge(n: int) -> None:
+            nonlocal read
+            read += n
+            await limits.charge(key, n, self.gone)
+
+        by_day: usage.DaySums = {}
+        users: set[str] = set()
+        pools: set[str] = set()
+        with await limits.admit(key, "GET /usage/summary", self.gone, hint):
+            try:
+                # Own rows: only the caller's are read (their names are known), never another's.
+                async for part in usage.rollup_slices(
+                    self.engine,
+                    lo,
+                    hi,
+                    user=me if own else None,
+                    pools={pool} if own and pool is not None else None,
+                    on_read=charge,
+                ):
+                    users.update(r[2] for r in part)
+                    pools.update(r[1] for r in part)
+                    usage.sum_days(
+                        [r for r in part if (pool is None or r[1] == pool) and (user is None or r[2] == user)], by_day
+                    )
+                if read < MIN_READ_COST:  # the request costs too, however few rows it read
+                    await limits.charge(key, MIN_READ_COST - read, self.gone)
+            except tornado.iostream.StreamClosedError:  # the client went away during a throttled read
+                return
         if pool is not None:
-            pools = set(await self.store.pool_sizes()) | {r[1] for r in rows}
+            pools |= set(await self.store.pool_sizes())
             if pool not in pools:
                 raise errors.BadRequest(f"unknown pool {pool!r}: the pools are {_names(pools)}")
         if own:
             user = me
-        elif user is not None and user != me and not any(r[2] == user for r in rows):
+        elif user is not None and user != me and user not in users:
             # Known: a user with usage in the window, oneself, or (to an admin) a user with a token;
             # whether a name holds a token is not a user's business.
             admin = self.identity.role == "admin"
             if not admin or user not in {t["user"] for t in await list_tokens(self.ctx.redis, self.store.keys)}:
                 raise errors.BadRequest(
                     f"unknown user {user!r}: no usage from {usage.iso(lo)} to {usage.iso(hi)}; "
-                    f"users with usage then: {_names({r[2] for r in rows})} (or widen from/to)"
+                    f"users with usage then: {_names(users)} (or widen from/to)"
                 )
-        rows = [r for r in rows if (pool is None or r[1] == pool) and (user is None or r[2] == user)]
-        out = usage.summarize_rollups(rows, lo, hi, by, self.ctx.settings.teams_of, also_by=also_by)
-        self.reply({**out, "pool": pool, "user": user, "scope": "own" if own else "all"})
+        out = await usage.summarize_days_sliced(by_day, lo, hi, by, self.ctx.settings.teams_of, also_by=also_by)
+        # (a department's week by user is ~2 MB of JSON: encoded a few groups at a time too)
+        self.finish(await dumps_sliced({**out, "pool": pool, "user": user, "scope": "own" if own else "all"}))
 
 
 class UsageBalanceHandler(BaseHandler):

@@ -1,4 +1,6 @@
-"""Per-token limits on the expensive reads of the API: event log pages and event streams.
+"""Per-token limits on the expensive reads of the API: event log pages, the usage ledger (``GET
+/usage``) and its hourly rollups (``GET /usage/summary``: a row costs what a log entry does), and
+event streams.
 
 One user's reads must not slow everyone's grants (issue 33, finding 7: four connections reading
 10,000-entry pages took another user's ``/whoami`` from 4 ms to 187 ms). A log entry costs the
@@ -45,6 +47,7 @@ SLICE = 100  # entries read and encoded between two returns to the event loop
 MIN_READ_COST = 100  # a read counts as at least this many entries: its request costs too
 MAX_KEYS = 10_000  # buckets kept; full ones are dropped first when there are more
 REFUSAL_HOLD_S = 1.0  # seconds a 429 of these limits waits before it is sent
+LOG_HINT = "since=, type=, lease=, a smaller limit"  # how a 429 says to read less of the event log
 
 
 def token_key(authorization: str | None) -> str:
@@ -107,9 +110,10 @@ class ReadLimits:
         self._in_flight: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def reading(self, key: str, what: str) -> Iterator[None]:
-        """One expensive read by ``key``'s token (``what``: how the message names it), refused
-        with a 429 when the token has ``log_reads_at_once`` in flight or an empty bucket."""
+    def reading(self, key: str, what: str, hint: str = LOG_HINT) -> Iterator[None]:
+        """One expensive read by ``key``'s token (``what``: how the message names it; ``hint``: how
+        to ask for less), refused with a 429 when the token has ``log_reads_at_once`` in flight or
+        an empty bucket."""
         held = self._in_flight.get(key, 0)
         if held >= self.at_once:
             raise too_many(
@@ -125,7 +129,7 @@ class ReadLimits:
             raise too_many(
                 f"{what}: this token read more of the event log than it may per second "
                 f"({self.reads.rate:g} entries, in bursts of {self.reads.burst:g}); retry in "
-                "{seconds} s, and ask only for what you need (since=, type=, lease=, a smaller limit)",
+                f"{{seconds}} s, and ask only for what you need ({hint})",
                 wait,
             )
         self._in_flight[key] = held + 1
@@ -138,11 +142,11 @@ class ReadLimits:
             else:
                 del self._in_flight[key]
 
-    async def admit(self, key: str, what: str, gone: asyncio.Event) -> contextlib.ExitStack:
+    async def admit(self, key: str, what: str, gone: asyncio.Event, hint: str = LOG_HINT) -> contextlib.ExitStack:
         """:meth:`reading` entered (the caller's ``with`` leaves it), or its 429 after the hold."""
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(self.reading(key, what))
+            stack.enter_context(self.reading(key, what, hint))
         except errors.TooMany:
             await hold(gone, self.hold_s)
             raise
