@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import random
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -829,6 +831,157 @@ def test_the_http_agent_ends_only_the_slice_over_its_memory(server_factory: Any,
             p.kill()
         for c in (agent_client, alice, bob, admin):
             c.close()
+    check_event_log(read_events(redis_sync, k))
+
+
+# ---- a slice's processes, found without a cgroup (issue 49, item 2) -----------------------------------
+
+# A cell's worker: claims the lease it reads on stdin (as a kernel's worker does), then its cell
+# starts a daemon the usual way (fork, setsid, fork again, the middle process exits at once), which
+# says its pid and, told to (its worker reads no more), holds 600 MB resident (the simulation's GPU
+# memory) in a 256 MB slice. It ignores SIGTERM (its worker does not): only the drain's SIGKILL ends it.
+ORPHANING_WORKER = (
+    "import json, os, signal, sys, time\n"
+    "from lease_server.node.claims import claim\n"
+    "print('up', flush=True)\n"
+    "claim(**json.loads(sys.stdin.readline()))\n"
+    "r, w = os.pipe()\n"
+    "middle = os.fork()\n"
+    "if middle == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "        os.write(w, b'%d\\n' % os.getpid())\n"
+    "        sys.stdin.readline()\n"
+    "        held = bytearray(600 * 2**20)\n"
+    "        for i in range(0, len(held), 4096):\n"
+    "            held[i] = 1\n"
+    "        time.sleep(600)\n"
+    "    os._exit(0)\n"
+    "os.waitpid(middle, 0)\n"
+    "print(os.read(r, 64).decode().strip(), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+# A worker that claims its lease, then has 256 more processes claim it (forked children, one after
+# the other), then, told to, holds 600 MB resident in a 256 MB slice.
+CLAIMED_OVER_WORKER = (
+    "import json, os, sys, time\n"
+    "from lease_server.node.claims import claim\n"
+    "print('up', flush=True)\n"
+    "args = json.loads(sys.stdin.readline())\n"
+    "claim(**args)\n"
+    "for _ in range(256):\n"
+    "    kid = os.fork()\n"
+    "    if kid == 0:\n"
+    "        try:\n"
+    "            claim(**args)\n"
+    "            os._exit(0)\n"
+    "        except BaseException:\n"
+    "            os._exit(1)\n"
+    "    assert os.waitpid(kid, 0)[1] == 0, 'a claim was refused'\n"
+    "print('claimed', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "held = bytearray(600 * 2**20)\n"
+    "for i in range(0, len(held), 4096):\n"
+    "    held[i] = 1\n"
+    "print('holding', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _one_slice_box(server_factory: Any) -> ServerHandle:
+    """A server whose own agent measures its simulated GPU's slices every 0.1 s (no cgroups: the
+    tests do not run as root)."""
+    return server_factory(  # type: ignore[no-any-return]
+        "box=1xA100-80GB",
+        scheduling={A100: {"share": True, "slice_unit_mb": 256, "max_sharers": 4}},
+        slice_check_interval=0.1,
+        slice_over_s=0.3,
+        drain_kill_grace_s=0.5,
+        drain_interval=0.1,
+    )
+
+
+def test_a_daemon_that_left_its_workers_tree_is_held_to_its_slice(server_factory: Any, redis_sync: Any) -> None:
+    """A cell's daemon (double fork, new session) that held 600 MB of a 256 MB slice was adopted by
+    init, so the agent, which keeps no cgroup here, never measured it, and it outlived the lease.
+    The worker now keeps it below itself (a subreaper): it is measured with the slice, which is
+    ended for it, and the drain ends it with the worker, and waits for it when it outlives it."""
+    from lease_server.node.claims import stat_fields
+    from tests.test_drain import claim_line
+
+    srv = _one_slice_box(server_factory)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    worker = subprocess.Popen(
+        [sys.executable, "-c", ORPHANING_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    daemon_fd: int | None = None
+    daemon = 0
+    try:
+        assert worker.stdin is not None and worker.stdout is not None and worker.stdout.readline().strip() == "up"
+        with srv.client("alice") as alice:
+            lease = alice.acquire(1, A100, gpu_mem="256MB")
+            worker.stdin.write(claim_line(alice, lease, lease.node) + "\n")
+            worker.stdin.flush()
+            daemon = int(worker.stdout.readline())
+            daemon_fd = os.pidfd_open(daemon)
+            rest = stat_fields(daemon)
+            assert rest is not None and int(rest[1]) == worker.pid  # its parent gone, its worker adopted it
+            worker.stdin.write("hold\n")
+            worker.stdin.flush()
+            ended = watcher.wait_for(lambda e: e["type"] == "over_memory" and e["lease"] == lease.id, 30, "the end")
+            assert ended["used_mb"] > 256 * 1.05, ended
+            watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 30, "its drain")
+            # the drain ended the daemon too, not only the worker that claimed, and said the slice
+            # clean only once it was gone (its worker, which adopted it, went first, at SIGTERM)
+            assert select.select([daemon_fd], [], [], 0)[0], "the slice was drained with its daemon still there"
+            assert worker.wait(10) is not None
+    finally:
+        if daemon_fd is not None:
+            if not select.select([daemon_fd], [], [], 0)[0]:
+                signal.pidfd_send_signal(daemon_fd, signal.SIGKILL)
+            os.close(daemon_fd)
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(read_events(redis_sync, k))
+
+
+def test_a_worker_stays_in_its_leases_record_whatever_else_claims_it(server_factory: Any, redis_sync: Any) -> None:
+    """256 more claims of a lease pushed its worker out of the lease's record (a list of at most
+    256): the worker was then neither measured nor drained. The record keeps its first claimer;
+    the worker, over its slice after them, is ended."""
+    from tests.test_drain import claim_line
+
+    srv = _one_slice_box(server_factory)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    worker = subprocess.Popen(
+        [sys.executable, "-c", CLAIMED_OVER_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stdin is not None and worker.stdout is not None and worker.stdout.readline().strip() == "up"
+        with srv.client("alice") as alice:
+            lease = alice.acquire(1, A100, gpu_mem="256MB", ttl=120)
+            worker.stdin.write(claim_line(alice, lease, lease.node) + "\n")
+            worker.stdin.flush()
+            assert worker.stdout.readline().strip() == "claimed"
+            procs = [p["pid"] for p in json.loads(redis_sync.hget(k.leases, lease.id))["procs"]]
+            assert len(procs) == 256 and procs[0] == worker.pid, (len(procs), procs[:3], worker.pid)
+            worker.stdin.write("hold\n")
+            worker.stdin.flush()
+            ended = watcher.wait_for(lambda e: e["type"] == "over_memory" and e["lease"] == lease.id, 30, "the end")
+            assert ended["used_mb"] > 256 * 1.05, ended
+            watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 30, "its drain")
+            worker.wait(10)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+    check_state(redis_sync, k, expect_all_free=True)
     check_event_log(read_events(redis_sync, k))
 
 

@@ -211,6 +211,10 @@ class Drainer:
         self.given_up: dict[tuple[str, str, int, int], None] = {}  # (node, lease, index, pid)
         self.unseen: dict[tuple[str, int], float] = {}  # (node, pid) NVML lists and /proc does not -> since
         self.unnamed: dict[tuple[str, str, int], float] = {}  # a slice that named no process, waited on -> since
+        # A draining slice's processes that claimed nothing (its worker's descendants, its cgroup's),
+        # by (node, lease, index): still waited for once its worker is gone, when they are no one's
+        # descendants any more (an orphan that ignores SIGTERM outlives the worker that adopted it).
+        self.kin: dict[tuple[str, str, int], dict[int, Proc]] = {}
 
     def step(
         self,
@@ -239,11 +243,14 @@ class Drainer:
                 remaining = [p for p in e.pids if still_runs(p)]
                 seen = {p.pid for p in remaining}
                 kin = descendants([p.pid for p in remaining])  # a cell's children, which claim nothing
+                known = self.kin.setdefault((node, e.lease, e.index), {})
                 for pid in [*kin, *(in_cgroup(e.lease) if in_cgroup is not None else [])]:
                     start, uid = start_ticks(pid), process_uid(pid)
                     if pid not in seen and start is not None and uid is not None and uid in {p.uid for p in e.pids}:
                         seen.add(pid)
                         remaining.append(Proc(pid, start, uid))
+                        known[pid] = remaining[-1]
+                remaining += [p for p in known.values() if p.pid not in seen and still_runs(p)]
                 if nvml_procs is not None and remaining:
                     # (NVML's pids are the host's: one this agent cannot match, in another pid
                     # namespace, still counts while it has an NVIDIA device open)
@@ -274,6 +281,7 @@ class Drainer:
                     if pid not in seen and start is not None and uid is not None and uid in uids:
                         remaining.append(Proc(pid, start, uid))
             if not remaining:
+                self.kin.pop((node, e.lease, e.index), None)
                 clean.setdefault(e.lease, []).append(e.index)
                 continue
             for p in remaining:
@@ -292,6 +300,8 @@ class Drainer:
             del self.unseen[next(iter(self.unseen))]
         while len(self.unnamed) > 10_000:
             del self.unnamed[next(iter(self.unnamed))]
+        while len(self.kin) > 10_000:
+            del self.kin[next(iter(self.kin))]
         out.clean = [(lease, idx, self.killed.pop((node, lease), 0)) for lease, idx in clean.items()]
         return out
 

@@ -147,7 +147,8 @@ def running_pids(w: Watched, in_cgroup: Callable[[str], list[int]] | None = None
     """The lease's processes that still run: those that claimed it (the same process: its start
     time checked), their descendants, and those in its cgroup, each owned by a claimer's user. A
     child that never claimed the lease (a ``subprocess`` or ``multiprocessing`` worker of the cell)
-    is measured with it; one that left the tree (a daemon whose parent exited) only by its cgroup."""
+    is measured with it, and so is a daemon whose parent exited (a double fork): the claimer made
+    itself its descendants' subreaper when it claimed (claims.keep_orphans), so they stay below it."""
     pids = [pid for pid, start, _uid in w.procs if start_ticks(pid) == start]
     uids = {uid for _pid, _start, uid in w.procs}
     for pid in [*descendants(pids), *(in_cgroup(w.lease) if in_cgroup is not None else [])]:

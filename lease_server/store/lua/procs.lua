@@ -6,7 +6,9 @@
 -- KEYS: leases ended
 -- ARGV[6] = lease id   ARGV[7] = fencing token   ARGV[8] = user (whose API token the claim carried)
 -- ARGV[9] = JSON list [{node, pid, start, uid, gpus: [index, ...]}]: replaces the entries of the
---           same node and pid; a lease keeps at most 256
+--           same node and pid (in their place), adds the others; a lease keeps at most 256: beyond,
+--           the oldest go, never the first to claim it on a node (its worker: 256 more claims
+--           pushed it out, and it was then neither measured against its slice nor drained)
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE}
 --       | {INVALID, node[, index]}: a node or GPU the lease does not hold
 local id, token, user = ARGV[6], ARGV[7], ARGV[8]
@@ -23,14 +25,35 @@ for _, p in ipairs(procs) do
     if not held[p.node .. '/' .. idx] then return {INVALID, p.node, idx} end
   end
 end
-local named = {}
-for _, p in ipairs(procs) do named[p.node .. '/' .. p.pid] = true end
-local kept = {}
+local kept, at = {}, {}
 for _, p in ipairs(lease.procs or {}) do
-  if not named[(p.node or lease.node) .. '/' .. p.pid] then kept[#kept + 1] = p end
+  kept[#kept + 1] = p
+  at[(p.node or lease.node) .. '/' .. p.pid] = #kept
 end
-for _, p in ipairs(procs) do kept[#kept + 1] = p end
-while #kept > 256 do table.remove(kept, 1) end
+for _, p in ipairs(procs) do
+  local key = p.node .. '/' .. p.pid
+  if at[key] then
+    kept[at[key]] = p
+  else
+    kept[#kept + 1] = p
+    at[key] = #kept
+  end
+end
+if #kept > 256 then
+  local drop, firsts, left = #kept - 256, {}, {}
+  for _, p in ipairs(kept) do
+    local node = p.node or lease.node
+    if not firsts[node] then
+      firsts[node] = true
+      left[#left + 1] = p
+    elseif drop > 0 then
+      drop = drop - 1
+    else
+      left[#left + 1] = p
+    end
+  end
+  kept = left
+end
 lease.procs = kept
 local out = cjson.encode(lease)
 redis.call('HSET', K_LEASES, id, out)
