@@ -939,7 +939,8 @@ class HeldLease:
         except (errors.LeaseEnded, errors.StaleToken, errors.NoSuchLease, errors.NotOwner) as exc:
             self.lost = exc
             self._stop.set()
-            log.warning("lease %s lost: %s", self.lease.id, exc)
+            # (info: its holder says it, in its own words: the CLI's closing line, the cell's)
+            log.info("lease %s lost: %s", self.lease.id, exc)
 
     def grow(self, gpus: int) -> Lease:
         """Add GPUs to this elastic lease (:meth:`Client.grow`); the renewals go on."""

@@ -69,6 +69,7 @@ def load_ipython_extension(ip: Any) -> None:
 
     ip.register_magics(GpuMagics(ip))
     _on_kernel_shutdown(ip, close_live_cells)
+    _say_ends_once(ip)
     try:
         # Ray is joined here, in the kernel's main thread (Ray installs signal handlers there);
         # spare workers are then started in the background.
@@ -76,6 +77,16 @@ def load_ipython_extension(ip: Any) -> None:
     except Exception:  # noqa: BLE001 - no server or Ray yet: the first %%gpu_train says what is wrong
         return
     GpuMagics.start_prewarm()
+
+
+def _say_ends_once(ip: Any) -> None:
+    """A cell ended by Stop, --timeout or someone else says so in its own line: IPython shows the
+    exception that stops the cells after it no more (outcomes.said_once). Left as it is where
+    another extension already handles exceptions its own way (one handler per shell)."""
+    from .outcomes import EXPECTED_ENDS, said_once
+
+    if not getattr(ip, "custom_exceptions", None):
+        ip.set_custom_exc(EXPECTED_ENDS, said_once)
 
 
 def _on_kernel_shutdown(ip: Any, hook: Any) -> None:

@@ -24,6 +24,7 @@ from lease_server.sizes import ordinal, show_mb
 from . import cellcode, space
 from .elastic import DEFAULT_MIN_EFFICIENCY
 from .options import SPARES_MAX
+from .outcomes import EXPECTED_ENDS
 from .runner import (
     Ending,
     Options,
@@ -167,6 +168,9 @@ def _parse(magic: Any, line: str) -> Any:
                 raise UsageError(f"{said} (did you mean {', '.join(near)}?)") from None
         raise
 
+
+# The states whose closing line the cell shows, saying the end once (outcomes.said_once).
+TOLD = ("ended", "timeout", "stopped", "withdrawn")
 
 _PARSE_ERRORS = (
     errors.BadRequest,
@@ -350,6 +354,9 @@ class GpuMagics(Magics):
         ui = CellDisplay()
         try:
             return run_cell(source, self.shell.user_ns, opts, ui).result
+        except EXPECTED_ENDS as exc:
+            exc.told = ui.state in TOLD  # type: ignore[attr-defined]
+            raise
         except SyntaxError as exc:
             raise UsageError(f"the cell does not parse: {exc}") from None
         except ValueError as exc:

@@ -5,6 +5,7 @@ hook saved one. Each is one line for a person; none shows local frames."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ class GpuTrainError(Exception):
     ``checkpoint``: the call's last checkpoint, if its hook saved one."""
 
     checkpoint: Checkpoint | None = None
+    told = False  # the cell's own closing line already says it: shown nothing more (:func:`said_once`)
 
     def __init__(
         self,
@@ -68,6 +70,8 @@ class GpuTrainStopped(KeyboardInterrupt):
     Still a KeyboardInterrupt, so code around the call stops as it would on any interrupt.
     ``checkpoint``: the call's last checkpoint, if its hook saved one."""
 
+    told = False
+
     def __init__(self, summary: str, checkpoint: Checkpoint | None = None) -> None:
         super().__init__(summary)
         self.summary = summary
@@ -75,6 +79,23 @@ class GpuTrainStopped(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self.summary}"]
+
+
+# The ends a person expects (Stop, --timeout, a lease ended by someone else): the cell's own
+# closing line says each, so the exception under it, which stops the cells queued after it, says
+# nothing more.
+EXPECTED_ENDS: tuple[type[BaseException], ...] = (GpuLeaseEnded, GpuTrainTimeout, GpuTrainStopped)
+
+
+def said_once(shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None) -> Any:
+    """IPython's handler of :data:`EXPECTED_ENDS` (``shell.set_custom_exc``): one the cell's line
+    already told is shown no more (the kernel still answers the cell as failed, so Run All stops
+    there); any other is shown as it always was, its one line."""
+    if getattr(value, "told", False):
+        return None
+    stb = value._render_traceback_()  # type: ignore[attr-defined]
+    shell._showtraceback(etype, value, stb)
+    return stb
 
 
 @dataclass
@@ -125,9 +146,7 @@ class Ending:
             return f"gpu_train: {self.why}"
         big = f"; brought back {', '.join(self.crossed)}" if self.crossed else ""
         # each note under the line, wrapped to 80 columns
-        notes = "".join(
-            "\n" + textwrap.fill(n, 80, initial_indent="  ! ", subsequent_indent="    ") for n in self.notes
-        )
+        notes = "".join("\n" + fit80(n, "  ! ", "    ") for n in self.notes)
         if self.restored:
             notes = f"\n  {self.restored}{notes}"
         if self.warm:
@@ -168,7 +187,37 @@ class Ending:
         tail = "" if self.state == "ended" and self.cpu else f"; {released}"
         mem = f"; peak {_gb(self.peak_memory)}" if self.peak_memory and not self.hint else ""
         saved = " (checkpoint saved: %%gpu_train --resume)" if self.checkpoint else ""
-        return f"{head}{tail}{mem}{big}{saved}{hint}{notes}"
+        if self.state == "timeout" and not self.checkpoint and not hint:
+            hint = "\n  next: a longer --timeout, or checkpoints (magics.on_preempt) and --resume"
+        first = f"{head}{tail}{mem}{big}{saved}"
+        if len(first) > 80 and len(head) <= 80:  # what it freed and kept on a line of its own
+            first = f"{head}\n" + fit80(f"{tail}{mem}{big}{saved}".removeprefix("; "), "  ")
+        return f"{fit80(first)}{hint}{notes}"
+
+
+_FLAG_VALUE = re.compile(r"(--[a-z][a-z-]*) (?=[^\s-])")
+
+
+def fit80(text: str, first: str = "", rest: str = "  ") -> str:
+    """``text`` (lines of it) within 80 columns, a flag never parted from its value (``--gpu-mem
+    3GB`` stays one piece, ready to copy), the lines after each first indented by ``rest``."""
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        lead = first if i == 0 else ""
+        if len(lead) + len(line) <= 80:
+            out.append(lead + line)
+            continue
+        glued = _FLAG_VALUE.sub(lambda m: m[1] + "\0", line)
+        wrapped = textwrap.fill(
+            glued,
+            80,
+            initial_indent=lead,
+            subsequent_indent=rest or " " * (len(line) - len(line.lstrip())),
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        out.append(wrapped.replace("\0", " "))
+    return "\n".join(out)
 
 
 class UI(Protocol):

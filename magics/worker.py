@@ -548,12 +548,15 @@ def _recalled(worker: GpuWorker, rec: dict[str, Any]) -> None:
 
 
 def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
+    from .outcomes import fit80
+
     left = max(0.0, rec["recall_at"] - time.time())
-    worker.push(
-        "stderr",
-        f"gpu_train: these GPUs are recalled ({rec.get('recall_reason', '')}); {left:.0f}s left"
-        + (", running the checkpoint hook\n" if _HOOKS else "; register magics.on_preempt(fn) to checkpoint\n"),
-    )
+    # the server's reason ends with its own "save your work: the GPUs go back in N s", said here
+    # as the time left from now, on a line of its own
+    why = str(rec.get("recall_reason") or "").split("; save your work", 1)[0]
+    why = why if why.startswith("recalled") else f"recalled ({why})" if why else "recalled"
+    then = "running the checkpoint hook" if _HOOKS else "magics.on_preempt(fn) would have checkpointed"
+    worker.push("stderr", fit80(f"gpu_train: these GPUs are {why}") + f"\n  {left:.0f}s left: {then}\n")
     _checkpoint(worker)
 
 

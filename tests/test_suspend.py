@@ -167,7 +167,7 @@ def test_over_the_budget_the_worker_that_did_not_fit_pays_never_another_users(se
     """The budget used to end the oldest suspended worker, whoever pushed it over: a user who
     suspended a big worker ended a colleague's that was there first. Now the newest worker's owner
     loses their own oldest (that worker itself when it is their only one)."""
-    srv = _srv(server_factory, suspend_host_budget_gb=0.3)  # 286 MiB: two bare workers (~20 MiB) and one of 250, not all
+    srv = _srv(server_factory, suspend_host_budget_gb=0.3)  # 286 MiB: two bare workers (~20 MiB), one of 250
     watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
     bob = _suspended_worker(srv, procs, watcher, "bob", 0)
     alice_old = _suspended_worker(srv, procs, watcher, "alice", 0)

@@ -34,7 +34,6 @@ REUSED_FIXTURES = (page, shots)
 POOL = "A100-80GB"
 NOTEBOOK = "stop.ipynb"
 WITHDRAWN = "gpu_train: stopped while queued; the request was withdrawn"
-STOPPED = "KeyboardInterrupt: gpu_train stopped; its GPUs are free"
 # What a Stop must not show: frames of gpulease's or Ray's code.
 CODE_PATHS = ("magics/", "lease_server/", "ray/", "Traceback")
 
@@ -150,7 +149,7 @@ def test_stop_while_queued_withdraws_the_request_and_it_is_never_granted(
         expect(panel.locator(".jp-Notebook-ExecutionIndicator")).to_have_attribute("data-status", "idle")
         assert alice.queue() == []
         text = out.inner_text()
-        assert "KeyboardInterrupt: " in text and len([x for x in text.splitlines() if x.strip()]) <= 2, text
+        assert "KeyboardInterrupt" not in text and len([x for x in text.splitlines() if x.strip()]) == 1, text
         assert not any(bad in text for bad in CODE_PATHS), text
         page.screenshot(path=str(shots / "2-withdrawn.png"), full_page=True)
     finally:
@@ -192,13 +191,12 @@ def test_stop_while_running_frees_the_gpus_in_a_few_clean_lines_and_the_kernel_g
     page.screenshot(path=str(shots / "1-running.png"), full_page=True)
 
     press_stop(panel)
-    expect(out).to_contain_text(STOPPED, timeout=10_000)
-    expect(out).to_contain_text(re.compile(r"gpu_train: stopped after [\d.]+s on 1 GPU on box \(GPU \d\); released"))
+    expect(out).to_contain_text(re.compile(r"gpu_train: stopped after [\d.]+s on 1 GPU on box \(GPU \d\)\s+released"))
     assert _free(alice) == 2
     assert alice.leases() == []
     text = out.inner_text()
     lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) <= 3, text
+    assert len(lines) <= 3 and "KeyboardInterrupt" not in text, text  # the stop said once, in its line
     assert not any(bad in text for bad in CODE_PATHS), text
 
     nxt = run_cell(panel, 1)
