@@ -985,6 +985,45 @@ def test_a_worker_stays_in_its_leases_record_whatever_else_claims_it(server_fact
     check_event_log(read_events(redis_sync, k))
 
 
+def test_a_sliced_gpu_with_memory_no_slice_answers_for_takes_no_new_slice(server_factory: Any, redis_sync: Any) -> None:
+    """A GPU shared by slices whose samples use more memory than its slices are promised, with a
+    process on it that none of them claimed (a cell's daemon that outlived its lease), holds memory
+    nobody is measured for: the next slice goes elsewhere, not where the ledger says it fits. Once a
+    sample shows it gone, the GPU takes slices again. Through the server's own agent, which samples
+    the simulated GPUs as an admin sets them (gpulease simulate)."""
+    srv = server_factory(simulate="box=2xA100-80GB", scheduling=SHARING, sample_interval=0.1)
+    k = keys_of(srv)
+    watcher = EventWatcher(srv.url, srv.token("root", "admin")).start()
+    stray = subprocess.Popen(["sleep", "120"])  # the daemon: a real process of nobody's slice
+    try:
+        with srv.client("alice") as alice, srv.client("bob") as bob, srv.client("root", "admin") as admin:
+            mine = alice.acquire(1, A100, gpu_mem="10GB")
+            slot = f"{mine.node}/{mine.gpus[0]['index']}"
+            assert slot == "box/0"
+            sample = {"util": 0, "mem_mb": 40_000, "procs": [stray.pid]}  # 10 GB promised, 39 GB in use
+            admin.request("PUT", "/api/v1/simulate/box", json={"gpus": {"0": sample}})
+            ev = watcher.wait_for(lambda e: e["type"] == "unleased_use", 10, "unleased_use")
+            assert (ev["gpu"], ev["pids"]) == (0, [stray.pid])
+            assert json.loads(redis_sync.hget(k.sliced, slot))["unclaimed_mb"] == 40_000 - 10_240
+            theirs = bob.acquire(1, A100, gpu_mem="10GB")  # fits box/0 by its ledger: placed on box/1
+            assert theirs.gpus[0]["index"] == 1, theirs.gpus
+            with pytest.raises(errors.NoCapacity):  # a slice on each of the two GPUs: box/0 is not one to take
+                bob.acquire(2, A100, gpu_mem="10GB")
+            check_state(redis_sync, k)
+            admin.request("PUT", "/api/v1/simulate/box", json={"gpus": {"0": {"util": 0, "mem_mb": 9000, "procs": []}}})
+            watcher.wait_for(lambda e: e["type"] == "unleased_use_ended", 10, "unleased_use_ended")
+            assert "unclaimed_mb" not in json.loads(redis_sync.hget(k.sliced, slot))
+            again = bob.acquire(1, A100, gpu_mem="10GB")  # the best fit again (box/0 first of two equal)
+            assert again.gpus[0]["index"] == 0, again.gpus
+            for lease, who in ((mine, alice), (theirs, bob), (again, bob)):
+                who.release(lease)
+    finally:
+        stray.kill()
+        stray.wait()
+    check_state(redis_sync, k, expect_all_free=True)
+    check_event_log(read_events(redis_sync, k))
+
+
 # ---- 200 slice cells with real processes: only the ones over their memory are ended -----------------
 
 # A worker: claims the lease it is told (as a kernel's worker does), holds that much resident memory

@@ -318,7 +318,7 @@ local function evict_for_slice(w, pool, notice_ms)
     local u = on[slot]
     local sraw = redis.call('HGET', K_SLICED, slot)
     local s = sraw and cjson.decode(sraw)
-    local room, ok = s and (s.total_mb - s.used_mb) or 0, s ~= nil
+    local room, ok = s and (s.total_mb - s.used_mb) or 0, s ~= nil and not s.unclaimed_mb  -- (_lib_slice.lua)
     for id, mb in pairs(s and s.leases or {}) do
       local lraw = redis.call('HGET', K_LEASES, id)
       if lraw and string.find(lraw, '"recall_at"', 1, true) then

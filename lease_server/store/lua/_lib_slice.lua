@@ -7,7 +7,11 @@
 -- granted whole), and K_SLICED "node/idx" holds its memory ledger, JSON
 --   {pool, total_mb, used_mb, max, leases = {id = MB}, draining = {id = {mb, user, state, since, pids}},
 --    fit = its K_SLICE_FIT member or absent, util_avg = its utilisation (%) averaged over its node
---    agent's recent samples and util_at = the newest one's ms (written by samples.lua) or absent}
+--    agent's recent samples and util_at = the newest one's ms (written by samples.lua) or absent,
+--    unclaimed_mb = the memory its newest sample used beyond used_mb while a process that no slice
+--    claimed was on it (samples.lua), or absent}
+-- A GPU with unclaimed_mb takes no new slice: memory nobody is held to is in use there (a cell's
+-- daemon that outlived its lease, a process of no lease), so what the ledger calls free may not be.
 -- used_mb is what the live and the draining slices are promised together: never above total_mb
 -- (the invariant; tests/invariants.py checks it). A draining slice is one the server ended whose
 -- processes the node agent has not yet seen gone: its memory stays promised until drained.lua.
@@ -104,8 +108,9 @@ local function allocate_slice(pool, mb, max_sharers, busy_pct, exclude)
     if tonumber(redis.call('ZSCORE', K_ALIVE, node) or '-1') >= NOW then
       local s = cjson.decode(redis.call('HGET', K_SLICED, slot))
       local p = {node = node, index = tonumber(idx), slot = slot}
-      -- the node held for a blocked request may be the one whose slices a booking recalls
-      if node ~= exclude or not slices_recalled(s) then
+      -- the node held for a blocked request may be the one whose slices a booking recalls; a GPU
+      -- using memory that no slice answers for is passed over while its samples show it
+      if not s.unclaimed_mb and (node ~= exclude or not slices_recalled(s)) then
         if (tonumber(s.util_avg) or 0) < busy_pct then return p end
         busy = busy or p
       end
@@ -159,7 +164,8 @@ local function allocate_slices(pool, mb, k, max_sharers, busy_pct, exclude)
             local sharers = 0
             for _ in pairs(sl.leases) do sharers = sharers + 1 end
             for _ in pairs(sl.draining) do sharers = sharers + 1 end
-            if sl.total_mb - sl.used_mb >= mb and sharers < sl.max and not slices_recalled(sl) then
+            if sl.total_mb - sl.used_mb >= mb and sharers < sl.max and not sl.unclaimed_mb
+                and not slices_recalled(sl) then
               local into = (tonumber(sl.util_avg) or 0) < busy_pct and shared or busy
               into[#into + 1] = {slot = slots[i], room = sl.total_mb - sl.used_mb}
             end

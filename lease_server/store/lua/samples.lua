@@ -13,7 +13,9 @@
 --           of the pool while a process no lease covers uses it: unleased_hold.lua)
 -- KEYS[9] = sliced    hash node/index -> a sliced GPU's memory ledger (_lib_slice.lua): its
 --           util_avg (%, the samples averaged with a time constant of 2 * ARGV[6]) and util_at
---           (ms of the newest), by which slice placement avoids busy GPUs
+--           (ms of the newest), by which slice placement avoids busy GPUs, and unclaimed_mb (the
+--           memory used beyond its slices' promises while a process none claimed is on it), by
+--           which it takes no new slice
 -- KEYS[10..] = samples:<node>/<index> list, one per GPU in the order of the GPU arguments
 -- ARGV[1] = virtual now ms or "" (Redis TIME)   ARGV[2] = event log max length
 -- ARGV[3] = samples kept per GPU                ARGV[4] = utilization threshold (%)
@@ -63,6 +65,10 @@ while ARGV[i] do
       local avg, at = util, tonumber(s.util_at)
       if at and NOW > at then avg = s.util_avg + (1 - math.exp((at - NOW) / util_tau)) * (util - s.util_avg) end
       s.util_avg, s.util_at = math.floor(avg * 100 + 0.5) / 100, NOW
+      -- Memory in use beyond what its slices are promised, with a process on it that none of them
+      -- claimed: nobody is measured for it (a cell's daemon that outlived its lease, another
+      -- user's process). The GPU takes no new slice (allocate_slice) until a sample shows it gone.
+      if has_procs and mem > s.used_mb then s.unclaimed_mb = mem - s.used_mb else s.unclaimed_mb = nil end
       redis.call('HSET', KEYS[9], slot, cjson.encode(s))
     end
   end
