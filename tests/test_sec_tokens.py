@@ -28,7 +28,7 @@ from lease_server.cli import main
 from lease_server.client import Client
 from lease_server.store.keys import Keys
 from lease_server.web.auth import hash_token, token_id
-from tests.api_helpers import API, assert_error
+from tests.api_helpers import API, assert_error, event_stream, next_event, sse_blocks
 from tests.conftest import ServerHandle
 
 USER = "X-Gpulease-User"
@@ -91,6 +91,69 @@ def test_an_expired_token_is_refused(server: ServerHandle) -> None:
         assert_error(erin.get(f"{API}/whoami"), 401, "unauthorized", f"token {tid} of erin expired at")
     with pytest.raises(errors.BadRequest, match="expires_in"):
         admin.create_token("erin", expires_in=-5)
+
+
+@contextlib.contextmanager
+def _events(server: ServerHandle, token: str) -> Iterator[Iterator[dict[str, Any]]]:
+    """An open GET /events stream of ``token`` as SSE blocks (its opening comment read). A read
+    waits at most 10 s: a safety net, so a stream that never ends fails the test."""
+    with _raw(server, token) as c, c.stream("GET", f"{API}/events") as resp:
+        assert resp.status_code == 200, resp.read()
+        blocks = sse_blocks(resp.iter_lines())
+        assert "gpulease event stream" in next(blocks)["comments"]
+        yield blocks
+
+
+def _closing(blocks: list[dict[str, Any]]) -> str:
+    """The comment a stream that the server ended says why with."""
+    said = [c for b in blocks for c in b["comments"] if c.startswith("closed:")]
+    assert len(said) == 1, blocks
+    return said[0]
+
+
+def test_a_revoked_token_s_event_stream_ends_and_sends_nothing_after(server: ServerHandle) -> None:
+    """Issue 49 (5): GET /events checked its token once, so a revoked token's stream went on
+    delivering every user's events. Now the revoke ends it, before any event produced after it; the
+    streams of other tokens go on."""
+    admin, bob = server.client("root", "admin"), server.client("bob")
+    secret, tid = _new(admin, "carol")
+    with _events(server, secret) as carol, event_stream(server, "dave") as dave:
+        before = bob.acquire(1, ttl=60)
+        next_event((b for b in carol if "event" in b), "grant", before.id)  # it delivers others' events
+        admin.revoke_token(tid)
+        after = bob.acquire(1, ttl=60)
+        next_event(dave, "grant", after.id)  # produced, and sent to a valid token's stream
+        rest = list(carol)  # to its end (a stream that goes on fails at the 10 s read timeout)
+    assert not [b for b in rest if after.id in b.get("data", "")], rest
+    assert f"API token {tid} of carol was revoked" in _closing(rest)
+    with _raw(server, secret) as c:  # and it cannot come back
+        assert_error(c.get(f"{API}/events"), 401, "unauthorized", "revoked")
+    bob.release(before)
+    bob.release(after)
+
+
+def test_a_token_revoked_on_another_replica_ends_its_event_stream_here(server: ServerHandle) -> None:
+    """The revoke is heard by every server process on the same Redis (the tokens' change published
+    on the grants channel), which ends its streams of that token."""
+    admin = server.client("root", "admin")
+    secret, tid = _new(admin, "carol")
+    replica = ServerHandle(server.settings, "").start()
+    try:
+        with _events(replica, secret) as carol:
+            admin.revoke_token(tid)  # on the first server
+            rest = list(carol)
+        assert f"API token {tid} of carol was revoked" in _closing(rest)
+    finally:
+        replica.stop()
+
+
+def test_an_expired_token_s_event_stream_ends_at_its_expiry(server: ServerHandle) -> None:
+    """A stream waits for its next event at most until its token expires, and ends then."""
+    admin = server.client("root", "admin")
+    secret, tid = _new(admin, "erin", expires_in=3)
+    with _events(server, secret) as erin:
+        rest = list(erin)  # ends at the expiry (3 s), well before a keep-alive (15 s) or the net (10 s)
+    assert f"API token {tid} of erin expired at" in _closing(rest)
 
 
 def test_a_token_stored_before_ids_keeps_working_and_can_be_revoked(server: ServerHandle, redis_sync: Any) -> None:

@@ -91,14 +91,21 @@ class Context:
         self.metrics = metrics.Metrics(self.engine, settings.metrics_cache_s, top_users=top, views=self.cluster)
         self.limits = ReadLimits(settings)
         self.reaper = Reaper(self.store)
+        self._tokens: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await layout.check(self.redis, self.engine.keys, " --redis-url URL")  # refuses a layout it does not know
         self.engine.expect_data()  # the layout key is there now: a primary without it lost the data
         await self.store.start()
         self.reaper.start()
+        # every change of tokens (here or on another server): open event streams check theirs
+        self._tokens = asyncio.create_task(self.auth.follow(), name="gpulease-token-changes")
 
     async def stop(self) -> None:
+        if self._tokens is not None:
+            self._tokens.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tokens
         await self.reaper.stop()
         await self.hub.stop()
         await self.store.close()
@@ -116,7 +123,8 @@ class BaseHandler(tornado.web.RequestHandler):
     ``on_connection_close`` must call this one's: it ends the wait for a body that will never come.
     """
 
-    identity: Identity
+    identity: Identity  # whom the request acts for
+    token_identity: Identity  # its token's own (a proxy's, when it acts for someone)
     public = False  # no token needed (health, metrics, OpenAPI)
 
     @property
@@ -159,7 +167,7 @@ class BaseHandler(tornado.web.RequestHandler):
         if length is not None and (not length.isdigit() or int(length) > limit):
             raise errors.PayloadTooLarge(f"request body is larger than {limit} bytes; send a small JSON object")
         if not self.public:
-            ident = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
+            ident = self.token_identity = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
             self.identity = await self.ctx.auth.act_as(ident, self.request.headers.get(ACT_AS_HEADER))
 
     def data_received(self, chunk: bytes) -> None:
@@ -992,7 +1000,7 @@ class TokensHandler(BaseHandler):
             acts_for=body.get("acts_for"),
             node=body.get("node"),
         )
-        self.ctx.auth.forget()
+        self.ctx.auth.changed()  # (its open event streams check their tokens at once)
         self.reply({**await view_token(self.ctx.redis, self.store.keys, token), "token": token}, 201)
 
 
@@ -1002,7 +1010,7 @@ class TokenHandler(BaseHandler):
         if not self.identity.admin:
             raise errors.Forbidden("only an admin can revoke tokens")
         gone = await revoke_token(self.ctx.redis, self.store.keys, tid)
-        self.ctx.auth.forget()
+        self.ctx.auth.changed()  # (its open event streams check their tokens at once)
         self.reply({**gone, "revoked": True})
 
 
@@ -1122,6 +1130,7 @@ class EventStreamHandler(BaseHandler):
                     del self.ctx.streams[held]
 
     _queue: asyncio.Queue[dict[str, Any] | None] | None = None
+    _recheck = False  # the tokens changed: check this stream's before it sends anything more
 
     def on_connection_close(self) -> None:
         """The client went away: end the stream now (and free its place under the user's limit),
@@ -1130,6 +1139,46 @@ class EventStreamHandler(BaseHandler):
         if self._queue is not None:
             with contextlib.suppress(asyncio.QueueFull):
                 self._queue.put_nowait(None)
+
+    def _tokens_changed(self) -> None:
+        """A token was created, revoked or bound (auth.Authenticator.on_change): wake the stream,
+        which checks its token before it sends anything queued after this."""
+        self._recheck = True
+        if self._queue is not None:
+            with contextlib.suppress(asyncio.QueueFull):  # (full: the hub drops it)
+                self._queue.put_nowait(_RECHECK)
+
+    def _wait_s(self) -> float:
+        """How long an idle stream waits for an event: a keep-alive's interval, or less, to its
+        token's expiry."""
+        expires = self.token_identity.expires
+        return KEEP_ALIVE_S if expires is None else max(0.0, min(KEEP_ALIVE_S, expires - time.time()))
+
+    async def _token_ok(self, at_once: bool = False) -> bool:
+        """Whether the stream's token is still valid (always at a keep-alive, ``at_once``; else when
+        the tokens changed since the last check, or its expiry has come). If not, the stream ends
+        with a comment that says why, and sends nothing more."""
+        expires = self.token_identity.expires
+        due = self._recheck or (expires is not None and time.time() >= expires)
+        if not (at_once or due):
+            return True
+        self._recheck = False  # (before the read: a change during it asks again)
+        try:
+            await self.ctx.auth.check_token(self.token_identity)
+            return True
+        except errors.Unauthorized as exc:
+            why = exc.message
+        except Exception as exc:  # Redis away: whether the token still holds is not known
+            if not due:
+                return True  # a keep-alive's check only: the next one asks again
+            why = (
+                f"this server cannot check the stream's API token now ({as_lease_error(exc)}): reconnect, "
+                "with Last-Event-ID to miss nothing"
+            )
+        log.info("event stream of %s (token %s) closed: %s", self.identity.user, self.token_identity.token, why)
+        self.write(": closed: " + why.replace("\n", " ").replace("\r", " ") + "\n\n")
+        await self.flush()
+        return False
 
     async def _stream(self, hub: Any) -> None:
         # Read before the stream starts, so a bad id is a plain 400.
@@ -1151,6 +1200,16 @@ class EventStreamHandler(BaseHandler):
             backlog_read.enter_context(
                 await limits.admit(key, "the backlog of GET /events (since=, Last-Event-ID)", self.gone)
             )
+        # A revoked or expired token's stream ends (issue 49: it went on delivering every user's
+        # events): told of every change of tokens from here on, and checked once now for a change
+        # between the request's check and this.
+        auth = self.ctx.auth
+        auth.on_change(self._tokens_changed)
+        try:
+            await auth.check_token(self.token_identity)
+        except BaseException:
+            auth.off_change(self._tokens_changed)
+            raise
         # before the backlog read, so nothing falls in between
         queue = self._queue = await hub.subscribe(lease=lease, changes=changes)
         sent_up_to = ""
@@ -1163,6 +1222,8 @@ class EventStreamHandler(BaseHandler):
                 async for part in read_sliced(
                     self.ctx.redis, self.store.keys.events, backlog, lambda n: limits.charge(key, n, self.gone)
                 ):
+                    if not await self._token_ok():
+                        return
                     for ev in part:
                         self._send(ev)
                         sent_up_to = ev["id"]
@@ -1176,19 +1237,25 @@ class EventStreamHandler(BaseHandler):
                     batch = [queue.get_nowait()]
                 except asyncio.QueueEmpty:
                     try:
-                        async with asyncio.timeout(15):
+                        async with asyncio.timeout(self._wait_s()):
                             batch = [await queue.get()]
                     except TimeoutError:
+                        if not await self._token_ok(at_once=True):
+                            return
                         self.write(": keep-alive\n\n")
                         await self.flush()
                         continue
                 while len(batch) < 64 and not queue.empty():
                     batch.append(queue.get_nowait())
+                if not await self._token_ok():
+                    return
                 wrote = False
                 for ev in batch:
                     if ev is None:
                         ended = True
                         break
+                    if ev is _RECHECK:
+                        continue
                     if sent_up_to and _stream_id(ev["id"]) <= _stream_id(sent_up_to):
                         continue
                     if lease is not None and ev.get("lease") != lease:
@@ -1200,6 +1267,7 @@ class EventStreamHandler(BaseHandler):
         except tornado.iostream.StreamClosedError:
             pass
         finally:
+            auth.off_change(self._tokens_changed)
             backlog_read.close()
             hub.unsubscribe(queue)
 
@@ -1209,6 +1277,10 @@ class EventStreamHandler(BaseHandler):
             self.write(ev.wire(full, _sse))
             return
         self.write(_sse(events.for_reader(ev, self.identity.user, self.identity.admin)))  # others' tokens: never
+
+
+KEEP_ALIVE_S = 15.0  # an idle event stream's comment: proxies keep it open, and its token is checked
+_RECHECK: dict[str, Any] = {}  # queued to an event stream when the tokens changed (only its identity counts)
 
 
 def _sse(ev: dict[str, Any]) -> str:

@@ -23,18 +23,24 @@ once a minute per token and server process, so authenticating stays one cached l
 Lookups are cached per process for ``CACHE_SECONDS``; creating, revoking or binding a token
 publishes :data:`TOKENS_CHANGED` on the grants channel and every server process drops its cache on
 its next request (the revoking process at once), so a revoked token is refused on the next request.
+A request that stays open (an event stream) asks again (:meth:`Authenticator.check_token`) at
+every change of tokens, which :meth:`Authenticator.follow` hears and passes on to the callbacks
+of :meth:`Authenticator.on_change`, and at each of its keep-alives: a revoked or expired token's
+stream ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import hashlib
 import json
 import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -222,6 +228,15 @@ async def revoke_token(redis: Redis, keys: Keys, tid: str) -> dict[str, Any]:
     return view
 
 
+def _check_expiry(ident: Identity) -> None:
+    """401 for a token past its expiry (the server's clock), naming when it expired."""
+    if ident.expires is not None and time.time() >= ident.expires:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ident.expires))
+        raise errors.Unauthorized(
+            f"API token {ident.token} of {ident.user} expired at {when}: ask an admin for a new one"
+        )
+
+
 class Authenticator:
     """Who a request's token is, and whom it may act for; cached per process (see the module)."""
 
@@ -233,11 +248,96 @@ class Authenticator:
         self._cache: dict[str, tuple[float, Identity | None]] = {}
         self._privileged: tuple[float, dict[str, str]] | None = None
         self._used: dict[str, float] = {}  # digest -> when this process last wrote its last use
+        self._generation = 0  # counts forget(): a read begun before one is not cached after it
+        self._reads: dict[str, asyncio.Future[Identity | None]] = {}  # digest -> its read under way
+        self._on_change: set[Callable[[], None]] = set()
 
     def forget(self) -> None:
         """Drop what is cached: the next request reads its token from Redis."""
         self._cache.clear()
         self._privileged = None
+        self._generation += 1
+        self._reads.clear()  # (begun before the change: never shared with a reader after it)
+
+    def changed(self) -> None:
+        """Tokens changed (in this process, or published by another): drop the cache and call the
+        :meth:`on_change` callbacks (each open event stream checks its token again)."""
+        self.forget()
+        for callback in list(self._on_change):
+            callback()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (synchronously, cheaply) at every change of tokens from now on."""
+        self._on_change.add(callback)
+
+    def off_change(self, callback: Callable[[], None]) -> None:
+        self._on_change.discard(callback)
+
+    async def follow(self) -> None:
+        """Until cancelled: at every change of tokens published on the grants channel (by any server
+        process; or after the channel's subscription was lost, which may have lost one) call
+        :meth:`changed`. Nothing is awaited between a wake-up and the next ``expect``, so no change
+        published meanwhile is missed."""
+        if self._notifier is None:
+            return
+        while True:
+            changed = self._notifier.expect(TOKENS_CHANGED)
+            try:
+                await changed.wait()
+            finally:
+                self._notifier.forget(TOKENS_CHANGED, changed)
+            self.changed()
+
+    async def check_token(self, ident: Identity) -> None:
+        """Raise :class:`errors.Unauthorized` if the token ``ident`` was read from (identify's
+        answer, not a proxy's act_as) is revoked or expired now; through the cache, which every
+        change of tokens drops, and one read of Redis for all who ask about the same token at once
+        (3,000 open streams behind one proxy token ask together after each change)."""
+        self._follow_changes()
+        hit = self._cache.get(ident.digest)
+        if hit is not None and hit[0] >= time.monotonic():
+            current = hit[1]
+        else:
+            digest = ident.digest
+            read = self._reads.get(digest)
+            if read is None:
+                read = self._reads[digest] = asyncio.ensure_future(self._read(digest, token_id(digest)))
+                read.add_done_callback(functools.partial(self._read_done, digest))
+            current = await asyncio.shield(read)
+        if current is None:
+            raise errors.Unauthorized(
+                f"API token {ident.token} of {ident.user} was revoked: ask an admin for a new one"
+            )
+        _check_expiry(current)
+
+    def _read_done(self, digest: str, done: asyncio.Future[Identity | None]) -> None:
+        if self._reads.get(digest) is done:
+            del self._reads[digest]
+        if not done.cancelled():
+            done.exception()  # (retrieved: a failed read is each asker's own error)
+
+    async def _read(self, digest: str, tid: str) -> Identity | None:
+        """The token whose hash is ``digest``, read from Redis (None: no such token) and cached,
+        unless the tokens changed while it was read."""
+        generation = self._generation
+        raw = await self.redis.hget(self.keys.tokens, digest)
+        ident = None
+        if raw:
+            rec = json.loads(raw)
+            ident = Identity(
+                rec["user"],
+                rec["role"],
+                token=tid,
+                node=rec.get("node"),
+                acts_for=rec.get("acts_for"),
+                expires=rec.get("expires"),
+                digest=digest,
+            )
+        if generation == self._generation:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[digest] = (time.monotonic() + CACHE_SECONDS, ident)
+        return ident
 
     def _follow_changes(self) -> None:
         # A change published after expect() sets the new event; one published before it is covered
@@ -261,37 +361,14 @@ class Authenticator:
             raise errors.Unauthorized("Authorization header must be 'Bearer <token>'")
         self._follow_changes()
         digest = hash_token(token.strip())
-        now = time.monotonic()
         hit = self._cache.get(digest)
-        if hit is None or hit[0] < now:
-            raw = await self.redis.hget(self.keys.tokens, digest)
-            ident = None
-            if raw:
-                rec = json.loads(raw)
-                ident = Identity(
-                    rec["user"],
-                    rec["role"],
-                    token=token_id(digest),
-                    node=rec.get("node"),
-                    acts_for=rec.get("acts_for"),
-                    expires=rec.get("expires"),
-                    digest=digest,
-                )
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            hit = (now + CACHE_SECONDS, ident)
-            self._cache[digest] = hit
-        ident = hit[1]
+        ident = hit[1] if hit is not None and hit[0] >= time.monotonic() else await self._read(digest, token_id(digest))
         if ident is None:
             raise errors.Unauthorized(
                 "unknown or deleted API token (a revoked one is deleted): ask an admin for a new one"
             )
+        _check_expiry(ident)
         wall = time.time()
-        if ident.expires is not None and wall >= ident.expires:
-            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ident.expires))
-            raise errors.Unauthorized(
-                f"API token {ident.token} of {ident.user} expired at {when}: ask an admin for a new one"
-            )
         if wall - self._used.get(digest, 0.0) >= USED_EVERY_S:
             if len(self._used) > 10_000:
                 self._used.clear()
