@@ -668,9 +668,11 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "Per-day series and totals of GPU use over [from, to), overall and per user, team or pool, from the "
                 "hourly rollups (default: the last 7 days). The window is widened to whole hours; days are UTC. "
                 "With the server's usage_own_rows_only, a user who is not an admin gets only their own rows (and "
-                "a 403 for another user's). 400: to not after from, a window over 400 days, an unknown pool or "
-                "user (the message names what would work)",
+                "a 403 for another user's), and reads only those. 400: to not after from, a window over 400 days, "
+                "an unknown pool or user (the message names what would work). The rows read count against the "
+                "token's read budget, as GET /usage's lines do: 429 (with Retry-After) past it",
                 _json(_ref("UsageSummary"), "UsageSummary"),
+                429,
                 params=(v.SUMMARY_BY, v.SUMMARY_ALSO_BY, v.POOL, v.SUMMARY_USER, v.FROM, v.TO),
             )
         },
