@@ -192,7 +192,7 @@ class Ending:
         first = f"{head}{tail}{mem}{big}{saved}"
         if len(first) > 80 and len(head) <= 80:  # what it freed and kept on a line of its own
             first = f"{head}\n" + fit80(f"{tail}{mem}{big}{saved}".removeprefix("; "), "  ")
-        return f"{fit80(first)}{hint}{notes}"
+        return f"{fit80(first + hint)}{notes}"
 
 
 _FLAG_VALUE = re.compile(r"(--[a-z][a-z-]*) (?=[^\s-])")
@@ -200,7 +200,8 @@ _FLAG_VALUE = re.compile(r"(--[a-z][a-z-]*) (?=[^\s-])")
 
 def fit80(text: str, first: str = "", rest: str = "  ") -> str:
     """``text`` (lines of it) within 80 columns, a flag never parted from its value (``--gpu-mem
-    3GB`` stays one piece, ready to copy), the lines after each first indented by ``rest``."""
+    3GB`` stays one piece, ready to copy); the first line's continuations indented by ``rest``, each
+    later line's by its own indent and two more."""
     out = []
     for i, line in enumerate(text.splitlines()):
         lead = first if i == 0 else ""
@@ -212,7 +213,7 @@ def fit80(text: str, first: str = "", rest: str = "  ") -> str:
             glued,
             80,
             initial_indent=lead,
-            subsequent_indent=rest or " " * (len(line) - len(line.lstrip())),
+            subsequent_indent=rest if i == 0 else line[: len(line) - len(line.lstrip())] + "  ",
             break_on_hyphens=False,
             break_long_words=False,
         )
@@ -323,15 +324,17 @@ def describe_end(rec: LeaseJson, me: str) -> str | None:
     )
     over = rec.get("over_memory")
     if cause["code"] == EndCause.OVER_MEMORY and over:
-        # one line as the others, and under it what it used and the --gpu-mem that would have fit
-        # (Ending.line keeps that line under the closing one)
-        fit = f"; --gpu-mem {as_option(int(over['fit_mb']))} would fit" if over.get("fit_mb") else ""
-        peak = f" (peak {show_mb(over['peak_mb'])} + {FIT_MARGIN * 100:.0f} %)" if fit and over.get("peak_mb") else ""
-        total = int(rec.get("gpu_total_mb") or 0)
-        if fit and total and int(over["fit_mb"]) >= total:  # more than its GPU has: a whole one
-            fit, peak = "; a whole GPU would fit (drop --gpu-mem)", ""
+        # one line as the others; under it what it used, and next the --gpu-mem that would have
+        # fit (Ending.line keeps those lines under the closing one)
         used = f"used {show_mb(over.get('used_mb', 0))} for {over.get('over_s', 0):.1f}s"
-        return f"stopped: over its {show_mb(over.get('limit_mb', 0))} slice\n  {used}{fit}{peak}"
+        fit_mb, total = int(over.get("fit_mb") or 0), int(rec.get("gpu_total_mb") or 0)
+        if fit_mb and total and fit_mb >= total:  # more than its GPU has: a whole one
+            used += "\n  next: a whole GPU (drop --gpu-mem)"
+        elif fit_mb:
+            margin = f"{FIT_MARGIN * 100:.0f} %"
+            why = f" (its {show_mb(over['peak_mb'])} peak + {margin}, rounded up)" if over.get("peak_mb") else ""
+            used += f"\n  next: --gpu-mem {as_option(fit_mb)}{why}"
+        return f"stopped: over its {show_mb(over.get('limit_mb', 0))} slice\n  {used}"
     return describe_cause(cause, me)
 
 

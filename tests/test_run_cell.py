@@ -219,7 +219,7 @@ def test_a_cell_that_waits_out_its_wait_says_so_in_its_own_flags(sess, up):
                 "over_memory": {"limit_mb": 40960, "used_mb": 76800, "peak_mb": 76800, "fit_mb": 92160, "over_s": 2.1},
             },
             # 90 GB would fit no 80 GB GPU: a whole one is the advice
-            "stopped: over its 40 GB slice\n  used 75 GB for 2.1s; a whole GPU would fit (drop --gpu-mem)",
+            "stopped: over its 40 GB slice\n  used 75 GB for 2.1s\n  next: a whole GPU (drop --gpu-mem)",
         ),
         ({"state": "active"}, None),
     ],

@@ -126,13 +126,12 @@ def test_two_slices_share_a_gpu_and_only_the_one_over_its_memory_is_ended(up, se
         re.fullmatch(r"over its 512 MB slice, using [\d.]+ [MG]B: ended unless it drops back", w) for w in warned
     )
     line = hog_ui.ending.line()
-    first, second = line.splitlines()[:2]
+    first, used, nxt = line.splitlines()[:3]
     assert first.startswith("gpu_train: stopped: over its 512 MB slice; released"), line
-    assert re.fullmatch(
-        r"  used [\d.]+ [MG]B for [\d.]+s; --gpu-mem (\d+)(MB|GB) would fit \(peak .* \+ 20 %\)", second
-    )
+    assert re.fullmatch(r"  used [\d.]+ [MG]B for [\d.]+s", used), line
+    assert re.fullmatch(r"  next: --gpu-mem (\d+)(MB|GB) \(its .* peak \+ 20 %, rounded up\)", nxt), line
     assert lines_fit(line) and "Traceback" not in line
-    fit = re.search(r"--gpu-mem (\d+)MB", second)
+    fit = re.search(r"--gpu-mem (\d+)MB", nxt)
     assert fit is None or int(fit.group(1)) % 256 == 0  # in the pool's unit
     # Only the hog was ended, by the node agent, for its memory; the neighbour by its own release
     hog_id, neighbour_id = running(hog_ui).lease_id, running(neighbour_ui).lease_id
