@@ -614,10 +614,15 @@ class UsageSummaryHandler(BaseHandler):
         hint = "a shorter window (from=, to=), one pool (pool=)"
         read = 0
 
+        # An admin's read is not held to the budget (a department's week over 100k rows took 40 s
+        # at its rate): admins are trusted, and the slices keep the loop served meanwhile.
+        admin = self.identity.role == "admin"
+
         async def charge(n: int) -> None:
             nonlocal read
             read += n
-            await limits.charge(key, n, self.gone)
+            if not admin:
+                await limits.charge(key, n, self.gone)
 
         by_day: usage.DaySums = {}
         users: set[str] = set()
@@ -638,7 +643,7 @@ class UsageSummaryHandler(BaseHandler):
                     usage.sum_days(
                         [r for r in part if (pool is None or r[1] == pool) and (user is None or r[2] == user)], by_day
                     )
-                if read < MIN_READ_COST:  # the request costs too, however few rows it read
+                if read < MIN_READ_COST and not admin:  # the request costs too, however few rows it read
                     await limits.charge(key, MIN_READ_COST - read, self.gone)
             except tornado.iostream.StreamClosedError:  # the client went away during a throttled read
                 return
