@@ -318,6 +318,7 @@ def test_the_board_answers_only_declared_fields_slices_included(server_factory: 
     assert (mine[slices[0]["id"]]["mem_used_mb"], mine[slices[0]["id"]]["mem_peak_mb"]) == (3000, 4000)
     assert "warm_since" in mine[slices[1]["id"]] and "warm_since" not in mine[slices[0]["id"]]
     assert view["pools"]["A100-80GB"]["share"] is True and view["pools"]["A100-80GB"]["slices"] == 2
+    assert view["pools"]["A100-80GB"]["unpromised_mb"] == 51200  # what a slice may still take, in the counts
     assert _undeclared(doc, doc["components"]["schemas"]["Cluster"], view, "cluster") == []
     with http(srv) as anon:
         samples = _samples(anon.get("/metrics").text)

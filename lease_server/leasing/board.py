@@ -110,6 +110,7 @@ def _new_counts() -> dict[str, int]:
         "warm": 0,
         "sliced": 0,  # GPUs shared by slices
         "slices": 0,  # the live slices on them
+        "unpromised_mb": 0,  # memory of its sliced GPUs (on nodes up) that no slice holds: room for another
     }
 
 
@@ -121,6 +122,8 @@ def _add_counts(pools: dict[str, dict[str, int]], node: dict[str, Any], sign: in
         counts["gpus"] += sign
         counts[g["state"]] += sign
         counts["slices"] += sign * len(g.get("slices") or ())
+        if "slice_mem" in g and node["state"] == "up":
+            counts["unpromised_mb"] += sign * g["slice_mem"]["free_mb"]
 
 
 def _build_node(name: str, raw: _Raw) -> dict[str, Any]:

@@ -360,9 +360,10 @@ def _response_schemas() -> dict[str, Any]:
         "PoolCounts": {
             "type": "object",
             "description": "A pool's GPUs counted by state (a GPU shared by slices counts as sliced), its "
-            "live slices, and, where its GPUs may be sliced (share), the unit a slice is rounded up to",
+            "live slices, the memory of its sliced GPUs on nodes up that no slice holds (unpromised_mb, MB), "
+            "and, where its GPUs may be sliced (share), the unit a slice is rounded up to",
             "properties": {
-                **{c: {"type": "integer"} for c in ("gpus", "nodes", "slices", *GPU_STATES)},
+                **{c: {"type": "integer"} for c in ("gpus", "nodes", "slices", "unpromised_mb", *GPU_STATES)},
                 "kind": {"type": "string", "enum": ["gpu", "cpu"]},
                 "share": {"type": "boolean"},
                 "slice_unit_mb": {"type": "integer"},
