@@ -819,8 +819,9 @@ def test_the_board_draws_a_sliced_gpu_as_its_slices(
     page: Any, lab: Lab, server: Any, clients: dict[str, Any], shots: Path
 ) -> None:
     """Two slices of one GPU: the tile is the GPU's slices, each with its holder, its memory of the
-    GPU's and what it uses at its peak where measured, and the memory left; the status bar counts
-    a slice as a slice, not a GPU held; a release shows at once."""
+    GPU's and what it uses at its peak where measured, and the memory no slice holds (unpromised);
+    the status bar counts a slice as a slice, not a GPU held, and says what is unpromised; a release
+    shows at once."""
     from playwright.sync_api import expect
 
     alice, bob = clients["alice"], clients["bob"]
@@ -836,7 +837,7 @@ def test_the_board_draws_a_sliced_gpu_as_its_slices(
     node, index = small.node, small.gpus[0]["index"]
     assert (big.node, big.gpus[0]["index"]) == (node, index)  # best fit packs them on one GPU
     where = f"{node} GPU {index}"
-    cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 2 slices, 40 GB of 80 GB free")
+    cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 2 slices, 40 GB of 80 GB unpromised")
     expect(cell).to_have_attribute("data-state", "sliced")
     slices = cell.get_by_role("list", name=f"slices of {where}").get_by_role("listitem")
     expect(slices).to_have_count(2)
@@ -847,8 +848,8 @@ def test_the_board_draws_a_sliced_gpu_as_its_slices(
     expect(slices.nth(1)).to_have_accessible_name(
         re.compile(rf"^slice {small.id}: alice \(you\), 10 GB of 80 GB, held \d+s, label small$")
     )
-    expect(cell).to_contain_text("40 GB of 80 GB free")
-    expect(status).to_have_text("GPU: 0 held · 1 slice · 7 free")
+    expect(cell).to_contain_text("40 GB of 80 GB unpromised")
+    expect(status).to_have_text("GPU: 0 held · 1 slice · 7 free · 40 GB unpromised")
     mine = page.get_by_role("list", name="leases I hold")
     expect(mine.get_by_text(f"{where} · 10 GB of 80 GB slice")).to_be_visible()
     legend = page.get_by_role("list", name="legend")
@@ -859,15 +860,217 @@ def test_the_board_draws_a_sliced_gpu_as_its_slices(
     alice.warm(small)
     expect(slices.nth(1)).to_have_text("alice (you) · 10 GB of 80 GB · warm")
     expect(slices.nth(1)).to_have_accessible_name(re.compile(r"kept warm \d+s, lent out if someone waits"))
-    expect(status).to_have_text("GPU: 0 held · 1 warm slice · 7 free")
+    expect(status).to_have_text("GPU: 0 held · 1 warm slice · 7 free · 40 GB unpromised")
 
     bob.release(big)
-    cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 1 slice, 70 GB of 80 GB free")
+    cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 1 slice, 70 GB of 80 GB unpromised")
     expect(cell.get_by_role("listitem")).to_have_count(1)
     alice.release(small)
     expect(board.get_by_role("cell", name=f"{where}: free")).to_be_visible()
     expect(status).to_have_text("GPU: 0 held · 8 free")
     print(f"screenshots: {shots}")
+
+
+# The WCAG contrast of every text of the GPU board against what is drawn under it, from the colours
+# the page computes (getComputedStyle): a text's colour (its alpha, and its ancestors' opacity) over
+# the backgrounds under it, composited from the page up (each stop of a striped background counts:
+# the worst one). Returns every text with its ratio, the lowest first.
+CONTRAST_JS = """(root) => {
+  const parse = c => {
+    let m = c.match(/^rgba?\\(([^)]*)\\)$/);
+    if (m) {
+      const p = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number);
+      return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+    }
+    m = c.match(/^color\\(srgb ([^)]*)\\)$/);
+    if (m) {
+      const p = m[1].split(/[\\s\\/]+/).filter(Boolean).map(Number);
+      return [p[0] * 255, p[1] * 255, p[2] * 255, p.length > 3 ? p[3] : 1];
+    }
+    throw new Error('a colour this check cannot read: ' + c);
+  };
+  const over = (top, under) => [0, 1, 2].map(i => top[i] * top[3] + under[i] * (1 - top[3])).concat([1]);
+  const lin = v => (v /= 255) <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+  const lum = c => 0.2126 * lin(c[0]) + 0.7152 * lin(c[1]) + 0.0722 * lin(c[2]);
+  const ratio = (a, b) => { const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p); return (x + 0.05) / (y + 0.05); };
+  const stops = img => [...img.matchAll(/rgba?\\([^)]*\\)|color\\(srgb[^)]*\\)/g)].map(m => parse(m[0]));
+  const out = [];
+  for (const el of root.querySelectorAll('*')) {
+    if (el.closest('button, select, option, svg') || !el.getClientRects().length) continue;
+    const text = [...el.childNodes].filter(n => n.nodeType === 3).map(n => n.textContent).join('').trim();
+    if (!text) continue;
+    const chain = [];
+    let alpha = 1;
+    for (let e = el; e; e = e.parentElement) {
+      const cs = getComputedStyle(e);
+      alpha *= Number(cs.opacity);
+      chain.push({ bg: parse(cs.backgroundColor), stops: stops(cs.backgroundImage) });
+    }
+    let unders = [[255, 255, 255, 1]];
+    for (const layer of chain.reverse()) {
+      unders = unders.map(u => over(layer.bg, u));
+      if (layer.stops.length) unders = unders.flatMap(u => layer.stops.map(s => over(s, u)));
+    }
+    const fg = parse(getComputedStyle(el).color);
+    fg[3] *= alpha;
+    const worst = Math.min(...unders.map(u => ratio(over(fg, u), u)));
+    out.push({ text: text.slice(0, 60), cls: String(el.className).slice(0, 80), ratio: Math.round(worst * 100) / 100 });
+  }
+  return out.sort((a, b) => a.ratio - b.ratio);
+}"""
+
+# Every state a tile and a slice is drawn in, each drawn once off the board (a copy of the board's
+# markup in a panel of its own), so that the contrast check sees the states no test made happen.
+PROBES_JS = """(states) => {
+  const panel = document.createElement('div');
+  panel.className = 'jp-GpuLease-panel jp-GpuLease-probes';
+  panel.setAttribute('aria-label', 'every state, drawn for the contrast check');
+  const cells = states.tiles.map(s =>
+    `<td class="jp-GpuLease-cell jp-GpuLease-state-${s}"><div class="jp-GpuLease-cellIndex">GPU 0 · ${s}</div>` +
+    `<div class="jp-GpuLease-cellState">${s}</div><div class="jp-GpuLease-cellHeld">1m05s</div>` +
+    `<div class="jp-GpuLease-cellLabel">train.ipynb · cell 4</div><div class="jp-GpuLease-cellIdle">idle — 27 s</div>` +
+    `<div class="jp-GpuLease-cellError">not kept</div></td>`).join('');
+  const slices = states.slices.map(s =>
+    `<li class="jp-GpuLease-slice jp-GpuLease-slice-${s}"><div class="jp-GpuLease-sliceText">bob · 30 GB · ${s}</div>` +
+    `<div class="jp-GpuLease-sliceText jp-GpuLease-sliceUsed">using 3 GB, peak 4 GB</div></li>`).join('');
+  panel.innerHTML = `<table class="jp-GpuLease-board"><tbody><tr><th class="jp-GpuLease-node">` +
+    `<div class="jp-GpuLease-nodeName">p1</div><div class="jp-GpuLease-nodePool">A100</div></th>${cells}` +
+    `<td class="jp-GpuLease-cell jp-GpuLease-state-sliced"><ul class="jp-GpuLease-slices">${slices}</ul></td></tr>` +
+    `<tr class="jp-GpuLease-suspendedRow"><th class="jp-GpuLease-suspendedHead">suspended · on host</th>` +
+    `<td class="jp-GpuLease-suspendedCell"><ul class="jp-GpuLease-suspended">` +
+    `<li class="jp-GpuLease-suspendedWorker">alice · 3 GB on host · 5s</li></ul></td></tr></tbody></table>`;
+  document.body.appendChild(panel);
+  return panel.querySelectorAll('td, li').length;
+}"""
+
+
+def _contrast(page: Any, root: str) -> list[dict[str, Any]]:
+    return page.locator(root).first.evaluate(CONTRAST_JS)  # type: ignore[no-any-return]
+
+
+def _suspend_on(server: Any, node: str, user: str, lease: str, gb: float, worker: subprocess.Popen[bytes]) -> None:
+    """A worker suspended to host memory on ``node``, as the node agent records it (drained.lua):
+    a live process stands in for it (the agent forgets an entry whose process is gone)."""
+    import json
+
+    import redis
+
+    from lease_server.node.claims import start_ticks
+    from lease_server.store.keys import Keys
+
+    entry = {
+        "pid": worker.pid,
+        "start": start_ticks(worker.pid),
+        "uid": os.getuid(),
+        "user": user,
+        "lease": lease,
+        "pool": "A100-80GB",
+        "gpu": 0,
+        "bytes": int(gb * 2**30),
+        "since": int(time.time() * 1000) - 65_000,
+    }
+    r = redis.Redis.from_url(server.settings.redis_url)
+    try:
+        r.hset(Keys(server.settings.prefix).suspended, node, json.dumps({str(worker.pid): entry}))
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("lease_server_settings", [{"scheduling": {"A100-80GB": {"share": True}}}])
+def test_the_board_reads_in_light_and_dark_with_slices_over_memory_and_suspended_workers(
+    page: Any, lab: Lab, server: Any, clients: dict[str, Any], shots: Path
+) -> None:
+    """The board in JupyterLab's light and dark themes: every text of every tile (and of every
+    state, drawn off the board) at 4.5:1 or more against what is under it (WCAG AA); a slice over
+    its memory coloured and named; a slice's row holds its text; a node's suspended workers in a
+    row of their own; the status bar's free count says what sliced GPUs still have unpromised."""
+    from playwright.sync_api import expect
+
+    alice, bob, root = clients["alice"], clients["bob"], clients["root"]
+    mine = alice.acquire(1, "T4-16GB", ttl=300, label="import torch", notebook="work/train.ipynb", cell="4")
+    warm = bob.acquire(1, "T4-16GB", ttl=300, label="eval")
+    bob.warm(warm)
+    big = bob.acquire(1, "A100-80GB", ttl=300, label="big", gpu_mem="30GB")
+    _measured(server, big.id, 34 * 1024, 35 * 1024)  # over the 30 GB it was promised
+    small = alice.acquire(1, "A100-80GB", ttl=300, label="small", gpu_mem="10GB")
+    node, index = small.node, small.gpus[0]["index"]
+    assert (big.node, big.gpus[0]["index"]) == (node, index)
+    now = time.time()
+    bob.request("POST", "/api/v1/bookings", json={"pool": "A100-80GB", "gpus": 1, "start": now - 60, "end": now + 3600})
+    worker = subprocess.Popen(["sleep", "600"])
+    try:
+        _suspend_on(server, "n2", "alice", "l-evicted", 3.2, worker)
+        deadline = time.monotonic() + 15
+        while not next(n for n in root.cluster()["nodes"] if n["name"] == "n2").get("suspended"):
+            assert time.monotonic() < deadline, "the board's view never showed the suspended worker"
+            time.sleep(0.2)  # the shared view reads every node again within 5 s
+
+        open_panel(page, lab)
+        expect(page.get_by_role("status", name="live updates")).to_have_text("live")
+        board = page.get_by_role("region", name="GPU board")
+        where = f"{node} GPU {index}"
+        cell = board.get_by_role("cell", name=f"{where}: sliced · shared, 2 slices, 40 GB of 80 GB unpromised")
+        slices = cell.get_by_role("list", name=f"slices of {where}").get_by_role("listitem")
+        over = slices.filter(has_text="bob")
+        expect(over).to_have_attribute("data-state", "over")
+        expect(over).to_have_accessible_name(
+            re.compile(rf"^slice {big.id}: bob, 30 GB of 80 GB, using 34 GB, peak 35 GB, over its memory: ended if")
+        )
+        expect(over.locator(".jp-GpuLease-sliceText").first).to_have_text("bob · 30 GB of 80 GB · over its memory")
+        expect(slices.filter(has_text="alice")).to_have_attribute("data-state", "leased")
+        legend = page.get_by_role("list", name="legend")
+        expect(legend.get_by_role("listitem").filter(has_text=re.compile(r"^slice over its memory$"))).to_be_visible()
+        # A slice's row holds its text: no bar or border drawn across it, each line whole inside the row.
+        for i in range(2):
+            row = slices.nth(i).bounding_box()
+            for line in slices.nth(i).locator(".jp-GpuLease-sliceText").all():
+                box = line.bounding_box()
+                assert line.evaluate("el => el.scrollWidth <= el.clientWidth"), line.inner_text()
+                assert row["x"] <= box["x"] and box["x"] + box["width"] <= row["x"] + row["width"] + 0.5, (row, box)
+            meter = slices.nth(i).locator(".jp-GpuLease-sliceMeter").bounding_box()
+            assert meter["y"] >= box["y"] + box["height"] - 0.5, (meter, box)  # under the text, not through it
+        # The suspended worker: a row of its own, not in the node's name.
+        suspended = board.get_by_role("row", name="n2: suspended workers")
+        expect(suspended).to_contain_text("alice (you) · 3.2 GB on host · 1m0")
+        expect(board.get_by_role("rowheader").filter(has_text="n2").first).to_have_text("n2A100-80GB")
+        status = page.get_by_role("button", name=re.compile(r"^GPU: \d+ held"))
+        expect(status).to_have_text("GPU: 1 held · 1 slice · 4 free · 40 GB unpromised")
+        expect(board.get_by_role("cell", name=re.compile(r": reserved, for bob$")).first).to_be_visible()
+        expect(board.get_by_role("cell", name=re.compile(r": warm · lendable, by bob,"))).to_be_visible()
+        yours = re.compile(rf"^{mine.node} GPU {mine.indexes[0]}: leased, by alice \(you\)")
+        leased = board.get_by_role("cell", name=yours)
+        expect(leased).to_contain_text("train.ipynb · cell 4")
+
+        page.evaluate(PROBES_JS, {"tiles": list(TILE_STATES), "slices": ["leased", "warm", "over", "draining"]})
+        assert page.locator(".jp-GpuLease-probes td, .jp-GpuLease-probes li").count() == len(TILE_STATES) + 7
+        seen = {}
+        for theme, light in (("JupyterLab Light", "true"), ("JupyterLab Dark", "false")):
+            if light == "false":
+                palette_item(page, f"Use Theme: {theme}").click()
+                expect(page.locator("body")).to_have_attribute("data-jp-theme-light", light)
+                expect(page.locator("#jupyterlab-splash")).to_have_count(0)  # JupyterLab's splash while it swaps themes
+                page.wait_for_function(  # the theme's CSS is swapped in after the body's attribute
+                    "() => getComputedStyle(document.querySelector('.jp-GpuLease-panel')).backgroundColor"
+                    " === 'rgb(33, 33, 33)'"
+                )
+            for part in ('section[aria-label="GPU board"]', ".jp-GpuLease-probes"):
+                texts = _contrast(page, part)
+                assert len(texts) > 20, texts
+                low = [t for t in texts if t["ratio"] < 4.5]
+                assert not low, (theme, part, low)
+                seen[(theme, part)] = texts[0]
+            page.evaluate("document.querySelector('.jp-GpuLease-probes').hidden = true")
+            page.screenshot(path=str(shots / f"board-{'light' if light == 'true' else 'dark'}.png"))
+            page.evaluate("document.querySelector('.jp-GpuLease-probes').hidden = false")
+        print(f"lowest contrast: {seen}")
+    finally:
+        worker.kill()
+        worker.wait()
+    print(f"screenshots: {shots}")
+
+
+# The states a whole GPU's tile is drawn in (STATES in labextension/src/panel.tsx, less sliced and over).
+TILE_STATES = ("free", "leased", "warm", "reserved", "borrowed", "idle", "draining", "down")
 
 
 MANY_NODES = ",".join([*(f"a{i:02d}=1xA100-80GB" for i in range(40)), *(f"t{i:02d}=1xT4-16GB" for i in range(30))])

@@ -212,6 +212,26 @@ export class GpuLeaseModel {
       .reduce((n, [, pool]) => n + (pool.free ?? 0), 0);
   }
 
+  /**
+   * The memory of sliced GPUs (in GPU pools, on nodes up) that no slice holds yet, in MB: room for a
+   * --gpu-mem cell that "0 free" whole GPUs would hide. The pools' counts (the whole cluster, whatever
+   * page of the board came); a server without them: the nodes shown.
+   */
+  get unpromisedMb(): number {
+    if (!this.cluster) {
+      return 0;
+    }
+    const cpu = this.cluster.cpu_pool;
+    const pools = Object.entries(this.cluster.pools).filter(([name]) => name !== cpu);
+    if (pools.some(([, counts]) => counts.unpromised_mb !== undefined)) {
+      return pools.reduce((n, [, counts]) => n + (counts.unpromised_mb ?? 0), 0);
+    }
+    return this.cluster.nodes
+      .filter(node => node.pool !== cpu && node.state === 'up')
+      .flatMap(node => node.gpus)
+      .reduce((n, gpu) => n + (gpu.slice_mem?.free_mb ?? 0), 0);
+  }
+
   /** Handshake, first fetch, then the live stream. Safe to call again (it restarts). */
   async start(): Promise<void> {
     this._stopped = false;

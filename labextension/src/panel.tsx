@@ -23,7 +23,9 @@ import { UsagePanel } from './usage';
  * (a leased GPU that idle reclaim warned), draining (the server ended its lease: free once its node
  * agent sees the old processes gone), warm (a finished cell's worker kept for its notebook's next
  * cell: lent out the moment someone waits), sliced (shared by slices, each a lease of part of its
- * memory: drawn as its slices), down.
+ * memory: drawn as its slices; a slice whose processes use more than it was promised is drawn
+ * "over"), down. Each state is named in words on its tile, never by colour alone; the colours are
+ * the theme's (base.css), tinted so that text reads at 4.5:1 or more in light and dark themes.
  */
 export const STATES: Record<string, { label: string; legend: boolean }> = {
   free: { label: 'free', legend: true },
@@ -34,6 +36,7 @@ export const STATES: Record<string, { label: string; legend: boolean }> = {
   idle: { label: 'idle', legend: false },
   draining: { label: 'draining', legend: true },
   sliced: { label: 'sliced · shared', legend: false },
+  over: { label: 'slice over its memory', legend: false },
   down: { label: 'down', legend: true }
 };
 
@@ -112,22 +115,29 @@ function KeepButton(props: { model: GpuLeaseModel; id: string; where: string; sm
   );
 }
 
+/** A slice whose processes use more memory than it was promised: its agent warns, then ends it if it stays over. */
+export function overMemory(s: ISlice): boolean {
+  return s.mem_used_mb !== undefined && s.mem_used_mb > s.gpu_mem_mb;
+}
+
 /**
  * What one slice's lines say: "bob · 10 GB of 80 GB" (" · warm" while its worker waits for its
- * notebook's next cell, " · evicted in 2 s" once someone who waits takes it), then "using 3 GB,
- * peak 3.9 GB" once its node agent measured it; and its accessible name, with how long it is held
- * and its label.
+ * notebook's next cell, " · taken back in 2s" once someone who waits takes it, " · over its
+ * memory" while its processes use more than it was promised), then "using 3 GB, peak 3.9 GB" once
+ * its node agent measured it; its accessible name, with how long it is held and its label; and the
+ * state it is drawn in (over, warm or leased).
  */
 export function sliceText(
   s: ISlice,
   totalMb: number,
   you: boolean,
   now: number
-): { head: string; used: string; name: string } {
+): { head: string; used: string; name: string; state: 'leased' | 'warm' | 'over' } {
   const who = `${s.user}${you ? ' (you)' : ''}`;
   const size = `${memSize(s.gpu_mem_mb)} of ${memSize(totalMb)}`;
   const used =
     s.mem_used_mb === undefined ? '' : `using ${memSize(s.mem_used_mb)}, peak ${memSize(s.mem_peak_mb ?? s.mem_used_mb)}`;
+  const over = overMemory(s);
   let state = '';
   let says = '';
   if (s.recall_at) {
@@ -137,16 +147,21 @@ export function sliceText(
     state = ' · warm';
     says = `kept warm ${duration(now - s.warm_since)}, lent out if someone waits`;
   }
+  if (over) {
+    state += ' · over its memory';
+    says = [`over its memory: ended if it stays over`, says].filter(Boolean).join(', ');
+  }
   const name = [`${who}, ${size}`, used, says, `held ${duration(now - s.since)}`, s.label ? `label ${s.label}` : '']
     .filter(Boolean)
     .join(', ');
-  return { head: `${who} · ${size}${state}`, used, name };
+  return { head: `${who} · ${size}${state}`, used, name, state: over ? 'over' : s.warm_since ? 'warm' : 'leased' };
 }
 
 /**
- * A GPU shared by slices: a line per slice (its holder, its memory of the GPU's, what it uses
- * and its peak where known; a bar as wide as its share), the ones still draining, and the memory
- * left for another slice.
+ * A GPU shared by slices: a row per slice that holds its text (its holder, its memory of the
+ * GPU's, its state in words, what it uses and its peak where known), under it a meter as wide as
+ * its share of the GPU's memory (and what it uses, where measured); the slices still draining;
+ * and the memory no slice holds ("unpromised": room for another slice).
  */
 function SlicedCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: number }): JSX.Element {
   const { model, node, gpu, now } = props;
@@ -156,7 +171,7 @@ function SlicedCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: 
   const where = `${node.name} GPU ${gpu.index}`;
   const mine = slices.some(s => s.user === model.user);
   const count = `${slices.length} slice${slices.length === 1 ? '' : 's'}`;
-  const name = `${where}: ${stateLabel('sliced')}, ${count}, ${memSize(mem.free_mb)} of ${memSize(mem.total_mb)} free`;
+  const name = `${where}: ${stateLabel('sliced')}, ${count}, ${memSize(mem.free_mb)} of ${memSize(mem.total_mb)} unpromised`;
   const util = gpu.sample ? ` · ${Math.round(gpu.sample.util)}% busy` : '';
   const width = (mb: number) => `${Math.max(2, Math.min(100, (100 * mb) / Math.max(1, mem.total_mb)))}%`;
   return (
@@ -170,24 +185,32 @@ function SlicedCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: 
       <div className="jp-GpuLease-cellIndex">GPU {gpu.index} · sliced</div>
       <ul className="jp-GpuLease-slices" aria-label={`slices of ${where}`}>
         {slices.map(s => {
-          const { head, used, name } = sliceText(s, mem.total_mb, s.user === model.user, now);
+          const you = s.user === model.user;
+          const { head, used, name, state } = sliceText(s, mem.total_mb, you, now);
           return (
             <li
               key={s.lease}
-              className={`jp-GpuLease-slice${s.user === model.user ? ' jp-GpuLease-mine' : ''}`}
+              className={`jp-GpuLease-slice jp-GpuLease-slice-${state}${you ? ' jp-GpuLease-mine' : ''}`}
+              data-state={state}
               aria-label={`slice ${s.lease}: ${name}`}
               title={`${s.lease}${s.label ? ` · ${s.label}` : ''} · expires in ${duration(s.expires_at - now)} unless renewed`}
             >
-              <span className="jp-GpuLease-sliceBar" style={{ width: width(s.gpu_mem_mb) }} aria-hidden="true" />
               <div className="jp-GpuLease-sliceText">{head}</div>
               {used && <div className="jp-GpuLease-sliceText jp-GpuLease-sliceUsed">{used}</div>}
+              <div className="jp-GpuLease-sliceMeter" aria-hidden="true">
+                <span className="jp-GpuLease-sliceShare" style={{ width: width(s.gpu_mem_mb) }} />
+                {s.mem_used_mb !== undefined && (
+                  <span className="jp-GpuLease-sliceUse" style={{ width: width(s.mem_used_mb) }} />
+                )}
+              </div>
             </li>
           );
         })}
         {draining.map(d => (
           <li
             key={d.lease}
-            className="jp-GpuLease-slice jp-GpuLease-sliceDraining"
+            className="jp-GpuLease-slice jp-GpuLease-slice-draining"
+            data-state="draining"
             aria-label={`slice ${d.lease}: ${d.user}'s, ${memSize(d.gpu_mem_mb)} draining: free once its processes are gone`}
           >
             <div className="jp-GpuLease-sliceText">
@@ -197,9 +220,52 @@ function SlicedCell(props: { model: GpuLeaseModel; node: INode; gpu: IGpu; now: 
         ))}
       </ul>
       <div className="jp-GpuLease-cellLabel jp-GpuLease-sliceFree">
-        {memSize(mem.free_mb)} of {memSize(mem.total_mb)} free
+        {memSize(mem.free_mb)} of {memSize(mem.total_mb)} unpromised
       </div>
     </td>
+  );
+}
+
+/**
+ * A node's suspended workers, in a row of their own under its GPUs: each an evicted warm worker
+ * whose GPU state waits in host memory for its notebook's next cell ("alice · 3.2 GB on host ·
+ * 2m05s").
+ */
+function SuspendedRow(props: { model: GpuLeaseModel; node: INode; now: number }): JSX.Element | null {
+  const { model, node, now } = props;
+  const workers = node.suspended ?? [];
+  if (workers.length === 0) {
+    return null;
+  }
+  return (
+    <tr role="row" className="jp-GpuLease-suspendedRow" aria-label={`${node.name}: suspended workers`}>
+      <th scope="row" role="rowheader" className="jp-GpuLease-suspendedHead">
+        suspended · on host
+      </th>
+      <td role="cell" className="jp-GpuLease-suspendedCell">
+        <ul className="jp-GpuLease-suspended" aria-label={`workers suspended on ${node.name}`}>
+          {workers.map(w => {
+            const you = w.user === model.user;
+            const size = memSize(w.bytes / 2 ** 20);
+            const ends = w.until ? `, ended in ${duration(w.until - now)} unless its notebook runs a cell` : '';
+            return (
+              <li
+                key={w.lease}
+                className={`jp-GpuLease-suspendedWorker${you ? ' jp-GpuLease-mine' : ''}`}
+                data-state="suspended"
+                aria-label={
+                  `${w.user}${you ? ' (you)' : ''}: a worker suspended ${duration(now - w.since)} ago, ` +
+                  `${size} of GPU state on host, restored by its notebook's next cell${ends}`
+                }
+                title={`left lease ${w.lease} · its notebook's next cell restores it onto a GPU of ${node.name}`}
+              >
+                {`${w.user}${you ? ' (you)' : ''} · ${size} on host · ${duration(now - w.since)}`}
+              </li>
+            );
+          })}
+        </ul>
+      </td>
+    </tr>
   );
 }
 
@@ -345,7 +411,13 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
     return <p className="jp-GpuLease-empty">No GPU node has registered with the lease server yet.</p>;
   }
   const shown = new Set(
-    cluster.nodes.flatMap(n => n.gpus.map(g => (g.lease?.idle_warning && g.state === 'leased' ? 'idle' : g.state)))
+    cluster.nodes.flatMap(n =>
+      n.gpus.flatMap(g => [
+        g.lease?.idle_warning && g.state === 'leased' ? 'idle' : g.state,
+        ...((g.slices ?? []).some(overMemory) ? ['over'] : []),
+        ...(g.slices_draining?.length ? ['draining'] : [])
+      ])
+    )
   );
   const legend = Object.keys(STATES).filter(s => STATES[s].legend || shown.has(s));
   for (const s of shown) {
@@ -360,23 +432,21 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
       <table className="jp-GpuLease-board" role="table" aria-label="GPUs by node">
         <tbody role="rowgroup">
           {cluster.nodes.map(node => (
-            <tr key={node.name} role="row" className={node.state === 'down' ? 'jp-GpuLease-nodeDown' : ''}>
-              <th scope="row" role="rowheader" className="jp-GpuLease-node">
-                <div className="jp-GpuLease-nodeName">{node.name}</div>
-                <div className="jp-GpuLease-nodePool">
-                  {node.pool}
-                  {node.state === 'down' ? ' · down' : ''}
-                </div>
-                {(node.suspended ?? []).map(w => (
-                  <div key={w.lease} className="jp-GpuLease-nodePool" title={`left lease ${w.lease}`}>
-                    {`${w.user} · suspended · on host (${(w.bytes / 2 ** 30).toFixed(1)} GB)`}
+            <React.Fragment key={node.name}>
+              <tr role="row" className={node.state === 'down' ? 'jp-GpuLease-nodeDown' : ''}>
+                <th scope="row" role="rowheader" className="jp-GpuLease-node">
+                  <div className="jp-GpuLease-nodeName">{node.name}</div>
+                  <div className="jp-GpuLease-nodePool">
+                    {node.pool}
+                    {node.state === 'down' ? ' · down' : ''}
                   </div>
+                </th>
+                {node.gpus.map(gpu => (
+                  <GpuCell key={gpu.index} model={model} node={node} gpu={gpu} now={now} />
                 ))}
-              </th>
-              {node.gpus.map(gpu => (
-                <GpuCell key={gpu.index} model={model} node={node} gpu={gpu} now={now} />
-              ))}
-            </tr>
+              </tr>
+              <SuspendedRow model={model} node={node} now={now} />
+            </React.Fragment>
           ))}
         </tbody>
       </table>
@@ -384,7 +454,10 @@ function Board(props: { model: GpuLeaseModel; now: number }): JSX.Element {
       <ul className="jp-GpuLease-legend" aria-label="legend">
         {legend.map(s => (
           <li key={s}>
-            <span className={`jp-GpuLease-swatch jp-GpuLease-state-${s}`} aria-hidden="true" />
+            <span
+              className={`jp-GpuLease-swatch ${s === 'over' ? 'jp-GpuLease-slice-over' : `jp-GpuLease-state-${s}`}`}
+              aria-hidden="true"
+            />
             {stateLabel(s)}
           </li>
         ))}

@@ -1,13 +1,13 @@
 /**
  * The status bar item: "GPU: 2 held · 5 free" ("GPU: 0 held · 1 slice · 5 free" with a slice of a
- * GPU, "GPU: 0 held · 1 warm · 5 free" while a finished cell's GPU is kept warm for the notebook's
+ * GPU, "GPU: 0 held · 0 free · 60 GB unpromised" while sliced GPUs have memory no slice holds, "GPU: 0 held · 1 warm · 5 free" while a finished cell's GPU is kept warm for the notebook's
  * next cell: lendable, so not held). Its tooltip adds my balance per pool. Clicking it opens the
  * GPU Leases panel.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer } from 'react';
 
-import { INSTALL_HINT, GpuLeaseModel } from './model';
+import { INSTALL_HINT, GpuLeaseModel, memSize } from './model';
 
 export function statusText(model: GpuLeaseModel): string {
   if (model.problem) {
@@ -24,7 +24,10 @@ export function statusText(model: GpuLeaseModel): string {
   const warm = model.warmGpus ? ` · ${model.warmGpus} warm` : '';
   const ws = model.warmSlices;
   const warmSliced = ws ? ` · ${ws} warm slice${ws === 1 ? '' : 's'}` : '';
-  return `GPU: ${model.heldGpus} held${sliced}${warm}${warmSliced} · ${model.freeGpus} free${stale}`;
+  // Memory of sliced GPUs no slice holds: a --gpu-mem cell fits there even with no GPU free.
+  const room = model.unpromisedMb;
+  const unpromised = room > 0 ? ` · ${memSize(room)} unpromised` : '';
+  return `GPU: ${model.heldGpus} held${sliced}${warm}${warmSliced} · ${model.freeGpus} free${unpromised}${stale}`;
 }
 
 /** The tooltip: what the item counts, then my balance, a line per pool ("A100-80GB: 1 of 4 GPUs yours, 3 left; ..."). */
@@ -37,6 +40,9 @@ export function statusTitle(model: GpuLeaseModel): string {
       ? 'GPUs you hold, yours kept warm for your next cell (lent out if someone waits), and GPUs free: open GPU Leases'
       : 'GPUs you hold, and GPUs free in the cluster: open GPU Leases'
   ];
+  if (model.unpromisedMb > 0) {
+    lines.push('unpromised: memory of shared (sliced) GPUs that no slice holds: room for a --gpu-mem cell');
+  }
   const cpu = model.cluster?.cpu_pool;
   for (const p of model.balance?.pools ?? []) {
     if (p.pool !== cpu) {

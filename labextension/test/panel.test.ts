@@ -6,7 +6,7 @@ import { beforeEach, describe, expect, test, vi } from 'vitest';
 
 import { IGpu, IHolder, INode, ISlice } from '../src/api';
 import { GpuLeaseModel } from '../src/model';
-import { STATES, gpuTileText, holderOrigin, recallCountdown, sliceText } from '../src/panel';
+import { STATES, gpuTileText, holderOrigin, overMemory, recallCountdown, sliceText } from '../src/panel';
 
 vi.mock('@jupyterlab/ui-components', () => ({ ReactWidget: class {} }));
 vi.mock('@jupyterlab/apputils', () => ({ Dialog: {}, showDialog: vi.fn() }));
@@ -135,6 +135,7 @@ test('the legend names warm and sliced GPUs as lendable and shared', () => {
   expect(STATES.warm.label).toBe('warm · lendable');
   expect(STATES.sliced.label).toBe('sliced · shared');
   expect(STATES.idle.legend).toBe(false); // shown in the legend only when a GPU is idle
+  expect(STATES.over).toEqual({ label: 'slice over its memory', legend: false });
 });
 
 describe('a slice', () => {
@@ -144,7 +145,8 @@ describe('a slice', () => {
     expect(sliceText(slice, 81920, false, NOW)).toEqual({
       head: 'bob · 10 GB of 80 GB',
       used: '',
-      name: 'bob, 10 GB of 80 GB, held 1m00s, label eval'
+      name: 'bob, 10 GB of 80 GB, held 1m00s, label eval',
+      state: 'leased'
     });
   });
 
@@ -161,6 +163,22 @@ describe('a slice', () => {
     expect(warm.name).toBe('bob, 10 GB of 80 GB, kept warm 5s, lent out if someone waits, held 1m00s, label eval');
     const evicted = sliceText({ ...slice, warm_since: NOW - 5, recall_at: NOW + 2 }, 81920, false, NOW);
     expect(evicted.head).toBe('bob · 10 GB of 80 GB · taken back in 2s');
+    expect(warm.state).toBe('warm');
+  });
+
+  test('over its memory: drawn over, and named on its line and in its name', () => {
+    const at = sliceText({ ...slice, mem_used_mb: 10240, mem_peak_mb: 10240 }, 81920, false, NOW);
+    expect(at.state).toBe('leased'); // all it was promised is not over
+    const over = sliceText({ ...slice, mem_used_mb: 12288, mem_peak_mb: 13312 }, 81920, false, NOW);
+    expect(over.state).toBe('over');
+    expect(over.head).toBe('bob · 10 GB of 80 GB · over its memory');
+    expect(over.used).toBe('using 12 GB, peak 13 GB');
+    expect(over.name).toBe(
+      'bob, 10 GB of 80 GB, using 12 GB, peak 13 GB, over its memory: ended if it stays over, held 1m00s, label eval'
+    );
+    const warmOver = sliceText({ ...slice, mem_used_mb: 12288, warm_since: NOW - 5 }, 81920, false, NOW);
+    expect(warmOver.head).toBe('bob · 10 GB of 80 GB · warm · over its memory');
+    expect(overMemory({ ...slice })).toBe(false); // not measured: not over
   });
 });
 

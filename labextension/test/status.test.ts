@@ -65,6 +65,32 @@ describe('statusText', () => {
     expect(statusText(model)).toBe('GPU: 0 held · 2 slices · 1 warm slice · 5 free');
   });
 
+  test("a sliced GPU's memory no slice holds is said beside the free count", () => {
+    model.cluster = {
+      ...cluster,
+      pools: { A100: { free: 0, unpromised_mb: 61440 }, T4: { free: 0, unpromised_mb: 0 }, cpu: { free: 8 } }
+    };
+    model.leases = [lease('s', 1, { gpu_mem_mb: 20480 })];
+    expect(statusText(model)).toBe('GPU: 0 held · 1 slice · 0 free · 60 GB unpromised');
+    expect(statusTitle(model)).toContain('unpromised: memory of shared (sliced) GPUs that no slice holds');
+    model.cluster = { ...cluster, pools: { A100: { free: 2, unpromised_mb: 0 } } };
+    expect(statusText(model)).toBe('GPU: 0 held · 1 slice · 2 free');
+  });
+
+  test('a server without the pools\' unpromised_mb: the nodes shown are summed (up, GPU pools)', () => {
+    const gpu = (free_mb: number) => ({ index: 0, state: 'sliced', slice_mem: { total_mb: 81920, used_mb: 0, free_mb } });
+    model.cluster = {
+      ...cluster,
+      nodes: [
+        { name: 'n1', pool: 'A100', state: 'up', gpus: [gpu(40960)] },
+        { name: 'n2', pool: 'A100', state: 'down', gpus: [gpu(81920)] },
+        { name: 'c1', pool: 'cpu', state: 'up', gpus: [gpu(1024)] }
+      ]
+    };
+    expect(model.unpromisedMb).toBe(40960);
+    expect(statusText(model)).toBe('GPU: 0 held · 5 free · 40 GB unpromised');
+  });
+
   test('stale after a failed refresh', () => {
     model.cluster = cluster;
     model.error = 'lease server unreachable';
