@@ -195,19 +195,30 @@ def test_the_usage_tab_shows_the_servers_figures_in_light_and_dark_and_its_csv_a
     print(f"usage tab: its two answers in {load_ms} ms; from the click on the tab to its five charts {shown_ms:.0f} ms")
 
     total = want["total"]
-    expect(panel.locator(".jp-GpuLease-usageTotals")).to_contain_text(f"{total['calls']} calls")
+    # One word, one count: the cells that ran, those that started warm among them (never "calls").
+    cells = f"{total['cells']} cells ({total['warm_cells']} started warm)"
+    expect(panel.locator(".jp-GpuLease-usageTotals")).to_contain_text(cells)
+    assert total["cells"] == total["calls"] + total["warm_cells"] and total["warm_cells"] >= 1, total
+    assert not re.search(r"\bcalls?\b", panel.inner_text()), "the tab counts cells, in one word"
+    # Under the chart of what the GPU time was: why "used" is what it is on these simulated GPUs,
+    # and what warm time is (lendable, not charged).
+    note = panel.get_by_role("region", name="Held GPU time, split").get_by_role("note")
+    expect(note).to_contain_text(f"The GPUs of {A100}, {T4} are simulated: nothing runs on them")
+    expect(note).to_contain_text("(gpulease simulate util)")
+    expect(note).to_contain_text("a warm worker keeps a notebook's model on its GPU between cells")
+    expect(note).to_contain_text("the GPU is lent to anyone who waits meanwhile, and warm time is not charged as use")
     # five charts, each drawn with data
     for region in ("Held GPU time, split", "Utilisation per pool", "Waits", "Taken back and warm cells"):
         expect(panel.get_by_role("region", name=region).locator(CHART)).to_be_visible()
 
-    # The table by user: each user's calls and GPU-seconds as the server counts them.
+    # The table by user: each user's cells and GPU-seconds as the server counts them.
     by_user = re.compile(r"^GPU-seconds per day, by user \(held \+ warm\): each user's totals")
     got = {r[0]: r for r in rows(table(panel, by_user))}
     assert list(got) == [g["key"] for g in want["groups"]]  # largest first, as the server orders them
     for g in want["groups"]:
-        name, calls, held, used, util, warm, _p95 = got[g["key"]]
+        name, cells, held, used, util, warm, _p95 = got[g["key"]]
         t = g["total"]
-        assert int(calls) == t["calls"] and _close(held, t["held_gpu_s"]) and _close(warm, t["warm_gpu_s"]), (name, t)
+        assert int(cells) == t["cells"] and _close(held, t["held_gpu_s"]) and _close(warm, t["warm_gpu_s"]), (name, t)
         assert _close(used, t["used_gpu_s"]) if t["sampled_gpu_s"] else used == "-"  # not measured is not 0
         assert util == ("-" if t["util_pct"] is None else f"{t['util_pct']:.0f}%")
     alice = next(g["total"] for g in want["groups"] if g["key"] == "alice")
@@ -222,7 +233,7 @@ def test_the_usage_tab_shows_the_servers_figures_in_light_and_dark_and_its_csv_a
     for g in want["groups"]:
         for d in [*g["daily"], {**g["total"], "day": "total"}]:
             (line,) = [x for x in lines if x["user"] == g["key"] and x["day"] == d["day"]]
-            for f in ("calls", "held_gpu_s", "used_gpu_s", "util_pct", "warm_gpu_s"):
+            for f in ("cells", "warm_cells", "calls", "held_gpu_s", "used_gpu_s", "util_pct", "warm_gpu_s"):
                 assert _num(line[f]) == d[f], (g["key"], d["day"], f, line[f], d[f])
 
     # The split per day, and its CSV: used + held idle + not measured = held.
@@ -278,7 +289,7 @@ def test_the_range_picker_and_the_drill_down_to_one_user(
     expect(split.locator("tbody tr")).to_have_count(1)
     today = _summary(clients["alice"], **_window(1))
     expect(split.locator("tbody tr th")).to_have_text([today["days"][0]])
-    expect(panel.locator(".jp-GpuLease-usageTotals")).to_contain_text(f"{today['total']['calls']} calls")
+    expect(panel.locator(".jp-GpuLease-usageTotals")).to_contain_text(f"{today['total']['cells']} cells")
 
     ranges.get_by_role("radio", name="30 days").click()
     expect(split.locator("tbody tr")).to_have_count(30)
@@ -310,11 +321,11 @@ def test_the_range_picker_and_the_drill_down_to_one_user(
     panel.get_by_role("button", name="Show bob's usage").click()
     expect(panel.get_by_role("status").filter(has_text="usage only")).to_have_text("Showing bob's usage only.")
     bobs = _summary(clients["alice"], user="bob", **_window(7))
-    expect(panel.locator(".jp-GpuLease-usageTotals")).to_contain_text(f"{bobs['total']['calls']} call")
+    expect(panel.locator(".jp-GpuLease-usageTotals")).to_contain_text(f"{bobs['total']['cells']} cell")
     by_user = table(panel, re.compile(r"^GPU-seconds per day, by user \(held \+ warm\): each user's totals"))
     expect(by_user.locator("tbody tr")).to_have_count(1)
     (row,) = rows(by_user)
-    assert row[0] == "bob" and int(row[1]) == bobs["total"]["calls"] and _close(row[2], bobs["total"]["held_gpu_s"])
+    assert row[0] == "bob" and int(row[1]) == bobs["total"]["cells"] and _close(row[2], bobs["total"]["held_gpu_s"])
     expect(panel.get_by_label("Group by")).to_have_count(0)  # one user: nothing to group
     page.screenshot(path=str(shots / "2-bob.png"))
     panel.get_by_role("button", name="Back to everyone").click()

@@ -80,6 +80,8 @@ export interface IGpu {
 export interface INode {
   name: string;
   pool: string;
+  /** Where its GPUs come from: nvml (real ones), simulated (gpulease up --simulate: nothing runs on them). */
+  source?: string;
   state: string; // up | down
   gpus: IGpu[];
   /** Evicted warm workers whose GPU state waits in host memory for their notebook's next cell. */

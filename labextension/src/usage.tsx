@@ -402,6 +402,17 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
   const onUser = useCallback((user: string) => set({ user }), [set]);
   const pools = Object.keys(model.cluster?.pools ?? {}).filter(p => p !== model.cluster?.cpu_pool);
   const shown = loaded?.main;
+  // The pools shown whose GPUs are simulated: their "used" is not real use (said under the chart).
+  // A string, so that the charts (memo) are not drawn again at every tick of the panel.
+  const simulated = [
+    ...new Set(
+      (model.cluster?.nodes ?? [])
+        .filter(n => n.source === 'simulated' && n.pool !== model.cluster?.cpu_pool && (!q.pool || n.pool === q.pool))
+        .map(n => n.pool)
+    )
+  ]
+    .sort()
+    .join(', ');
   return (
     <div
       className="jp-GpuLease-usage"
@@ -500,7 +511,7 @@ export function UsagePanel(props: { model: GpuLeaseModel }): JSX.Element {
       ) : !loaded ? (
         <p className="jp-GpuLease-empty">Loading usage…</p>
       ) : (
-        shown && <UsageCharts summary={shown} pools={loaded.pools} onUser={onUser} />
+        shown && <UsageCharts summary={shown} pools={loaded.pools} onUser={onUser} simulated={simulated} />
       )}
     </div>
   );
@@ -511,14 +522,45 @@ function daysLine(s: IUsageSummary): string {
   return `${s.days.length === 1 ? s.days[0] : `${s.days[0]} – ${s.days[s.days.length - 1]}`} (UTC)`;
 }
 
+/**
+ * How many GPU cells ran, in one word: "8 cells (2 started warm)". A cell that started warm ran on
+ * its notebook's warm worker; the others (the server's calls) each asked for GPUs, and waited.
+ */
+export function cellsText(f: IUsageFigures): string {
+  const warm = f.warm_cells ? ` (${f.warm_cells} started warm)` : '';
+  return `${f.cells} cell${f.cells === 1 ? '' : 's'}${warm}`;
+}
+
 /** The heading line: the range, and the totals in one sentence. */
-function totalsLine(s: IUsageSummary, unit: IUnit): string {
+export function totalsLine(s: IUsageSummary, unit: IUnit): string {
   const t = s.total;
   const used = t.util_pct === null ? 'nothing sampled' : `${pct(t.util_pct)} of sampled time used`;
   return (
-    `${daysLine(s)}: ${t.calls} call${t.calls === 1 ? '' : 's'}, ${gpuTime(t.held_gpu_s, unit)} ${unit.name} held ` +
+    `${daysLine(s)}: ${cellsText(t)}, ${gpuTime(t.held_gpu_s, unit)} ${unit.name} held ` +
     `(${used}), ${gpuTime(t.warm_gpu_s, unit)} warm; wait p50 ${waitText(t.wait_p50_ms)}, p95 ${waitText(t.wait_p95_ms)}`
   );
+}
+
+/**
+ * The line under the chart of what the GPU time was: why "used" reads 0 % on simulated GPUs (the
+ * pools named), and what warm time is and why it may dwarf the time held. Empty: nothing to say.
+ */
+export function splitNote(s: IUsageSummary, simulated: string): string {
+  const lines: string[] = [];
+  if (simulated) {
+    lines.push(
+      `The GPUs of ${simulated} are simulated: nothing runs on them, so their samples show the load an admin ` +
+        'sets (gpulease simulate util), 0 % unless set, and "used" there is not what your cells did.'
+    );
+  }
+  if (s.total.warm_gpu_s > 0) {
+    const more = s.total.warm_gpu_s > s.total.held_gpu_s ? ' (so it can be more than the time held)' : '';
+    lines.push(
+      "Warm: a warm worker keeps a notebook's model on its GPU between cells, from one cell's end to the " +
+        `next${more}; the GPU is lent to anyone who waits meanwhile, and warm time is not charged as use.`
+    );
+  }
+  return lines.join(' ');
 }
 
 /** The charts and tables of one answer (drawn again only when the answer changes, not on the panel's ticks). */
@@ -526,8 +568,10 @@ const UsageCharts = React.memo(function UsageCharts(props: {
   summary: IUsageSummary;
   pools: IUsageSummary;
   onUser: (user: string) => void;
+  /** The pools shown whose GPUs are simulated, named ("A100-80GB, T4-16GB"); empty: none. */
+  simulated: string;
 }): JSX.Element {
-  const { summary: s, pools, onUser } = props;
+  const { summary: s, pools, onUser, simulated } = props;
   const largest = Math.max(
     0,
     ...s.daily.map(d => d.held_gpu_s + d.warm_gpu_s),
@@ -556,7 +600,7 @@ const UsageCharts = React.memo(function UsageCharts(props: {
         {own}
       </p>
       <HeldByGroup s={s} by={by} unit={unit} onUser={s.user ? undefined : onUser} />
-      <HeldSplit s={s} unit={unit} />
+      <HeldSplit s={s} unit={unit} simulated={simulated} />
       <Utilisation pools={pools} />
       <Waits s={s} by={by} />
       <TakenBack s={s} unit={unit} />
@@ -628,7 +672,7 @@ function HeldByGroup(props: { s: IUsageSummary; by: By; unit: IUnit; onUser?: (u
                 g.key
               )
           },
-          { title: 'calls', show: g => g.total.calls, numeric: true },
+          { title: 'cells', show: g => g.total.cells, numeric: true },
           { title: `held (${unit.name})`, show: g => gpuTime(g.total.held_gpu_s, unit), numeric: true },
           {
             // nothing sampled: not measured, not 0 (as gpulease report shows it)
@@ -641,11 +685,13 @@ function HeldByGroup(props: { s: IUsageSummary; by: By; unit: IUnit; onUser?: (u
           { title: 'wait p95', show: g => waitText(g.total.wait_p95_ms), numeric: true }
         ]}
         file={`gpu-usage-by-${by}-${s.days[0]}-${s.days[s.days.length - 1]}.csv`}
-        csvHeader={[by, 'day', 'calls', 'held_gpu_s', 'used_gpu_s', 'util_pct', 'warm_gpu_s']}
+        csvHeader={[by, 'day', 'cells', 'warm_cells', 'calls', 'held_gpu_s', 'used_gpu_s', 'util_pct', 'warm_gpu_s']}
         csvRows={s.groups.flatMap(g =>
           [...g.daily, { ...g.total, day: 'total' }].map(d => [
             g.key,
             d.day,
+            d.cells,
+            d.warm_cells,
             d.calls,
             d.held_gpu_s,
             d.used_gpu_s,
@@ -658,8 +704,9 @@ function HeldByGroup(props: { s: IUsageSummary; by: By; unit: IUnit; onUser?: (u
   );
 }
 
-function HeldSplit(props: { s: IUsageSummary; unit: IUnit }): JSX.Element {
-  const { s, unit } = props;
+function HeldSplit(props: { s: IUsageSummary; unit: IUnit; simulated: string }): JSX.Element {
+  const { s, unit, simulated } = props;
+  const note = splitNote(s, simulated);
   const data = s.daily.flatMap(d => {
     const p = parts(d);
     return PARTS.map(part => ({ day: d.day, part: part.label, v: p[part.key] / unit.seconds }));
@@ -694,6 +741,11 @@ function HeldSplit(props: { s: IUsageSummary; unit: IUnit }): JSX.Element {
           })
         }
       />
+      {note && (
+        <p className="jp-GpuLease-hint jp-GpuLease-chartNote" role="note" aria-label="What used and warm mean here">
+          {note}
+        </p>
+      )}
       <FigureTable<IUsageDay>
         caption={`${title}, per day`}
         rowKey={d => d.day}
@@ -791,6 +843,9 @@ function Waits(props: { s: IUsageSummary; by: By }): JSX.Element {
   return (
     <section className="jp-GpuLease-usageSection" aria-label="Waits">
       <h3 className="jp-GpuLease-heading">{title}</h3>
+      <p className="jp-GpuLease-hint">
+        A cell that starts warm waits for nothing: these are the waits of the cold cells, those that asked for GPUs.
+      </p>
       <Chart
         label={`${title}: two lines, the figures are in the table below`}
         data={s}
@@ -813,7 +868,7 @@ function Waits(props: { s: IUsageSummary; by: By }): JSX.Element {
         rows={s.daily}
         columns={[
           { title: 'day', show: d => d.day },
-          { title: 'calls', show: d => d.calls, numeric: true },
+          { title: 'cold cells', show: d => d.calls, numeric: true },
           { title: 'p50', show: d => waitText(d.wait_p50_ms), numeric: true },
           { title: 'p95', show: d => waitText(d.wait_p95_ms), numeric: true },
           { title: 'mean', show: d => waitText(d.wait_mean_ms), numeric: true }
@@ -835,7 +890,7 @@ function Waits(props: { s: IUsageSummary; by: By }): JSX.Element {
         rows={longest}
         columns={[
           { title: by, show: g => g.key },
-          { title: 'calls', show: g => g.total.calls, numeric: true },
+          { title: 'cold cells', show: g => g.total.calls, numeric: true },
           { title: 'p50', show: g => waitText(g.total.wait_p50_ms), numeric: true },
           { title: 'p95', show: g => waitText(g.total.wait_p95_ms), numeric: true },
           { title: 'mean', show: g => waitText(g.total.wait_mean_ms), numeric: true }
@@ -867,7 +922,7 @@ function TakenBack(props: { s: IUsageSummary; unit: IUnit }): JSX.Element {
       <p className="jp-GpuLease-hint">
         Reclaimed: idle reclaim, a booking&apos;s recall or a preemption; evicted: a warm lease lent to a waiting request.
         Warm share: cells that ran on their notebook&apos;s warm worker. In total {pct(share(s.total))} of{' '}
-        {s.total.cells} cells started warm.
+        {s.total.cells} cell{s.total.cells === 1 ? '' : 's'} started warm.
       </p>
       <Chart
         label={`${title}: stacked bars per day, the figures are in the table below`}

@@ -2,8 +2,21 @@
 // CSV, the windows of its ranges and the query it sends.
 import { describe, expect, test } from 'vitest';
 
-import { IUsageFigures } from '../src/api';
-import { IQuery, gpuTime, gpuUnit, parts, rangeWindow, summaryQuery, toCsv, utcDay, waitText } from '../src/usage';
+import { IUsageFigures, IUsageSummary } from '../src/api';
+import {
+  IQuery,
+  cellsText,
+  gpuTime,
+  gpuUnit,
+  parts,
+  rangeWindow,
+  splitNote,
+  summaryQuery,
+  toCsv,
+  totalsLine,
+  utcDay,
+  waitText
+} from '../src/usage';
 
 describe('toCsv', () => {
   test('a header, rows, a line each, and a last line break', () => {
@@ -107,5 +120,48 @@ describe('summaryQuery', () => {
   test("one user's usage is grouped by user, whatever the grouping picked; a pool narrows it", () => {
     const args = new URLSearchParams(summaryQuery(q({ by: 'team', user: 'bob', pool: 'A100' }), { from: 1, to: 2 }));
     expect(Object.fromEntries(args)).toEqual({ from: '1', to: '2', by: 'user', user: 'bob', pool: 'A100', also_by: 'pool' });
+  });
+});
+
+describe('cells, in one word', () => {
+  const figures = (more: Partial<IUsageFigures>): IUsageFigures =>
+    ({
+      calls: 6,
+      cells: 8,
+      warm_cells: 2,
+      held_gpu_s: 120,
+      sampled_gpu_s: 120,
+      used_gpu_s: 0,
+      util_pct: 0,
+      warm_gpu_s: 900,
+      wait_p50_ms: 20,
+      wait_p95_ms: 1500,
+      ...more
+    }) as IUsageFigures;
+  const summary = (f: IUsageFigures): IUsageSummary =>
+    ({ days: ['2026-11-27'], total: f, daily: [], groups: [] }) as unknown as IUsageSummary;
+
+  test('the headline counts cells, those that started warm among them; never calls', () => {
+    expect(cellsText(figures({}))).toBe('8 cells (2 started warm)');
+    expect(cellsText(figures({ calls: 1, cells: 1, warm_cells: 0 }))).toBe('1 cell');
+    const line = totalsLine(summary(figures({})), gpuUnit(900));
+    expect(line).toBe(
+      '2026-11-27 (UTC): 8 cells (2 started warm), 2.00 GPU-minutes held (0% of sampled time used), ' +
+        '15.0 warm; wait p50 20 ms, p95 1.5 s'
+    );
+    expect(line).not.toMatch(/\bcalls?\b/);
+  });
+
+  test('under the chart: why used is 0 % on simulated GPUs, and what warm time is', () => {
+    const note = splitNote(summary(figures({})), 'A100-80GB');
+    expect(note).toContain('The GPUs of A100-80GB are simulated: nothing runs on them');
+    expect(note).toContain('gpulease simulate util');
+    expect(note).toContain("a warm worker keeps a notebook's model on its GPU between cells");
+    expect(note).toContain('(so it can be more than the time held)'); // 900 s warm, 120 s held
+    expect(note).toContain('not charged as use');
+    const real = splitNote(summary(figures({ warm_gpu_s: 60 })), '');
+    expect(real).not.toContain('simulated');
+    expect(real).not.toContain('more than the time held');
+    expect(splitNote(summary(figures({ warm_gpu_s: 0 })), '')).toBe('');
   });
 });
