@@ -36,7 +36,7 @@ from . import errors, protocol
 from .listeners import listeners
 from .protocol import GpuJson, LeaseJson, LeaseState
 from .request import MAX_TEXT, AcquireRequest
-from .sizes import ordinal, parse_gpu_mem, show_duration
+from .sizes import as_option, ordinal, parse_gpu_mem, show_duration, show_mb
 
 log = logging.getLogger(__name__)
 DEFAULT_HOME = Path(os.environ.get("GPULEASE_HOME", Path.home() / ".gpulease"))
@@ -319,12 +319,29 @@ class Lease:
         return [g.get("uuid", "") for g in self.gpus]
 
 
+def _in_flags(exc: errors.GpuLeaseError) -> str:
+    """The refusals a person meets most, in the flags they typed (the API's speak of fields)."""
+    d = exc.details
+    largest_mb, mem = d.get("largest_mb"), d.get("gpu_mem_mb")
+    if isinstance(largest_mb, int) and isinstance(mem, int):
+        over = f"--gpu-mem {as_option(mem)} is over a GPU of {d.get('pool')} ({show_mb(largest_mb)})"
+        return f"{over}: drop --gpu-mem for a whole GPU"
+    largest, gpus = d.get("largest_node"), d.get("gpus")
+    if isinstance(largest, int) and isinstance(gpus, int):
+        nodes = d.get("nodes")
+        gang = ", or --nodes K" if not isinstance(nodes, int) or nodes > 1 else ""
+        return f"no node of {d.get('pool')} has {gpus} GPUs (the largest has {largest}): ask --gpus {largest}{gang}"
+    return exc.message
+
+
 def waited_out(exc: errors.GpuLeaseError, flag: str = "--wait") -> str:
     """A :class:`errors.NoCapacity` as a client whose ``flag`` takes a duration (``10m``) says it: the
     API's words ask for a ``wait`` in seconds. A request that waited out its wait says how long and
-    where it stood; one refused at once names the flag that queues it. Any other error: its message."""
+    where it stood; one refused at once names the flag that queues it. A request no GPU could
+    ever serve is said in the flags of ``gpulease acquire`` and ``%%gpu_train`` (``--gpu-mem``,
+    ``--gpus``, ``--nodes``), not the API's fields. Any other error: its message."""
     if not isinstance(exc, errors.NoCapacity):
-        return exc.message
+        return _in_flags(exc)
     d = exc.details
     position, wait_s, gpus = d.get("position"), d.get("wait_s"), d.get("gpus")
     if isinstance(wait_s, (int, float)) and wait_s > 0 and isinstance(gpus, int):

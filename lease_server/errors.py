@@ -144,13 +144,17 @@ class Unsatisfiable(GpuLeaseError):
     status = 422
 
     @classmethod
-    def one_node(cls, pool: str, gpus: int, largest: int) -> Unsatisfiable:
-        """More GPUs on one node than any node of the pool has (the acquire's and /estimate's words)."""
+    def one_node(cls, pool: str, gpus: int, largest: int, nodes: int | None = None) -> Unsatisfiable:
+        """More GPUs on one node than any node of the pool has (the acquire's and /estimate's words);
+        a gang is suggested only where the pool has more than one node (``nodes``: how many)."""
+        gang = ", or spread them over K nodes, all or nothing (nodes=K)" if nodes is None or nodes > 1 else ""
         return cls(
             f"no node in pool {pool!r} has {gpus} GPUs: the largest has {largest}; ask for at most "
-            f"{largest} on one node, or spread them over K nodes, all or nothing (--nodes K)",
+            f"{largest} on one node{gang}",
             pool=pool,
+            gpus=gpus,
             largest_node=largest,
+            **({"nodes": nodes} if nodes is not None else {}),
         )
 
     @classmethod

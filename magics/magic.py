@@ -475,31 +475,29 @@ class GpuMagics(Magics):
         except errors.GpuLeaseError as exc:
             raise UsageError(exc.message) from None
         now = view["now"]
-        print(f"user {me}")
-        if mine:
-            for lease in mine:
-                gpus = ",".join(str(g["index"]) for g in lease["gpus"])
-                if lease.get("reclaim_at"):
-                    print(f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s")
-                    print("    unless used (%gpu_lease keep)")
-                # (two short lines rather than one past 80 columns)
-                where = f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']})"
-                if lease.get("warm_since"):
-                    print(f"{where}, kept warm {now - lease['warm_since']:.0f}s")
-                    print("    for your next cell (lent out if someone waits)")
-                    continue
-                print(f"{where}, held {now - lease['created_at']:.0f}s")
-                if lease.get("label"):
-                    label = " ".join(str(lease["label"]).split())
-                    print(f"    label {label if len(label) <= 68 else label[:67] + '…'}")
-        else:
-            print("  no lease held")
-        for node in view["nodes"]:  # an evicted warm worker whose GPU state waits in host memory
-            for w in node.get("suspended") or []:
-                if w.get("user") == me:
-                    size = show_mb(w["bytes"] / 2**20)
-                    print(f"  suspended · on host ({size}, {now - w['since']:.0f}s): worker from {node['name']}")
-                    print("    your next cell restores it")
+        here = _kernel_session()
+        warm = current_warm(session())
+        # this notebook's own first (what its next cell finds), then the user's other notebooks'
+        ours = [lease for lease in mine if lease.get("session") == here]
+        others = [lease for lease in mine if lease.get("session") != here]
+        suspended = [
+            (node["name"], w) for node in view["nodes"] for w in node.get("suspended") or [] if w.get("user") == me
+        ]
+        mine_sus = [(n, w) for n, w in suspended if warm is not None and w.get("lease") == warm.lease.id]
+        other_sus = [(n, w) for n, w in suspended if (n, w) not in mine_sus]
+        print(f"user {me}; this notebook:")
+        for lease in ours:
+            _print_lease(lease, now, "this notebook's next cell")
+        for node, w in mine_sus:
+            _print_suspended(node, w, now, "this notebook's next cell restores it")
+        if not ours and not mine_sus:
+            print("  holds nothing: its next GPU cell starts a worker")
+        if others or other_sus:
+            print("your other notebooks:")
+        for lease in others:
+            _print_lease(lease, now, "that notebook's next cell")
+        for node, w in other_sus:
+            _print_suspended(node, w, now, "that notebook's next cell restores it")
         for w in waiting:
             print(
                 f"  waiting: {w['gpus']} GPU(s) of {w['pool']}, position {w['position']}, "
@@ -586,6 +584,33 @@ def _unquote(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     return text
+
+
+def _print_lease(lease: dict[str, Any], now: float, whose: str) -> None:
+    """A lease in %gpu_lease: where, for how long, and, kept warm, whose next cell it is for."""
+    gpus = ",".join(str(g["index"]) for g in lease["gpus"])
+    if lease.get("reclaim_at"):
+        print(f"  ! lease {lease['id']} looks idle: reclaimed in {lease['reclaim_at'] - now:.0f}s")
+        print("    unless used (%gpu_lease keep)")
+    # (two short lines rather than one past 80 columns)
+    where = f"  lease {lease['id']}: {lease['node']} GPU {gpus} ({lease['pool']})"
+    notebook = os.path.basename(str(lease.get("notebook") or ""))
+    if lease.get("warm_since"):
+        print(f"{where}, kept warm {now - lease['warm_since']:.0f}s")
+        print(f"    for {whose} (lent out if someone waits)")
+    else:
+        print(f"{where}, held {now - lease['created_at']:.0f}s")
+    named = notebook or " ".join(str(lease.get("label") or "").split())
+    if notebook or (named and not lease.get("warm_since")):  # its notebook, else a held lease's label
+        what = "notebook" if notebook else "label"
+        print(f"    {what} {named if len(named) <= 66 else named[:65] + '…'}")
+
+
+def _print_suspended(node: str, w: dict[str, Any], now: float, what: str) -> None:
+    """A worker evicted to host memory, in %gpu_lease."""
+    size = show_mb(w["bytes"] / 2**20)
+    print(f"  suspended · on host ({size}, {now - w['since']:.0f}s): worker from {node}")
+    print(f"    {what}")
 
 
 def _kernel_session() -> str:

@@ -265,7 +265,7 @@ def test_preempted_for_a_booking_while_running_names_the_booking(stack, kernel):
 def test_option_typos_and_impossible_sizes_are_one_clear_line(stack, kernel):
     for line, expect in [
         ("%%gpu_train --gpu 2\nx = 1", "unrecognized arguments: --gpu (did you mean --gpus?)"),
-        ("%%gpu_train --gpus 99\nx = 1", "the largest has 2; ask for at most 2 on one node, or spread"),
+        ("%%gpu_train --gpus 99\nx = 1", "(the largest has 2): ask --gpus 2, or --nodes K"),
         ("%%gpu_train --gpus 98 --nodes 2\nx = 1", "a gang of 49 GPUs on each of 2 nodes cannot fit"),
     ]:
         out = text(kernel.run(line))

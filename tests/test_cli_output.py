@@ -457,7 +457,7 @@ def test_acquire_a_gang_over_nodes_as_the_refusal_suggests(up: Up) -> None:
     c = client(up)
     end_all(c)
     too_big = run(up, "acquire", "--gpus", "6", ok=False)
-    assert too_big.returncode == 2 and "(--nodes K)" in " ".join(too_big.stderr.split()), too_big.stderr
+    assert too_big.returncode == 2 and "ask --gpus 4, or --nodes K" in " ".join(too_big.stderr.split()), too_big.stderr
     lease = json.loads(run(up, "acquire", "--gpus", "4", "--nodes", "2").stdout)
     assert sorted(lease["nodes"]) == ["box", "vm"] and len(lease["gpus"]) == 4
     c.release(lease["id"])

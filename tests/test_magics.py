@@ -258,7 +258,7 @@ def test_usage_errors_are_one_clear_line(stack, kernel):
     for line, expect in [
         ("%gpu_train --bogus x()", "unrecognized arguments"),
         ("%%gpu_train --gpus 3-1\nx = 1", "MIN-MAX"),
-        ("%%gpu_train --gpus 3\nx = 1", "the largest has 2"),
+        ("%%gpu_train --gpus 3\nx = 1", "A100-80GB has 3 GPUs (the largest has 2): ask --gpus 2"),
         ("%%gpu_train --pool H100\nx = 1", "unknown pool 'H100'"),
         ("%%gpu_train --timeout soon\nx = 1", "--timeout: cannot read duration"),
     ]:

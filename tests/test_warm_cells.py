@@ -107,7 +107,9 @@ def test_the_next_cell_runs_in_the_warm_worker_with_its_objects_and_unchanged_na
     )
     assert status(out).endswith("\n  ! warm worker on box GPU 0 ended: this cell asks for 2 GPUs (a cold start)")
     shown = text(kernel.run("%gpu_lease"))
-    assert "kept warm " in shown and "\n    for your next cell (lent out if someone waits)" in shown, shown
+    assert shown.startswith("user ") and "; this notebook:\n  lease " in shown, shown
+    assert "kept warm " in shown and "\n    for this notebook's next cell (lent out if someone waits)" in shown, shown
+    assert "your other notebooks" not in shown, shown
     assert all(len(line) <= 80 for line in shown.splitlines()), shown
     out = kernel.run("%gpu_lease release")
     assert "released; its warm worker ended" in text(out), out
@@ -138,8 +140,17 @@ def test_another_users_request_suspends_the_warm_worker_and_the_next_cell_resume
     assert old["type"] == "released"  # handed back by the kernel within the notice, not revoked
     shown = text(kernel.run("%gpu_lease"))
     assert "  suspended · on host (" in shown, shown
-    assert "s): worker from box\n    your next cell restores it\n" in shown, shown
+    assert "s): worker from box\n    this notebook's next cell restores it\n" in shown, shown
     assert all(len(line) <= 80 for line in shown.splitlines()), shown
+    # Another notebook of the same user: it holds nothing, and names this one's worker as another's
+    other = Kernel(stack)
+    try:
+        elsewhere = text(other.run("%gpu_lease"))
+    finally:
+        other.shutdown()
+    assert "this notebook:\n  holds nothing: its next GPU cell starts a worker\n" in elsewhere, elsewhere
+    assert "your other notebooks:\n  suspended · on host (" in elsewhere, elsewhere
+    assert "that notebook's next cell restores it" in elsewhere and "this notebook's next" not in elsewhere
     bob.release(lease)
     out = kernel.run("%%gpu_train --gpus 1\nimport os\nid(state) == sid, os.getpid() == pid, len(state)")
     assert not errors_of(out), out
@@ -239,8 +250,8 @@ def test_a_cell_the_server_refuses_leaves_the_warm_worker_as_it_was(stack, kerne
     lease_id = api(stack, "GET", "/api/v1/leases")["leases"][0]["id"]
     for flags, said in [
         ("--pool H100", "unknown pool 'H100'; known pools: A100-80GB"),
-        ("--gpus 3", "no node in pool 'A100-80GB' has 3 GPUs: the largest has 2"),
-        ("--gpu-mem 100GB", "slice"),  # more than a GPU has (or a pool that does not share): refused
+        ("--gpus 3", "no node of A100-80GB has 3 GPUs (the largest has 2): ask --gpus 2"),
+        ("--gpu-mem 100GB", "slice"),  # (this pool does not share: it takes no slice at all)
         ("--nodes 2 --gpus 2", "a gang of 1 GPU on each of 2 nodes cannot fit pool 'A100-80GB': only 1 of"),
         ("--fresh --pool H100", "unknown pool 'H100'"),  # a worker the cell would end anyway: not for a typo
     ]:

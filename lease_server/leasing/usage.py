@@ -284,7 +284,10 @@ async def estimate(
     if gpu_mem_mb and size and gpu_mem_mb > size:
         raise errors.BadRequest(
             f"a slice of {gpu_mem_mb} MB is more than one GPU of pool {pool!r} has ({size} MB): ask for at most "
-            f"{size} MB, or for whole GPUs (drop gpu_mem_mb)"
+            f"{size} MB, or for whole GPUs (drop gpu_mem_mb)",
+            pool=pool,
+            gpu_mem_mb=gpu_mem_mb,
+            largest_mb=size,
         )
     if gpu_mem_mb:
         what = f"a {_mem(gpu_mem_mb)} slice of {pool}" if gpus == 1 else f"{gpus} slices of {_mem(gpu_mem_mb)}"

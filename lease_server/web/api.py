@@ -726,7 +726,7 @@ class EstimateHandler(BaseHandler):
         if k > 1 and sizes and able < k:
             raise errors.Unsatisfiable.gang(pool_s, k, n // k, able)
         if not mem and k == 1 and 0 < max(sizes, default=0) < n:
-            raise errors.Unsatisfiable.one_node(pool_s, n, max(sizes))
+            raise errors.Unsatisfiable.one_node(pool_s, n, max(sizes), len(sizes))
         self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem, view=view))
 
 
