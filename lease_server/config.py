@@ -139,9 +139,12 @@ class Settings:
     borrow_notice: float = 30.0  # seconds a borrowed lease keeps its GPUs after its booking's holder asks
     no_show_after: float = 900.0  # a booking occurrence unused this long after its start is released
     on_demand_floor: int = 0  # GPUs of every pool that are never booked, kept for people without a booking
-    # of a pool's bookable GPUs, the most one owner (a user, a team) may have booked at any instant;
+    # of a pool's bookable GPUs, the most one person may have booked at any instant, as themselves
+    # and as any team of theirs together (a team's booking counts against each member's share);
     # 1: no cap. An admin's booking is not held to it
     booking_share: float = 1.0
+    # the most bookings not yet over one owner (a user, a team) may have; an admin's are not held to it
+    booking_max_per_owner: int = 200
     booking_history: float = 30 * 86400.0  # seconds past bookings stay listed
     max_booking_days: float = 31.0  # longest single booking (a weekly one lasts at most 7 days)
     teams: dict[str, list[str]] = field(default_factory=dict)  # team -> members ([teams] table)
@@ -269,6 +272,11 @@ class Settings:
         if not 0 < self.booking_share <= 1:
             raise ConfigurationError(
                 f"booking_share must be above 0 and at most 1 (1: no cap), got {self.booking_share}"
+            )
+        n = self.booking_max_per_owner
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 100_000:
+            raise ConfigurationError(
+                f"booking_max_per_owner must be a whole number from 1 to 100000, got {self.booking_max_per_owner}"
             )
         if self.borrow_notice < 0 or self.no_show_after <= 0 or self.on_demand_floor < 0:
             raise ConfigurationError(

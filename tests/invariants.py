@@ -8,7 +8,7 @@ from typing import Any
 from redis import Redis
 
 from lease_server.store.keys import Keys
-from lease_server.store.layout import victim_member
+from lease_server.store.layout import booking_index, victim_member
 
 END_TYPES = ("released", "expired", "revoked")
 
@@ -130,11 +130,39 @@ def check_event_log(events: list[dict[str, Any]]) -> dict[str, int]:
     return counts
 
 
+def check_bookings(r: Redis, keys: Keys) -> None:
+    """The bookings' indexes (one MULTI): the owners' (booking_own) lists exactly the active bookings
+    whose last occurrence was not released; the occurrence index (booking_occ) holds only
+    occurrences of active bookings that were not released, and every one of them not yet over
+    (an ended one may wait there for the next reader of its pool)."""
+    with r.pipeline(transaction=True) as p:
+        p.hgetall(keys.bookings)
+        p.zrange(keys.booking_occ, 0, -1)
+        p.zrange(keys.booking_own, 0, -1)
+        p.time()
+        bookings, occ, own, (seconds, micros) = p.execute()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    want_own: set[str] = set()
+    may_occ: set[str] = set()
+    must_occ: set[str] = set()
+    for raw in bookings.values():
+        rec = json.loads(raw)
+        every, mine = booking_index(rec, -(2**62))
+        may_occ.update(every)
+        must_occ.update(booking_index(rec, now_ms)[0])
+        want_own.update([mine] if mine else [])
+    assert set(own) == want_own, f"booking_own {sorted(own)} != {sorted(want_own)}"
+    assert set(occ) <= may_occ, f"booking_occ holds what no booking has: {sorted(set(occ) - may_occ)}"
+    assert must_occ <= set(occ), f"booking_occ lacks occurrences not yet over: {sorted(must_occ - set(occ))}"
+
+
 def check_state(r: Redis, keys: Keys, *, expect_all_free: bool = False) -> None:
     """One consistent snapshot (MULTI): holders, leases, free lists and the fit index agree; the
     quota counts (held_by) are the GPUs the live leases hold; the elastic index lists exactly the
     live elastic leases, the shrink deadlines exactly those asked to shrink, and the recall index
-    (victims) exactly the leases a recall may take back, each in its class."""
+    (victims) exactly the leases a recall may take back, each in its class. Then the bookings'
+    indexes (check_bookings)."""
+    check_bookings(r, keys)
     with r.pipeline(transaction=True) as p:
         p.hgetall(keys.nodes)
         p.hgetall(keys.free)

@@ -415,9 +415,9 @@ def test_team_booking_serves_its_members(server_factory):
 
 
 def test_one_owner_books_at_most_its_share_of_a_pool(server_factory, redis_sync):
-    """booking_share 0.5 of the 6 GPUs of A100-80GB: 3 at any instant per owner (a user, a team),
-    every week of a weekly booking counted; other owners and admins are not held to it, and a
-    refusal changes nothing."""
+    """booking_share 0.5 of the 6 GPUs of A100-80GB: 3 at any instant per person (as themselves and
+    as any team of theirs), every week of a weekly booking counted; other people and admins are not
+    held to it, and a refusal changes nothing."""
     srv = server_factory(booking_share=0.5, teams={"ml": ["alice"]})
     with http(srv, "alice") as alice, http(srv, "bob") as bob, http(srv, "root", "admin") as root:
         first = book(alice, gpus=2, start=MONDAY, hours=4)
@@ -434,7 +434,9 @@ def test_one_owner_books_at_most_its_share_of_a_pool(server_factory, redis_sync)
             assert_error(weekly, 403, "forbidden", "has 2 booked")
         assert book(alice, gpus=1, start=MONDAY + HOUR, hours=1).status_code == 201  # up to 3
         assert book(alice, gpus=3, start=MONDAY + 4 * HOUR, hours=1).status_code == 201  # back to back
-        assert book(alice, gpus=3, owner="team:ml", start=MONDAY, hours=1).status_code == 201  # the team's own
+        # a team's booking counts against its members' share: not while alice has 3 booked, then fine
+        assert_error(book(alice, gpus=1, owner="team:ml", start=MONDAY + HOUR, hours=1), 403, "forbidden", "alice may")
+        assert book(alice, gpus=3, owner="team:ml", start=MONDAY + 6 * HOUR, hours=1).status_code == 201
         # growing one's own booking past the share is refused too; another owner, or an admin, is not held
         mine = first.json()["id"]
         assert_error(alice.patch(f"{API}/bookings/{mine}", json={"gpus": 3}), 403, "forbidden", "at most 3")
@@ -647,3 +649,134 @@ def test_a_change_that_ends_a_booking_in_the_past_is_refused(server_factory, red
             past = alice.patch(f"{API}/bookings/{booking}", json={"start": 978_307_200, "end": 978_310_800})
             assert_error(past, 400, "bad_request", "in the past")
         assert alice.patch(f"{API}/bookings/{booking}", json={"note": "kept"}).status_code == 200
+
+
+def test_a_team_booking_counts_against_each_members_share(server_factory, redis_sync):
+    """booking_share 0.5 of 8 GPUs: 4 at any instant per person, as themselves and as any team of
+    theirs together. alice, holding half the pool for a year of Mondays, cannot book the other half
+    as team:ml (nor can bob for the team while alice holds hers); bob may book his own half, and a
+    refusal names the member whose share it would pass and the setting, and changes nothing."""
+    srv = server_factory("a=8xA100-80GB", booking_share=0.5, teams={"ml": ["alice", "bob"], "cv": ["alice"]})
+    with http(srv, "alice") as alice, http(srv, "bob") as bob, http(srv, "root", "admin") as root:
+        weekly = {"repeat": "weekly", "occurrences": 52}
+        mine = book(alice, gpus=4, start=MONDAY, hours=8, **weekly)
+        assert mine.status_code == 201, mine.text
+        with unchanged(redis_sync, srv):
+            resp = book(alice, gpus=4, owner="team:ml", start=MONDAY, hours=8, **weekly)
+            body = assert_error(
+                resp,
+                403,
+                "forbidden",
+                "team:ml's booking counts against the share of each member",
+                "alice may have at most 4 GPU(s)",
+                "as themselves and as team:cv, team:ml",
+                "booking_share 0.5",
+                "has 4 booked",
+                "book at most 0",
+            )
+            assert body["details"] == {"limit": 4, "booked": 4}
+            # its last week only, or bob for the team: alice's share all the same
+            late = book(alice, gpus=1, owner="team:ml", start=MONDAY + 51 * WEEK_MS / 1000 + HOUR, hours=1)
+            assert_error(late, 403, "forbidden", "alice may have at most 4")
+            assert_error(book(bob, gpus=1, owner="team:ml", start=MONDAY, hours=1), 403, "forbidden", "alice may")
+            # another team of alice's counts too
+            assert_error(book(alice, gpus=1, owner="team:cv", start=MONDAY, hours=1), 403, "forbidden", "alice may")
+        # bob holds his own half; then no team of his may book at that time either
+        assert book(bob, gpus=4, start=MONDAY, hours=8).status_code == 201
+        assert_error(
+            book(bob, gpus=1, owner="team:ml", start=MONDAY + 7 * HOUR, hours=2), 403, "forbidden", "at most 4"
+        )
+        # outside alice's Mondays the team may book up to the share, and then holds its members' shares
+        team = book(bob, gpus=4, owner="team:ml", start=MONDAY + 10 * HOUR, hours=2)
+        assert team.status_code == 201, team.text
+        assert_error(book(alice, gpus=1, start=MONDAY + 11 * HOUR, hours=1), 403, "forbidden", "team:ml")
+        assert_error(book(bob, gpus=1, start=MONDAY + 11 * HOUR, hours=1), 403, "forbidden", "bob may")
+        # carol, in no team, is held to her own share alone; an admin is held to none
+        with http(srv, "carol") as carol:
+            assert book(carol, gpus=4, start=MONDAY + 11 * HOUR, hours=1).status_code == 201
+        assert book(root, gpus=4, owner="team:ml", start=MONDAY + 13 * HOUR, hours=1).status_code == 201
+    check_state(redis_sync, Keys(srv.settings.prefix))
+
+
+def test_one_owner_has_at_most_booking_max_per_owner_bookings_not_yet_over(server_factory, redis_sync):
+    """booking_max_per_owner 3: alice's fourth booking not yet over is refused (403 naming the
+    setting and her count), a change of one she has is not; one ended early or cancelled counts no
+    more; bob's and a team's are counted apart, and an admin is not held to it."""
+    srv = server_factory("a=8xA100-80GB", booking_max_per_owner=3, teams={"ml": ["alice"]})
+    with http(srv, "alice") as alice, http(srv, "bob") as bob, http(srv, "root", "admin") as root:
+        current = book(alice, gpus=1, start=time.time() - 60, hours=1).json()
+        ahead = [book(alice, gpus=1, start=MONDAY + i * HOUR, hours=1).json() for i in range(2)]
+        with unchanged(redis_sync, srv):
+            body = assert_error(
+                book(alice, gpus=1, start=MONDAY + 5 * HOUR, hours=1),
+                403,
+                "forbidden",
+                "alice has 3 booking(s) not yet over",
+                "booking_max_per_owner 3",
+                "cancel or end one first",
+            )
+            assert body["details"] == {"limit": 3, "bookings": 3}
+            weekly = {"repeat": "weekly", "occurrences": 4}
+            assert_error(book(alice, gpus=1, start=MONDAY + 5 * HOUR, hours=1, **weekly), 403, "forbidden", "3 booking")
+            window = {"pool": "A100-80GB", "gpus": 1, "start": MONDAY + 5 * HOUR, "end": MONDAY + 6 * HOUR}
+            dry = alice.post(f"{API}/bookings", params={"dry_run": "true"}, json=window)
+            assert_error(dry, 403, "forbidden", "booking_max_per_owner")
+        moved = alice.patch(
+            f"{API}/bookings/{ahead[1]['id']}", json={"gpus": 2, "start": MONDAY + 3 * HOUR, "end": MONDAY + 4 * HOUR}
+        )
+        assert moved.status_code == 200, moved.text
+        assert book(bob, gpus=1, start=MONDAY + 5 * HOUR, hours=1).status_code == 201
+        assert book(alice, gpus=1, owner="team:ml", start=MONDAY + 5 * HOUR, hours=1).status_code == 201
+        # ending the one in force, or cancelling one ahead, makes room for one more each
+        assert alice.post(f"{API}/bookings/{current['id']}/end").status_code == 200
+        assert book(alice, gpus=1, start=MONDAY + 7 * HOUR, hours=1).status_code == 201
+        assert_error(book(alice, gpus=1, start=MONDAY + 8 * HOUR, hours=1), 403, "forbidden", "booking_max_per_owner")
+        assert alice.delete(f"{API}/bookings/{ahead[0]['id']}").status_code == 200
+        assert book(alice, gpus=1, start=MONDAY + 8 * HOUR, hours=1).status_code == 201
+        # an admin is not held to it
+        assert book(root, gpus=1, owner="alice", start=MONDAY + 9 * HOUR, hours=1).status_code == 201
+    check_state(redis_sync, Keys(srv.settings.prefix))
+
+
+def test_booking_max_per_owner_must_be_a_whole_number_from_1(redis_server, prefix):
+    for bad in (0, -1, 200_000):
+        with pytest.raises(errors.ConfigurationError, match="booking_max_per_owner must be a whole number from 1"):
+            make_settings(redis_server.url, prefix, booking_max_per_owner=bad)
+
+
+def test_a_grant_reads_the_bookings_in_force_not_every_booking_of_its_pool(store_factory):
+    """bob's 151 bookings (100 one-minute ones over, one in force, 50 ahead; made before they began)
+    cost a grant in their pool no work: it reads the occurrences that started (booking_occ),
+    counted as the HGETs Redis runs for one acquire + release (INFO commandstats counts a script's
+    commands). The booking in force is served first, and the reader drops the ended ones from the
+    index."""
+
+    async def hgets(st: LeaseStore) -> int:
+        return int((await st.redis.info("commandstats")).get("cmdstat_hget", {}).get("calls", 0))
+
+    async def main() -> None:
+        st = await store_factory("a=4xA100-80GB")
+        b = Bookings(st.engine)
+        now = int(time.time() * 1000)
+        made = now - 100 * 120_000 - 61_000  # (a virtual clock: when bob made them)
+
+        async def bob_books(start_ms: int, end_ms: int) -> dict:
+            window = {"pool": "A100-80GB", "gpus": 1, "start": start_ms / 1000, "end": end_ms / 1000}
+            return await b.create("bob", window, now_ms=made)
+
+        for i in range(100):
+            await bob_books(made + 1000 + i * 120_000, made + 61_000 + i * 120_000)
+        held = await bob_books(now - 60_000, now + 900_000)
+        for i in range(50):
+            await bob_books(now + 3_600_000 + i * 120_000, now + 3_660_000 + i * 120_000)
+
+        before = await hgets(st)
+        lease = await st.acquire("bob", AcquireRequest(gpus=1, ttl=60))
+        await st.release(lease["id"], "bob", token=lease["token"], verified=True)
+        read = await hgets(st) - before
+        assert lease["resv"] == held["id"]
+        assert read < 40, f"one acquire + release ran {read} HGETs with 151 bookings in the pool"
+        left = await st.redis.zrange(st.keys.booking_occ, 0, -1)
+        assert len(left) == 51 and all(int(m.split("|")[2]) > now for m in left), left[:3]
+
+    asyncio.run(main())

@@ -125,6 +125,7 @@ def test_layout_1_bookings_move_to_their_new_key_names(redis_server: RedisProces
     old = {name: f"{{{prefix}}}:{was}" for name, was in layout.RENAMED_IN_2.items()}
     for name, was in old.items():
         r.rename(getattr(keys, name), was)
+    r.delete(keys.booking_occ, keys.booking_own)  # (indexes of layout 7)
     r.set(keys.layout, 1)
     stored = {was: r.type(was) for was in old.values()}
     assert stored == {old["bookings"]: "hash", old["booking_idx"]: "zset", old["booking_due"]: "zset"}
@@ -142,6 +143,13 @@ def test_layout_1_bookings_move_to_their_new_key_names(redis_server: RedisProces
     assert r.get(keys.layout) == str(LAYOUT) and not r.exists(*old.values())
     assert r.hlen(keys.bookings) == 2 and r.zcard(keys.booking_idx) == 2 and r.zcard(keys.booking_due) == 2
     assert set(r.hkeys(keys.bookings)) == {weekly["id"], current["id"]}
+    # layout 7: the occurrences not yet over indexed (a grant reads the bookings in force there), and
+    # each owner's bookings
+    assert "index the bookings' occurrences not yet over, and each owner's bookings: 2 booking(s), 4" in done.output
+    assert sorted(m.split("|")[3] for m in r.zrange(keys.booking_occ, 0, -1)) == sorted(
+        [current["id"]] + [weekly["id"]] * 3
+    )
+    assert sorted(m.split("|")[2] for m in r.zrange(keys.booking_own, 0, -1)) == sorted([weekly["id"], current["id"]])
 
     srv = ServerHandle(settings, "box=2xA100-80GB").start()
     try:
@@ -149,6 +157,9 @@ def test_layout_1_bookings_move_to_their_new_key_names(redis_server: RedisProces
         assert alice.bookings(None, now - 86_400, now + 30 * 86_400) == listed
         assert alice.get(lease.id)["reservation"] == current["id"]  # the lease still names its booking
         alice.release(lease)
+        again = alice.acquire(1, ttl=600)  # served from the booking in force, found through the index
+        assert again.booking == current["id"]
+        alice.release(again)
         assert alice.end_booking(current["id"])["instances"][0]["state"] == "released"
     finally:
         srv.stop()

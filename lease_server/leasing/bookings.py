@@ -283,14 +283,29 @@ class Bookings:
         raise errors.Conflict(f"booking {booking_id} is being changed by someone else; reload it and retry")
 
     async def _write(self, mode: str, rec: dict[str, Any], rev: str, now_ms: int | None, admin: bool) -> dict[str, Any]:
-        share = 1.0 if admin else self.settings.booking_share  # an admin's booking is not held to it
-        call = Book(mode, json.dumps(rec), self.settings.on_demand_floor, rev, share)
+        s = self.settings
+        # an admin's booking is held to neither the share nor the count
+        share = 1.0 if admin else s.booking_share
+        max_owned = 0 if admin else s.booking_max_per_owner
+        call = Book(
+            mode, json.dumps(rec), s.on_demand_floor, rev, share, json.dumps(self._people(rec["owner"])), max_owned
+        )
         try:
             out: dict[str, Any] = await self.engine.run(call, now_ms)
         except errors.UnknownPool:
             known = ", ".join(sorted(await pool_sizes(self.engine))) or "none registered"
             raise errors.UnknownPool(f"unknown pool {rec['pool']!r}; known pools: {known}", pool=rec["pool"]) from None
         return out
+
+    def _people(self, owner: str) -> dict[str, list[str]]:
+        """The people whose booking_share a booking of ``owner`` counts against, each with the owners
+        whose bookings are theirs: a user and their teams; for ``team:NAME``, each member so (a team
+        the config does not list, or lists without members: the team alone)."""
+        teams = self.settings.teams
+        members = teams.get(owner[5:], []) if owner.startswith("team:") else [owner]
+        if not members:
+            return {owner: [owner]}
+        return {m: [m] + [f"team:{t}" for t in self.settings.teams_of(m)] for m in sorted(set(members))}
 
     async def cancel(self, booking_id: str, user: str, **kw: Any) -> dict[str, Any]:
         return await self._unbook(booking_id, "cancel", user, **kw)

@@ -58,6 +58,14 @@ layout.py); a lease record still names the booking it is served from ``resv``:
 ``bookings``    hash  booking id -> JSON booking (times in ms, UTC; weekly repeats are 168 h apart)
 ``booking_idx`` zset  lexicographic "pool|id" for every booking, so a pool's bookings are one range
 ``booking_due`` zset  booking id -> ms of its next no-show check (or of its removal, when past)
+``booking_occ`` zset  lexicographic "pool|SSSSSSSSSSSSSSS|EEEEEEEEEEEEEEE|id|k" (start and end ms,
+                      zero-padded) for each occurrence of an active booking that is neither released
+                      nor seen ended (layout 7): the bookings in force in a pool are read from the
+                      occurrences that started, "[pool|" to "(pool|<now + 1>", not from every booking
+                      of the pool; a reader drops the ended ones it meets (active_bookings)
+``booking_own`` zset  lexicographic "owner|LLLLLLLLLLLLLLL|id" (L: the end of its last occurrence) for
+                      each active booking whose last occurrence was not released: an owner's bookings
+                      not yet ended are one ZLEXCOUNT (booking_max_per_owner, book.lua)
 ``recall``     zset   borrowed lease id -> ms when it is revoked because a booking's holder needs it
 
 Scheduling:
@@ -251,6 +259,14 @@ class Keys:
         return self._k("booking_due")
 
     @property
+    def booking_occ(self) -> str:
+        return self._k("booking_occ")
+
+    @property
+    def booking_own(self) -> str:
+        return self._k("booking_own")
+
+    @property
     def recall(self) -> str:
         return self._k("recall")
 
@@ -359,6 +375,8 @@ class Keys:
             self.bookings,
             self.booking_idx,
             self.booking_due,
+            self.booking_occ,
+            self.booking_own,
             self.recall,
             self.lease_util,
             self.ledger,

@@ -30,7 +30,7 @@ from ..errors import ConfigurationError
 from . import rollup
 from .keys import Keys
 
-LAYOUT = 6  # this release's
+LAYOUT = 7  # this release's
 NOT_DATA = ("tokens", "layout")  # keys that do not make a store "written by some release"
 
 
@@ -417,6 +417,76 @@ async def _to_6(redis: Redis, keys: Keys) -> Step:
     return Step([f"sum each pool's free GPUs from the fit index: {len(free)} pool(s)"], write)
 
 
+WEEK_MS = 7 * 24 * 3600 * 1000
+
+
+def booking_index(rec: dict[str, Any], now_ms: int) -> tuple[list[str], str | None]:
+    """The booking's entries in the occurrence index and its owner's (keys.py ``booking_occ``,
+    ``booking_own``), as lua/_lib_bookings.lua index_booking writes them: each occurrence neither
+    released nor over by ``now_ms``; the owner's entry unless its last occurrence was released.
+    None and [] for a booking that is not active."""
+    if rec.get("state", "active") != "active":
+        return [], None
+    start, end, count = int(rec["start"]), int(rec["end"]), int(rec.get("occurrences") or 1)
+    released = rec.get("released") or {}
+    occ = [
+        f"{rec['pool']}|{start + k * WEEK_MS:015d}|{end + k * WEEK_MS:015d}|{rec['id']}|{k}"
+        for k in range(count)
+        if str(k) not in released and end + k * WEEK_MS > now_ms
+    ]
+    own = None if str(count - 1) in released else f"{rec['owner']}|{end + (count - 1) * WEEK_MS:015d}|{rec['id']}"
+    return occ, own
+
+
+async def _to_7(redis: Redis, keys: Keys) -> Step:
+    """Layout 6 -> 7: the bookings' occurrences not yet over indexed by start (booking_occ), so that
+    a grant reads the bookings in force from the occurrences that started instead of decoding every
+    booking of its pool; and each owner's bookings by the end of their last occurrence
+    (booking_own), which booking_max_per_owner counts."""
+    # (read where they are: a dry run from an older layout has not renamed nor tagged them yet)
+    bookings = keys.bookings
+    for where in (
+        keys.untagged(keys.bookings),
+        _before_2(keys, keys.bookings),
+        keys.untagged(_before_2(keys, keys.bookings)),
+    ):
+        if not await redis.exists(bookings) and await redis.exists(where):
+            bookings = where
+    seconds, micros = await redis.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    occ: list[str] = []
+    own: list[str] = []
+    if await _typed(redis, bookings, "hash") != "none":
+        for bid, raw in (await redis.hgetall(bookings)).items():
+            try:
+                rec = json.loads(raw)
+                o, w = booking_index(rec, now_ms)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                problem = "is not a booking (JSON with id, owner, pool, start, end, occurrences)"
+                raise _bad(f"{bookings} field {bid!r}", problem) from None
+            occ += o
+            own += [w] if w else []
+    await _typed(redis, keys.booking_occ, "zset")
+    await _typed(redis, keys.booking_own, "zset")
+
+    async def write() -> None:
+        async with redis.pipeline(transaction=True) as p:
+            p.delete(keys.booking_occ, keys.booking_own)
+            if occ:
+                p.zadd(keys.booking_occ, dict.fromkeys(occ, 0))
+            if own:
+                p.zadd(keys.booking_own, dict.fromkeys(own, 0))
+            await p.execute()
+
+    return Step(
+        [
+            f"index the bookings' occurrences not yet over, and each owner's bookings: {len(own)} booking(s), "
+            f"{len(occ)} occurrence(s)"
+        ],
+        write,
+    )
+
+
 STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {
     1: _to_1,
     2: _to_2,
@@ -424,6 +494,7 @@ STEPS: dict[int, Callable[[Redis, Keys], Awaitable[Step]]] = {
     4: _to_4,
     5: _to_5,
     6: _to_6,
+    7: _to_7,
 }
 
 

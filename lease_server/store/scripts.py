@@ -985,7 +985,9 @@ class Book(ScriptCall[dict[str, Any]]):
     booking: str  # JSON, validated by bookings.py
     floor: int  # on-demand GPUs of a pool that are never booked
     rev: str = ""  # for "edit": the revision the change was made against
-    share: float = 1.0  # of the bookable GPUs, the most one owner may have booked at once (1: no cap)
+    share: float = 1.0  # of the bookable GPUs, the most one person may have booked at once (1: no cap)
+    people: str = "{}"  # JSON {person: [owners]}: whose share it counts against, and what is theirs
+    max_owned: int = 0  # the most bookings not yet over one owner may have (0: no cap)
 
     def reply(self, code: Code, rest: list[Any]) -> dict[str, Any]:
         rec = _json(self.booking)
@@ -993,17 +995,31 @@ class Book(ScriptCall[dict[str, Any]]):
             return _json(rest[0])
         if code is Code.CLASH:
             raise clash_error(rec, _json(rest[0]))
+        if code is Code.LIMIT and rest and rest[0] == "count":
+            cap, owned = int(rest[1]), int(rest[2])
+            raise errors.Forbidden(
+                f"{rec['owner']} has {owned} booking(s) not yet over, and one owner may have at most {cap} "
+                f"(booking_max_per_owner {cap}): cancel or end one first, or ask an admin",
+                limit=cap,
+                bookings=owned,
+            )
         if code is Code.LIMIT:
             limit, booked, at = int(rest[0]), int(rest[1]), int(rest[2])
+            person = str(rest[3]) if len(rest) > 3 else rec["owner"]
             owner, left = rec["owner"], max(0, limit - booked)
+            theirs = _json(self.people).get(person) or [person]
+            teams = [o for o in theirs if o != person]
+            whose = f" as themselves and as {', '.join(teams)}" if teams else ""
             most = (
-                f"{owner} may have at most {limit} GPU(s) of pool {rec['pool']!r} booked at once "
+                f"{person} may have at most {limit} GPU(s) of pool {rec['pool']!r} booked at once{whose} "
                 f"(booking_share {self.share:g})"
             )
+            counts = f"{owner}'s booking counts against the share of each member: " if owner != person else ""
             raise errors.Forbidden(
-                f"{most}, and has {booked} booked at {fmt(at)}: book at most {left} then, another time, or ask an admin"
+                f"{counts}{most}, and has {booked} booked at {fmt(at)}: book at most {left} then, another time, "
+                "or ask an admin"
                 if booked
-                else f"{most}: book at most {limit}, or ask an admin",
+                else f"{counts}{most}: book at most {limit}, or ask an admin",
                 limit=limit,
                 booked=booked,
             )

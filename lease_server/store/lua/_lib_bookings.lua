@@ -23,6 +23,50 @@ local function occ_span(r, k)
   return s, e
 end
 
+-- r's entry for occurrence k in the occurrence index (booking_occ, keys.py): its nominal times.
+local function occ_member(r, k)
+  return string.format('%s|%015d|%015d|%s|%d', r.pool, r.start + k * WEEK_MS, r['end'] + k * WEEK_MS, r.id, k)
+end
+
+-- r's entry in its owner's index (booking_own, keys.py): the nominal end of its last occurrence.
+local function own_member(r)
+  return string.format('%s|%015d|%s', r.owner, r['end'] + (r.occurrences - 1) * WEEK_MS, r.id)
+end
+
+-- How many bookings of `owner` are not yet over (their last occurrence neither ended nor released).
+local function owned_bookings(owner)
+  return redis.call('ZLEXCOUNT', K_BOOKING_OWN, string.format('(%s|%015d|~', owner, NOW), '(' .. owner .. '|~')
+end
+
+-- Take r off both indexes (cancelled, changed, or gone).
+local function unindex_booking(r)
+  local members = {}
+  for k = 0, (r.occurrences or 1) - 1 do members[#members + 1] = occ_member(r, k) end
+  redis.call('ZREM', K_BOOKING_OCC, unpack(members))
+  redis.call('ZREM', K_BOOKING_OWN, own_member(r))
+end
+
+-- Put r's occurrences that are neither over nor released on the occurrence index, and r on its
+-- owner's unless its last occurrence was released.
+local function index_booking(r)
+  local add, released = {}, r.released or {}
+  for k = 0, r.occurrences - 1 do
+    if not released[tostring(k)] and r['end'] + k * WEEK_MS > NOW then
+      add[#add + 1] = 0
+      add[#add + 1] = occ_member(r, k)
+    end
+  end
+  if #add > 0 then redis.call('ZADD', K_BOOKING_OCC, unpack(add)) end
+  if not released[tostring(r.occurrences - 1)] then redis.call('ZADD', K_BOOKING_OWN, 0, own_member(r)) end
+end
+
+-- Occurrence k of r was released (a no-show, or ended early): off the occurrence index, and r off
+-- its owner's when that was its last.
+local function unindex_occurrence(r, k)
+  redis.call('ZREM', K_BOOKING_OCC, occ_member(r, k))
+  if k == r.occurrences - 1 then redis.call('ZREM', K_BOOKING_OWN, own_member(r)) end
+end
+
 -- The occurrences of r that overlap [lo, hi): a list of {k, s, e}.
 local function occs_between(r, lo, hi)
   local out, first, last = {}, 0, 0
@@ -60,17 +104,31 @@ local function save_booking(r)
   redis.call('HSET', K_BOOKINGS, r.id, cjson.encode(r))
 end
 
--- Bookings of the pool in force now: {r, k, owed = GPUs booked that its holders do not hold}.
+-- Bookings of the pool in force now: {r, k, owed = GPUs booked that its holders do not hold}, by
+-- id. Read from the occurrence index (booking_occ): the pool's occurrences that started by now,
+-- which are those in force and those ended since a reader last came by (dropped here), however
+-- many bookings the pool has ahead.
 local function active_bookings(pool)
-  local acts, owed = {}, 0
-  for _, r in ipairs(bookings_of_pool(pool)) do
-    local k = occ_at(r, NOW)
+  local acts, owed, gone = {}, 0, {}
+  local started = redis.call('ZRANGEBYLEX', K_BOOKING_OCC, '[' .. pool .. '|',
+                             string.format('(%s|%015d', pool, NOW + 1))
+  for _, m in ipairs(started) do
+    local e, id = string.match(m, '^[^|]+|%d+|(%d+)|([^|]+)|%d+$')
+    local raw = e and tonumber(e) > NOW and redis.call('HGET', K_BOOKINGS, id)
+    local r = raw and cjson.decode(raw)
+    local k = r and occ_at(r, NOW)
     if k then
       local o = math.max(0, r.gpus - (r.held or 0))
       acts[#acts + 1] = {r = r, k = k, owed = o}
       owed = owed + o
+    elseif not (e and tonumber(e) > NOW) then
+      gone[#gone + 1] = m
     end
   end
+  for i = 1, #gone, 1000 do
+    redis.call('ZREM', K_BOOKING_OCC, unpack(gone, i, math.min(i + 999, #gone)))
+  end
+  table.sort(acts, function(a, b) return a.r.id < b.r.id end)
   return acts, owed
 end
 

@@ -1,5 +1,5 @@
 -- acquire.lua: ask for GPUs; granted at once, queued, or refused.
--- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines ended queue waiters wait_due waiting_by usage fence events grants queue_seq bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines ended queue waiters wait_due waiting_by usage fence events grants queue_seq bookings booking_occ booking_due recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id (chosen by the caller; it is also the waiter id while queued)
 -- ARGV[7] = user      ARGV[8] = pool      ARGV[9] = gpus (int >= 1)     ARGV[10] = ttl ms
 -- ARGV[11] = wait ms (0: do not queue)   ARGV[12] = label    ARGV[13] = session

@@ -1,7 +1,7 @@
 -- book.lua: create, change or dry-run a booking, refusing it if at any instant of any of its
 -- occurrences the pool (or, for an all-on-one-node booking, its node) would be over-booked.
 -- Capacity is the pool's GPUs minus the on-demand floor kept for people without a booking.
--- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due booking_occ booking_own recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = "create" | "edit" | "check"
 -- ARGV[7] = the whole booking as JSON, validated by bookings.py: {id, owner, pool, gpus, start,
 --           end, repeat, occurrences, colocate, note, created_by, created_at, notice_ms,
@@ -9,9 +9,15 @@
 --           used, released) are taken from the stored one
 -- ARGV[8] = on-demand floor (GPUs of the pool that are never booked)
 -- ARGV[9] = for "edit": the revision the change was made against (refused if it moved on)
--- ARGV[10] = the share of the bookable GPUs one owner may have booked at any instant (1: no cap;
+-- ARGV[10] = the share of the bookable GPUs one person may have booked at any instant (1: no cap;
 --           an admin's change passes 1)
--- returns {OK, booking JSON} | {CLASH, report JSON} | {UNKNOWN_POOL} | {LIMIT, owner's cap, booked, at} |
+-- ARGV[11] = JSON {person: [owners]}: the people whose share the booking counts against, each with
+--           the owners whose bookings are theirs (themselves and their teams): for a user, that
+--           user; for "team:NAME", each member (a team without members: the team itself)
+-- ARGV[12] = the most bookings not yet over one owner may have (0: no cap; an admin's change passes 0)
+-- returns {OK, booking JSON} | {CLASH, report JSON} | {UNKNOWN_POOL} |
+--         {LIMIT, person's cap, booked, at, person} (booking_share) |
+--         {LIMIT, "count", the cap, the owner's bookings not yet over} (booking_max_per_owner) |
 --         {UNSATISFIABLE, bookable GPUs of the pool, largest node} | {DUPLICATE} | {NO_SUCH} |
 --         {STALE} (changed meanwhile) | {ENDED} (cancelled)
 local mode, rec, floor = ARGV[6], cjson.decode(ARGV[7]), tonumber(ARGV[8])
@@ -39,6 +45,19 @@ end
 if #nodes == 0 then return {UNKNOWN_POOL} end
 local cap = total - floor
 if rec.gpus > cap or (rec.colocate and rec.gpus > largest) then return {UNSATISFIABLE, cap, largest} end
+
+-- One owner has at most max_owned bookings not yet over (each is read by every clash check of its
+-- pool, and each of its occurrences by the grants while it is in force). A change of a booking
+-- already counted for this owner adds none.
+local max_owned = tonumber(ARGV[12]) or 0
+if max_owned > 0 and rec['end'] + (rec.occurrences - 1) * WEEK_MS > NOW then
+  local counted = old and old.owner == rec.owner and old['end'] + (old.occurrences - 1) * WEEK_MS > NOW
+    and redis.call('ZSCORE', K_BOOKING_OWN, own_member(old))
+  if not counted then
+    local owned = owned_bookings(rec.owner)
+    if owned >= max_owned then return {LIMIT, 'count', max_owned, owned} end
+  end
+end
 
 if old then
   rec.held, rec.used, rec.released, rec.created_by, rec.created_at = old.held, old.used, old.released,
@@ -104,8 +123,10 @@ local function colocated_on(name)
   return out
 end
 
--- One owner's bookings hold at most its share of the bookable GPUs at any instant (a user, or a
--- team: one colleague cannot book a whole pool for a month and leave the rest borrowed leases).
+-- One person's bookings hold at most their share of the bookable GPUs at any instant: what they
+-- booked as themselves and what any team of theirs booked, together (a team booking counts against
+-- each member's share, so a member cannot book the other half of a pool as the team; and one
+-- colleague cannot book a whole pool for a month and leave the rest borrowed leases).
 local share = tonumber(ARGV[10]) or 1
 -- A change that takes no more than the booking held (its note, fewer GPUs) is never refused by it:
 -- an owner over the cap (an admin booked for them, the cap was lowered since) may still shrink.
@@ -114,16 +135,25 @@ local grows = not (old and old.owner == rec.owner and old.pool == pool and rec.g
   and rec['end'] == old['end'] and rec['repeat'] == old['repeat'] and rec.occurrences <= old.occurrences)
 if share < 1 and grows then
   local limit = math.max(1, math.floor(cap * share + 1e-9))
-  local own = {}
-  for _, r in ipairs(others) do
-    if r.owner == rec.owner then own[#own + 1] = r end
-  end
-  for k = 0, rec.occurrences - 1 do
-    local s, e = occ_span(rec, k)
-    s = math.max(s, NOW)
-    if s < e then
-      local most = peak(own, s, e)
-      if most + rec.gpus > limit then return {LIMIT, limit, most, s} end
+  local people = cjson.decode(ARGV[11] or '{}')
+  local names = {}
+  for person, _ in pairs(people) do names[#names + 1] = person end
+  table.sort(names)
+  if #names == 0 then names, people = {rec.owner}, {[rec.owner] = {rec.owner}} end
+  for _, person in ipairs(names) do
+    local theirs = {}
+    for _, o in ipairs(people[person]) do theirs[o] = true end
+    local own = {}
+    for _, r in ipairs(others) do
+      if theirs[r.owner] then own[#own + 1] = r end
+    end
+    for k = 0, rec.occurrences - 1 do
+      local s, e = occ_span(rec, k)
+      s = math.max(s, NOW)
+      if s < e then
+        local most = peak(own, s, e)
+        if most + rec.gpus > limit then return {LIMIT, limit, most, s, person} end
+      end
     end
   end
 end
@@ -225,6 +255,8 @@ rec.base_at = NOW
 rec.check_k = 0
 schedule_booking(rec)
 save_booking(rec)
+if old then unindex_booking(old) end
+index_booking(rec)
 if old and old.pool ~= pool then redis.call('ZREM', K_BOOKING_IDX, old.pool .. '|' .. rec.id) end
 redis.call('ZADD', K_BOOKING_IDX, 0, pool .. '|' .. rec.id)
 emit(old and 'reservation_changed' or 'reservation_created',

@@ -1,6 +1,6 @@
 -- cancel_wait.lua: a waiter gives up (its wait ran out or its client went away).
 -- A grant that raced ahead of the cancel wins: the caller gets the lease and must use or release it.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = waiter / lease id     ARGV[7] = reason ("timeout" | "cancelled")
 -- ARGV[8] = user: only the request's own user may cancel it
 -- returns {OK, lease JSON} (granted meanwhile) | {REMOVED, position it had} | {NO_SUCH} | {NOT_OWNER}

@@ -5,7 +5,7 @@
 -- A suspend's drain (suspend.lua) names the worker the agent suspended (ARGV[10]): it is recorded
 -- in suspended (the agent restores or ends it later: unsuspend.lua) and one `suspended` event
 -- says how much GPU memory went to host and how long it took.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due suspended victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall held_by sched elastic shrink_due suspended victims evict_miss
 -- ARGV[6] = node   ARGV[7] = the lease whose end the GPUs drain from ("" = any)
 -- ARGV[8] = JSON list of GPU indexes   ARGV[9] = processes the agent had to end (a count)
 -- ARGV[10] = JSON {pid, start, uid, bytes, ms} of the worker the agent suspended ("" or absent: none)

@@ -6,7 +6,7 @@
 -- is one of the requests named, it fits in exactly the lease's GPUs on one node, no booking is in force in the pool, the
 -- lease is neither a booking's nor recalled, and its node is up. Otherwise nothing changes: the
 -- caller ends its process and releases as usual, and the scheduler decides.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user
 -- ARGV[9] = the requests it may go to, comma-separated (the pool's oldest waiter must be one of them)
 -- returns {OK, ended JSON, new lease JSON} | {BUSY, why not} | {NO_SUCH} | {ENDED, ended JSON}

@@ -3,7 +3,7 @@
 -- end it. Only the slice named is touched: its neighbours on the GPU run on. The ended slice drains
 -- like any lease the server ends: its memory stays promised until its node agent has ended the
 -- processes it claimed (never another's) and seen them gone.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = node   ARGV[9] = "warn" | "end"
 -- ARGV[10] = MB its processes use now   ARGV[11] = MB it was promised   ARGV[12] = its peak, MB
 -- ARGV[13] = the slice that would have held the peak, MB   ARGV[14] = seconds it was over

@@ -1,7 +1,7 @@
 -- reclaim.lua: take back a warned idle lease whose grace has run out. Atomic against release,
 -- renew and keep: a lease released or kept in the meantime is left alone, and the GPUs of a
 -- newer grant (another token) are never touched.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token   ARGV[8] = evidence JSON (samples up to now)
 -- returns {OK, ended JSON} | {NO_SUCH} | {STALE} | {NOT_DUE}
 local id, token = ARGV[6], ARGV[7]

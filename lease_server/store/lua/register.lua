@@ -1,7 +1,7 @@
 -- register.lua: a node agent's heartbeat, with its inventory when that is new or changed.
 -- Registering never frees a GPU that a live lease holds: the free list is the inventory minus
 -- the holders. A node that was down comes back up, and its pool's queue is served.
--- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free sizes holders sliced slice_fit leases deadlines queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = node   ARGV[7] = inventory JSON {pool, gpus:[{index, uuid, model, memory_mb}], ...}
 --                  or "" for a heartbeat of an already registered node
 -- ARGV[8] = ms until the node counts as down without another heartbeat

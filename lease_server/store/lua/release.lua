@@ -1,6 +1,6 @@
 -- release.lua: end a lease (owner release, or admin revoke), or withdraw a request still queued.
 -- Idempotent: releasing an ended lease answers with its ended record and changes nothing.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token ("" = not given: ownership alone suffices)
 -- ARGV[8] = user       ARGV[9] = "1" if admin
 -- ARGV[10] = end state: "released", "revoked", or "auto" (revoked when an admin ends another

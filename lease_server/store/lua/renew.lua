@@ -2,7 +2,7 @@
 -- (for example one that was paused past its deadline while the lease expired) cannot revive it.
 -- A lease already past its deadline but not yet swept is expired here, not renewed: its GPUs
 -- were free to be taken from the moment the deadline passed.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token   ARGV[8] = user   ARGV[9] = "1" if admin
 -- ARGV[10] = new ttl ms, or 0 to keep the lease's own ttl
 -- ARGV[11] = the holder's activity as JSON ({"executing": true, ...}) or "" (an idle-score signal)

@@ -5,7 +5,7 @@
 -- (ask_to_shrink in _lib_schedule.lua) is done with once the lease is down to its shrink_to. The
 -- fencing token stays. A multi-node lease cannot resize (its nodes hold equal shares). A lease past
 -- its deadline but not yet swept is expired here (as renew.lua does), not resized.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = its fencing token   ARGV[8] = user   ARGV[9] = GPUs to add (> 0) or give back (< 0)
 -- ARGV[10] = the GPUs the caller saw the lease hold ("" = not given). Given, a resent resize is
 --            harmless: a lease already at that size + k answers as done, any other size is refused

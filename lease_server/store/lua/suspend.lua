@@ -6,7 +6,7 @@
 -- or a lease that is not a one-GPU warm lease with exactly one claimed process, is refused: its
 -- owner ends the worker and releases as before. The worker stays suspended until its notebook's
 -- next cell restores it under a new lease, or warm_max after it went warm (the same cap as warm).
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util ledger held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token   ARGV[8] = user
 -- returns {OK, ended JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE}
 --       | {BUSY, why}: not suspended (end the worker and release)

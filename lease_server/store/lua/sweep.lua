@@ -1,7 +1,7 @@
 -- sweep.lua: the reaper. Expires leases past their deadline, marks nodes whose heartbeat ran out
 -- as down, drops waiters whose server went away, trims old ended records, then serves the queues
 -- of every pool it touched. Bounded work per call; the caller repeats while it returns work done.
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util ledger rollup rollup_idx rollup_at held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit draining leases deadlines ended ended_at queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due booking_occ booking_own recall lease_util ledger rollup rollup_idx rollup_at held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = most items of each kind handled in this call
 -- ARGV[7] = grace ms after a waiter's own deadline before the sweeper removes it
 -- It also revokes borrowed leases whose recall notice ran out, releases bookings nobody used
@@ -45,6 +45,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_BOOKING_DUE, '-inf', NOW, 'LIM
       r.used, r.released = r.used or {}, r.released or {}
       if deadline < e and not r.used[tostring(k)] and (r.held or 0) == 0 then
         r.released[tostring(k)] = NOW
+        unindex_occurrence(r, k)
         emit('reservation_no_show', {id = r.id, owner = r.owner, pool = r.pool, gpus = r.gpus, k = k,
                                      start = s, ['end'] = e, no_show_ms = r.no_show_ms})
         pools[r.pool] = true
@@ -58,6 +59,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_BOOKING_DUE, '-inf', NOW, 'LIM
     if r then
       redis.call('HDEL', K_BOOKINGS, id)
       redis.call('ZREM', K_BOOKING_IDX, r.pool .. '|' .. id)
+      unindex_booking(r)
     end
   end
   checked = checked + 1

@@ -5,7 +5,7 @@
 -- once, so a request already waiting evicts it in this same script. A slice goes warm as a whole
 -- GPU does; it is lent as memory (_lib_slice.lua evict_for_slice) or, with every other slice of
 -- its GPU warm too, as that whole GPU (recall).
--- KEYS: nodes alive free fit pool_free holders sliced slice_fit leases deadlines ended queue waiters wait_due waiting_by usage fence events grants bookings booking_idx booking_due recall lease_util held_by sched elastic shrink_due victims evict_miss
+-- KEYS: nodes alive free fit pool_free holders sliced slice_fit leases deadlines ended queue waiters wait_due waiting_by usage fence events grants bookings booking_occ booking_due recall lease_util held_by sched elastic shrink_due victims evict_miss
 -- ARGV[6] = lease id   ARGV[7] = token ("" = not given: ownership alone suffices; the simulator's
 -- replay, which drives leases by id)   ARGV[8] = user   ARGV[9] = "1": warm | "0": run again
 -- returns {OK, lease JSON} | {NO_SUCH} | {ENDED, ended JSON} | {NOT_OWNER} | {STALE}
