@@ -84,6 +84,25 @@ def test_an_unreadable_size_is_one_line_that_says_what_would_work(text: Any) -> 
 # ---- bad input: a 400 with one line, nothing leased or changed ----------------------------------------
 
 
+def test_what_no_gpu_could_serve_is_said_in_the_flags_a_person_typed(srv: ServerHandle) -> None:
+    """gpulease acquire and %%gpu_train say the refusal in their flags, within 80 columns: the
+    API's words were MB and field names (--gpu-mem 100GB read 'drop gpu_mem_mb', 151 columns), and
+    a pool of one node was told to spread the GPUs over K nodes."""
+    from lease_server.client import waited_out
+
+    alice = srv.client("alice")
+    with pytest.raises(errors.BadRequest) as exc:
+        alice.acquire(1, A100, gpu_mem="100GB")
+    said = waited_out(exc.value)
+    assert said == f"--gpu-mem 100GB is over a GPU of {A100} (80 GB): drop --gpu-mem for a whole GPU", said
+    with pytest.raises(errors.Unsatisfiable) as too_many:
+        alice.acquire(99, A100)
+    said = waited_out(too_many.value)
+    assert said.startswith(f"no node of {A100} has 99 GPUs (the largest has ") and len(said) <= 80, said
+    nodes = {n["name"] for n in srv.client("root").cluster()["nodes"] if n["pool"] == A100}
+    assert ("--nodes K" in said) == (len(nodes) > 1), (said, nodes)
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [

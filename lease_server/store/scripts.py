@@ -442,7 +442,10 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
         if code is Code.INVALID:  # "memory", the MB of one GPU of the pool
             raise errors.BadRequest(
                 f"a slice of {self.gpu_mem_mb} MB is more than one GPU of pool {self.pool!r} has ({rest[1]} MB): "
-                f"ask for at most {rest[1]} MB, or for whole GPUs (drop gpu_mem_mb)"
+                f"ask for at most {rest[1]} MB, or for whole GPUs (drop gpu_mem_mb)",
+                pool=self.pool,
+                gpu_mem_mb=self.gpu_mem_mb,
+                largest_mb=int(rest[1]),
             )
         if code is Code.BUSY and self.gpu_mem_mb:
             raise errors.NoCapacity(
@@ -480,7 +483,9 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
         if code is Code.UNSATISFIABLE and self.nodes > 1:
             raise errors.Unsatisfiable.gang(self.pool, self.nodes, self.gpus // self.nodes, int(rest[1]))
         if code is Code.UNSATISFIABLE:
-            raise errors.Unsatisfiable.one_node(self.pool, self.gpus, int(rest[0]))
+            raise errors.Unsatisfiable.one_node(
+                self.pool, self.gpus, int(rest[0]), int(rest[2]) if len(rest) > 2 else None
+            )
         raise self.unexpected(code)
 
 

@@ -17,7 +17,8 @@
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {DUPLICATE} | {LIMIT, queued} |
---         {UNSATISFIABLE, largest node size, nodes that could hold a gang's share (0 unless a gang)}
+--         {UNSATISFIABLE, largest node size, nodes that could hold a gang's share (0 unless a gang)[, the
+--          pool's nodes (not a gang)]}
 --         when no node (or too few nodes, for a gang) could ever serve the request |
 --         {INVALID, "share"} for a slice in a pool that does not share |
 --         {INVALID, "memory", MB of one GPU of the pool} for a slice larger than that
@@ -106,8 +107,8 @@ if n_nodes > 1 then
   local able = redis.call('ZLEXCOUNT', K_SIZES, '[' .. pool .. '|' .. string.format('%05d', per) .. '|',
                           '(' .. pool .. '|~')
   if able < n_nodes then return {UNSATISFIABLE, size, able} end
-elseif n_min > size then
-  return {UNSATISFIABLE, size, 0}
+elseif n_min > size then  -- (and how many nodes the pool has: a gang's advice only where it has several)
+  return {UNSATISFIABLE, size, 0, redis.call('ZLEXCOUNT', K_SIZES, '[' .. pool .. '|', '(' .. pool .. '|~')}
 elseif n > size then
   w.gpus, n = size, size  -- elastic: no node could give more than its size
 end
