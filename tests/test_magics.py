@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -514,3 +515,30 @@ def status(outputs: list[dict[str, Any]]) -> str:
     """The cell's status line as it stands at the end."""
     seen = displays(outputs)
     return seen[-1] if seen else ""
+
+
+def test_a_plain_kernel_says_which_kernel_runs_gpu_cells(tmp_path):
+    """The plain "Python 3 (ipykernel)" card comes first in a launcher without gpulease up's
+    config: %%gpu_train there said only "Cell magic not found". Every kernel of the environment
+    now answers with the kernel to pick, or the line that loads the magics (magics/hint.py, from
+    etc/ipython), and %load_ext magics still brings the real ones."""
+    import sys
+
+    spec_dir = Path(sys.prefix) / "share" / "jupyter" / "kernels"
+    assert (Path(sys.prefix) / "etc" / "ipython" / "ipython_kernel_config.py").exists(), "installed with the wheel"
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_dir)]))
+    km.start_kernel(cwd=str(tmp_path), env={k: v for k, v in os.environ.items() if not k.startswith("GPULEASE_")})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        reply = kc.execute_interactive("%%gpu_train\nx = 1", timeout=60, output_hook=lambda msg: None)
+        assert reply["content"]["status"] == "error", reply["content"]
+        said = reply["content"]["evalue"]
+        assert "Change Kernel > 'Python 3 (gpulease)'" in said and "%load_ext magics" in said, said
+        assert all(len(line) <= 80 for line in f"UsageError: {said}".splitlines()), said
+        loaded = kc.execute_interactive("%load_ext magics\n%lsmagic", timeout=60, output_hook=lambda msg: None)
+        assert loaded["content"]["status"] == "ok", loaded["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

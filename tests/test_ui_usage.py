@@ -104,13 +104,16 @@ def usage(clients: dict[str, Client]) -> None:
 def lab(server: ServerHandle, clients: dict[str, Client], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """JupyterLab (overrides test_ui's) as alice, once for the module, with the Lab defaults that
     ``gpulease up`` gives its own and no news setting of the user's."""
+    from lease_server.node.kernelspec import install
+
     tmp = tmp_path_factory.mktemp("usage-lab")
+    install(prefix=str(tmp / "kernels"))  # as up does, beside its JupyterLab
     lab = Lab(
         tmp / "lab",
         server.url,
         clients["alice"].token,
         mute_news=False,
-        env={"JUPYTER_CONFIG_PATH": lab_config_path(tmp, {})},
+        env={"JUPYTER_CONFIG_PATH": lab_config_path(tmp, {}), "JUPYTER_PATH": str(tmp / "kernels/share/jupyter")},
     )
     yield lab
     lab.stop()
@@ -176,6 +179,16 @@ def _color_sum(page: Any) -> int:
     """The sum of the R, G, B of the charts' text colour (Plot draws axes and labels in currentColor)."""
     rgb = page.locator(CHART).first.evaluate("el => getComputedStyle(el).color")
     return sum(int(x) for x in re.findall(r"\d+", rgb)[:3])
+
+
+def test_ups_lab_offers_the_gpulease_kernel_first(page: Any, lab: Lab) -> None:
+    """A new notebook in up's JupyterLab gets the gpulease kernel: the plain "Python 3
+    (ipykernel)" card came first in the launcher, and %%gpu_train there was 'not found'."""
+    from playwright.sync_api import expect
+
+    page.goto(f"{lab.url}lab?reset&token={lab.token}")
+    section = page.locator(".jp-Launcher-section", has_text="Notebook")
+    expect(section.locator(".jp-LauncherCard").first).to_have_attribute("title", re.compile(r"gpulease"))
 
 
 def test_the_usage_tab_shows_the_servers_figures_in_light_and_dark_and_its_csv_agrees(

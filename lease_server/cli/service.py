@@ -255,18 +255,22 @@ def _lab_command(jupyter: str, port: int) -> list[str]:
 # Settings editor): no "Would you like to get notified about official Jupyter news?" prompt over the
 # notebook on its first page. Defaults only: a user who turns news on in Settings gets them.
 LAB_SETTING_DEFAULTS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+LAB_SERVER_CONFIG = {"MultiKernelManager": {"default_kernel_name": "gpulease"}}
 
 
 def lab_config_path(data_dir: Path, env: Mapping[str, str]) -> str:
     """The ``JUPYTER_CONFIG_PATH`` of the JupyterLab that ``gpulease up`` starts: a folder of its own
     under ``data_dir`` (its ``labconfig/default_setting_overrides.json`` holds
-    :data:`LAB_SETTING_DEFAULTS`) first, then any path the environment already names. The user's own
+    :data:`LAB_SETTING_DEFAULTS`, and its ``jupyter_server_config.json`` makes the gpulease kernel the
+    default) first, then any path the environment already names. The user's own
     ``~/.jupyter`` is left as it is, and still wins over these defaults."""
     folder = data_dir / "jupyter-config"
     (folder / "labconfig").mkdir(parents=True, exist_ok=True)
     (folder / "labconfig" / "default_setting_overrides.json").write_text(
         json.dumps(LAB_SETTING_DEFAULTS, indent=2) + "\n"
     )
+    # The gpulease kernel is the one a new notebook gets, and the first card of the launcher.
+    (folder / "jupyter_server_config.json").write_text(json.dumps(LAB_SERVER_CONFIG, indent=2) + "\n")
     given = env.get("JUPYTER_CONFIG_PATH", "")
     return os.pathsep.join([str(folder), *([given] if given else [])])
 
