@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigurationError
+
+ACCOUNT_RE = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")  # a unix account name (useradd's rule, in short)
 
 SCHEDULERS = ("fifo", "fair_share", "priority")
 SCHED_SETTINGS = (
@@ -148,6 +151,17 @@ class Settings:
     booking_history: float = 30 * 86400.0  # seconds past bookings stay listed
     max_booking_days: float = 31.0  # longest single booking (a weekly one lasts at most 7 days)
     teams: dict[str, list[str]] = field(default_factory=dict)  # team -> members ([teams] table)
+    # Each person's code runs as that person (docs/security.md): with multi_user, a lease user is a
+    # unix account on every host, of the same name or as the [accounts] table maps it (alice =
+    # "asmith"). A node agent then records a claim only from a process of the lease owner's
+    # account, and `gpulease token create` makes a user token only for a name with an account.
+    multi_user: bool = False
+    accounts: dict[str, str] = field(default_factory=dict)  # lease user -> unix account ([accounts])
+    # A unix socket `gpulease server` serves too, beside its port: under multi_user every account may
+    # connect (mode 0666), and the kernel names each connection's account, so that a user token is
+    # taken there only from its owner's processes. Its folder must be root's (or the server user's)
+    # and writable by nobody else, e.g. /run/gpulease/api.sock.
+    unix_socket: str = ""
     # Who may ask for priority "high" (users and "team:NAME"; admins always may). A priority class is
     # the requester's own word: "high" is served first under the priority scheduler, and a
     # preemptible lease of class high is safe from preemption by normal requests.
@@ -206,6 +220,11 @@ class Settings:
             "max_sharers": int(base["max_sharers"]),  # type: ignore[call-overload]
             "slice_busy_pct": int(base["slice_busy_pct"]),  # type: ignore[call-overload]
         }
+
+    def account_of(self, user: str) -> str:
+        """The unix account of lease user ``user`` on every host (multi_user): as [accounts] maps
+        it, else the same name."""
+        return self.accounts.get(user, user)
 
     def teams_of(self, user: str) -> tuple[str, ...]:
         return tuple(sorted(t for t, members in self.teams.items() if user in members))
@@ -358,7 +377,7 @@ class Settings:
                 data = tomllib.loads(Path(path).read_text())
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigurationError(f"cannot read config file {path}: {exc}") from exc
-            tables = ("pools", "policy", "teams", "scheduling")
+            tables = ("pools", "policy", "teams", "scheduling", "accounts")
             table = data.get("server", {k: v for k, v in data.items() if k not in tables})
             for key, value in table.items():
                 if key not in names:
@@ -375,6 +394,15 @@ class Settings:
                 ):
                     raise ConfigurationError(f'[teams] in {path} must map team names to lists of users: ml = ["ann"]')
                 values["teams"] = {str(t): list(m) for t, m in teams.items()}
+            if "accounts" in data:
+                accounts = data["accounts"]
+                if not isinstance(accounts, dict) or not all(
+                    isinstance(a, str) and ACCOUNT_RE.fullmatch(a) for a in accounts.values()
+                ):
+                    raise ConfigurationError(
+                        f'[accounts] in {path} must map lease users to unix account names: alice = "asmith"'
+                    )
+                values["accounts"] = {str(u): a for u, a in accounts.items()}
             if "policy" in data:
                 values["policy_overrides"] = {pool: dict(t) for pool, t in data["policy"].items()}
         for name, f in names.items():

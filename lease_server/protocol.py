@@ -389,6 +389,8 @@ class EventType(enum.StrEnum):
     BOOKING_LEASE_FREED = "booking_lease_freed"
     # policy
     POLICY_CHANGED = "policy_changed"  # an admin changed a pool's idle reclaim policy (reclaim.set_policy)
+    # multi_user: a node agent was asked to tie a process of another account to a lease (drain.record_claim)
+    CLAIM_REFUSED = "claim_refused"
 
 
 # The groups below are plain strings (a type read off the wire is a str): the labextension's lists
@@ -460,6 +462,7 @@ LOG_ONLY_EVENTS = frozenset(
         EventType.OVER_MEMORY_WARNING,
         EventType.OVER_MEMORY,
         EventType.BOOKING_LEASE_FREED,
+        EventType.CLAIM_REFUSED,
     )
 )
 

@@ -234,6 +234,9 @@ def describe(ev: dict[str, Any]) -> str:
     if t == "policy_changed":
         changes = ev.get("changes") or {}
         return f"{ev.get('pool')}: " + (" ".join(f"{k}={v}" for k, v in changes.items()) or "unchanged")
+    if t == "claim_refused":
+        account = ev.get("account") or "an unnamed account"
+        return f"pid {ev.get('pid')} on {ev.get('node')} runs as {account}, not as its owner"
     skip = {"id", "type", "ts", "user", "lease", "token"}
     return " ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
 

@@ -654,8 +654,20 @@ def _bodies(max_ttl: float) -> Bodies:
                     "gpus",
                     {"type": "array", "maxItems": MAX_GPUS_PER_NODE, "items": GPU_INDEX},
                 ),
+                Field(
+                    "account",
+                    {
+                        "type": "string",
+                        "maxLength": 32,
+                        "description": "The claiming process's unix account, as its host names it (multi_user)",
+                    },
+                ),
             ),
-            rules=("a node the lease does not hold GPUs on", "a GPU of that node the lease does not hold"),
+            rules=(
+                "a node the lease does not hold GPUs on",
+                "a GPU of that node the lease does not hold",
+                "under multi_user, an account other than the lease owner's",
+            ),
         ),
         memory=Body(
             "MemoryReport",

@@ -29,7 +29,7 @@ from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_s
 from ..store.engine import Engine
 from ..store.layout import LAYOUT
 from .cgroup import DeviceIsolation, Unavailable
-from .claims import AsyncClaims, Claim, Peer, ThreadClaims, process_uid
+from .claims import AsyncClaims, Claim, Peer, ThreadClaims, account_name, process_uid
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, nvidia_majors, uses_gpu_device
 from .memwatch import MemWatch, Watched, judge_pass, resident_mb, watch_pass, watched_from_json
@@ -394,7 +394,7 @@ async def heartbeat_local(
             if claim.node not in suspenders:
                 raise errors.Conflict(f"the node agent of {claim.node} suspends no worker")
             await onhost.check(claim, peer, user)
-        await record_claim(engine, claim, user, peer)
+        await record_claim(engine, claim, user, peer, account_name(peer.uid))
         isolation.place(claim, peer)
         return await onhost.restore(claim, peer, user) if claim.restore else None
 
@@ -656,6 +656,9 @@ def run_remote(
             "uid": peer.uid,
             "gpus": list(claim.gpus),
         }
+        account = account_name(peer.uid)
+        if account:
+            body["account"] = account
         if claim.user:
             body["user"] = claim.user
         await asyncio.to_thread(client.request, "POST", protocol.node_procs(claim.node), json=body)

@@ -81,6 +81,16 @@ def start_ticks(pid: int) -> int | None:
     return int(rest[19])
 
 
+def account_name(uid: int) -> str | None:
+    """The unix account of ``uid`` on this host (None: it has no name here)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 def process_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import errors
 from ..store.engine import Engine
 from ..store.scripts import DrainAbandon, Drained, LeaseRecord, Procs
 from .claims import Claim, Peer, descendants, process_uid, refusal, start_ticks
@@ -168,9 +169,34 @@ async def abandon(engine: Engine, node: str, lease: str, indexes: list[int], pid
     return await engine.run(DrainAbandon(node, lease, json.dumps(sorted(set(indexes))), pid, why[:200]))
 
 
-async def record_claim(engine: Engine, claim: Claim, user: str, peer: Peer) -> LeaseRecord:
+async def record_claim(engine: Engine, claim: Claim, user: str, peer: Peer, account: str | None = None) -> LeaseRecord:
     """Record that process ``peer`` (as the kernel named it to the agent) works for ``claim.lease``
-    on ``claim.node``; ``user`` is whom the claim's API token names (procs.lua checks they hold it)."""
+    on ``claim.node``; ``user`` is whom the claim's API token names (procs.lua checks they hold it).
+    Under ``multi_user``, ``account`` (the process's unix account, as its host names it) must be
+    ``user``'s: a token read off someone else claims nothing for a process of another account, and
+    the refusal is an event (``claim_refused``) as well as the claimer's answer."""
+    s = engine.settings
+    if s.multi_user and account != s.account_of(user):
+        theirs = s.account_of(user)
+        said = f"account {account}" if account else "an account the agent did not name"
+        await engine.redis.xadd(
+            engine.keys.events,
+            {
+                "type": "claim_refused",
+                "data": json.dumps(
+                    {"lease": claim.lease, "user": user, "node": claim.node, "pid": peer.pid, "account": account or ""}
+                ),
+            },
+            maxlen=s.event_log_max,
+            approximate=True,
+        )
+        log.warning(
+            "claim of lease %s on %s by pid %s of %s refused: not %s's", claim.lease, claim.node, peer.pid, said, theirs
+        )
+        raise errors.Forbidden(
+            f"pid {peer.pid} runs as {said}, not as {theirs}, whose lease {claim.lease} is: a lease's processes "
+            f"run as its owner's account (multi_user); start the kernel as {theirs}"
+        )
     entry = {"node": claim.node, "pid": peer.pid, "start": peer.start, "uid": peer.uid}
     if claim.gpus:
         entry["gpus"] = list(claim.gpus)

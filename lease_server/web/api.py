@@ -13,6 +13,9 @@ import contextlib
 import functools
 import json
 import logging
+import os
+import socket
+import struct
 import time
 from dataclasses import asdict, replace
 from typing import Any, cast
@@ -32,7 +35,7 @@ from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, p
 from ..leasing.queue import queue_view
 from ..leasing.reaper import Reaper
 from ..node import drain, memwatch
-from ..node.claims import Claim, Peer
+from ..node.claims import Claim, Peer, account_name
 from ..node.rayauth import info_token
 from ..protocol import LeaseJson
 from ..request import AcquireRequest, lone_surrogate
@@ -168,7 +171,27 @@ class BaseHandler(tornado.web.RequestHandler):
             raise errors.PayloadTooLarge(f"request body is larger than {limit} bytes; send a small JSON object")
         if not self.public:
             ident = self.token_identity = await self.ctx.auth.identify(self.request.headers.get("Authorization"))
+            if ident.role == "user" and self.ctx.settings.multi_user:
+                self._check_account(ident.user)
             self.identity = await self.ctx.auth.act_as(ident, self.request.headers.get(ACT_AS_HEADER))
+
+    def _check_account(self, user: str) -> None:
+        """Under multi_user, on the server's unix socket (where the kernel names the peer's uid), a
+        user token is taken only from its owner's account: a token read off someone else's worker
+        or environment acts for nobody from another account. Root and the server's own user pass
+        (an admin's tools, the server's own). Over TCP nothing tells who connected: not checked."""
+        sock = getattr(getattr(self.request.connection, "stream", None), "socket", None)
+        if sock is None or sock.family != socket.AF_UNIX:
+            return
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid in (0, os.geteuid()):
+            return
+        account, theirs = account_name(uid), self.ctx.settings.account_of(user)
+        if account != theirs:
+            raise errors.Forbidden(
+                f"this token is {user}'s, sent by a process of account {account or f'uid {uid}'}: only "
+                f"{theirs}'s processes may use it (multi_user); use your own token"
+            )
 
     def data_received(self, chunk: bytes) -> None:
         self._received += len(chunk)
@@ -890,9 +913,8 @@ class ClaimHandler(AgentHandler):
         body = self.body(self.bodies.procs)
         ident = await self.ctx.auth.act_as(await self.ctx.auth.identify(f"Bearer {body['token']}"), body.get("user"))
         claim = Claim(node, body["lease"], int(body["fence"]), body["token"], ident.user, tuple(body.get("gpus") or ()))
-        rec = await drain.record_claim(
-            self.engine, claim, ident.user, Peer(pid=int(body["pid"]), uid=int(body["uid"]), start=int(body["start"]))
-        )
+        peer = Peer(pid=int(body["pid"]), uid=int(body["uid"]), start=int(body["start"]))
+        rec = await drain.record_claim(self.engine, claim, ident.user, peer, body.get("account"))
         self.reply({"node": node, "lease": rec["id"], "pid": body["pid"]})
 
 
@@ -983,6 +1005,23 @@ class QueueHandler(BaseHandler):
         self.reply({"waiting": await queue_view(self.ctx.redis, self.store.keys, self.query(params.POOL))})
 
 
+def _has_account(settings: Settings, user: str) -> None:
+    """Under multi_user a lease user is a unix account (on every host, this one too): a token for a
+    name with none would run nobody's cells. A 400 that says what to do."""
+    import pwd
+
+    account = settings.account_of(user)
+    try:
+        pwd.getpwnam(account)
+    except KeyError:
+        mapped = f" (the account [accounts] maps {user} to)" if account != user else ""
+        raise errors.BadRequest(
+            f"{user} has no unix account {account}{mapped} on this host, and under multi_user each person's "
+            f"cells run as their account: create it (useradd {account}), or map {user} to theirs under "
+            "[accounts] in the server's config"
+        ) from None
+
+
 class TokensHandler(BaseHandler):
     """API tokens (admin): list them, or create one (its secret is in this answer only)."""
 
@@ -996,6 +1035,8 @@ class TokensHandler(BaseHandler):
             raise errors.Forbidden("only an admin can create tokens")
         body = self.body(self.bodies.token)
         role = body.get("role", "user")
+        if role == "user" and self.ctx.settings.multi_user:
+            _has_account(self.ctx.settings, body.get("user", ""))
         token = await create_token(
             self.ctx.redis,
             self.store.keys,

@@ -19,6 +19,7 @@ import tornado.netutil
 import tornado.process
 
 from ..config import Settings
+from ..errors import ConfigurationError
 from ..leasing.inventory import NodeInventory, register
 from ..node.agent import heartbeat_local
 from .api import Context, make_app
@@ -63,6 +64,8 @@ async def serve(
     http = EdgeServer(app, settings)
     if sockets is None:
         sockets = tornado.netutil.bind_sockets(settings.port, settings.host)
+    if settings.unix_socket and not any(s.family == socket.AF_UNIX for s in sockets):  # (run() binds it before forking)
+        sockets = [*sockets, bind_shared_socket(settings.unix_socket, settings.multi_user)]
     http.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
     if unix_socket:
@@ -190,9 +193,29 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
 
 
+def bind_shared_socket(path: str, multi_user: bool) -> socket.socket:
+    """The server's unix socket for every account of the host (``unix_socket``): in a folder of
+    root's or this user's that nobody else may write, so that no other account can have bound
+    the path first or swap it later. Mode 0666 under multi_user (each account's kernels connect,
+    and the kernel names the account of each: web/api.py), else 0600."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        raise ConfigurationError(f"unix_socket {path}: its folder {folder} cannot be read ({exc.strerror})") from None
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        raise ConfigurationError(
+            f"unix_socket {path}: its folder {folder} may be written by another user; "
+            f"use a folder of root's with mode 0755 (install -d -m 0755 {folder})"
+        )
+    return tornado.netutil.bind_unix_socket(path, mode=0o666 if multi_user else 0o600)
+
+
 def run(settings: Settings, workers: int = 1) -> None:
     """Blocking entry point of ``gpulease server``."""
     sockets = tornado.netutil.bind_sockets(settings.port, settings.host, reuse_port=False)
+    if settings.unix_socket:  # (after the port's: the first socket is the one the banner names)
+        sockets.append(bind_shared_socket(settings.unix_socket, settings.multi_user))
     if workers > 1:
         tornado.process.fork_processes(workers, max_restarts=100)
     run_loop(serve(settings, sockets, own_process=True))
