@@ -270,7 +270,8 @@ def test_status_is_a_line_per_lease_with_whole_ids(up: Up) -> None:
         assert header.split() == ["lease", "user", "GPUs", "util", "held", "label"]  # no model repeating the pool
 
         wide = up.run("status", "--wide").stdout
-        assert LABEL in wide and "model" in wide and wide.count(two.id) == 2 and one.id in wide
+        assert "model" in wide and wide.count(two.id) == 2 and one.id in wide
+        assert f"{LABEL[:39]}…" in wide and LABEL not in wide  # a label's first 40 columns, even here
 
         mine = run(up, "leases").stdout
         assert two.id in mine and one.id in mine and "fine tune" in mine
@@ -282,7 +283,7 @@ def test_status_is_a_line_per_lease_with_whole_ids(up: Up) -> None:
         # a warm lease (between a notebook's cells): its state, and a warm column for its pool
         c.warm(one, on=True)
         out = run(up, "status").stdout
-        pools_header = next(line for line in out.splitlines() if " pool " in line and " free " in line)
+        pools_header = next(line for line in out.splitlines() if " pool " in f" {line}" and " free " in line)
         assert [w for w in re.split(r"[┃│ ]+", pools_header) if w] == [
             "pool",
             "nodes",
@@ -609,38 +610,52 @@ def test_idle_lease_in_status_names_the_keep_command(up: Up) -> None:
 
 
 def test_status_shows_a_sliced_gpu_and_its_slices_in_80_columns(server_factory: Any) -> None:
-    """A GPU shared by slices: the pools table counts it and its slices, each slice's line says its
-    size of its GPU, and a line per sliced GPU says its slices and the memory left."""
-    srv = server_factory("box=2xA100-80GB", scheduling={"A100-80GB": {"share": True}})
+    """A GPU shared by slices: the pools table counts it and its slices (every column there is, a
+    second pool and a warm lease, and still each pool's whole name within 80 columns), each slice's
+    line says its size of its GPU, and a line per sliced GPU says its slices and the memory left. A
+    label that holds a whole code line is its start, cut with an ellipsis, in --wide too."""
+    srv = server_factory("box=2xA100-80GB,gh=1xH100_NVL-94GB", scheduling={"A100-80GB": {"share": True}})
     c = Client(srv.url, srv.token("alice"))
     # Long TTLs: nothing renews these, and two CLI runs on a loaded CI machine outlast the default 15 s.
-    long_label = "a long label that will not fit in eighty columns at all"
-    small = c.acquire(1, "A100-80GB", gpu_mem="10GB", label=long_label, ttl=600)
+    code_line = "model.fit(train_loader, epochs=100, callbacks=[EarlyStopping(patience=5)], verbose=2)"
+    small = c.acquire(1, "A100-80GB", gpu_mem="10GB", label=code_line, ttl=600)
     big = c.acquire(1, "A100-80GB", gpu_mem="30GB", label="big", ttl=600)
     c.warm(big)  # kept for its notebook's next cell: its state says warm
+    whole = c.acquire(1, "H100_NVL-94GB", label=code_line, ttl=600)
+    c.warm(whole)  # a warm whole GPU: its pool's warm column too, the widest the table gets
     env = {**os.environ, "COLUMNS": str(WIDTH), "GPULEASE_URL": srv.url, "GPULEASE_TOKEN": srv.token("alice")}
     done = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     out = done.stdout
     for line in (*out.splitlines(), *done.stderr.splitlines()):
         assert len(line) <= WIDTH, f"{len(line)} columns: {line!r}"
-    pools_header = next(line for line in out.splitlines() if " pool " in line and " free " in line)
-    cols = [w for w in re.split(r"[┃│ ]+", pools_header) if w]
-    assert cols == ["pool", "nodes", "gpus", "free", "leased", "sliced", "slices", "down", "waiting"], pools_header
-    row = next(line for line in out.splitlines() if "A100-80GB" in line and "│" in line)
-    assert [w for w in re.split(r"[┃│ ]+", row) if w][1:8] == ["1", "2", "1", "0", "1", "2", "0"], row
+    default = json.loads(subprocess.run([*CLI, "status", "--json"], env=env, capture_output=True, text=True).stdout)
+    assert f"Pools (default: {default['default_pool']})" in out, out
+    pools_header = next(line for line in out.splitlines() if " pool " in f" {line}" and " free " in line)
+    cols = pools_header.split()
+    assert cols == ["pool", "nodes", "gpus", "free", "leased", "warm", "sliced", "slices", "down", "waiting"], out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if re.match(r"^[AH]100[-_]", line)}
+    assert rows == {  # each pool's name whole, on its line with its counts
+        "A100-80GB": ["1", "2", "1", "0", "0", "1", "2", "0", "0"],
+        "H100_NVL-94GB": ["1", "1", "0", "0", "1", "0", "0", "0", "0"],
+    }, out
     gpu = small.gpus[0]["index"]
     rows = {line.split()[0]: line for line in out.splitlines() if re.match(r"^l-[0-9a-f]{16} ", line)}
     assert f"box GPU {gpu} 10G/80G" in rows[small.id] and f"box GPU {gpu} 30G/80G" in rows[big.id], out
-    assert rows[small.id].rstrip().endswith("…")
+    assert rows[small.id].rstrip().endswith("…") and "model.fit(" in rows[small.id]
     assert " warm " in rows[big.id] and " active " in rows[small.id], out
     assert f"sliced: box GPU {gpu}: 2 slices, 40G of 80G leased, 40G free" in out, out
     done = subprocess.run([*CLI, "status", "--wide"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     wide = done.stdout
-    row = next((line for line in wide.splitlines() if "│" in line and " sliced " in line), wide)  # its GPU's row
-    assert [w.strip() for w in row.split("│")][1:3] == ["box", str(gpu)], row
+    row = next((line for line in wide.splitlines() if " sliced " in line and line.startswith("box ")), wide)
+    assert row.split()[:2] == ["box", str(gpu)], row  # its GPU's row
     assert " 2 slices " in row and "40G of 80G leased, 40G free" in row, row
+    # a label in --wide: its first 40 columns, on its GPU's line (a code line made it 190 wide)
+    row = next(line for line in wide.splitlines() if whole.id in line)
+    assert code_line not in wide and f"{code_line[:39]}…" in row, row
+    width = max(len(line.rstrip()) for line in wide.splitlines())
+    assert width <= 130, wide
 
 
 def test_help_lists_every_command_on_one_line_not_cut_off() -> None:

@@ -226,6 +226,18 @@ def one_line(text: str, style: str = "") -> Text:
     return Text(escaped(" ".join(text.split())), style=style, no_wrap=True, overflow="ellipsis")
 
 
+LABEL_MOST = 40  # a label where nothing else cuts it (--wide): its start, enough to know it by
+
+
+def short_label(text: str, most: int = LABEL_MOST) -> Text:
+    """A lease's label as :func:`one_line` shows it, and at most ``most`` columns wherever it is
+    shown (cut with an ellipsis): a label may hold a cell's whole code line, which would make a
+    ``--wide`` table 190 columns wide."""
+    cell = one_line(text)
+    cell.truncate(most, overflow="ellipsis")
+    return cell
+
+
 def shown(text: object, style: str = "") -> Text:
     """Stored text as a table cell or line: as it is (no markup read from it), control and bidi
     characters escaped."""

@@ -20,6 +20,7 @@ from rich.text import Text
 from .. import errors, protocol
 from ..client import Client, HeldLease, Lease
 from ..node import claimexec
+from ..protocol import escaped
 from ..sizes import ordinal, parse_gpu_mem, show_duration
 from ._common import (
     Duration,
@@ -32,6 +33,7 @@ from ._common import (
     one_line,
     resolve_lease,
     server_options,
+    short_label,
     shown,
     span,
 )
@@ -48,8 +50,11 @@ def _command_label(command: tuple[str, ...]) -> str:
     server refuses control characters in a label, which must never fail the command."""
     return " ".join(protocol.plain(" ".join(command)).split())[:120]
 
+
 @click.command()
-@click.option("--wide", is_flag=True, help="Every GPU on a line, every column, nothing cut (as wide as it takes)")
+@click.option(
+    "--wide", is_flag=True, help="Every GPU on a line, every column, nothing cut but long labels (as wide as it takes)"
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw cluster JSON")
 @server_options
 def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> None:
@@ -62,7 +67,12 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         return
     out = Console(width=100_000) if wide else console  # --wide: lines as long as their content
     now = view["now"]
-    pools = Table(title="Pools")
+    # Borderless, as every table here: 10 columns of counts and the pool's whole name fit 80 (with
+    # borders, a sliced pool's name was cut to "A100-… (defa…"). Which pool a request without
+    # --pool gets goes in the title, where it takes no column.
+    default_pool = view.get("default_pool")
+    several = len(view["pools"]) > 1 and default_pool in view["pools"]
+    pools = _table("Pools" + (f" (default: {escaped(default_pool)})" if several else ""))
     # warm: held between a notebook's cells and lent to whoever waits (a column once there are any)
     counts = (
         "nodes",
@@ -75,11 +85,10 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         "down",
     )
     for col in ("pool", *counts, "waiting"):
-        pools.add_column(col, justify="right" if col != "pool" else "left")
+        pools.add_column(col, justify="right" if col != "pool" else "left", no_wrap=True)
     for name, p in sorted(view["pools"].items()):
         waiting = sum(1 for w in view["queue"] if w["pool"] == name)
-        default = " (default)" if name == view.get("default_pool") else ""
-        pools.add_row(name + default, *(str(p.get(k, 0)) for k in counts), str(waiting))
+        pools.add_row(shown(name), *(str(p.get(k, 0)) for k in counts), str(waiting))
     out.print(pools)
     unleased: list[str] = []
     draining: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (node, lease) -> its draining GPUs
@@ -120,7 +129,7 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
         q.add_column("request", no_wrap=True)
         for col in ("pool", "#", "user", "gpus", "waiting"):
             q.add_column(col, no_wrap=True, justify="right" if col in ("#", "gpus", "waiting") else "left")
-        q.add_column("label", overflow="fold" if wide else "ellipsis")
+        q.add_column("label")
         for w in view["queue"]:
             q.add_row(
                 shown(w["id"]),
@@ -129,7 +138,7 @@ def status(wide: bool, as_json: bool, url: str | None, token: str | None) -> Non
                 shown(w["user"]),
                 str(w["gpus"]),
                 ago(w["enqueued_at"], now),
-                shown(w["label"]) if wide else one_line(w["label"]),
+                short_label(w["label"]),
             )
         out.print()
         out.print(q)
@@ -187,7 +196,7 @@ def _lease_table(view: dict[str, Any]) -> None:
                 cells.append(Text("idle", style="magenta"))
             else:
                 cells.append(Text("warm", style="cyan") if lease.get("warm_since") else Text("active"))
-        cells.append(one_line(lease.get("label", "")))
+        cells.append(short_label(lease.get("label", "")))
         table.add_row(*cells)
     console.print(table)
     for r in warned:
@@ -201,10 +210,16 @@ def _lease_table(view: dict[str, Any]) -> None:
 
 def _sliced_line(node: str, g: dict[str, Any]) -> str:
     """'box GPU 0: 2 slices, 40G of 80G leased, 40G free' (and what ended slices still hold)."""
-    mem, live = g["slice_mem"], g.get("slices") or []
-    leased = sum(sl["gpu_mem_mb"] for sl in live)
+    live = g.get("slices") or []
     line = f"{node} GPU {g['index']}: {len(live)} slice{'' if len(live) == 1 else 's'}, "
-    line += f"{mem_size(leased)} of {mem_size(mem['total_mb'])} leased, {mem_size(mem['free_mb'])} free"
+    return line + _slice_memory(g)
+
+
+def _slice_memory(g: dict[str, Any]) -> str:
+    """'40G of 80G leased, 40G free' of a GPU shared by slices (and what ended slices still hold)."""
+    mem = g["slice_mem"]
+    leased = sum(sl["gpu_mem_mb"] for sl in g.get("slices") or [])
+    line = f"{mem_size(leased)} of {mem_size(mem['total_mb'])} leased, {mem_size(mem['free_mb'])} free"
     held = sum(d["gpu_mem_mb"] for d in g.get("slices_draining") or [])
     return line + (f", {mem_size(held)} draining" if held else "")
 
@@ -217,9 +232,10 @@ def mem_size(mb: int) -> str:
 
 
 def _gpu_table(view: dict[str, Any], out: Console) -> None:
-    """--wide: every GPU on its line with everything known about it, nothing cut."""
+    """--wide: every GPU on its line with everything known about it, nothing cut but a long label
+    (its first 40 columns)."""
     now = view["now"]
-    gpus = Table(title="GPUs")
+    gpus = _table("GPUs")
     for col in ("node", "gpu", "model", "memory", "state", "util", "mem used", "holder", "label", "held", "lease"):
         gpus.add_column(col, no_wrap=True)
     colors = {"free": "green", "leased": "yellow", "warm": "blue", "sliced": "blue", "draining": "cyan", "down": "red"}
@@ -233,17 +249,17 @@ def _gpu_table(view: dict[str, Any], out: Console) -> None:
                 state += " [bold red]unleased use[/]"
             sample = g.get("sample") or {}
             if g.get("slice_mem"):  # shared by slices: how many, and the memory left (a line each below)
-                lease = {"user": f"{len(g.get('slices') or [])} slices", "label": _sliced_line(n["name"], g)}
+                lease = {"user": f"{len(g.get('slices') or [])} slices", "label": _slice_memory(g)}
             gpus.add_row(
                 shown(n["name"]),
                 str(g["index"]),
                 shown(g.get("model", "")),
-                f"{g['memory_mb']} MiB" if g.get("memory_mb") else "",
+                mem_size(g["memory_mb"]) if g.get("memory_mb") else "",
                 state,
                 f"{sample['util']:.0f}%" if "util" in sample else "",
-                f"{sample['mem_used_mb']} MiB" if "mem_used_mb" in sample else "",
+                mem_size(sample["mem_used_mb"]) if "mem_used_mb" in sample else "",
                 shown(lease.get("user", "")),
-                shown(lease.get("label", "")),
+                short_label(lease.get("label", "")),
                 ago(lease.get("since"), now),
                 shown(lease.get("id", "")),
             )
@@ -294,7 +310,7 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
             one_line(f"{gpu_places(lease_parts(r))}"),
             ago(r.get("created_at"), now),
             "in " + span(r["expires_at"] - now) if r.get("expires_at") else "",
-            one_line(r.get("label", "")),
+            short_label(r.get("label", "")),
         ]
         table.add_row(*cells)
     for w in waiting:
@@ -303,7 +319,7 @@ def leases_cmd(everyone: bool, as_json: bool, url: str | None, token: str | None
             *([shown(w["user"])] if everyone else []),
             Text(f"queued #{w['position']}", style="cyan"),
         ]
-        cells += [one_line(f"{w['gpus']}x {w['pool']}"), "", "", one_line(w.get("label", ""))]
+        cells += [one_line(f"{w['gpus']}x {w['pool']}"), "", "", short_label(w.get("label", ""))]
         table.add_row(*cells)
     console.print(table)
 
