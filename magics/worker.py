@@ -390,8 +390,8 @@ class GpuWorker:
             # before the cell's code: a forced end of the lease then ends this process; a worker
             # suspended on eviction is restored onto the lease's GPU first (lease_server/node/onhost.py)
             restored = _claim(watch, env)
-        except NotRestored as exc:
-            return Result(False, error_type="NotRestored", message=str(exc), pid=os.getpid())
+        except (NotRestored, Unclaimed) as exc:
+            return Result(False, error_type=type(exc).__name__, message=str(exc), pid=os.getpid())
         slices.hold_to(env)  # a slice: torch (and MPS, where it runs) held to its memory before CUDA starts
         _STEPS.clear()
         if watch.get("url"):
@@ -563,6 +563,10 @@ def _notify_and_checkpoint(worker: GpuWorker, rec: dict[str, Any]) -> None:
 _CLAIMED: set[tuple[str, str]] = set()  # (lease, node) this process claimed: a warm cell's next call skips it
 
 
+class Unclaimed(Exception):
+    """The node agent did not tie this worker to its lease, where running untied is not safe."""
+
+
 class NotRestored(Exception):
     """This worker was suspended and its node agent did not restore it (the message says why)."""
 
@@ -595,6 +599,19 @@ def _claim(watch: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
     except (claims.ClaimRefused, OSError) as exc:
         if restore:
             raise NotRestored(str(exc)) from None
+        # Refused (another account's process holds the claim socket, or the agent will not tie
+        # this process to the lease), or a slice whose agent does not answer: nothing would end
+        # this worker with its lease, or hold it to its memory. The cell does not run.
+        if isinstance(exc, claims.ClaimRefused):
+            raise Unclaimed(
+                f"not run: the node agent of {node} did not tie this worker to lease {lease_id} ({exc}); "
+                f"check that the agent of {node} runs (as root) and that the kernel runs as the lease's owner"
+            ) from None
+        if int(env.get(slices.MEM_ENV) or 0):
+            raise Unclaimed(
+                f"not run: a slice is held to its memory by the node agent of {node}, which did not answer "
+                f"({exc}); check that it runs"
+            ) from None
         if sys.__stderr__ is not None:
             sys.__stderr__.write(
                 f"gpulease: lease {lease_id}: the node agent of {node} did not tie this worker to it: {exc}\n"

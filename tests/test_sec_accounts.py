@@ -218,3 +218,86 @@ def test_the_accounts_table_takes_account_names_only(tmp_path):
     bad.write_text('[accounts]\nalice = "a smith; rm"\n')
     with pytest.raises(ConfigurationError, match=r"\[accounts\] .* must map lease users to unix account names"):
         Settings.load(bad)
+
+
+# ---- a squatted claim socket (issue 52, item 3) ------------------------------------------------------
+
+# Binds the abstract claim address argv[1] (as whoever runs it), says so, and holds it until stdin closes.
+SQUAT_CLAIMS = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1].replace("@", "\0", 1))
+s.listen()
+print("bound", flush=True)
+sys.stdin.read()
+"""
+
+
+def squat(address: str, uid: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", SQUAT_CLAIMS, "@" + address.lstrip("\0")],
+        user=uid, group=uid, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "bound"
+    return proc
+
+
+def test_a_node_whose_claim_socket_another_account_holds_takes_no_lease_until_it_is_free(server_factory, accounts):
+    """Its address is abstract: any account may bind it while the agent restarts. Workers there
+    then ran unclaimed for the agent's life (never drained, never held to a slice). Now the agent
+    sends no heartbeat for that node until it has bound the socket (so the node goes down and
+    takes no lease), retrying every second, and the node comes back once it is free."""
+    from lease_server.node.claims import address
+
+    _alice, bob = accounts
+    first = server_factory(simulate="n1=1xA100-80GB")
+    instance = first.client("root", "admin").request("GET", "/api/v1/info")["instance"]
+    first.stop()  # the agent restarts: meanwhile bob binds its claim socket
+    squatter = squat(address(instance, "n1"), accounts[bob])
+    try:
+        again = ServerHandle(first.settings, "n1=1xA100-80GB").start()
+        try:
+            watcher = EventWatcher(again.url, again.token("root", "admin")).start()
+            watcher.wait_for(lambda e: e["type"] == "node_down" and e.get("node") == "n1", 30, "node_down")
+            with pytest.raises(errors.GpuLeaseError):
+                again.client("alice").acquire(1)  # nothing of the node is lent while it is taken
+            squatter.stdin.close()  # type: ignore[union-attr]
+            squatter.wait(10)
+            watcher.wait_for(lambda e: e["type"] == "node_up" and e.get("node") == "n1", 30, "node_up")
+            again.client("alice").release(again.client("alice").acquire(1, wait=10))
+        finally:
+            again.stop()
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_a_worker_refuses_to_run_where_another_account_holds_the_claim_socket(accounts, monkeypatch):
+    """The worker's side: a claim socket held by another account gets nothing of the worker's
+    (its token is not sent), and the cell does not run untied, in one line that says what to check."""
+    from magics import worker
+
+    _alice, bob = accounts
+    instance = f"t{secrets.token_hex(4)}"
+    squatter = squat(f"\0gpulease-claims/{instance}/n1", accounts[bob])
+    try:
+        watch = {"instance": instance, "id": "l-abc", "fence": 3, "token": "glt_secret"}
+        env = {"GPULEASE_NODE": "n1", "GPULEASE_GPU_INDEXES": "0"}
+        with pytest.raises(worker.Unclaimed, match=r"^not run: the node agent of n1 did not tie this worker") as exc:
+            worker._claim(watch, env)
+        assert f"uid {accounts[bob]}" in str(exc.value) and "glt_secret" not in str(exc.value)
+        assert "check that the agent of n1 runs (as root)" in str(exc.value)
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_a_slice_whose_agent_does_not_answer_does_not_run():
+    from magics import slices, worker
+
+    watch = {"instance": f"t{secrets.token_hex(4)}", "id": "l-abc", "fence": 3, "token": "glt_x"}
+    env = {"GPULEASE_NODE": "n1", "GPULEASE_GPU_INDEXES": "0", slices.MEM_ENV: "1024"}
+    with pytest.raises(worker.Unclaimed, match="a slice is held to its memory by the node agent of n1"):
+        worker._claim(watch, env)
+    del env[slices.MEM_ENV]
+    assert worker._claim(watch, env) is None  # a whole GPU: runs, its watchdog the backstop (as before)

@@ -439,7 +439,10 @@ async def heartbeat_local(
                         log.warning("measuring the slices of %s failed: %s", inv.node, exc)
             if now >= next_beat:
                 next_beat = now + interval
+                await claims.start()  # (a node whose claim socket another process holds: bound once free)
                 for inv in inventories:
+                    if not claims.missing.serving(inv.node):
+                        continue  # no heartbeat: no lease there while its workers could not claim
                     try:
                         await register(engine, None, inv.node)
                     except errors.UnknownNode:
@@ -735,7 +738,10 @@ def run_remote(
                 isolation.sweep(now)
             if now >= next_beat:
                 next_beat = now + interval
+                claims.start()  # (a node whose claim socket another process holds: bound once free)
                 for inv in inventories:
+                    if not claims.missing.serving(inv.node):
+                        continue  # no heartbeat: no lease there while its workers could not claim
                     try:
                         client.request("POST", protocol.node_heartbeat(inv.node))
                     except errors.UnknownNode:

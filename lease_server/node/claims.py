@@ -312,6 +312,69 @@ async def answer(peer: Peer | None, raw: bytes, nodes: set[str], record: Record)
     return {**(extra or {}), "ok": True}
 
 
+def holder(addr: str) -> tuple[int, int] | None:
+    """(pid, uid) of a process holding the abstract unix socket ``addr`` (where this agent may
+    look: as root, any), from /proc/net/unix and each process's descriptors; None if none found."""
+    name = "@" + addr.lstrip("\0")
+    inodes = set()
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7] == name:
+                    inodes.add(f"socket:[{parts[6]}]")
+    except OSError:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        uid = process_uid(int(pid))
+                        return int(pid), -1 if uid is None else uid
+    return None
+
+
+class Missing:
+    """The nodes whose claim socket this agent has not bound yet. Its address is abstract: any
+    account of the host may bind it first (while the agent restarts, say), and workers would then
+    run unclaimed, neither drained nor measured. Such a node takes no lease (its agent sends no
+    heartbeat for it, :meth:`serving`) until the agent has bound it: it tries again every
+    second, and says once which process holds it."""
+
+    def __init__(self, instance: str, nodes: set[str]) -> None:
+        self.instance, self.todo = instance, set(nodes)
+        self.said: set[str] = set()
+        self.next_try = 0.0
+
+    def due(self) -> list[str]:
+        if not self.todo or time.monotonic() < self.next_try:
+            return []
+        self.next_try = time.monotonic() + 1.0
+        return sorted(self.todo)
+
+    def failed(self, node: str, exc: OSError) -> None:
+        if node in self.said:
+            return
+        self.said.add(node)
+        held = holder(address(self.instance, node))
+        who = f" by pid {held[0]} (uid {held[1]})" if held else ""
+        log.error(
+            "claim socket of %s is taken%s (%s): %s takes no lease until this agent can bind it; retrying",
+            node, who, exc.strerror or exc, node,
+        )  # fmt: skip
+
+    def bound(self, node: str) -> None:
+        self.todo.discard(node)
+        if node in self.said:
+            log.warning("claim socket of %s bound at last: %s takes leases again", node, node)
+        self.said.discard(node)
+
+    def serving(self, node: str) -> bool:
+        """Whether ``node`` may heartbeat: its claim socket is this agent's."""
+        return node not in self.todo
+
+
 class AsyncClaims:
     """The claim socket of the in-process agent (``gpulease up``): one listener per node."""
 
@@ -319,14 +382,17 @@ class AsyncClaims:
         self.instance, self.nodes, self.record = instance, set(nodes), record
         self.servers: list[asyncio.AbstractServer] = []
         self.gate = Gate()
+        self.missing = Missing(instance, self.nodes)
 
     async def start(self) -> None:
-        for node in sorted(self.nodes):
+        """Bind the claim socket of each node not yet bound (called again while some are not)."""
+        for node in self.missing.due():
             try:
                 server = await asyncio.start_unix_server(self._serve, path=address(self.instance, node))
-            except OSError as exc:  # another agent of this deployment serves the node here
-                log.error("claim socket of %s: %s; workers there cannot be tied to their leases", node, exc)
+            except OSError as exc:
+                self.missing.failed(node, exc)
                 continue
+            self.missing.bound(node)
             self.servers.append(server)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -368,8 +434,10 @@ class ThreadClaims:
         self.instance, self.nodes, self.record = instance, set(nodes), record
         self.servers: list[socketserver.ThreadingUnixStreamServer] = []
         self.gate = Gate()
+        self.missing = Missing(instance, self.nodes)
 
     def start(self) -> None:
+        """Bind the claim socket of each node not yet bound (called again while some are not)."""
         outer = self
 
         class Server(socketserver.ThreadingUnixStreamServer):
@@ -407,12 +475,13 @@ class ThreadClaims:
                     outer.gate.leave(uid)
                     caller.close()
 
-        for node in sorted(self.nodes):
+        for node in self.missing.due():
             try:
                 server = Server(address(self.instance, node), Handler)
             except OSError as exc:
-                log.error("claim socket of %s: %s; workers there cannot be tied to their leases", node, exc)
+                self.missing.failed(node, exc)
                 continue
+            self.missing.bound(node)
             threading.Thread(target=server.serve_forever, name=f"gpulease-claims-{node}", daemon=True).start()
             self.servers.append(server)
 
