@@ -493,6 +493,7 @@ class Client:
         request_id: str | None = None,
         gpu_mem: str | int | float | None = None,
         prefer_node: str | None = None,
+        ends_within: float | None = None,
     ) -> Lease:
         """Lease ``gpus`` GPUs, waiting up to ``wait`` seconds in the queue.
 
@@ -512,6 +513,8 @@ class Client:
         request (default: a fresh one), e.g. to ask ``estimate`` about it while it waits.
         ``prefer_node``: take the GPUs on that node if it has them free when they are granted (whole
         GPUs on one node; the node of a suspended worker), else wherever best fit puts them.
+        ``ends_within``: seconds after the grant by which you mean to end the lease (a cell's
+        --timeout): not enforced, but the wait estimates of those queued behind you count on it.
         """
         lid = request_id or self.new_request_id()
         mem_mb = None if gpu_mem is None else self.gpu_mem_mb(gpu_mem, pool)
@@ -530,6 +533,7 @@ class Client:
             priority=priority or "normal",
             gpu_mem_mb=mem_mb,
             prefer_node=prefer_node or None,
+            ends_within=ends_within or None,
         ).json()
         outcome: dict[str, Any] = {}  # "lease": Lease | "error": BaseException
 

@@ -275,6 +275,9 @@ class LeaseJson(TypedDict, total=False):
     recall_at: Annotated[float, "Being recalled: its GPUs go back then"]
     recall_reason: str
     recall_cause: Annotated[EndCauseJson, "Why it will end (a lease being recalled)"]
+    recall_for: Annotated[str, "Being recalled: the user whose request its GPUs go to"]
+    recalled_at: Annotated[float, "Being recalled: since then (recall_at is when its GPUs go back)"]
+    ends_by: Annotated[float, "Its holder means to end it by then (a cell's --timeout; not enforced)"]
     warm_since: Annotated[
         float, "Kept warm for its notebook's next cell since then (POST .../warm): lent out if someone waits"
     ]

@@ -38,6 +38,7 @@ MAX_GPUS_PER_REQUEST = 1024
 MAX_TEXT = 200
 MAX_NODES = 64
 MAX_GPU_MEM_MB = 16 * 1024 * 1024  # 16 TB: above any GPU's memory (the pool's own GPUs bound a slice)
+MAX_ENDS_WITHIN_S = 30 * 86400  # a declared end (a cell's --timeout) within 30 days
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 REQUEST_ID_PATTERN = "^[A-Za-z0-9._-]{8,64}$"
 # Text a user sends (labels, notes, reasons): anything but protocol.UNSAFE_CHARS.
@@ -389,6 +390,16 @@ class AcquireRequest(Request):
             "Only for whole GPUs on one node",
             f"prefer_node {NAME_MESSAGE}",
             pattern=NAME_PATTERN,
+        ),
+    ] = None
+    ends_within: Annotated[
+        float | None,
+        Spec(
+            "Seconds after the grant by which the holder means to end the lease (a cell's --timeout): not "
+            "enforced, but the wait estimates of those queued behind it count on it. Null: no end declared",
+            "ends_within must be a number of seconds between {minimum} and {maximum}",
+            minimum=1,
+            maximum=MAX_ENDS_WITHIN_S,
         ),
     ] = None
 

@@ -529,6 +529,50 @@ def test_estimate_names_when_a_lease_with_a_fixed_end_frees_the_gpus(server_fact
             assert "waiting for a running lease to end (the soonest ends in about" in est["text"], est["text"]
 
 
+def test_estimate_counts_on_a_deadline_not_renewed_a_declared_end_and_a_bookings_end(server_factory):
+    """The estimate uses the holders' known ends, not the pool's typical cell (600 s with no
+    history): a lease its holder no longer renews ends at its deadline, a --timeout declared at
+    the acquire (ends_within) ends it by then, a GPU reserved for a booking is back at the booking's
+    end; and it says who holds what, the soonest known end first, the asker's own marked."""
+    srv = server_factory("a=3xA100-80GB")
+    with http(srv, "bob") as bob, http(srv, "carol") as carol, http(srv, "alice") as alice:
+        short = bob.post(f"{API}/leases", json={"gpus": 1, "ttl": 4}).json()  # never renewed
+        timed = carol.post(f"{API}/leases", json={"gpus": 1, "ttl": 600, "ends_within": 40}).json()
+        assert 39 <= timed["ends_by"] - timed["created_at"] <= 40.5, timed
+        mine = alice.post(f"{API}/leases", json={"gpus": 1, "ttl": 4}).json()  # renewed
+        est = alice.get(f"{API}/estimate", params={"gpus": 1}).json()
+        # Bob's lease is young: nothing says yet that it is not renewed. Carol's ends within 40 s.
+        assert 30 <= est["estimate_s"] <= 40.5, est
+        by_user = {h["user"]: h for h in est["holders"]}
+        assert by_user["carol"]["end"] == "timeout" and 30 <= by_user["carol"]["ends_in"] <= 40.5, est
+        assert "ends_in" not in by_user["bob"] and by_user["bob"]["gpus"] == 1, est
+        assert by_user["alice"].get("mine") is True and "mine" not in by_user["carol"], est
+        assert est["holders"][0]["user"] == "carol"  # the soonest known end first
+        # Past half its TTL without a renewal, bob's lease ends by its deadline: that is the wait.
+        time.sleep(max(0.0, short["expires_at"] - 1.8 - time.time()))
+        alice.post(f"{API}/leases/{mine['id']}/renew", json={"token": mine["token"]}).raise_for_status()
+        est = alice.get(f"{API}/estimate", params={"gpus": 1}).json()
+        assert est["estimate_s"] <= 2.0, est
+        first = est["holders"][0]
+        assert (first["user"], first["end"]) == ("bob", "expiry") and first["ends_in"] <= 2.0, est
+        assert "the soonest ends in about" in est["text"], est["text"]
+        assert "ends_in" not in {h["user"]: h for h in est["holders"]}["alice"], est  # renewed: no end
+        alice.delete(f"{API}/leases/{mine['id']}")
+        bob.delete(f"{API}/leases/{short['id']}")
+    # A GPU reserved for a booking in force is back at the booking's end.
+    with http(srv, "dana") as dana, http(srv, "erin") as erin:
+        now = time.time()
+        booking = {"pool": "A100-80GB", "gpus": 1, "start": now - 60, "end": now + 120}
+        dana.post(f"{API}/bookings", json=booking).raise_for_status()
+        erin_lease = erin.post(f"{API}/leases", json={"gpus": 1, "ttl": 600}).json()  # the one left free
+        est = erin.get(f"{API}/estimate", params={"gpus": 1}).json()
+        by_user = {h["user"]: h for h in est["holders"]}
+        assert by_user["dana"]["booked"] == 1 and by_user["dana"]["end"] == "booking", est
+        assert 100 <= by_user["dana"]["ends_in"] <= 121, est
+        assert [h["user"] for h in est["holders"]] == ["carol", "dana", "erin"], est  # known ends first
+        erin.delete(f"{API}/leases/{erin_lease['id']}")
+
+
 def test_multi_node_gang_is_all_or_nothing(sim_factory):
     async def main() -> None:
         sim = await sim_factory("a=4xA100-80GB,b=4xA100-80GB,c=2xA100-80GB")

@@ -108,7 +108,7 @@ def test_the_acquire_request_and_its_wrapper_agree() -> None:
 
     request = {f.name for f in dataclasses.fields(AcquireRequest)}
     wrapper = {f.name for f in dataclasses.fields(S.Acquire)}
-    renamed = {"ttl": "ttl_ms", "wait": "wait_ms"}  # seconds in the API, ms in Lua
+    renamed = {"ttl": "ttl_ms", "wait": "wait_ms", "ends_within": "ends_within_ms"}  # seconds in the API, ms in Lua
     assert {renamed.get(n, n) for n in request} <= wrapper, request
     assert set(S.Acquire.TEXT) <= request
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..protocol import BOOKING_EVENTS
 from ..store.engine import Engine
-from .bookings import Bookings
+from .bookings import Bookings, occurrences
 from .events import event_nodes, parse_entry
 
 YIELD_EVERY = 64  # nodes built between two returns to the event loop: a large inventory's view is
@@ -198,7 +198,11 @@ def _lease_entry(lease: dict[str, Any]) -> dict[str, Any]:
         "label": lease.get("label", ""),
         "since": lease["created_at"] / 1000,
         "expires_at": lease["expires_at"] / 1000,
+        # its deadline is pushed by ttl at each renewal: one nearer than half of it was not renewed in time
+        "ttl": lease.get("ttl_ms", 0) / 1000,
     }
+    if lease.get("ends_by"):  # its holder means to end it by then (a cell's --timeout)
+        out["ends_by"] = lease["ends_by"] / 1000
     if lease.get("reclaim_at"):
         out["idle_warning"] = True
         out["reclaim_at"] = lease["reclaim_at"] / 1000
@@ -211,6 +215,8 @@ def _lease_entry(lease: dict[str, Any]) -> dict[str, Any]:
         out["borrowed"] = True
     if lease.get("recall_at"):
         out["recall_at"] = lease["recall_at"] / 1000
+        if lease.get("recall_for"):  # whom its GPUs go to
+            out["recall_for"] = lease["recall_for"]
     if lease.get("warm_since"):
         out["warm_since"] = lease["warm_since"] / 1000
     if "mem_used_mb" in lease:
@@ -462,8 +468,11 @@ def _slices(ledger: dict[str, Any], leases: dict[str, Any]) -> dict[str, Any]:
                 "gpu_mem_mb": int(mb),
                 "since": lease.get("created_at", 0) / 1000,
                 "expires_at": lease.get("expires_at", 0) / 1000,
+                "ttl": lease.get("ttl_ms", 0) / 1000,
             }
         )
+        if lease.get("ends_by"):
+            out[-1]["ends_by"] = lease["ends_by"] / 1000
         if "mem_used_mb" in lease:  # its processes' memory now and at their peak, as its agent measured it
             out[-1]["mem_used_mb"] = lease["mem_used_mb"]
             out[-1]["mem_peak_mb"] = lease["mem_peak_mb"]
@@ -499,6 +508,10 @@ async def _mark_reserved(
             for n, g in ordered[:owed]:
                 g["state"] = "reserved"
                 g["reservation"] = {"id": r["id"], "owner": r["owner"], "note": r.get("note", "")}
+                # when the occurrence in force ends (the GPU is the pool's again then)
+                ends = [e for _k, s, e in occurrences(r, now_ms, now_ms + 1) if s <= now_ms < e]
+                if ends:
+                    g["reservation"]["end"] = ends[0] / 1000
                 free.remove((n, g))
                 pools[pool]["free"] -= 1
                 pools[pool]["reserved"] += 1

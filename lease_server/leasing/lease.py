@@ -123,6 +123,11 @@ def public_lease(rec: LeaseRecord, *, with_token: bool, detail: bool = False) ->
             out["recall_cause"] = EndCauseJson(
                 code=EndCause(rec["recall_code"]), by="server", why=rec.get("recall_why", "")
             )
+        if rec.get("recall_for"):  # whom its GPUs go to (a warm lease lent out: its notebook names them)
+            out["recall_for"] = rec["recall_for"]
+            out["recalled_at"] = rec["recalled_at"] / 1000
+    if rec.get("ends_by"):  # its holder means to end it by then (a cell's --timeout): estimates count on it
+        out["ends_by"] = rec["ends_by"] / 1000
     if rec.get("gpu_mem_mb"):
         # a slice: that much of its one GPU's memory (rounded up to the pool's unit), of gpu_total_mb
         out["gpu_mem_mb"] = int(rec["gpu_mem_mb"])
@@ -303,6 +308,7 @@ class LeaseStore:
                 max_queued=s.max_queued_per_user,
                 gpu_mem_mb=request.gpu_mem_mb or 0,
                 prefer_node=request.prefer_node or "",
+                ends_within_ms=int(request.ends_within * 1000) if request.ends_within else 0,
                 **{name: getattr(request, name) for name in Acquire.TEXT},
             )
             try:

@@ -155,14 +155,95 @@ async def typical_duration(engine: Engine, pool: str, sample: int = 200) -> floa
 def _expect_end(since_s: float, firm: list[float], now_s: float, typical: float) -> tuple[float, float | None]:
     """When a running lease (or slice) is expected to end, in seconds from now, and its fixed end
     when it has one. A lease younger than typical ends when typical; an older one has shown it runs
-    long, so expect half its age again (never less than a second). A recalled, evicted or
-    idle-warned lease ends by its deadline whatever its age says."""
+    long, so expect half its age again (never less than a second). A lease with a known end (a
+    recall, an eviction, an idle warning, its holder's declared end, a deadline it is not renewed
+    past) ends by then at the latest, whatever its age says."""
     age = now_s - since_s
     expect = max(typical - age, age / 2, 1.0)
     if not firm:
         return expect, None
     end_in = max(0.0, min(firm) - now_s)
     return min(expect, max(end_in, 1.0)), end_in
+
+
+# What ends a lease at a known time, as the estimate's holders name it: a recall (a booking's, a
+# preemption's), an idle reclaim, its holder's declared end (a cell's --timeout), its deadline (not
+# renewed), a booking's end (a GPU reserved for its holder).
+_FIRM = (("recall_at", "recall"), ("reclaim_at", "reclaim"), ("ends_by", "timeout"))
+
+
+def _firm_ends(lease: dict[str, Any], unrenewed: dict[str, float]) -> list[tuple[float, str]]:
+    """The known ends of a lease (or slice) of the view: (epoch seconds, what ends it)."""
+    out = [(float(lease[k]), kind) for k, kind in _FIRM if lease.get(k)]
+    lid = lease.get("id") or lease.get("lease")
+    if lid in unrenewed:
+        out.append((unrenewed[lid], "expiry"))
+    return out
+
+
+def _near_expiry(nodes: list[dict[str, Any]], now_s: float) -> list[str]:
+    """Leases of the view whose deadline is nearer than half their TTL: the holder of one that is
+    renewed (every third of it, as the clients do) would have pushed it further. The view may be
+    seconds old, so these are only candidates: :func:`_unrenewed` reads them again."""
+    out = []
+    for n in nodes:
+        for g in n["gpus"]:
+            leases = [g["lease"]] if g.get("lease") and g["state"] in ("leased", "borrowed") else []
+            leases += g.get("slices") or []
+            for lease in leases:
+                ttl = float(lease.get("ttl") or 0)
+                if ttl and not lease.get("warm_since") and lease["expires_at"] - now_s < ttl / 2:
+                    out.append(lease.get("id") or lease["lease"])
+    return out
+
+
+async def _unrenewed(engine: Engine, ids: list[str], now_ms: int) -> dict[str, float]:
+    """Of ``ids``, the live leases whose holder has not renewed them in time (read now, not from the
+    view): lease id -> its deadline (epoch seconds), by which it ends unless renewed at last."""
+    if not ids:
+        return {}
+    out = {}
+    for raw in await engine.redis.hmget(engine.keys.leases, ids):
+        if not raw:
+            continue
+        rec = json.loads(raw)
+        ttl_ms = int(rec.get("ttl_ms") or 0)
+        if ttl_ms and not rec.get("warm_since") and rec["expires_at"] - now_ms < ttl_ms / 2:
+            out[rec["id"]] = rec["expires_at"] / 1000
+    return out
+
+
+class _Holders:
+    """Who holds the pool's GPUs, per user, as a waiting request hears it: GPUs (and slices) held,
+    and the soonest known end of their leases (booked GPUs: the booking's end)."""
+
+    def __init__(self) -> None:
+        self.by_user: dict[str, dict[str, Any]] = {}
+
+    def add(self, user: str, what: str, expect: float, firm: list[tuple[float, str]], now_s: float) -> None:
+        h = self.by_user.setdefault(user, {"user": user, "gpus": 0, "slices": 0, "booked": 0, "expect_s": expect})
+        h[what] += 1
+        h["expect_s"] = min(h["expect_s"], expect)
+        if firm:
+            at, kind = min(firm)
+            if h.get("ends_at") is None or at < h["ends_at"]:
+                h["ends_at"], h["end"] = at, kind
+                h["ends_in"] = round(max(0.0, at - now_s), 1)
+
+    def rows(self, asker: str | None, limit: int = 8) -> list[dict[str, Any]]:
+        """The holders, the soonest known end first, then the soonest expected; ``limit`` of them."""
+        rows = sorted(
+            self.by_user.values(),
+            key=lambda h: (h.get("ends_in") is None, h.get("ends_in") or 0.0, h["expect_s"], h["user"]),
+        )
+        out = []
+        for h in rows[:limit]:
+            row = {k: v for k, v in h.items() if v or k in ("user", "gpus")}
+            row["expect_s"] = round(h["expect_s"], 1)
+            if asker is not None and h["user"] == asker:
+                row["mine"] = True
+            out.append(row)
+        return out
 
 
 # A warm GPU (a finished cell's worker kept for its next cell) is lent the moment someone waits:
@@ -198,11 +279,20 @@ class _Gpu:
         self.back = max(self.back, at + typical)
 
 
-def _pool_gpus(nodes: list[dict[str, Any]], now_s: float, typical: float) -> tuple[list[_Gpu], list[float], int]:
+def _pool_gpus(
+    nodes: list[dict[str, Any]],
+    now_s: float,
+    typical: float,
+    unrenewed: dict[str, float] | None = None,
+    holders: _Holders | None = None,
+) -> tuple[list[_Gpu], list[float], int]:
     """Each GPU of the up nodes that could serve the pool, with when it comes back; the fixed ends
-    seen (recalls, idle reclaims, evictions) and how many GPUs running leases hold (a sliced GPU
-    counts once). A reserved GPU and one out of service (down, an abandoned drain) never come back
-    within the estimate's view."""
+    seen (recalls, idle reclaims, evictions, declared ends, deadlines not renewed, bookings' ends)
+    and how many GPUs running leases hold (a sliced GPU counts once). ``unrenewed``: lease id -> the
+    deadline of a lease its holder does not renew (:func:`_unrenewed`). A GPU out of service (down,
+    an abandoned drain) never comes back within the estimate's view; one reserved for a booking in
+    force, at the booking's end. ``holders`` hears who holds each GPU (:class:`_Holders`)."""
+    unrenewed = unrenewed or {}
     gpus: list[_Gpu] = []
     firm_ends: list[float] = []
     held = 0
@@ -217,10 +307,12 @@ def _pool_gpus(nodes: list[dict[str, Any]], now_s: float, typical: float) -> tup
             elif state in ("leased", "borrowed") and "lease" in g:
                 held += 1
                 lease = g["lease"]
-                firm = [lease[k] for k in ("recall_at", "reclaim_at") if lease.get(k)]
-                back, fixed = _expect_end(lease["since"], firm, now_s, typical)
+                firm = _firm_ends(lease, unrenewed)
+                back, fixed = _expect_end(lease["since"], [at for at, _ in firm], now_s, typical)
                 if fixed is not None:
                     firm_ends.append(fixed)
+                if holders is not None:
+                    holders.add(lease["user"], "gpus", back, firm, now_s)
                 gpus.append(_Gpu(size, back, 0, 1, [(back, size)]))
             elif state == "sliced":
                 held += 1
@@ -229,16 +321,26 @@ def _pool_gpus(nodes: list[dict[str, Any]], now_s: float, typical: float) -> tup
                     if sl.get("warm_since"):
                         frees.append((WARM_BACK_S, sl["gpu_mem_mb"]))
                         continue
-                    firm = [sl["recall_at"]] if sl.get("recall_at") else []
-                    end, fixed = _expect_end(sl["since"], firm, now_s, typical)
+                    firm = _firm_ends(sl, unrenewed)
+                    end, fixed = _expect_end(sl["since"], [at for at, _ in firm], now_s, typical)
                     if fixed is not None:
                         firm_ends.append(fixed)
+                    if holders is not None:
+                        holders.add(sl["user"], "slices", end, firm, now_s)
                     frees.append((end, sl["gpu_mem_mb"]))
                 # a draining slice's memory comes back once its agent sees its processes gone
                 frees += [(1.0, d["gpu_mem_mb"]) for d in g.get("slices_draining", [])]
                 room = int(g["slice_mem"]["free_mb"]) if "slice_mem" in g else 0
                 back = max((at for at, _mb in frees), default=0.0)
                 gpus.append(_Gpu(size, back, room, len(frees), frees))
+            elif state == "reserved" and (g.get("reservation") or {}).get("end"):
+                # owed to a booking in force: its holder's until the booking ends
+                r = g["reservation"]
+                end_in = max(1.0, r["end"] - now_s)
+                firm_ends.append(end_in)
+                if holders is not None and r.get("owner"):
+                    holders.add(r["owner"], "booked", end_in, [(r["end"], "booking")], now_s)
+                gpus.append(_Gpu(size, end_in, 0, 1, [(end_in, size)]))
             elif state == "draining" and not g.get("draining", {}).get("abandoned"):
                 gpus.append(_Gpu(size, 1.0, 0, 1, [(1.0, size)]))
     return gpus, firm_ends, held
@@ -252,18 +354,22 @@ async def estimate(
     lease: str | None = None,
     gpu_mem_mb: int = 0,
     view: dict[str, Any] | None = None,
+    asker: str | None = None,
 ) -> dict[str, Any]:
     """How long ``gpus`` GPUs of ``pool`` (or, with ``gpu_mem_mb``, slices of that much memory on
     ``gpus`` GPUs) would take to come free, and alternatives free now.
 
     A simple, explainable model: every running lease or slice ends after the pool's typical duration
-    (one already older runs half its age again; one with a fixed end, a recall, an eviction or an
-    idle reclaim, ends then at the latest), a warm GPU is lent at once, GPUs owed to bookings in
-    force stay taken, and the requests queued ahead take GPUs (or memory) first: a queued slice
-    counts as its share of a GPU. ``lease`` is the id of the asking request when it is already
-    queued: then only the waiters strictly ahead of it count (in arrival order, as GET /queue
-    numbers them), never itself or those behind it. Returns seconds, and the reasoning in words.
-    ``view``: the cluster as ``cluster_view`` reads it (the server's shared one), else read here."""
+    (one already older runs half its age again; one with a known end ends then at the latest: a
+    recall, an eviction, an idle reclaim, the end its holder declared (a cell's --timeout), or the
+    deadline of a lease its holder no longer renews), a warm GPU is lent at once, GPUs owed to
+    bookings in force stay taken until the booking ends, and the requests queued ahead take GPUs
+    (or memory) first: a queued slice counts as its share of a GPU. ``holders``: who holds the
+    pool's GPUs, per user, the soonest known end first (``mine`` for ``asker``'s own). ``lease`` is
+    the id of the asking request when it is already queued: then only the waiters strictly ahead of
+    it count (in arrival order, as GET /queue numbers them), never itself or those behind it.
+    Returns seconds, and the reasoning in words. ``view``: the cluster as ``cluster_view`` reads it
+    (the server's shared one), else read here."""
     if view is None:
         view = await cluster_view(engine)
     typical = await typical_duration(engine, pool)
@@ -277,7 +383,9 @@ async def estimate(
     ahead_gpus = sum(w["gpus"] for w in ahead)
     nodes = [n for n in view["nodes"] if n["pool"] == pool and n["state"] == "up"]
     now_s = now_ms / 1000
-    pool_gpus, firm_ends, held = _pool_gpus(nodes, now_s, typical)
+    unrenewed = await _unrenewed(engine, _near_expiry(nodes, now_s), now_ms)
+    holders = _Holders()
+    pool_gpus, firm_ends, held = _pool_gpus(nodes, now_s, typical, unrenewed, holders)
     size = max((g.size for g in pool_gpus), default=0)
     max_sharers = int(engine.settings.sched_table(pool)["max_sharers"])  # type: ignore[call-overload]
     what = f"{gpus} GPU(s) of {pool}"
@@ -370,6 +478,7 @@ async def estimate(
         "wait": None if wait_s is None else ("any moment now" if wait_s < 1 else f"about {_human(wait_s)}"),
         "estimate_at": None if wait_s is None else now_s + wait_s,
         "alternatives": alternatives,
+        "holders": holders.rows(asker),
         "text": text,
     }
     if gpu_mem_mb:

@@ -333,6 +333,9 @@ class LeaseRecord(TypedDict, total=False):
     recall_reason: str
     recall_code: str
     recall_why: str
+    recall_for: str  # the user whose request its GPUs go to
+    recalled_at: int  # since when it is being recalled
+    ends_by: int  # its holder means to end it by then (declared at the acquire: a cell's --timeout)
     shrink_to: int
     shrink_by: int
     shrink_reason: str
@@ -424,6 +427,7 @@ class Acquire(ScriptCall[Granted | Queued | Duplicate]):
     max_queued: int = 256  # the most requests one user may have waiting in the queue
     gpu_mem_mb: int = 0  # a slice: MB of one GPU's memory (0: whole GPUs)
     prefer_node: str = ""  # a node to take the GPUs on if it has them free ("": best fit alone)
+    ends_within_ms: int = 0  # ms after the grant by which its holder means to end it (0: none declared)
 
     def argv(self) -> list[Any]:
         out = super().argv()

@@ -750,7 +750,8 @@ class EstimateHandler(BaseHandler):
             raise errors.Unsatisfiable.gang(pool_s, k, n // k, able)
         if not mem and k == 1 and 0 < max(sizes, default=0) < n:
             raise errors.Unsatisfiable.one_node(pool_s, n, max(sizes), len(sizes))
-        self.reply(await usage.estimate(self.engine, pool_s, n, int(time.time() * 1000), lease, mem, view=view))
+        now_ms, me = int(time.time() * 1000), self.identity.user
+        self.reply(await usage.estimate(self.engine, pool_s, n, now_ms, lease, mem, view=view, asker=me))
 
 
 class AgentHandler(BaseHandler):

@@ -379,7 +379,12 @@ def _response_schemas() -> dict[str, Any]:
                 "reservation": {
                     "type": "object",
                     "description": "The booking a reserved GPU is held back for",
-                    "properties": {"id": {"type": "string"}, "owner": {"type": "string"}, "note": {"type": "string"}},
+                    "properties": {
+                        "id": {"type": "string"},
+                        "owner": {"type": "string"},
+                        "note": {"type": "string"},
+                        "end": {**num, "description": "When the booking's occurrence in force ends"},
+                    },
                 },
                 "sample": {
                     "type": "object",
@@ -445,6 +450,8 @@ def _response_schemas() -> dict[str, Any]:
                 "label": {"type": "string"},
                 "since": num,
                 "expires_at": num,
+                "ttl": {**num, "description": "Each renewal pushes expires_at this far"},
+                "ends_by": {**num, "description": "Its holder means to end it by then (a cell's --timeout)"},
                 "idle_warning": {"type": "boolean"},
                 "reclaim_at": num,
                 "notebook": {"type": "string"},
@@ -452,6 +459,7 @@ def _response_schemas() -> dict[str, Any]:
                 "reservation": {"type": "string", "description": "The booking it is served from"},
                 "borrowed": {"type": "boolean"},
                 "recall_at": num,
+                "recall_for": {"type": "string", "description": "Being recalled: whose request its GPUs go to"},
                 "warm_since": num,
                 "mem_used_mb": {
                     "type": "integer",
@@ -475,6 +483,8 @@ def _response_schemas() -> dict[str, Any]:
                 "gpu_mem_mb": {"type": "integer"},
                 "since": num,
                 "expires_at": num,
+                "ttl": num,
+                "ends_by": num,
                 "mem_used_mb": {"type": "integer"},
                 "mem_peak_mb": {"type": "integer"},
                 "warm_since": num,
@@ -696,7 +706,14 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
                     "in the queue when `lease` names a queued request, else null), `held_gpus`, `free_now`, "
                     "`alternatives`. With nothing queued ahead, `text` says what it waits for: a running "
                     "lease's fixed end (recall or idle reclaim) when one is known, else the GPUs held by "
-                    "running calls. For a slice (`gpu_mem_mb`), `free_now` counts the GPUs it fits on now, "
+                    "running calls. A lease's known end bounds when it is expected back: a recall, an idle "
+                    "reclaim, the end its holder declared (`ends_within` at the acquire, a cell's --timeout), "
+                    "the deadline of a lease its holder no longer renews (nearer than half its ttl); a GPU "
+                    "reserved for a booking in force is back at the booking's end. `holders`: who holds the "
+                    "pool's GPUs, per user (`gpus`, `slices`, `booked`; `ends_in` seconds and `ends_at` of "
+                    "their soonest known end, `end` what ends it: recall, reclaim, timeout, expiry or "
+                    "booking; `expect_s`; `mine` for the asker's own), known ends first. "
+                    "For a slice (`gpu_mem_mb`), `free_now` counts the GPUs it fits on now, "
                     "and the answer repeats `gpu_mem_mb`; a queued slice counts as its share of a GPU. 422 for "
                     "more GPUs than any node of the pool has (as the acquire answers)",
                 ),

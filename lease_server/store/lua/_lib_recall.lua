@@ -11,6 +11,7 @@ local function recall_these(w, pool, node, list, notice_ms, kind, why, extra)
     if kind == 'borrow_recalled' then l.borrowed = true end
     l.recall_at = due
     l.recall_code, l.recall_why = RECALL_CODE[kind], why
+    l.recall_for, l.recalled_at = w.user, NOW  -- whom it goes to, and since when (the owner's notebook says so)
     if kind == 'evicting' then  -- a warm lease runs nothing: its kernel ends or suspends the worker
       l.recall_reason = why .. ' (a warm lease is lent out when someone waits)'
     else

@@ -169,6 +169,7 @@ local function grant_parts(w, parts)
   if #parts > 1 then lease.nodes = nodes end
   if w.notebook and w.notebook ~= '' then lease.notebook = w.notebook end
   if w.cell and w.cell ~= '' then lease.cell = w.cell end
+  if w.ends_ms then lease.ends_by = NOW + w.ends_ms end  -- declared by its holder: an estimate counts on it
   if w.booking then
     local r = w.booking.r
     lease.resv = r.id  -- the booking it is served from (the stored record's field keeps its first name)

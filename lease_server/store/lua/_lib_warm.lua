@@ -9,6 +9,7 @@ local function warm_lease(lease)
   lease.warm_since = NOW
   lease.warm_until = NOW + sched_of(lease.pool).warm_max_ms
   lease.warned_at, lease.reclaim_at = nil, nil  -- lendable, not idle: the reclaimer leaves it alone
+  lease.ends_by = nil  -- the cell that declared an end is over (the next declares its own)
   if lease.expires_at > lease.warm_until then
     lease.expires_at = lease.warm_until
     redis.call('ZADD', K_DEADLINES, lease.expires_at, lease.id)

@@ -14,6 +14,8 @@
 --            (sched_of(pool).share), with gpus = 1; rounded up to the pool's slice_unit_mb
 -- ARGV[22] = a node to take the GPUs on if it has them free (allocate_preferred; "": none). Only for
 --            whole GPUs on one node
+-- ARGV[23] = ms after the grant by which the holder means to end the lease (a cell's --timeout;
+--            0 or "": none declared). Not enforced: others' wait estimates count on it (lease.ends_by)
 -- returns {OK, lease JSON} | {QUEUED, position} |
 --         {BUSY, most free GPUs on one node, 1 if a booking of the user's is lent out else 0} |
 --         {UNKNOWN_POOL} | {DUPLICATE} | {LIMIT, queued} |
@@ -37,6 +39,7 @@ local w = {id = id, user = user, pool = pool, gpus = n, ttl_ms = ttl_ms, label =
            notebook = ARGV[18] or '', cell = ARGV[19] or '',
            priority = priority, gpus_min = n_min, nodes = n_nodes}
 if (ARGV[22] or '') ~= '' then w.prefer = ARGV[22] end
+if (tonumber(ARGV[23] or '') or 0) > 0 then w.ends_ms = tonumber(ARGV[23]) end
 
 -- A slice: refused (changing nothing) unless the pool shares and one of its GPUs has that much
 -- memory; its size is rounded up to the pool's unit (at most the whole GPU's memory).
