@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -242,3 +245,85 @@ def test_the_lock_file_must_be_a_plain_file_of_ones_own(tmp_path):
     with pytest.raises(DataDirInUse, match="not a plain file of yours"):
         hold_data_dir(data, "up")
     assert target.read_text() == "keep\n"
+
+
+# ---- what up's terminal shows ------------------------------------------------------------------
+
+
+def _banner(up: Up, timeout: float = 120) -> tuple[list[str], list[str]]:
+    """Up's terminal so far, and its banner's lines in it (printed once JupyterLab answers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        said = up.log.read_text().splitlines()
+        if "Ctrl-C stops everything." in said:
+            start = next(i for i, line in enumerate(said) if line.startswith("gpulease is up: "))
+            return said, said[start : said.index("Ctrl-C stops everything.") + 1]
+        assert up.proc.poll() is None, "\n".join(said)
+        time.sleep(0.1)  # the banner comes from a thread of a starting process: nothing to wait on
+    raise AssertionError(up.log.read_text())
+
+
+def test_up_prints_its_banner_whole_within_80_columns_with_a_5_digit_lab_port(tmp_path):
+    """With -v (its log lines on the terminal as it starts) and JupyterLab on a 5-digit port: the
+    banner is one block, no log line inside it, every line within 80 columns; the lab's URL, too
+    long beside its label, is on the line under it, whole (it was wrapped under an empty label)."""
+    pytest.importorskip("jupyterlab")
+    from lease_server.node.redis_proc import free_port
+
+    lab_port = free_port()
+    assert lab_port >= 10_000
+    # A data dir as short as ~/.gpulease: only a path longer than a line may pass 80 columns.
+    data = Path(tempfile.mkdtemp(prefix="gl-", dir="/tmp")) / "home"
+    up = Up(data, "--no-ray", "--lab", "--lab-port", str(lab_port), "-v", COLUMNS="80")
+    try:
+        said, banner = _banner(up)
+        assert any(" INFO " in line for line in said), said  # -v: the log is here too
+        assert all(len(line) <= 80 for line in banner), banner
+        assert all(line.startswith("  ") for line in banner[1:-1]), banner  # no log line inside
+        labels = [line.split()[0] for line in banner[1:-1] if not line.startswith("   ")]
+        assert labels == ["lease", "token", "redis", "jupyterlab", "log"], banner
+        at = banner.index("  jupyterlab")
+        assert banner[at + 1].startswith(f"    http://127.0.0.1:{lab_port}/lab?token="), banner
+        token = banner[at + 1].split("token=")[1]
+        assert len(token) == 32 and httpx.get(f"http://127.0.0.1:{lab_port}/api/status?token={token}").is_success
+        assert f"  log           {data.resolve() / 'up.log'}" in banner
+    finally:
+        code, out = up.interrupt()
+        shutil.rmtree(data.parent, ignore_errors=True)
+    assert code == 0, out
+
+
+def test_up_logs_to_its_file_and_its_terminal_shows_no_info_line(tmp_path):
+    """Without -v, up's terminal has its banner and what a person must act on; the INFO lines (a
+    dozen as it starts, more for each lease) are in DATA_DIR/up.log, 0600, which the banner names."""
+    up = Up(tmp_path / "home", "--no-ray")
+    try:
+        said, banner = _banner(up)
+        assert "                (gpulease up -v: here too; warnings come here anyway)" in banner, banner
+        ran = up.run("acquire", "--gpus", "1", "--", sys.executable, "-c", "pass")
+        assert ran.returncode == 0, ran.stderr
+    finally:
+        code, out = up.interrupt()
+    assert code == 0, out
+    assert not [line for line in out.splitlines() if " INFO " in line], out
+    assert out.splitlines()[-1] == "stopped redis; gpulease is down", out
+    log = up.data / "up.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    logged = log.read_text()
+    for said in ("INFO lease_server.cli.service: gpulease up (pid", "INFO lease_server.node.redis_proc: ", "is up"):
+        assert said in logged, logged
+    assert len([line for line in logged.splitlines() if " INFO " in line]) >= 5, logged
+
+
+def test_a_warning_on_ups_terminal_is_one_line_naming_the_log_file(tmp_path):
+    """A warning or an error with a traceback: one line on the terminal, the traceback in the file."""
+    import logging
+
+    from lease_server.cli.service import OneLine
+
+    try:
+        raise ValueError("bad\nthing")
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "sweep failed:\n %s", ("boom",), sys.exc_info())
+    line = OneLine(tmp_path / "up.log").format(record)
+    assert "\n" not in line and line.endswith(f" error: sweep failed: boom (details in {tmp_path / 'up.log'})")

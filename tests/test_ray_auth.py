@@ -111,6 +111,6 @@ def test_up_starts_ray_with_token_auth(tmp_path):
             d.communicate(timeout=30)
         code, log = up.interrupt()
     assert code == 0, log
-    assert f"(token auth: {token_file}, mode 0600)" in log
+    assert f"(token auth: {token_file}, mode 0600)" in " ".join(log.split())  # (a long path: wrapped)
     assert not temp.parent.exists()  # gone with the head
     assert stray.exists() == stray_before  # the user's ~/.ray is left alone

@@ -22,16 +22,100 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.text import Text
 
 from ..client import DEFAULT_HOME, UP_SOCKET, Client
 from ..node import rayworkers
 from ._common import console, err_console
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT)
+
+
+UP_LOG = "up.log"  # gpulease up's log, in its data dir
+UP_LOG_KEEP = 20 * 1024 * 1024  # a longer one is moved to up.log.1 when up starts
+
+
+class OneLine(logging.Formatter):
+    """A warning or an error as a person reads it on up's terminal: one line (``12:04:31 warning:
+    heartbeat of box failed: ...``), its traceback left to the log file, which the line names."""
+
+    def __init__(self, log_file: Path | None = None) -> None:
+        super().__init__(datefmt="%H:%M:%S")
+        self.log_file = log_file
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = " ".join(record.getMessage().split())
+        if (record.exc_info or record.stack_info) and self.log_file is not None:
+            text += f" (details in {self.log_file})"
+        return f"{self.formatTime(record, self.datefmt)} {record.levelname.lower()}: {text}"
+
+
+def _up_logging(verbose: bool) -> logging.Handler:
+    """``gpulease up``'s terminal: with ``-v`` every log line, as ``server`` and ``agent`` print
+    them; otherwise only warnings and errors, a line each (its INFO lines, dozens while a notebook
+    runs, go to its log file: :func:`_up_log_file`). Returns the terminal's handler."""
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    terminal = logging.StreamHandler(sys.stderr)
+    if verbose:
+        terminal.setFormatter(logging.Formatter(LOG_FORMAT))
+    else:
+        terminal.setLevel(logging.WARNING)
+        terminal.setFormatter(OneLine())
+    root.addHandler(terminal)
+    return terminal
+
+
+def _up_log_file(data_dir: Path, terminal: logging.Handler) -> Path:
+    """Every log line of this up from now on also in ``<data_dir>/up.log`` (0600, appended to; one
+    over UP_LOG_KEEP is moved to up.log.1 first). The terminal's one-line warnings name it."""
+    path = data_dir / UP_LOG
+    with contextlib.suppress(OSError):
+        if path.stat().st_size > UP_LOG_KEEP:
+            os.replace(path, path.with_name(UP_LOG + ".1"))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    handler = logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8", errors="replace"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    if isinstance(terminal.formatter, OneLine):
+        terminal.formatter.log_file = path
+    return path
+
+
+BANNER_WIDTH = 80
+_LABEL = 12  # the widest label ("lease server"): values start at column 2 + 12 + 2
+
+
+def banner_lines(head: str, rows: list[tuple[str, str]], width: int = BANNER_WIDTH) -> list[str]:
+    """``gpulease up``'s banner, every line within ``width`` columns: ``head``, then a row per
+    ``(label, value)``: ``  label         value``, or, where that would not fit (a lab URL with a
+    5-digit port), the label alone with the value on the line under it. A row of label ``""`` is a
+    note on the row above: under its value, wrapped at spaces (only a word longer than a line, a
+    long path, goes past ``width``)."""
+    import textwrap
+
+    out = textwrap.wrap(head, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    under = " " * (2 + _LABEL + 2)
+    for label, value in rows:
+        if label:
+            line = f"  {label:<{_LABEL}}  {value}"
+            out += [line] if len(line) <= width else [f"  {label}", f"    {value}"]
+        else:
+            out += textwrap.wrap(
+                value,
+                width,
+                initial_indent=under,
+                subsequent_indent=under + " ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+    return out
 
 
 def _more_files(most: int = 65536) -> None:
@@ -411,7 +495,12 @@ def _stop(proc: subprocess.Popen[bytes] | None, name: str) -> None:
 @click.option("--lab-port", default=8888, show_default=True)
 @click.option("--cpu-slots", type=click.IntRange(0, 1024), default=0, help=CPU_SLOTS_HELP)
 @click.option("--config", type=click.Path(exists=True), help="TOML settings file")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help=f"Print the log here too, with debug lines (it goes to DATA_DIR/{UP_LOG}; warnings come here anyway)",
+)
 def up(
     simulate: str | None,
     cpu_slots: int,
@@ -435,13 +524,15 @@ def up(
         raise click.UsageError("--ray-token-file goes with --ray-address (a head gpulease starts makes its own)")
     if ray_address and not ray:
         raise click.UsageError("--ray-address joins a Ray cluster and --no-ray starts none: drop one of them")
-    _setup_logging(verbose)
+    terminal = _up_logging(verbose)
     _more_files()
     data_dir = data_dir.expanduser().resolve()
     nodes = _inventories(simulate, None, None, cpu_slots)
     # Before starting anything: the data directory is this up's alone, and its ports are free (a
     # port taken once Redis, Ray and JupyterLab had started cost minutes and ended in a traceback).
     held = _hold(data_dir)
+    log_file = _up_log_file(data_dir, terminal)
+    logging.getLogger(__name__).info("gpulease up (pid %d) starting on %s", os.getpid(), data_dir)
     sockets = _bind_port(port)
     port = sockets[0].getsockname()[1]  # (--port 0: the one the system chose)
     if lab:
@@ -525,25 +616,34 @@ def up(
                 banner(True)
 
         def banner(lab_up: bool) -> None:
+            # One write, every line within 80 columns (each thing on its line, what it is under it):
+            # a log line (with -v) never lands inside it, a long URL is never wrapped under its label.
             gpus = sum(len(n.gpus) for n in nodes)
-            console.print(
-                f"[bold green]gpulease is up[/]: {gpus} GPU(s) in {', '.join(sorted({n.pool for n in nodes}))}"
-            )
-            console.print(f"  lease server  {url}")
-            # (each thing on its own line, what it is under it: within 80 columns but for long paths)
-            console.print(f"  token         {token}", soft_wrap=True)
-            console.print(f"                (also in {data_dir / 'token'}, mode 0600)", soft_wrap=True)
-            console.print(f"  redis         {redis_proc.address}", soft_wrap=True)
-            console.print(f"                (AOF in {data_dir / 'redis'}; password in {PASSWORD_FILE})", soft_wrap=True)
+            rows = [
+                ("lease server", url),
+                ("token", token),
+                ("", f"(also in {data_dir / 'token'}, mode 0600)"),
+                ("redis", redis_proc.address),
+                ("", f"(AOF in {data_dir / 'redis'}; password in {PASSWORD_FILE})"),
+            ]
             if settings.ray_address:
-                console.print(f"  ray head      {settings.ray_address}", soft_wrap=True)
+                rows.append(("ray head", settings.ray_address))
                 if settings.ray_auth_token_file:
-                    console.print(f"                (token auth: {ray_token}, mode 0600)", soft_wrap=True)
+                    rows.append(("", f"(token auth: {ray_token}, mode 0600)"))
             if lab_url and lab_up:
-                console.print(f"  jupyterlab    {lab_url}")
+                rows.append(("jupyterlab", lab_url))
             elif lab_url:
-                console.print(f"  jupyterlab    did not answer: see {data_dir / 'jupyterlab.log'}")
-            console.print("Ctrl-C stops everything.")
+                rows.append(("jupyterlab", f"did not answer: see {data_dir / 'jupyterlab.log'}"))
+            rows.append(("log", str(log_file)))
+            if not verbose:
+                rows.append(("", "(gpulease up -v: here too; warnings come here anyway)"))
+            pools = ", ".join(sorted({n.pool for n in nodes}))
+            lines = banner_lines(f"gpulease is up: {gpus} GPU(s) in {pools}", rows)
+            lines.append("Ctrl-C stops everything.")
+            text = Text("\n".join(lines))
+            text.stylize("bold green", 0, len("gpulease is up"))
+            console.print(text, soft_wrap=True)
+            logging.getLogger(__name__).info("gpulease is up: %d GPU(s) in %s, lease server %s", gpus, pools, url)
 
         from ..web.server import run_loop
 

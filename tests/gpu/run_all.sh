@@ -117,7 +117,7 @@ main() {
     for f in notebook.ipynb up.log; do [ -f "$WORK/nb/$f" ] && cp "$WORK/nb/$f" "$OUT/$f"; done
     local home
     home=$(ls -d /tmp/gpulease-gpu-run-*/home 2>/dev/null | tail -1)
-    tar czf "$OUT/logs.tar.gz" -C "$WORK" . ${home:+-C "$home" ray.log ray-logs} 2>/dev/null || true
+    tar czf "$OUT/logs.tar.gz" -C "$WORK" . ${home:+-C "$home" up.log ray.log ray-logs} 2>/dev/null || true
     [ -n "$home" ] && rm -rf "$(dirname "$home")"  # the notebook step's gpulease up home
     echo "done in $((SECONDS - START))s: $OUT/report.json"
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print('failed steps:', r['failed_steps'] or 'none'); print('notebook errors:', r['notebook_errors'] or 'none')" "$OUT/report.json"
