@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """Another user's grant latency while hostile clients work on the lease server (issue 33, item 5).
 
-    .venv/bin/python bench/hostile_bench.py [--quiet-s 10] [--hostile-s 12]
+    .venv/bin/python bench/hostile_bench.py [--quick] [--quiet-s 10] [--hostile-s 12]
 
 Starts its own redis-server and ``gpulease server`` (default settings: the defaults must hold),
-declares simulated nodes and seeds the event log with 20,000 entries straight into Redis, then
-measures one user's grant (POST /leases for 1 GPU, then DELETE it, one after the other on one
-kept-alive connection), first quiet, then with every hostile client of findings 5 and 7 at once,
-run by a second process (this file with ``--hostile``):
+declares simulated nodes and seeds the event log with 20,000 entries and the usage rollups with a
+week of hourly rows (100,800: 600 users; --quick: 3,360) straight into Redis, then measures one
+user's grant (POST /leases for 1 GPU, then DELETE it, one after the other on one kept-alive
+connection) in the pool of 16 GPUs, first quiet; then a **booking flood**: another user (mallory)
+books one GPU of that pool for one minute every two minutes from an hour ahead, one POST after
+another, until the server refuses her at ``booking_max_per_owner`` (her bookings are read by no
+grant until they begin); the grant again, quiet but beside her bookings; then with every hostile
+client of findings 5 and 7 of issue 33 and of issue 49 at once, run by a second process (this file
+with ``--hostile``):
 
 * slow 60 MB bodies: connections that declare a 60 MB body (with a valid token, and without one)
   and send it a few KB at a time, reconnecting when the server closes them;
@@ -18,21 +23,33 @@ run by a second process (this file with ``--hostile``):
   each asking again as soon as answered, 429 or not;
 * a stream reconnect storm: 4 connections of that token opening GET /events with since= (a
   backlog read each) and hanging up at once, again and again;
-* /metrics hammered on 4 kept-alive connections.
+* /metrics hammered on 4 kept-alive connections;
+* the usage summary: 2 connections of a third user's token (eve: a read budget of its own, not
+  the one mallory's log pages spend) looping GET /usage/summary (the default week: every seeded
+  row), each asking again as soon as answered, 429 or not;
+* mallory, at her cap, asking for one more booking again and again on 1 connection (each a 403).
 
-Printed: the grant p50/p99 quiet and hostile, the hostile clients' answers by kind, the server's
-RSS before, at its peak during and after the hostile phase; the last line is one JSON object:
+Printed: the grant p50/p99 quiet, beside the bookings and hostile, the flood's figures, the hostile
+clients' answers by kind, the server's RSS before, at its peak during and after the hostile phase;
+the last line is one JSON object:
 
-hostile_grant_p99_ratio   the grant's p99 with the hostile clients / quiet, same run (target <= 2)
-quiet_grant_p99_ms, hostile_grant_p99_ms, server_rss_growth_mb (peak during the hostile phase
-minus before it), and the rest.
+hostile_grant_p99_ratio   the grant's p99 with the hostile clients (and mallory's bookings) / quiet,
+                          same run (target <= 2)
+booked_grant_p99_ratio    (no target) the grant's p99 beside mallory's bookings / quiet
+quiet_grant_p99_ms, booked_grant_p99_ms, hostile_grant_p99_ms, server_rss_growth_mb (peak during
+the hostile phase minus before it), flood_bookings (mallory's bookings when refused),
+flood_refusal (the refusal's status and code), flood_s, summary_rows, and the rest.
+
+--quick (about 15 s of measuring: quiet 1.5 s, beside the bookings 1.5 s, hostile 3 s, fewer
+seeded rows) shows that it runs and what it prints; its ratios are noisy, read a full run's.
 
 The hostile process runs at nice 19: on a machine with few cores its own CPU (hundreds of
 connections, thousands of requests) would otherwise be taken from the server by the kernel and
 counted against it; at nice 19 the ratio measures what the server does with hostile requests.
 It still counts where the cores are busy with other work: the load average is printed at start.
-A bench prints, it does not assert. HOSTILE_ONLY=<name part> (e.g. "metrics", "60 MB") runs only
-the hostile clients of that name, to see which one costs what.
+A bench prints, it does not assert. HOSTILE_ONLY=<name part> (e.g. "metrics", "60 MB", "summary")
+runs only the hostile clients of that name, to see which one costs what (mallory's bookings stay);
+HOSTILE_SKIP=<name part> runs all the others.
 """
 
 from __future__ import annotations
@@ -56,6 +73,9 @@ ROOT = _common.ROOT
 SPEC = "h1=8xA100-80GB,h2=8xA100-80GB"
 PREFIX = "hostile"
 SEED_EVENTS = 20_000
+POOL = "A100-80GB"
+SUMMARY_USERS, SUMMARY_USERS_QUICK = 600, 20  # x 168 hours of rows
+FLOOD_START_S = 3600  # mallory's first booking begins an hour ahead, one a minute long every 2 minutes
 TARGETS = {"hostile_grant_p99_ratio": ("<=", 2.0)}
 
 
@@ -117,12 +137,36 @@ async def grants(host: str, port: int, token: str, seconds: float) -> list[float
     return out
 
 
+# ---- the booking flood --------------------------------------------------------------------------------
+
+
+def flood_body(i: int) -> bytes:
+    """Mallory's i-th booking: 1 GPU for a minute, two minutes after the one before."""
+    start = time.time() + FLOOD_START_S + i * 120
+    return json.dumps({"pool": POOL, "gpus": 1, "start": start, "end": start + 60, "note": f"flood {i}"}).encode()
+
+
+async def flood(host: str, port: int, token: str) -> tuple[int, int, str]:
+    """Book until refused: (bookings made, the refusal's status, its code)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    made = 0
+    try:
+        while True:
+            writer.write(request("POST", "/api/v1/bookings", token, flood_body(made)))
+            status, body = await answer(reader)
+            if status != 201:
+                return made, status, str(json.loads(body).get("code", "")) if body else ""
+            made += 1
+    finally:
+        writer.close()
+
+
 # ---- the hostile clients (run in a process of their own: --hostile) ---------------------------------------
 
 
 class Hostile:
-    def __init__(self, host: str, port: int, token: str) -> None:
-        self.host, self.port, self.token = host, port, token
+    def __init__(self, host: str, port: int, token: str, summary_token: str) -> None:
+        self.host, self.port, self.token, self.summary_token = host, port, token, summary_token
         self.counts: collections.Counter[str] = collections.Counter()
         self.stop = asyncio.Event()
 
@@ -195,13 +239,26 @@ class Hostile:
         finally:
             writer.close()
 
-    async def loop_requests(self, name: str, path: str, token: str | None) -> None:
+    async def loop_requests(self, name: str, path: str, token: str | None, count_asked: bool = False) -> None:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
             while not self.stop.is_set():
+                if count_asked:  # (an answer the server paces may not come before the phase ends)
+                    self.counts[f"{name}: asked"] += 1
                 writer.write(request("GET", path, token))
                 status, _ = await answer(reader)
                 self.counts[f"{name}: {status}"] += 1
+        finally:
+            writer.close()
+
+    async def book_at_cap(self) -> None:
+        """One more booking, again and again, on one connection: each refused at the owner's cap."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            while not self.stop.is_set():
+                writer.write(request("POST", "/api/v1/bookings", self.token, flood_body(10_000)))
+                status, _ = await answer(reader)
+                self.counts[f"booking at the cap: {status}"] += 1
         finally:
             writer.close()
 
@@ -226,8 +283,21 @@ class Hostile:
         tasks += [self.forever("log page", lambda: self.loop_requests("log page", page, self.token)) for _ in range(4)]
         tasks += [self.forever("stream reconnect", self.stream_storm) for _ in range(4)]
         tasks += [self.forever("metrics", lambda: self.loop_requests("metrics", "/metrics", None)) for _ in range(4)]
+        summary = "/api/v1/usage/summary"
+        tasks += [
+            self.forever(
+                "usage summary", lambda: self.loop_requests("usage summary", summary, self.summary_token, True)
+            )
+            for _ in range(2)
+        ]
+        tasks += [self.forever("booking at the cap", self.book_at_cap)]
         if only:
             tasks = [t for t in tasks if only in t.cr_frame.f_locals.get("name", "")]
+        skip = os.environ.get("HOSTILE_SKIP", "")
+        if skip:
+            for t in [t for t in tasks if skip in t.cr_frame.f_locals.get("name", "")]:
+                t.close()
+                tasks.remove(t)
         running = [asyncio.ensure_future(t) for t in tasks]
         await asyncio.sleep(seconds)
         self.stop.set()
@@ -237,9 +307,9 @@ class Hostile:
         return dict(self.counts)
 
 
-def hostile_main(host: str, port: int, token: str, seconds: float) -> None:
+def hostile_main(host: str, port: int, token: str, summary_token: str, seconds: float) -> None:
     os.nice(19)  # see the module's docstring: the load generator's own CPU must not be what is measured
-    counts = asyncio.run(Hostile(host, port, token).run(seconds))
+    counts = asyncio.run(Hostile(host, port, token, summary_token).run(seconds))
     print(json.dumps(counts), flush=True)
 
 
@@ -254,8 +324,11 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def seed(redis_url: str) -> dict[str, str]:
+async def seed(redis_url: str, summary_users: int) -> tuple[dict[str, str], int]:
+    """Nodes, tokens, the event log, and a week of hourly usage rows of ``summary_users`` users
+    (what GET /usage/summary reads by default); returns the tokens and the rows written."""
     from lease_server.leasing.lease import LeaseStore
+    from lease_server.store import rollup
     from lease_server.store.engine import Engine, connect
     from lease_server.store.keys import Keys
 
@@ -267,26 +340,42 @@ async def seed(redis_url: str) -> dict[str, str]:
             data = {"ts": 1_700_000_000_000 + i, "lease": f"l-seed{i:07d}", "user": "seed", "pool": "A100-80GB"}
             pipe.xadd(Keys(PREFIX).events, {"type": "grant", "data": json.dumps(data)})
         await pipe.execute()
+        keys, now_h = Keys(PREFIX), int(time.time() * 1000) // rollup.HOUR_MS
+        rows = 0
+        for hour in range(now_h - 7 * 24, now_h):
+            pipe = r.pipeline(transaction=False)
+            names = [rollup.field(hour, POOL, f"u{u:04d}") for u in range(summary_users)]
+            row = json.dumps({**rollup.empty(), "n": 2, "held": 5400.0, "sampled": 5400.0, "used": 3600.0})
+            pipe.hset(keys.rollup, mapping=dict.fromkeys(names, row))
+            pipe.zadd(keys.rollup_idx, dict.fromkeys(names, 0))
+            await pipe.execute()
+            rows += len(names)
     finally:
         await r.aclose()
-    return await _common.make_tokens(redis_url, PREFIX, {"ann": "user", "mallory": "user"})
+    tokens = await _common.make_tokens(redis_url, PREFIX, {"ann": "user", "mallory": "user", "eve": "user"})
+    return tokens, rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quiet-s", type=float, default=10.0)
-    ap.add_argument("--hostile-s", type=float, default=12.0)
-    ap.add_argument("--hostile", nargs=3, metavar=("HOST", "PORT", "TOKEN"), help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="short phases and fewer seeded rows (about a minute)")
+    ap.add_argument("--quiet-s", type=float, default=None, help="each quiet phase (default 10 s; --quick 1.5)")
+    ap.add_argument("--hostile-s", type=float, default=None, help="the hostile phase (default 12 s; --quick 3)")
+    ap.add_argument("--hostile", nargs=4, metavar=("HOST", "PORT", "TOKEN", "SUMMARY_TOKEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quiet_s is None:
+        args.quiet_s = 1.5 if args.quick else 10.0
+    if args.hostile_s is None:
+        args.hostile_s = 3.0 if args.quick else 12.0
     if args.hostile:
-        hostile_main(args.hostile[0], int(args.hostile[1]), args.hostile[2], args.hostile_s)
+        hostile_main(args.hostile[0], int(args.hostile[1]), args.hostile[2], args.hostile[3], args.hostile_s)
         return
     out: dict[str, Any] = {}
     from lease_server.node.redis_proc import free_port
 
     with _common.private_redis("gpulease-hostile-") as (redis, tmp):
-        _common.announce(out, "hostile_bench", False, redis)
-        tokens = asyncio.run(seed(redis.url))
+        _common.announce(out, "hostile_bench", args.quick, redis)
+        tokens, summary_rows = asyncio.run(seed(redis.url, SUMMARY_USERS_QUICK if args.quick else SUMMARY_USERS))
         port = free_port()
         log_path = tmp / "server.log"
         with open(log_path, "wb") as log:
@@ -309,6 +398,10 @@ def main() -> None:
             host = "127.0.0.1"
             asyncio.run(grants(host, port, tokens["ann"], 1.0))  # warm up
             quiet = asyncio.run(grants(host, port, tokens["ann"], args.quiet_s))
+            t0 = time.monotonic()
+            flood_made, flood_status, flood_code = asyncio.run(flood(host, port, tokens["mallory"]))
+            flood_s = time.monotonic() - t0
+            booked = asyncio.run(grants(host, port, tokens["ann"], args.quiet_s))
             rss_before = rss_mb(server.pid)
             hostile = subprocess.Popen(
                 [
@@ -318,6 +411,7 @@ def main() -> None:
                     host,
                     str(port),
                     tokens["mallory"],
+                    tokens["eve"],
                     "--hostile-s",
                     str(args.hostile_s + 4),
                 ],
@@ -351,9 +445,19 @@ def main() -> None:
             refusals = [ln for ln in log_path.read_text(errors="replace").splitlines() if "max_connections" in ln]
 
     q50, q99 = _common.pct(quiet, 50) * 1000, _common.pct(quiet, 99) * 1000
+    b50, b99 = _common.pct(booked, 50) * 1000, _common.pct(booked, 99) * 1000
     h50, h99 = _common.pct(loud, 50) * 1000, _common.pct(loud, 99) * 1000
     ratio = h99 / q99
     _common.say(f"quiet grant (acquire + release) p50 {q50:.2f} ms, p99 {q99:.2f} ms over {len(quiet)} grants")
+    _common.say(
+        f"booking flood: mallory made {flood_made} bookings of pool {POOL} in {flood_s:.1f} s, then was refused "
+        f"{flood_status} {flood_code}"
+    )
+    _common.say(
+        f"grant beside her bookings p50 {b50:.2f} ms, p99 {b99:.2f} ms over {len(booked)} grants "
+        f"(booked_grant_p99_ratio {b99 / q99:.2f})"
+    )
+    _common.say(f"usage rows a summary reads (the default week): {summary_rows}")
     _common.say(f"hostile grant p50 {h50:.2f} ms, p99 {h99:.2f} ms over {len(loud)} grants")
     for name, n in sorted(counts.items()):
         _common.say(f"  hostile {name}: {n}")
@@ -366,7 +470,9 @@ def main() -> None:
     out.update(
         {
             "hostile_grant_p99_ratio": round(ratio, 2),
+            "booked_grant_p99_ratio": round(b99 / q99, 2),
             "quiet_grant_p99_ms": round(q99, 2),
+            "booked_grant_p99_ms": round(b99, 2),
             "hostile_grant_p99_ms": round(h99, 2),
             "quiet_grant_p50_ms": round(q50, 2),
             "hostile_grant_p50_ms": round(h50, 2),
@@ -375,6 +481,11 @@ def main() -> None:
             "server_rss_growth_mb": round(max(peak) - rss_before, 1),
             "server_rss_mb": round(rss_before, 1),
             "hostile_answers": counts,
+            "flood_bookings": flood_made,
+            "flood_refusal": f"{flood_status} {flood_code}",
+            "flood_s": round(flood_s, 2),
+            "summary_rows": summary_rows,
+            "quick": args.quick,
         }
     )
     print(_common.json_line(out, first=TARGETS), flush=True)
