@@ -84,9 +84,10 @@ UP_SOCKET = "api.sock"  # gpulease up's Unix socket, in its data dir (0700)
 def up_socket(url: str, token: str) -> str | None:
     """``gpulease up``'s Unix socket, for a client of up's own server: the path that up's
     JupyterLab and kernels are given (``GPULEASE_SOCKET``, with ``GPULEASE_URL``), or, for up's
-    own tokens, the one in its data dir. No other user may bind a path there, as anyone may bind a
-    TCP port while the server is down. None for any other server, or where the socket is not
-    this user's (up is down, or of an earlier release)."""
+    own tokens, the one in its data dir; or a deployment's shared socket (``unix_socket``) given
+    the same way. No other user may bind a path there, as anyone may bind a TCP port while the
+    server is down. None for any other server, or where the socket is neither this user's nor a
+    deployment's (up is down, or of an earlier release)."""
     given = os.environ.get("GPULEASE_SOCKET", "")
     if given and os.environ.get("GPULEASE_URL", "").rstrip("/") == url.rstrip("/"):
         path = Path(given)
@@ -102,9 +103,23 @@ def up_socket(url: str, token: str) -> str | None:
         st = path.stat()
     except OSError:
         return None
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+    if not stat.S_ISSOCK(st.st_mode):
         return None
-    return str(path)
+    if given and path != DEFAULT_HOME / UP_SOCKET:  # given: whoever's it is, in a folder only they may write
+        return str(path) if _deployment_socket(path, st) else None
+    return str(path) if st.st_uid == os.geteuid() else None
+
+
+def _deployment_socket(path: Path, st: os.stat_result) -> bool:
+    """Whether ``path``, given as ``GPULEASE_SOCKET``, is safe to send a token to: this user's,
+    root's or ``GPULEASE_SERVER_UID``'s (up's socket, a deployment's ``unix_socket``), in a folder
+    of theirs that nobody else may write, so that no other account can have put it there."""
+    owners = {0, os.geteuid(), _server_uid() or 0}
+    try:
+        folder = path.parent.stat()
+    except OSError:
+        return False
+    return st.st_uid in owners and folder.st_uid in owners and not folder.st_mode & 0o022
 
 
 def _local_targets(host: str, port: int) -> set[str]:

@@ -301,3 +301,20 @@ def test_a_slice_whose_agent_does_not_answer_does_not_run():
         worker._claim(watch, env)
     del env[slices.MEM_ENV]
     assert worker._claim(watch, env) is None  # a whole GPU: runs, its watchdog the backstop (as before)
+
+
+def test_clients_given_the_shared_socket_use_it(server_factory, sock_dir, monkeypatch):
+    """GPULEASE_SOCKET with GPULEASE_URL (what a Hub gives its single-user servers and kernels)
+    sends a client's requests to the deployment's socket, so the server names their account; a
+    socket in a folder that others may write is never used."""
+    from lease_server.client import Client
+
+    path = str(sock_dir / "api.sock")
+    srv = server_factory(simulate="n1=1xA100-80GB", multi_user=True, unix_socket=path)
+    monkeypatch.setenv("GPULEASE_URL", srv.url)
+    monkeypatch.setenv("GPULEASE_SOCKET", path)
+    with Client(srv.url, srv.token("root", "admin")) as c:
+        assert c.guard.uds == path and c.whoami()["user"] == "root"
+    sock_dir.chmod(0o777)  # anyone could have put a socket there: TCP, and the listener check
+    with Client(srv.url, srv.token("root", "admin")) as c:
+        assert c.guard.uds is None and c.whoami()["user"] == "root"
