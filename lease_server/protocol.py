@@ -109,11 +109,14 @@ def booking_end(booking_id: str) -> str:
     return f"{booking(booking_id)}/end"
 
 
-# The bookings' paths of the first releases (/reservations, /reservations/{id}, .../end): still
-# served for one release, each answer with a Deprecation header (RFC 9745) and a Link to its
-# successor under BOOKINGS.
+# The bookings' paths of the first releases (/reservations, /reservations/{id}, .../end): served
+# through release 0.1.x, each answer with a Deprecation header (RFC 9745), a Sunset header (RFC
+# 8594: when they stop answering) and a Link to its successor under BOOKINGS; release REMOVED_IN
+# no longer has them.
 DEPRECATED_RESERVATIONS = f"{API}/reservations"
 DEPRECATED_SINCE = 1795737600  # 2026-11-27T00:00:00Z, the Deprecation header's date (epoch seconds)
+SUNSET = 1803859200  # 2027-03-01T00:00:00Z, the Sunset header's date (epoch seconds)
+REMOVED_IN = "0.2.0"  # the first release without them
 
 
 def deprecated_reservation(booking_id: str) -> str:

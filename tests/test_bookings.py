@@ -7,6 +7,7 @@ a virtual clock is needed to move past a no-show deadline)."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import re
 import threading
@@ -89,9 +90,13 @@ OLD = f"{API}/reservations"  # the paths of the first releases, deprecated
 
 
 def _deprecated_for(resp, successor):
-    """The RFC 9745 headers of a deprecated path's answer: since when, and the path that replaces it."""
+    """The RFC 9745 headers of a deprecated path's answer: since when, until when (RFC 8594's
+    Sunset, an HTTP-date after the Deprecation date), and the path that replaces it."""
     assert resp.headers["Deprecation"] == f"@{protocol.DEPRECATED_SINCE}", resp.headers
     assert re.fullmatch(r"@-?\d+", resp.headers["Deprecation"])  # a Structured Field Date
+    assert resp.headers["Sunset"] == "Mon, 01 Mar 2027 00:00:00 GMT", resp.headers
+    sunset = email.utils.parsedate_to_datetime(resp.headers["Sunset"]).timestamp()
+    assert sunset == protocol.SUNSET > protocol.DEPRECATED_SINCE
     assert resp.headers["Link"] == f'<{successor}>; rel="successor-version"'
 
 
@@ -105,7 +110,7 @@ def test_old_reservation_paths_answer_as_before_and_say_they_are_deprecated(serv
         assert resp.headers["Location"] == f"{OLD}/{made['id']}"  # where an old client reads it back
         _deprecated_for(resp, f"{API}/bookings")
         new = alice.get(f"{API}/bookings/{made['id']}")
-        assert "Deprecation" not in new.headers and "Link" not in new.headers
+        assert "Deprecation" not in new.headers and "Sunset" not in new.headers and "Link" not in new.headers
         assert made == new.json()
 
         window = {"from": MONDAY - HOUR, "to": MONDAY + 5 * HOUR}
@@ -143,7 +148,8 @@ def test_old_reservation_paths_answer_as_before_and_say_they_are_deprecated(serv
 
         for path in (f"{API}/bookings", f"{API}/bookings/{made['id']}", f"{API}/bookings/r-nosuch/end"):
             for resp in (alice.get(path), alice.post(path, json={})):
-                assert "Deprecation" not in resp.headers and "successor-version" not in resp.headers.get("Link", "")
+                assert "Deprecation" not in resp.headers and "Sunset" not in resp.headers
+                assert "successor-version" not in resp.headers.get("Link", "")
 
 
 def test_client_methods_of_earlier_releases_warn_and_still_work(server_factory):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import email.utils
 import functools
 import json
 import logging
@@ -541,15 +542,17 @@ class BookingEndHandler(BaseHandler):
 
 
 class Deprecated(BaseHandler):
-    """A path of the first releases, /reservations[/{id}[/end]], served for one release as before,
-    with its successor under /bookings named in every answer (errors too: tornado sets the
-    default headers again before an error's body), as RFC 9745 has it: ``Deprecation`` holds the
-    date from which it is deprecated as a Structured Field Date (``@`` and epoch seconds), and a
-    ``Link`` with ``rel="successor-version"`` names the path that replaces it."""
+    """A path of the first releases, /reservations[/{id}[/end]], served as before until release
+    ``protocol.REMOVED_IN``, with its successor under /bookings named in every answer (errors too:
+    tornado sets the default headers again before an error's body), as RFC 9745 has it:
+    ``Deprecation`` holds the date from which it is deprecated as a Structured Field Date (``@``
+    and epoch seconds), ``Sunset`` (RFC 8594, an HTTP-date) when it stops answering, and a ``Link``
+    with ``rel="successor-version"`` names the path that replaces it."""
 
     def set_default_headers(self) -> None:
         super().set_default_headers()
         self.set_header("Deprecation", f"@{protocol.DEPRECATED_SINCE}")
+        self.set_header("Sunset", email.utils.formatdate(protocol.SUNSET, usegmt=True))
         old = protocol.DEPRECATED_RESERVATIONS
         successor = protocol.BOOKINGS + self.request.path[len(old) :]  # the route matched old + [/id[/end]]
         self.set_header("Link", f'<{successor}>; rel="successor-version"')

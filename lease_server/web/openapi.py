@@ -15,7 +15,7 @@ import enum
 import typing
 from typing import Annotated, Any, NotRequired, Required, get_args, get_origin, get_type_hints, is_typeddict
 
-from .. import __version__
+from .. import __version__, protocol
 from ..config import Settings
 from ..leasing import bodies as request_bodies
 from ..leasing import params
@@ -622,11 +622,17 @@ def _booking_paths(bodies: Bodies, base: str, id_param: dict[str, Any], listed_a
 
 
 # RFC 9745: a deprecated resource's answers carry Deprecation (a Structured Field Date, "@" and
-# epoch seconds: since when) and, here, a Link to the path that succeeds it.
+# epoch seconds: since when), RFC 8594's Sunset (an HTTP-date: when it stops answering) and, here,
+# a Link to the path that succeeds it.
 DEPRECATION_HEADERS = {
     "Deprecation": {
         "description": "RFC 9745: this path is deprecated since this date (a Structured Field Date)",
         "schema": {"type": "string", "pattern": "^@-?[0-9]+$"},
+    },
+    "Sunset": {
+        "description": "RFC 8594: this path stops answering at this date (an HTTP-date); release "
+        f"{protocol.REMOVED_IN} no longer has it",
+        "schema": {"type": "string"},
     },
     "Link": {
         "description": 'The path that replaces it: <PATH>; rel="successor-version"',
@@ -640,7 +646,7 @@ def _deprecated(paths: dict[str, Any], successor: str) -> dict[str, Any]:
     for item in paths.values():
         for op in item.values():
             op["deprecated"] = True
-            op["summary"] = f"Deprecated, use {successor}: {op['summary']}"
+            op["summary"] = f"Deprecated (gone in release {protocol.REMOVED_IN}), use {successor}: {op['summary']}"
             for response in op["responses"].values():
                 response["headers"] = DEPRECATION_HEADERS
     return paths
@@ -661,7 +667,7 @@ def openapi_document(settings: Settings | None = None) -> dict[str, Any]:
     v = params
     paths: dict[str, Any] = {
         **_booking_paths(bodies, "/api/v1/bookings", BOOKING_ID, "bookings"),
-        # The paths of the first releases: the same operations, for one release more (deprecated).
+        # The paths of the first releases: the same operations, until release protocol.REMOVED_IN (deprecated).
         **_deprecated(
             _booking_paths(bodies, "/api/v1/reservations", RESERVATION_ID, "reservations"), "/api/v1/bookings"
         ),
