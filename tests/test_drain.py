@@ -27,7 +27,7 @@ from click.testing import CliRunner
 
 from lease_server import errors
 from lease_server.cli import main
-from lease_server.node.drain import start_ticks
+from lease_server.procs import start_ticks
 from tests.api_helpers import EventWatcher
 from tests.invariants import check_event_log, check_state, read_events
 

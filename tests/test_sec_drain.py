@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from lease_server import errors
+from lease_server import errors, procs
 from lease_server.cli import main
 from lease_server.node import claims
 from tests.api_helpers import EventWatcher
@@ -205,7 +205,7 @@ def test_a_claimed_worker_and_its_children_share_the_leases_cgroup_and_end_with_
         drained = watcher.wait_for(lambda e: e["type"] == "drained" and e["lease"] == lease.id, 20, "drained")
         parent.wait(5)
         assert drained["killed"] == 2
-        assert claims.start_ticks(child_pid) is None  # ended (or a zombie of its ended parent)
+        assert procs.start_ticks(child_pid) is None  # ended (or a zombie of its ended parent)
     finally:
         parent.kill()
     check(srv, redis_sync)

@@ -154,8 +154,8 @@ def test_a_child_that_never_claimed_the_lease_is_measured_with_it() -> None:
     claimed worker in the process tree, and its memory counts against the slice."""
     import os
 
-    from lease_server.node.claims import process_uid, start_ticks
     from lease_server.node.memwatch import running_pids
+    from lease_server.procs import start_ticks, uid
 
     code = (
         "import subprocess, sys\n"
@@ -170,7 +170,7 @@ def test_a_child_that_never_claimed_the_lease_is_measured_with_it() -> None:
         kid = int(worker.stdout.readline())
         claimed = Watched("L1", 7, "A100-80GB", (0,), 1024, ((worker.pid, start_ticks(worker.pid), os.getuid()),))
         assert sorted(running_pids(claimed)) == sorted([worker.pid, kid])
-        assert process_uid(kid) == os.getuid()
+        assert uid(kid) == os.getuid()
         # another user's claim names other owners: the child is not counted as theirs
         other = Watched("L2", 8, "A100-80GB", (0,), 1024, ((worker.pid, start_ticks(worker.pid), os.getuid() + 1),))
         assert running_pids(other) == [worker.pid]
@@ -198,9 +198,9 @@ def test_a_slices_drain_on_an_nvml_node_ends_when_its_processes_are_off_the_gpu(
     that named no process beside neighbours that stay (freed after abandon_after_s)."""
     import os
 
-    from lease_server.node.claims import start_ticks
     from lease_server.node.drain import Drainer, Draining, Proc
     from lease_server.node.enforce import Enforcer
+    from lease_server.procs import start_ticks
 
     now = [0.0]
     drainer = Drainer(Enforcer(clock=lambda: now[0]), grace_s=1.0, abandon_after_s=30.0)

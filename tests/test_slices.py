@@ -26,7 +26,7 @@ import pytest
 from lease_server import errors
 from lease_server.cli.events import describe
 from lease_server.client import Client, Lease
-from lease_server.node.claims import start_ticks
+from lease_server.procs import start_ticks
 from lease_server.sizes import GpuMem, parse_gpu_mem
 from lease_server.store.keys import Keys
 from tests.api_helpers import EventWatcher
@@ -927,7 +927,7 @@ def test_a_daemon_that_left_its_workers_tree_is_held_to_its_slice(server_factory
     init, so the agent, which keeps no cgroup here, never measured it, and it outlived the lease.
     The worker now keeps it below itself (a subreaper): it is measured with the slice, which is
     ended for it, and the drain ends it with the worker, and waits for it when it outlives it."""
-    from lease_server.node.claims import stat_fields
+    from lease_server.procs import stat_fields
     from tests.test_drain import claim_line
 
     srv = _one_slice_box(server_factory)

@@ -955,7 +955,7 @@ def _suspend_on(server: Any, node: str, user: str, lease: str, gb: float, worker
 
     import redis
 
-    from lease_server.node.claims import start_ticks
+    from lease_server.procs import start_ticks
     from lease_server.store.keys import Keys
 
     entry = {

@@ -23,13 +23,13 @@ from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
-from .. import errors, protocol
+from .. import errors, procs, protocol
 from ..leasing.inventory import Gpu, NodeInventory, default_node_name, register
 from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_sample
 from ..store.engine import Engine
 from ..store.layout import LAYOUT
 from .cgroup import DeviceIsolation, Unavailable
-from .claims import AsyncClaims, Claim, Peer, ThreadClaims, account_name, process_uid
+from .claims import AsyncClaims, Claim, Peer, ThreadClaims, account_name
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, nvidia_majors, uses_gpu_device
 from .memwatch import MemWatch, Watched, judge_pass, resident_mb, watch_pass, watched_from_json
@@ -345,7 +345,7 @@ def name_owners(gpus: list[dict[str, Any]], real: bool) -> list[dict[str, Any]]:
     for g in gpus:
         uids = []
         for pid in g.get("procs", []):
-            uid = process_uid(int(pid))
+            uid = procs.uid(int(pid))
             if uid is None or (majors is not None and not uses_gpu_device(int(pid), majors)):
                 uid = -1
             uids.append(uid)

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import socketserver
 import struct
@@ -35,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import errors
+from .. import errors, procs
 from ..store.keys import NAME_RE
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,6 @@ log = logging.getLogger(__name__)
 LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_MESSAGE = 4096  # one claim: a lease id, two tokens, a user name, a few GPU indexes, a flag
 TIMEOUT_S = 5.0  # to read a whole claim, however it trickles in
-PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5: a pidfd of the connected process
 MAX_OPEN_PER_UID = 8  # claim connections one uid may hold open at once (a worker makes one)
 MAX_OPEN = 256  # and all uids together: the socket never takes the process's file descriptors
@@ -64,23 +62,6 @@ class Peer:
     start: int  # clock ticks since boot (/proc/PID/stat field 22)
 
 
-def stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name (which may hold spaces): [state, ppid, ...]; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def start_ticks(pid: int) -> int | None:
-    """Process ``pid``'s start time (clock ticks since boot); None when it is gone or a zombie."""
-    rest = stat_fields(pid)
-    if rest is None or rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19])
-
-
 def account_name(uid: int) -> str | None:
     """The unix account of ``uid`` on this host (None: it has no name here)."""
     import pwd
@@ -91,24 +72,6 @@ def account_name(uid: int) -> str | None:
         return None
 
 
-def process_uid(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def _ancestors(pid: int) -> set[int]:
-    out: set[int] = set()
-    while pid > 1 and pid not in out:
-        out.add(pid)
-        rest = stat_fields(pid)
-        if rest is None:
-            break
-        pid = int(rest[1])
-    return out
-
-
 # Services of this host the agent must never end, pid -> (start time, whether their direct children
 # are services too): under ``gpulease up``, Redis, JupyterLab and ``ray start`` (whose children are
 # Ray's daemons; Ray's workers are the raylet's children, and may be ended).
@@ -117,17 +80,17 @@ _PROTECTED: dict[int, tuple[int, bool]] = {}
 
 def protect(pid: int, children: bool = False) -> None:
     """Never end ``pid`` (nor, with ``children``, its direct children) from this process's agent."""
-    start = start_ticks(pid)
+    start = procs.start_ticks(pid)
     if start is not None:
         _PROTECTED[pid] = (start, children)
 
 
 def _protected(pid: int, rest: list[str]) -> bool:
     mine = _PROTECTED.get(pid)
-    if mine is not None and start_ticks(pid) == mine[0]:
+    if mine is not None and procs.start_ticks(pid) == mine[0]:
         return True
-    parent = _PROTECTED.get(int(rest[1]))
-    return parent is not None and parent[1] and start_ticks(int(rest[1])) == parent[0]
+    parent = _PROTECTED.get(int(rest[procs.PPID]))
+    return parent is not None and parent[1] and procs.start_ticks(int(rest[procs.PPID])) == parent[0]
 
 
 def refusal(pid: int, uid: int | None = None) -> str | None:
@@ -135,16 +98,16 @@ def refusal(pid: int, uid: int | None = None) -> str | None:
     the agent itself or any of its ancestors, a service of the host (:func:`protect`: Redis, Ray's
     daemons, JupyterLab), or, for an agent that is not root, another user's process (it could
     not end it anyway)."""
-    rest = stat_fields(pid)
+    rest = procs.stat_fields(pid)
     if rest is None:
         return "gone"
-    if int(rest[6]) & PF_KTHREAD:
+    if procs.kernel_thread(rest):
         return "a kernel thread"
-    if pid <= 1 or pid in _ancestors(os.getpid()):
+    if pid <= 1 or pid in procs.ancestors(os.getpid()):
         return "the node agent or one of its parents"
     if _protected(pid, rest):
         return "a service the node agent started (Redis, Ray, JupyterLab)"
-    owner = process_uid(pid) if uid is None else uid
+    owner = procs.uid(pid) if uid is None else uid
     if owner is None:
         return "gone"
     if os.geteuid() != 0 and owner != os.geteuid():
@@ -155,7 +118,7 @@ def refusal(pid: int, uid: int | None = None) -> str | None:
 def peer_of(sock: socket.socket) -> Peer | None:
     """The connected process (pid, uid from SO_PEERCRED; its start time), None once it is gone."""
     pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    start = start_ticks(pid)
+    start = procs.start_ticks(pid)
     if start is None:
         return None
     return Peer(pid, uid, start)
@@ -164,7 +127,7 @@ def peer_of(sock: socket.socket) -> Peer | None:
 class Caller:
     """The process at the other end of a claim connection, read when the connection is accepted
     (before its claim, which it may take seconds to send): its pid, uid and start time, and, where
-    the kernel gives one (``SO_PEERPIDFD``), a pidfd of that very process.
+    the kernel gives one (``SO_PEERPIDFD``), a pidfd of that very process (:attr:`held`).
 
     A pid is only a number. A process that connects, then exits while a child of its keeps the
     connection open, could have its pid reused by another user's process before the claim arrives;
@@ -173,31 +136,24 @@ class Caller:
 
     def __init__(self, sock: socket.socket) -> None:
         self.first = peer_of(sock)
-        self.pidfd: int | None = None
+        self.held: procs.Held | None = None
         if self.first is not None:
+            fd: int | None = None
             with contextlib.suppress(OSError):
-                self.pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+                fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+            self.held = procs.Held(self.first.pid, fd, self.first.start)
 
     def peer(self) -> Peer | None:
         p = self.first
-        if p is None:
-            return None
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, 0)
-            except ProcessLookupError:
-                return None  # it exited: its pid may name another process now
-            except OSError:
-                pass  # EPERM: alive, another user's (an agent that is not root)
-        if start_ticks(p.pid) != p.start or process_uid(p.pid) != p.uid:
+        if p is None or self.held is None or self.held.gone():
+            return None  # it exited: its pid may name another process now
+        if procs.start_ticks(p.pid) != p.start or procs.uid(p.pid) != p.uid:
             return None
         return p
 
     def close(self) -> None:
-        if self.pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.pidfd)
-            self.pidfd = None
+        if self.held is not None:
+            self.held.close()
 
 
 class Gate:
@@ -330,7 +286,7 @@ def holder(addr: str) -> tuple[int, int] | None:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                        uid = process_uid(int(pid))
+                        uid = procs.uid(int(pid))
                         return int(pid), -1 if uid is None else uid
     return None
 
@@ -549,7 +505,7 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 def keep_orphans() -> bool:
     """Keep this process's descendants in its tree, however they leave their parent: made a child
     subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), it, not init, adopts every orphan below it. A
-    claimer calls it once claimed, so that :func:`descendants` of the claimed process finds all
+    claimer calls it once claimed, so that :func:`procs.descendants` of the claimed process finds all
     that a cell started, which the agent measures against its slice and its drain ends, where it
     keeps no cgroup too (an agent that is not root, a simulated node): a daemon's double fork (a
     real cell's did, and held 1.4 GB unmeasured past its lease) stays under its worker.
@@ -568,28 +524,3 @@ def keep_orphans() -> bool:
         return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
-
-
-def descendants(pids: list[int]) -> list[int]:
-    """Every process below ``pids`` in the process tree (``/proc/PID/task/TID/children``); those
-    that exit meanwhile are skipped."""
-    found: list[int] = []
-    todo, seen = list(pids), set(pids)
-    while todo and len(found) < 4096:  # (a fork bomb's tree is not walked whole)
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            for kid in kids:
-                if kid not in seen:
-                    seen.add(kid)
-                    found.append(kid)
-                    todo.append(kid)
-    return found

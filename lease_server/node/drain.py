@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import errors
+from .. import errors, procs
 from ..store.engine import Engine
 from ..store.scripts import DrainAbandon, Drained, LeaseRecord, Procs
-from .claims import Claim, Peer, descendants, process_uid, refusal, start_ticks
+from .claims import Claim, Peer, refusal
 from .enforce import Enforcer, uses_gpu_device
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # uninterruptible sleep in a driver call, a zombie NVML still lists): the GPU is flagged instead.
 ABANDON_AFTER_S = 30.0
 
-__all__ = ["Drainer", "Draining", "abandon", "drained", "draining_of", "record_claim", "start_ticks"]
+__all__ = ["Drainer", "Draining", "abandon", "drained", "draining_of", "record_claim"]
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ async def record_claim(engine: Engine, claim: Claim, user: str, peer: Peer, acco
 def still_runs(p: Proc) -> bool:
     """Whether the claimed process (pid, start) runs: the same pid with another start time is
     another process, which is never touched. An entry without a start time is never acted on."""
-    return p.start != 0 and start_ticks(p.pid) == p.start
+    return p.start != 0 and procs.start_ticks(p.pid) == p.start
 
 
 @dataclass
@@ -268,10 +268,10 @@ class Drainer:
                 # GPU, or, with neighbours there, after abandon_after_s: whose they are is not known.
                 remaining = [p for p in e.pids if still_runs(p)]
                 seen = {p.pid for p in remaining}
-                kin = descendants([p.pid for p in remaining])  # a cell's children, which claim nothing
+                kin = procs.descendants([p.pid for p in remaining])  # a cell's children, which claim nothing
                 known = self.kin.setdefault((node, e.lease, e.index), {})
                 for pid in [*kin, *(in_cgroup(e.lease) if in_cgroup is not None else [])]:
-                    start, uid = start_ticks(pid), process_uid(pid)
+                    start, uid = procs.start_ticks(pid), procs.uid(pid)
                     if pid not in seen and start is not None and uid is not None and uid in {p.uid for p in e.pids}:
                         seen.add(pid)
                         remaining.append(Proc(pid, start, uid))
@@ -295,7 +295,7 @@ class Drainer:
                     )
             elif nvml_procs is not None:
                 for pid in nvml_procs(e.index):
-                    start, uid = start_ticks(pid), process_uid(pid)
+                    start, uid = procs.start_ticks(pid), procs.uid(pid)
                     # NVML lists it, /proc does not (yet): exiting, or in another pid namespace
                     remaining.append(Proc(pid, start or 0, -1 if uid is None else uid))
             else:
@@ -303,7 +303,7 @@ class Drainer:
                 seen = {p.pid for p in remaining}
                 uids = {p.uid for p in e.pids}
                 for pid in in_cgroup(e.lease) if in_cgroup is not None else []:
-                    start, uid = start_ticks(pid), process_uid(pid)
+                    start, uid = procs.start_ticks(pid), procs.uid(pid)
                     if pid not in seen and start is not None and uid is not None and uid in uids:
                         remaining.append(Proc(pid, start, uid))
             if not remaining:
@@ -350,7 +350,7 @@ class Drainer:
         why = refusal(p.pid)
         if why is not None:
             return f"not ended: {why}"
-        if p.uid >= 0 and process_uid(p.pid) != p.uid:
+        if p.uid >= 0 and procs.uid(p.pid) != p.uid:
             return "not ended: its owner changed since it claimed the lease"
         if verify is not None and not verify(e.index, p.pid):
             return None  # gone from the GPU meanwhile: the next pass finds it clean

@@ -9,7 +9,8 @@ The lease server decides (``reclaim.agent_samples``): it answers each sample wit
    node kills only the pids its own simulated GPUs report, and a server cannot name any other
    process of the machine), that the pid is not 0, 1 or the agent itself, and, with NVML, that
    the process still runs on that GPU and, seen from the agent, has an NVIDIA device open;
-2. sends SIGTERM, through a pidfd where Linux has them (a pid reused meanwhile cannot be hit);
+2. sends SIGTERM, through a pidfd where Linux has them (a pid reused meanwhile cannot be hit;
+   ``lease_server/procs.py`` holds the process);
 3. sends SIGKILL if it is still alive ``unleased_kill_grace_s`` later.
 
 Each signal sent (or refused by the OS) becomes a report ``{index, pid, user, signal, grace_s |
@@ -23,7 +24,6 @@ import contextlib
 import logging
 import os
 import pwd
-import select
 import signal
 import stat
 import time
@@ -31,16 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .claims import refusal, start_ticks
+from .. import procs
+from .claims import refusal
 
 log = logging.getLogger(__name__)
 
 
 def process_user(pid: int) -> str:
     """The user name of the process's owner ("" if it is gone), its uid if it has no name."""
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
+    uid = procs.uid(pid)
+    if uid is None:
         return ""
     try:
         return pwd.getpwuid(uid).pw_name
@@ -97,31 +97,9 @@ class _Signalled:
     index: int
     pid: int
     user: str
-    pidfd: int | None
+    held: procs.Held
     due: float
     why: str = "unleased"  # or "drain": the GPU's lease was ended by the server (lease_server/node/drain.py)
-
-    def gone(self) -> bool:
-        if self.pidfd is not None:
-            # A pidfd turns readable once its process has exited (a zombie counts as exited).
-            return bool(select.select([self.pidfd], [], [], 0)[0])
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except (OSError, IndexError):
-            return True
-
-    def send(self, sig: signal.Signals) -> None:
-        if self.pidfd is not None:
-            signal.pidfd_send_signal(self.pidfd, sig)
-        else:
-            os.kill(self.pid, sig)
-
-    def close(self) -> None:
-        if self.pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.pidfd)
-            self.pidfd = None
 
 
 class Enforcer:
@@ -182,28 +160,21 @@ class Enforcer:
     ) -> dict[str, Any] | None:
         """SIGTERM ``pid`` (SIGKILL at the :meth:`tick` after ``grace``); the report, None if it is
         already gone. ``start``: the process's start time as the caller checked it; the pidfd is
-        opened first and the start time read again after, so a pid reused between the caller's
-        checks and the signal is never hit."""
+        opened first and the start time read again after (:func:`procs.hold`), so a pid reused
+        between the caller's checks and the signal is never hit."""
         user = process_user(pid)
-        pidfd: int | None = None
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return None  # gone already
-        except (AttributeError, OSError):  # no pidfd on this kernel: plain kill
-            pidfd = None
-        proc = _Signalled(node, index, pid, user, pidfd, self.clock() + grace, why)
-        if proc.gone() or (start is not None and start_ticks(pid) != start):  # exited, or another process now
-            proc.close()
+        held = procs.hold(pid, start)
+        if held is None:  # exited, or another process now
             return None
+        proc = _Signalled(node, index, pid, user, held, self.clock() + grace, why)
         report: dict[str, Any] = {"index": index, "pid": pid, "user": user, "signal": "SIGTERM", "grace_s": grace}
         try:
-            proc.send(signal.SIGTERM)
+            held.send(signal.SIGTERM)
         except ProcessLookupError:
-            proc.close()
+            held.close()
             return None
         except OSError as exc:  # e.g. an agent that is not root, and another user's process
-            proc.close()
+            held.close()
             log.warning("cannot SIGTERM unleased pid %s on %s GPU %s: %s", pid, node, index, exc)
             return {**report, "error": exc.strerror or str(exc)}
         if why == "unleased":
@@ -218,8 +189,8 @@ class Enforcer:
         Returns (node, report) per SIGKILL sent."""
         now, out = self.clock(), []
         for key, proc in list(self.pending.items()):
-            if proc.gone():
-                proc.close()
+            if proc.held.gone():
+                proc.held.close()
                 del self.pending[key]
                 continue
             if now < proc.due:
@@ -228,7 +199,7 @@ class Enforcer:
             if proc.why != "unleased":
                 report["drain"] = True
             try:
-                proc.send(signal.SIGKILL)
+                proc.held.send(signal.SIGKILL)
                 log.warning(
                     "SIGKILL to pid %s on %s GPU %s: still alive after its grace", proc.pid, proc.node, proc.index
                 )
@@ -237,7 +208,7 @@ class Enforcer:
                 pass
             except OSError as exc:
                 out.append((proc.node, {**report, "error": exc.strerror or str(exc)}))
-            proc.close()
+            proc.held.close()
             del self.pending[key]
         return out
 
@@ -248,5 +219,5 @@ class Enforcer:
 
     def close(self) -> None:
         for proc in self.pending.values():
-            proc.close()
+            proc.held.close()
         self.pending.clear()

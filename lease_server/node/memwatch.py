@@ -34,11 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import errors
+from .. import errors, procs
 from ..sizes import FIT_MARGIN, fitting_mb, show_mb
 from ..store.engine import Engine
 from ..store.scripts import MemPeaks, OverMemory
-from .claims import descendants, process_uid, start_ticks
 
 log = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -149,10 +148,10 @@ def running_pids(w: Watched, in_cgroup: Callable[[str], list[int]] | None = None
     child that never claimed the lease (a ``subprocess`` or ``multiprocessing`` worker of the cell)
     is measured with it, and so is a daemon whose parent exited (a double fork): the claimer made
     itself its descendants' subreaper when it claimed (claims.keep_orphans), so they stay below it."""
-    pids = [pid for pid, start, _uid in w.procs if start_ticks(pid) == start]
+    pids = [pid for pid, start, _uid in w.procs if procs.start_ticks(pid) == start]
     uids = {uid for _pid, _start, uid in w.procs}
-    for pid in [*descendants(pids), *(in_cgroup(w.lease) if in_cgroup is not None else [])]:
-        if pid not in pids and process_uid(pid) in uids:
+    for pid in [*procs.descendants(pids), *(in_cgroup(w.lease) if in_cgroup is not None else [])]:
+        if pid not in pids and procs.uid(pid) in uids:
             pids.append(pid)
     return pids
 

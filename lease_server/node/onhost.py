@@ -31,11 +31,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from .. import errors
+from .. import errors, procs
 from ..leasing.inventory import NodeInventory
 from ..store.engine import Engine
 from ..store.scripts import Unsuspend
-from .claims import Claim, Peer, process_uid, refusal, start_ticks
+from .claims import Claim, Peer, refusal
 from .drain import Draining, drained
 from .enforce import Enforcer
 from .suspend import Snapshot, Suspender, SuspendFailed, fits, show_bytes
@@ -94,12 +94,12 @@ class OnHost:
         return rest
 
     async def _suspend(self, node: str, e: Draining, suspender: Suspender) -> bool:
-        running = [p for p in e.pids if p.start and start_ticks(p.pid) == p.start]
+        running = [p for p in e.pids if p.start and procs.start_ticks(p.pid) == p.start]
         if len(running) != 1 or len(e.pids) != 1:
             return False  # gone (the drain finds it clean) or several: ended as before
         p = running[0]
         why = refusal(p.pid)
-        if why is None and p.uid >= 0 and process_uid(p.pid) != p.uid:
+        if why is None and p.uid >= 0 and procs.uid(p.pid) != p.uid:
             why = "its owner changed since it claimed the lease"
         if why is not None:
             log.warning("not suspending pid %s of lease %s: %s", p.pid, e.lease, why)
@@ -140,7 +140,7 @@ class OnHost:
         kept = []
         for w in workers:
             pid, start = int(w["pid"]), int(w.get("start") or 0)
-            if not start or start_ticks(pid) != start:
+            if not start or procs.start_ticks(pid) != start:
                 await self._unsuspend(node, pid, "ended", "its worker process exited")
             elif w.get("until") and now_ms >= float(w["until"]):
                 await self._drop(node, w, "kept suspended past warm_max with no cell")
@@ -162,7 +162,7 @@ class OnHost:
     def _end(self, node: str, w: dict[str, Any], why: str) -> None:
         pid, start = int(w["pid"]), int(w["start"])
         refused = refusal(pid)
-        if refused is None and int(w.get("uid", -1)) >= 0 and process_uid(pid) != int(w["uid"]):
+        if refused is None and int(w.get("uid", -1)) >= 0 and procs.uid(pid) != int(w["uid"]):
             refused = "its owner changed since it claimed the lease"
         if refused is not None:
             log.warning("suspended pid %s on %s not ended (%s): %s", pid, node, why, refused)

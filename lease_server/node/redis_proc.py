@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import procs
 from ..errors import ConfigurationError
 from ..listeners import listeners
 
@@ -91,24 +92,14 @@ def _holder(data_dir: Path, said: list[str]) -> str:
     pid = int(said[0]) if said and said[0].isdigit() else 0
     what = said[1] if len(said) > 1 and said[1].isalpha() else "up"
     redis = int(said[2]) if len(said) > 2 and said[2].isdigit() else 0
-    if pid and _alive(pid):
+    if pid and procs.alive(pid):
         return f"gpulease {what} (pid {pid}) is using {data_dir}.\n  Stop it first, or give this one --data-dir DIR."
-    if redis and _alive(redis):
+    if redis and procs.alive(redis):
         return (
             f"the Redis of a gpulease {what} that was killed (pid {pid}) still runs on {data_dir} "
             f"(pid {redis}).\n  Stop it (kill {redis}), then start again."
         )
     return f"another process holds {data_dir / LOCK_FILE} (fuser names it); stop it, or use --data-dir DIR"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def ensure_password(data_dir: str | os.PathLike[str]) -> str:
