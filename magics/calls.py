@@ -81,15 +81,6 @@ class Where:
     start: int = 0  # the process's start time (/proc/PID/stat field 22): with pid, names it for good
 
 
-def start_ticks() -> int:
-    """This process's start time in clock ticks since boot (0 where /proc cannot say)."""
-    try:
-        with open("/proc/self/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def this_machine() -> str:
     """An id of this process table: the kernel's boot id and the pid namespace."""
     import os

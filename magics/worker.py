@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from lease_server import errors, protocol
+from lease_server import errors, procs, protocol
 
 from . import fastimport, hostcopy, slices
 from .calls import (
@@ -40,7 +40,6 @@ from .calls import (
     Where,
     _tls,
     event_client,
-    start_ticks,
     this_machine,
 )
 
@@ -278,7 +277,8 @@ class GpuWorker:
         """Where this process lives (the driver watches its pid to know when it is gone)."""
         import ray
 
-        return Where(os.getpid(), this_machine(), ray.get_runtime_context().get_node_id(), start_ticks())
+        start = procs.start_ticks("self") or 0  # 0: /proc cannot say
+        return Where(os.getpid(), this_machine(), ray.get_runtime_context().get_node_id(), start)
 
     def reap(self, pid: int, uuids: list[str], indexes: list[int], start: int = 0) -> dict[str, Any]:
         """Run by a spare worker on the node of a finished call: wait until the call's process
@@ -704,58 +704,11 @@ def _die(lease_id: str, why: str) -> None:
 
 def wait_exit(pid: int, timeout: float = KILL_AFTER_S * 3, kill_after: float = KILL_AFTER_S, start: int = 0) -> bool:
     """Block until process ``pid`` (not our child) has exited; SIGKILL it after ``kill_after``.
-    True once it is gone. Uses a pidfd (Linux >= 5.3): readable the moment the process exits.
-    ``start``: its start time (:func:`calls.start_ticks`); a process under that pid that started at
-    another time is another process, which took the pid of one that is gone: never signalled."""
-    import select
-    import signal
-
-    def other(p: int) -> bool:
-        now = _start_of(p)
-        return bool(start) and now is not None and now != start
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    except OSError:  # no pidfd here: poll the process table
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not _alive(pid) or other(pid):
-                return True
-            if time.monotonic() > deadline - timeout + kill_after:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
-        return not _alive(pid)
-    try:
-        if other(pid):  # (checked once the pidfd holds whatever process the pid names now)
-            return True
-        if select.select([fd], [], [], kill_after)[0]:
-            return True
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        return bool(select.select([fd], [], [], max(0.0, timeout - kill_after))[0])
-    finally:
-        os.close(fd)
-
-
-def _start_of(pid: int) -> int | None:
-    """Process ``pid``'s start time in clock ticks since boot (/proc/PID/stat field 22), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs: a zombie (Z) or a process being reaped (X) has ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+    True once it is gone (:func:`lease_server.procs.end`: through a pidfd, readable the moment the
+    process exits). ``start``: its start time (``Where.start``, 0: unknown); a process under that
+    pid that started at another time is another process, which took the pid of one that is gone:
+    never signalled."""
+    return procs.end(pid, kill_after, timeout, start=start or None, first=None)
 
 
 def gpu_pids(uuids: list[str], indexes: list[int]) -> set[int] | None:

@@ -14,6 +14,7 @@ import pytest
 
 from lease_server import errors
 from lease_server.client import Client
+from lease_server.procs import alive as _alive
 from lease_server.sizes import show_duration
 from magics.runner import (
     GpuTrainError,
@@ -26,7 +27,6 @@ from magics.runner import (
     describe_end,
     run_cell,
 )
-from magics.worker import _alive
 from tests.conftest import Stack, Up, ray_session
 
 ray = pytest.importorskip("ray")

@@ -19,13 +19,13 @@ from IPython.core.error import UsageError
 
 from lease_server import errors
 from lease_server.client import Client
+from lease_server.procs import alive as _alive
 from magics import report
 from magics.outcomes import GpuTrainError, GpuTrainStopped
 from magics.runner import Options, run_cell
 from magics.session import Session
 from magics.space import grid, loguniform, parse_over, randint, sample, uniform
 from magics.sweep import MedianStopping, SweepDisplay, SweepResults, Trial, _Series, gpu_map, render_table
-from magics.worker import _alive
 from tests.api_helpers import EventWatcher
 from tests.conftest import Stack, Up, all_events, ray_session
 
