@@ -18,11 +18,12 @@ from typing import Any
 
 from lease_server import errors, protocol
 from lease_server.client import Client, HeldLease, Lease
+from lease_server.request import MAX_ENDS_WITHIN_S
 from lease_server.sizes import show_mb
 
 from .calls import event_client
 from .options import Options
-from .outcomes import UI, Running, Waiting, _join, describe_end, waiting_estimate
+from .outcomes import UI, Lent, Running, Waiting, _join, describe_end, waiting_estimate
 from .relay import Relay
 from .session import Session
 from .world import World
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 ESTIMATE_EVERY_S = 10.0  # how often a waiting cell asks the server again how long it may take
 FOLLOW_DELAY_S = 0.2  # how far into a call the driver starts following its lease
 WITHDRAW_AGAIN_S = 0.25  # a cancelled request whose POST had not reached the server: withdrawn again
+START_SLACK_S = 10.0  # a --timeout counts the function's run; the lease also holds its worker's start
 
 
 class Cancel:
@@ -119,12 +121,14 @@ class Grant:
         cancel: Cancel | None = None,
         relay: Relay | None = None,
         prefer_node: str = "",
+        lent: Lent | None = None,
     ) -> Grant:
         """Acquire, showing the queue; Stop or any error while queued withdraws the request.
         With ``cancel`` (a sweep's trial), the queue is not polled: ``ui`` hears one Waiting
         (position None) as the request is sent, and a cancel withdraws it (KeyboardInterrupt).
         ``prefer_node``: the node of the notebook's suspended worker, asked for when it has the GPUs
-        free (whole GPUs on one node only)."""
+        free (whole GPUs on one node only). ``lent``: whom the notebook's warm GPU was lent to (the
+        queued line says so, and when their lease ends)."""
         assert opts.gpus is not None and opts.wait is not None
         if opts.gpus == 0 and not cpu_pool:
             return cls(sess, None, cpu=True)
@@ -136,7 +140,8 @@ class Grant:
         mem_mb = None if cpu or opts.gpu_mem is None else client.gpu_mem_mb(opts.gpu_mem, pool)
         if mem_mb is not None:
             asked = f"{show_mb(mem_mb)} slice"
-        estimate = {"text": "", "at": -ESTIMATE_EVERY_S}
+        # the server's latest estimate, read at `at` seconds into the wait (the line counts it down)
+        estimate: dict[str, Any] = {"est": None, "at": -ESTIMATE_EVERY_S}
 
         shown_pool = {"name": pool or ""}
 
@@ -144,13 +149,15 @@ class Grant:
             if position and not shown_pool["name"]:  # the server's default pool: ask once, while waiting
                 with contextlib.suppress(errors.GpuLeaseError):
                     shown_pool["name"] = client.cluster().get("default_pool") or ""
-            if position and elapsed - estimate["at"] >= ESTIMATE_EVERY_S:  # type: ignore[operator]
+            if position and elapsed - estimate["at"] >= ESTIMATE_EVERY_S:
                 estimate["at"] = elapsed
                 try:
-                    estimate["text"] = waiting_estimate(client.estimate(gpus, pool, request=rid), elapsed, opts.wait)
+                    estimate["est"] = client.estimate(gpus, pool, request=rid)
                 except errors.GpuLeaseError:
-                    estimate["text"] = ""
-            ui.waiting(Waiting(rid, asked, shown_pool["name"], position, elapsed, str(estimate["text"])))
+                    estimate["est"] = None
+            est, at = estimate["est"], estimate["at"]
+            text = waiting_estimate(est, at, opts.wait, elapsed - at, lent) if est else (lent.line() if lent else "")
+            ui.waiting(Waiting(rid, asked, shown_pool["name"], position, elapsed, text))
 
         sess.waiting.add(rid)
         t0 = time.monotonic()
@@ -168,6 +175,9 @@ class Grant:
             cell=opts.cell,
             request_id=rid,
         )
+        if opts.timeout and not cpu:
+            # the run's limit and the worker's start: the wait estimates of those behind count on it
+            ask["ends_within"] = min(opts.timeout + START_SLACK_S, MAX_ENDS_WITHIN_S)
         if mem_mb is not None:
             ask["gpu_mem"] = mem_mb
         elif prefer_node and not cpu and (opts.nodes or 1) == 1:

@@ -24,7 +24,7 @@ from lease_server.sizes import ordinal, show_mb
 from . import cellcode, space
 from .elastic import DEFAULT_MIN_EFFICIENCY
 from .options import SPARES_MAX
-from .outcomes import EXPECTED_ENDS
+from .outcomes import EXPECTED_ENDS, fit80
 from .runner import (
     Ending,
     Options,
@@ -99,7 +99,8 @@ class CellDisplay:
             if self.state == "shut down":
                 return
             self.state = "running"
-            self._running = f"gpu_train: running on {r.where}{waited}{note}"
+            # within 80 columns: a resumed worker's note names whom its GPU was lent to
+            self._running = fit80(f"gpu_train: running on {r.where}{waited}{note}")
             self.show(self._running)
 
     def notice(self, text: str) -> None:

@@ -8,6 +8,7 @@ import math
 import re
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -286,21 +287,124 @@ class StreamUI:
             sys.stderr.write(e.line() + "\n")
 
 
-def waiting_estimate(est: dict[str, Any], waited_s: float = 0.0, wait_s: float | None = None) -> str:
+@dataclass(frozen=True)
+class Lent:
+    """A notebook's warm GPU lent out (its worker evicted for another user's request): to whom and
+    when (epoch seconds), as the notebook's next cell says it. ``mine``: to another notebook of the
+    same user."""
+
+    user: str
+    at: float
+    mine: bool = False
+
+    def clock(self) -> str:
+        return time.strftime("%H:%M", time.localtime(self.at))
+
+    def line(self) -> str:
+        """ "your warm GPU was lent to bob at 14:02" """
+        who = "your other notebook" if self.mine else self.user
+        return f"your warm GPU was lent to {who} at {self.clock()}"
+
+
+def about(seconds: float) -> str:
+    """A wait or an end in a few words, as the server's estimate says it: "~12 s", "~4 min", "~1.5 h"."""
+    if seconds < 90:
+        return f"~{max(0.0, seconds):.0f} s"
+    if seconds < 5400:
+        return f"~{seconds / 60:.0f} min"
+    return f"~{seconds / 3600:.1f} h"
+
+
+def _holder_end(h: dict[str, Any], since_s: float) -> str:
+    """When a holder's soonest known end comes, counted down since the estimate was read."""
+    left = float(h["ends_in"]) - since_s
+    if left < 1:
+        return "ending now"
+    if h.get("end") == "expiry":  # its holder stopped renewing it: its deadline
+        return f"expires in {about(left)}"
+    return f"ends in {about(left)}"
+
+
+def _holder(h: dict[str, Any], since_s: float) -> str:
+    """One holder as the waiting line names it: "bob (ends in ~40 s)", "dana (booked, ends in
+    ~2 min)", "you (2 GPUs)", "carol"."""
+    name = "you" if h.get("mine") else str(h["user"])
+    parts = []
+    if h.get("booked") and not (h.get("gpus") or h.get("slices")):
+        parts.append("booked")
+    elif int(h.get("gpus") or 0) > 1:
+        parts.append(f"{h['gpus']} GPUs")
+    if h.get("ends_in") is not None:
+        parts.append(_holder_end(h, since_s))
+    return f"{name} ({', '.join(parts)})" if parts else name
+
+
+def holders_line(est: dict[str, Any], since_s: float = 0.0, lent: Lent | None = None) -> str:
+    """Why a queued cell waits, in lines of at most 80 columns (indented two): who holds the pool's
+    GPUs and when each ends where that is known (the estimate's ``holders``, soonest first, counted
+    down ``since_s`` seconds since it was read), as many as fit on one line; with ``lent``, first a
+    line of whom this notebook's warm GPU was lent to and when their lease ends, then the others
+    ("also held by"). "" when there is nothing to say."""
+    holders = [h for h in est.get("holders") or [] if h.get("user")]
+    lines = []
+    prefix = "  held by "
+    if lent is not None:
+        head = lent.line()
+        theirs = next((h for h in holders if h["user"] == lent.user), None)
+        whose = "the lease" if lent.mine else f"{lent.user}'s lease"
+        if theirs is not None and theirs.get("ends_in") is not None:
+            end = _holder_end(theirs, since_s)
+            head += f"; {whose} {'is ' if end == 'ending now' else ''}{end}"
+        elif theirs is not None:
+            head += f"; {whose} has no known end"
+        lines.append(fit80(head, "  ", "    "))
+        holders = [h for h in holders if h is not theirs]
+        prefix = "  also held by "
+    names = [_holder(h, since_s) for h in holders]
+    line, shown = "", 0
+    for i, name in enumerate(names):
+        more = len(names) - i - 1
+        candidate = (line + ", " if shown else prefix) + name
+        # the first holder named whatever its length, the others where they fit
+        if shown and len(candidate + (f", +{more} more" if more else "")) > 80:
+            break
+        line, shown = candidate, shown + 1
+    if 0 < shown < len(names):
+        line += f", +{len(names) - shown} more"
+    if line:
+        lines.append(line if len(line) <= 80 else fit80(line[2:], "  ", "    "))
+    return "\n".join(lines)
+
+
+def waiting_estimate(
+    est: dict[str, Any],
+    waited_s: float = 0.0,
+    wait_s: float | None = None,
+    since_s: float = 0.0,
+    lent: Lent | None = None,
+) -> str:
     """The lease server's estimate (``GET /estimate``) as the end of a queued cell's line: "about
-    40 s more", the requests ahead, and a pool with the GPUs free now on a line of its own. The
-    server's ``text`` repeats the request and the reasoning, which the line already shows. With the
-    cell's ``--wait`` (``wait_s``, of which ``waited_s`` is spent): a line when the estimate runs
-    past it, since the cell gives up first."""
+    40 s more", the requests ahead, why it waits (:func:`holders_line`: who holds the GPUs and when
+    they end, or whom the notebook's warm GPU was ``lent`` to) and a pool with the GPUs free now, each
+    on a line of its own. The server's ``text`` repeats the request and the reasoning, which the
+    line already shows. ``since_s``: seconds since the estimate was read (the line counts down).
+    With the cell's ``--wait`` (``wait_s``, of which ``waited_s`` had been spent when the estimate
+    was read): a line when the estimate runs past it, since the cell gives up first."""
     wait = est.get("wait")
+    more = est.get("estimate_s")
     if wait is None:
         text = "no GPU of the pool is up"
+    elif isinstance(more, (int, float)) and since_s > 0:
+        left = more - since_s
+        text = "any moment now" if left < 1 else f"about {about(left)[1:]} more"
     else:
         text = f"{wait} more" if str(wait).startswith("about ") else str(wait)
     ahead = int(est.get("queued_ahead") or 0)
     if ahead:
         text += f" ({ahead} request{'s' if ahead != 1 else ''} ahead)"
-    more = est.get("estimate_s")
+    why = holders_line(est, since_s, lent) if wait is not None else ""
+    if why:
+        text += f"\n{why}"
     if wait_s is not None and isinstance(more, (int, float)) and waited_s + more > wait_s:
         enough = math.ceil((waited_s + more) * 1.25 / 60) * 60  # the estimate and a margin, in minutes
         past, longer = show_duration(wait_s), show_duration(enough)

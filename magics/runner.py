@@ -316,9 +316,9 @@ class _Run:
         """The kernel's warm worker if it fits, else a lease: queued, shown, withdrawn on Stop."""
         sess, opts, ui = self.sess, self.opts, self.ui
         sess.connect_ray()
-        gone = ""
+        gone, lent = "", None
         if self.call.kind == "cell" and opts.gpus:
-            self.warm, gone = take_warm(sess, opts, self.warm_ok)
+            self.warm, gone, lent = take_warm(sess, opts, self.warm_ok)
             if self.warm is not None and self.warm.suspend_state:
                 self.resume, self.warm = self.warm, None
         try:
@@ -332,7 +332,7 @@ class _Run:
                 self.opts = opts = _auto_size(sess, opts)
                 # a suspended worker can be restored only on its own node: asked for, where it has the GPUs free
                 prefer = self.resume.lease.node if self.resume is not None else ""
-                self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay, prefer)
+                self.grant = Grant.take(sess, opts, ui, cpu_pool, self.rid, self.cancel, self.relay, prefer, lent)
                 self.world = self.grant.world()
                 gone = self._resume_on(self.grant) or gone
         except KeyboardInterrupt:

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from lease_server import errors, procs, protocol
+from lease_server import errors, protocol
 from lease_server.protocol import EndCause, EndCauseJson
 from lease_server.sizes import parse_gpu_mem
 
@@ -39,8 +39,9 @@ from . import slices
 from .calls import Call, event_client
 from .grant import Grant, slice_place
 from .options import Options
-from .outcomes import describe_cause, describe_end
+from .outcomes import Lent, describe_cause, describe_end
 from .session import Session
+from .worker import _alive, _start_of
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class WarmWorker:
         self.suspend_state = ""
         self.snapshot: dict[str, Any] = {}
         self.evicted_why, self.evicted_at = "", 0.0
+        self.lent: Lent | None = None  # evicted for another request: whose, and when
         self._settled = threading.Event()
         self._sus_stop = threading.Event()
         self._sus_http: Any = None
@@ -175,7 +177,7 @@ class WarmWorker:
             return False
         if where.machine != self.sess.machine:
             return True
-        return procs.alive(where.pid) and (not where.start or procs.start_ticks(where.pid) == where.start)
+        return _alive(where.pid) and (not where.start or _start_of(where.pid) == where.start)
 
     def strip(self, call: Call) -> Call:
         """The call with only the names whose objects changed in the kernel since they last
@@ -200,6 +202,8 @@ class WarmWorker:
 
     def resumed_note(self) -> str:
         """The running line's note for a cell resumed in this suspended worker."""
+        if self.lent is not None:  # "suspended worker: your warm GPU was lent to bob at 14:02"
+            return f"suspended worker: {self.lent.line()}"
         return f"suspended worker, evicted {time.monotonic() - self.evicted_at:.0f}s ago"
 
     def resumed(self) -> None:
@@ -270,6 +274,9 @@ class WarmWorker:
             return True
         if rec.get("recall_at"):
             recalled = {"reason": rec.get("recall_reason", ""), "cause": rec.get("recall_cause")}
+            evicted = (rec.get("recall_cause") or {}).get("code") == EndCause.EVICTED
+            if evicted and rec.get("recall_for"):  # (as the event says it: whose request, since when)
+                recalled.update(requested_by=rec["recall_for"], recalled_at=rec.get("recalled_at"))
             self._evicted(protocol.EventType.EVICTING.value, json.dumps(recalled))
             return True
         return False
@@ -281,8 +288,15 @@ class WarmWorker:
         with contextlib.suppress(ValueError):
             body = json.loads(data)
         cause = body.get("cause")
+        lent = None
+        if kind == protocol.EventType.EVICTING and body.get("requested_by"):  # lent to whoever waited
+            who = str(body["requested_by"])
+            at = body.get("recalled_at") or body.get("ts") or time.time()  # (the event's time: the server's clock)
+            lent = Lent(who, float(at), mine=who == self.lease.user)
         if kind in protocol.RECALL_EVENTS:
             why = str((cause or {}).get("why") or "evicted for another request")
+            if lent is not None:
+                why = f"its GPU was lent to {'your other notebook' if lent.mine else lent.user} at {lent.clock()}"
         elif kind in protocol.ENDED_STATES:
             if not cause:  # (an older server's event)
                 cause = EndCauseJson(code=EndCause(kind), by=str(body.get("by", "")), why=str(body.get("reason", "")))
@@ -292,6 +306,7 @@ class WarmWorker:
         with self._lock:
             if self._stop.is_set():
                 return
+            self.lent = lent
             if kind in protocol.RECALL_EVENTS and self._suspend_locked(why):
                 return  # lives on off the GPU: the notebook's next cell restores it
             self._end_locked(why)
@@ -442,21 +457,23 @@ def _asked(opts: Options) -> str:
     return f"{opts.gpus} GPU{'' if opts.gpus == 1 else 's'}{pool}"
 
 
-def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str]:
+def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | None, str, Lent | None]:
     """The kernel's warm worker for this GPU cell, if the cell may use it (``usable``), it fits
     and it is still there; else None, with a line saying what became of it ("" when there was
-    none, or the notebook moved on: the warm worker is ended and its lease released first)."""
+    none, or the notebook moved on: the warm worker is ended and its lease released first). Last,
+    whom its GPU was lent to when it was evicted for another request (the cell's queued line says
+    so), else None."""
     slot = _slot(sess)
     w = slot.current
     if w is None:
         gone, slot.gone = slot.gone, None
         if gone is not None and usable and not opts.fresh and gone.fits(opts):
-            return None, gone.ended_line()
-        return None, ""
+            return None, gone.ended_line(), gone.lent
+        return None, "", None
     slot.current = None
     if w.suspend_state and usable and not opts.fresh and w.fits(opts):
         # suspended on eviction: the caller takes a new lease and restores the worker onto it
-        return (w, "") if w.settle() else (None, w.ended_line())
+        return (w, "", w.lent) if w.settle() else (None, w.ended_line(), w.lent)
     if not usable or opts.fresh or not w.fits(opts):
         try:  # a cell the server refuses changes nothing, whatever it asked for (a gang, --fresh, --cold)
             _refused(sess, opts)
@@ -467,11 +484,11 @@ def take_warm(sess: Session, opts: Options, usable: bool) -> tuple[WarmWorker | 
         # Asked for other GPUs, or for a kind of cell no warm worker serves (a gang, an elastic or an
         # --gpu-mem auto cell): say why its objects are not there. (--fresh and --cold asked for it.)
         if not opts.fresh and (usable or opts.warm):
-            return None, f"warm worker on {w.where()} ended: this cell asks for {_asked(opts)} (a cold start)"
-        return None, ""
+            return None, f"warm worker on {w.where()} ended: this cell asks for {_asked(opts)} (a cold start)", None
+        return None, "", None
     if w.take():
-        return w, ""
-    return None, w.ended_line()
+        return w, "", None
+    return None, w.ended_line(), w.lent
 
 
 def keep_warm(

@@ -297,7 +297,7 @@ def test_two_notebooks_contend_for_one_gpu(stack, tmp_path):
     done = tmp_path / "first-may-end"  # the first cell holds its GPUs until the second is seen queued
     try:
         m1 = first.start(
-            "%%gpu_train --gpus 2\nimport os, time\nprint('first running', flush=True)\n"
+            "%%gpu_train --gpus 2 --timeout 5m\nimport os, time\nprint('first running', flush=True)\n"
             f"while not os.path.exists({str(done)!r}):\n    time.sleep(0.05)\nwho = 'first'"
         )
         first.outputs(m1, until="first running")
@@ -308,6 +308,12 @@ def test_two_notebooks_contend_for_one_gpu(stack, tmp_path):
         out2, _ = second.outputs(m2, until="second running", timeout=60)
         waits = [o for o in queued + out2 if o["type"] in ("display_data", "update_display_data")]
         assert any("(waited " in o["data"]["text/plain"] for o in waits), out2  # how long it waited
+        # why it waits: the first notebook (the same user: "you") holds both, ending by its --timeout
+        # (5 min and its worker's start, declared at the acquire), in 80 columns
+        lines = [o["data"]["text/plain"] for o in waits if "1st in line" in o["data"]["text/plain"]]
+        why = [t.splitlines()[1] for t in lines if len(t.splitlines()) > 1]
+        assert why and why[0].startswith("  held by you (2 GPUs, ends in ~5 min)"), lines
+        assert all(len(line) <= 80 for t in lines for line in t.splitlines()), lines
         out1, done1 = first.outputs(m1, timeout=60)
         assert done1 and not errors_of(out1)
         rest2, done2 = second.outputs(m2, timeout=60)

@@ -266,11 +266,40 @@ def test_a_small_peak_on_a_big_gpu_names_the_smaller_pool_that_would_do(server_f
         sess.reset_client()
 
 
+def test_a_queued_cells_line_says_whom_its_warm_gpu_was_lent_to_and_when_their_lease_ends(server_factory):
+    """The line of a cell queued behind the user its warm GPU was lent to names them, and the end
+    of their lease where one is known (here: they declared --timeout 30s, ends_within), counted
+    down; the others holding the pool's GPUs come after, each with their end, in 80 columns."""
+    import time as _time
+
+    from magics.magic import CellDisplay
+    from magics.outcomes import Lent, waiting_estimate
+
+    srv = server_factory(simulate="n1=3xA100-80GB")
+    srv.client("bob").acquire(1, pool="A100-80GB", ends_within=30)
+    srv.client("carol").acquire(2, pool="A100-80GB")
+    est = srv.client("alice").estimate(1, "A100-80GB")
+    lent = Lent("bob", _time.time() - 60)
+    shown = CellDisplay()
+    shown.waiting(Waiting("r-1", "1", "A100-80GB", 1, 3.0, waiting_estimate(est, 0.0, 3600, 2.0, lent)))
+    first, why, also = shown.text.splitlines()
+    assert first.startswith("gpu_train: queued for 1 GPU of A100-80GB: 1st in line, 3s; about "), first
+    assert why.startswith(f"  your warm GPU was lent to bob at {lent.clock()}; bob's lease ends in ~"), why
+    assert int(why.split("~")[1].split()[0]) <= 28  # within its declared 30 s, counted down 2 s
+    assert also == "  also held by carol (2 GPUs)"
+    assert all(len(line) <= 80 for line in shown.text.splitlines()), shown.text
+    # the estimate counts on bob's declared end, not the pool's typical cell (600 s with no history)
+    assert est["estimate_s"] <= 30 and est["holders"][0]["end"] == "timeout", est
+    # Nobody lent anything: the line names who holds what
+    plain = waiting_estimate(est).splitlines()[1]
+    assert plain.startswith("  held by bob (ends in ~") and plain.endswith(" s), carol (2 GPUs)"), plain
+
+
 def test_a_queued_cells_line_reads_the_servers_estimate_in_80_columns(server_factory):
     """The real server's estimate, as the queued cell's line shows it: the wait and nothing the
     line already says, and a pool with GPUs free now on a line of its own."""
     from magics.magic import CellDisplay
-    from magics.outcomes import waiting_estimate
+    from magics.outcomes import about, waiting_estimate
 
     srv = server_factory(simulate="n1=2xA100-80GB,t1=2xT4-16GB")
     srv.client("bob").acquire(2, pool="A100-80GB")
@@ -278,18 +307,21 @@ def test_a_queued_cells_line_reads_the_servers_estimate_in_80_columns(server_fac
     assert est["wait"].startswith("about ") and est["estimate_s"] >= 1, est
     shown = CellDisplay()
     shown.waiting(Waiting("r-1", "1", "A100-80GB", 1, 12.0, waiting_estimate(est)))
-    first, alternative = shown.text.splitlines()
+    first, why, alternative = shown.text.splitlines()
     assert first.startswith("gpu_train: queued for 1 GPU of A100-80GB: 1st in line, 12s; about "), first
     assert first.endswith(" more") and len(first) <= 80, first
+    assert why == "  held by bob (2 GPUs)"  # who holds the pool's GPUs (no end known)
     assert alternative == "  2 x T4-16GB free now: --pool T4-16GB"
     # a --wait the estimate runs past: a line says the cell gives up first, and what --wait would do
     more = est["estimate_s"]
-    first, past, _ = waiting_estimate(est, waited_s=12.0, wait_s=12.0 + more / 2).splitlines()
+    first, _why, past, _ = waiting_estimate(est, waited_s=12.0, wait_s=12.0 + more / 2).splitlines()
     enough = show_duration(math.ceil((12.0 + more) * 1.25 / 60) * 60)  # the estimate and a margin, in minutes
     said = show_duration(12.0 + more / 2)
     assert past == f"  past --wait {said}: the cell gives up first; --wait {enough} waits it out"
     assert len(past) <= 80
-    assert len(waiting_estimate(est, waited_s=12.0, wait_s=12.0 + more + 1).splitlines()) == 2  # no such line
+    assert len(waiting_estimate(est, waited_s=12.0, wait_s=12.0 + more + 1).splitlines()) == 3  # no such line
+    # read 5 s ago: the line counts down
+    assert waiting_estimate(est, since_s=5.0).startswith(f"about {about(more - 5)[1:]} more\n"), est
     # and when the wait runs out, the refusal says what to change
     with pytest.raises(errors.NoCapacity) as refused:
         srv.client("alice").acquire(1, pool="A100-80GB", wait=0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,7 +157,9 @@ def test_another_users_request_suspends_the_warm_worker_and_the_next_cell_resume
     assert not errors_of(out), out
     assert text(out, "execute_result") == "(True, True, 3)", out
     running = [d for d in displays(out) if d.startswith("gpu_train: running")]
-    assert running and "(suspended worker, evicted " in running[0], running
+    # it says whom its GPU was lent to, and when (in 80 columns)
+    assert running and "(suspended worker: your warm GPU was lent to bob at " in " ".join(running[0].split())
+    assert all(len(line) <= 80 for line in running[0].splitlines()), running
     final = status(out)
     assert final.startswith("gpu_train: ran ") and "kept warm on box GPU " in final, final
     restored = final.splitlines()[1].strip()
@@ -166,6 +169,35 @@ def test_another_users_request_suspends_the_warm_worker_and_the_next_cell_resume
     ev = watcher.wait_for(lambda e: e["type"] == "restored" and e["lease"] == new_id, 10, "restored")
     assert ev["suspended_lease"] == old_id and ev["bytes"] == sus["bytes"] > 0
     assert not [n for n in api(stack, "GET", "/api/v1/cluster")["nodes"] if n.get("suspended")]
+
+
+def test_a_cell_queued_behind_whom_its_warm_gpu_was_lent_to_says_so_and_when_their_lease_ends(stack, kernel):
+    """Bob's request takes the notebook's warm GPU (and the free one) and he never renews his
+    short lease. The notebook's next cell queues behind him: its line says the warm GPU was lent to
+    bob, at what time, and that his lease expires in a few seconds (it is past half its TTL
+    unrenewed), and its estimate is no longer than that, every line within 80 columns; once bob's
+    lease expires the cell runs."""
+    warm_cell(kernel, "state = [1, 2, 3]")
+    bob = other_user(stack)
+    watcher = EventWatcher(stack.url, admin_token(stack)).start()
+    lease = bob.acquire(2, ttl=6, wait=30)  # never renewed: a raw client has no renewal thread
+    ev = watcher.wait_for(lambda e: e["type"] == "evicting", 10, "evicting")
+    assert ev["requested_by"] == "bob"
+    lent_at = time.strftime("%H:%M", time.localtime(ev["ts"]))
+    time.sleep(max(0.0, lease.expires_at - 2.6 - time.time()))  # past half its TTL, not renewed
+    out = kernel.run("%%gpu_train --gpus 1\nlen(state)")
+    assert not errors_of(out), out
+    assert text(out, "execute_result") == "3", out
+    queued = [d for d in displays(out) if d.startswith("gpu_train: queued for 1 GPU")]
+    assert queued, displays(out)
+    first, why = queued[0].splitlines()[:2]
+    assert why.startswith(f"  your warm GPU was lent to bob at {lent_at}; bob's lease expires in ~"), queued
+    left = int(why.split("~")[1].split()[0])
+    assert left <= 3, queued  # its deadline, not the pool's typical cell
+    more = first.split("; about ")[1] if "; about " in first else ""
+    assert not more or int(more.split()[0]) <= left + 1, first  # the estimate counts on it
+    for shown in displays(out):
+        assert all(len(line) <= 80 for line in shown.splitlines()), shown
 
 
 def test_a_frozen_kernel_misses_the_notice_and_its_warm_worker_is_ended_before_the_grant(stack):
