@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from lease_server import errors, protocol
+from lease_server import errors, procs, protocol
 from lease_server.protocol import EndCause, EndCauseJson
 from lease_server.sizes import parse_gpu_mem
 
@@ -41,7 +41,6 @@ from .grant import Grant, slice_place
 from .options import Options
 from .outcomes import Lent, describe_cause, describe_end
 from .session import Session
-from .worker import _alive, _start_of
 from .world import World
 
 log = logging.getLogger(__name__)
@@ -177,7 +176,7 @@ class WarmWorker:
             return False
         if where.machine != self.sess.machine:
             return True
-        return _alive(where.pid) and (not where.start or _start_of(where.pid) == where.start)
+        return procs.alive(where.pid) and (not where.start or procs.start_ticks(where.pid) == where.start)
 
     def strip(self, call: Call) -> Call:
         """The call with only the names whose objects changed in the kernel since they last
