@@ -44,8 +44,7 @@ adobe_share_gpus         smallest cluster on which lease-share (slices of each c
                          slowdown within target (adobe_share_wait_gpus: the wait alone) (target <= 32)
 adobe_share_slowdown_p50, adobe_share_slowdown_p95   its cells' run time over their trace duration
                                                                              (target p95 <= 1.2)
-(adobe_share_whole_*: the same with multi-GPU cells on whole GPUs; adobe_share_slices_*: one lease
-per slice, placed apart, a what-if.)
+(adobe_share_whole_*: the same with multi-GPU cells on whole GPUs.)
 
 adobe_state_kept_share   lease-warm on 64 GPUs with suspend to host as the server does it (an evicted
                          one-GPU warm worker suspended, restored by its session's next one-GPU cell on
@@ -384,8 +383,7 @@ def adobe_share(out: dict[str, Any], w: Any) -> None:
     """lease-share on the Adobe sessions (issue 35 item 7): the smallest cluster whose p99 time-to-GPU
     is no worse than whole-GPU lease on 56 GPUs, and what sharing cost in run time. ``adobe_share_*``:
     a multi-GPU cell leases a slice of each of its GPUs on one node, in one lease (what the server
-    does: ``%%gpu_train --gpus k --gpu-mem``); ``adobe_share_whole_*``: multi-GPU cells on whole GPUs;
-    ``adobe_share_slices_*``: the what-if of one lease per slice, placed apart."""
+    does: ``%%gpu_train --gpus k --gpu-mem``); ``adobe_share_whole_*``: multi-GPU cells on whole GPUs."""
     from lease_server.sim import command, report
 
     with _common.private_redis("gpulease-simbench-share-") as (redis, _tmp):
@@ -393,7 +391,7 @@ def adobe_share(out: dict[str, Any], w: Any) -> None:
         wait = base["wait_p99_s"]
         out["adobe_share_baseline_p99_wait_s"] = wait
         say(f"adobe lease (whole GPUs) on {SHARE_BASELINE_GPUS} GPUs: p99 time-to-GPU {wait:.0f} s")
-        for multi, tag in (("gang", "share"), ("whole", "share_whole"), ("slices", "share_slices")):
+        for multi, tag in (("gang", "share"), ("whole", "share_whole")):
             with section(out, f"adobe: {tag}"):
                 m = command.find_min_nodes(
                     w, "lease-share", wait_s=wait, quantile=99, redis_url=redis.url, share_multi=multi

@@ -83,9 +83,10 @@ def minutes(r) -> list[float]:
 def test_vram_is_read_per_gpu_in_mb(tmp_path):
     w = template(tmp_path, training(0, 10, 1, 60, 2.0), training(0, 10, 4, 10, 8.0), training(0, 10, 1, 5, None))
     assert w.vram_mb.tolist() == [2048, 2048, 0]  # 8 GB over 4 GPUs; absent: 0
-    assert share.slice_plan(w) == [[2048], [0], [0]]  # several GPUs, or memory unknown: whole GPUs
-    assert share.slice_plan(w, "slices") == [[2048], [2048] * 4, [0]]
-    assert share.slice_plan(w, "gang") == [[2048], [2048], [0]]  # one lease: 2 GB of each of its 4 GPUs
+    assert share.slice_plan(w) == [2048, 0, 0]  # several GPUs, or memory unknown: whole GPUs
+    assert share.slice_plan(w, "gang") == [2048, 2048, 0]  # one lease: 2 GB of each of its 4 GPUs
+    with pytest.raises(ValueError, match="whole, gang"):
+        share.slice_plan(w, "slices")  # the older what-if of one lease per slice is gone
 
 
 def test_two_cells_at_60_percent_on_one_gpu_each_run_1_2_times_longer(tmp_path, redis_server):
@@ -140,18 +141,13 @@ def test_cells_on_several_gpus_or_without_memory_take_whole_gpus(tmp_path, redis
     assert grants["c1"]["gpu_mem_mb"] == 1024 and "gpu_mem_mb" not in grants["c2"]
     assert r.wait_ms.tolist() == [0, 9 * MIN, 8 * MIN]
     assert (r.extra["sliced_cells"], r.extra["whole_cells"]) == (1, 2)
-    # as one slice per GPU (the what-if), placed by memory alone, the 2-GPU cell shares with the
-    # others and nobody waits
-    r2, events2, _ = replay(w, [2], redis_server.url, "shareslices", multi="slices", busy_pct=101)
-    assert r2.wait_ms.tolist() == [0, 0, 0]
-    assert sum(1 for e in events2 if e["type"] == "grant" and e.get("gpu_mem_mb")) == 3
-    # away from busy GPUs (the default): the 2-GPU cell's slices keep GPU 0 90 % busy, so the slice
-    # takes GPU 1 rather than slow them, and the memoryless cell, which needs a whole GPU, waits
-    r3, events3, _ = replay(w, [2], redis_server.url, "shareaway", multi="slices")
-    places = {e["lease"]: e["gpus"] for e in events3 if e["type"] == "grant"}
-    assert places["c0"] == places["c0.1"] == [0] and places["c1"] == [1]
-    assert r3.wait_ms.tolist()[:2] == [0, 0] and r3.wait_ms.tolist()[2] > 0
-    assert minutes(r3)[1] == 10  # alone on GPU 1: not slowed
+    # away from busy GPUs (the default): a slice keeps GPU 0 90 % busy (the replay samples it, as an
+    # agent would), so the next slice takes GPU 1 rather than slow it; by memory alone, it packs
+    busy = template(tmp_path, training(0, 10, 1, 90, 4.0), training(1, 10, 1, 5, 1.0))
+    for busy_pct, gpu in ((50, 1), (101, 0)):
+        rb, eventsb, _ = replay(busy, [2], redis_server.url, f"shareaway{busy_pct}", busy_pct=busy_pct)
+        assert [e["gpus"] for e in eventsb if e["type"] == "grant"] == [[0], [gpu]], busy_pct
+        assert rb.wait_ms.tolist() == [0, 0] and minutes(rb) == [10, 10]
     # as the server leases it (gang): one lease of a slice on each of GPUs 0 and 1 of the node; the
     # 1-GPU slice shares with it by memory, and the memoryless cell waits for a whole GPU
     r4, events4, counts4 = replay(w, [2], redis_server.url, "sharegang", multi="gang", busy_pct=101)

@@ -57,9 +57,9 @@ from ._common import console, server_options
     "--share-multi",
     default="whole",
     show_default=True,
-    type=click.Choice(["whole", "gang", "slices"]),
+    type=click.Choice(["whole", "gang"]),
     help="lease-share: a cell on several GPUs leases them whole, or a slice of each in one lease on one "
-    "node (gang: %%gpu_train --gpus k --gpu-mem), or one lease per slice placed apart (slices: a what-if)",
+    "node (gang: %%gpu_train --gpus k --gpu-mem)",
 )
 @click.pass_context
 def simulate(

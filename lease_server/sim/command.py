@@ -103,9 +103,6 @@ def describe(w: workload.Workload) -> str:
     )
 
 
-WAIT_KEYS = ("wait_p50_s", "wait_p95_s", "wait_p99_s", "wait_max_s")
-
-
 @dataclasses.dataclass
 class MinCluster:
     """The smallest cluster (in whole nodes) on which a policy keeps p95 time-to-GPU within a target."""
@@ -132,10 +129,7 @@ def find_min_nodes(
     its ``quantile`` (95 or 99; 100: the longest wait) at most ``wait_s``; each probe is a full
     replay. Doubling from the fewest nodes that can hold the biggest request, then bisection. One
     node per session is always enough (no session ever shares a node), so the search ends there at
-    the latest. Assumes more nodes never make the percentile worse. A ``lease-share`` replay that
-    gets stuck (``share_multi="slices"``: cells holding part of their slices) fails its probe."""
-    from .share import Stuck
-
+    the latest. Assumes more nodes never make the percentile worse."""
     lo = max(1, -(-int(w.session_request().max()) // node_gpus))
     hi_cap = max(lo, w.n_sessions)
     probes = 0
@@ -144,13 +138,10 @@ def find_min_nodes(
     def ok(n: int) -> bool:
         nonlocal probes
         if n not in seen:
-            try:
-                (r,) = simulate(
-                    w, cluster(n * node_gpus, node_gpus), [policy], redis_url=redis_url, share_multi=share_multi
-                )
-                seen[n] = report.figures(w, r)
-            except Stuck:
-                seen[n] = {"policy": policy, "stuck": 1, **{k: float("inf") for k in WAIT_KEYS}}
+            (r,) = simulate(
+                w, cluster(n * node_gpus, node_gpus), [policy], redis_url=redis_url, share_multi=share_multi
+            )
+            seen[n] = report.figures(w, r)
             probes += 1
             if on_probe:
                 on_probe(policy, n, seen[n])

@@ -69,7 +69,7 @@ def simulate(
     afterwards), else a private redis-server is started for the run. ``lease+booking`` books
     ``booking_params`` (default: 4 teams booking half the GPUs, see ``bookings``). ``lease-share``
     leases each cell a slice of its trace memory (``share``; ``share_multi``: what a cell on several
-    GPUs leases, "whole" GPUs or "slices", one per GPU) in a pool that shares by ``settings``'
+    GPUs leases, "whole" GPUs or, "gang", a slice of each in one lease) in a pool that shares by ``settings``'
     ``slice_unit_mb`` and ``max_sharers``. ``lease-warm`` suspends evicted warm workers of at most
     ``suspend_gpus`` GPUs to host (1: what the server does; 0: none, they are ended; more: a what-if);
     ``suspend_keep_s`` (a what-if; 0: warm_max ends them, as the server does) suspends a warm worker at

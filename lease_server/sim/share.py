@@ -12,9 +12,9 @@ Cells the server cannot lease as one slice:
 * a cell on more than one GPU (``multi``): ``"whole"`` (the default) leases its GPUs whole;
   ``"gang"`` leases one slice on each of its GPUs, all on one node, in one lease (``gpus`` k with
   ``gpu_mem_mb``: ``allocate_slices`` in ``_lib_slice.lua``), as ``%%gpu_train --gpus 2 --gpu-mem``
-  does; ``"slices"`` is the older what-if of one slice per GPU, each its own lease placed
-  independently (so on any node, possibly two on one GPU), the cell running once it holds all of
-  them (the earlier ones wait idle, held): no system leases that way.
+  does.
+
+Either way a cell makes one request, and runs once it is granted.
 
 The co-tenant model: a GPU on which the running cells' utilisations (the trace's NVML
 ``gpu_utilizations``, per GPU) add up to ``S`` > 100 % runs each of them ``S / 100`` times slower
@@ -64,14 +64,9 @@ from .result import Result
 from .workload import Workload
 
 GPU_MEM_MB = 40_960  # the simulated GPUs' memory: the trace names no GPU model (an A100-40GB here)
-MULTI = ("whole", "gang", "slices")
+MULTI = ("whole", "gang")
 
 _END, _READY, _SAMPLE = 0, 1, 2
-
-
-class Stuck(RuntimeError):
-    """The replay ended with leases still queued that nothing will ever free room for: cells on
-    several slices each holding part of what they need (``multi="slices"`` has no gang of slices)."""
 
 
 def share_inventories(nodes: Sequence[int], gpu_mem_mb: int = GPU_MEM_MB) -> list[NodeInventory]:
@@ -82,35 +77,32 @@ def share_inventories(nodes: Sequence[int], gpu_mem_mb: int = GPU_MEM_MB) -> lis
     ]
 
 
-def slice_plan(w: Workload, multi: str = "whole") -> list[list[int]]:
-    """Per cell: the requests it makes, each the MB of one slice (0: its GPUs whole, one request)."""
+def slice_plan(w: Workload, multi: str = "whole") -> list[int]:
+    """Per cell, the one request it makes: the MB of its slice (of each of its GPUs: a gang), or 0
+    for its GPUs whole."""
     if multi not in MULTI:
         raise ValueError(f"multi must be one of {', '.join(MULTI)}, not {multi!r}")
     mem = w.vram_mb
-    plan: list[list[int]] = []
+    plan: list[int] = []
     for c, g in enumerate(w.cell_gpus.tolist()):
         mb = int(mem[c]) if mem is not None else 0
         if mb <= 0:
-            plan.append([0])  # memory unknown: whole GPUs
-        elif g == 1:
-            plan.append([mb])
-        elif multi == "slices":
-            plan.append([mb] * g)
-        elif multi == "gang":
-            plan.append([mb])  # one lease: a slice of mb on each of its g GPUs of one node
+            plan.append(0)  # memory unknown: whole GPUs
+        elif g == 1 or multi == "gang":
+            plan.append(mb)  # a gang: one lease, a slice of mb on each of its g GPUs of one node
         else:
-            plan.append([0])
+            plan.append(0)
     return plan
 
 
 class _Cell:
-    """One cell while it holds leases: the parts granted, and its progress once running."""
+    """One cell while it holds or waits for its lease: the lease once granted, and its progress once
+    running."""
 
-    __slots__ = ("parts", "missing", "slots", "rem", "rate", "since", "version")
+    __slots__ = ("lease", "slots", "rem", "rate", "since", "version")
 
-    def __init__(self, n_parts: int) -> None:
-        self.parts: list[tuple[str, str, list[int], int]] = []  # (lease id, node, GPU indexes, MB or 0)
-        self.missing = n_parts
+    def __init__(self) -> None:
+        self.lease: tuple[str, list[int], int] | None = None  # (node, GPU indexes, MB or 0) once granted
         self.slots: list[str] = []  # the shared GPUs it runs on ("node/idx"), once running
         self.rem = 0.0  # solo ms of work left
         self.rate = 1.0  # work ms per wall ms (1 / stretch)
@@ -171,7 +163,7 @@ class _ShareReplay:
         wire: _Wire,
         keys: Keys,
         settings: Any,
-        plan: list[list[int]],
+        plan: list[int],
         multi: str,
     ) -> None:
         self.w, self.nodes, self.wire, self.keys, self.plan, self.multi = w, nodes, wire, keys, plan, multi
@@ -208,7 +200,7 @@ class _ShareReplay:
             (int(t), _READY, int(c), 0) for t, c in zip(w.start, w.first, strict=True)
         ]
         heapq.heapify(self.heap)
-        self.cells: dict[int, _Cell] = {}  # cells holding or waiting for leases
+        self.cells: dict[int, _Cell] = {}  # cells holding or waiting for their lease
         self.waiting: set[str] = set()  # lease ids queued
         self.on_gpu: dict[str, set[int]] = {}  # shared GPU -> the running cells on it
         self.last_id = b"0-0"
@@ -218,22 +210,19 @@ class _ShareReplay:
         self.a_e: list[int] = []
         self.a_g: list[float] = []
         self.a_u: list[int] = []
-        self.granted_at: dict[str, int] = {}
-        self.sliced_cells = sum(1 for p in plan if p[0] > 0)
+        self.granted_at: dict[int, int] = {}  # cell -> when its lease was granted
+        self.sliced_cells = sum(1 for mb in plan if mb > 0)
         self.peak_sharers = 0
 
     # ---- requests ----------------------------------------------------------------------
 
-    def _lid(self, c: int, k: int) -> str:
-        return f"c{c}" if k == 0 else f"c{c}.{k}"
-
-    def _acquire(self, c: int, k: int, mb: int) -> bytes:
+    def _acquire(self, c: int, mb: int) -> bytes:
         u = self.cell_user[c]
         call = Acquire(
-            self._lid(c, k),
+            f"c{c}",
             self.users[u],
             POOL,
-            self.cell_gpus[c] if (not mb or self.multi == "gang") else 1,
+            self.cell_gpus[c],  # whole GPUs, one slice (1 GPU) or a gang of slices, one on each
             ttl_ms=FOREVER_MS,
             wait_ms=FOREVER_MS,
             label=self.w.label[c] if c < len(self.w.label) else "",
@@ -243,9 +232,9 @@ class _ShareReplay:
         )
         return self.acq.pack(self._now, _pack(call.argv()))
 
-    def _release(self, c: int, lease_id: str) -> bytes:
+    def _release(self, c: int) -> bytes:
         user = self.users[self.cell_user[c]]
-        return self.rel.pack(self._now, _pack(Release(lease_id, "", user, False, "released", "cell returned").argv()))
+        return self.rel.pack(self._now, _pack(Release(f"c{c}", "", user, False, "released", "cell returned").argv()))
 
     def _sample(self, slot: str) -> bytes:
         """What a node agent reports of shared GPU ``slot`` now: its running cells' utilisation."""
@@ -276,28 +265,24 @@ class _ShareReplay:
             end = t + max(0, math.ceil(st.rem / st.rate - 1e-6))
             heapq.heappush(self.heap, (end, _END, c, st.version))
 
-    def _run(self, c: int, t: int) -> set[int]:
-        """Cell ``c`` holds all its leases at ``t``: it starts; returns the cells to repace."""
+    def _run(self, c: int, node: str, idx: list[int], mb: int, at: int, t: int) -> set[int]:
+        """Cell ``c`` was granted ``idx`` of ``node`` (``mb`` of each, or whole) at ``at``: it starts
+        at ``t``; returns the cells to repace."""
         st = self.cells[c]
+        st.lease = (node, idx, mb)
+        self.granted_at[c] = at
         self.start[c] = t
         st.rem, st.since, st.rate = float(self.dur[c]), t, 1.0
         touched = {c}
-        for _lid, node, idx, mb in st.parts:
-            for i in idx if mb else ():  # (a gang of slices: one on each of its GPUs)
-                slot = f"{node}/{i}"
-                st.slots.append(slot)
-                self.resample.add(slot)
-                on = self.on_gpu.setdefault(slot, set())
-                on.add(c)
-                self.peak_sharers = max(self.peak_sharers, len(on))
-                touched |= on
+        for i in idx if mb else ():  # (a gang of slices: one on each of its GPUs)
+            slot = f"{node}/{i}"
+            st.slots.append(slot)
+            self.resample.add(slot)
+            on = self.on_gpu.setdefault(slot, set())
+            on.add(c)
+            self.peak_sharers = max(self.peak_sharers, len(on))
+            touched |= on
         return touched
-
-    def _granted(self, c: int, lease_id: str, node: str, idx: list[int], mb: int, total: int, t: int) -> None:
-        st = self.cells[c]
-        st.parts.append((lease_id, node, idx, mb))
-        self.granted_at[lease_id] = t
-        st.missing -= 1
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -320,7 +305,7 @@ class _ShareReplay:
             if not ends and not asks:
                 continue
             cmds: list[bytes] = []
-            plan: list[tuple[int, int, int, str]] = []  # (kind, cell, part MB, lease id)
+            plan: list[tuple[int, int]] = []  # (kind, cell) of each command but the XRANGE
             touched: set[int] = set()
             for c in ends:
                 st = self.cells.pop(c)
@@ -329,13 +314,14 @@ class _ShareReplay:
                     self.on_gpu[slot].discard(c)
                     touched |= self.on_gpu[slot]
                     self.resample.add(slot)
-                for lid, _node, idx, mb in st.parts:
-                    cmds.append(self._release(c, lid))
-                    plan.append((_END, c, mb, lid))
-                    self.a_s.append(self.granted_at.pop(lid))
-                    self.a_e.append(t)
-                    self.a_g.append(mb / self._total * len(idx) if mb else len(idx))  # (k slices: k fractions)
-                    self.a_u.append(self.cell_user[c])
+                assert st.lease is not None
+                _node, idx, mb = st.lease
+                cmds.append(self._release(c))
+                plan.append((_END, c))
+                self.a_s.append(self.granted_at.pop(c))
+                self.a_e.append(t)
+                self.a_g.append(mb / self._total * len(idx) if mb else len(idx))  # (k slices: k fractions)
+                self.a_u.append(self.cell_user[c])
                 if not self.last[c]:
                     if self.gap[c + 1] == 0:
                         asks.append(c + 1)
@@ -343,40 +329,36 @@ class _ShareReplay:
                         heapq.heappush(heap, (t + self.gap[c + 1], _READY, c + 1, 0))
             for slot in sorted(self.resample):  # what the agents saw change, before the acquires
                 cmds.append(self._sample(slot))
-                plan.append((_SAMPLE, -1, 0, slot))
+                plan.append((_SAMPLE, -1))
             self.resample.clear()
             for c in asks:
                 self.ready[c] = t
-                parts = self.plan[c]
-                self.cells[c] = _Cell(len(parts))
-                for k, mb in enumerate(parts):
-                    cmds.append(self._acquire(c, k, mb))
-                    plan.append((_READY, c, mb, self._lid(c, k)))
+                self.cells[c] = _Cell()
+                cmds.append(self._acquire(c, self.plan[c]))
+                plan.append((_READY, c))
             cmds.append(_command("XRANGE", self.keys.events, b"(" + self.last_id, "+"))
             replies = self.wire.call(cmds)
             self.round_trips += 1
             self.calls += len(cmds) - 1
-            started: list[int] = []
-            for (kind, c, mb, lid), reply in zip(plan, replies, strict=False):
+            started: list[tuple[int, str, list[int], int, int]] = []  # (cell, node, GPU indexes, MB or 0, granted)
+            for (kind, c), reply in zip(plan, replies, strict=False):
                 if kind == _END:
                     if reply[0] != Code.OK:
-                        raise RuntimeError(f"release of {lid} at {t} ms answered {reply!r}")
+                        raise RuntimeError(f"release of c{c} at {t} ms answered {reply!r}")
                     continue
                 if kind == _SAMPLE:
                     continue
                 if reply[0] == Code.OK:
                     rec = json.loads(reply[1])
                     self.token[c] = max(self.token[c], int(rec["token"]))
-                    got = int(rec.get("gpu_mem_mb") or 0)
                     self._note_total(rec)
-                    self._granted(c, lid, rec["node"], [int(g["index"]) for g in rec["gpus"]], got, 0, t)
-                    if self.cells[c].missing == 0:
-                        started.append(c)
+                    idx = [int(g["index"]) for g in rec["gpus"]]
+                    started.append((c, rec["node"], idx, int(rec.get("gpu_mem_mb") or 0), t))
                 elif reply[0] == Code.QUEUED:
-                    self.waiting.add(lid)
+                    self.waiting.add(f"c{c}")
                 else:
                     raise RuntimeError(
-                        f"acquire {lid} ({self.cell_gpus[c]} GPUs, slice {mb} MB) at {t} ms answered {reply!r}"
+                        f"acquire c{c} ({self.cell_gpus[c]} GPUs, slice {self.plan[c]} MB) at {t} ms answered {reply!r}"
                     )
             for entry_id, fields in replies[-1]:
                 self.last_id = entry_id
@@ -390,22 +372,15 @@ class _ShareReplay:
                 c = _cell_of(lid)
                 at = int(d["ts"]) - EPOCH_MS
                 self.token[c] = max(self.token[c], int(d["token"]))
-                self._granted(c, lid, d["node"], [int(i) for i in d["gpus"]], int(d.get("gpu_mem_mb") or 0), 0, at)
-                if self.cells[c].missing == 0:
-                    started.append(c)
-            for c in started:
-                touched |= self._run(c, t)
+                started.append((c, d["node"], [int(i) for i in d["gpus"]], int(d.get("gpu_mem_mb") or 0), at))
+            for c, node, idx, mb, at in started:
+                touched |= self._run(c, node, idx, mb, at, t)
             touched = {c for c in touched if c in self.cells and self.start[c] >= 0}
             self._repace(touched, t)
             if progress is not None and t >= next_progress:
                 progress(t)
                 next_progress = t + 6 * 3_600_000
         wall = time.perf_counter() - t_wall
-        if self.waiting:
-            raise Stuck(
-                f"{len(self.waiting)} leases of {len({_cell_of(x) for x in self.waiting})} cells were never "
-                "granted: cells holding part of their slices wait for each other's"
-            )
         if (self.end < 0).any():
             raise RuntimeError(f"{int((self.end < 0).sum())} cells never ran (a replay bug)")
         return self._result(t_first, wall)
@@ -420,7 +395,7 @@ class _ShareReplay:
         w = self.w
         ran = (self.end - self.start).astype(np.float64)
         slowdown = ran / w.dur.astype(np.float64)
-        sliced = np.asarray([p[0] > 0 for p in self.plan], dtype=bool)
+        sliced = np.asarray([mb > 0 for mb in self.plan], dtype=bool)
         span_h = (int(self.end.max()) - t_first) / 3_600_000 if w.n_cells else 0.0
 
         def q(x: np.ndarray, p: float) -> float:
