@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from lease_server import errors
 from lease_server.client import waited_out
+from lease_server.protocol import LeaseJson
 from lease_server.sizes import ordinal, show_mb
 
 from . import cellcode, space
@@ -587,7 +588,7 @@ def _unquote(text: str) -> str:
     return text
 
 
-def _print_lease(lease: dict[str, Any], now: float, whose: str) -> None:
+def _print_lease(lease: LeaseJson, now: float, whose: str) -> None:
     """A lease in %gpu_lease: where, for how long, and, kept warm, whose next cell it is for."""
     gpus = ",".join(str(g["index"]) for g in lease["gpus"])
     if lease.get("reclaim_at"):
