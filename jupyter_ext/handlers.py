@@ -246,7 +246,13 @@ class OwnLeaseHandler(GpuLeaseHandler):
 
 
 class LeaseHandler(OwnLeaseHandler):
-    """Release one of this Jupyter user's leases (idempotent)."""
+    """Read one of this Jupyter user's leases, live or recently ended (the status bar reads whom
+    a warm lease was lent to), or release it (idempotent)."""
+
+    @tornado.web.authenticated
+    @authorized
+    async def get(self, lease_id: str) -> None:
+        self.reply(_public(await self.own_lease(lease_id, "read")))
 
     @tornado.web.authenticated
     @authorized
@@ -584,7 +590,7 @@ class NotFoundHandler(GpuLeaseHandler):
             self.get_login_url()  # raises 401, as @authenticated would
         raise errors.NotFound(
             f"no such endpoint {self.request.method} {self.request.path}; the gpulease API has "
-            "GET version, cluster, leases, queue, events, bookings, bookings/<id>, usage/summary, "
+            "GET version, cluster, leases, leases/<id>, queue, events, bookings, bookings/<id>, usage/summary, "
             "usage/balance, DELETE leases/<id>, "
             "POST leases/<id>/keep, POST bookings, PATCH and DELETE bookings/<id>, "
             "POST bookings/<id>/end"

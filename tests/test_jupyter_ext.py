@@ -231,6 +231,10 @@ def test_release_is_owner_only_idempotent_and_clear_about_unknown_leases(fetch: 
     assert (ended["state"], ended["end_reason"], ended["ended_by"]) == ("released", "released from the board", "alice")
     again = fetch("gpulease", "leases", mine.id, method="DELETE")
     assert (again.code, body(again)["changed"]) == (200, False)
+    # Read back, ended (the status bar reads whom an evicted warm lease went to): mine only, no token
+    read = body(fetch("gpulease", "leases", mine.id))
+    assert (read["id"], read["state"]) == (mine.id, "released") and "token" not in read
+    assert "only its owner can read it" in error(fetch("gpulease", "leases", theirs.id), 403, "not_owner")
 
     msg = error(fetch("gpulease", "leases", theirs.id, method="DELETE"), 403, "not_owner")
     assert "bob" in msg

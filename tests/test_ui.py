@@ -794,6 +794,41 @@ def test_the_board_shows_a_warm_gpu_as_lendable_and_its_eviction(
     alice.release(mine)
 
 
+def test_the_status_bar_says_the_moment_a_warm_gpu_is_lent_and_to_whom(
+    page: Any, lab: Lab, clients: dict[str, Any], shots: Path
+) -> None:
+    """Alice's warm GPU (her notebook's finished cell) is lent to bob's request: the status bar
+    says so at once, "warm GPU lent to bob", and its tooltip which GPU and at what time; the
+    notice goes once alice's next lease is granted (her notebook's next cell says the rest)."""
+    from playwright.sync_api import expect
+
+    alice, bob = clients["alice"], clients["bob"]
+    page.goto(f"{lab.url}lab?token={lab.token}")
+    item = page.locator(".jp-GpuLease-status")
+    expect(item).to_have_text(re.compile(r"^GPU: 0 held · \d+ free$"), timeout=60_000)
+    lease = alice.acquire(gpus=2, pool="T4-16GB", ttl=120, label="train")
+    alice.warm(lease)
+    expect(item).to_have_text(re.compile(r"^GPU: 0 held · 2 warm · \d+ free$"))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        granted = pool.submit(bob.acquire, gpus=1, pool="T4-16GB", ttl=120, wait=60)
+        # what her kernel does on the notice: the worker ended and seen gone, then released
+        deadline = time.monotonic() + 30
+        while not alice.get(lease.id).get("recall_at") and time.monotonic() < deadline:
+            time.sleep(0.05)  # the eviction is the server's: polled, nothing here could wait on it
+        alice.release(lease, verified=True)
+        theirs = granted.result(timeout=60)
+    expect(item).to_have_text(re.compile(r"^GPU: 0 held · \d+ free · warm GPU lent to bob$"))
+    title = item.get_attribute("title") or ""
+    said = r"^your warm GPU \(t1 GPU [01],[01]\) was lent to bob at \d\d:\d\d: bob waited for it; "
+    assert re.search(said, title, re.M), title
+    page.screenshot(path=str(shots / "1-lent.png"), full_page=True)
+    # her notebook's next cell takes GPUs again: the notice has done its work
+    bob.release(theirs)
+    again = alice.acquire(gpus=1, pool="T4-16GB", ttl=120)
+    expect(item).to_have_text(re.compile(r"^GPU: 1 held · \d+ free$"))
+    alice.release(again)
+
+
 def _measured(server: Any, lease_id: str, used_mb: int, peak_mb: int) -> None:
     """What the node agent's memory watch reports of a lease (node/memwatch.py, mem_peaks.lua), sent
     from a thread: asyncio.run cannot run inside the sync Playwright API's event loop."""

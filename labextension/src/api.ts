@@ -130,6 +130,10 @@ export interface ILease {
   gpu_total_mb?: number;
   /** Kept warm since (epoch s): its cell ended, its worker waits for the notebook's next cell; lent out if someone waits. */
   warm_since?: number;
+  /** Being recalled (or, ended, it was): why, whose request its GPUs went to, and since when (epoch s). */
+  recall_cause?: { code: string; by: string; why: string };
+  recall_for?: string;
+  recalled_at?: number;
 }
 
 /**

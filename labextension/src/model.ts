@@ -103,6 +103,40 @@ const BALANCE_EVERY = 5000;
  */
 export const BOARD_PAGE = 64;
 
+/**
+ * How long the status bar says that a warm GPU of mine was lent out (s): until a lease of mine
+ * granted after it (the notebook's next cell took GPUs again), and no longer than this.
+ */
+export const LENT_SHOWN_S = 600;
+
+/** A warm GPU of mine lent to another request (its worker evicted, or suspended to host memory). */
+export interface ILent {
+  /** My warm lease that was evicted. */
+  lease: string;
+  /** The user whose request it went to. */
+  to: string;
+  /** When (epoch seconds, the lease server's clock). */
+  at: number;
+  /** Its GPUs: "box GPU 0". */
+  where: string;
+  /** To another notebook of mine. */
+  mine: boolean;
+}
+
+/** The lent notice of an evicted warm lease of mine (live and being evicted, or ended so), else null. */
+export function lentOf(lease: ILease): ILent | null {
+  if (!lease.recall_for || lease.recall_cause?.code !== 'evicted') {
+    return null;
+  }
+  return {
+    lease: lease.id,
+    to: lease.recall_for,
+    at: lease.recalled_at ?? lease.recall_at ?? 0,
+    where: `${lease.node} GPU ${lease.gpus.map(g => g.index).join(',')}`,
+    mine: lease.recall_for === lease.user
+  };
+}
+
 export type LiveState = 'connecting' | 'live' | 'reconnecting' | 'stopped';
 
 export class GpuLeaseModel {
@@ -152,6 +186,8 @@ export class GpuLeaseModel {
   /** Cancel / End now in flight, and the message of a failed one, per booking id. */
   bookingBusy = new Set<string>();
   bookingErrors = new Map<string, string>();
+  /** My warm GPUs lent to other requests, the newest last (the status bar says to whom). */
+  lent: ILent[] = [];
 
   /** My bookings (mine: I may change them) that are not over: the current or next occurrence first. */
   get myBookings(): IBooking[] {
@@ -284,7 +320,9 @@ export class GpuLeaseModel {
       ]);
       this.cluster = cluster;
       this._clockOffset = cluster.now - Date.now() / 1000;
+      const before = this.leases;
       this.leases = mine.leases;
+      void this.noteLent(before, mine.leases);
       this.user = mine.user;
       this.queue = queue.waiting;
       this.error = null;
@@ -305,6 +343,41 @@ export class GpuLeaseModel {
     }
     this._emit();
     await Promise.all([bookings, balance]);
+  }
+
+  /**
+   * The moment a warm GPU of mine is lent out: a lease being evicted for someone's request says so
+   * while it lives (recall_for); one that was warm and is gone since `before` is read once more
+   * (its ended record keeps whom it went to). A notice stays until a lease of mine granted after it,
+   * or LENT_SHOWN_S.
+   */
+  async noteLent(before: ILease[], now: ILease[]): Promise<void> {
+    const live = new Set(now.map(lease => lease.id));
+    const known = (id: string) => this.lent.some(l => l.lease === id);
+    const found = now.map(lentOf).filter((l): l is ILent => l !== null && !known(l.lease));
+    const gone = before.filter(lease => lease.warm_since && !live.has(lease.id) && !known(lease.id));
+    await Promise.all(
+      gone.map(async lease => {
+        try {
+          const ended = await requestAPI<ILease>(`leases/${encodeURIComponent(lease.id)}`, {}, this._settings);
+          const lent = lentOf(ended);
+          if (lent && !known(lent.lease)) {
+            found.push(lent);
+          }
+        } catch {
+          // forgotten by the lease server, or it is away: nothing to say
+        }
+      })
+    );
+    const now_s = this.serverNow();
+    const kept = [...this.lent, ...found]
+      .filter(l => now_s - l.at < LENT_SHOWN_S && !this.leases.some(m => m.id !== l.lease && m.created_at > l.at))
+      .sort((a, b) => a.at - b.at);
+    const changed = kept.length !== this.lent.length || kept.some((l, i) => l !== this.lent[i]);
+    this.lent = kept;
+    if (changed) {
+      this._emit();
+    }
   }
 
   /**

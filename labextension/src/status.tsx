@@ -1,13 +1,15 @@
 /**
  * The status bar item: "GPU: 2 held · 5 free" ("GPU: 0 held · 1 slice · 5 free" with a slice of a
  * GPU, "GPU: 0 held · 0 free · 60 GB unpromised" while sliced GPUs have memory no slice holds, "GPU: 0 held · 1 warm · 5 free" while a finished cell's GPU is kept warm for the notebook's
- * next cell: lendable, so not held). Its tooltip adds my balance per pool. Clicking it opens the
- * GPU Leases panel.
+ * next cell: lendable, so not held; "· warm GPU lent to bob" the moment one is lent to someone who
+ * waited, until the notebook's next cell takes GPUs again). Its tooltip adds when and which GPU, and
+ * my balance per pool. Clicking it opens the GPU Leases panel.
  */
 import { ReactWidget } from '@jupyterlab/ui-components';
 import React, { useEffect, useReducer } from 'react';
 
-import { INSTALL_HINT, GpuLeaseModel, memSize } from './model';
+import { clock } from './clock';
+import { ILent, INSTALL_HINT, GpuLeaseModel, memSize } from './model';
 
 export function statusText(model: GpuLeaseModel): string {
   if (model.problem) {
@@ -27,7 +29,26 @@ export function statusText(model: GpuLeaseModel): string {
   // Memory of sliced GPUs no slice holds: a --gpu-mem cell fits there even with no GPU free.
   const room = model.unpromisedMb;
   const unpromised = room > 0 ? ` · ${memSize(room)} unpromised` : '';
-  return `GPU: ${model.heldGpus} held${sliced}${warm}${warmSliced} · ${model.freeGpus} free${unpromised}${stale}`;
+  // The moment a warm GPU of mine is lent out: to whom (the tooltip says when, and which GPU).
+  const lent = model.lent;
+  const lentTo =
+    lent.length === 1
+      ? ` · warm GPU lent to ${lentWho(lent[0])}`
+      : lent.length > 1
+        ? ` · ${lent.length} warm GPUs lent`
+        : '';
+  return `GPU: ${model.heldGpus} held${sliced}${warm}${warmSliced} · ${model.freeGpus} free${unpromised}${lentTo}${stale}`;
+}
+
+function lentWho(lent: ILent): string {
+  return lent.mine ? 'your other notebook' : lent.to;
+}
+
+/** "your warm GPU (box GPU 0) was lent to bob at 14:02: bob waited for it; your next cell asks for it again" */
+export function lentLine(lent: ILent): string {
+  const when = clock(new Date(lent.at * 1000));
+  const waited = lent.mine ? 'another notebook of yours waited for it' : `${lent.to} waited for it`;
+  return `your warm GPU (${lent.where}) was lent to ${lentWho(lent)} at ${when}: ${waited}; your next GPU cell asks for it again`;
 }
 
 /** The tooltip: what the item counts, then my balance, a line per pool ("A100-80GB: 1 of 4 GPUs yours, 3 left; ..."). */
@@ -42,6 +63,9 @@ export function statusTitle(model: GpuLeaseModel): string {
   ];
   if (model.unpromisedMb > 0) {
     lines.push('unpromised: memory of shared (sliced) GPUs that no slice holds: room for a --gpu-mem cell');
+  }
+  for (const lent of model.lent) {
+    lines.push(lentLine(lent));
   }
   const cpu = model.cluster?.cpu_pool;
   for (const p of model.balance?.pools ?? []) {

@@ -4,7 +4,15 @@ import { ServerConnection } from '@jupyterlab/services';
 import { afterEach, beforeEach, describe as group, expect, test, vi } from 'vitest';
 
 import { GpuLeaseError, IBooking, ICluster, ILease } from '../src/api';
-import { GpuLeaseModel, describe, duration, memSize, nextInstanceStart, reclaimCountdown } from '../src/model';
+import {
+  GpuLeaseModel,
+  LENT_SHOWN_S,
+  describe,
+  duration,
+  memSize,
+  nextInstanceStart,
+  reclaimCountdown
+} from '../src/model';
 
 group('duration', () => {
   test('seconds, minutes, hours, days: the two largest units', () => {
@@ -138,5 +146,69 @@ group('GpuLeaseModel counts', () => {
       ])
     ];
     expect(model.myBookings.map(r => r.id)).toEqual(['now', 'weekly', 'later']);
+  });
+});
+
+group('a warm GPU of mine lent out', () => {
+  const evicted = { code: 'evicted', by: 'server', why: "evicted for bob's request" };
+  /** A model whose fetch answers GET leases/<id> with `ended` (and counts what was asked). */
+  function modelAnswering(ended: Record<string, ILease>) {
+    const asked: string[] = [];
+    const fetch = vi.fn(async (url: RequestInfo | URL) => {
+      const path = (url instanceof Request ? url.url : String(url)).split('?')[0]; // (a cache-busting query)
+      asked.push(path);
+      const id = decodeURIComponent(path.split('/gpulease/leases/')[1] ?? '');
+      if (ended[id]) {
+        return new Response(JSON.stringify(ended[id]), { status: 200 });
+      }
+      return new Response('{"code": "not_found", "message": "no such lease"}', { status: 404 });
+    });
+    const settings = ServerConnection.makeSettings({ baseUrl: 'http://localhost:8888/', fetch });
+    const model = new GpuLeaseModel(settings);
+    vi.spyOn(model, 'serverNow').mockReturnValue(1_000);
+    return { model, asked };
+  }
+
+  test('a warm lease being evicted says to whom at once, without asking the server', async () => {
+    const { model, asked } = modelAnswering({});
+    const warm = lease('w', 1, { warm_since: 900, node: 'box' });
+    const going = { ...warm, recall_at: 992, recall_cause: evicted, recall_for: 'bob', recalled_at: 990 };
+    model.leases = [going];
+    await model.noteLent([warm], [going]);
+    expect(model.lent).toEqual([{ lease: 'w', to: 'bob', at: 990, where: 'box GPU 0', mine: false }]);
+    expect(asked).toEqual([]);
+  });
+
+  test('a warm lease gone between two refreshes is read once: evicted, it says to whom; released, nothing', async () => {
+    const ended = { ...lease('w', 1, { node: 'box' }), state: 'released', recall_for: 'bob', recalled_at: 990 };
+    const { model, asked } = modelAnswering({
+      w: { ...ended, recall_cause: evicted } as ILease,
+      x: { ...lease('x', 1), state: 'released' } as ILease
+    });
+    const before = [lease('w', 1, { warm_since: 900 }), lease('x', 1, { warm_since: 900 }), lease('held', 1)];
+    model.leases = [];
+    await model.noteLent(before, []);
+    expect(model.lent.map(l => [l.lease, l.to, l.where])).toEqual([['w', 'bob', 'box GPU 0']]);
+    expect(asked.map(u => u.split('/gpulease/')[1])).toEqual(['leases/w', 'leases/x']); // not the held one
+    await model.noteLent(before, []); // known already: not asked again
+    expect(asked).toHaveLength(3); // (x only: it said nothing)
+  });
+
+  test("it stays until a lease of mine granted after it (the notebook's next cell), at most LENT_SHOWN_S", async () => {
+    const { model } = modelAnswering({});
+    const going = lease('w', 1, { recall_cause: evicted, recall_for: 'alice', recalled_at: 990, created_at: 100 });
+    model.leases = [going];
+    await model.noteLent([], [going]);
+    expect(model.lent[0].mine).toBe(true); // lent to another notebook of mine
+    model.leases = [lease('older', 1, { created_at: 500 })];
+    await model.noteLent([], model.leases);
+    expect(model.lent).toHaveLength(1);
+    model.leases = [lease('next', 1, { created_at: 995 })];
+    await model.noteLent([], model.leases);
+    expect(model.lent).toEqual([]);
+    model.leases = [going];
+    vi.spyOn(model, 'serverNow').mockReturnValue(990 + LENT_SHOWN_S);
+    await model.noteLent([], [going]);
+    expect(model.lent).toEqual([]);
   });
 });

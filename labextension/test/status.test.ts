@@ -133,3 +133,19 @@ describe('statusTitle', () => {
     expect(statusTitle(model)).toContain('kept warm for your next cell (lent out if someone waits)');
   });
 });
+
+describe('a warm GPU of mine lent out', () => {
+  test('the status bar says to whom, the tooltip when and which GPU', () => {
+    model.cluster = cluster;
+    model.leases = [];
+    const at = new Date(2026, 0, 5, 14, 2).getTime() / 1000;
+    model.lent = [{ lease: 'w', to: 'bob', at, where: 'box GPU 0', mine: false }];
+    expect(statusText(model)).toBe('GPU: 0 held · 5 free · warm GPU lent to bob');
+    const line = statusTitle(model).split('\n').find(l => l.startsWith('your warm GPU'));
+    expect(line).toMatch(/^your warm GPU \(box GPU 0\) was lent to bob at (14:02|2:02 PM): bob waited for it; /);
+    model.lent.push({ lease: 'v', to: 'alice', at, where: 'box GPU 1', mine: true });
+    expect(statusText(model)).toBe('GPU: 0 held · 5 free · 2 warm GPUs lent');
+    model.lent = [model.lent[1]];
+    expect(statusText(model)).toBe('GPU: 0 held · 5 free · warm GPU lent to your other notebook');
+  });
+});
