@@ -1,8 +1,7 @@
 """bench/hostile_bench.py runs in its quick mode, and its last line is the JSON object its docstring
 documents (every figure named there), with the booking flood stopped at the owner's cap and the
-hostile clients of issue 49 (the usage summary loop, a booking asked for at the cap) among the
-answers. No figure is judged: a bench measures, a test only checks that it runs and says what it
-says it does."""
+usage summary loop (issue 49) among the hostile clients' answers. No figure is judged: a bench
+measures, a test only checks that it runs and says what it says it does."""
 
 from __future__ import annotations
 
@@ -44,6 +43,5 @@ def test_the_hostile_bench_runs_quick_and_ends_with_its_json_line(tmp_path: Path
     assert last["quick"] is True and "failed" not in last
     assert last["flood_bookings"] == 200 and last["flood_refusal"] == "403 forbidden"  # booking_max_per_owner
     answers = last["hostile_answers"]
-    assert answers.get("booking at the cap: 403", 0) > 0, answers
     assert any(k.startswith("usage summary: ") for k in answers), answers
     assert all(isinstance(last[k], int | float) for k in KEYS - {"flood_refusal"})
