@@ -1,5 +1,8 @@
 """Helpers shared by the benches of this folder (lease_bench.py, reclaim_bench.py, gpu_train_bench.py).
 
+Every bench has ``--smoke``, the quick mode that tests/test_benches.py runs (every part once, at a
+tiny size, in seconds: figures that mean nothing, but every one of them printed).
+
 Percentiles and target verdicts, the printed lines and the JSON last line, per-section failure
 records, CPU figures from /proc, stopping a child process's whole session, and the Redis-side set-up
 (tokens, settings, simulated nodes) that the benches do straight against their own redis-server.
@@ -11,6 +14,7 @@ and ``tests``, imported where they are used, so that a process that needs none o
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -69,6 +73,40 @@ def verdict(targets: Mapping[str, tuple[str, float]], name: str, value: float) -
 def load_text(load: Sequence[float]) -> str:
     """Load averages as the benches print them: ``1.52 1.20 0.98``."""
     return " ".join(f"{x:.2f}" for x in load)
+
+
+# ---- the CI's quick mode -------------------------------------------------------------------------------
+
+SMOKE_HELP = (
+    "the quick mode tests/test_benches.py runs: every part once, at a tiny size, in seconds; it checks "
+    "that the bench runs and prints every figure, and its figures mean nothing"
+)
+
+
+def add_smoke(ap: argparse.ArgumentParser) -> None:
+    """``--smoke``, the quick mode every bench has (tests/test_benches.py runs each in it)."""
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+
+
+def parse_args(ap: argparse.ArgumentParser, **smoke: Any) -> argparse.Namespace:
+    """``ap``'s arguments with ``--smoke`` added; with ``--smoke``, each option of ``smoke`` (its
+    dest: a tiny value) that the command line left at its default takes the tiny value."""
+    add_smoke(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        for dest, value in smoke.items():
+            if getattr(args, dest) == ap.get_default(dest):
+                setattr(args, dest, value)
+    return args
+
+
+def ray_spares(n: int | None = None) -> int:
+    """Started workers per node (GPULEASE_SPARES) for the sessions and kernels of a bench that
+    measures warm calls: ``n``, else 2 (the kernel's default), whatever the environment says. Call
+    it before importing tests.conftest, which sets 0 for the test stacks where nothing is set."""
+    value = 2 if n is None else n
+    os.environ["GPULEASE_SPARES"] = str(value)
+    return value
 
 
 # ---- output ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A grant while a booking is in force, in a pool of 1,250 nodes against one of 2 (issue 37).
 
-    nice -n 10 .venv/bin/python bench/booking_bench.py [--pairs 400] [--nodes 1250]
+    nice -n 10 .venv/bin/python bench/booking_bench.py [--pairs 400] [--nodes 1250] [--smoke]
 
 For each size it declares the nodes (8 GPUs each, one pool) straight into its own redis-server, books
 4 GPUs of the pool from a minute ago to an hour ahead (in force: every grant in the pool must leave
@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=400)
     ap.add_argument("--nodes", type=int, default=1250, help="the large pool's nodes (8 GPUs each)")
-    args = ap.parse_args()
+    args = _common.parse_args(ap, pairs=20, nodes=20)
     out: dict[str, Any] = {}
     figs: dict[int, dict[str, Any]] = {}
     for nodes in (2, args.nodes):

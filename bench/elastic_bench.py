@@ -1,13 +1,17 @@
 #!/usr/bin/env python
 """Elastic use of GPUs from notebooks, against its targets, on a simulated `gpulease up`.
 
-    .venv/bin/python bench/elastic_bench.py [--quick] [--only SECTION ...]
+    .venv/bin/python bench/elastic_bench.py [--quick | --smoke] [--only SECTION ...]
 
 Starts its own ``gpulease up`` (Redis, lease server, node agent and a Ray head; the GPUs simulated:
 ``box=8xA100-80GB``) on loopback, joins its Ray cluster as a driver, runs each section, stops every
 process it started, and prints one line per figure followed, as the very last line of stdout, by
 one JSON object with every figure. Each section is one function in SECTIONS below, with its own
-figures and targets; a section that fails is recorded in "failed" and the others still run.
+figures and targets; a section that fails is recorded in "failed" and the others still run. The
+magics session keeps GPULEASE_SPARES=2 started workers (the kernel's default).
+
+``--smoke`` (what tests/test_benches.py runs): a node of 2 GPUs, 4 trials whose trace durations
+are scaled down 50x (at most 0.5 s), an elastic job of 100 samples.
 
 Section "sweep" (issue 13: gpu_map / %%gpu_sweep):
   64 one-GPU trials (--quick: 32) run with magics.gpu_map on the 8 GPUs, each sleeping for a
@@ -35,7 +39,15 @@ Section "sweep" (issue 13: gpu_map / %%gpu_sweep):
                          each trial needs one, so a node's cores bound how fast trials can start)
                                                                                    (information)
 
-Section "elastic" (issue 13: --elastic): see bench_elastic below.
+Section "elastic" (issue 13: --elastic): an elastic job on a synthetic curve (throughput linear in
+the ranks up to KNEE, flat after), from an idle pool of the node's GPUs.
+
+  elastic_gpu_s_ratio    the GPU-seconds the lease server charged the job (its size x time, from
+                         the grant to the release, every resize's restart included), against the
+                         best fixed size chosen in hindsight: the curve's own work / throughput at
+                         that size, with no start-up at all                      (target <= 1.15)
+  elastic_time_vs_worst  the job's wall time against the slowest fixed size's  (information)
+  elastic_sizes          the sizes it took, in order                             (information)
 
 Nothing here asserts: a bench prints.
 """
@@ -65,9 +77,8 @@ from _common import pct, say, section
 
 from lease_server.sim import traces  # (os and pathlib only)
 
-SIMULATE = "box=8xA100-80GB"
 NODE = "box"
-GPUS = 8
+GPUS = 8  # --smoke: 2
 TRACE = traces.trace(traces.JUNE)  # in GPULEASE_TRACE_DIR, else shared/traces/notebookos beside the checkout
 SEED = 13
 CAP_S = 20.0  # a trace cell longer than this many minutes runs for CAP_S seconds
@@ -106,14 +117,16 @@ class Ctx:
     sess: Any
     quick: bool
     work: Path
+    smoke: bool = False
+    gpus: int = GPUS
 
 
-def start_stack(home: Path) -> Any:
+def start_stack(home: Path, gpus: int) -> Any:
     from tests.conftest import Up
 
     up = Up.__new__(Up)
     try:
-        Up.__init__(up, home, simulate=SIMULATE, GPULEASE_DEFAULT_TTL="30")
+        Up.__init__(up, home, simulate=f"{NODE}={gpus}xA100-80GB", GPULEASE_DEFAULT_TTL="30")
     except BaseException:
         proc = getattr(up, "proc", None)  # started, but never answered: stop it
         if proc is not None and proc.poll() is None:
@@ -138,7 +151,7 @@ def stop_stack(up: Any) -> int | None:
     return proc.returncode  # type: ignore[no-any-return]
 
 
-def connect(up: Any) -> Any:
+def connect(up: Any, gpus: int) -> Any:
     """Join the stack's Ray cluster through a magics session, with a spare worker per GPU."""
     import ray
 
@@ -162,8 +175,8 @@ def connect(up: Any) -> Any:
     if not s._pinned:  # connected before the resources showed up: look again
         s._actor_cls = None
         s.connect_ray()
-    s.prewarm_to(NODE, GPUS)
-    spares_ready(s)
+    s.prewarm_to(NODE, gpus)
+    spares_ready(s, gpus)
     return s
 
 
@@ -175,12 +188,12 @@ def worker_start_cpu_s(s: Any) -> float:
     return pct([_common.proc_cpu_seconds(w.where().pid) for w in spares], 50)
 
 
-def spares_ready(s: Any, timeout: float = 180) -> None:
+def spares_ready(s: Any, gpus: int, timeout: float = 180) -> None:
     """Every spare of the node started and answering (replacements start in the background)."""
     import ray
 
     deadline = time.monotonic() + timeout
-    while len(s._spares.get(NODE, ())) < min(s.spares_for(NODE), GPUS) and time.monotonic() < deadline:
+    while len(s._spares.get(NODE, ())) < min(s.spares_for(NODE), gpus) and time.monotonic() < deadline:
         time.sleep(0.05)  # _replenish runs in threads of its own: nothing to wait on but their result
     with s._lock:
         spares = list(s._spares.get(NODE, ()))
@@ -190,19 +203,20 @@ def spares_ready(s: Any, timeout: float = 180) -> None:
 # ---- section "sweep" -----------------------------------------------------------------------------
 
 
-def trace_durations(n: int) -> list[float] | None:
-    """``n`` durations (s) drawn with SEED from the trace's 1-GPU cells; None without the trace."""
+def trace_durations(n: int, scale: float = 1.0) -> list[float] | None:
+    """``n`` durations (s) drawn with SEED from the trace's 1-GPU cells, times ``scale``; None
+    without the trace."""
     if not TRACE.exists():
         return None
     with TRACE.open() as f:
         minutes = [float(r["duration"]) for r in csv.DictReader(f) if r["num_gpu"] == "1"]
     rng = random.Random(SEED)
-    return [min(CAP_S, rng.choice(minutes) * SECONDS_PER_TRACE_MINUTE) for _ in range(n)]
+    return [scale * min(CAP_S, rng.choice(minutes) * SECONDS_PER_TRACE_MINUTE) for _ in range(n)]
 
 
-def synthetic_durations(n: int) -> list[float]:
+def synthetic_durations(n: int, scale: float = 1.0) -> list[float]:
     rng = random.Random(SEED)
-    return [round(rng.uniform(1.0, 6.0), 2) for _ in range(n)]
+    return [scale * round(rng.uniform(1.0, 6.0), 2) for _ in range(n)]
 
 
 def list_schedule(durations: list[float], machines: int) -> float:
@@ -222,22 +236,24 @@ def all_events(client: Any) -> list[dict[str, Any]]:
 def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:
     from magics.sweep import SweepDisplay, gpu_map
 
-    n = 32 if ctx.quick else 64
-    durations = trace_durations(n)
+    gpus = ctx.gpus
+    n = 4 if ctx.smoke else 32 if ctx.quick else 64
+    scale = 1 / 50 if ctx.smoke else 1.0
+    durations = trace_durations(n, scale)
     from_trace = durations is not None
     if durations is None:
         say(f"[sweep] {traces.missing(traces.JUNE)}: sweep_makespan_ratio skipped; synthetic durations for the rest")
         out.setdefault("skipped", []).append("sweep_makespan_ratio: no trace")
-        durations = synthetic_durations(n)
+        durations = synthetic_durations(n, scale)
     quiet = SweepDisplay(quiet=True)
 
     # Warm-up: the same code paths once, then every spare started and answering again.
-    gpu_map(sleep_trial, [0.05] * GPUS, sess=ctx.sess, display=quiet)
-    ctx.sess.prewarm_to(NODE, GPUS)
-    spares_ready(ctx.sess)
+    gpu_map(sleep_trial, [0.05] * gpus, sess=ctx.sess, display=quiet)
+    ctx.sess.prewarm_to(NODE, gpus)
+    spares_ready(ctx.sess, gpus)
     start_cpu = worker_start_cpu_s(ctx.sess)
 
-    ideal = list_schedule(durations, GPUS)
+    ideal = list_schedule(durations, gpus)
     t0 = time.monotonic()
     results = gpu_map(sleep_trial, durations, gpus=1, sess=ctx.sess, display=quiet)
     took = time.monotonic() - t0
@@ -282,7 +298,7 @@ def bench_sweep(ctx: Ctx, out: dict[str, Any]) -> None:
     out["trial_dispatch_split_p90_ms"] = {k: pct(v, 90) for k, v in split.items()}
     out["worker_start_cpu_s"] = start_cpu
     say(
-        f"sweep: {n} trials, {sum(durations):.0f} GPU-s of work on {GPUS} GPUs; at most {most} leases live; "
+        f"sweep: {n} trials, {sum(durations):.0f} GPU-s of work on {gpus} GPUs; at most {most} leases live; "
         f"{len(handed)} trials started on the worker of the trial before them"
     )
     say(f"sweep_makespan_s     {took:.2f}  ideal list schedule {ideal:.2f}  (information)")
@@ -324,27 +340,20 @@ def curve_job(work: int, resume_state: Any = None) -> dict[str, Any]:
 
 
 def bench_elastic(ctx: Ctx, out: dict[str, Any]) -> None:
-    """Section "elastic": an elastic job on the synthetic curve, from an idle pool of 8 GPUs.
-
-    elastic_gpu_s_ratio   the GPU-seconds the lease server charged the job (its size x time, from
-                          the grant to the release, every resize's restart included), against the
-                          best fixed size chosen in hindsight: the curve's own work / throughput at
-                          that size, with no start-up at all                     (target <= 1.15)
-    elastic_time_vs_worst the job's wall time against the slowest fixed size's (information)
-    elastic_sizes         the sizes it took, in order                            (information)
-    """
+    """Section "elastic" (its figures: the module's docstring)."""
     from magics.calls import Call
     from magics.runner import Options, run_call
 
-    work = 2000 if ctx.quick else 6000
-    ctx.sess.prewarm_to(NODE, GPUS)  # measured warm, as the sweep: a process per rank ready
-    spares_ready(ctx.sess)
-    rate = {n: min(n, KNEE) / STEP_S for n in range(1, GPUS + 1)}  # samples/s at each fixed size
+    gpus = ctx.gpus
+    work = 100 if ctx.smoke else 2000 if ctx.quick else 6000
+    ctx.sess.prewarm_to(NODE, gpus)  # measured warm, as the sweep: a process per rank ready
+    spares_ready(ctx.sess, gpus)
+    rate = {n: min(n, KNEE) / STEP_S for n in range(1, gpus + 1)}  # samples/s at each fixed size
     gpu_s_fixed = {n: n * work / rate[n] for n in rate}
     best = min(gpu_s_fixed.values())
     worst_time = max(work / rate[n] for n in rate)
     t0 = time.monotonic()
-    res = run_call(Call.function(curve_job, work), Options(gpus=GPUS, gpus_min=1, elastic=True), sess=ctx.sess)
+    res = run_call(Call.function(curve_job, work), Options(gpus=gpus, gpus_min=1, elastic=True), sess=ctx.sess)
     took = time.monotonic() - t0
     log = all_events(ctx.sess.client())
     size, since, gpu_s = 0, 0.0, 0.0
@@ -382,21 +391,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs (the sweep: 32 trials)")
     ap.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
-    args = ap.parse_args()
+    args = _common.parse_args(ap)
+    _common.ray_spares()  # before tests.conftest, which would set 0
+    gpus = 2 if args.smoke else GPUS
     started = time.monotonic()
-    results: dict[str, Any] = {"loadavg_start": round(os.getloadavg()[0], 2)}
+    results: dict[str, Any] = {"loadavg_start": round(os.getloadavg()[0], 2), "smoke": args.smoke}
     say(
-        f"elastic_bench ({'quick' if args.quick else 'full'}): {SIMULATE}, {os.cpu_count()} cores, "
+        f"elastic_bench ({'smoke' if args.smoke else 'quick' if args.quick else 'full'}): {NODE}={gpus}xA100-80GB, "
+        f"{os.cpu_count()} cores, "
         f"load average {_common.load_text(os.getloadavg())} at start"
     )
     work = Path(tempfile.mkdtemp(prefix="gpulease-elastic-"))
     up = None
     try:
         with section(results, "stack", timed=True):
-            up = start_stack(work / "home")
-            sess = connect(up)
+            up = start_stack(work / "home", gpus)
+            sess = connect(up, gpus)
         if up is not None and "failed" not in results:
-            ctx = Ctx(up, sess, args.quick, work)
+            ctx = Ctx(up, sess, args.quick, work, args.smoke, gpus)
             for name, run in SECTIONS.items():
                 if args.only and name not in args.only:
                     continue

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The event stream's fan-out: what one event costs the lease server with 3,000 followers (issue 37).
 
-    nice -n 10 .venv/bin/python bench/fanout_bench.py [--followers 3000] [--pairs 40]
+    nice -n 10 .venv/bin/python bench/fanout_bench.py [--followers 3000] [--pairs 40] [--smoke]
 
 A real redis-server and lease server (2 worker processes, as scale_bench.py starts them). Every
 follower is a ``GET /api/v1/events`` stream, as a JupyterLab's board and status bar keep one open:
@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--followers", type=int, default=3000)
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--gap-ms", type=float, default=50.0, help="pause between two pairs (ms)")
-    args = ap.parse_args()
+    args = _common.parse_args(ap, followers=20, pairs=3, gap_ms=0.0)
     print(_common.json_line(asyncio.run(main_async(args))))
 
 

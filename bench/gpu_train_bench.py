@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Latency of %%gpu_train / run_on_gpus against its targets, on a simulated `gpulease up`.
 
-    .venv/bin/python bench/gpu_train_bench.py [--quick]
+    .venv/bin/python bench/gpu_train_bench.py [--quick | --smoke] [--no-kernel]
 
 Starts its own ``gpulease up`` (Redis, lease server, node agent and a Ray head, the GPUs simulated:
 ``box=2xA100-80GB,solo=1xH100-80GB``) on loopback, joins its Ray cluster as a driver, measures,
 stops every process it started, and prints one line per figure followed, as the very last line
 of stdout, by one JSON object with every figure. Everything is measured warm: after warm-up calls,
-with the spare workers of both nodes started and answering before each timed call.
+with the spare workers of both nodes started and answering before each timed call (GPULEASE_SPARES
+per node: 2, the kernel's default, or what the environment says; --smoke: 1).
 
 import_ray_s          CPU seconds of `import ray` in a fresh interpreter with magics/fastimport.py's
                       deferral (as the kernel and its workers start); import_ray_s_before without it
@@ -28,12 +29,15 @@ local_call_ms         a trivial function called in this process (reference)
 bare_ray_ms           p50 of ray.get(f.remote()) of that function, @ray.remote(num_cpus=0), same
                       Ray cluster, same driver (reference)
 gpu_train_p50_ms      p50 of run_on_gpus(trivial, gpus=1): lease, dispatch to a spare worker,
-                      result, kill, wait until the worker process is gone, release
+                      result (the call returns then: the worker's end, the wait until its process
+                      is gone and the release follow in the background); gpu_train_p99_ms its p99
 dispatch_overhead_ms  gpu_train_p50_ms - bare_ray_ms                            (target <= 20)
 phase_p50_ms          where a run_on_gpus call spends its time (p50 of each phase, measured by
-                      wrapping the calls it makes in the calling thread; "verify_gone" is the
-                      wait for the killed worker's process to exit, "follow" the runner's
-                      subscription to the lease's events; "other" is the rest)
+                      wrapping the calls it makes in the calling thread: "acquire", "take_worker",
+                      "ray.wait", "follow" the grant's subscription to the lease's events, ...;
+                      "other" is the rest). The wrapped "verify_gone" (magics.world's wait for
+                      an ended worker's process to exit) and "release" show only when the
+                      calling thread waits for them, which a call that returned does not
 first_call_ms         the first run_on_gpus of this process (spare started, nothing else warm)
 handoff_verified_p50_ms
 handoff_verified_p99_ms
@@ -64,7 +68,8 @@ stop_split_p50_ms     p50 of: interrupt -> GpuTrainStopped caught in the main th
 stop_free_in_cluster_at_event
                       fraction of Stop rounds in which GET /api/v1/cluster already showed the GPU
                       free when the `released` event arrived (else it was polled) (information)
-server_handoff_ms     the same hand-off between two plain Clients, no Ray: from just before the
+server_handoff_p50_ms, server_handoff_p99_ms
+                      the same hand-off between two plain Clients, no Ray: from just before the
                       holder's DELETE until the waiter's grant (reference)
 magic_cell_ms         p50 of a `%%gpu_train` cell (x = 1) in a real kernel of the gpulease
                       kernelspec, execute request to idle status, and plain_cell_ms of the same
@@ -401,16 +406,23 @@ class Phases:
     """Wall time of each call run_on_gpus makes, by wrapping them (a few microseconds each)."""
 
     def __init__(self, s: Any) -> None:
+        self.current: dict[str, float] | None = None
+        self.calls: list[dict[str, float]] = []
+        self._undo: list[Callable[[], None]] = []
+        try:
+            self._wrap_all(s)
+        except BaseException:
+            self.undo()  # a call it no longer finds: leave nothing of it wrapped
+            raise
+
+    def _wrap_all(self, s: Any) -> None:
         import ray
         import ray.actor
 
         from lease_server.client import HeldLease
-        from magics import runner
+        from magics import grant, world
 
-        self.current: dict[str, float] | None = None
-        self.calls: list[dict[str, float]] = []
         client = s.client()
-        self._undo: list[Callable[[], None]] = []
         self._wrap(client, "acquire", "acquire")
         self._wrap(s, "take_worker", "take_worker")
         self._wrap(ray, "wait", "ray.wait")
@@ -418,14 +430,10 @@ class Phases:
         self._wrap(ray, "kill", "ray.kill")
         self._wrap(HeldLease, "release", "release", method=True)
         self._wrap(HeldLease, "__init__", "HeldLease()", method=True)
-        # The lease's holder in the runner (magics.grant.Grant, formerly magics.runner._Grant) and
-        # the module whose verify_gone it calls: the wait for the killed worker's process to exit.
-        grant_cls = getattr(runner, "Grant", None) or runner._Grant
-        self._wrap(sys.modules[grant_cls.__module__], "verify_gone", "verify_gone")
-        if hasattr(grant_cls, "name_procs"):  # names the worker's pid to the lease server (draining)
-            self._wrap(grant_cls, "name_procs", "name_procs", method=True)
-        if hasattr(grant_cls, "follow"):  # subscribes to the lease's events for the call
-            self._wrap(grant_cls, "follow", "follow", method=True)
+        # The call's World ends its workers and waits for each process to exit (verify_gone, which
+        # world.py imports); the Grant holds the lease and follows its events for the call.
+        self._wrap(world, "verify_gone", "verify_gone")
+        self._wrap(grant.Grant, "follow", "follow", method=True)
         orig_remote = ray.actor.ActorMethod.remote
         phases = self
 
@@ -869,20 +877,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (about a minute)")
     ap.add_argument("--no-kernel", action="store_true", help="skip the %%gpu_train cell in a real kernel")
-    args = ap.parse_args()
+    args = _common.parse_args(ap)
     # Each call starts a Ray worker process (the spare that replaces the one used), about 1.5-2 s
     # on two busy cores, and every timed call waits for it: that, not the calls, sets the run time.
-    n, warmup = (10, 2) if args.quick else (30, 2)
-    kn, kwarm = (3, 1) if args.quick else (5, 1)
+    n, warmup = (2, 1) if args.smoke else (10, 2) if args.quick else (30, 2)
+    kn, kwarm = (1, 0) if args.smoke else (3, 1) if args.quick else (5, 1)
+    starts = 1 if args.smoke else 3  # fresh interpreters and workers whose start is measured
+    spares = _common.ray_spares(1 if args.smoke else None)
 
     load = os.getloadavg()
     results: dict[str, Any] = {
         "quick": args.quick,
+        "smoke": args.smoke,
+        "spares": spares,
         "load_avg_start": [round(x, 2) for x in load],
         "cpus": os.cpu_count(),
     }
     say(
-        f"gpu_train bench ({'quick' if args.quick else 'full'}): {n} timed calls per figure after {warmup} "
+        f"gpu_train bench ({'smoke' if args.smoke else 'quick' if args.quick else 'full'}): {n} timed calls per "
+        f"figure after {warmup} "
         f"warm-up; load average at start {_common.load_text(load)} on {os.cpu_count()} CPU(s)"
     )
     work = Path(tempfile.mkdtemp(prefix="gpulease-bench-"))
@@ -908,13 +921,13 @@ def main() -> None:
             say(f"bare_ray_ms          {pct(xs, 50):.2f}  p99 {pct(xs, 99):.2f}  (reference)")
 
         with section(results, "worker_start", timed=True):
-            before, after = bench_import_ray()
+            before, after = bench_import_ray(starts)
             results["import_ray_s_before"], results["import_ray_s"] = before, after
             say(f"import_ray_s         {after:.2f}  (was {before:.2f} without the deferral; CPU seconds)")
-            before, after = bench_worker_start(s)
+            before, after = bench_worker_start(s, starts)
             results["worker_start_cpu_s_before"], results["worker_start_cpu_s"] = before, after
             say(f"worker_start_cpu_s   {after:.2f}  (was {before:.2f} with the kernel's PYTHONPATH)")
-            bare = bench_bare_actor_start()
+            bare = bench_bare_actor_start(starts)
             results["bare_actor_start_cpu_s"] = bare
             say(f"bare_actor_start_cpu_s {bare:.2f}  (a plain Ray actor, same boot path: the floor under it)")
             ratio = round(after / bare, 3) if bare > 0 else None

@@ -2,7 +2,7 @@
 """Redis failover figures: a primary, a replica and three sentinels on loopback (tests/ha.py),
 the lease server on ``redis+sentinel://``.
 
-    .venv/bin/python bench/ha_bench.py [--quick]
+    .venv/bin/python bench/ha_bench.py [--quick | --smoke]
 
 Prints one line per figure and, as the very last line of stdout, one JSON object:
 
@@ -99,21 +99,23 @@ async def costs(group: Any, blocks: int, per_block: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 failovers in 30 s instead of 3 in 60 s")
-    args = ap.parse_args()
+    args = _common.parse_args(ap)  # --smoke: one failover of each kind, 8 clients, the load 2 s around it
     from lease_server.store.keys import Keys
     from tests.ha import REDIS_SETTINGS, SENTINEL_SETTINGS, SentinelGroup, run_load
 
     out: dict[str, Any] = {"sentinel": SENTINEL_SETTINGS}
-    kills, every = (2, 12.0) if args.quick else (3, 15.0)
+    kills, every = (1, 2.0) if args.smoke else (2, 12.0) if args.quick else (3, 15.0)
+    clients = 8 if args.smoke else 32
     with tempfile.TemporaryDirectory(prefix="gpulease-ha-") as tmp:
         group = SentinelGroup(Path(tmp) / "a")
         try:
             say(
-                f"ha_bench ({'quick' if args.quick else 'full'}): primary + replica + 3 sentinels on loopback, "
+                f"ha_bench ({'smoke' if args.smoke else 'quick' if args.quick else 'full'}): "
+                "primary + replica + 3 sentinels on loopback, "
                 f"{SENTINEL_SETTINGS}"
             )
             with _common.section(out, "cost"):
-                c = asyncio.run(costs(group, 5 if args.quick else 10, 40))
+                c = asyncio.run(costs(group, 1 if args.smoke else 5 if args.quick else 10, 40))
                 out.update(
                     ping_p50_ms=round(c["ping"], 3),
                     lock_p50_ms=round(c["lock"], 3),
@@ -130,7 +132,7 @@ def main() -> None:
             with _common.section(out, "failover"):
                 srv = server(group, "haload", 1)
                 try:
-                    tokens = [srv.token(f"u{i}") for i in range(32)]
+                    tokens = [srv.token(f"u{i}") for i in range(clients)]
                     rep = run_load(group, srv.url, tokens, kills, every, 1, Keys("haload"))
                 finally:
                     srv.stop()
@@ -144,7 +146,7 @@ def main() -> None:
                     token_reuse=len(rep.token_reuse),
                     lost_grants=len(rep.lost_grants),
                 )
-                say(f"replicas_ack=1: {rep.grants} grants by 32 clients, {rep.failovers} failovers")
+                say(f"replicas_ack=1: {rep.grants} grants by {clients} clients, {rep.failovers} failovers")
                 say(
                     f"failover_unavailable_s {med:.2f} (each: {out['failover_unavailable_all_s']}) "
                     f"{verdict('failover_unavailable_s', med)}"
@@ -158,8 +160,8 @@ def main() -> None:
             with _common.section(out, "ack0"):
                 srv = server(group, "haload0", 0)
                 try:
-                    tokens = [srv.token(f"u{i}") for i in range(32)]
-                    rep = run_load(group, srv.url, tokens, 1, 10.0, 0, Keys("haload0"))
+                    tokens = [srv.token(f"u{i}") for i in range(clients)]
+                    rep = run_load(group, srv.url, tokens, 1, 2.0 if args.smoke else 10.0, 0, Keys("haload0"))
                 finally:
                     srv.stop()
                 out.update(

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Performance figures of the lease server against the targets of ARCHITECTURE.md.
 
-    .venv/bin/python bench/lease_bench.py [--quick]
+    .venv/bin/python bench/lease_bench.py [--quick | --smoke]
 
 Starts its own redis-server (in a temporary directory) and its own lease servers on free loopback
 ports, measures, stops every process it started, and prints one line per figure followed, as the
@@ -844,12 +844,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter run (under a minute)")
     ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = _common.parse_args(ap)
     if args.loadgen:
         print(json.dumps(asyncio.run(loadgen(json.load(sys.stdin)))), flush=True)
         return
 
-    q = args.quick
+    q = args.quick or args.smoke
     p: dict[str, Any] = {
         "client_n": 500 if q else 3000,
         "client_warmup": 100 if q else 300,
@@ -861,6 +861,9 @@ def main() -> None:
         "handoff_n": 50 if q else 300,
         "handoff_warmup": 5 if q else 20,
     }
+    if args.smoke:  # each part once, tiny
+        p.update(client_n=50, client_warmup=10, http_client_n=10, scale_n=50, scale_warmup=10)
+        p.update(http_duration=0.5, http_warmup=0.2, handoff_n=5, handoff_warmup=1)
     # SIGTERM -> SystemExit, so that leaving the with below stops every process we started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()

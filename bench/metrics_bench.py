@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What one /metrics page costs: time and Redis commands per render, with the usage series.
 
-    nice -n 10 .venv/bin/python bench/metrics_bench.py [--gpus 64] [--users 50] [--ended 400] [--renders 50]
+    nice -n 10 .venv/bin/python bench/metrics_bench.py [--gpus 64] [--users 50] [--ended 400] [--renders 50] [--smoke]
 
 Starts its own redis-server and a lease server with ``--gpus`` simulated GPUs (nodes of 8), lets
 ``--users`` users end ``--ended`` leases (rollup rows of this hour) and then hold every GPU (one
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=50)
     ap.add_argument("--ended", type=int, default=400)
     ap.add_argument("--renders", type=int, default=50)
-    args = ap.parse_args()
+    args = _common.parse_args(ap, gpus=8, users=4, ended=10, renders=3)
 
     from redis import Redis
     from redis.asyncio import Redis as AsyncRedis

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Performance figures of idle-GPU reclaim (issue 5, Bench section).
 
-    .venv/bin/python bench/reclaim_bench.py [--quick]
+    .venv/bin/python bench/reclaim_bench.py [--quick | --smoke]
 
 Starts its own redis-server (in a temporary directory) and its own lease server (a child process
 running ``serve`` with simulated nodes, as ``gpulease up`` does), on loopback only, measures, stops
@@ -656,12 +656,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter run (under ~45 s)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = _common.parse_args(ap)
     if args.serve:
         serve_main()
         return
 
-    q = args.quick
+    q = args.quick or args.smoke
     p: dict[str, Any] = {
         "nodes": 2 if q else 5,
         "rounds_per_node": 2 if q else 6,  # >= 4 rounds (quick), >= 10 (full)
@@ -675,6 +675,9 @@ def main() -> None:
         "record_warmup": 50 if q else 200,
         "script_n": 200 if q else 500,
     }
+    if args.smoke:  # each part once, tiny
+        p.update(nodes=1, rounds_per_node=1, post_n=10, crowd=20, crowd_nodes=1, crowd_rounds=1)
+        p.update(nvml_n=100, record_n=50, record_warmup=10, script_n=20)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # -> leaving the with below stops our processes
     t_start = time.monotonic()
     out: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a step costs as the cluster grows: 10,000 GPUs against 16, over the real HTTP API (issue 37).
 
-    nice -n 10 .venv/bin/python bench/scale_bench.py [--quick] [--gpus 10000] [--base 16]
+    nice -n 10 .venv/bin/python bench/scale_bench.py [--quick | --smoke] [--gpus 10000] [--base 16]
 
 For each size (the baseline first, then the large one) it starts its own redis-server and its own
 lease server (2 worker processes, on a free loopback port), registers the simulated nodes (8 GPUs
@@ -584,7 +584,7 @@ class Size:
         waited: list[float] = []
         statuses: collections.Counter[int] = collections.Counter()
         # as many requests at each size: a round asks once per pool
-        rounds = self.p["rounds"] * max(1, 8 // len(self.pools))
+        rounds = self.p.get("recall_rounds") or self.p["rounds"] * max(1, 8 // len(self.pools))
         for rnd in range(rounds):
             await slowlog_reset(r)
             t0 = time.monotonic()
@@ -662,7 +662,7 @@ class Size:
             )
             for i in range(n_wait)
         ]
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(self.p.get("queue_s", 2.0))
         self.fig["queued"] = await r.zcard(self.keys.queue)
         await slowlog_reset(r)
         # The baseline's two nodes: its free GPUs end up on the node held for the blocked head, where
@@ -675,7 +675,9 @@ class Size:
         pc = time.perf_counter
 
         async def one(t_sched: float) -> None:
-            status, got = await self._acquire(http, self._user(), rng.choice(self.pools), 1, wait=5)
+            status, got = await self._acquire(
+                http, self._user(), rng.choice(self.pools), 1, wait=self.p.get("open_wait_s", 5)
+            )
             lat.append(pc() - t_sched)
             statuses[status] += 1
             if status == 201:
@@ -753,8 +755,8 @@ def main() -> None:
     ap.add_argument(
         "--followers", type=int, default=100, help="open boards that refetch GET /cluster after each change"
     )
-    args = ap.parse_args()
-    q = args.quick
+    args = _common.parse_args(ap, gpus=128, followers=5)
+    q = args.quick or args.smoke
     p = {
         "pairs": 200 if q else 600,
         "renews": 200 if q else 600,
@@ -768,6 +770,9 @@ def main() -> None:
         "board_rounds": 2 if q else 5,
         "agent_slow": args.agent_slow,
     }
+    if args.smoke:  # each phase once, tiny
+        p.update(pairs=20, renews=20, rounds=1, drains=2, idle_s=2.0, open_s=1.0, rate=20.0, board_rounds=1)
+        p.update(recall_rounds=1, queue_s=0.5, open_wait_s=1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.monotonic()
     out: dict[str, Any] = {}
@@ -775,7 +780,7 @@ def main() -> None:
 
     load = os.getloadavg()
     say(
-        f"scale bench ({'quick' if q else 'full'}): {args.gpus} GPUs against {args.base}, "
+        f"scale bench ({'smoke' if args.smoke else 'quick' if q else 'full'}): {args.gpus} GPUs against {args.base}, "
         f"agents x{args.agent_slow:g} slower, {os.cpu_count()} cores, "
         f"load average {_common.load_text(load)} at start"
     )

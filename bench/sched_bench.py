@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Performance figures of the scheduler (issue 6, Bench section; issue 13, section 3: fairness per window).
 
-    .venv/bin/python bench/sched_bench.py [--quick] [--seed N]
+    .venv/bin/python bench/sched_bench.py [--quick | --smoke] [--seed N]
 
 Starts its own redis-server, drives the real Lua scripts through LeaseStore.run (the path the HTTP
 API takes, minus HTTP), prints one line per figure and, as the very last line, one JSON object:
@@ -93,10 +93,9 @@ def _release(lid: str, user: str) -> Any:
     return Release(lid, "", user, False, "released", "done")
 
 
-async def decision(url: str, out: dict[str, Any], quick: bool) -> None:
+async def decision(url: str, out: dict[str, Any], n_releases: int) -> None:
     from lease_server.store.scripts import Code
 
-    n_releases = 200 if quick else 500
     nodes = ",".join(f"n{i:02d}=8x{POOL}" for i in range(16))
     st = await _store(url, "sb:d", nodes)
     users = [f"u{i:03d}" for i in range(100)]
@@ -338,13 +337,13 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer samples")
     ap.add_argument("--seed", type=int, default=7, help="seed of the generated day of work")
-    args = ap.parse_args()
-    out: dict[str, Any] = {"quick": args.quick}
+    args = _common.parse_args(ap)
+    out: dict[str, Any] = {"quick": args.quick or args.smoke}
     t0 = time.monotonic()
     with private_redis("gpulease-sched-bench-") as (redis, _tmp):
         announce(out, "sched bench", args.quick, redis)
         with section(out, "decision"):
-            await decision(redis.url, out, args.quick)
+            await decision(redis.url, out, 50 if args.smoke else 200 if args.quick else 500)
         with section(out, "fairness"):
             await fairness(redis.url, out, args.seed)
     out["elapsed_s"] = round(time.monotonic() - t0, 1)

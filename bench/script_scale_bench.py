@@ -2,7 +2,7 @@
 """What a grant's, a release's and a recall's scripts cost in Redis at 10,000 GPUs against 16, alone
 (issue 37).
 
-    nice -n 10 .venv/bin/python bench/script_scale_bench.py [--pairs 2000] [--nodes 1250]
+    nice -n 10 .venv/bin/python bench/script_scale_bench.py [--pairs 2000] [--nodes 1250] [--smoke]
 
 ``scale_bench.py`` measures the scripts inside a whole deployment's traffic (HTTP, agents, the load
 generator) on the same cores, where single runs move by 1.3-1.8x. This bench measures the scripts
@@ -170,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--nodes", type=int, default=1250, help="the large pool's nodes (8 GPUs each)")
-    args = ap.parse_args()
+    args = _common.parse_args(ap, pairs=100, nodes=20)
     out: dict[str, Any] = {"script_us": {}}
     for warm in (False, True):
         name = "warm" if warm else "plain"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Performance figures of the policy simulator (issue 7, Bench section).
 
-    .venv/bin/python bench/sim_bench.py [--quick] [--gpus N]
+    .venv/bin/python bench/sim_bench.py [--quick | --smoke] [--gpus N]
 
 Loads the NotebookOS June 2021 trace (``sensei_june_60sec.csv`` in ``GPULEASE_TRACE_DIR``, else in
 shared/traces/notebookos beside the checkout: lease_server/sim/traces.py), groups its cells into
@@ -62,7 +62,9 @@ adobe_x32_wall_s_per_sim_hour   the Adobe sessions scaled 32x (drawn from its fi
 Extras: p95/p99 waits, cells that waited > 1 min, Redis EVALSHA time per call (commandstats), the
 replay's script calls and round trips; for lease+booking (4 teams book half the GPUs, see
 lease_server/sim/bookings.py) its utilization, waits, replay speed, re-runs of recalled cells and the
-GPU-hours they lost. ``--quick`` replays the first 7 days only; ``--no-bookings`` skips lease+booking.
+GPU-hours they lost. ``--quick`` replays the first 7 days only; ``--no-bookings`` skips lease+booking;
+``--smoke`` (what tests/test_benches.py runs) replays the first day, the Adobe template's first 8
+sessions and its x32 on 256 GPUs.
 Nothing asserts.
 """
 
@@ -70,7 +72,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -111,10 +115,10 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
     ap.add_argument("--no-bookings", action="store_true", help="skip the lease+booking policy")
     ap.add_argument("--adobe-only", action="store_true", help="only the Adobe session template")
-    args = ap.parse_args()
+    args = _common.parse_args(ap)
     if args.adobe_only:
         out: dict[str, Any] = {}
-        adobe(out)
+        adobe(out, args.smoke)
         say(_common.json_line(out, ADOBE_FIRST, digits=4))
         return
     if traces.missing(traces.JUNE):
@@ -127,13 +131,13 @@ def main() -> None:
 
     out: dict[str, Any] = {}
     with _common.private_redis("gpulease-simbench-") as (redis, _tmp):
-        _common.announce(out, "sim bench", args.quick, redis)
+        _common.announce(out, "sim bench", args.quick or args.smoke, redis)
         r = Redis.from_url(redis.url)
         r.config_set("appendonly", "no")
         t = time.perf_counter()
         cells = workload.load_trace(TRACE)
-        if args.quick:
-            cells = [c for c in cells if c.arrival < 7 * 24 * workload.HOUR]
+        if args.quick or args.smoke:
+            cells = [c for c in cells if c.arrival < (1 if args.smoke else 7) * 24 * workload.HOUR]
         w = workload.sessionize(cells)
         s = w.summary()
         say(
@@ -222,7 +226,7 @@ def main() -> None:
         say(f"util_lease / util_{other} {ratio:.2f} {verdict(f'util_lease_over_{other}', ratio)}")
     p50 = out.get("p50_wait_s_lease", nan)
     say(f"p50_wait_s_lease {p50:.1f} {verdict('p50_wait_s_lease', p50)}")
-    adobe(out)
+    adobe(out, args.smoke)
     first = ("sim_hours_per_wall_s", "util_lease", "util_calendar", "util_culler_60m", "p50_wait_s_lease")
     say(_common.json_line(out, first + ADOBE_FIRST, digits=4))
 
@@ -242,8 +246,9 @@ ADOBE_FIRST = (
 )
 
 
-def adobe(out: dict[str, Any]) -> None:
-    """The Adobe session template's figures into ``out`` (nothing when the file is absent)."""
+def adobe(out: dict[str, Any], smoke: bool = False) -> None:
+    """The Adobe session template's figures into ``out`` (nothing when the file is absent); with
+    ``smoke``, of its first 8 sessions."""
     from lease_server.sim import command, report, workload
     from lease_server.sim.replay import cluster
     from lease_server.sim.run import simulate
@@ -251,7 +256,14 @@ def adobe(out: dict[str, Any]) -> None:
     if not SESSION_TRACE.exists():
         say(f"adobe: skipped: {traces.missing(traces.ADOBE)}")
         return
-    w = workload.load_sessions(SESSION_TRACE)
+    if smoke:
+        doc = json.loads(SESSION_TRACE.read_text())
+        doc["sessions"] = doc["sessions"][:8]
+        with tempfile.TemporaryDirectory(prefix="gpulease-simbench-smoke-") as tmp:
+            (Path(tmp) / SESSION_TRACE.name).write_text(json.dumps(doc))
+            w = workload.load_sessions(Path(tmp) / SESSION_TRACE.name)
+    else:
+        w = workload.load_sessions(SESSION_TRACE)
     s = w.summary()
     say(
         f"adobe: {w.n_sessions} sessions with GPU cells ({w.dropped} without), {s['cells']} GPU cells, "
@@ -305,7 +317,7 @@ def adobe(out: dict[str, Any]) -> None:
     say(f"adobe_sim_hours_per_wall_s {out['adobe_sim_hours_per_wall_s']:.0f}")
     adobe_share(out, w)
     adobe_suspend(out, w)
-    adobe_scaled(out, w)
+    adobe_scaled(out, w, gpus=256 if smoke else 2048)
 
 
 def adobe_scaled(out: dict[str, Any], w: Any, times: int = 32, gpus: int = 2048) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GET /usage's read of the ledger at department size: how long it holds the server's event loop.
 
-    nice -n 10 .venv/bin/python bench/usage_ledger_bench.py [--lines 100000]
+    nice -n 10 .venv/bin/python bench/usage_ledger_bench.py [--lines 100000] [--smoke]
 
 A redis-server of its own, one real lease's ledger line copied --lines times (300 users: a week of
 a department's ledger is up to event_log_max, 100,000 lines). Then the sum per user of them, read
@@ -89,7 +89,7 @@ async def run(url: str, lines: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lines", type=int, default=100_000)
-    args = ap.parse_args()
+    args = _common.parse_args(ap, lines=2000)
     with private_redis("usage-ledger-bench-") as (redis, _tmp):
         out = asyncio.run(run(redis.url, args.lines))
     print(json_line(out, digits=4), flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The Usage tab's load against the board's, for 30 days of a 50-user, 64-GPU team (issue 38).
 
-    nice -n 10 .venv/bin/python bench/usage_page_bench.py [--days 30] [--users 50] [--gpus 64] [--repeat 5]
+    nice -n 10 .venv/bin/python bench/usage_page_bench.py [--days 30] [--users 50] [--gpus 64] [--repeat 5] [--smoke]
 
 It plays the days into its own Redis through the real scripts (the simulator's replay, policy
 lease-warm, its virtual clock set so that the days end now), starts a lease server on that data and
@@ -35,6 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import _common  # noqa: E402
 from bench._common import json_line, private_redis, say  # noqa: E402
 
 DAY_MS = 86_400_000
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=50)
     ap.add_argument("--gpus", type=int, default=64, help="GPUs, 8 per node")
     ap.add_argument("--repeat", type=int, default=5, help="opens of each tab timed (the median is the figure)")
-    args = ap.parse_args()
+    args = _common.parse_args(ap, users=2, gpus=8, repeat=1)
 
     from tests.conftest import ServerHandle, make_settings
     from tests.test_ui import CHROMIUM, CHROMIUM_ARGS, TIME_ZONE, Lab, palette_item

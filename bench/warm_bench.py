@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Warm cells: how soon a notebook's next GPU cell runs, and how soon a warm lease is lent out.
 
-    .venv/bin/python bench/warm_bench.py [--quick]
+    .venv/bin/python bench/warm_bench.py [--quick | --smoke]
 
 Starts its own ``gpulease up`` (simulated ``box=2xA100-80GB``), a kernel of the gpulease
-kernelspec, and measures through the kernel protocol. The cell imports torch (when installed) and
+kernelspec (GPULEASE_SPARES=2 started workers, its default; --smoke: 1), and measures through the
+kernel protocol. The cell imports torch (when installed) and
 runs a small model, as the issue's measure does. A cell's start is the time from the execute request
 (time.time() here) to its first line running (time.time() there, on the same machine).
 
@@ -138,10 +139,18 @@ def _wait_and_release(client: Any, got: list[float]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
-    args = ap.parse_args()
-    n = 5 if args.quick else 15
-    results: dict[str, Any] = {"quick": args.quick, "cpus": os.cpu_count(), "torch": "torch" in MODEL}
-    say(f"warm cells bench ({'quick' if args.quick else 'full'}): {n} rounds per figure")
+    args = _common.parse_args(ap)
+    n = 1 if args.smoke else 5 if args.quick else 15
+    spares = _common.ray_spares(1 if args.smoke else None)  # before tests.conftest, which would set 0
+    results: dict[str, Any] = {
+        "quick": args.quick,
+        "smoke": args.smoke,
+        "spares": spares,
+        "cpus": os.cpu_count(),
+        "torch": "torch" in MODEL,
+    }
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    say(f"warm cells bench ({mode}): {n} rounds per figure")
     work = Path(tempfile.mkdtemp(prefix="gpulease-warm-bench-"))
     from magics.kernel import install
     from tests.conftest import Up

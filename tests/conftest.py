@@ -92,6 +92,7 @@ LONGEST_FIRST = (
 # whichever worker is free first: the other worker's modules end ~5 minutes before the Ray group's
 # (measured: 925 s against 1,237 s), so they no longer wait at the end of it.
 LAST = (
+    "test_benches",  # 142 (every bench/*.py in its quick mode; three start a `gpulease up` with Ray)
     "test_ray_auth",  # 51
     "test_gpu_run",  # 51 (tests/gpu/run_all.sh --simulate: a `gpulease up`, a notebook)
     "test_cli",  # 29
