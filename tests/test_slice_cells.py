@@ -293,7 +293,7 @@ def test_a_slice_stays_warm_for_the_next_cell_of_its_size_and_is_lent_to_a_slice
     run_cell("import os\nsame = os.getpid() == pid", ns, opts, third, sess)
     assert ns["same"] is False
     notes = " ".join(third.ending.notes)
-    assert "a 40 GB slice of box GPU 0" in notes and "evicted for bob's request" in notes, third.ending.notes
+    assert "a 40 GB slice of box GPU 0" in notes and "its GPU was lent to bob at " in notes, third.ending.notes
     assert lines_fit(third.ending.line()), third.ending.line()
     # the third cell left its slice warm; a whole-GPU cell ends it (a cold start, one line)
     fourth = RecordingUI()
