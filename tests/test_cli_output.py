@@ -40,6 +40,9 @@ def client(up: Up, user: str | None = None) -> Client:
         return Client(up.url, token)
     made = up.run("token", "create", user, "--url", up.url, "--token", token)
     assert made.returncode == 0, made.stderr
+    # up is one person's: a token for someone else says so (their cells would run as up's user)
+    said = " ".join(made.stderr.split())
+    assert "note: gpulease up runs every cell as " in said and "docs/deploy.md (multi_user)" in said, made.stderr
     return Client(up.url, made.stdout.strip())
 
 

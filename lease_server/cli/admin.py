@@ -15,7 +15,7 @@ import click
 from rich.table import Table
 
 from .. import errors, protocol
-from ..client import Client
+from ..client import Client, _up_tokens
 from ._common import console, resolve_lease, resolve_past_lease, server_options
 
 
@@ -233,7 +233,17 @@ def token_create(
         return
     with Client(url, admin_token) as c:
         made = c.create_token(name, role, expires_in=expires_in, acts_for=acts_for, node=node)
+        info = c.request("GET", protocol.INFO)
     click.echo(made["token"])
+    if role == "user" and not info.get("multi_user") and c.token in _up_tokens():
+        from .service import _local_user
+
+        if name != _local_user():  # gpulease up is one person's: say so to whoever makes a token for another
+            click.echo(
+                f"note: gpulease up runs every cell as {_local_user()}: {name}'s cells would too,\n"
+                "  and could read your files; for several people, see docs/deploy.md (multi_user)",
+                err=True,
+            )
 
 
 def _when(ts: float | None, empty: str) -> str:

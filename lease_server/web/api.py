@@ -1077,6 +1077,7 @@ class InfoHandler(BaseHandler):
                 "version": __version__,
                 "layout": layout.LAYOUT,  # of the data in Redis: a remote agent checks it is its own
                 "instance": await self.engine.instance(),  # names the node agents' claim sockets
+                "multi_user": s.multi_user,  # a lease user is a unix account (docs/security.md)
                 "ray_address": s.ray_address,
                 **info_token(s, self.identity.role),
                 "default_pool": default_pool,
