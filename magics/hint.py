@@ -9,10 +9,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-HINT = (
-    "this kernel has no GPU magics\n"
-    "  next: Kernel > Change Kernel > 'Python 3 (gpulease)', or %load_ext magics"
-)
+HINT = "this kernel has no GPU magics\n  next: Kernel > Change Kernel > 'Python 3 (gpulease)', or %load_ext magics"
 
 
 # each of gpulease's magics in the kinds it has (magic.py), so that none is left standing beside them
