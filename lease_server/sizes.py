@@ -107,6 +107,16 @@ def show_duration(seconds: float) -> str:
     return "".join(f"{v}{unit}" for v, unit in ((h, "h"), (m, "m"), (s, "s")) if v)
 
 
+def show_wait(seconds: float) -> str:
+    """A wait or an end in a few words, as estimates say it: '12 s', '4 min', '1.5 h'."""
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def parse_duration(text: str | float | int | None, allow_zero: bool = False) -> float | None:
     """'90', '90s', '10m', '1h30m' -> seconds (``%%gpu_train --wait``, ``gpulease acquire --wait``).
     None stays None; 0 only with ``allow_zero`` (a wait of 0: do not queue)."""

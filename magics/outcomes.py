@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from lease_server import protocol
 from lease_server.protocol import EndCause, EndCauseJson, LeaseJson
-from lease_server.sizes import FIT_MARGIN, as_option, show_duration, show_mb
+from lease_server.sizes import FIT_MARGIN, as_option, show_duration, show_mb, show_wait
 
 
 @dataclass(frozen=True)
@@ -308,11 +308,7 @@ class Lent:
 
 def about(seconds: float) -> str:
     """A wait or an end in a few words, as the server's estimate says it: "~12 s", "~4 min", "~1.5 h"."""
-    if seconds < 90:
-        return f"~{max(0.0, seconds):.0f} s"
-    if seconds < 5400:
-        return f"~{seconds / 60:.0f} min"
-    return f"~{seconds / 3600:.1f} h"
+    return f"~{show_wait(seconds)}"
 
 
 def _holder_end(h: dict[str, Any], since_s: float) -> str:

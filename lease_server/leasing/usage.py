@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from .. import errors
-from ..sizes import ordinal
+from ..sizes import ordinal, show_wait
 from ..store import rollup
 from ..store.engine import Engine
 from ..store.scripts import Fold
@@ -448,19 +448,19 @@ async def estimate(
     elif not ahead:
         # Nothing queued ahead: what it waits for is running leases, not other requests.
         if firm_ends:
-            why = f"waiting for a running lease to end (the soonest ends in about {_human(min(firm_ends))})"
+            why = f"waiting for a running lease to end (the soonest ends in about {show_wait(min(firm_ends))})"
         elif gpu_mem_mb:
             why = "waiting for memory held by running calls"
         else:
             why = f"waiting for {max(1, gpus - free_now)} GPU(s) held by running calls"
         text = (
-            f"nothing queued ahead, {why}: about {_human(wait_s)} for {what}; "
-            f"cells here typically hold GPUs {_human(typical)}"
+            f"nothing queued ahead, {why}: about {show_wait(wait_s)} for {what}; "
+            f"cells here typically hold GPUs {show_wait(typical)}"
         )
     else:
         text = (
-            f"about {_human(wait_s)} for {what}: {len(ahead)} request(s) "
-            f"({ahead_gpus} GPUs) ahead, cells here typically hold GPUs {_human(typical)}"
+            f"about {show_wait(wait_s)} for {what}: {len(ahead)} request(s) "
+            f"({ahead_gpus} GPUs) ahead, cells here typically hold GPUs {show_wait(typical)}"
         )
     if bookings:
         text += f"; {len(bookings)} booking(s) in force"
@@ -475,7 +475,7 @@ async def estimate(
         "typical_s": typical,
         "estimate_s": wait_s,
         # the wait in a few words, for a client's own line ("about 40 s"; null when no GPU is up)
-        "wait": None if wait_s is None else ("any moment now" if wait_s < 1 else f"about {_human(wait_s)}"),
+        "wait": None if wait_s is None else ("any moment now" if wait_s < 1 else f"about {show_wait(wait_s)}"),
         "estimate_at": None if wait_s is None else now_s + wait_s,
         "alternatives": alternatives,
         "holders": holders.rows(asker),
@@ -488,14 +488,6 @@ async def estimate(
 
 def _mem(mb: int) -> str:
     return f"{mb / 1024:g} GB" if mb % 1024 == 0 else f"{mb} MB"
-
-
-def _human(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 # ---- the summary of the hourly rollups (GET /api/v1/usage/summary, gpulease report) ------------------
