@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import httpx
 
-from . import errors, protocol
+from . import errors, procs, protocol
 from .listeners import listeners
 from .protocol import GpuJson, LeaseJson, LeaseState
 from .request import MAX_TEXT, AcquireRequest
@@ -173,12 +173,8 @@ def _server_uid() -> int | None:
 
 def _account(uid: int) -> str:
     """``uid`` as a refusal names it: its user name where the host knows one."""
-    import pwd
-
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+    name = procs.account_name(uid)
+    return f"{name} (uid {uid})" if name else f"uid {uid}"
 
 
 class ServerGuard:

@@ -79,6 +79,16 @@ def uid(pid: Pid) -> int | None:
         return None
 
 
+def account_name(uid: int) -> str | None:
+    """The unix account of ``uid`` on this host (None: it has no name here)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 def ancestors(pid: int) -> set[int]:
     """``pid`` and every process above it, init left out."""
     out: set[int] = set()

@@ -26,10 +26,11 @@ from typing import Any
 from .. import errors, procs, protocol
 from ..leasing.inventory import Gpu, NodeInventory, default_node_name, register
 from ..leasing.reclaim import agent_samples, policies, record_kills, simulated_sample
+from ..procs import account_name
 from ..store.engine import Engine
 from ..store.layout import LAYOUT
 from .cgroup import DeviceIsolation, Unavailable
-from .claims import AsyncClaims, Claim, Peer, ThreadClaims, account_name
+from .claims import AsyncClaims, Claim, Peer, ThreadClaims
 from .drain import Drainer, Draining, Pass, abandon, drained, draining_of, record_claim
 from .enforce import Enforcer, nvidia_majors, uses_gpu_device
 from .memwatch import MemWatch, Watched, judge_pass, resident_mb, watch_pass, watched_from_json

@@ -62,16 +62,6 @@ class Peer:
     start: int  # clock ticks since boot (/proc/PID/stat field 22)
 
 
-def account_name(uid: int) -> str | None:
-    """The unix account of ``uid`` on this host (None: it has no name here)."""
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return None
-
-
 # Services of this host the agent must never end, pid -> (start time, whether their direct children
 # are services too): under ``gpulease up``, Redis, JupyterLab and ``ray start`` (whose children are
 # Ray's daemons; Ray's workers are the raylet's children, and may be ended).

@@ -36,8 +36,9 @@ from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, p
 from ..leasing.queue import queue_view
 from ..leasing.reaper import Reaper
 from ..node import drain, memwatch
-from ..node.claims import Claim, Peer, account_name
+from ..node.claims import Claim, Peer
 from ..node.rayauth import info_token
+from ..procs import account_name
 from ..protocol import LeaseJson
 from ..request import AcquireRequest, lone_surrogate
 from ..store import layout
