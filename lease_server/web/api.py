@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import socket
-import struct
 import time
 from dataclasses import asdict, replace
 from typing import Any, cast
@@ -36,7 +35,7 @@ from ..leasing.lease import WITHDRAWN, LeaseStore, new_lease_id, public_lease, p
 from ..leasing.queue import queue_view
 from ..leasing.reaper import Reaper
 from ..node import drain, memwatch
-from ..node.claims import Claim, Peer
+from ..node.claims import Claim, Peer, peer_of
 from ..node.rayauth import info_token
 from ..procs import account_name
 from ..protocol import LeaseJson
@@ -185,7 +184,8 @@ class BaseHandler(tornado.web.RequestHandler):
         sock = getattr(getattr(self.request.connection, "stream", None), "socket", None)
         if sock is None or sock.family != socket.AF_UNIX:
             return
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        peer = peer_of(sock)
+        uid = peer.uid if peer is not None else -1  # (gone already: it reads no answer; refused anyway)
         if uid in (0, os.geteuid()):
             return
         account, theirs = account_name(uid), self.ctx.settings.account_of(user)
