@@ -46,6 +46,12 @@ async def serve(
     is ready, what it allocated to start is moved out of the garbage collector's sight
     (:func:`settle_heap`).
     """
+    # The sockets first: one that cannot be bound (a taken port, an unsafe unix_socket folder) is
+    # refused before any agent or task has started, which would each have to be wound down.
+    if sockets is None:
+        sockets = tornado.netutil.bind_sockets(settings.port, settings.host)
+    if settings.unix_socket and not any(s.family == socket.AF_UNIX for s in sockets):  # (run() binds it before forking)
+        sockets = [*sockets, bind_shared_socket(settings.unix_socket, settings.multi_user)]
     ctx = Context(settings)
     await ctx.redis.ping()
     await ctx.start()
@@ -62,10 +68,6 @@ async def serve(
         agent = asyncio.create_task(heartbeat_local(ctx.engine, local_nodes, stop, whose), name="gpulease-agent")
     app = make_app(ctx)
     http = EdgeServer(app, settings)
-    if sockets is None:
-        sockets = tornado.netutil.bind_sockets(settings.port, settings.host)
-    if settings.unix_socket and not any(s.family == socket.AF_UNIX for s in sockets):  # (run() binds it before forking)
-        sockets = [*sockets, bind_shared_socket(settings.unix_socket, settings.multi_user)]
     http.add_sockets(sockets)
     port = sockets[0].getsockname()[1]
     if unix_socket:
